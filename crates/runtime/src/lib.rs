@@ -1,0 +1,81 @@
+//! The machines behind sandboxes.
+//!
+//! [`Runtime`] is the one interface the engine drives; each sandbox class has a
+//! backend behind it ([`container`] today, the VM backend later), and [`fake`]
+//! stands in for them in tests of everything above. [`image`] owns root
+//! filesystems on disk. This crate knows nothing of HTTP, JSON APIs or the database.
+
+pub mod container;
+pub mod fake;
+pub mod image;
+
+use std::path::PathBuf;
+
+use async_trait::async_trait;
+
+/// Resources of one sandbox, already checked against the server's ceilings.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resources {
+    pub cpu: u32,
+    pub memory_mib: u64,
+    pub disk_gib: u64,
+}
+
+/// Everything a backend needs to make and boot one sandbox.
+#[derive(Clone, Debug)]
+pub struct SandboxSpec {
+    /// Globally unique id; names every host object the backend makes.
+    pub id: String,
+    pub hostname: String,
+    /// The read-only root filesystem the sandbox starts from.
+    pub rootfs: PathBuf,
+    pub resources: Resources,
+    /// Environment every process in the sandbox gets.
+    pub env: Vec<(String, String)>,
+}
+
+/// How the server reaches the agent inside a running sandbox.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum AgentEndpoint {
+    /// A Unix socket on the host; the agent serves HTTP on it.
+    Unix(PathBuf),
+}
+
+/// A running sandbox, as `start` hands it back.
+#[derive(Debug)]
+pub struct Started {
+    pub agent: AgentEndpoint,
+    /// Resolves when the sandbox's init exits for whatever reason, with a description.
+    pub exited: tokio::sync::oneshot::Receiver<String>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RuntimeError {
+    #[error("sandbox {id}: {action}")]
+    Io {
+        id: String,
+        action: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("sandbox {id} failed to start: {reason}")]
+    Start { id: String, reason: String },
+    #[error("sandbox {id}: {reason}")]
+    Other { id: String, reason: String },
+}
+
+/// One class of sandbox machine. Every method is idempotent where a retry after a
+/// crash may call it twice (`stop`, `destroy`).
+#[async_trait]
+pub trait Runtime: Send + Sync + 'static {
+    /// Makes the sandbox's own storage (its writable layer). Nothing runs yet.
+    async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError>;
+    /// Boots the sandbox from its storage; returns once the agent accepts connections.
+    async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError>;
+    /// Ends every process of the sandbox and keeps its storage.
+    async fn stop(&self, id: &str) -> Result<(), RuntimeError>;
+    /// Removes everything `prepare` and `start` made: processes, mounts, cgroups, files.
+    async fn destroy(&self, id: &str) -> Result<(), RuntimeError>;
+    /// Whether any process of the sandbox is alive.
+    async fn is_running(&self, id: &str) -> bool;
+}
