@@ -1,1 +1,72 @@
+//! The HTTP front of cove.
+//!
+//! Only this crate knows the HTTP and JSON shape of the public API: Daytona's
+//! control API under `/api`, and the toolbox proxy under `/toolbox/{sandboxId}/...`
+//! that forwards each request, untouched, to the agent inside the sandbox. Handlers
+//! turn a request into one engine call and the result into a response; they never
+//! touch the database or a runtime.
 
+mod auth;
+mod dto;
+mod error;
+mod not_implemented;
+mod sandbox;
+mod server_config;
+mod toolbox;
+
+use std::sync::Arc;
+
+use axum::routing::{any, get, post, put};
+use axum::Router;
+use cove_engine::Engine;
+
+pub use error::ApiError;
+
+/// Settings of the HTTP front.
+#[derive(Clone, Debug, Default)]
+pub struct ApiConfig {
+    /// A key accepted as `Authorization: Bearer` besides the stored ones (`COVE_API_KEY`).
+    pub env_api_key: Option<String>,
+    /// The URL clients reach this server at (e.g. `http://10.0.0.5:3000`); when
+    /// unset, it is taken from each request's `Host` header.
+    pub public_url: Option<String>,
+}
+
+#[derive(Clone)]
+pub struct AppState {
+    engine: Engine,
+    config: Arc<ApiConfig>,
+    toolbox: toolbox::AgentClient,
+}
+
+impl AppState {
+    pub fn new(engine: Engine, config: ApiConfig) -> AppState {
+        AppState { engine, config: Arc::new(config), toolbox: toolbox::AgentClient::new() }
+    }
+}
+
+/// The whole HTTP application; tests drive it without a socket.
+pub fn app(state: AppState) -> Router {
+    let api = Router::new()
+        .route("/config", get(server_config::get_config))
+        .route("/sandbox", post(sandbox::create).get(sandbox::list))
+        .route("/sandbox/{id}", get(sandbox::get).delete(sandbox::delete))
+        .route("/sandbox/{id}/start", post(sandbox::start))
+        .route("/sandbox/{id}/stop", post(sandbox::stop))
+        .route("/sandbox/{id}/recover", post(sandbox::recover))
+        .route("/sandbox/{id}/labels", put(sandbox::replace_labels))
+        .route("/sandbox/{id}/autostop/{minutes}", post(sandbox::set_auto_stop))
+        .route("/sandbox/{id}/autopause/{minutes}", post(sandbox::set_auto_pause))
+        .route("/sandbox/{id}/autoarchive/{minutes}", post(sandbox::set_auto_archive))
+        .route("/sandbox/{id}/autodelete/{minutes}", post(sandbox::set_auto_delete))
+        .route("/sandbox/{id}/ttl/{minutes}", post(sandbox::set_ttl))
+        .route("/sandbox/{id}/public/{public}", post(sandbox::set_public))
+        .route("/sandbox/{id}/toolbox-proxy-url", get(sandbox::toolbox_proxy_url))
+        .fallback(not_implemented::fallback);
+    Router::new()
+        .nest("/api", api)
+        .route("/toolbox/{id}/{*path}", any(toolbox::proxy))
+        .route("/toolbox/{id}", any(toolbox::proxy_root))
+        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key))
+        .with_state(state)
+}

@@ -1,1 +1,111 @@
-//! A runtime that makes nothing, for tests of the engine and the API.
+//! A runtime that runs nothing, for tests of the engine and the API.
+//!
+//! It keeps the state a real backend would have (prepared, running) so tests can
+//! check that the engine drove it correctly, and it can be told to fail.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Mutex;
+
+use async_trait::async_trait;
+use tokio::sync::oneshot;
+
+use crate::{AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
+
+#[derive(Debug, Default)]
+struct Machine {
+    running: bool,
+    /// Fires `Started::exited` when the machine is stopped or crashes.
+    exit: Option<oneshot::Sender<String>>,
+}
+
+/// The fake runtime.
+#[derive(Debug, Default)]
+pub struct FakeRuntime {
+    machines: Mutex<HashMap<String, Machine>>,
+    fail_start: Mutex<Option<String>>,
+    calls: Mutex<Vec<String>>,
+}
+
+impl FakeRuntime {
+    pub fn new() -> FakeRuntime {
+        FakeRuntime::default()
+    }
+
+    /// Makes every following `start` fail with `reason`, or succeed again with `None`.
+    pub fn fail_start(&self, reason: Option<&str>) {
+        *self.fail_start.lock().unwrap() = reason.map(str::to_owned);
+    }
+
+    /// Ends a running machine as if it had crashed.
+    pub fn crash(&self, id: &str) {
+        if let Some(machine) = self.machines.lock().unwrap().get_mut(id) {
+            machine.running = false;
+            if let Some(exit) = machine.exit.take() {
+                let _ = exit.send("killed by the test".into());
+            }
+        }
+    }
+
+    /// Ids of the machines that exist (prepared and not destroyed).
+    pub fn machines(&self) -> Vec<String> {
+        let mut ids: Vec<_> = self.machines.lock().unwrap().keys().cloned().collect();
+        ids.sort();
+        ids
+    }
+
+    /// Every call so far, as "operation id".
+    pub fn calls(&self) -> Vec<String> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    fn record(&self, operation: &str, id: &str) {
+        self.calls.lock().unwrap().push(format!("{operation} {id}"));
+    }
+}
+
+#[async_trait]
+impl Runtime for FakeRuntime {
+    async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
+        self.record("prepare", &spec.id);
+        self.machines.lock().unwrap().entry(spec.id.clone()).or_default();
+        Ok(())
+    }
+
+    async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
+        self.record("start", &spec.id);
+        if let Some(reason) = self.fail_start.lock().unwrap().clone() {
+            return Err(RuntimeError::Start { id: spec.id.clone(), reason });
+        }
+        let mut machines = self.machines.lock().unwrap();
+        let machine = machines.get_mut(&spec.id).ok_or_else(|| RuntimeError::Other {
+            id: spec.id.clone(),
+            reason: "started before it was prepared".into(),
+        })?;
+        let (exit, exited) = oneshot::channel();
+        machine.running = true;
+        machine.exit = Some(exit);
+        Ok(Started { agent: AgentEndpoint::Unix(PathBuf::from("/nonexistent")), exited })
+    }
+
+    async fn stop(&self, id: &str) -> Result<(), RuntimeError> {
+        self.record("stop", id);
+        if let Some(machine) = self.machines.lock().unwrap().get_mut(id) {
+            machine.running = false;
+            if let Some(exit) = machine.exit.take() {
+                let _ = exit.send("stopped".into());
+            }
+        }
+        Ok(())
+    }
+
+    async fn destroy(&self, id: &str) -> Result<(), RuntimeError> {
+        self.record("destroy", id);
+        self.machines.lock().unwrap().remove(id);
+        Ok(())
+    }
+
+    async fn is_running(&self, id: &str) -> bool {
+        self.machines.lock().unwrap().get(id).is_some_and(|m| m.running)
+    }
+}

@@ -1,1 +1,215 @@
-//! image
+//! Root filesystems on disk.
+//!
+//! Owns the image directory: the default Debian root filesystem, built with
+//! debootstrap the first time it is needed and cached. A finished image is never
+//! written again: sandboxes mount it read-only as the lower layer of an overlay.
+
+use std::fs::{self, File};
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use nix::fcntl::{Flock, FlockArg};
+
+/// The Debian suite of the default image.
+pub const DEFAULT_SUITE: &str = "bookworm";
+/// What the default image holds beyond a minimal base.
+pub const DEFAULT_PACKAGES: &[&str] =
+    &["python3", "python3-pip", "git", "curl", "procps", "ca-certificates", "bash", "less"];
+const DEFAULT_MIRROR: &str = "http://deb.debian.org/debian";
+const COMPLETE_MARKER: &str = ".complete";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("image directory {path}: {action}")]
+    Io {
+        path: PathBuf,
+        action: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("debootstrap was not found; install it (apt-get install debootstrap) to build the default image")]
+    NoDebootstrap,
+    #[error("debootstrap failed ({status}); its output is in {log}")]
+    Debootstrap { status: String, log: PathBuf },
+}
+
+/// One step of an image build, for a progress display.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageProgress {
+    /// Lines of debootstrap's progress seen so far.
+    pub step: usize,
+    /// What it is doing now, e.g. "Extracting python3".
+    pub message: String,
+}
+
+/// The images of one server.
+#[derive(Clone, Debug)]
+pub struct ImageStore {
+    dir: PathBuf,
+}
+
+impl ImageStore {
+    pub fn new(dir: impl Into<PathBuf>) -> ImageStore {
+        ImageStore { dir: dir.into() }
+    }
+
+    /// Where the default root filesystem lives once built.
+    pub fn default_rootfs(&self) -> PathBuf {
+        self.dir.join(format!("debian-{DEFAULT_SUITE}")).join("rootfs")
+    }
+
+    pub fn default_is_built(&self) -> bool {
+        self.default_rootfs().join(COMPLETE_MARKER).exists()
+    }
+
+    /// Returns the default root filesystem, building it first if needed. Blocking:
+    /// call it from a blocking thread. Concurrent callers (two servers sharing the
+    /// directory) wait for one build.
+    pub fn ensure_default(
+        &self,
+        mut progress: impl FnMut(&ImageProgress),
+    ) -> Result<PathBuf, ImageError> {
+        let rootfs = self.default_rootfs();
+        if self.default_is_built() {
+            return Ok(rootfs);
+        }
+        let io = |path: &Path, action| {
+            let path = path.to_owned();
+            move |source| ImageError::Io { path, action, source }
+        };
+        fs::create_dir_all(&self.dir).map_err(io(&self.dir, "create"))?;
+        let lock_path = self.dir.join(".build.lock");
+        let lock_file = File::create(&lock_path).map_err(io(&lock_path, "open lock"))?;
+        let _lock = Flock::lock(lock_file, FlockArg::LockExclusive)
+            .map_err(|(_, errno)| io(&lock_path, "lock")(std::io::Error::from(errno)))?;
+        if self.default_is_built() {
+            return Ok(rootfs);
+        }
+
+        let partial = self.dir.join(format!("debian-{DEFAULT_SUITE}.partial"));
+        if partial.exists() {
+            fs::remove_dir_all(&partial).map_err(io(&partial, "remove an unfinished build"))?;
+        }
+        let log_path = self.dir.join(format!("debian-{DEFAULT_SUITE}.build.log"));
+        let mirror = std::env::var("COVE_DEBIAN_MIRROR").unwrap_or_else(|_| DEFAULT_MIRROR.into());
+        run_debootstrap(&partial.join("rootfs"), &mirror, &log_path, &mut progress)?;
+        finish_rootfs(&partial.join("rootfs")).map_err(io(&partial, "finish the root filesystem"))?;
+        let complete = partial.join("rootfs").join(COMPLETE_MARKER);
+        File::create(&complete).map_err(io(&complete, "mark complete"))?;
+        let target = rootfs.parent().expect("rootfs has a parent");
+        if target.exists() {
+            fs::remove_dir_all(target).map_err(io(target, "remove an old image"))?;
+        }
+        fs::rename(&partial, target).map_err(io(target, "move the finished image in place"))?;
+        Ok(rootfs)
+    }
+}
+
+fn run_debootstrap(
+    target: &Path,
+    mirror: &str,
+    log_path: &Path,
+    progress: &mut impl FnMut(&ImageProgress),
+) -> Result<(), ImageError> {
+    let program = ["/usr/sbin/debootstrap", "/usr/bin/debootstrap"]
+        .into_iter()
+        .find(|p| Path::new(p).exists())
+        .ok_or(ImageError::NoDebootstrap)?;
+    let log = File::create(log_path).map_err(|source| ImageError::Io {
+        path: log_path.to_owned(),
+        action: "create the build log",
+        source,
+    })?;
+    let log_err = log.try_clone().map_err(|source| ImageError::Io {
+        path: log_path.to_owned(),
+        action: "open the build log",
+        source,
+    })?;
+    let mut child = Command::new(program)
+        .arg("--variant=minbase")
+        .arg(format!("--include={}", DEFAULT_PACKAGES.join(",")))
+        .arg(DEFAULT_SUITE)
+        .arg(target)
+        .arg(mirror)
+        .stdout(Stdio::piped())
+        .stderr(log_err)
+        .spawn()
+        .map_err(|source| ImageError::Io {
+            path: target.to_owned(),
+            action: "run debootstrap",
+            source,
+        })?;
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let mut log = std::io::BufWriter::new(log);
+    let mut step = 0;
+    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+        use std::io::Write;
+        let _ = writeln!(log, "{line}");
+        if let Some(message) = line.strip_prefix("I: ") {
+            step += 1;
+            progress(&ImageProgress { step, message: message.trim_end_matches("...").to_owned() });
+        }
+    }
+    let status = child.wait().map_err(|source| ImageError::Io {
+        path: target.to_owned(),
+        action: "wait for debootstrap",
+        source,
+    })?;
+    if !status.success() {
+        return Err(ImageError::Debootstrap { status: status.to_string(), log: log_path.to_owned() });
+    }
+    Ok(())
+}
+
+/// Trims caches and removes what debootstrap copied from the host.
+fn finish_rootfs(rootfs: &Path) -> std::io::Result<()> {
+    for dir in ["var/lib/apt/lists", "var/cache/apt/archives"] {
+        let dir = rootfs.join(dir);
+        for entry in fs::read_dir(&dir)? {
+            let path = entry?.path();
+            if path.is_file() && path.file_name().is_some_and(|n| n != "lock") {
+                fs::remove_file(path)?;
+            }
+        }
+    }
+    for cache in ["var/cache/apt/pkgcache.bin", "var/cache/apt/srcpkgcache.bin"] {
+        let _ = fs::remove_file(rootfs.join(cache));
+    }
+    // A sandbox must never inherit the host's resolver: its DNS is cove's business.
+    fs::write(rootfs.join("etc/resolv.conf"), "# managed by cove\n")?;
+    fs::write(rootfs.join("etc/hostname"), "sandbox\n")?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_built_image_is_found_without_building() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = ImageStore::new(dir.path());
+        assert!(!store.default_is_built());
+        fs::create_dir_all(store.default_rootfs()).unwrap();
+        File::create(store.default_rootfs().join(COMPLETE_MARKER)).unwrap();
+        let mut calls = 0;
+        let rootfs = store.ensure_default(|_| calls += 1).unwrap();
+        assert_eq!(rootfs, store.default_rootfs());
+        assert_eq!(calls, 0);
+    }
+
+    #[test]
+    fn finishing_replaces_the_hosts_resolver() {
+        let dir = tempfile::tempdir().unwrap();
+        for sub in ["var/lib/apt/lists", "var/cache/apt/archives", "etc"] {
+            fs::create_dir_all(dir.path().join(sub)).unwrap();
+        }
+        fs::write(dir.path().join("etc/resolv.conf"), "nameserver 8.8.8.8\n").unwrap();
+        fs::write(dir.path().join("var/lib/apt/lists/big_Packages"), "x").unwrap();
+        finish_rootfs(dir.path()).unwrap();
+        let resolv = fs::read_to_string(dir.path().join("etc/resolv.conf")).unwrap();
+        assert!(!resolv.contains("nameserver"));
+        assert!(!dir.path().join("var/lib/apt/lists/big_Packages").exists());
+    }
+}

@@ -1,1 +1,65 @@
+//! Persistence of cove.
+//!
+//! Owns the database schema (migrations in `migrations/`) and the rows of
+//! sandboxes, snapshots and API keys. It stores plain records and checks
+//! nothing about transitions: the engine decides, this crate remembers.
+//! SQL is kept portable so PostgreSQL can replace SQLite.
 
+mod api_keys;
+mod records;
+mod sandboxes;
+mod snapshots;
+
+use std::path::Path;
+use std::str::FromStr;
+
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::SqlitePool;
+
+pub use records::{SandboxRecord, SnapshotRecord, SnapshotState};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database {path}")]
+    Open {
+        path: String,
+        #[source]
+        source: sqlx::Error,
+    },
+    #[error("database migration")]
+    Migrate(#[source] sqlx::migrate::MigrateError),
+    #[error("database query")]
+    Query(#[from] sqlx::Error),
+    #[error("{name} already exists")]
+    Duplicate { name: String },
+    #[error("stored row {id} is corrupt: {reason}")]
+    Corrupt { id: String, reason: String },
+}
+
+/// The database of one cove server.
+#[derive(Clone, Debug)]
+pub struct Store {
+    pool: SqlitePool,
+}
+
+impl Store {
+    /// Opens (creating if needed) the SQLite database at `path` and migrates it.
+    pub async fn open(path: &Path) -> Result<Store, StoreError> {
+        let open_err = |source| StoreError::Open { path: path.display().to_string(), source };
+        let options = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
+            .map_err(open_err)?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            // WAL with NORMAL survives a process crash; only a power loss can drop
+            // the last transactions, and the reconciler repairs that on start.
+            .synchronous(SqliteSynchronous::Normal)
+            .busy_timeout(std::time::Duration::from_secs(5));
+        let pool = SqlitePoolOptions::new()
+            .max_connections(4)
+            .connect_with(options)
+            .await
+            .map_err(open_err)?;
+        sqlx::migrate!("./migrations").run(&pool).await.map_err(StoreError::Migrate)?;
+        Ok(Store { pool })
+    }
+}

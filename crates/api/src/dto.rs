@@ -1,0 +1,190 @@
+//! Wire types of Daytona's control API, exactly as the pinned SDK reads them.
+//! Core types never derive `Serialize`; this module translates.
+
+use std::collections::BTreeMap;
+
+use cove_engine::{CreateSandbox, SandboxRecord};
+use serde::{Deserialize, Serialize};
+
+/// Daytona's organisation id is required on every sandbox; a single-tenant cove
+/// server has one organisation.
+pub const ORGANIZATION_ID: &str = "cove";
+/// The target (region) of every sandbox on this server.
+pub const TARGET: &str = "local";
+
+pub fn rfc3339(ms: i64) -> String {
+    let at = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
+        .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
+    at.format(&time::format_description::well_known::Rfc3339).unwrap_or_default()
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Sandbox {
+    pub id: String,
+    pub organization_id: &'static str,
+    pub name: String,
+    pub snapshot: String,
+    pub user: String,
+    pub env: BTreeMap<String, String>,
+    pub labels: BTreeMap<String, String>,
+    pub public: bool,
+    pub network_block_all: bool,
+    pub target: &'static str,
+    pub cpu: i64,
+    pub gpu: i64,
+    pub memory: i64,
+    pub disk: i64,
+    pub state: &'static str,
+    pub desired_state: &'static str,
+    pub error_reason: Option<String>,
+    pub recoverable: bool,
+    pub backup_state: &'static str,
+    pub auto_stop_interval: i64,
+    pub auto_pause_interval: i64,
+    pub auto_archive_interval: i64,
+    pub auto_delete_interval: i64,
+    pub ttl_minutes: i64,
+    pub volumes: Vec<serde_json::Value>,
+    pub created_at: String,
+    pub updated_at: String,
+    pub last_activity_at: String,
+    pub sandbox_class: &'static str,
+    pub kvm: bool,
+    pub toolbox_proxy_url: String,
+}
+
+impl Sandbox {
+    pub fn from_record(record: SandboxRecord, toolbox_proxy_url: String) -> Sandbox {
+        Sandbox {
+            organization_id: ORGANIZATION_ID,
+            snapshot: record.snapshot,
+            user: record.os_user,
+            env: record.env,
+            labels: record.labels,
+            public: record.public,
+            network_block_all: false,
+            target: TARGET,
+            cpu: record.cpu,
+            gpu: record.gpu,
+            memory: record.memory_gib,
+            disk: record.disk_gib,
+            state: record.state.as_str(),
+            desired_state: record.desired_state.as_str(),
+            recoverable: record.state == cove_engine::SandboxState::Error,
+            error_reason: record.error_reason,
+            backup_state: "None",
+            auto_stop_interval: record.timers.auto_stop,
+            auto_pause_interval: record.timers.auto_pause,
+            auto_archive_interval: record.timers.auto_archive,
+            auto_delete_interval: record.timers.auto_delete,
+            ttl_minutes: record.ttl_minutes,
+            volumes: Vec::new(),
+            created_at: rfc3339(record.created_at_ms),
+            updated_at: rfc3339(record.updated_at_ms),
+            last_activity_at: rfc3339(record.last_activity_ms),
+            sandbox_class: record.class.as_str(),
+            kvm: false,
+            toolbox_proxy_url,
+            id: record.id,
+            name: record.name,
+        }
+    }
+}
+
+/// `POST /sandbox`. Fields cove does not support yet are taken so that a request
+/// using them is refused by name instead of silently ignored.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CreateSandboxRequest {
+    pub name: Option<String>,
+    pub snapshot: Option<String>,
+    pub user: Option<String>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+    pub public: Option<bool>,
+    pub cpu: Option<i64>,
+    pub gpu: Option<i64>,
+    pub memory: Option<i64>,
+    pub disk: Option<i64>,
+    pub auto_stop_interval: Option<i64>,
+    pub auto_pause_interval: Option<i64>,
+    pub auto_archive_interval: Option<i64>,
+    pub auto_delete_interval: Option<i64>,
+    pub ttl_minutes: Option<i64>,
+    pub ephemeral: Option<bool>,
+    #[serde(default)]
+    pub volumes: Vec<serde_json::Value>,
+    pub build_info: Option<serde_json::Value>,
+    pub network_allow_list: Option<String>,
+    pub domain_allow_list: Option<serde_json::Value>,
+    pub kvm: Option<bool>,
+    pub spot: Option<bool>,
+}
+
+impl CreateSandboxRequest {
+    /// The first field that asks for something cove cannot do yet.
+    pub fn unsupported(&self) -> Option<&'static str> {
+        if self.build_info.is_some() {
+            return Some("creating a sandbox from an image (buildInfo)");
+        }
+        if !self.volumes.is_empty() {
+            return Some("volumes");
+        }
+        if self.network_allow_list.as_deref().is_some_and(|list| !list.is_empty())
+            || self.domain_allow_list.is_some()
+        {
+            return Some("network allow lists");
+        }
+        if self.kvm == Some(true) {
+            return Some("kvm inside sandboxes");
+        }
+        if self.spot == Some(true) {
+            return Some("spot sandboxes");
+        }
+        None
+    }
+
+    pub fn into_engine(self) -> CreateSandbox {
+        let auto_delete = match self.ephemeral {
+            Some(true) => Some(0),
+            _ => self.auto_delete_interval,
+        };
+        CreateSandbox {
+            name: self.name,
+            snapshot: self.snapshot,
+            user: self.user,
+            env: self.env,
+            labels: self.labels,
+            public: self.public.unwrap_or(false),
+            cpu: self.cpu,
+            gpu: self.gpu,
+            memory_gib: self.memory,
+            disk_gib: self.disk,
+            auto_stop: self.auto_stop_interval,
+            auto_pause: self.auto_pause_interval,
+            auto_archive: self.auto_archive_interval,
+            auto_delete,
+            ttl_minutes: self.ttl_minutes,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SandboxList {
+    pub items: Vec<Sandbox>,
+    pub next_cursor: Option<String>,
+}
+
+#[derive(Debug, Deserialize, Serialize)]
+pub struct Labels {
+    pub labels: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Url {
+    pub url: String,
+}

@@ -1,0 +1,211 @@
+//! Handlers of `/api/sandbox...`: each turns one request into one engine call.
+
+use std::collections::BTreeMap;
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::Json;
+use cove_engine::{SandboxRecord, SettingChange};
+
+use crate::dto::{CreateSandboxRequest, Labels, Sandbox, SandboxList, Url};
+use crate::{ApiError, AppState};
+
+/// The page size of a list when the client asks for none.
+const DEFAULT_PAGE: usize = 100;
+
+/// Where clients reach the toolbox: the configured public URL, or the host they
+/// used for this request.
+pub fn toolbox_base(state: &AppState, headers: &HeaderMap) -> String {
+    let base = match &state.config.public_url {
+        Some(url) => url.trim_end_matches('/').to_owned(),
+        None => {
+            let host = headers
+                .get(header::HOST)
+                .and_then(|h| h.to_str().ok())
+                .unwrap_or("127.0.0.1");
+            format!("http://{host}")
+        }
+    };
+    format!("{base}/toolbox")
+}
+
+fn dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) -> Json<Sandbox> {
+    Json(Sandbox::from_record(record, toolbox_base(state, headers)))
+}
+
+type Reply = Result<Json<Sandbox>, ApiError>;
+
+pub async fn create(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    body: Result<Json<CreateSandboxRequest>, axum::extract::rejection::JsonRejection>,
+) -> Reply {
+    let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    if let Some(what) = request.unsupported() {
+        return Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            format!("{what} is not implemented by cove yet"),
+        ));
+    }
+    let record = state.engine.create(request.into_engine()).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+pub async fn get(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Reply {
+    let record = state.engine.get(&id).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+/// `GET /sandbox?labels={json}&states=a&states=b&cursor=N&limit=N`
+pub async fn list(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    RawQuery(query): RawQuery,
+) -> Result<Json<SandboxList>, ApiError> {
+    let mut labels: BTreeMap<String, String> = BTreeMap::new();
+    let mut states: Vec<String> = Vec::new();
+    let mut cursor = 0usize;
+    let mut limit = DEFAULT_PAGE;
+    for (key, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        match key.as_ref() {
+            "labels" => {
+                labels = serde_json::from_str(&value).map_err(|e| {
+                    ApiError::bad_request(format!("labels must be a JSON object of strings: {e}"))
+                })?
+            }
+            "states" => states.push(value.into_owned()),
+            "cursor" => {
+                cursor = value
+                    .parse()
+                    .map_err(|_| ApiError::bad_request(format!("invalid cursor {value:?}")))?
+            }
+            "limit" => {
+                limit = value
+                    .parse()
+                    .ok()
+                    .filter(|l| *l > 0)
+                    .ok_or_else(|| ApiError::bad_request(format!("invalid limit {value:?}")))?
+            }
+            _ => {}
+        }
+    }
+    let matching: Vec<SandboxRecord> = state
+        .engine
+        .list()
+        .await?
+        .into_iter()
+        .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
+        .filter(|s| states.is_empty() || states.iter().any(|st| st == s.state.as_str()))
+        .collect();
+    let total = matching.len();
+    let items: Vec<Sandbox> = matching
+        .into_iter()
+        .skip(cursor)
+        .take(limit)
+        .map(|record| Sandbox::from_record(record, toolbox_base(&state, &headers)))
+        .collect();
+    let next = cursor + items.len();
+    let next_cursor = (next < total).then(|| next.to_string());
+    Ok(Json(SandboxList { items, next_cursor }))
+}
+
+pub async fn start(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Reply {
+    let record = state.engine.start(&id).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+pub async fn stop(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Reply {
+    let record = state.engine.stop(&id).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+pub async fn recover(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Reply {
+    let record = state.engine.recover(&id).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+pub async fn delete(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Reply {
+    let record = state.engine.delete(&id).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+pub async fn replace_labels(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    body: Result<Json<Labels>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<Labels>, ApiError> {
+    let Json(Labels { labels }) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let record = state.engine.change(&id, SettingChange::Labels(labels)).await?;
+    Ok(Json(Labels { labels: record.labels }))
+}
+
+fn minutes(value: &str) -> Result<i64, ApiError> {
+    value
+        .parse()
+        .map_err(|_| ApiError::bad_request(format!("interval {value:?} is not a whole number of minutes")))
+}
+
+async fn change(state: AppState, headers: HeaderMap, id: String, change: SettingChange) -> Reply {
+    let record = state.engine.change(&id, change).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+pub async fn set_auto_stop(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path((id, m)): Path<(String, String)>,
+) -> Reply {
+    change(state, headers, id, SettingChange::AutoStop(minutes(&m)?)).await
+}
+
+pub async fn set_auto_pause(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path((id, m)): Path<(String, String)>,
+) -> Reply {
+    change(state, headers, id, SettingChange::AutoPause(minutes(&m)?)).await
+}
+
+pub async fn set_auto_archive(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path((id, m)): Path<(String, String)>,
+) -> Reply {
+    change(state, headers, id, SettingChange::AutoArchive(minutes(&m)?)).await
+}
+
+pub async fn set_auto_delete(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path((id, m)): Path<(String, String)>,
+) -> Reply {
+    change(state, headers, id, SettingChange::AutoDelete(minutes(&m)?)).await
+}
+
+pub async fn set_ttl(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path((id, m)): Path<(String, String)>,
+) -> Reply {
+    change(state, headers, id, SettingChange::Ttl(minutes(&m)?)).await
+}
+
+pub async fn set_public(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path((id, public)): Path<(String, String)>,
+) -> Reply {
+    let public = public
+        .parse()
+        .map_err(|_| ApiError::bad_request(format!("public must be true or false, got {public:?}")))?;
+    change(state, headers, id, SettingChange::Public(public)).await
+}
+
+pub async fn toolbox_proxy_url(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Url>, ApiError> {
+    state.engine.get(&id).await?;
+    Ok(Json(Url { url: toolbox_base(&state, &headers) }))
+}

@@ -1,0 +1,27 @@
+//! `GET /api/config`: what the SDK reads about the server.
+
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::Json;
+
+use crate::sandbox::toolbox_base;
+use crate::AppState;
+
+pub async fn get_config(State(state): State<AppState>, headers: HeaderMap) -> Json<serde_json::Value> {
+    let toolbox = toolbox_base(&state, &headers);
+    let engine = state.engine.config();
+    Json(serde_json::json!({
+        "version": env!("CARGO_PKG_VERSION"),
+        "oidc": { "issuer": "", "clientId": "", "audience": "", "provider": "none" },
+        "linkedAccountsEnabled": false,
+        "announcements": {},
+        "proxyTemplateUrl": "",
+        "proxyToolboxUrl": toolbox,
+        "defaultSnapshot": engine.default_snapshot,
+        "dashboardUrl": "",
+        "maxAutoArchiveInterval": 30 * 24 * 60,
+        "maintananceMode": false,
+        "environment": "cove",
+        "analyticsApiUrl": null,
+    }))
+}

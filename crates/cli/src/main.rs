@@ -1,0 +1,65 @@
+//! The `cove` binary: glue only. It parses arguments, builds the pieces and hands
+//! over to the library crates.
+
+mod agent_binary;
+mod bench;
+mod client;
+mod sandbox_cmd;
+mod serve;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "cove", version, about = "Sandboxes for AI agents, with a Daytona-compatible API")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the server: API, toolbox proxy, timers.
+    Serve(serve::ServeArgs),
+    /// Manage sandboxes on a running server.
+    #[command(subcommand)]
+    Sandbox(sandbox_cmd::SandboxCommand),
+    /// Measure a scenario and print median, p95 and p99.
+    Bench(bench::BenchArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    // A container's setup runs in this same binary, before any thread exists.
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("__container-init") {
+        cove_runtime::container::container_init_main(args);
+    }
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("COVE_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Runtime::new() {
+        Ok(runtime) => runtime,
+        Err(error) => {
+            eprintln!("error: cannot start the async runtime: {error}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Serve(args) => serve::run(args).await,
+            Command::Sandbox(command) => sandbox_cmd::run(command).await,
+            Command::Bench(args) => bench::run(args).await,
+        }
+    });
+    match result {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("error: {error:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}

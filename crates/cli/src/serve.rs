@@ -1,0 +1,158 @@
+//! `cove serve`: builds the pieces (store, image, runtime, engine, HTTP) and runs them.
+
+use std::collections::HashMap;
+use std::io::IsTerminal;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use cove_engine::{Ceilings, Engine, EngineConfig, SnapshotRecord};
+use cove_lifecycle::SandboxClass;
+use cove_runtime::container::{ContainerConfig, ContainerRuntime};
+use cove_runtime::image::{ImageProgress, ImageStore};
+use cove_runtime::Runtime;
+use cove_store::{SnapshotState, Store};
+
+#[derive(clap::Args, Clone, Debug)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:3000")]
+    pub listen: SocketAddr,
+    /// Where the database, sandboxes and (by default) images live.
+    #[arg(long, default_value = "/var/lib/cove")]
+    pub data_dir: PathBuf,
+    /// Where root filesystems are built and cached; shared between servers.
+    #[arg(long, env = "COVE_IMAGES_DIR")]
+    pub images_dir: Option<PathBuf>,
+    /// The static agent binary put into sandboxes (default: built by `cargo agent`).
+    #[arg(long, env = "COVE_AGENT_BIN")]
+    pub agent_bin: Option<PathBuf>,
+    /// The URL clients reach this server at, if not the Host they use.
+    #[arg(long, env = "COVE_PUBLIC_URL")]
+    pub public_url: Option<String>,
+    /// An API key accepted besides the stored ones; without it a key is created once.
+    #[arg(long, env = "COVE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Ceiling of vCPUs per sandbox.
+    #[arg(long, default_value_t = 4)]
+    pub max_cpu: i64,
+    /// Ceiling of memory per sandbox, GiB.
+    #[arg(long, default_value_t = 8)]
+    pub max_memory: i64,
+    /// Ceiling of disk per sandbox, GiB.
+    #[arg(long, default_value_t = 20)]
+    pub max_disk: i64,
+    /// How often timers are checked, in milliseconds.
+    #[arg(long, default_value_t = 1000, hide = true)]
+    pub timer_tick_ms: u64,
+}
+
+/// A server running in this process.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub serve: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+fn progress_printer() -> impl FnMut(&ImageProgress) {
+    let tty = std::io::stderr().is_terminal();
+    move |p: &ImageProgress| {
+        if tty {
+            eprint!("\r\x1b[2K[image {:>4}] {}", p.step, p.message);
+        } else if p.step % 25 == 1 || p.message.starts_with("Base system") {
+            eprintln!("[image {:>4}] {}", p.step, p.message);
+        }
+    }
+}
+
+/// Builds everything and starts serving; returns once the socket listens.
+pub async fn start(args: ServeArgs) -> anyhow::Result<Running> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    #[allow(unsafe_code)]
+    let euid = unsafe { libc::geteuid() };
+    if euid != 0 {
+        bail!("cove serve must run as root: it creates namespaces, mounts and cgroups");
+    }
+    let data_dir = &args.data_dir;
+    std::fs::create_dir_all(data_dir).with_context(|| format!("create {}", data_dir.display()))?;
+    let data_dir = data_dir.canonicalize()?;
+    let agent_binary = crate::agent_binary::locate(args.agent_bin.clone())?;
+    let store = Store::open(&data_dir.join("cove.db")).await?;
+
+    let images = ImageStore::new(args.images_dir.clone().unwrap_or_else(|| data_dir.join("images")));
+    if !images.default_is_built() {
+        eprintln!("building the default image (Debian bookworm with python3, pip, git, curl; about a minute, once)");
+    }
+    let images_for_build = images.clone();
+    let rootfs = tokio::task::spawn_blocking(move || images_for_build.ensure_default(progress_printer()))
+        .await??;
+    if std::io::stderr().is_terminal() {
+        eprintln!();
+    }
+
+    let container = ContainerRuntime::new(ContainerConfig::new(
+        data_dir.join("sandboxes"),
+        agent_binary,
+        std::env::current_exe()?,
+    ))?;
+    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> =
+        HashMap::from([(SandboxClass::Container, Arc::new(container) as Arc<dyn Runtime>)]);
+    let config = EngineConfig {
+        ceilings: Ceilings { cpu: args.max_cpu, memory_gib: args.max_memory, disk_gib: args.max_disk },
+        timer_tick: Duration::from_millis(args.timer_tick_ms),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(config.clone(), store, runtimes);
+    let now = cove_engine::now_ms();
+    engine
+        .register_snapshot(&SnapshotRecord {
+            id: "cove-default".into(),
+            name: config.default_snapshot.clone(),
+            class: SandboxClass::Container,
+            state: SnapshotState::Active,
+            error_reason: None,
+            rootfs: rootfs.display().to_string(),
+            cpu: config.default_cpu,
+            gpu: 0,
+            memory_gib: config.default_memory_gib,
+            disk_gib: config.default_disk_gib,
+            size_bytes: None,
+            general: true,
+            created_at_ms: now,
+            updated_at_ms: now,
+        })
+        .await?;
+    engine.recover_after_restart().await?;
+
+    let env_api_key = args.api_key.clone().filter(|k| !k.is_empty());
+    if env_api_key.is_none() {
+        if let Some(key) = engine.ensure_api_key().await? {
+            eprintln!("created an API key; it is shown once, keep it:\n\n    {key}\n");
+        }
+    }
+    let app = cove_api::app(cove_api::AppState::new(
+        engine.clone(),
+        cove_api::ApiConfig { env_api_key, public_url: args.public_url.clone() },
+    ));
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listen on {}", args.listen))?;
+    let addr = listener.local_addr()?;
+    let timers = engine.clone();
+    tokio::spawn(async move { timers.run_timers().await });
+    let serve = tokio::spawn(async move { axum::serve(listener, app).await });
+    tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
+    Ok(Running { addr, serve })
+}
+
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let running = start(args).await?;
+    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        result = running.serve => result??,
+        _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; sandboxes are brought back on the next start"),
+        _ = terminate.recv() => tracing::info!("terminated; sandboxes are brought back on the next start"),
+    }
+    Ok(())
+}

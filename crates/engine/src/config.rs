@@ -1,0 +1,41 @@
+//! Settings of the engine.
+
+use std::time::Duration;
+
+/// The largest resources one sandbox may ask for. A request above them is refused,
+/// never reduced.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Ceilings {
+    pub cpu: i64,
+    pub memory_gib: i64,
+    pub disk_gib: i64,
+}
+
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    /// The snapshot a create without one starts from.
+    pub default_snapshot: String,
+    pub ceilings: Ceilings,
+    /// Resources of a sandbox that asks for none.
+    pub default_cpu: i64,
+    pub default_memory_gib: i64,
+    pub default_disk_gib: i64,
+    /// The user the toolbox runs commands as.
+    pub os_user: String,
+    /// How often timers are checked.
+    pub timer_tick: Duration,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        EngineConfig {
+            default_snapshot: "cove-default".into(),
+            ceilings: Ceilings { cpu: 4, memory_gib: 8, disk_gib: 20 },
+            default_cpu: 1,
+            default_memory_gib: 1,
+            default_disk_gib: 3,
+            os_user: "root".into(),
+            timer_tick: Duration::from_secs(1),
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! Creating a sandbox: check everything first, then make it, and on any failure
+//! leave nothing behind.
+
+use std::collections::BTreeMap;
+
+use cove_lifecycle::{DesiredState, SandboxState, TimerSettings, Transition, MINUTE_MS};
+use cove_store::{SandboxRecord, SnapshotState, StoreError};
+
+use crate::{now_ms, Engine, EngineError};
+
+/// What a user asked for. `None` means "the default".
+#[derive(Clone, Debug, Default)]
+pub struct CreateSandbox {
+    pub name: Option<String>,
+    pub snapshot: Option<String>,
+    pub user: Option<String>,
+    pub env: BTreeMap<String, String>,
+    pub labels: BTreeMap<String, String>,
+    pub public: bool,
+    pub cpu: Option<i64>,
+    pub gpu: Option<i64>,
+    pub memory_gib: Option<i64>,
+    pub disk_gib: Option<i64>,
+    pub auto_stop: Option<i64>,
+    pub auto_pause: Option<i64>,
+    pub auto_archive: Option<i64>,
+    pub auto_delete: Option<i64>,
+    pub ttl_minutes: Option<i64>,
+}
+
+/// Names are used in URLs and as host names: keep them plain.
+fn check_name(name: &str) -> Result<(), EngineError> {
+    let valid = !name.is_empty()
+        && name.len() <= 63
+        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+    if valid {
+        Ok(())
+    } else {
+        Err(EngineError::Invalid {
+            field: "name",
+            reason: format!("{name:?} must be 1 to 63 letters, digits, '-', '_' or '.'"),
+        })
+    }
+}
+
+fn resource(
+    field: &'static str,
+    requested: Option<i64>,
+    default: i64,
+    ceiling: i64,
+) -> Result<i64, EngineError> {
+    let value = requested.unwrap_or(default);
+    if value < 1 {
+        return Err(EngineError::Invalid { field, reason: format!("must be at least 1, got {value}") });
+    }
+    if value > ceiling {
+        return Err(EngineError::AboveCeiling { field, requested: value, ceiling });
+    }
+    Ok(value)
+}
+
+impl Engine {
+    /// Creates and starts a sandbox. It is either `started` when this returns, or it
+    /// does not exist at all.
+    pub async fn create(&self, request: CreateSandbox) -> Result<SandboxRecord, EngineError> {
+        let config = &self.inner.config;
+        let snapshot_name = request.snapshot.clone().unwrap_or_else(|| config.default_snapshot.clone());
+        if snapshot_name.to_ascii_lowercase().starts_with("windows") {
+            return Err(EngineError::NoWindows { name: snapshot_name });
+        }
+        let snapshot = self
+            .inner
+            .store
+            .find_snapshot(&snapshot_name)
+            .await?
+            .ok_or_else(|| EngineError::SnapshotNotFound { name: snapshot_name.clone() })?;
+        if snapshot.state != SnapshotState::Active {
+            return Err(EngineError::SnapshotNotActive {
+                name: snapshot_name,
+                state: snapshot.state.as_str(),
+            });
+        }
+        let ceilings = config.ceilings;
+        let cpu = resource("cpu", request.cpu, config.default_cpu, ceilings.cpu)?;
+        let memory_gib =
+            resource("memory", request.memory_gib, config.default_memory_gib, ceilings.memory_gib)?;
+        let disk_gib = resource("disk", request.disk_gib, config.default_disk_gib, ceilings.disk_gib)?;
+        if let Some(gpu) = request.gpu.filter(|gpu| *gpu != 0) {
+            return Err(EngineError::AboveCeiling { field: "gpu", requested: gpu, ceiling: 0 });
+        }
+        let user = request.user.clone().unwrap_or_else(|| config.os_user.clone());
+        if user != config.os_user {
+            return Err(EngineError::Invalid {
+                field: "user",
+                reason: format!("{user:?} does not exist here; sandboxes run as {:?}", config.os_user),
+            });
+        }
+        let timers = TimerSettings::resolve(
+            snapshot.class,
+            request.auto_stop,
+            request.auto_pause,
+            request.auto_archive,
+            request.auto_delete,
+        )?;
+        let ttl_minutes = request.ttl_minutes.unwrap_or(0);
+        if ttl_minutes < 0 {
+            return Err(EngineError::Invalid {
+                field: "ttlMinutes",
+                reason: format!("must be 0 (off) or more, got {ttl_minutes}"),
+            });
+        }
+        for key in request.env.keys() {
+            if key.is_empty() || key.contains('=') || key.contains('\0') {
+                return Err(EngineError::Invalid {
+                    field: "env",
+                    reason: format!("{key:?} is not a valid variable name"),
+                });
+            }
+        }
+        let id = uuid::Uuid::new_v4().to_string();
+        let name = request.name.clone().unwrap_or_else(|| id.clone());
+        check_name(&name)?;
+
+        let now = now_ms();
+        let Transition::Run { during, .. } = Transition::create() else {
+            unreachable!("create always runs")
+        };
+        let mut record = SandboxRecord {
+            id: id.clone(),
+            name: name.clone(),
+            snapshot: snapshot.name.clone(),
+            class: snapshot.class,
+            state: during,
+            desired_state: DesiredState::Started,
+            error_reason: None,
+            os_user: user,
+            cpu,
+            gpu: 0,
+            memory_gib,
+            disk_gib,
+            env: request.env,
+            labels: request.labels,
+            public: request.public,
+            timers,
+            ttl_minutes,
+            ttl_deadline_ms: (ttl_minutes > 0).then(|| now + ttl_minutes * MINUTE_MS),
+            created_at_ms: now,
+            updated_at_ms: now,
+            state_since_ms: now,
+            last_activity_ms: now,
+        };
+        let lock = self.lock_for(&id);
+        let _guard = lock.lock().await;
+        self.inner.store.insert_sandbox(&record).await.map_err(|e| match e {
+            StoreError::Duplicate { .. } => EngineError::NameTaken { name },
+            other => other.into(),
+        })?;
+
+        let runtime = self.runtime(record.class)?.clone();
+        let spec = self.spec(&record, &snapshot.rootfs);
+        let made = async {
+            runtime.prepare(&spec).await?;
+            runtime.start(&spec).await
+        }
+        .await;
+        let started = match made {
+            Ok(started) => started,
+            Err(error) => {
+                // No half-made sandbox: undo the runtime's work, then forget the row.
+                if let Err(cleanup) = runtime.destroy(&id).await {
+                    tracing::error!(sandbox = %id, error = %cleanup, "cleanup after a failed create");
+                }
+                self.inner.store.delete_sandbox(&id).await?;
+                return Err(EngineError::Runtime {
+                    id,
+                    operation: "be created",
+                    reason: error.to_string(),
+                });
+            }
+        };
+        self.register_running(&id, started);
+        record.state = SandboxState::Started;
+        record.state_since_ms = now_ms();
+        record.updated_at_ms = record.state_since_ms;
+        self.inner.store.save_sandbox(&record).await?;
+        tracing::info!(sandbox = %id, name = %record.name, snapshot = %record.snapshot, "created");
+        Ok(record)
+    }
+
+    pub(crate) fn spec(&self, record: &SandboxRecord, rootfs: &str) -> cove_runtime::SandboxSpec {
+        cove_runtime::SandboxSpec {
+            id: record.id.clone(),
+            hostname: record.name.chars().take(63).collect(),
+            rootfs: rootfs.into(),
+            resources: cove_runtime::Resources {
+                cpu: record.cpu as u32,
+                memory_mib: record.memory_gib as u64 * 1024,
+                disk_gib: record.disk_gib as u64,
+            },
+            env: record.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! What can go wrong in an operation, worded for the user who asked for it.
+
+use cove_lifecycle::{SandboxState, TimerSettingsError, TransitionError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error("sandbox {id} not found")]
+    SandboxNotFound { id: String },
+    #[error("snapshot {name} not found")]
+    SnapshotNotFound { name: String },
+    #[error("snapshot {name} is {state}, not active")]
+    SnapshotNotActive { name: String, state: &'static str },
+    #[error("no Windows image is registered on this server, so snapshot {name} cannot be used")]
+    NoWindows { name: String },
+    #[error("a sandbox named {name} already exists")]
+    NameTaken { name: String },
+    #[error("invalid {field}: {reason}")]
+    Invalid { field: &'static str, reason: String },
+    #[error("{field} {requested} is above this server's ceiling of {ceiling}")]
+    AboveCeiling { field: &'static str, requested: i64, ceiling: i64 },
+    #[error("sandbox {id}: {source}")]
+    Transition {
+        id: String,
+        #[source]
+        source: TransitionError,
+    },
+    #[error("{0}")]
+    Timers(#[from] TimerSettingsError),
+    #[error("sandbox {id} is {state}; start it first")]
+    NotStarted { id: String, state: SandboxState },
+    #[error("{class} sandboxes are not available on this server")]
+    ClassUnavailable { class: &'static str },
+    #[error("{what} is not implemented by cove yet")]
+    NotImplemented { what: String },
+    #[error("sandbox {id} could not {operation}: {reason}")]
+    Runtime { id: String, operation: &'static str, reason: String },
+    #[error("internal storage error")]
+    Store(#[from] cove_store::StoreError),
+}
+
+/// How a front end should classify an error.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    NotFound,
+    BadRequest,
+    Conflict,
+    NotImplemented,
+    Internal,
+}
+
+impl EngineError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::SandboxNotFound { .. } | Self::SnapshotNotFound { .. } => ErrorKind::NotFound,
+            Self::Invalid { .. }
+            | Self::AboveCeiling { .. }
+            | Self::Timers(_)
+            | Self::NoWindows { .. }
+            | Self::SnapshotNotActive { .. } => ErrorKind::BadRequest,
+            Self::Transition { source: TransitionError::NotSupported { .. }, .. } => {
+                ErrorKind::BadRequest
+            }
+            Self::NameTaken { .. } | Self::Transition { .. } | Self::NotStarted { .. } => {
+                ErrorKind::Conflict
+            }
+            Self::ClassUnavailable { .. } | Self::NotImplemented { .. } => ErrorKind::NotImplemented,
+            Self::Runtime { .. } | Self::Store(_) => ErrorKind::Internal,
+        }
+    }
+}

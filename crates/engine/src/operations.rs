@@ -1,0 +1,184 @@
+//! Running one lifecycle operation on an existing sandbox.
+//!
+//! Each operation is recorded in its transient state before its side effect and in
+//! its final state after it, so a crash in between is seen and repaired on restart.
+
+use cove_lifecycle::{plan, Operation, SandboxState, Transition};
+use cove_runtime::Started;
+use cove_store::SandboxRecord;
+
+use crate::{now_ms, Engine, EngineError, Running};
+
+impl Engine {
+    pub async fn start(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
+        self.run(id_or_name, Operation::Start).await
+    }
+
+    pub async fn stop(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
+        let record = self.run(id_or_name, Operation::Stop).await?;
+        // Auto-delete 0 (ephemeral) deletes as soon as the sandbox stops.
+        if record.state == SandboxState::Stopped && record.timers.auto_delete == 0 {
+            return self.delete(&record.id).await;
+        }
+        Ok(record)
+    }
+
+    /// Deletes a sandbox and everything it made; the returned record is `destroyed`.
+    pub async fn delete(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
+        self.run(id_or_name, Operation::Delete).await
+    }
+
+    pub async fn recover(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
+        self.run(id_or_name, Operation::Recover).await
+    }
+
+    /// Runs `operation` under the sandbox's lock: operations on one sandbox wait
+    /// their turn.
+    pub async fn run(
+        &self,
+        id_or_name: &str,
+        operation: Operation,
+    ) -> Result<SandboxRecord, EngineError> {
+        let id = self.get(id_or_name).await?.id;
+        let lock = self.lock_for(&id);
+        let _guard = lock.lock().await;
+        // Read again under the lock: the operation before ours may have changed it.
+        let mut record = self.get(&id).await?;
+        let transition = plan(operation, record.state, record.class)
+            .map_err(|source| EngineError::Transition { id: id.clone(), source })?;
+        let Transition::Run { during, success, desired } = transition else {
+            return Ok(record);
+        };
+        let effect = self.check_supported(operation)?;
+        record.state = during;
+        record.desired_state = desired;
+        record.error_reason = None;
+        self.save_state(&mut record).await?;
+
+        match self.apply(effect, &record).await {
+            Ok(()) => {
+                record.state = success;
+                if success == SandboxState::Destroyed {
+                    self.inner.store.delete_sandbox(&id).await?;
+                    self.inner.activity.forget(&id);
+                    self.inner.locks.lock().unwrap().remove(&id);
+                    tracing::info!(sandbox = %id, "deleted");
+                    return Ok(record);
+                }
+                self.save_state(&mut record).await?;
+                tracing::info!(sandbox = %id, %operation, state = %record.state, "done");
+                Ok(record)
+            }
+            Err(reason) => {
+                record.state = SandboxState::Error;
+                record.error_reason = Some(format!("{operation} failed: {reason}"));
+                self.save_state(&mut record).await?;
+                tracing::warn!(sandbox = %id, %operation, %reason, "failed");
+                Err(EngineError::Runtime { id, operation: operation.as_str(), reason })
+            }
+        }
+    }
+
+    fn check_supported(&self, operation: Operation) -> Result<Effect, EngineError> {
+        match operation {
+            Operation::Start | Operation::Recover | Operation::ColdStart => Ok(Effect::Boot),
+            Operation::Stop => Ok(Effect::Halt),
+            Operation::Delete => Ok(Effect::Destroy),
+            other => Err(EngineError::NotImplemented { what: format!("sandbox {other}") }),
+        }
+    }
+
+    async fn apply(&self, effect: Effect, record: &SandboxRecord) -> Result<(), String> {
+        let runtime = self.runtime(record.class).map_err(|e| e.to_string())?.clone();
+        match effect {
+            Effect::Boot => {
+                let snapshot = self
+                    .inner
+                    .store
+                    .find_snapshot(&record.snapshot)
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .ok_or_else(|| format!("its snapshot {} no longer exists", record.snapshot))?;
+                let spec = self.spec(record, &snapshot.rootfs);
+                // A leftover of an earlier run (a crash, a failed stop) must not linger.
+                self.forget_running(&record.id);
+                runtime.stop(&record.id).await.map_err(|e| e.to_string())?;
+                let started = runtime.start(&spec).await.map_err(|e| e.to_string())?;
+                self.register_running(&record.id, started);
+                Ok(())
+            }
+            Effect::Halt => {
+                self.forget_running(&record.id);
+                runtime.stop(&record.id).await.map_err(|e| e.to_string())
+            }
+            Effect::Destroy => {
+                self.forget_running(&record.id);
+                runtime.destroy(&record.id).await.map_err(|e| e.to_string())
+            }
+        }
+    }
+
+    pub(crate) async fn save_state(&self, record: &mut SandboxRecord) -> Result<(), EngineError> {
+        let now = now_ms();
+        record.state_since_ms = now;
+        record.updated_at_ms = now;
+        // A state change is an event: it resets the idle clock.
+        record.last_activity_ms = record.last_activity_ms.max(now);
+        self.inner.store.save_sandbox(record).await?;
+        Ok(())
+    }
+
+    /// Remembers a started sandbox and watches for its end.
+    pub(crate) fn register_running(&self, id: &str, started: Started) {
+        use std::sync::atomic::Ordering;
+        let generation = self.inner.generation.fetch_add(1, Ordering::Relaxed) + 1;
+        self.inner
+            .running
+            .lock()
+            .unwrap()
+            .insert(id.to_owned(), Running { agent: started.agent, generation });
+        let engine = self.clone();
+        let id = id.to_owned();
+        let exited = started.exited;
+        tokio::spawn(async move {
+            let why = exited.await.unwrap_or_else(|_| "its runtime dropped it".into());
+            engine.on_exit(&id, generation, &why).await;
+        });
+    }
+
+    fn forget_running(&self, id: &str) {
+        self.inner.running.lock().unwrap().remove(id);
+    }
+
+    /// A sandbox ended by itself (not by stop or delete, which forget it first).
+    async fn on_exit(&self, id: &str, generation: u64, why: &str) {
+        let lock = self.lock_for(id);
+        let _guard = lock.lock().await;
+        {
+            let mut running = self.inner.running.lock().unwrap();
+            match running.get(id) {
+                Some(current) if current.generation == generation => {
+                    running.remove(id);
+                }
+                _ => return,
+            }
+        }
+        let Ok(mut record) = self.get(id).await else { return };
+        if record.state == SandboxState::Started {
+            record.state = SandboxState::Error;
+            record.error_reason = Some(format!("the sandbox exited unexpectedly: {why}"));
+            if let Err(error) = self.save_state(&mut record).await {
+                tracing::error!(sandbox = %id, %error, "recording an unexpected exit");
+            }
+            tracing::warn!(sandbox = %id, why, "exited unexpectedly");
+        }
+    }
+}
+
+/// The side effect behind an operation.
+#[derive(Clone, Copy, Debug)]
+enum Effect {
+    Boot,
+    Halt,
+    Destroy,
+}

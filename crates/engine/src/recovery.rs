@@ -1,0 +1,61 @@
+//! Bringing sandboxes back after the server itself restarted.
+//!
+//! Nothing a runtime made is trusted across a restart: whatever a sandbox was
+//! doing, its leftover processes are ended, and it is brought to the state the
+//! user last asked for. No sandbox is lost and none is made twice.
+
+use cove_lifecycle::{DesiredState, SandboxState};
+
+use crate::{Engine, EngineError};
+
+impl Engine {
+    /// Reconciles every stored sandbox with its runtime. Call once at start-up,
+    /// before serving requests.
+    pub async fn recover_after_restart(&self) -> Result<(), EngineError> {
+        for mut record in self.inner.store.list_sandboxes().await? {
+            let id = record.id.clone();
+            let Ok(runtime) = self.runtime(record.class).cloned() else {
+                tracing::warn!(sandbox = %id, class = %record.class, "no runtime for its class");
+                continue;
+            };
+            match record.state {
+                // Half-made or half-deleted: finish the job, it never existed for the user
+                // or the user wanted it gone.
+                SandboxState::Creating | SandboxState::Destroying => {
+                    if let Err(error) = runtime.destroy(&id).await {
+                        record.state = SandboxState::Error;
+                        record.error_reason = Some(format!("cleanup after a restart failed: {error}"));
+                        self.save_state(&mut record).await?;
+                        continue;
+                    }
+                    self.inner.store.delete_sandbox(&id).await?;
+                    tracing::info!(sandbox = %id, "removed a sandbox left half-made or half-deleted");
+                }
+                _ => {
+                    if let Err(error) = runtime.stop(&id).await {
+                        record.state = SandboxState::Error;
+                        record.error_reason = Some(format!("ending leftovers after a restart failed: {error}"));
+                        self.save_state(&mut record).await?;
+                        continue;
+                    }
+                    let was = record.state;
+                    if record.desired_state == DesiredState::Started
+                        && matches!(was, SandboxState::Started | SandboxState::Starting | SandboxState::Restoring)
+                    {
+                        record.state = SandboxState::Stopped;
+                        self.save_state(&mut record).await?;
+                        match self.start(&id).await {
+                            Ok(_) => tracing::info!(sandbox = %id, "restarted after a server restart"),
+                            Err(error) => tracing::warn!(sandbox = %id, %error, "restart failed"),
+                        }
+                    } else if was.is_transient() {
+                        record.state = SandboxState::Stopped;
+                        self.save_state(&mut record).await?;
+                        tracing::info!(sandbox = %id, %was, "marked stopped after a server restart");
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,49 @@
+//! The timer loop: checks every sandbox's timers and runs what is due through the
+//! same operations a user would call.
+
+use cove_lifecycle::{due_action, TimerView};
+
+use crate::{now_ms, Engine, EngineError};
+
+impl Engine {
+    /// Checks timers every tick, forever.
+    pub async fn run_timers(&self) {
+        let mut tick = tokio::time::interval(self.inner.config.timer_tick);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if let Err(error) = self.check_timers(now_ms()).await {
+                tracing::error!(%error, "checking timers");
+            }
+        }
+    }
+
+    /// One pass: flushes the idle clocks, then runs every due timer. Returns what ran,
+    /// as (sandbox id, timer name).
+    pub async fn check_timers(&self, now: i64) -> Result<Vec<(String, &'static str)>, EngineError> {
+        self.inner.activity.flush(&self.inner.store).await?;
+        let mut fired = Vec::new();
+        for record in self.inner.store.list_sandboxes().await? {
+            let view = TimerView {
+                state: record.state,
+                settings: record.timers,
+                last_activity_ms: record.last_activity_ms,
+                state_since_ms: record.state_since_ms,
+                ttl_deadline_ms: record.ttl_deadline_ms,
+                // Archiving needs object storage, which this server does not have yet.
+                can_archive: false,
+            };
+            let Some(action) = due_action(&view, now) else { continue };
+            tracing::info!(sandbox = %record.id, timer = action.as_str(), "timer fired");
+            let result = match action.operation() {
+                cove_lifecycle::Operation::Stop => self.stop(&record.id).await.map(drop),
+                operation => self.run(&record.id, operation).await.map(drop),
+            };
+            match result {
+                Ok(()) => fired.push((record.id, action.as_str())),
+                Err(error) => tracing::warn!(sandbox = %record.id, timer = action.as_str(), %error, "timer could not act"),
+            }
+        }
+        Ok(fired)
+    }
+}

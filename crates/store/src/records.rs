@@ -1,0 +1,81 @@
+//! The records the store keeps, as plain data.
+
+use std::collections::BTreeMap;
+
+use cove_lifecycle::{DesiredState, SandboxClass, SandboxState, TimerSettings};
+
+/// One sandbox row.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SandboxRecord {
+    pub id: String,
+    pub name: String,
+    pub snapshot: String,
+    pub class: SandboxClass,
+    pub state: SandboxState,
+    pub desired_state: DesiredState,
+    pub error_reason: Option<String>,
+    pub os_user: String,
+    pub cpu: i64,
+    pub gpu: i64,
+    pub memory_gib: i64,
+    pub disk_gib: i64,
+    pub env: BTreeMap<String, String>,
+    pub labels: BTreeMap<String, String>,
+    pub public: bool,
+    pub timers: TimerSettings,
+    pub ttl_minutes: i64,
+    pub ttl_deadline_ms: Option<i64>,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+    pub state_since_ms: i64,
+    pub last_activity_ms: i64,
+}
+
+/// Where a snapshot is in its life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SnapshotState {
+    Pending,
+    Building,
+    Active,
+    Inactive,
+    Error,
+}
+
+impl SnapshotState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Pending => "pending",
+            Self::Building => "building",
+            Self::Active => "active",
+            Self::Inactive => "inactive",
+            Self::Error => "error",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<SnapshotState> {
+        [Self::Pending, Self::Building, Self::Active, Self::Inactive, Self::Error]
+            .into_iter()
+            .find(|state| state.as_str() == s)
+    }
+}
+
+/// One snapshot row: a root filesystem sandboxes start from.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SnapshotRecord {
+    pub id: String,
+    pub name: String,
+    pub class: SandboxClass,
+    pub state: SnapshotState,
+    pub error_reason: Option<String>,
+    /// The read-only root filesystem on disk.
+    pub rootfs: String,
+    pub cpu: i64,
+    pub gpu: i64,
+    pub memory_gib: i64,
+    pub disk_gib: i64,
+    pub size_bytes: Option<i64>,
+    /// Provided by the server itself rather than by a user.
+    pub general: bool,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}

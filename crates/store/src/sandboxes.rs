@@ -1,0 +1,144 @@
+//! Sandbox rows.
+
+use cove_lifecycle::TimerSettings;
+use sqlx::sqlite::SqliteRow;
+use sqlx::Row;
+
+use crate::{SandboxRecord, Store, StoreError};
+
+const COLUMNS: &str = "id, name, snapshot, class, state, desired_state, error_reason, os_user, \
+    cpu, gpu, memory_gib, disk_gib, env, labels, public, auto_stop, auto_pause, auto_archive, \
+    auto_delete, ttl_minutes, ttl_deadline_ms, created_at_ms, updated_at_ms, state_since_ms, \
+    last_activity_ms";
+
+fn corrupt(id: &str, reason: impl ToString) -> StoreError {
+    StoreError::Corrupt { id: id.to_owned(), reason: reason.to_string() }
+}
+
+fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
+    let id: String = row.try_get("id")?;
+    let text = |column: &str| -> Result<String, StoreError> { Ok(row.try_get(column)?) };
+    let json = |column: &str| -> Result<_, StoreError> {
+        serde_json::from_str(&text(column)?).map_err(|e| corrupt(&id, format!("{column}: {e}")))
+    };
+    Ok(SandboxRecord {
+        name: text("name")?,
+        snapshot: text("snapshot")?,
+        class: text("class")?.parse().map_err(|e| corrupt(&id, e))?,
+        state: text("state")?.parse().map_err(|e| corrupt(&id, e))?,
+        desired_state: text("desired_state")?.parse().map_err(|e| corrupt(&id, e))?,
+        error_reason: row.try_get("error_reason")?,
+        os_user: text("os_user")?,
+        cpu: row.try_get("cpu")?,
+        gpu: row.try_get("gpu")?,
+        memory_gib: row.try_get("memory_gib")?,
+        disk_gib: row.try_get("disk_gib")?,
+        env: json("env")?,
+        labels: json("labels")?,
+        public: row.try_get::<i64, _>("public")? != 0,
+        timers: TimerSettings {
+            auto_stop: row.try_get("auto_stop")?,
+            auto_pause: row.try_get("auto_pause")?,
+            auto_archive: row.try_get("auto_archive")?,
+            auto_delete: row.try_get("auto_delete")?,
+        },
+        ttl_minutes: row.try_get("ttl_minutes")?,
+        ttl_deadline_ms: row.try_get("ttl_deadline_ms")?,
+        created_at_ms: row.try_get("created_at_ms")?,
+        updated_at_ms: row.try_get("updated_at_ms")?,
+        state_since_ms: row.try_get("state_since_ms")?,
+        last_activity_ms: row.try_get("last_activity_ms")?,
+        id,
+    })
+}
+
+impl Store {
+    /// Inserts a new sandbox; a taken name or id is [`StoreError::Duplicate`].
+    pub async fn insert_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
+        self.write_sandbox("INSERT", s).await.map_err(|e| match e {
+            StoreError::Query(sqlx::Error::Database(db)) if db.is_unique_violation() => {
+                StoreError::Duplicate { name: s.name.clone() }
+            }
+            other => other,
+        })
+    }
+
+    /// Replaces the row of an existing sandbox.
+    pub async fn save_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
+        self.write_sandbox("INSERT OR REPLACE", s).await
+    }
+
+    async fn write_sandbox(&self, verb: &str, s: &SandboxRecord) -> Result<(), StoreError> {
+        let placeholders = vec!["?"; 25].join(", ");
+        let sql = format!("{verb} INTO sandboxes ({COLUMNS}) VALUES ({placeholders})");
+        sqlx::query(&sql)
+            .bind(&s.id)
+            .bind(&s.name)
+            .bind(&s.snapshot)
+            .bind(s.class.as_str())
+            .bind(s.state.as_str())
+            .bind(s.desired_state.as_str())
+            .bind(&s.error_reason)
+            .bind(&s.os_user)
+            .bind(s.cpu)
+            .bind(s.gpu)
+            .bind(s.memory_gib)
+            .bind(s.disk_gib)
+            .bind(serde_json::to_string(&s.env).expect("a string map serializes"))
+            .bind(serde_json::to_string(&s.labels).expect("a string map serializes"))
+            .bind(i64::from(s.public))
+            .bind(s.timers.auto_stop)
+            .bind(s.timers.auto_pause)
+            .bind(s.timers.auto_archive)
+            .bind(s.timers.auto_delete)
+            .bind(s.ttl_minutes)
+            .bind(s.ttl_deadline_ms)
+            .bind(s.created_at_ms)
+            .bind(s.updated_at_ms)
+            .bind(s.state_since_ms)
+            .bind(s.last_activity_ms)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// The sandbox whose id or, failing that, whose name is `id_or_name`.
+    pub async fn find_sandbox(&self, id_or_name: &str) -> Result<Option<SandboxRecord>, StoreError> {
+        let sql = format!(
+            "SELECT {COLUMNS} FROM sandboxes WHERE id = ?1 OR name = ?1 \
+             ORDER BY CASE WHEN id = ?1 THEN 0 ELSE 1 END LIMIT 1"
+        );
+        let row = sqlx::query(&sql).bind(id_or_name).fetch_optional(&self.pool).await?;
+        row.as_ref().map(from_row).transpose()
+    }
+
+    /// Every sandbox, oldest first.
+    pub async fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
+        let sql = format!("SELECT {COLUMNS} FROM sandboxes ORDER BY created_at_ms, id");
+        let rows = sqlx::query(&sql).fetch_all(&self.pool).await?;
+        rows.iter().map(from_row).collect()
+    }
+
+    pub async fn name_taken(&self, name: &str) -> Result<bool, StoreError> {
+        let row = sqlx::query("SELECT 1 FROM sandboxes WHERE name = ?1 OR id = ?1")
+            .bind(name)
+            .fetch_optional(&self.pool)
+            .await?;
+        Ok(row.is_some())
+    }
+
+    pub async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM sandboxes WHERE id = ?").bind(id).execute(&self.pool).await?;
+        Ok(())
+    }
+
+    /// Records interactions in one statement per sandbox; only moves the clock forward.
+    pub async fn record_activity(&self, id: &str, at_ms: i64) -> Result<(), StoreError> {
+        sqlx::query("UPDATE sandboxes SET last_activity_ms = MAX(last_activity_ms, ?2) WHERE id = ?1")
+            .bind(id)
+            .bind(at_ms)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+}

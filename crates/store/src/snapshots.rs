@@ -1,0 +1,72 @@
+//! Snapshot rows.
+
+use sqlx::sqlite::SqliteRow;
+use sqlx::Row;
+
+use crate::{SnapshotRecord, SnapshotState, Store, StoreError};
+
+const COLUMNS: &str = "id, name, class, state, error_reason, rootfs, cpu, gpu, memory_gib, \
+    disk_gib, size_bytes, general, created_at_ms, updated_at_ms";
+
+fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
+    let id: String = row.try_get("id")?;
+    let corrupt = |reason: String| StoreError::Corrupt { id: id.clone(), reason };
+    let class: String = row.try_get("class")?;
+    let state: String = row.try_get("state")?;
+    Ok(SnapshotRecord {
+        name: row.try_get("name")?,
+        class: class.parse().map_err(|e| corrupt(format!("class: {e}")))?,
+        state: SnapshotState::parse(&state).ok_or_else(|| corrupt(format!("state {state:?}")))?,
+        error_reason: row.try_get("error_reason")?,
+        rootfs: row.try_get("rootfs")?,
+        cpu: row.try_get("cpu")?,
+        gpu: row.try_get("gpu")?,
+        memory_gib: row.try_get("memory_gib")?,
+        disk_gib: row.try_get("disk_gib")?,
+        size_bytes: row.try_get("size_bytes")?,
+        general: row.try_get::<i64, _>("general")? != 0,
+        created_at_ms: row.try_get("created_at_ms")?,
+        updated_at_ms: row.try_get("updated_at_ms")?,
+        id,
+    })
+}
+
+impl Store {
+    pub async fn save_snapshot(&self, s: &SnapshotRecord) -> Result<(), StoreError> {
+        let sql = format!(
+            "INSERT OR REPLACE INTO snapshots ({COLUMNS}) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+        );
+        sqlx::query(&sql)
+            .bind(&s.id)
+            .bind(&s.name)
+            .bind(s.class.as_str())
+            .bind(s.state.as_str())
+            .bind(&s.error_reason)
+            .bind(&s.rootfs)
+            .bind(s.cpu)
+            .bind(s.gpu)
+            .bind(s.memory_gib)
+            .bind(s.disk_gib)
+            .bind(s.size_bytes)
+            .bind(i64::from(s.general))
+            .bind(s.created_at_ms)
+            .bind(s.updated_at_ms)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+
+    /// The snapshot whose id or name is `id_or_name`.
+    pub async fn find_snapshot(&self, id_or_name: &str) -> Result<Option<SnapshotRecord>, StoreError> {
+        let sql = format!("SELECT {COLUMNS} FROM snapshots WHERE id = ?1 OR name = ?1 LIMIT 1");
+        let row = sqlx::query(&sql).bind(id_or_name).fetch_optional(&self.pool).await?;
+        row.as_ref().map(from_row).transpose()
+    }
+
+    pub async fn list_snapshots(&self) -> Result<Vec<SnapshotRecord>, StoreError> {
+        let sql = format!("SELECT {COLUMNS} FROM snapshots ORDER BY created_at_ms, id");
+        let rows = sqlx::query(&sql).fetch_all(&self.pool).await?;
+        rows.iter().map(from_row).collect()
+    }
+}

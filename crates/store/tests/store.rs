@@ -1,0 +1,86 @@
+//! The store keeps what it is given, across reopening.
+
+use std::collections::BTreeMap;
+
+use cove_lifecycle::{DesiredState, SandboxClass, SandboxState, TimerSettings};
+use cove_store::{SandboxRecord, SnapshotRecord, SnapshotState, Store};
+
+fn sandbox(id: &str, name: &str) -> SandboxRecord {
+    SandboxRecord {
+        id: id.into(),
+        name: name.into(),
+        snapshot: "cove-default".into(),
+        class: SandboxClass::Container,
+        state: SandboxState::Started,
+        desired_state: DesiredState::Started,
+        error_reason: None,
+        os_user: "root".into(),
+        cpu: 1,
+        gpu: 0,
+        memory_gib: 1,
+        disk_gib: 3,
+        env: BTreeMap::from([("A".into(), "1".into())]),
+        labels: BTreeMap::from([("env".into(), "dev".into())]),
+        public: false,
+        timers: TimerSettings { auto_stop: 15, auto_pause: 0, auto_archive: 10080, auto_delete: -1 },
+        ttl_minutes: 0,
+        ttl_deadline_ms: None,
+        created_at_ms: 1,
+        updated_at_ms: 1,
+        state_since_ms: 1,
+        last_activity_ms: 1,
+    }
+}
+
+#[tokio::test]
+async fn sandboxes_round_trip_and_survive_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cove.db");
+    let store = Store::open(&path).await.unwrap();
+    let a = sandbox("id-a", "alpha");
+    store.insert_sandbox(&a).await.unwrap();
+    store.insert_sandbox(&sandbox("id-b", "beta")).await.unwrap();
+    let clash = store.insert_sandbox(&sandbox("id-c", "beta")).await.unwrap_err();
+    assert!(matches!(clash, cove_store::StoreError::Duplicate { .. }), "{clash:?}");
+    assert_eq!(store.find_sandbox("id-a").await.unwrap(), Some(a.clone()));
+    assert_eq!(store.find_sandbox("alpha").await.unwrap(), Some(a.clone()));
+    assert!(store.name_taken("beta").await.unwrap());
+    assert!(!store.name_taken("gamma").await.unwrap());
+    store.record_activity("id-a", 50).await.unwrap();
+    store.record_activity("id-a", 20).await.unwrap();
+    drop(store);
+
+    let store = Store::open(&path).await.unwrap();
+    let found = store.find_sandbox("alpha").await.unwrap().unwrap();
+    assert_eq!(found.last_activity_ms, 50);
+    assert_eq!(store.list_sandboxes().await.unwrap().len(), 2);
+    store.delete_sandbox("id-a").await.unwrap();
+    assert_eq!(store.find_sandbox("id-a").await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn snapshots_and_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let snap = SnapshotRecord {
+        id: "s1".into(),
+        name: "cove-default".into(),
+        class: SandboxClass::Container,
+        state: SnapshotState::Active,
+        error_reason: None,
+        rootfs: "/x".into(),
+        cpu: 1,
+        gpu: 0,
+        memory_gib: 1,
+        disk_gib: 3,
+        size_bytes: Some(5),
+        general: true,
+        created_at_ms: 1,
+        updated_at_ms: 1,
+    };
+    store.save_snapshot(&snap).await.unwrap();
+    assert_eq!(store.find_snapshot("cove-default").await.unwrap(), Some(snap));
+    assert_eq!(store.find_snapshot("nope").await.unwrap(), None);
+    store.add_api_key_hash("h", 1).await.unwrap();
+    assert_eq!(store.api_key_hashes().await.unwrap(), vec!["h".to_string()]);
+}
