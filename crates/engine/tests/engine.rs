@@ -1,0 +1,227 @@
+//! The engine driven against the fake runtime: every rule above the runtime,
+//! without root.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cove_engine::{CreateSandbox, Engine, EngineConfig, EngineError, SandboxState, SettingChange, SnapshotRecord};
+use cove_lifecycle::{SandboxClass, MINUTE_MS};
+use cove_runtime::fake::FakeRuntime;
+use cove_runtime::Runtime;
+use cove_store::{SnapshotState, Store};
+
+struct Harness {
+    engine: Engine,
+    fake: Arc<FakeRuntime>,
+    store: Store,
+    _dir: tempfile::TempDir,
+}
+
+async fn engine_on(store: Store, fake: Arc<FakeRuntime>) -> Engine {
+    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> =
+        HashMap::from([(SandboxClass::Container, fake as Arc<dyn Runtime>)]);
+    Engine::new(EngineConfig::default(), store, runtimes)
+}
+
+async fn harness() -> Harness {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let fake = Arc::new(FakeRuntime::new());
+    let engine = engine_on(store.clone(), fake.clone()).await;
+    engine
+        .register_snapshot(&SnapshotRecord {
+            id: "default".into(),
+            name: "cove-default".into(),
+            class: SandboxClass::Container,
+            state: SnapshotState::Active,
+            error_reason: None,
+            rootfs: "/rootfs".into(),
+            cpu: 1,
+            gpu: 0,
+            memory_gib: 1,
+            disk_gib: 3,
+            size_bytes: None,
+            general: true,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+        })
+        .await
+        .unwrap();
+    Harness { engine, fake, store, _dir: dir }
+}
+
+fn named(name: &str) -> CreateSandbox {
+    CreateSandbox { name: Some(name.into()), ..CreateSandbox::default() }
+}
+
+#[tokio::test]
+async fn create_stop_start_delete() {
+    let h = harness().await;
+    let s = h.engine.create(named("one")).await.unwrap();
+    assert_eq!(s.state, SandboxState::Started);
+    assert_eq!((s.cpu, s.memory_gib, s.disk_gib), (1, 1, 3));
+    assert!(h.fake.is_running(&s.id).await);
+    assert_eq!(h.engine.get("one").await.unwrap().id, s.id);
+
+    let stopped = h.engine.stop(&s.id).await.unwrap();
+    assert_eq!(stopped.state, SandboxState::Stopped);
+    assert!(!h.fake.is_running(&s.id).await);
+    // Stop again is a no-op, not an error.
+    assert_eq!(h.engine.stop(&s.id).await.unwrap().state, SandboxState::Stopped);
+
+    assert_eq!(h.engine.start("one").await.unwrap().state, SandboxState::Started);
+    assert!(h.fake.is_running(&s.id).await);
+
+    let deleted = h.engine.delete("one").await.unwrap();
+    assert_eq!(deleted.state, SandboxState::Destroyed);
+    assert!(h.fake.machines().is_empty());
+    assert!(matches!(h.engine.get(&s.id).await, Err(EngineError::SandboxNotFound { .. })));
+}
+
+#[tokio::test]
+async fn a_failed_create_leaves_nothing() {
+    let h = harness().await;
+    h.fake.fail_start(Some("no luck"));
+    let err = h.engine.create(named("broken")).await.unwrap_err();
+    assert!(err.to_string().contains("no luck"), "{err}");
+    assert!(h.engine.list().await.unwrap().is_empty());
+    assert!(h.fake.machines().is_empty());
+    // The name is free again.
+    h.fake.fail_start(None);
+    h.engine.create(named("broken")).await.unwrap();
+}
+
+#[tokio::test]
+async fn bad_requests_are_refused_by_name() {
+    let h = harness().await;
+    let unknown = CreateSandbox { snapshot: Some("nope".into()), ..Default::default() };
+    let err = h.engine.create(unknown).await.unwrap_err();
+    assert_eq!(err.to_string(), "snapshot nope not found");
+    assert_eq!(err.kind(), cove_engine::ErrorKind::NotFound);
+
+    let big = CreateSandbox { memory_gib: Some(64), ..Default::default() };
+    let err = h.engine.create(big).await.unwrap_err();
+    assert_eq!(err.to_string(), "memory 64 is above this server's ceiling of 8");
+    assert_eq!(err.kind(), cove_engine::ErrorKind::BadRequest);
+
+    let windows = CreateSandbox { snapshot: Some("windows-small".into()), ..Default::default() };
+    assert!(h.engine.create(windows).await.unwrap_err().to_string().contains("no Windows image"));
+
+    h.engine.create(named("taken")).await.unwrap();
+    let err = h.engine.create(named("taken")).await.unwrap_err();
+    assert_eq!(err.kind(), cove_engine::ErrorKind::Conflict);
+
+    let bad_name = h.engine.create(named("a b")).await.unwrap_err();
+    assert_eq!(bad_name.kind(), cove_engine::ErrorKind::BadRequest);
+    let both = CreateSandbox { auto_pause: Some(5), ..Default::default() };
+    assert_eq!(h.engine.create(both).await.unwrap_err().kind(), cove_engine::ErrorKind::BadRequest);
+    // Nothing half-made by any of these.
+    assert_eq!(h.engine.list().await.unwrap().len(), 1);
+    assert_eq!(h.fake.machines().len(), 1);
+}
+
+#[tokio::test]
+async fn a_crash_is_an_error_and_recover_starts_it() {
+    let h = harness().await;
+    let s = h.engine.create(named("crashy")).await.unwrap();
+    h.fake.crash(&s.id);
+    let mut state = SandboxState::Started;
+    for _ in 0..100 {
+        state = h.engine.get(&s.id).await.unwrap().state;
+        if state == SandboxState::Error {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    assert_eq!(state, SandboxState::Error);
+    let record = h.engine.get(&s.id).await.unwrap();
+    assert!(record.error_reason.unwrap().contains("exited unexpectedly"));
+    // Start from error is not allowed; recover is.
+    let err = h.engine.start(&s.id).await.unwrap_err();
+    assert_eq!(err.to_string(), format!("sandbox {}: cannot start a sandbox that is error (recover it first)", s.id));
+    assert_eq!(h.engine.recover(&s.id).await.unwrap().state, SandboxState::Started);
+}
+
+#[tokio::test]
+async fn stop_does_not_count_as_a_crash() {
+    let h = harness().await;
+    let s = h.engine.create(named("calm")).await.unwrap();
+    h.engine.stop(&s.id).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    assert_eq!(h.engine.get(&s.id).await.unwrap().state, SandboxState::Stopped);
+}
+
+#[tokio::test]
+async fn ephemeral_is_deleted_on_stop() {
+    let h = harness().await;
+    let request = CreateSandbox { auto_delete: Some(0), ..named("brief") };
+    let s = h.engine.create(request).await.unwrap();
+    let after = h.engine.stop(&s.id).await.unwrap();
+    assert_eq!(after.state, SandboxState::Destroyed);
+    assert!(h.engine.list().await.unwrap().is_empty());
+    assert!(h.fake.machines().is_empty());
+}
+
+#[tokio::test]
+async fn timers_stop_idle_sandboxes_and_honour_ttl() {
+    let h = harness().await;
+    let idle = h.engine.create(CreateSandbox { auto_stop: Some(1), ..named("idle") }).await.unwrap();
+    let ttl = h.engine.create(CreateSandbox { auto_stop: Some(0), ttl_minutes: Some(2), ..named("ttl") }).await.unwrap();
+    let now = cove_engine::now_ms();
+
+    assert!(h.engine.check_timers(now + 30_000).await.unwrap().is_empty());
+    let fired = h.engine.check_timers(now + MINUTE_MS + 1000).await.unwrap();
+    assert!(fired.contains(&(idle.id.clone(), "auto-stop")), "{fired:?}");
+    assert_eq!(h.engine.get(&idle.id).await.unwrap().state, SandboxState::Stopped);
+
+    let fired = h.engine.check_timers(now + 3 * MINUTE_MS).await.unwrap();
+    assert!(fired.contains(&(ttl.id.clone(), "ttl")), "{fired:?}");
+    assert!(h.engine.get(&ttl.id).await.is_err());
+}
+
+#[tokio::test]
+async fn setters_keep_the_rules_and_reset_ttl() {
+    let h = harness().await;
+    let s = h.engine.create(named("set")).await.unwrap();
+    let r = h.engine.change(&s.id, SettingChange::AutoStop(30)).await.unwrap();
+    assert_eq!(r.timers.auto_stop, 30);
+    let err = h.engine.change(&s.id, SettingChange::AutoPause(5)).await.unwrap_err();
+    assert_eq!(err.kind(), cove_engine::ErrorKind::BadRequest);
+    let before = cove_engine::now_ms();
+    let r = h.engine.change(&s.id, SettingChange::Ttl(10)).await.unwrap();
+    assert!(r.ttl_deadline_ms.unwrap() >= before + 10 * MINUTE_MS);
+    let r = h.engine.change(&s.id, SettingChange::Ttl(0)).await.unwrap();
+    assert_eq!(r.ttl_deadline_ms, None);
+    let labels = [("a".to_string(), "b".to_string())].into_iter().collect();
+    let r = h.engine.change(&s.id, SettingChange::Labels(labels)).await.unwrap();
+    assert_eq!(r.labels.get("a").map(String::as_str), Some("b"));
+}
+
+#[tokio::test]
+async fn a_restart_brings_sandboxes_back_once() {
+    let h = harness().await;
+    let running = h.engine.create(named("running")).await.unwrap();
+    let stopped = h.engine.create(named("stopped")).await.unwrap();
+    h.engine.stop(&stopped.id).await.unwrap();
+
+    // A new engine on the same store, as after a server restart; its runtime has
+    // lost every process.
+    let fake = Arc::new(FakeRuntime::new());
+    for id in [&running.id, &stopped.id] {
+        let spec = cove_runtime::SandboxSpec {
+            id: id.clone(),
+            hostname: "x".into(),
+            rootfs: "/rootfs".into(),
+            resources: cove_runtime::Resources { cpu: 1, memory_mib: 1024, disk_gib: 3 },
+            env: vec![],
+        };
+        fake.prepare(&spec).await.unwrap();
+    }
+    let engine = engine_on(h.store.clone(), fake.clone()).await;
+    engine.recover_after_restart().await.unwrap();
+    assert_eq!(engine.get(&running.id).await.unwrap().state, SandboxState::Started);
+    assert!(fake.is_running(&running.id).await);
+    assert_eq!(engine.get(&stopped.id).await.unwrap().state, SandboxState::Stopped);
+    assert!(!fake.is_running(&stopped.id).await);
+    assert_eq!(engine.list().await.unwrap().len(), 2);
+}
