@@ -1,1 +1,63 @@
-fn main() {}
+//! `cove-agent init | serve [--socket PATH]`: argument parsing and start-up
+//! order only; everything else lives in the library.
+
+use std::io::IsTerminal as _;
+
+use anyhow::{bail, Context as _};
+use cove_agent::listen::{self, Endpoint};
+use cove_agent::{config, AppState, Settings};
+
+const USAGE: &str = "usage: cove-agent init | serve [--socket PATH]";
+
+fn main() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(1);
+    let mode = args.next().unwrap_or_default();
+    let mut socket = None;
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--socket" => socket = Some(args.next().context("--socket needs a path")?),
+            _ => bail!("unknown argument {arg:?}\n{USAGE}"),
+        }
+    }
+    let endpoint = match (std::env::var(listen::LISTEN_FD_ENV).ok(), socket) {
+        (Some(fd), _) => Endpoint::InheritedFd(
+            fd.parse()
+                .with_context(|| format!("{}={fd:?} is not a fd", listen::LISTEN_FD_ENV))?,
+        ),
+        (None, Some(path)) => Endpoint::Path(path.into()),
+        (None, None) => bail!(
+            "no listening socket: set {} or pass --socket",
+            listen::LISTEN_FD_ENV
+        ),
+    };
+    let settings = Settings::from_env();
+    // Still single-threaded here, which both calls below require.
+    config::remove_private_env();
+    match mode.as_str() {
+        "init" => cove_agent::init::split_off_server().context("starting as PID 1")?,
+        "serve" => {}
+        _ => bail!("{USAGE}"),
+    }
+
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("COVE_AGENT_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let listener = listen::open(&endpoint).context("opening the listening socket")?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    runtime.block_on(async {
+        let state = AppState::new(settings).context("preparing the agent state")?;
+        let sessions = state.sessions.clone();
+        tracing::info!(?endpoint, "cove-agent serving");
+        let served = listen::serve(listener, cove_agent::app(state)).await;
+        sessions.shutdown();
+        served.context("serving")
+    })
+}

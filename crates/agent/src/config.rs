@@ -1,0 +1,113 @@
+//! Settings of one agent process: where relative paths resolve, which shells run
+//! commands, and the limits that keep one sandbox from exhausting the agent.
+//!
+//! Everything is read once at start-up; request handlers only read the result.
+
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// Prefix of the variables meant for the agent itself; they never reach a
+/// sandbox process.
+pub const PRIVATE_ENV_PREFIX: &str = "COVE_";
+
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// Directory that relative paths and a missing `cwd` resolve against.
+    pub work_dir: PathBuf,
+    /// Home directory of the sandbox user, answered by `/user-home-dir`.
+    pub home_dir: PathBuf,
+    /// Shell for `/process/execute`: the SDK documents "the first available of
+    /// zsh, bash or sh".
+    pub exec_shell: PathBuf,
+    /// Shell for sessions: bash if present, else sh.
+    pub session_shell: PathBuf,
+    /// Deadline of `/process/execute` when the request names none.
+    pub default_exec_timeout: Duration,
+    /// Most sessions alive at once.
+    pub max_sessions: usize,
+    /// Most asynchronous session commands running at once, over all sessions.
+    pub max_async_commands: usize,
+    /// Most bytes of output kept per command and stream; later output is dropped.
+    pub max_log_bytes: usize,
+    /// Where sessions keep their per-command FIFOs and scripts.
+    pub state_dir: PathBuf,
+}
+
+impl Settings {
+    /// Reads the settings from the agent's environment (`COVE_*` variables);
+    /// call before the private variables are removed.
+    pub fn from_env() -> Self {
+        let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
+        let home_dir = var("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| "/root".into());
+        let work_dir = var("COVE_WORKDIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| home_dir.clone());
+        let number = |name: &str, default: u64| {
+            std::env::var(name)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(default)
+        };
+        let exec_shell = var("COVE_AGENT_EXEC_SHELL")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| first_shell(&["zsh", "bash", "sh"]));
+        let session_shell = var("COVE_AGENT_SESSION_SHELL")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| first_shell(&["bash", "sh"]));
+        let state_dir = var("COVE_AGENT_STATE_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                std::env::temp_dir().join(format!(".cove-agent-{}", std::process::id()))
+            });
+        Self {
+            work_dir,
+            home_dir,
+            exec_shell,
+            session_shell,
+            default_exec_timeout: Duration::from_secs(number("COVE_AGENT_EXEC_TIMEOUT_SECS", 600)),
+            max_sessions: number("COVE_AGENT_MAX_SESSIONS", 8) as usize,
+            max_async_commands: number("COVE_AGENT_MAX_ASYNC_COMMANDS", 16) as usize,
+            max_log_bytes: number("COVE_AGENT_MAX_LOG_BYTES", 32 << 20) as usize,
+            state_dir,
+        }
+    }
+
+    /// Resolves a request path: absolute paths stay, relative ones join the work dir.
+    pub fn resolve(&self, path: &str) -> PathBuf {
+        let path = Path::new(path);
+        if path.is_absolute() {
+            path.to_path_buf()
+        } else {
+            self.work_dir.join(path)
+        }
+    }
+}
+
+/// Removes the agent's private variables from its own environment so every
+/// child inherits exactly the sandbox's environment.
+///
+/// Must run before any thread exists: changing the environment of a
+/// multi-threaded process races with `getenv` in other threads.
+pub fn remove_private_env() {
+    let private: Vec<_> = std::env::vars_os()
+        .map(|(key, _)| key)
+        .filter(|key| key.to_string_lossy().starts_with(PRIVATE_ENV_PREFIX))
+        .collect();
+    for key in private {
+        std::env::remove_var(key);
+    }
+}
+
+fn first_shell(names: &[&str]) -> PathBuf {
+    for name in names {
+        for dir in ["/bin", "/usr/bin", "/usr/local/bin"] {
+            let candidate = Path::new(dir).join(name);
+            if candidate.is_file() {
+                return candidate;
+            }
+        }
+    }
+    PathBuf::from("/bin/sh")
+}

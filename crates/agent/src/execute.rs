@@ -1,0 +1,134 @@
+//! `POST /process/execute`: one command, one shell, output collected in the
+//! order it was produced, a deadline that kills the command's whole process
+//! group.
+//!
+//! This is on the benchmark path: per request there is one pipe, one spawn and
+//! one read loop, nothing else.
+
+use std::collections::HashMap;
+use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
+use std::process::{ExitStatus, Stdio};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::routing::post;
+use axum::Router;
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncReadExt as _;
+
+use crate::error::{ApiError, Json};
+use crate::AppState;
+
+/// Exit code reported when the deadline killed the command, as `timeout(1)` does.
+pub const TIMED_OUT_EXIT_CODE: i32 = 124;
+
+pub fn routes() -> Router<AppState> {
+    Router::new().route("/process/execute", post(execute))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExecuteRequest {
+    pub command: String,
+    pub cwd: Option<String>,
+    pub envs: Option<HashMap<String, String>>,
+    /// Seconds; absent or 0 means the agent's default deadline.
+    pub timeout: Option<u64>,
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ExecuteResponse {
+    pub exit_code: i32,
+    pub result: String,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub timed_out: bool,
+}
+
+async fn execute(
+    State(state): State<AppState>,
+    Json(request): Json<ExecuteRequest>,
+) -> Result<Json<ExecuteResponse>, ApiError> {
+    let settings = &state.settings;
+    let cwd = match request.cwd.as_deref() {
+        Some(cwd) if !cwd.is_empty() => settings.resolve(cwd),
+        _ => settings.work_dir.clone(),
+    };
+    let deadline = match request.timeout {
+        Some(seconds) if seconds > 0 => Duration::from_secs(seconds),
+        _ => settings.default_exec_timeout,
+    };
+
+    // One pipe for stdout and stderr keeps them in the order they were written.
+    let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| ApiError::internal("creating output pipe", e.into()))?;
+    let writer_for_stderr = writer
+        .try_clone()
+        .map_err(|e| ApiError::internal("duplicating output pipe", e))?;
+    let mut command = std::process::Command::new(&settings.exec_shell);
+    command
+        .arg("-c")
+        .arg(&request.command)
+        .current_dir(&cwd)
+        .envs(request.envs.iter().flatten())
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(writer))
+        .stderr(Stdio::from(writer_for_stderr))
+        .process_group(0);
+    let mut command = tokio::process::Command::from(command);
+    let mut child = command.spawn().map_err(|e| spawn_error(&cwd, e))?;
+    // Our copies of the write end must close, or the read below never ends.
+    drop(command);
+    let pgid = child.id().map(|pid| Pid::from_raw(pid as i32));
+    let mut output = tokio::net::unix::pipe::Receiver::from_owned_fd(reader)
+        .map_err(|e| ApiError::internal("reading command output", e))?;
+
+    let mut result = Vec::new();
+    let finished = tokio::time::timeout(deadline, async {
+        // A background process that keeps the pipe open keeps us reading;
+        // the SDK documents that behaviour.
+        output.read_to_end(&mut result).await?;
+        child.wait().await
+    })
+    .await;
+    let response = match finished {
+        Ok(status) => {
+            let status = status.map_err(|e| ApiError::internal("waiting for command", e))?;
+            ExecuteResponse {
+                exit_code: exit_code(status),
+                result: String::from_utf8_lossy(&result).into_owned(),
+                timed_out: false,
+            }
+        }
+        Err(_) => {
+            if let Some(pgid) = pgid {
+                let _ = killpg(pgid, Signal::SIGKILL);
+            }
+            let _ = child.wait().await;
+            ExecuteResponse {
+                exit_code: TIMED_OUT_EXIT_CODE,
+                result: String::from_utf8_lossy(&result).into_owned(),
+                timed_out: true,
+            }
+        }
+    };
+    Ok(Json(response))
+}
+
+/// Exit status as a shell reports it: the code, or 128 + the killing signal.
+pub fn exit_code(status: ExitStatus) -> i32 {
+    status
+        .code()
+        .or_else(|| status.signal().map(|signal| 128 + signal))
+        .unwrap_or(-1)
+}
+
+fn spawn_error(cwd: &std::path::Path, error: std::io::Error) -> ApiError {
+    // The only path a spawn touches besides the shell is the working directory.
+    if !cwd.is_dir() {
+        return ApiError::io(cwd, error);
+    }
+    ApiError::internal("starting the shell", error)
+}

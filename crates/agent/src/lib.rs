@@ -1,0 +1,48 @@
+//! cove-agent: the guest agent that serves the Daytona toolbox API inside a
+//! sandbox (processes, sessions, files) over a Unix socket.
+//!
+//! The cove server proxies the SDK's toolbox requests here byte for byte, so
+//! the routes and JSON shapes are the SDK's (`daytona==0.226.1`). This crate
+//! knows nothing about sandboxes, containers or the server.
+
+pub mod config;
+pub mod error;
+pub mod execute;
+pub mod files;
+pub mod init;
+pub mod listen;
+pub mod session;
+pub mod system;
+
+use std::sync::Arc;
+
+use axum::Router;
+
+pub use config::Settings;
+use error::ApiError;
+
+/// What every handler can reach.
+#[derive(Clone)]
+pub struct AppState {
+    pub settings: Arc<Settings>,
+    pub sessions: Arc<session::Registry>,
+}
+
+impl AppState {
+    pub fn new(settings: Settings) -> std::io::Result<Self> {
+        let settings = Arc::new(settings);
+        let sessions = Arc::new(session::Registry::new(settings.clone())?);
+        Ok(Self { settings, sessions })
+    }
+}
+
+/// The whole toolbox API; tests drive it without a socket.
+pub fn app(state: AppState) -> Router {
+    Router::new()
+        .merge(system::routes())
+        .merge(execute::routes())
+        .merge(session::routes())
+        .merge(files::routes())
+        .fallback(|uri: axum::http::Uri| async move { ApiError::NoRoute(uri.path().to_string()) })
+        .with_state(state)
+}

@@ -1,0 +1,209 @@
+//! Starts a real `cove-agent serve --socket` and talks HTTP/1.1 (and
+//! WebSocket) to it over the Unix socket.
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt as _, Full};
+use hyper::{HeaderMap, Method, Request, StatusCode};
+use hyper_util::rt::TokioIo;
+use serde_json::Value;
+use tokio::net::UnixStream;
+
+pub struct Agent {
+    child: Child,
+    socket: PathBuf,
+    pub work_dir: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
+    }
+}
+
+impl Agent {
+    pub fn start() -> Self {
+        Self::start_with(&[])
+    }
+
+    pub fn start_with(env: &[(&str, &str)]) -> Self {
+        let dir = tempfile::tempdir().unwrap();
+        let work_dir = dir.path().join("work");
+        std::fs::create_dir(&work_dir).unwrap();
+        let socket = dir.path().join("agent.sock");
+        let child = Command::new(env!("CARGO_BIN_EXE_cove-agent"))
+            .args(["serve", "--socket"])
+            .arg(&socket)
+            .env("COVE_WORKDIR", &work_dir)
+            .env("COVE_AGENT_STATE_DIR", dir.path().join("state"))
+            .env("COVE_SECRET_OF_THE_AGENT", "hidden")
+            .env("COVE_AGENT_LOG", "warn")
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .spawn()
+            .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(&socket).is_err() {
+            assert!(Instant::now() < deadline, "agent did not start listening");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        Self {
+            child,
+            socket,
+            work_dir,
+            _dir: dir,
+        }
+    }
+
+    pub fn path(&self, relative: &str) -> PathBuf {
+        self.work_dir.join(relative)
+    }
+
+    pub async fn request(
+        &self,
+        method: Method,
+        uri: &str,
+        content_type: Option<&str>,
+        body: impl Into<Bytes>,
+    ) -> Reply {
+        let stream = UnixStream::connect(&self.socket).await.unwrap();
+        let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        let mut request = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("host", "agent");
+        if let Some(content_type) = content_type {
+            request = request.header("content-type", content_type);
+        }
+        let response = sender
+            .send_request(request.body(Full::new(body.into())).unwrap())
+            .await
+            .unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        Reply {
+            status,
+            headers,
+            body,
+        }
+    }
+
+    pub async fn get(&self, uri: &str) -> Reply {
+        self.request(Method::GET, uri, None, Bytes::new()).await
+    }
+
+    pub async fn delete(&self, uri: &str) -> Reply {
+        self.request(Method::DELETE, uri, None, Bytes::new()).await
+    }
+
+    pub async fn post_json(&self, uri: &str, body: Value) -> Reply {
+        self.request(
+            Method::POST,
+            uri,
+            Some("application/json"),
+            body.to_string(),
+        )
+        .await
+    }
+
+    /// Opens a WebSocket on `uri` over the agent's socket.
+    pub async fn websocket(&self, uri: &str) -> tokio_tungstenite::WebSocketStream<UnixStream> {
+        let stream = UnixStream::connect(&self.socket).await.unwrap();
+        let (socket, _) = tokio_tungstenite::client_async(format!("ws://agent{uri}"), stream)
+            .await
+            .unwrap();
+        socket
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A `multipart/form-data` body and its content type.
+pub fn multipart(parts: &[(&str, Option<&str>, &[u8])], close: bool) -> (String, Vec<u8>) {
+    let boundary = "test-boundary-7MA4YWxkTrZu0gW";
+    let mut body = Vec::new();
+    for (name, filename, data) in parts {
+        body.extend_from_slice(format!("--{boundary}\r\n").as_bytes());
+        match filename {
+            Some(filename) => body.extend_from_slice(
+                format!(
+                    "Content-Disposition: form-data; name=\"{name}\"; filename=\"{filename}\"\r\n\
+                     Content-Type: application/octet-stream\r\n\r\n"
+                )
+                .as_bytes(),
+            ),
+            None => body.extend_from_slice(
+                format!("Content-Disposition: form-data; name=\"{name}\"\r\n\r\n").as_bytes(),
+            ),
+        }
+        body.extend_from_slice(data);
+        body.extend_from_slice(b"\r\n");
+    }
+    if close {
+        body.extend_from_slice(format!("--{boundary}--\r\n").as_bytes());
+    }
+    (format!("multipart/form-data; boundary={boundary}"), body)
+}
+
+/// Parts of a multipart response: (Content-Disposition name, filename, body).
+pub fn parse_multipart(content_type: &str, body: &[u8]) -> Vec<(String, String, Vec<u8>)> {
+    let boundary = content_type.split("boundary=").nth(1).expect("boundary");
+    let delimiter = format!("--{boundary}");
+    let closing = format!("--{boundary}--\r\n");
+    assert!(
+        body.ends_with(closing.as_bytes()),
+        "missing closing boundary"
+    );
+    let mut parts = Vec::new();
+    let mut rest = body;
+    loop {
+        rest = rest.strip_prefix(delimiter.as_bytes()).expect("delimiter");
+        if rest.starts_with(b"--") {
+            return parts;
+        }
+        rest = rest.strip_prefix(b"\r\n").unwrap();
+        let head_end = find(rest, b"\r\n\r\n").unwrap();
+        let head = String::from_utf8(rest[..head_end].to_vec()).unwrap();
+        rest = &rest[head_end + 4..];
+        let end = find(rest, format!("\r\n{delimiter}").as_bytes()).unwrap();
+        let data = rest[..end].to_vec();
+        rest = &rest[end + 2..];
+        let param = |key: &str| {
+            head.split(&format!("{key}=\""))
+                .nth(1)
+                .and_then(|v| v.split('"').next())
+                .unwrap_or("")
+                .to_string()
+        };
+        parts.push((param(" name"), param("filename"), data));
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+pub fn exists(path: &Path) -> bool {
+    path.symlink_metadata().is_ok()
+}
