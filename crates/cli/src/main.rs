@@ -4,6 +4,7 @@
 mod agent_binary;
 mod bench;
 mod client;
+mod image_cmd;
 mod sandbox_cmd;
 mod serve;
 
@@ -23,6 +24,9 @@ enum Command {
     /// Manage sandboxes on a running server.
     #[command(subcommand)]
     Sandbox(sandbox_cmd::SandboxCommand),
+    /// Manage images on this machine.
+    #[command(subcommand)]
+    Image(image_cmd::ImageCommand),
     /// Measure a scenario and print median, p95 and p99.
     Bench(bench::BenchArgs),
 }
@@ -53,6 +57,7 @@ fn main() -> std::process::ExitCode {
             Command::Serve(args) => serve::run(args).await,
             Command::Sandbox(command) => sandbox_cmd::run(command).await,
             Command::Bench(args) => bench::run(args).await,
+            Command::Image(command) => image_cmd::run(command).await,
         }
     });
     match result {

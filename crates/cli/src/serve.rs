@@ -55,12 +55,13 @@ pub struct Running {
     pub serve: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
-fn progress_printer() -> impl FnMut(&ImageProgress) {
+pub fn progress_printer() -> impl FnMut(&ImageProgress) {
     let tty = std::io::stderr().is_terminal();
     move |p: &ImageProgress| {
         if tty {
             eprint!("\r\x1b[2K[image {:>4}] {}", p.step, p.message);
         } else if p.step % 25 == 1 || p.message.starts_with("Base system") {
+            // Without a terminal, a line every 25 steps shows life without flooding logs.
             eprintln!("[image {:>4}] {}", p.step, p.message);
         }
     }
