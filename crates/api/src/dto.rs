@@ -122,6 +122,10 @@ pub struct CreateSandboxRequest {
     pub domain_allow_list: Option<serde_json::Value>,
     pub kvm: Option<bool>,
     pub spot: Option<bool>,
+    #[serde(default)]
+    pub secrets: Vec<serde_json::Value>,
+    pub outbound_proxy_url: Option<String>,
+    pub linked_sandbox: Option<serde_json::Value>,
 }
 
 impl CreateSandboxRequest {
@@ -143,6 +147,15 @@ impl CreateSandboxRequest {
         }
         if self.spot == Some(true) {
             return Some("spot sandboxes");
+        }
+        if !self.secrets.is_empty() {
+            return Some("secrets");
+        }
+        if self.outbound_proxy_url.as_deref().is_some_and(|url| !url.is_empty()) {
+            return Some("outbound proxies (outboundProxyUrl)");
+        }
+        if self.linked_sandbox.as_ref().is_some_and(|linked| !linked.is_null()) {
+            return Some("linked sandboxes");
         }
         None
     }
