@@ -176,6 +176,14 @@ pub fn exit_code(status: ExitStatus) -> i32 {
         .unwrap_or(-1)
 }
 
+fn spawn_error(cwd: &std::path::Path, error: std::io::Error) -> ApiError {
+    // The only path a spawn touches besides the shell is the working directory.
+    if !cwd.is_dir() {
+        return ApiError::io(cwd, error);
+    }
+    ApiError::internal("starting the shell", error)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,12 +217,4 @@ mod tests {
         let path = HashMap::from([("PATH".to_string(), "/x".to_string())]);
         assert!(direct_program("true", Some(&path)).is_none());
     }
-}
-
-fn spawn_error(cwd: &std::path::Path, error: std::io::Error) -> ApiError {
-    // The only path a spawn touches besides the shell is the working directory.
-    if !cwd.is_dir() {
-        return ApiError::io(cwd, error);
-    }
-    ApiError::internal("starting the shell", error)
 }

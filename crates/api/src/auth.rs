@@ -8,17 +8,34 @@ use axum::response::{IntoResponse, Response};
 use crate::{ApiError, AppState};
 
 fn bearer(request: &Request) -> Option<&str> {
-    let value = request.headers().get(header::AUTHORIZATION)?.to_str().ok()?;
+    let value = request
+        .headers()
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?;
     let (scheme, token) = value.split_once(' ')?;
-    scheme.eq_ignore_ascii_case("bearer").then_some(token.trim())
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
 }
 
-pub async fn require_api_key(State(state): State<AppState>, request: Request, next: Next) -> Response {
+pub async fn require_api_key(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
     let Some(token) = bearer(&request) else {
-        return ApiError::new(StatusCode::UNAUTHORIZED, "missing API key: send Authorization: Bearer <key>")
-            .into_response();
+        return ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing API key: send Authorization: Bearer <key>",
+        )
+        .into_response();
     };
-    let from_env = state.config.env_api_key.as_deref().is_some_and(|key| key == token);
+    let from_env = state
+        .config
+        .env_api_key
+        .as_deref()
+        .is_some_and(|key| key == token);
     let accepted = from_env
         || match state.engine.verify_api_key(token).await {
             Ok(found) => found,

@@ -15,7 +15,8 @@ pub const TARGET: &str = "local";
 pub fn rfc3339(ms: i64) -> String {
     let at = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
         .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
-    at.format(&time::format_description::well_known::Rfc3339).unwrap_or_default()
+    at.format(&time::format_description::well_known::Rfc3339)
+        .unwrap_or_default()
 }
 
 #[derive(Debug, Serialize)]
@@ -137,7 +138,10 @@ impl CreateSandboxRequest {
         if !self.volumes.is_empty() {
             return Some("volumes");
         }
-        if self.network_allow_list.as_deref().is_some_and(|list| !list.is_empty())
+        if self
+            .network_allow_list
+            .as_deref()
+            .is_some_and(|list| !list.is_empty())
             || self.domain_allow_list.is_some()
         {
             return Some("network allow lists");
@@ -151,10 +155,18 @@ impl CreateSandboxRequest {
         if !self.secrets.is_empty() {
             return Some("secrets");
         }
-        if self.outbound_proxy_url.as_deref().is_some_and(|url| !url.is_empty()) {
+        if self
+            .outbound_proxy_url
+            .as_deref()
+            .is_some_and(|url| !url.is_empty())
+        {
             return Some("outbound proxies (outboundProxyUrl)");
         }
-        if self.linked_sandbox.as_ref().is_some_and(|linked| !linked.is_null()) {
+        if self
+            .linked_sandbox
+            .as_ref()
+            .is_some_and(|linked| !linked.is_null())
+        {
             return Some("linked sandboxes");
         }
         None

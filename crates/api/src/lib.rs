@@ -41,7 +41,11 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(engine: Engine, config: ApiConfig) -> AppState {
-        AppState { engine, config: Arc::new(config), toolbox: toolbox::AgentClient::new() }
+        AppState {
+            engine,
+            config: Arc::new(config),
+            toolbox: toolbox::AgentClient::new(),
+        }
     }
 }
 
@@ -55,18 +59,36 @@ pub fn app(state: AppState) -> Router {
         .route("/sandbox/{id}/stop", post(sandbox::stop))
         .route("/sandbox/{id}/recover", post(sandbox::recover))
         .route("/sandbox/{id}/labels", put(sandbox::replace_labels))
-        .route("/sandbox/{id}/autostop/{minutes}", post(sandbox::set_auto_stop))
-        .route("/sandbox/{id}/autopause/{minutes}", post(sandbox::set_auto_pause))
-        .route("/sandbox/{id}/autoarchive/{minutes}", post(sandbox::set_auto_archive))
-        .route("/sandbox/{id}/autodelete/{minutes}", post(sandbox::set_auto_delete))
+        .route(
+            "/sandbox/{id}/autostop/{minutes}",
+            post(sandbox::set_auto_stop),
+        )
+        .route(
+            "/sandbox/{id}/autopause/{minutes}",
+            post(sandbox::set_auto_pause),
+        )
+        .route(
+            "/sandbox/{id}/autoarchive/{minutes}",
+            post(sandbox::set_auto_archive),
+        )
+        .route(
+            "/sandbox/{id}/autodelete/{minutes}",
+            post(sandbox::set_auto_delete),
+        )
         .route("/sandbox/{id}/ttl/{minutes}", post(sandbox::set_ttl))
         .route("/sandbox/{id}/public/{public}", post(sandbox::set_public))
-        .route("/sandbox/{id}/toolbox-proxy-url", get(sandbox::toolbox_proxy_url))
+        .route(
+            "/sandbox/{id}/toolbox-proxy-url",
+            get(sandbox::toolbox_proxy_url),
+        )
         .fallback(not_implemented::fallback);
     Router::new()
         .nest("/api", api)
         .route("/toolbox/{id}/{*path}", any(toolbox::proxy))
         .route("/toolbox/{id}", any(toolbox::proxy_root))
-        .layer(axum::middleware::from_fn_with_state(state.clone(), auth::require_api_key))
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_api_key,
+        ))
         .with_state(state)
 }

@@ -53,7 +53,13 @@ mod tests {
             daytona_operation(&Method::POST, "/sandbox/abc/pause"),
             Some("POST /sandbox/{sandboxIdOrName}/pause")
         );
-        assert_eq!(daytona_operation(&Method::GET, "/sandbox/abc/nonsense"), None);
-        assert_eq!(daytona_operation(&Method::GET, "/snapshots"), Some("GET /snapshots"));
+        assert_eq!(
+            daytona_operation(&Method::GET, "/sandbox/abc/nonsense"),
+            None
+        );
+        assert_eq!(
+            daytona_operation(&Method::GET, "/snapshots"),
+            Some("GET /snapshots")
+        );
     }
 }

@@ -51,7 +51,11 @@ pub async fn create(
     Ok(dto(&state, &headers, record))
 }
 
-pub async fn get(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Reply {
+pub async fn get(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply {
     let record = state.engine.get(&id).await?;
     Ok(dto(&state, &headers, record))
 }
@@ -109,22 +113,38 @@ pub async fn list(
     Ok(Json(SandboxList { items, next_cursor }))
 }
 
-pub async fn start(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Reply {
+pub async fn start(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply {
     let record = state.engine.start(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
-pub async fn stop(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Reply {
+pub async fn stop(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply {
     let record = state.engine.stop(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
-pub async fn recover(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Reply {
+pub async fn recover(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply {
     let record = state.engine.recover(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
-pub async fn delete(State(state): State<AppState>, headers: HeaderMap, Path(id): Path<String>) -> Reply {
+pub async fn delete(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply {
     let record = state.engine.delete(&id).await?;
     Ok(dto(&state, &headers, record))
 }
@@ -135,14 +155,21 @@ pub async fn replace_labels(
     body: Result<Json<Labels>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<Labels>, ApiError> {
     let Json(Labels { labels }) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let record = state.engine.change(&id, SettingChange::Labels(labels)).await?;
-    Ok(Json(Labels { labels: record.labels }))
+    let record = state
+        .engine
+        .change(&id, SettingChange::Labels(labels))
+        .await?;
+    Ok(Json(Labels {
+        labels: record.labels,
+    }))
 }
 
 fn minutes(value: &str) -> Result<i64, ApiError> {
-    value
-        .parse()
-        .map_err(|_| ApiError::bad_request(format!("interval {value:?} is not a whole number of minutes")))
+    value.parse().map_err(|_| {
+        ApiError::bad_request(format!(
+            "interval {value:?} is not a whole number of minutes"
+        ))
+    })
 }
 
 async fn change(state: AppState, headers: HeaderMap, id: String, change: SettingChange) -> Reply {
@@ -195,9 +222,9 @@ pub async fn set_public(
     headers: HeaderMap,
     Path((id, public)): Path<(String, String)>,
 ) -> Reply {
-    let public = public
-        .parse()
-        .map_err(|_| ApiError::bad_request(format!("public must be true or false, got {public:?}")))?;
+    let public = public.parse().map_err(|_| {
+        ApiError::bad_request(format!("public must be true or false, got {public:?}"))
+    })?;
     change(state, headers, id, SettingChange::Public(public)).await
 }
 
@@ -207,5 +234,7 @@ pub async fn toolbox_proxy_url(
     Path(id): Path<String>,
 ) -> Result<Json<Url>, ApiError> {
     state.engine.get(&id).await?;
-    Ok(Json(Url { url: toolbox_base(&state, &headers) }))
+    Ok(Json(Url {
+        url: toolbox_base(&state, &headers),
+    }))
 }

@@ -7,7 +7,10 @@ use axum::Json;
 use crate::sandbox::toolbox_base;
 use crate::AppState;
 
-pub async fn get_config(State(state): State<AppState>, headers: HeaderMap) -> Json<serde_json::Value> {
+pub async fn get_config(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+) -> Json<serde_json::Value> {
     let toolbox = toolbox_base(&state, &headers);
     let engine = state.engine.config();
     Json(serde_json::json!({

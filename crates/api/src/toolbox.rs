@@ -33,7 +33,9 @@ pub struct AgentClient {
 impl AgentClient {
     pub fn new() -> AgentClient {
         let sockets: Arc<Mutex<HashMap<String, PathBuf>>> = Arc::default();
-        let connector = AgentConnector { sockets: sockets.clone() };
+        let connector = AgentConnector {
+            sockets: sockets.clone(),
+        };
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(std::time::Duration::from_secs(30))
             .build(connector);
@@ -95,15 +97,26 @@ impl tower::Service<Uri> for AgentConnector {
         let socket = self.sockets.lock().unwrap().get(&id).cloned();
         Box::pin(async move {
             let socket = socket.ok_or_else(|| {
-                std::io::Error::new(std::io::ErrorKind::NotFound, format!("no agent known for {id}"))
+                std::io::Error::new(
+                    std::io::ErrorKind::NotFound,
+                    format!("no agent known for {id}"),
+                )
             })?;
-            Ok(AgentStream(TokioIo::new(UnixStream::connect(socket).await?)))
+            Ok(AgentStream(TokioIo::new(
+                UnixStream::connect(socket).await?,
+            )))
         })
     }
 }
 
-pub async fn proxy_root(state: State<AppState>, Path(id): Path<String>, request: Request) -> Response {
-    forward(state, id, request).await.unwrap_or_else(IntoResponse::into_response)
+pub async fn proxy_root(
+    state: State<AppState>,
+    Path(id): Path<String>,
+    request: Request,
+) -> Response {
+    forward(state, id, request)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 pub async fn proxy(
@@ -111,7 +124,9 @@ pub async fn proxy(
     Path((id, _)): Path<(String, String)>,
     request: Request,
 ) -> Response {
-    forward(state, id, request).await.unwrap_or_else(IntoResponse::into_response)
+    forward(state, id, request)
+        .await
+        .unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn forward(
@@ -121,15 +136,28 @@ async fn forward(
 ) -> Result<Response, ApiError> {
     let (id, endpoint) = state.engine.toolbox(&id).await?;
     let AgentEndpoint::Unix(socket) = endpoint;
-    state.toolbox.sockets.lock().unwrap().insert(id.clone(), socket);
+    state
+        .toolbox
+        .sockets
+        .lock()
+        .unwrap()
+        .insert(id.clone(), socket);
 
     // The raw path keeps its percent-encoding; only the `/toolbox/{id}` prefix goes.
-    let raw = request.uri().path_and_query().map(|pq| pq.as_str()).unwrap_or("/");
+    let raw = request
+        .uri()
+        .path_and_query()
+        .map(|pq| pq.as_str())
+        .unwrap_or("/");
     let rest = raw
         .strip_prefix("/toolbox/")
         .and_then(|r| r.find(['/', '?']).map(|i| &r[i..]))
         .unwrap_or("/");
-    let rest = if rest.starts_with('?') { format!("/{rest}") } else { rest.to_owned() };
+    let rest = if rest.starts_with('?') {
+        format!("/{rest}")
+    } else {
+        rest.to_owned()
+    };
     let uri: Uri = format!("http://{id}{rest}")
         .parse()
         .map_err(|_| ApiError::bad_request(format!("invalid toolbox path {rest:?}")))?;
@@ -147,12 +175,18 @@ async fn forward(
     }
 
     let mut response = state.toolbox.client.request(request).await.map_err(|e| {
-        ApiError::new(StatusCode::BAD_GATEWAY, format!("the agent of sandbox {id} did not answer: {e}"))
+        ApiError::new(
+            StatusCode::BAD_GATEWAY,
+            format!("the agent of sandbox {id} did not answer: {e}"),
+        )
     })?;
 
     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
         let Some(client_upgrade) = client_upgrade else {
-            return Err(ApiError::new(StatusCode::BAD_GATEWAY, "the agent upgraded a plain request"));
+            return Err(ApiError::new(
+                StatusCode::BAD_GATEWAY,
+                "the agent upgraded a plain request",
+            ));
         };
         let agent_upgrade = hyper::upgrade::on(&mut response);
         tokio::spawn(async move {

@@ -49,8 +49,15 @@ async fn api() -> Api {
         })
         .await
         .unwrap();
-    let config = ApiConfig { env_api_key: Some(KEY.into()), public_url: None };
-    Api { router: app(AppState::new(engine, config)), fake, _dir: dir }
+    let config = ApiConfig {
+        env_api_key: Some(KEY.into()),
+        public_url: None,
+    };
+    Api {
+        router: app(AppState::new(engine, config)),
+        fake,
+        _dir: dir,
+    }
 }
 
 impl Api {
@@ -65,7 +72,10 @@ impl Api {
         body: Option<Value>,
         key: Option<&str>,
     ) -> (StatusCode, Value) {
-        let mut request = Request::builder().method(method).uri(path).header("host", "cove.test:3000");
+        let mut request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", "cove.test:3000");
         if let Some(key) = key {
             request = request.header("authorization", format!("Bearer {key}"));
         }
@@ -90,18 +100,38 @@ async fn every_request_needs_a_key() {
     let (status, body) = api.call_with_key("GET", "/api/sandbox", None, None).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert!(body["message"].as_str().unwrap().contains("API key"));
-    let (status, _) = api.call_with_key("GET", "/api/sandbox", None, Some("wrong")).await;
+    let (status, _) = api
+        .call_with_key("GET", "/api/sandbox", None, Some("wrong"))
+        .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
-    let (status, _) = api.call_with_key("POST", "/toolbox/x/process/execute", None, None).await;
+    let (status, _) = api
+        .call_with_key("POST", "/toolbox/x/process/execute", None, None)
+        .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
 }
 
 #[tokio::test]
 async fn the_sandbox_dto_has_what_the_sdk_requires() {
     let api = api().await;
-    let (status, s) = api.call("POST", "/api/sandbox", Some(json!({"labels": {"code-toolbox-language": "python"}, "env": {"A": "1"}}))).await;
+    let (status, s) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"labels": {"code-toolbox-language": "python"}, "env": {"A": "1"}})),
+        )
+        .await;
     assert_eq!(status, StatusCode::OK, "{s}");
-    for key in ["id", "organizationId", "name", "user", "target", "toolboxProxyUrl", "state", "snapshot", "createdAt"] {
+    for key in [
+        "id",
+        "organizationId",
+        "name",
+        "user",
+        "target",
+        "toolboxProxyUrl",
+        "state",
+        "snapshot",
+        "createdAt",
+    ] {
         assert!(s[key].is_string(), "{key} must be a string: {s}");
     }
     for key in ["env", "labels"] {
@@ -110,19 +140,31 @@ async fn the_sandbox_dto_has_what_the_sdk_requires() {
     for key in ["public", "networkBlockAll", "kvm"] {
         assert!(s[key].is_boolean(), "{key}: {s}");
     }
-    for key in ["cpu", "gpu", "memory", "disk", "autoStopInterval", "autoDeleteInterval"] {
+    for key in [
+        "cpu",
+        "gpu",
+        "memory",
+        "disk",
+        "autoStopInterval",
+        "autoDeleteInterval",
+    ] {
         assert!(s[key].is_i64(), "{key} must be an integer: {s}");
     }
     assert_eq!(s["state"], "started");
     assert_eq!(s["desiredState"], "started");
     assert_eq!(s["sandboxClass"], "container");
     assert_eq!(s["toolboxProxyUrl"], "http://cove.test:3000/toolbox");
-    assert_eq!((s["cpu"].as_i64(), s["memory"].as_i64(), s["disk"].as_i64()), (Some(1), Some(1), Some(3)));
+    assert_eq!(
+        (s["cpu"].as_i64(), s["memory"].as_i64(), s["disk"].as_i64()),
+        (Some(1), Some(1), Some(3))
+    );
     assert_eq!(s["autoStopInterval"], 15);
     assert_eq!(s["autoDeleteInterval"], -1);
 
     let id = s["id"].as_str().unwrap();
-    let (status, url) = api.call("GET", &format!("/api/sandbox/{id}/toolbox-proxy-url"), None).await;
+    let (status, url) = api
+        .call("GET", &format!("/api/sandbox/{id}/toolbox-proxy-url"), None)
+        .await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(url["url"], "http://cove.test:3000/toolbox");
 }
@@ -130,16 +172,31 @@ async fn the_sandbox_dto_has_what_the_sdk_requires() {
 #[tokio::test]
 async fn bad_creates_are_refused_and_leave_nothing() {
     let api = api().await;
-    let (status, body) = api.call("POST", "/api/sandbox", Some(json!({"snapshot": "ghost"}))).await;
+    let (status, body) = api
+        .call("POST", "/api/sandbox", Some(json!({"snapshot": "ghost"})))
+        .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert_eq!(body["message"], "snapshot ghost not found");
-    let (status, body) = api.call("POST", "/api/sandbox", Some(json!({"cpu": 64}))).await;
+    let (status, body) = api
+        .call("POST", "/api/sandbox", Some(json!({"cpu": 64})))
+        .await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
-    assert_eq!(body["message"], "cpu 64 is above this server's ceiling of 4");
-    let (status, body) = api.call("POST", "/api/sandbox", Some(json!({"buildInfo": {"dockerfileContent": "FROM x"}}))).await;
+    assert_eq!(
+        body["message"],
+        "cpu 64 is above this server's ceiling of 4"
+    );
+    let (status, body) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"buildInfo": {"dockerfileContent": "FROM x"}})),
+        )
+        .await;
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
     assert!(body["message"].as_str().unwrap().contains("buildInfo"));
-    let (status, _) = api.call("POST", "/api/sandbox", Some(json!({"cpu": "two"}))).await;
+    let (status, _) = api
+        .call("POST", "/api/sandbox", Some(json!({"cpu": "two"})))
+        .await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     let (_, list) = api.call("GET", "/api/sandbox", None).await;
     assert_eq!(list["items"].as_array().unwrap().len(), 0);
@@ -149,15 +206,28 @@ async fn bad_creates_are_refused_and_leave_nothing() {
 #[tokio::test]
 async fn lifecycle_over_http() {
     let api = api().await;
-    let (_, s) = api.call("POST", "/api/sandbox", Some(json!({"name": "web"}))).await;
-    let (status, stopped) = api.call("POST", "/api/sandbox/web/stop?force=false", None).await;
+    let (_, s) = api
+        .call("POST", "/api/sandbox", Some(json!({"name": "web"})))
+        .await;
+    let (status, stopped) = api
+        .call("POST", "/api/sandbox/web/stop?force=false", None)
+        .await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(stopped["state"], "stopped");
     // The toolbox of a stopped sandbox is a conflict, named.
     let id = s["id"].as_str().unwrap();
-    let (status, body) = api.call("POST", &format!("/toolbox/{id}/process/execute"), Some(json!({"command": "true"}))).await;
+    let (status, body) = api
+        .call(
+            "POST",
+            &format!("/toolbox/{id}/process/execute"),
+            Some(json!({"command": "true"})),
+        )
+        .await;
     assert_eq!(status, StatusCode::CONFLICT);
-    assert!(body["message"].as_str().unwrap().contains("stopped"), "{body}");
+    assert!(
+        body["message"].as_str().unwrap().contains("stopped"),
+        "{body}"
+    );
     let (status, started) = api.call("POST", "/api/sandbox/web/start", None).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(started["state"], "started");
@@ -173,12 +243,25 @@ async fn lifecycle_over_http() {
 async fn list_filters_by_labels_and_pages() {
     let api = api().await;
     for (name, env) in [("a", "dev"), ("b", "prod"), ("c", "dev")] {
-        let (status, _) = api.call("POST", "/api/sandbox", Some(json!({"name": name, "labels": {"env": env}}))).await;
+        let (status, _) = api
+            .call(
+                "POST",
+                "/api/sandbox",
+                Some(json!({"name": name, "labels": {"env": env}})),
+            )
+            .await;
         assert_eq!(status, StatusCode::OK);
     }
     let labels = "%7B%22env%22%3A%20%22dev%22%7D";
-    let (_, page) = api.call("GET", &format!("/api/sandbox?labels={labels}"), None).await;
-    let names: Vec<&str> = page["items"].as_array().unwrap().iter().map(|s| s["name"].as_str().unwrap()).collect();
+    let (_, page) = api
+        .call("GET", &format!("/api/sandbox?labels={labels}"), None)
+        .await;
+    let names: Vec<&str> = page["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["name"].as_str().unwrap())
+        .collect();
     assert_eq!(names, ["a", "c"]);
     assert!(page["nextCursor"].is_null());
     let (_, first) = api.call("GET", "/api/sandbox?limit=2", None).await;
@@ -193,8 +276,15 @@ async fn list_filters_by_labels_and_pages() {
 #[tokio::test]
 async fn setters() {
     let api = api().await;
-    api.call("POST", "/api/sandbox", Some(json!({"name": "s"}))).await;
-    let (status, labels) = api.call("PUT", "/api/sandbox/s/labels", Some(json!({"labels": {"x": "y"}}))).await;
+    api.call("POST", "/api/sandbox", Some(json!({"name": "s"})))
+        .await;
+    let (status, labels) = api
+        .call(
+            "PUT",
+            "/api/sandbox/s/labels",
+            Some(json!({"labels": {"x": "y"}})),
+        )
+        .await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(labels, json!({"labels": {"x": "y"}}));
     let (status, _) = api.call("POST", "/api/sandbox/s/autostop/30", None).await;
@@ -204,7 +294,10 @@ async fn setters() {
     let (status, _) = api.call("POST", "/api/sandbox/s/ttl/60", None).await;
     assert_eq!(status, StatusCode::OK);
     let (_, s) = api.call("GET", "/api/sandbox/s", None).await;
-    assert_eq!((s["autoStopInterval"].as_i64(), s["ttlMinutes"].as_i64()), (Some(30), Some(60)));
+    assert_eq!(
+        (s["autoStopInterval"].as_i64(), s["ttlMinutes"].as_i64()),
+        (Some(30), Some(60))
+    );
     let (status, body) = api.call("POST", "/api/sandbox/s/autopause/10", None).await;
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     let (status, _) = api.call("POST", "/api/sandbox/s/autostop/soon", None).await;
@@ -216,10 +309,14 @@ async fn setters() {
 #[tokio::test]
 async fn unimplemented_operations_answer_501_by_name() {
     let api = api().await;
-    api.call("POST", "/api/sandbox", Some(json!({"name": "p"}))).await;
+    api.call("POST", "/api/sandbox", Some(json!({"name": "p"})))
+        .await;
     let (status, body) = api.call("GET", "/api/snapshots", None).await;
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
-    assert_eq!(body["message"], "GET /snapshots is not implemented by cove yet");
+    assert_eq!(
+        body["message"],
+        "GET /snapshots is not implemented by cove yet"
+    );
     let (status, body) = api.call("POST", "/api/sandbox/p/pause", None).await;
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
     assert!(body["message"].as_str().unwrap().contains("pause"));
@@ -232,7 +329,14 @@ async fn config_validates_as_the_sdk_expects() {
     let api = api().await;
     let (status, config) = api.call("GET", "/api/config", None).await;
     assert_eq!(status, StatusCode::OK);
-    for key in ["version", "proxyToolboxUrl", "defaultSnapshot", "dashboardUrl", "environment", "proxyTemplateUrl"] {
+    for key in [
+        "version",
+        "proxyToolboxUrl",
+        "defaultSnapshot",
+        "dashboardUrl",
+        "environment",
+        "proxyTemplateUrl",
+    ] {
         assert!(config[key].is_string(), "{key}");
     }
     assert_eq!(config["maintananceMode"], false);

@@ -31,8 +31,14 @@ pub fn locate(explicit: Option<PathBuf>) -> anyhow::Result<PathBuf> {
         Some(path) => vec![path],
         None => {
             let exe = std::env::current_exe().context("locate the cove binary")?;
-            let dir = exe.parent().context("the cove binary has no directory")?.to_owned();
-            let target = dir.parent().map(Path::to_owned).unwrap_or_else(|| dir.clone());
+            let dir = exe
+                .parent()
+                .context("the cove binary has no directory")?
+                .to_owned();
+            let target = dir
+                .parent()
+                .map(Path::to_owned)
+                .unwrap_or_else(|| dir.clone());
             vec![
                 dir.join("cove-agent"),
                 target.join(MUSL_DIR).join("release").join("cove-agent"),

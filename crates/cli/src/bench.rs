@@ -51,18 +51,36 @@ pub fn summarize(samples: &mut [f64]) -> (f64, f64, f64) {
 }
 
 async fn create(client: &Client) -> anyhow::Result<serde_json::Value> {
-    client.api(Method::POST, "/sandbox", Some(json!({ "labels": { "cove-bench": "1" } }))).await
+    client
+        .api(
+            Method::POST,
+            "/sandbox",
+            Some(json!({ "labels": { "cove-bench": "1" } })),
+        )
+        .await
 }
 
 async fn exec_true(client: &Client, sandbox: &serde_json::Value) -> anyhow::Result<()> {
-    let result = client.toolbox(sandbox, Method::POST, "/process/execute", json!({ "command": "true" })).await?;
-    anyhow::ensure!(result["exitCode"] == 0, "`true` failed in the sandbox: {result}");
+    let result = client
+        .toolbox(
+            sandbox,
+            Method::POST,
+            "/process/execute",
+            json!({ "command": "true" }),
+        )
+        .await?;
+    anyhow::ensure!(
+        result["exitCode"] == 0,
+        "`true` failed in the sandbox: {result}"
+    );
     Ok(())
 }
 
 async fn delete(client: &Client, sandbox: &serde_json::Value) -> anyhow::Result<()> {
     let id = sandbox["id"].as_str().context("sandbox without id")?;
-    client.api(Method::DELETE, &format!("/sandbox/{id}"), None).await?;
+    client
+        .api(Method::DELETE, &format!("/sandbox/{id}"), None)
+        .await?;
     Ok(())
 }
 
@@ -102,9 +120,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.n > 0, "--n must be at least 1");
     let mut _data_dir = None;
     let client = match &args.url {
-        Some(url) => Client::new(url, args.api_key.as_deref().context("--url needs an API key (COVE_API_KEY)")?),
+        Some(url) => Client::new(
+            url,
+            args.api_key
+                .as_deref()
+                .context("--url needs an API key (COVE_API_KEY)")?,
+        ),
         None => {
-            let dir = tempfile::Builder::new().prefix("cove-bench").tempdir_in("/var/tmp")?;
+            let dir = tempfile::Builder::new()
+                .prefix("cove-bench")
+                .tempdir_in("/var/tmp")?;
             let key = "cove-bench-key";
             let running = crate::serve::start(ServeArgs {
                 listen: "127.0.0.1:0".parse()?,
@@ -133,7 +158,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                     "min_ms": samples[0], "max_ms": samples[samples.len() - 1] })
         );
     } else {
-        println!("{name}: n={} median={median:.2} ms p95={p95:.2} ms p99={p99:.2} ms", args.n);
+        println!(
+            "{name}: n={} median={median:.2} ms p95={p95:.2} ms p99={p99:.2} ms",
+            args.n
+        );
     }
     Ok(())
 }

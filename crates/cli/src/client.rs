@@ -6,7 +6,11 @@ use serde_json::Value;
 #[derive(clap::Args, Clone, Debug)]
 pub struct Connection {
     /// The API URL of the server.
-    #[arg(long, env = "DAYTONA_API_URL", default_value = "http://127.0.0.1:3000/api")]
+    #[arg(
+        long,
+        env = "DAYTONA_API_URL",
+        default_value = "http://127.0.0.1:3000/api"
+    )]
     pub url: String,
     /// The API key.
     #[arg(long, env = "COVE_API_KEY", hide_env_values = true)]
@@ -23,7 +27,10 @@ pub struct Client {
 impl Client {
     pub fn new(url: &str, key: &str) -> Client {
         Client {
-            http: reqwest::Client::builder().no_proxy().build().expect("a plain HTTP client builds"),
+            http: reqwest::Client::builder()
+                .no_proxy()
+                .build()
+                .expect("a plain HTTP client builds"),
             url: url.trim_end_matches('/').to_owned(),
             key: key.to_owned(),
         }
@@ -55,7 +62,12 @@ impl Client {
         serde_json::from_str(&text).with_context(|| format!("invalid JSON answer: {text}"))
     }
 
-    pub async fn api(&self, method: reqwest::Method, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    pub async fn api(
+        &self,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> anyhow::Result<Value> {
         let mut request = self.http.request(method, format!("{}{path}", self.url));
         if let Some(body) = body {
             request = request.json(&body);
@@ -64,9 +76,22 @@ impl Client {
     }
 
     /// A toolbox call on a sandbox, through the proxy URL the sandbox reports.
-    pub async fn toolbox(&self, sandbox: &Value, method: reqwest::Method, path: &str, body: Value) -> anyhow::Result<Value> {
-        let base = sandbox["toolboxProxyUrl"].as_str().context("sandbox has no toolboxProxyUrl")?;
+    pub async fn toolbox(
+        &self,
+        sandbox: &Value,
+        method: reqwest::Method,
+        path: &str,
+        body: Value,
+    ) -> anyhow::Result<Value> {
+        let base = sandbox["toolboxProxyUrl"]
+            .as_str()
+            .context("sandbox has no toolboxProxyUrl")?;
         let id = sandbox["id"].as_str().context("sandbox has no id")?;
-        self.send(self.http.request(method, format!("{base}/{id}{path}")).json(&body)).await
+        self.send(
+            self.http
+                .request(method, format!("{base}/{id}{path}"))
+                .json(&body),
+        )
+        .await
     }
 }

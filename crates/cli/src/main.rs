@@ -11,7 +11,11 @@ mod serve;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "cove", version, about = "Sandboxes for AI agents, with a Daytona-compatible API")]
+#[command(
+    name = "cove",
+    version,
+    about = "Sandboxes for AI agents, with a Daytona-compatible API"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

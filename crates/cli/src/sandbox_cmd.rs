@@ -44,13 +44,37 @@ pub enum SandboxCommand {
         json: bool,
     },
     /// Show one sandbox.
-    Get { #[command(flatten)] connection: Connection, id: String, #[arg(long)] json: bool },
+    Get {
+        #[command(flatten)]
+        connection: Connection,
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Start a stopped sandbox.
-    Start { #[command(flatten)] connection: Connection, id: String, #[arg(long)] json: bool },
+    Start {
+        #[command(flatten)]
+        connection: Connection,
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Stop a sandbox, keeping its filesystem.
-    Stop { #[command(flatten)] connection: Connection, id: String, #[arg(long)] json: bool },
+    Stop {
+        #[command(flatten)]
+        connection: Connection,
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete a sandbox and everything it holds.
-    Delete { #[command(flatten)] connection: Connection, id: String, #[arg(long)] json: bool },
+    Delete {
+        #[command(flatten)]
+        connection: Connection,
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
     /// Run a command in a sandbox and print its output; exits with its exit code.
     Exec {
         #[command(flatten)]
@@ -69,7 +93,9 @@ pub enum SandboxCommand {
 fn pairs(items: &[String], what: &str) -> anyhow::Result<Value> {
     let mut map = serde_json::Map::new();
     for item in items {
-        let (k, v) = item.split_once('=').with_context(|| format!("{what} {item:?} is not KEY=VALUE"))?;
+        let (k, v) = item
+            .split_once('=')
+            .with_context(|| format!("{what} {item:?} is not KEY=VALUE"))?;
         map.insert(k.to_owned(), Value::String(v.to_owned()));
     }
     Ok(Value::Object(map))
@@ -93,16 +119,27 @@ fn cell(sandbox: &Value, key: &str) -> String {
 }
 
 fn print_table(sandboxes: &[Value]) {
-    let rows: Vec<Vec<String>> =
-        sandboxes.iter().map(|s| COLUMNS.iter().map(|(_, key)| cell(s, key)).collect()).collect();
+    let rows: Vec<Vec<String>> = sandboxes
+        .iter()
+        .map(|s| COLUMNS.iter().map(|(_, key)| cell(s, key)).collect())
+        .collect();
     let widths: Vec<usize> = COLUMNS
         .iter()
         .enumerate()
-        .map(|(i, (title, _))| rows.iter().map(|r| r[i].len()).max().unwrap_or(0).max(title.len()))
+        .map(|(i, (title, _))| {
+            rows.iter()
+                .map(|r| r[i].len())
+                .max()
+                .unwrap_or(0)
+                .max(title.len())
+        })
         .collect();
     let line = |cells: Vec<String>| {
-        let padded: Vec<String> =
-            cells.iter().zip(&widths).map(|(c, w)| format!("{c:<w$}", w = *w)).collect();
+        let padded: Vec<String> = cells
+            .iter()
+            .zip(&widths)
+            .map(|(c, w)| format!("{c:<w$}", w = *w))
+            .collect();
         println!("{}", padded.join("  ").trim_end());
     };
     line(COLUMNS.iter().map(|(title, _)| title.to_string()).collect());
@@ -121,10 +158,28 @@ fn show(sandbox: &Value, json: bool) {
 
 pub async fn run(command: SandboxCommand) -> anyhow::Result<()> {
     match command {
-        SandboxCommand::Create { connection, name, snapshot, cpu, memory, disk, labels, env, ephemeral, json } => {
+        SandboxCommand::Create {
+            connection,
+            name,
+            snapshot,
+            cpu,
+            memory,
+            disk,
+            labels,
+            env,
+            ephemeral,
+            json,
+        } => {
             let client = Client::from_connection(&connection)?;
-            let mut body = json!({ "labels": pairs(&labels, "label")?, "env": pairs(&env, "env")? });
-            for (key, value) in [("name", json!(name)), ("snapshot", json!(snapshot)), ("cpu", json!(cpu)), ("memory", json!(memory)), ("disk", json!(disk))] {
+            let mut body =
+                json!({ "labels": pairs(&labels, "label")?, "env": pairs(&env, "env")? });
+            for (key, value) in [
+                ("name", json!(name)),
+                ("snapshot", json!(snapshot)),
+                ("cpu", json!(cpu)),
+                ("memory", json!(memory)),
+                ("disk", json!(disk)),
+            ] {
                 if !value.is_null() {
                     body[key] = value;
                 }
@@ -132,7 +187,10 @@ pub async fn run(command: SandboxCommand) -> anyhow::Result<()> {
             if ephemeral {
                 body["autoDeleteInterval"] = json!(0);
             }
-            show(&client.api(Method::POST, "/sandbox", Some(body)).await?, json);
+            show(
+                &client.api(Method::POST, "/sandbox", Some(body)).await?,
+                json,
+            );
         }
         SandboxCommand::List { connection, json } => {
             let client = Client::from_connection(&connection)?;
@@ -156,30 +214,76 @@ pub async fn run(command: SandboxCommand) -> anyhow::Result<()> {
                 print_table(&all);
             }
         }
-        SandboxCommand::Get { connection, id, json } => {
+        SandboxCommand::Get {
+            connection,
+            id,
+            json,
+        } => {
             let client = Client::from_connection(&connection)?;
-            show(&client.api(Method::GET, &format!("/sandbox/{id}"), None).await?, json);
+            show(
+                &client
+                    .api(Method::GET, &format!("/sandbox/{id}"), None)
+                    .await?,
+                json,
+            );
         }
-        SandboxCommand::Start { connection, id, json } => {
+        SandboxCommand::Start {
+            connection,
+            id,
+            json,
+        } => {
             let client = Client::from_connection(&connection)?;
-            show(&client.api(Method::POST, &format!("/sandbox/{id}/start"), None).await?, json);
+            show(
+                &client
+                    .api(Method::POST, &format!("/sandbox/{id}/start"), None)
+                    .await?,
+                json,
+            );
         }
-        SandboxCommand::Stop { connection, id, json } => {
+        SandboxCommand::Stop {
+            connection,
+            id,
+            json,
+        } => {
             let client = Client::from_connection(&connection)?;
-            show(&client.api(Method::POST, &format!("/sandbox/{id}/stop"), None).await?, json);
+            show(
+                &client
+                    .api(Method::POST, &format!("/sandbox/{id}/stop"), None)
+                    .await?,
+                json,
+            );
         }
-        SandboxCommand::Delete { connection, id, json } => {
+        SandboxCommand::Delete {
+            connection,
+            id,
+            json,
+        } => {
             let client = Client::from_connection(&connection)?;
-            show(&client.api(Method::DELETE, &format!("/sandbox/{id}"), None).await?, json);
+            show(
+                &client
+                    .api(Method::DELETE, &format!("/sandbox/{id}"), None)
+                    .await?,
+                json,
+            );
         }
-        SandboxCommand::Exec { connection, id, timeout, json, command } => {
+        SandboxCommand::Exec {
+            connection,
+            id,
+            timeout,
+            json,
+            command,
+        } => {
             let client = Client::from_connection(&connection)?;
-            let sandbox = client.api(Method::GET, &format!("/sandbox/{id}"), None).await?;
+            let sandbox = client
+                .api(Method::GET, &format!("/sandbox/{id}"), None)
+                .await?;
             let mut body = json!({ "command": command.join(" ") });
             if let Some(timeout) = timeout {
                 body["timeout"] = json!(timeout);
             }
-            let result = client.toolbox(&sandbox, Method::POST, "/process/execute", body).await?;
+            let result = client
+                .toolbox(&sandbox, Method::POST, "/process/execute", body)
+                .await?;
             if json {
                 println!("{result}");
             } else {

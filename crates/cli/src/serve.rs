@@ -81,13 +81,18 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<Running> {
     let agent_binary = crate::agent_binary::locate(args.agent_bin.clone())?;
     let store = Store::open(&data_dir.join("cove.db")).await?;
 
-    let images = ImageStore::new(args.images_dir.clone().unwrap_or_else(|| data_dir.join("images")));
+    let images = ImageStore::new(
+        args.images_dir
+            .clone()
+            .unwrap_or_else(|| data_dir.join("images")),
+    );
     if !images.default_is_built() {
         eprintln!("building the default image (Debian bookworm with python3, pip, git, curl; about a minute, once)");
     }
     let images_for_build = images.clone();
-    let rootfs = tokio::task::spawn_blocking(move || images_for_build.ensure_default(progress_printer()))
-        .await??;
+    let rootfs =
+        tokio::task::spawn_blocking(move || images_for_build.ensure_default(progress_printer()))
+            .await??;
     if std::io::stderr().is_terminal() {
         eprintln!();
     }
@@ -97,10 +102,16 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<Running> {
         agent_binary,
         std::env::current_exe()?,
     ))?;
-    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> =
-        HashMap::from([(SandboxClass::Container, Arc::new(container) as Arc<dyn Runtime>)]);
+    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
+        SandboxClass::Container,
+        Arc::new(container) as Arc<dyn Runtime>,
+    )]);
     let config = EngineConfig {
-        ceilings: Ceilings { cpu: args.max_cpu, memory_gib: args.max_memory, disk_gib: args.max_disk },
+        ceilings: Ceilings {
+            cpu: args.max_cpu,
+            memory_gib: args.max_memory,
+            disk_gib: args.max_disk,
+        },
         timer_tick: Duration::from_millis(args.timer_tick_ms),
         ..EngineConfig::default()
     };
@@ -134,7 +145,10 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<Running> {
     }
     let app = cove_api::app(cove_api::AppState::new(
         engine.clone(),
-        cove_api::ApiConfig { env_api_key, public_url: args.public_url.clone() },
+        cove_api::ApiConfig {
+            env_api_key,
+            public_url: args.public_url.clone(),
+        },
     ));
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await

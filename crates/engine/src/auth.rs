@@ -23,8 +23,14 @@ impl Engine {
         }
         use rand::Rng;
         let bytes: [u8; 24] = rand::thread_rng().gen();
-        let key: String = format!("cove_{}", bytes.iter().map(|b| format!("{b:02x}")).collect::<String>());
-        self.inner.store.add_api_key_hash(&hash_api_key(&key), now_ms()).await?;
+        let key: String = format!(
+            "cove_{}",
+            bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        );
+        self.inner
+            .store
+            .add_api_key_hash(&hash_api_key(&key), now_ms())
+            .await?;
         *self.inner.api_keys.write().unwrap() = None;
         Ok(Some(key))
     }
@@ -41,7 +47,9 @@ impl Engine {
                 hashes
             }
         };
-        Ok(hashes.iter().any(|stored| constant_time_eq(stored.as_bytes(), hash.as_bytes())))
+        Ok(hashes
+            .iter()
+            .any(|stored| constant_time_eq(stored.as_bytes(), hash.as_bytes())))
     }
 }
 

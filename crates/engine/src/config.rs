@@ -30,7 +30,11 @@ impl Default for EngineConfig {
     fn default() -> Self {
         EngineConfig {
             default_snapshot: "cove-default".into(),
-            ceilings: Ceilings { cpu: 4, memory_gib: 8, disk_gib: 20 },
+            ceilings: Ceilings {
+                cpu: 4,
+                memory_gib: 8,
+                disk_gib: 20,
+            },
             default_cpu: 1,
             default_memory_gib: 1,
             default_disk_gib: 3,

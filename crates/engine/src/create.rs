@@ -32,7 +32,9 @@ pub struct CreateSandbox {
 fn check_name(name: &str) -> Result<(), EngineError> {
     let valid = !name.is_empty()
         && name.len() <= 63
-        && name.chars().all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
     if valid {
         Ok(())
     } else {
@@ -51,10 +53,17 @@ fn resource(
 ) -> Result<i64, EngineError> {
     let value = requested.unwrap_or(default);
     if value < 1 {
-        return Err(EngineError::Invalid { field, reason: format!("must be at least 1, got {value}") });
+        return Err(EngineError::Invalid {
+            field,
+            reason: format!("must be at least 1, got {value}"),
+        });
     }
     if value > ceiling {
-        return Err(EngineError::AboveCeiling { field, requested: value, ceiling });
+        return Err(EngineError::AboveCeiling {
+            field,
+            requested: value,
+            ceiling,
+        });
     }
     Ok(value)
 }
@@ -64,16 +73,23 @@ impl Engine {
     /// does not exist at all.
     pub async fn create(&self, request: CreateSandbox) -> Result<SandboxRecord, EngineError> {
         let config = &self.inner.config;
-        let snapshot_name = request.snapshot.clone().unwrap_or_else(|| config.default_snapshot.clone());
+        let snapshot_name = request
+            .snapshot
+            .clone()
+            .unwrap_or_else(|| config.default_snapshot.clone());
         if snapshot_name.to_ascii_lowercase().starts_with("windows") {
-            return Err(EngineError::NoWindows { name: snapshot_name });
+            return Err(EngineError::NoWindows {
+                name: snapshot_name,
+            });
         }
         let snapshot = self
             .inner
             .store
             .find_snapshot(&snapshot_name)
             .await?
-            .ok_or_else(|| EngineError::SnapshotNotFound { name: snapshot_name.clone() })?;
+            .ok_or_else(|| EngineError::SnapshotNotFound {
+                name: snapshot_name.clone(),
+            })?;
         if snapshot.state != SnapshotState::Active {
             return Err(EngineError::SnapshotNotActive {
                 name: snapshot_name,
@@ -82,17 +98,36 @@ impl Engine {
         }
         let ceilings = config.ceilings;
         let cpu = resource("cpu", request.cpu, config.default_cpu, ceilings.cpu)?;
-        let memory_gib =
-            resource("memory", request.memory_gib, config.default_memory_gib, ceilings.memory_gib)?;
-        let disk_gib = resource("disk", request.disk_gib, config.default_disk_gib, ceilings.disk_gib)?;
+        let memory_gib = resource(
+            "memory",
+            request.memory_gib,
+            config.default_memory_gib,
+            ceilings.memory_gib,
+        )?;
+        let disk_gib = resource(
+            "disk",
+            request.disk_gib,
+            config.default_disk_gib,
+            ceilings.disk_gib,
+        )?;
         if let Some(gpu) = request.gpu.filter(|gpu| *gpu != 0) {
-            return Err(EngineError::AboveCeiling { field: "gpu", requested: gpu, ceiling: 0 });
+            return Err(EngineError::AboveCeiling {
+                field: "gpu",
+                requested: gpu,
+                ceiling: 0,
+            });
         }
-        let user = request.user.clone().unwrap_or_else(|| config.os_user.clone());
+        let user = request
+            .user
+            .clone()
+            .unwrap_or_else(|| config.os_user.clone());
         if user != config.os_user {
             return Err(EngineError::Invalid {
                 field: "user",
-                reason: format!("{user:?} does not exist here; sandboxes run as {:?}", config.os_user),
+                reason: format!(
+                    "{user:?} does not exist here; sandboxes run as {:?}",
+                    config.os_user
+                ),
             });
         }
         let timers = TimerSettings::resolve(
@@ -151,10 +186,14 @@ impl Engine {
         };
         let lock = self.lock_for(&id);
         let _guard = lock.lock().await;
-        self.inner.store.insert_sandbox(&record).await.map_err(|e| match e {
-            StoreError::Duplicate { .. } => EngineError::NameTaken { name },
-            other => other.into(),
-        })?;
+        self.inner
+            .store
+            .insert_sandbox(&record)
+            .await
+            .map_err(|e| match e {
+                StoreError::Duplicate { .. } => EngineError::NameTaken { name },
+                other => other.into(),
+            })?;
 
         let runtime = self.runtime(record.class)?.clone();
         let spec = self.spec(&record, &snapshot.rootfs);
@@ -197,7 +236,11 @@ impl Engine {
                 memory_mib: record.memory_gib as u64 * 1024,
                 disk_gib: record.disk_gib as u64,
             },
-            env: record.env.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
+            env: record
+                .env
+                .iter()
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
         }
     }
 }

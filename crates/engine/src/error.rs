@@ -17,7 +17,11 @@ pub enum EngineError {
     #[error("invalid {field}: {reason}")]
     Invalid { field: &'static str, reason: String },
     #[error("{field} {requested} is above this server's ceiling of {ceiling}")]
-    AboveCeiling { field: &'static str, requested: i64, ceiling: i64 },
+    AboveCeiling {
+        field: &'static str,
+        requested: i64,
+        ceiling: i64,
+    },
     #[error("sandbox {id}: {source}")]
     Transition {
         id: String,
@@ -33,7 +37,11 @@ pub enum EngineError {
     #[error("{what} is not implemented by cove yet")]
     NotImplemented { what: String },
     #[error("sandbox {id} could not {operation}: {reason}")]
-    Runtime { id: String, operation: &'static str, reason: String },
+    Runtime {
+        id: String,
+        operation: &'static str,
+        reason: String,
+    },
     #[error("internal storage error")]
     Store(#[from] cove_store::StoreError),
 }
@@ -57,13 +65,16 @@ impl EngineError {
             | Self::Timers(_)
             | Self::NoWindows { .. }
             | Self::SnapshotNotActive { .. } => ErrorKind::BadRequest,
-            Self::Transition { source: TransitionError::NotSupported { .. }, .. } => {
-                ErrorKind::BadRequest
-            }
+            Self::Transition {
+                source: TransitionError::NotSupported { .. },
+                ..
+            } => ErrorKind::BadRequest,
             Self::NameTaken { .. } | Self::Transition { .. } | Self::NotStarted { .. } => {
                 ErrorKind::Conflict
             }
-            Self::ClassUnavailable { .. } | Self::NotImplemented { .. } => ErrorKind::NotImplemented,
+            Self::ClassUnavailable { .. } | Self::NotImplemented { .. } => {
+                ErrorKind::NotImplemented
+            }
             Self::Runtime { .. } | Self::Store(_) => ErrorKind::Internal,
         }
     }

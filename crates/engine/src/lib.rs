@@ -94,11 +94,19 @@ impl Engine {
         self.inner
             .runtimes
             .get(&class)
-            .ok_or(EngineError::ClassUnavailable { class: class.as_str() })
+            .ok_or(EngineError::ClassUnavailable {
+                class: class.as_str(),
+            })
     }
 
     fn lock_for(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.inner.locks.lock().unwrap().entry(id.to_owned()).or_default().clone()
+        self.inner
+            .locks
+            .lock()
+            .unwrap()
+            .entry(id.to_owned())
+            .or_default()
+            .clone()
     }
 
     /// The sandbox with this id or name.
@@ -108,7 +116,9 @@ impl Engine {
             .store
             .find_sandbox(id_or_name)
             .await?
-            .ok_or_else(|| EngineError::SandboxNotFound { id: id_or_name.to_owned() })?;
+            .ok_or_else(|| EngineError::SandboxNotFound {
+                id: id_or_name.to_owned(),
+            })?;
         self.inner.activity.apply(&mut record);
         Ok(record)
     }
@@ -136,7 +146,10 @@ impl Engine {
     pub async fn toolbox(&self, id_or_name: &str) -> Result<(String, AgentEndpoint), EngineError> {
         let record = self.get(id_or_name).await?;
         if record.state != SandboxState::Started {
-            return Err(EngineError::NotStarted { id: record.id, state: record.state });
+            return Err(EngineError::NotStarted {
+                id: record.id,
+                state: record.state,
+            });
         }
         let running = self.inner.running.lock().unwrap().get(&record.id).cloned();
         let running = running.ok_or_else(|| EngineError::NotStarted {

@@ -44,9 +44,18 @@ impl Engine {
         let _guard = lock.lock().await;
         // Read again under the lock: the operation before ours may have changed it.
         let mut record = self.get(&id).await?;
-        let transition = plan(operation, record.state, record.class)
-            .map_err(|source| EngineError::Transition { id: id.clone(), source })?;
-        let Transition::Run { during, success, desired } = transition else {
+        let transition = plan(operation, record.state, record.class).map_err(|source| {
+            EngineError::Transition {
+                id: id.clone(),
+                source,
+            }
+        })?;
+        let Transition::Run {
+            during,
+            success,
+            desired,
+        } = transition
+        else {
             return Ok(record);
         };
         let effect = self.check_supported(operation)?;
@@ -74,7 +83,11 @@ impl Engine {
                 record.error_reason = Some(format!("{operation} failed: {reason}"));
                 self.save_state(&mut record).await?;
                 tracing::warn!(sandbox = %id, %operation, %reason, "failed");
-                Err(EngineError::Runtime { id, operation: operation.as_str(), reason })
+                Err(EngineError::Runtime {
+                    id,
+                    operation: operation.as_str(),
+                    reason,
+                })
             }
         }
     }
@@ -84,12 +97,17 @@ impl Engine {
             Operation::Start | Operation::Recover | Operation::ColdStart => Ok(Effect::Boot),
             Operation::Stop => Ok(Effect::Halt),
             Operation::Delete => Ok(Effect::Destroy),
-            other => Err(EngineError::NotImplemented { what: format!("sandbox {other}") }),
+            other => Err(EngineError::NotImplemented {
+                what: format!("sandbox {other}"),
+            }),
         }
     }
 
     async fn apply(&self, effect: Effect, record: &SandboxRecord) -> Result<(), String> {
-        let runtime = self.runtime(record.class).map_err(|e| e.to_string())?.clone();
+        let runtime = self
+            .runtime(record.class)
+            .map_err(|e| e.to_string())?
+            .clone();
         match effect {
             Effect::Boot => {
                 let snapshot = self
@@ -132,16 +150,20 @@ impl Engine {
     pub(crate) fn register_running(&self, id: &str, started: Started) {
         use std::sync::atomic::Ordering;
         let generation = self.inner.generation.fetch_add(1, Ordering::Relaxed) + 1;
-        self.inner
-            .running
-            .lock()
-            .unwrap()
-            .insert(id.to_owned(), Running { agent: started.agent, generation });
+        self.inner.running.lock().unwrap().insert(
+            id.to_owned(),
+            Running {
+                agent: started.agent,
+                generation,
+            },
+        );
         let engine = self.clone();
         let id = id.to_owned();
         let exited = started.exited;
         tokio::spawn(async move {
-            let why = exited.await.unwrap_or_else(|_| "its runtime dropped it".into());
+            let why = exited
+                .await
+                .unwrap_or_else(|_| "its runtime dropped it".into());
             engine.on_exit(&id, generation, &why).await;
         });
     }
@@ -163,7 +185,9 @@ impl Engine {
                 _ => return,
             }
         }
-        let Ok(mut record) = self.get(id).await else { return };
+        let Ok(mut record) = self.get(id).await else {
+            return;
+        };
         if record.state == SandboxState::Started {
             record.state = SandboxState::Error;
             record.error_reason = Some(format!("the sandbox exited unexpectedly: {why}"));

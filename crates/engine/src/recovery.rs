@@ -24,7 +24,8 @@ impl Engine {
                 SandboxState::Creating | SandboxState::Destroying => {
                     if let Err(error) = runtime.destroy(&id).await {
                         record.state = SandboxState::Error;
-                        record.error_reason = Some(format!("cleanup after a restart failed: {error}"));
+                        record.error_reason =
+                            Some(format!("cleanup after a restart failed: {error}"));
                         self.save_state(&mut record).await?;
                         continue;
                     }
@@ -34,18 +35,26 @@ impl Engine {
                 _ => {
                     if let Err(error) = runtime.stop(&id).await {
                         record.state = SandboxState::Error;
-                        record.error_reason = Some(format!("ending leftovers after a restart failed: {error}"));
+                        record.error_reason =
+                            Some(format!("ending leftovers after a restart failed: {error}"));
                         self.save_state(&mut record).await?;
                         continue;
                     }
                     let was = record.state;
                     if record.desired_state == DesiredState::Started
-                        && matches!(was, SandboxState::Started | SandboxState::Starting | SandboxState::Restoring)
+                        && matches!(
+                            was,
+                            SandboxState::Started
+                                | SandboxState::Starting
+                                | SandboxState::Restoring
+                        )
                     {
                         record.state = SandboxState::Stopped;
                         self.save_state(&mut record).await?;
                         match self.start(&id).await {
-                            Ok(_) => tracing::info!(sandbox = %id, "restarted after a server restart"),
+                            Ok(_) => {
+                                tracing::info!(sandbox = %id, "restarted after a server restart")
+                            }
                             Err(error) => tracing::warn!(sandbox = %id, %error, "restart failed"),
                         }
                     } else if was.is_transient() {

@@ -33,7 +33,9 @@ impl Engine {
         let class = record.class;
         match change {
             SettingChange::Labels(labels) => record.labels = labels,
-            SettingChange::AutoStop(m) => record.timers = record.timers.with(class, |t| t.auto_stop = m)?,
+            SettingChange::AutoStop(m) => {
+                record.timers = record.timers.with(class, |t| t.auto_stop = m)?
+            }
             SettingChange::AutoPause(m) => {
                 record.timers = record.timers.with(class, |t| t.auto_pause = m)?
             }

@@ -33,7 +33,9 @@ impl Engine {
                 // Archiving needs object storage, which this server does not have yet.
                 can_archive: false,
             };
-            let Some(action) = due_action(&view, now) else { continue };
+            let Some(action) = due_action(&view, now) else {
+                continue;
+            };
             tracing::info!(sandbox = %record.id, timer = action.as_str(), "timer fired");
             let result = match action.operation() {
                 cove_lifecycle::Operation::Stop => self.stop(&record.id).await.map(drop),
@@ -41,7 +43,9 @@ impl Engine {
             };
             match result {
                 Ok(()) => fired.push((record.id, action.as_str())),
-                Err(error) => tracing::warn!(sandbox = %record.id, timer = action.as_str(), %error, "timer could not act"),
+                Err(error) => {
+                    tracing::warn!(sandbox = %record.id, timer = action.as_str(), %error, "timer could not act")
+                }
             }
         }
         Ok(fired)

@@ -4,7 +4,9 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use cove_engine::{CreateSandbox, Engine, EngineConfig, EngineError, SandboxState, SettingChange, SnapshotRecord};
+use cove_engine::{
+    CreateSandbox, Engine, EngineConfig, EngineError, SandboxState, SettingChange, SnapshotRecord,
+};
 use cove_lifecycle::{SandboxClass, MINUTE_MS};
 use cove_runtime::fake::FakeRuntime;
 use cove_runtime::Runtime;
@@ -47,11 +49,19 @@ async fn harness() -> Harness {
         })
         .await
         .unwrap();
-    Harness { engine, fake, store, _dir: dir }
+    Harness {
+        engine,
+        fake,
+        store,
+        _dir: dir,
+    }
 }
 
 fn named(name: &str) -> CreateSandbox {
-    CreateSandbox { name: Some(name.into()), ..CreateSandbox::default() }
+    CreateSandbox {
+        name: Some(name.into()),
+        ..CreateSandbox::default()
+    }
 }
 
 #[tokio::test]
@@ -67,15 +77,24 @@ async fn create_stop_start_delete() {
     assert_eq!(stopped.state, SandboxState::Stopped);
     assert!(!h.fake.is_running(&s.id).await);
     // Stop again is a no-op, not an error.
-    assert_eq!(h.engine.stop(&s.id).await.unwrap().state, SandboxState::Stopped);
+    assert_eq!(
+        h.engine.stop(&s.id).await.unwrap().state,
+        SandboxState::Stopped
+    );
 
-    assert_eq!(h.engine.start("one").await.unwrap().state, SandboxState::Started);
+    assert_eq!(
+        h.engine.start("one").await.unwrap().state,
+        SandboxState::Started
+    );
     assert!(h.fake.is_running(&s.id).await);
 
     let deleted = h.engine.delete("one").await.unwrap();
     assert_eq!(deleted.state, SandboxState::Destroyed);
     assert!(h.fake.machines().is_empty());
-    assert!(matches!(h.engine.get(&s.id).await, Err(EngineError::SandboxNotFound { .. })));
+    assert!(matches!(
+        h.engine.get(&s.id).await,
+        Err(EngineError::SandboxNotFound { .. })
+    ));
 }
 
 #[tokio::test]
@@ -94,18 +113,36 @@ async fn a_failed_create_leaves_nothing() {
 #[tokio::test]
 async fn bad_requests_are_refused_by_name() {
     let h = harness().await;
-    let unknown = CreateSandbox { snapshot: Some("nope".into()), ..Default::default() };
+    let unknown = CreateSandbox {
+        snapshot: Some("nope".into()),
+        ..Default::default()
+    };
     let err = h.engine.create(unknown).await.unwrap_err();
     assert_eq!(err.to_string(), "snapshot nope not found");
     assert_eq!(err.kind(), cove_engine::ErrorKind::NotFound);
 
-    let big = CreateSandbox { memory_gib: Some(64), ..Default::default() };
+    let big = CreateSandbox {
+        memory_gib: Some(64),
+        ..Default::default()
+    };
     let err = h.engine.create(big).await.unwrap_err();
-    assert_eq!(err.to_string(), "memory 64 is above this server's ceiling of 8");
+    assert_eq!(
+        err.to_string(),
+        "memory 64 is above this server's ceiling of 8"
+    );
     assert_eq!(err.kind(), cove_engine::ErrorKind::BadRequest);
 
-    let windows = CreateSandbox { snapshot: Some("windows-small".into()), ..Default::default() };
-    assert!(h.engine.create(windows).await.unwrap_err().to_string().contains("no Windows image"));
+    let windows = CreateSandbox {
+        snapshot: Some("windows-small".into()),
+        ..Default::default()
+    };
+    assert!(h
+        .engine
+        .create(windows)
+        .await
+        .unwrap_err()
+        .to_string()
+        .contains("no Windows image"));
 
     h.engine.create(named("taken")).await.unwrap();
     let err = h.engine.create(named("taken")).await.unwrap_err();
@@ -113,8 +150,14 @@ async fn bad_requests_are_refused_by_name() {
 
     let bad_name = h.engine.create(named("a b")).await.unwrap_err();
     assert_eq!(bad_name.kind(), cove_engine::ErrorKind::BadRequest);
-    let both = CreateSandbox { auto_pause: Some(5), ..Default::default() };
-    assert_eq!(h.engine.create(both).await.unwrap_err().kind(), cove_engine::ErrorKind::BadRequest);
+    let both = CreateSandbox {
+        auto_pause: Some(5),
+        ..Default::default()
+    };
+    assert_eq!(
+        h.engine.create(both).await.unwrap_err().kind(),
+        cove_engine::ErrorKind::BadRequest
+    );
     // Nothing half-made by any of these.
     assert_eq!(h.engine.list().await.unwrap().len(), 1);
     assert_eq!(h.fake.machines().len(), 1);
@@ -138,8 +181,17 @@ async fn a_crash_is_an_error_and_recover_starts_it() {
     assert!(record.error_reason.unwrap().contains("exited unexpectedly"));
     // Start from error is not allowed; recover is.
     let err = h.engine.start(&s.id).await.unwrap_err();
-    assert_eq!(err.to_string(), format!("sandbox {}: cannot start a sandbox that is error (recover it first)", s.id));
-    assert_eq!(h.engine.recover(&s.id).await.unwrap().state, SandboxState::Started);
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "sandbox {}: cannot start a sandbox that is error (recover it first)",
+            s.id
+        )
+    );
+    assert_eq!(
+        h.engine.recover(&s.id).await.unwrap().state,
+        SandboxState::Started
+    );
 }
 
 #[tokio::test]
@@ -148,13 +200,19 @@ async fn stop_does_not_count_as_a_crash() {
     let s = h.engine.create(named("calm")).await.unwrap();
     h.engine.stop(&s.id).await.unwrap();
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    assert_eq!(h.engine.get(&s.id).await.unwrap().state, SandboxState::Stopped);
+    assert_eq!(
+        h.engine.get(&s.id).await.unwrap().state,
+        SandboxState::Stopped
+    );
 }
 
 #[tokio::test]
 async fn ephemeral_is_deleted_on_stop() {
     let h = harness().await;
-    let request = CreateSandbox { auto_delete: Some(0), ..named("brief") };
+    let request = CreateSandbox {
+        auto_delete: Some(0),
+        ..named("brief")
+    };
     let s = h.engine.create(request).await.unwrap();
     let after = h.engine.stop(&s.id).await.unwrap();
     assert_eq!(after.state, SandboxState::Destroyed);
@@ -165,14 +223,37 @@ async fn ephemeral_is_deleted_on_stop() {
 #[tokio::test]
 async fn timers_stop_idle_sandboxes_and_honour_ttl() {
     let h = harness().await;
-    let idle = h.engine.create(CreateSandbox { auto_stop: Some(1), ..named("idle") }).await.unwrap();
-    let ttl = h.engine.create(CreateSandbox { auto_stop: Some(0), ttl_minutes: Some(2), ..named("ttl") }).await.unwrap();
+    let idle = h
+        .engine
+        .create(CreateSandbox {
+            auto_stop: Some(1),
+            ..named("idle")
+        })
+        .await
+        .unwrap();
+    let ttl = h
+        .engine
+        .create(CreateSandbox {
+            auto_stop: Some(0),
+            ttl_minutes: Some(2),
+            ..named("ttl")
+        })
+        .await
+        .unwrap();
     let now = cove_engine::now_ms();
 
-    assert!(h.engine.check_timers(now + 30_000).await.unwrap().is_empty());
+    assert!(h
+        .engine
+        .check_timers(now + 30_000)
+        .await
+        .unwrap()
+        .is_empty());
     let fired = h.engine.check_timers(now + MINUTE_MS + 1000).await.unwrap();
     assert!(fired.contains(&(idle.id.clone(), "auto-stop")), "{fired:?}");
-    assert_eq!(h.engine.get(&idle.id).await.unwrap().state, SandboxState::Stopped);
+    assert_eq!(
+        h.engine.get(&idle.id).await.unwrap().state,
+        SandboxState::Stopped
+    );
 
     let fired = h.engine.check_timers(now + 3 * MINUTE_MS).await.unwrap();
     assert!(fired.contains(&(ttl.id.clone(), "ttl")), "{fired:?}");
@@ -183,17 +264,33 @@ async fn timers_stop_idle_sandboxes_and_honour_ttl() {
 async fn setters_keep_the_rules_and_reset_ttl() {
     let h = harness().await;
     let s = h.engine.create(named("set")).await.unwrap();
-    let r = h.engine.change(&s.id, SettingChange::AutoStop(30)).await.unwrap();
+    let r = h
+        .engine
+        .change(&s.id, SettingChange::AutoStop(30))
+        .await
+        .unwrap();
     assert_eq!(r.timers.auto_stop, 30);
-    let err = h.engine.change(&s.id, SettingChange::AutoPause(5)).await.unwrap_err();
+    let err = h
+        .engine
+        .change(&s.id, SettingChange::AutoPause(5))
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), cove_engine::ErrorKind::BadRequest);
     let before = cove_engine::now_ms();
-    let r = h.engine.change(&s.id, SettingChange::Ttl(10)).await.unwrap();
+    let r = h
+        .engine
+        .change(&s.id, SettingChange::Ttl(10))
+        .await
+        .unwrap();
     assert!(r.ttl_deadline_ms.unwrap() >= before + 10 * MINUTE_MS);
     let r = h.engine.change(&s.id, SettingChange::Ttl(0)).await.unwrap();
     assert_eq!(r.ttl_deadline_ms, None);
     let labels = [("a".to_string(), "b".to_string())].into_iter().collect();
-    let r = h.engine.change(&s.id, SettingChange::Labels(labels)).await.unwrap();
+    let r = h
+        .engine
+        .change(&s.id, SettingChange::Labels(labels))
+        .await
+        .unwrap();
     assert_eq!(r.labels.get("a").map(String::as_str), Some("b"));
 }
 
@@ -212,16 +309,26 @@ async fn a_restart_brings_sandboxes_back_once() {
             id: id.clone(),
             hostname: "x".into(),
             rootfs: "/rootfs".into(),
-            resources: cove_runtime::Resources { cpu: 1, memory_mib: 1024, disk_gib: 3 },
+            resources: cove_runtime::Resources {
+                cpu: 1,
+                memory_mib: 1024,
+                disk_gib: 3,
+            },
             env: vec![],
         };
         fake.prepare(&spec).await.unwrap();
     }
     let engine = engine_on(h.store.clone(), fake.clone()).await;
     engine.recover_after_restart().await.unwrap();
-    assert_eq!(engine.get(&running.id).await.unwrap().state, SandboxState::Started);
+    assert_eq!(
+        engine.get(&running.id).await.unwrap().state,
+        SandboxState::Started
+    );
     assert!(fake.is_running(&running.id).await);
-    assert_eq!(engine.get(&stopped.id).await.unwrap().state, SandboxState::Stopped);
+    assert_eq!(
+        engine.get(&stopped.id).await.unwrap().state,
+        SandboxState::Stopped
+    );
     assert!(!fake.is_running(&stopped.id).await);
     assert_eq!(engine.list().await.unwrap().len(), 2);
 }

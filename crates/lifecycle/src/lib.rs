@@ -10,5 +10,7 @@ mod timers;
 mod transition;
 
 pub use state::{DesiredState, SandboxClass, SandboxState};
-pub use timers::{due_action, TimerAction, TimerSettings, TimerSettingsError, TimerView, MINUTE_MS};
+pub use timers::{
+    due_action, TimerAction, TimerSettings, TimerSettingsError, TimerView, MINUTE_MS,
+};
 pub use transition::{plan, Operation, Transition, TransitionError};

@@ -116,8 +116,13 @@ pub enum DesiredState {
 }
 
 impl DesiredState {
-    pub const ALL: [DesiredState; 5] =
-        [Self::Started, Self::Stopped, Self::Paused, Self::Archived, Self::Destroyed];
+    pub const ALL: [DesiredState; 5] = [
+        Self::Started,
+        Self::Stopped,
+        Self::Paused,
+        Self::Archived,
+        Self::Destroyed,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {

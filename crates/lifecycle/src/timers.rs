@@ -33,7 +33,11 @@ pub struct TimerSettings {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum TimerSettingsError {
     #[error("{field} must be at least {min} minutes, got {value}")]
-    OutOfRange { field: &'static str, min: i64, value: i64 },
+    OutOfRange {
+        field: &'static str,
+        min: i64,
+        value: i64,
+    },
     #[error("autoPauseInterval and autoStopInterval are mutually exclusive: at most one may be non-zero")]
     PauseAndStop,
     #[error("ephemeral sandboxes (autoDeleteInterval 0) cannot have auto-pause")]
@@ -166,13 +170,20 @@ impl TimerAction {
 /// everything; among the others at most one can apply to a given state.
 pub fn due_action(view: &TimerView, now_ms: i64) -> Option<TimerAction> {
     let s = &view.settings;
-    if matches!(view.state, SandboxState::Destroying | SandboxState::Destroyed) {
+    if matches!(
+        view.state,
+        SandboxState::Destroying | SandboxState::Destroyed
+    ) {
         return None;
     }
-    if view.ttl_deadline_ms.is_some_and(|deadline| now_ms >= deadline) {
+    if view
+        .ttl_deadline_ms
+        .is_some_and(|deadline| now_ms >= deadline)
+    {
         return Some(TimerAction::Ttl);
     }
-    let idle_for = |minutes: i64| minutes > 0 && now_ms - view.last_activity_ms >= minutes * MINUTE_MS;
+    let idle_for =
+        |minutes: i64| minutes > 0 && now_ms - view.last_activity_ms >= minutes * MINUTE_MS;
     let stopped_for = |minutes: i64| now_ms - view.state_since_ms >= minutes * MINUTE_MS;
     match view.state {
         SandboxState::Started if idle_for(s.auto_pause) => Some(TimerAction::AutoPause),
@@ -206,7 +217,12 @@ mod tests {
         let s = resolve(Container, None, None, None).unwrap();
         assert_eq!(
             s,
-            TimerSettings { auto_stop: 15, auto_pause: 0, auto_archive: 7 * 24 * 60, auto_delete: -1 }
+            TimerSettings {
+                auto_stop: 15,
+                auto_pause: 0,
+                auto_archive: 7 * 24 * 60,
+                auto_delete: -1
+            }
         );
     }
 
@@ -233,9 +249,15 @@ mod tests {
 
     #[test]
     fn pause_and_stop_are_exclusive() {
-        assert_eq!(resolve(LinuxVm, Some(5), Some(5), None), Err(TimerSettingsError::PauseAndStop));
+        assert_eq!(
+            resolve(LinuxVm, Some(5), Some(5), None),
+            Err(TimerSettingsError::PauseAndStop)
+        );
         // auto-stop defaults to 15 when only auto-pause is given, so that is a conflict too.
-        assert_eq!(resolve(LinuxVm, None, Some(5), None), Err(TimerSettingsError::PauseAndStop));
+        assert_eq!(
+            resolve(LinuxVm, None, Some(5), None),
+            Err(TimerSettingsError::PauseAndStop)
+        );
     }
 
     #[test]
@@ -250,11 +272,17 @@ mod tests {
     fn ranges() {
         assert!(matches!(
             resolve(Container, Some(-1), None, None),
-            Err(TimerSettingsError::OutOfRange { field: "autoStopInterval", .. })
+            Err(TimerSettingsError::OutOfRange {
+                field: "autoStopInterval",
+                ..
+            })
         ));
         assert!(matches!(
             resolve(Container, None, None, Some(-2)),
-            Err(TimerSettingsError::OutOfRange { field: "autoDeleteInterval", .. })
+            Err(TimerSettingsError::OutOfRange {
+                field: "autoDeleteInterval",
+                ..
+            })
         ));
         assert!(resolve(Container, None, None, Some(-1)).is_ok());
     }
@@ -262,13 +290,20 @@ mod tests {
     #[test]
     fn setters_keep_the_rules() {
         let s = resolve(LinuxVm, None, None, None).unwrap();
-        assert_eq!(s.with(LinuxVm, |s| s.auto_stop = 5), Err(TimerSettingsError::PauseAndStop));
+        assert_eq!(
+            s.with(LinuxVm, |s| s.auto_stop = 5),
+            Err(TimerSettingsError::PauseAndStop)
+        );
         let s = s.with(LinuxVm, |s| s.auto_pause = 0).unwrap();
         let s = s.with(LinuxVm, |s| s.auto_stop = 5).unwrap();
         assert_eq!(s.auto_stop, 5);
         assert_eq!(
             s.with(LinuxVm, |s| s.auto_delete = -3),
-            Err(TimerSettingsError::OutOfRange { field: "autoDeleteInterval", min: -1, value: -3 })
+            Err(TimerSettingsError::OutOfRange {
+                field: "autoDeleteInterval",
+                min: -1,
+                value: -3
+            })
         );
     }
 
@@ -287,16 +322,25 @@ mod tests {
 
     #[test]
     fn auto_stop_after_idle() {
-        let v = view(SandboxState::Started, resolve(Container, Some(15), None, None).unwrap());
+        let v = view(
+            SandboxState::Started,
+            resolve(Container, Some(15), None, None).unwrap(),
+        );
         assert_eq!(due_action(&v, 15 * M - 1), None);
         assert_eq!(due_action(&v, 15 * M), Some(TimerAction::AutoStop));
-        let off = view(SandboxState::Started, resolve(Container, Some(0), None, None).unwrap());
+        let off = view(
+            SandboxState::Started,
+            resolve(Container, Some(0), None, None).unwrap(),
+        );
         assert_eq!(due_action(&off, 1000 * M), None);
     }
 
     #[test]
     fn auto_pause_after_idle() {
-        let v = view(SandboxState::Started, resolve(LinuxVm, None, None, None).unwrap());
+        let v = view(
+            SandboxState::Started,
+            resolve(LinuxVm, None, None, None).unwrap(),
+        );
         assert_eq!(due_action(&v, 59 * M), None);
         assert_eq!(due_action(&v, 60 * M), Some(TimerAction::AutoPause));
         assert_eq!(TimerAction::AutoPause.operation(), Operation::Pause);
@@ -304,27 +348,42 @@ mod tests {
 
     #[test]
     fn auto_delete_zero_deletes_on_stop() {
-        let v = view(SandboxState::Stopped, resolve(Container, None, None, Some(0)).unwrap());
+        let v = view(
+            SandboxState::Stopped,
+            resolve(Container, None, None, Some(0)).unwrap(),
+        );
         assert_eq!(due_action(&v, 0), Some(TimerAction::AutoDelete));
         // ...but never while it runs.
-        let v = view(SandboxState::Started, resolve(Container, Some(0), None, Some(0)).unwrap());
+        let v = view(
+            SandboxState::Started,
+            resolve(Container, Some(0), None, Some(0)).unwrap(),
+        );
         assert_eq!(due_action(&v, 1000 * M), None);
     }
 
     #[test]
     fn auto_delete_counts_time_stopped() {
-        let mut v = view(SandboxState::Stopped, resolve(Container, None, None, Some(10)).unwrap());
+        let mut v = view(
+            SandboxState::Stopped,
+            resolve(Container, None, None, Some(10)).unwrap(),
+        );
         v.state_since_ms = 100 * M;
         assert_eq!(due_action(&v, 109 * M), None);
         assert_eq!(due_action(&v, 110 * M), Some(TimerAction::AutoDelete));
-        let off = view(SandboxState::Stopped, resolve(Container, None, None, Some(-1)).unwrap());
+        let off = view(
+            SandboxState::Stopped,
+            resolve(Container, None, None, Some(-1)).unwrap(),
+        );
         assert_eq!(due_action(&off, 1000 * M), None);
     }
 
     #[test]
     fn auto_archive_default_and_zero_means_thirty_days() {
         let day = 24 * 60 * M;
-        let v = view(SandboxState::Stopped, resolve(Container, None, None, None).unwrap());
+        let v = view(
+            SandboxState::Stopped,
+            resolve(Container, None, None, None).unwrap(),
+        );
         assert_eq!(due_action(&v, 7 * day - 1), None);
         assert_eq!(due_action(&v, 7 * day), Some(TimerAction::AutoArchive));
         let s = TimerSettings::resolve(Container, None, None, Some(0), None).unwrap();
@@ -361,7 +420,10 @@ mod tests {
 
     #[test]
     fn activity_resets_the_idle_clock() {
-        let mut v = view(SandboxState::Started, resolve(Container, Some(15), None, None).unwrap());
+        let mut v = view(
+            SandboxState::Started,
+            resolve(Container, Some(15), None, None).unwrap(),
+        );
         v.last_activity_ms = 10 * M;
         assert_eq!(due_action(&v, 24 * M), None);
         assert_eq!(due_action(&v, 25 * M), Some(TimerAction::AutoStop));
@@ -369,7 +431,12 @@ mod tests {
 
     #[test]
     fn no_timer_acts_on_transient_states() {
-        let s = TimerSettings { auto_stop: 1, auto_pause: 0, auto_archive: 1, auto_delete: 0 };
+        let s = TimerSettings {
+            auto_stop: 1,
+            auto_pause: 0,
+            auto_archive: 1,
+            auto_delete: 0,
+        };
         for state in SandboxState::ALL.into_iter().filter(|s| s.is_transient()) {
             assert_eq!(due_action(&view(state, s), 1000 * M), None, "{state}");
         }

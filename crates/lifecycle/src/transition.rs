@@ -67,7 +67,11 @@ pub enum Transition {
     /// The sandbox is already where the operation leads; nothing to do.
     AlreadyThere,
     /// Record `during` (and `desired`) before the side effect, `success` after it.
-    Run { during: SandboxState, success: SandboxState, desired: DesiredState },
+    Run {
+        during: SandboxState,
+        success: SandboxState,
+        desired: DesiredState,
+    },
 }
 
 impl Transition {
@@ -85,14 +89,25 @@ impl Transition {
 pub enum TransitionError {
     /// cannot {operation} a sandbox that is {from}
     #[error("cannot {operation} a sandbox that is {from}{hint}")]
-    NotAllowed { operation: Operation, from: SandboxState, hint: &'static str },
+    NotAllowed {
+        operation: Operation,
+        from: SandboxState,
+        hint: &'static str,
+    },
     /// the class does not support the operation
     #[error("{class} sandboxes do not support {operation}")]
-    NotSupported { operation: Operation, class: SandboxClass },
+    NotSupported {
+        operation: Operation,
+        class: SandboxClass,
+    },
 }
 
 fn run(during: SandboxState, success: SandboxState, desired: DesiredState) -> Transition {
-    Transition::Run { during, success, desired }
+    Transition::Run {
+        during,
+        success,
+        desired,
+    }
 }
 
 /// Decides whether `operation` may run on a sandbox of `class` that is `from`,
@@ -105,7 +120,10 @@ pub fn plan(
     use DesiredState as D;
     use SandboxState as S;
 
-    let needs_pause = matches!(operation, Operation::Pause | Operation::Resume | Operation::ColdStart);
+    let needs_pause = matches!(
+        operation,
+        Operation::Pause | Operation::Resume | Operation::ColdStart
+    );
     if needs_pause && !class.can_pause() {
         return Err(TransitionError::NotSupported { operation, class });
     }
@@ -113,7 +131,11 @@ pub fn plan(
         return Err(TransitionError::NotSupported { operation, class });
     }
 
-    let not_allowed = |hint: &'static str| TransitionError::NotAllowed { operation, from, hint };
+    let not_allowed = |hint: &'static str| TransitionError::NotAllowed {
+        operation,
+        from,
+        hint,
+    };
     let paused_state = matches!(from, S::Paused | S::Pausing | S::Resuming);
     if paused_state && !class.can_pause() && operation != Operation::Delete {
         // A class that cannot pause never gets here; refuse rather than guess.
@@ -175,11 +197,16 @@ mod tests {
     use SandboxClass::{Container, LinuxVm};
     use SandboxState as S;
 
+    /// One row of the expected table: `None` means "already there".
+    type Row = (Operation, SandboxState, Option<(S, S, D)>);
+
     /// The whole table for one class: every (operation, state) pair not listed is refused.
-    fn check(class: SandboxClass, allowed: &[(Operation, SandboxState, Option<(S, S, D)>)]) {
+    fn check(class: SandboxClass, allowed: &[Row]) {
         for operation in Operation::ALL {
             for from in SandboxState::ALL {
-                let expected = allowed.iter().find(|(o, s, _)| *o == operation && *s == from);
+                let expected = allowed
+                    .iter()
+                    .find(|(o, s, _)| *o == operation && *s == from);
                 let got = plan(operation, from, class);
                 match expected {
                     Some((_, _, None)) => {
@@ -187,7 +214,11 @@ mod tests {
                     }
                     Some((_, _, Some((during, success, desired)))) => assert_eq!(
                         got,
-                        Ok(Transition::Run { during: *during, success: *success, desired: *desired }),
+                        Ok(Transition::Run {
+                            during: *during,
+                            success: *success,
+                            desired: *desired
+                        }),
                         "{operation} from {from} on {class}"
                     ),
                     None => assert!(got.is_err(), "{operation} from {from} on {class}: {got:?}"),
@@ -196,27 +227,67 @@ mod tests {
         }
     }
 
-    fn common() -> Vec<(Operation, SandboxState, Option<(S, S, D)>)> {
+    fn common() -> Vec<Row> {
         let mut rows = vec![
             (O::Start, S::Started, None),
-            (O::Start, S::Stopped, Some((S::Starting, S::Started, D::Started))),
-            (O::Start, S::Archived, Some((S::Restoring, S::Started, D::Started))),
+            (
+                O::Start,
+                S::Stopped,
+                Some((S::Starting, S::Started, D::Started)),
+            ),
+            (
+                O::Start,
+                S::Archived,
+                Some((S::Restoring, S::Started, D::Started)),
+            ),
             (O::Stop, S::Stopped, None),
-            (O::Stop, S::Started, Some((S::Stopping, S::Stopped, D::Stopped))),
-            (O::Snapshot, S::Started, Some((S::Snapshotting, S::Started, D::Started))),
-            (O::Snapshot, S::Stopped, Some((S::Snapshotting, S::Stopped, D::Stopped))),
-            (O::Revert, S::Started, Some((S::Restoring, S::Started, D::Started))),
-            (O::Revert, S::Stopped, Some((S::Restoring, S::Stopped, D::Stopped))),
+            (
+                O::Stop,
+                S::Started,
+                Some((S::Stopping, S::Stopped, D::Stopped)),
+            ),
+            (
+                O::Snapshot,
+                S::Started,
+                Some((S::Snapshotting, S::Started, D::Started)),
+            ),
+            (
+                O::Snapshot,
+                S::Stopped,
+                Some((S::Snapshotting, S::Stopped, D::Stopped)),
+            ),
+            (
+                O::Revert,
+                S::Started,
+                Some((S::Restoring, S::Started, D::Started)),
+            ),
+            (
+                O::Revert,
+                S::Stopped,
+                Some((S::Restoring, S::Stopped, D::Stopped)),
+            ),
             (O::Archive, S::Archived, None),
-            (O::Archive, S::Stopped, Some((S::Archiving, S::Archived, D::Archived))),
+            (
+                O::Archive,
+                S::Stopped,
+                Some((S::Archiving, S::Archived, D::Archived)),
+            ),
             (O::Delete, S::Destroyed, None),
             (O::Delete, S::Destroying, None),
-            (O::Recover, S::Error, Some((S::Starting, S::Started, D::Started))),
+            (
+                O::Recover,
+                S::Error,
+                Some((S::Starting, S::Started, D::Started)),
+            ),
             (O::Recover, S::Started, None),
         ];
         for from in SandboxState::ALL {
             if !matches!(from, S::Destroyed | S::Destroying) {
-                rows.push((O::Delete, from, Some((S::Destroying, S::Destroyed, D::Destroyed))));
+                rows.push((
+                    O::Delete,
+                    from,
+                    Some((S::Destroying, S::Destroyed, D::Destroyed)),
+                ));
             }
         }
         rows
@@ -231,16 +302,44 @@ mod tests {
     fn vm_table() {
         let mut rows = common();
         rows.extend([
-            (O::Start, S::Paused, Some((S::Resuming, S::Started, D::Started))),
-            (O::Resume, S::Paused, Some((S::Resuming, S::Started, D::Started))),
+            (
+                O::Start,
+                S::Paused,
+                Some((S::Resuming, S::Started, D::Started)),
+            ),
+            (
+                O::Resume,
+                S::Paused,
+                Some((S::Resuming, S::Started, D::Started)),
+            ),
             (O::Resume, S::Started, None),
             (O::ColdStart, S::Started, None),
-            (O::ColdStart, S::Paused, Some((S::Starting, S::Started, D::Started))),
-            (O::ColdStart, S::Stopped, Some((S::Starting, S::Started, D::Started))),
-            (O::Stop, S::Paused, Some((S::Stopping, S::Stopped, D::Stopped))),
+            (
+                O::ColdStart,
+                S::Paused,
+                Some((S::Starting, S::Started, D::Started)),
+            ),
+            (
+                O::ColdStart,
+                S::Stopped,
+                Some((S::Starting, S::Started, D::Started)),
+            ),
+            (
+                O::Stop,
+                S::Paused,
+                Some((S::Stopping, S::Stopped, D::Stopped)),
+            ),
             (O::Pause, S::Paused, None),
-            (O::Pause, S::Started, Some((S::Pausing, S::Paused, D::Paused))),
-            (O::Fork, S::Started, Some((S::Forking, S::Started, D::Started))),
+            (
+                O::Pause,
+                S::Started,
+                Some((S::Pausing, S::Paused, D::Paused)),
+            ),
+            (
+                O::Fork,
+                S::Started,
+                Some((S::Forking, S::Started, D::Started)),
+            ),
         ]);
         check(LinuxVm, &rows);
     }
@@ -250,7 +349,10 @@ mod tests {
         let err = plan(O::Start, S::Stopping, Container).unwrap_err();
         assert_eq!(err.to_string(), "cannot start a sandbox that is stopping");
         let err = plan(O::Snapshot, S::Paused, LinuxVm).unwrap_err();
-        assert_eq!(err.to_string(), "cannot snapshot a sandbox that is paused (resume it first)");
+        assert_eq!(
+            err.to_string(),
+            "cannot snapshot a sandbox that is paused (resume it first)"
+        );
         let err = plan(O::Pause, S::Started, Container).unwrap_err();
         assert_eq!(err.to_string(), "container sandboxes do not support pause");
     }
@@ -259,7 +361,11 @@ mod tests {
     fn create_lands_in_started() {
         assert_eq!(
             Transition::create(),
-            Transition::Run { during: S::Creating, success: S::Started, desired: D::Started }
+            Transition::Run {
+                during: S::Creating,
+                success: S::Started,
+                desired: D::Started
+            }
         );
     }
 }

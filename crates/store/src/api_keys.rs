@@ -13,6 +13,8 @@ impl Store {
     }
 
     pub async fn api_key_hashes(&self) -> Result<Vec<String>, StoreError> {
-        Ok(sqlx::query_scalar("SELECT hash FROM api_keys").fetch_all(&self.pool).await?)
+        Ok(sqlx::query_scalar("SELECT hash FROM api_keys")
+            .fetch_all(&self.pool)
+            .await?)
     }
 }

@@ -45,7 +45,10 @@ pub struct Store {
 impl Store {
     /// Opens (creating if needed) the SQLite database at `path` and migrates it.
     pub async fn open(path: &Path) -> Result<Store, StoreError> {
-        let open_err = |source| StoreError::Open { path: path.display().to_string(), source };
+        let open_err = |source| StoreError::Open {
+            path: path.display().to_string(),
+            source,
+        };
         let options = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
             .map_err(open_err)?
             .create_if_missing(true)
@@ -59,7 +62,10 @@ impl Store {
             .connect_with(options)
             .await
             .map_err(open_err)?;
-        sqlx::migrate!("./migrations").run(&pool).await.map_err(StoreError::Migrate)?;
+        sqlx::migrate!("./migrations")
+            .run(&pool)
+            .await
+            .map_err(StoreError::Migrate)?;
         Ok(Store { pool })
     }
 }

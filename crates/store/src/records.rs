@@ -53,9 +53,15 @@ impl SnapshotState {
     }
 
     pub fn parse(s: &str) -> Option<SnapshotState> {
-        [Self::Pending, Self::Building, Self::Active, Self::Inactive, Self::Error]
-            .into_iter()
-            .find(|state| state.as_str() == s)
+        [
+            Self::Pending,
+            Self::Building,
+            Self::Active,
+            Self::Inactive,
+            Self::Error,
+        ]
+        .into_iter()
+        .find(|state| state.as_str() == s)
     }
 }
 

@@ -12,7 +12,10 @@ const COLUMNS: &str = "id, name, snapshot, class, state, desired_state, error_re
     last_activity_ms";
 
 fn corrupt(id: &str, reason: impl ToString) -> StoreError {
-    StoreError::Corrupt { id: id.to_owned(), reason: reason.to_string() }
+    StoreError::Corrupt {
+        id: id.to_owned(),
+        reason: reason.to_string(),
+    }
 }
 
 fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
@@ -26,7 +29,9 @@ fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
         snapshot: text("snapshot")?,
         class: text("class")?.parse().map_err(|e| corrupt(&id, e))?,
         state: text("state")?.parse().map_err(|e| corrupt(&id, e))?,
-        desired_state: text("desired_state")?.parse().map_err(|e| corrupt(&id, e))?,
+        desired_state: text("desired_state")?
+            .parse()
+            .map_err(|e| corrupt(&id, e))?,
         error_reason: row.try_get("error_reason")?,
         os_user: text("os_user")?,
         cpu: row.try_get("cpu")?,
@@ -57,7 +62,9 @@ impl Store {
     pub async fn insert_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
         self.write_sandbox("INSERT", s).await.map_err(|e| match e {
             StoreError::Query(sqlx::Error::Database(db)) if db.is_unique_violation() => {
-                StoreError::Duplicate { name: s.name.clone() }
+                StoreError::Duplicate {
+                    name: s.name.clone(),
+                }
             }
             other => other,
         })
@@ -103,12 +110,18 @@ impl Store {
     }
 
     /// The sandbox whose id or, failing that, whose name is `id_or_name`.
-    pub async fn find_sandbox(&self, id_or_name: &str) -> Result<Option<SandboxRecord>, StoreError> {
+    pub async fn find_sandbox(
+        &self,
+        id_or_name: &str,
+    ) -> Result<Option<SandboxRecord>, StoreError> {
         let sql = format!(
             "SELECT {COLUMNS} FROM sandboxes WHERE id = ?1 OR name = ?1 \
              ORDER BY CASE WHEN id = ?1 THEN 0 ELSE 1 END LIMIT 1"
         );
-        let row = sqlx::query(&sql).bind(id_or_name).fetch_optional(&self.pool).await?;
+        let row = sqlx::query(&sql)
+            .bind(id_or_name)
+            .fetch_optional(&self.pool)
+            .await?;
         row.as_ref().map(from_row).transpose()
     }
 
@@ -128,17 +141,22 @@ impl Store {
     }
 
     pub async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
-        sqlx::query("DELETE FROM sandboxes WHERE id = ?").bind(id).execute(&self.pool).await?;
+        sqlx::query("DELETE FROM sandboxes WHERE id = ?")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
         Ok(())
     }
 
     /// Records interactions in one statement per sandbox; only moves the clock forward.
     pub async fn record_activity(&self, id: &str, at_ms: i64) -> Result<(), StoreError> {
-        sqlx::query("UPDATE sandboxes SET last_activity_ms = MAX(last_activity_ms, ?2) WHERE id = ?1")
-            .bind(id)
-            .bind(at_ms)
-            .execute(&self.pool)
-            .await?;
+        sqlx::query(
+            "UPDATE sandboxes SET last_activity_ms = MAX(last_activity_ms, ?2) WHERE id = ?1",
+        )
+        .bind(id)
+        .bind(at_ms)
+        .execute(&self.pool)
+        .await?;
         Ok(())
     }
 }

@@ -10,7 +10,10 @@ const COLUMNS: &str = "id, name, class, state, error_reason, rootfs, cpu, gpu, m
 
 fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
     let id: String = row.try_get("id")?;
-    let corrupt = |reason: String| StoreError::Corrupt { id: id.clone(), reason };
+    let corrupt = |reason: String| StoreError::Corrupt {
+        id: id.clone(),
+        reason,
+    };
     let class: String = row.try_get("class")?;
     let state: String = row.try_get("state")?;
     Ok(SnapshotRecord {
@@ -58,9 +61,15 @@ impl Store {
     }
 
     /// The snapshot whose id or name is `id_or_name`.
-    pub async fn find_snapshot(&self, id_or_name: &str) -> Result<Option<SnapshotRecord>, StoreError> {
+    pub async fn find_snapshot(
+        &self,
+        id_or_name: &str,
+    ) -> Result<Option<SnapshotRecord>, StoreError> {
         let sql = format!("SELECT {COLUMNS} FROM snapshots WHERE id = ?1 OR name = ?1 LIMIT 1");
-        let row = sqlx::query(&sql).bind(id_or_name).fetch_optional(&self.pool).await?;
+        let row = sqlx::query(&sql)
+            .bind(id_or_name)
+            .fetch_optional(&self.pool)
+            .await?;
         row.as_ref().map(from_row).transpose()
     }
 

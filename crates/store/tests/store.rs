@@ -22,7 +22,12 @@ fn sandbox(id: &str, name: &str) -> SandboxRecord {
         env: BTreeMap::from([("A".into(), "1".into())]),
         labels: BTreeMap::from([("env".into(), "dev".into())]),
         public: false,
-        timers: TimerSettings { auto_stop: 15, auto_pause: 0, auto_archive: 10080, auto_delete: -1 },
+        timers: TimerSettings {
+            auto_stop: 15,
+            auto_pause: 0,
+            auto_archive: 10080,
+            auto_delete: -1,
+        },
         ttl_minutes: 0,
         ttl_deadline_ms: None,
         created_at_ms: 1,
@@ -39,9 +44,18 @@ async fn sandboxes_round_trip_and_survive_reopen() {
     let store = Store::open(&path).await.unwrap();
     let a = sandbox("id-a", "alpha");
     store.insert_sandbox(&a).await.unwrap();
-    store.insert_sandbox(&sandbox("id-b", "beta")).await.unwrap();
-    let clash = store.insert_sandbox(&sandbox("id-c", "beta")).await.unwrap_err();
-    assert!(matches!(clash, cove_store::StoreError::Duplicate { .. }), "{clash:?}");
+    store
+        .insert_sandbox(&sandbox("id-b", "beta"))
+        .await
+        .unwrap();
+    let clash = store
+        .insert_sandbox(&sandbox("id-c", "beta"))
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(clash, cove_store::StoreError::Duplicate { .. }),
+        "{clash:?}"
+    );
     assert_eq!(store.find_sandbox("id-a").await.unwrap(), Some(a.clone()));
     assert_eq!(store.find_sandbox("alpha").await.unwrap(), Some(a.clone()));
     assert!(store.name_taken("beta").await.unwrap());
@@ -79,7 +93,10 @@ async fn snapshots_and_keys() {
         updated_at_ms: 1,
     };
     store.save_snapshot(&snap).await.unwrap();
-    assert_eq!(store.find_snapshot("cove-default").await.unwrap(), Some(snap));
+    assert_eq!(
+        store.find_snapshot("cove-default").await.unwrap(),
+        Some(snap)
+    );
     assert_eq!(store.find_snapshot("nope").await.unwrap(), None);
     store.add_api_key_hash("h", 1).await.unwrap();
     assert_eq!(store.api_key_hashes().await.unwrap(), vec!["h".to_string()]);
