@@ -68,24 +68,36 @@ impl FakeRuntime {
 impl Runtime for FakeRuntime {
     async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
         self.record("prepare", &spec.id);
-        self.machines.lock().unwrap().entry(spec.id.clone()).or_default();
+        self.machines
+            .lock()
+            .unwrap()
+            .entry(spec.id.clone())
+            .or_default();
         Ok(())
     }
 
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
         self.record("start", &spec.id);
         if let Some(reason) = self.fail_start.lock().unwrap().clone() {
-            return Err(RuntimeError::Start { id: spec.id.clone(), reason });
+            return Err(RuntimeError::Start {
+                id: spec.id.clone(),
+                reason,
+            });
         }
         let mut machines = self.machines.lock().unwrap();
-        let machine = machines.get_mut(&spec.id).ok_or_else(|| RuntimeError::Other {
-            id: spec.id.clone(),
-            reason: "started before it was prepared".into(),
-        })?;
+        let machine = machines
+            .get_mut(&spec.id)
+            .ok_or_else(|| RuntimeError::Other {
+                id: spec.id.clone(),
+                reason: "started before it was prepared".into(),
+            })?;
         let (exit, exited) = oneshot::channel();
         machine.running = true;
         machine.exit = Some(exit);
-        Ok(Started { agent: AgentEndpoint::Unix(PathBuf::from("/nonexistent")), exited })
+        Ok(Started {
+            agent: AgentEndpoint::Unix(PathBuf::from("/nonexistent")),
+            exited,
+        })
     }
 
     async fn stop(&self, id: &str) -> Result<(), RuntimeError> {
@@ -106,6 +118,10 @@ impl Runtime for FakeRuntime {
     }
 
     async fn is_running(&self, id: &str) -> bool {
-        self.machines.lock().unwrap().get(id).is_some_and(|m| m.running)
+        self.machines
+            .lock()
+            .unwrap()
+            .get(id)
+            .is_some_and(|m| m.running)
     }
 }

@@ -14,8 +14,16 @@ use nix::fcntl::{Flock, FlockArg};
 /// The Debian suite of the default image.
 pub const DEFAULT_SUITE: &str = "bookworm";
 /// What the default image holds beyond a minimal base.
-pub const DEFAULT_PACKAGES: &[&str] =
-    &["python3", "python3-pip", "git", "curl", "procps", "ca-certificates", "bash", "less"];
+pub const DEFAULT_PACKAGES: &[&str] = &[
+    "python3",
+    "python3-pip",
+    "git",
+    "curl",
+    "procps",
+    "ca-certificates",
+    "bash",
+    "less",
+];
 const DEFAULT_MIRROR: &str = "http://deb.debian.org/debian";
 const COMPLETE_MARKER: &str = ".complete";
 
@@ -56,7 +64,9 @@ impl ImageStore {
 
     /// Where the default root filesystem lives once built.
     pub fn default_rootfs(&self) -> PathBuf {
-        self.dir.join(format!("debian-{DEFAULT_SUITE}")).join("rootfs")
+        self.dir
+            .join(format!("debian-{DEFAULT_SUITE}"))
+            .join("rootfs")
     }
 
     pub fn default_is_built(&self) -> bool {
@@ -76,7 +86,11 @@ impl ImageStore {
         }
         let io = |path: &Path, action| {
             let path = path.to_owned();
-            move |source| ImageError::Io { path, action, source }
+            move |source| ImageError::Io {
+                path,
+                action,
+                source,
+            }
         };
         fs::create_dir_all(&self.dir).map_err(io(&self.dir, "create"))?;
         let lock_path = self.dir.join(".build.lock");
@@ -94,7 +108,8 @@ impl ImageStore {
         let log_path = self.dir.join(format!("debian-{DEFAULT_SUITE}.build.log"));
         let mirror = std::env::var("COVE_DEBIAN_MIRROR").unwrap_or_else(|_| DEFAULT_MIRROR.into());
         run_debootstrap(&partial.join("rootfs"), &mirror, &log_path, &mut progress)?;
-        finish_rootfs(&partial.join("rootfs")).map_err(io(&partial, "finish the root filesystem"))?;
+        finish_rootfs(&partial.join("rootfs"))
+            .map_err(io(&partial, "finish the root filesystem"))?;
         let complete = partial.join("rootfs").join(COMPLETE_MARKER);
         File::create(&complete).map_err(io(&complete, "mark complete"))?;
         let target = rootfs.parent().expect("rootfs has a parent");
@@ -148,7 +163,10 @@ fn run_debootstrap(
         let _ = writeln!(log, "{line}");
         if let Some(message) = line.strip_prefix("I: ") {
             step += 1;
-            progress(&ImageProgress { step, message: message.trim_end_matches("...").to_owned() });
+            progress(&ImageProgress {
+                step,
+                message: message.trim_end_matches("...").to_owned(),
+            });
         }
     }
     let status = child.wait().map_err(|source| ImageError::Io {
@@ -157,7 +175,10 @@ fn run_debootstrap(
         source,
     })?;
     if !status.success() {
-        return Err(ImageError::Debootstrap { status: status.to_string(), log: log_path.to_owned() });
+        return Err(ImageError::Debootstrap {
+            status: status.to_string(),
+            log: log_path.to_owned(),
+        });
     }
     Ok(())
 }
@@ -173,7 +194,10 @@ fn finish_rootfs(rootfs: &Path) -> std::io::Result<()> {
             }
         }
     }
-    for cache in ["var/cache/apt/pkgcache.bin", "var/cache/apt/srcpkgcache.bin"] {
+    for cache in [
+        "var/cache/apt/pkgcache.bin",
+        "var/cache/apt/srcpkgcache.bin",
+    ] {
         let _ = fs::remove_file(rootfs.join(cache));
     }
     // A sandbox must never inherit the host's resolver: its DNS is cove's business.

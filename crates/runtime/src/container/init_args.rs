@@ -1,0 +1,174 @@
+//! The one message from the server to the container shim: everything the shim needs,
+//! encoded as a single JSON argument of `<cove> __container-init <json>`, plus the lines
+//! the shim answers on its stdout. Both ends are our own binary, so the format is private.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// The first argument that selects the shim in the `cove` binary.
+pub const SUBCOMMAND: &str = "__container-init";
+
+/// Environment the agent gets under whatever the sandbox spec adds.
+const BASE_ENV: [(&str, &str); 4] = [
+    ("HOME", "/root"),
+    (
+        "PATH",
+        "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    ),
+    ("TERM", "xterm"),
+    ("COVE_WORKDIR", "/root"),
+];
+
+/// Names the inherited listening socket; set by the container init, never by the spec.
+pub const LISTEN_FD_ENV: &str = "COVE_AGENT_LISTEN_FD";
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InitArgs {
+    pub id: String,
+    pub hostname: String,
+    /// The read-only lower layer.
+    pub rootfs: PathBuf,
+    /// `{state_dir}/{id}`.
+    pub sandbox_dir: PathBuf,
+    pub agent_binary: PathBuf,
+    /// `cgroup.procs` files the shim puts the container init into before it execs.
+    pub cgroup_procs: Vec<PathBuf>,
+    /// The agent's environment, without the listen fd.
+    pub env: Vec<(String, String)>,
+    /// Keep CAP_MKNOD only where the cgroup confines device access.
+    pub keep_mknod: bool,
+}
+
+impl InitArgs {
+    pub fn encode(&self) -> String {
+        serde_json::to_string(self).expect("init args are plain data")
+    }
+
+    /// Accepts the arguments after the subcommand, or a whole argv that contains it.
+    pub fn decode(args: &[String]) -> Result<Self, String> {
+        let rest = match args.iter().position(|a| a == SUBCOMMAND) {
+            Some(at) => &args[at + 1..],
+            None => args,
+        };
+        let [json] = rest else {
+            return Err(format!(
+                "expected one json argument after {SUBCOMMAND}, got {}",
+                rest.len()
+            ));
+        };
+        serde_json::from_str(json).map_err(|err| format!("bad init arguments: {err}"))
+    }
+}
+
+/// The agent's environment: the base, then the spec's variables (which win), minus the
+/// listen fd variable, which only the container init may set.
+pub fn agent_env(spec_env: &[(String, String)]) -> Vec<(String, String)> {
+    let mut env: Vec<(String, String)> = BASE_ENV
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    for (key, value) in spec_env {
+        if key == LISTEN_FD_ENV || key.is_empty() || key.contains('=') || key.contains('\0') {
+            continue;
+        }
+        match env.iter_mut().find(|(k, _)| k == key) {
+            Some(slot) => slot.1.clone_from(value),
+            None => env.push((key.clone(), value.clone())),
+        }
+    }
+    env
+}
+
+/// What the shim answers on its stdout, one line.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShimReport {
+    /// The agent was exec'd; the host pid of the container's init.
+    Ready {
+        init_pid: i32,
+    },
+    Error(String),
+}
+
+impl ShimReport {
+    pub fn to_line(&self) -> String {
+        match self {
+            Self::Ready { init_pid } => format!("ready {init_pid}\n"),
+            // One line: the server reads exactly one.
+            Self::Error(message) => format!("error {}\n", message.replace('\n', " ")),
+        }
+    }
+
+    pub fn parse(line: &str) -> Result<Self, String> {
+        let line = line.trim_end_matches('\n');
+        if let Some(pid) = line.strip_prefix("ready ") {
+            let init_pid = pid
+                .parse()
+                .map_err(|_| format!("bad pid in shim report {line:?}"))?;
+            return Ok(Self::Ready { init_pid });
+        }
+        if let Some(message) = line.strip_prefix("error ") {
+            return Ok(Self::Error(message.to_string()));
+        }
+        Err(format!("unexpected shim report {line:?}"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> InitArgs {
+        InitArgs {
+            id: "sb1".into(),
+            hostname: "box".into(),
+            rootfs: "/images/debian".into(),
+            sandbox_dir: "/var/lib/cove/sb1".into(),
+            agent_binary: "/usr/lib/cove/cove-agent".into(),
+            cgroup_procs: vec!["/sys/fs/cgroup/pids/cove/sb1/cgroup.procs".into()],
+            env: vec![("A".into(), "b c\n".into())],
+            keep_mknod: true,
+        }
+    }
+
+    #[test]
+    fn args_round_trip_alone_or_in_argv() {
+        let args = sample();
+        let json = args.encode();
+        assert_eq!(InitArgs::decode(std::slice::from_ref(&json)).unwrap(), args);
+        let argv = vec!["cove".to_string(), SUBCOMMAND.to_string(), json];
+        assert_eq!(InitArgs::decode(&argv).unwrap(), args);
+        assert!(InitArgs::decode(&[])
+            .unwrap_err()
+            .contains("one json argument"));
+        assert!(InitArgs::decode(&["{".into()])
+            .unwrap_err()
+            .contains("bad init arguments"));
+    }
+
+    #[test]
+    fn spec_env_overrides_base_but_not_the_listen_fd() {
+        let env = agent_env(&[
+            ("PATH".into(), "/bin".into()),
+            ("FOO".into(), "1".into()),
+            (LISTEN_FD_ENV.into(), "9".into()),
+            ("A=B".into(), "x".into()),
+        ]);
+        assert!(env.contains(&("PATH".into(), "/bin".into())));
+        assert!(env.contains(&("HOME".into(), "/root".into())));
+        assert!(env.contains(&("FOO".into(), "1".into())));
+        assert!(env.iter().all(|(k, _)| k != LISTEN_FD_ENV && k != "A=B"));
+    }
+
+    #[test]
+    fn reports_round_trip_as_one_line() {
+        for report in [
+            ShimReport::Ready { init_pid: 42 },
+            ShimReport::Error("mount: EPERM".into()),
+        ] {
+            assert_eq!(ShimReport::parse(&report.to_line()).unwrap(), report);
+        }
+        assert_eq!(ShimReport::Error("a\nb".into()).to_line(), "error a b\n");
+        assert!(ShimReport::parse("hello").is_err());
+    }
+}

@@ -1,0 +1,427 @@
+//! The container backend: a sandbox is a set of Linux namespaces over an overlayfs of its
+//! image and its own writable layer, confined by a cgroup, with the agent as PID 1.
+//!
+//! The server process (multi-threaded, tokio) never forks with work to do after the
+//! fork: `start` makes the cgroup and spawns the shim (`cove __container-init`, see
+//! `shim`), which builds the container and answers with one line. Module map:
+//! `layout` (host paths of a sandbox), `cgroup` (limits, membership, kill),
+//! `init_args` (server to shim message), `shim` (the shim and container init),
+//! `rootfs` (mounts and pivot_root), `harden` (capabilities, seccomp), `loopback`.
+//!
+//! Everything a container mounts lives in its own mount namespace, so the host is clean
+//! once its processes are gone; the host objects are the cgroup and `{state_dir}/{id}`.
+
+mod cgroup;
+mod harden;
+mod init_args;
+mod layout;
+mod loopback;
+mod rootfs;
+mod shim;
+
+use std::collections::HashMap;
+use std::fs;
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::sync::{oneshot, watch};
+
+use crate::{AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
+use cgroup::{CgroupBackend, CgroupError, CgroupLimits};
+use init_args::{InitArgs, ShimReport, SUBCOMMAND};
+use layout::SandboxLayout;
+
+pub use shim::container_init_main;
+
+/// How long the shim may take to build a container before `start` gives up.
+const START_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long `stop` waits for a killed shim to be reaped after the cgroup is empty.
+const SHIM_EXIT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Where the cgroup controllers are mounted.
+const CGROUP_ROOT: &str = "/sys/fs/cgroup";
+
+#[derive(Clone, Debug)]
+pub struct ContainerConfig {
+    /// Per-sandbox directories: `{state_dir}/{id}/{upper,work,rootfs,run}`.
+    pub state_dir: PathBuf,
+    /// The static cove-agent on the host, bind-mounted read-only into each container.
+    pub agent_binary: PathBuf,
+    /// The `cove` binary itself; spawned as `<init_exe> __container-init <json>`.
+    pub init_exe: PathBuf,
+    /// Cgroups are `{controller root}/{cgroup_parent}/{id}`.
+    pub cgroup_parent: String,
+    /// `pids.max` of every sandbox.
+    pub pids_max: u64,
+}
+
+impl ContainerConfig {
+    /// A config with the default cgroup parent `cove` and 4096 pids per sandbox.
+    pub fn new(state_dir: PathBuf, agent_binary: PathBuf, init_exe: PathBuf) -> Self {
+        Self {
+            state_dir,
+            agent_binary,
+            init_exe,
+            cgroup_parent: "cove".into(),
+            pids_max: 4096,
+        }
+    }
+}
+
+pub struct ContainerRuntime {
+    config: ContainerConfig,
+    cgroups: Arc<dyn CgroupBackend>,
+    /// Shims this process started, by sandbox id; the flag turns true when one exits.
+    shims: Arc<Mutex<HashMap<String, watch::Receiver<bool>>>>,
+}
+
+impl std::fmt::Debug for ContainerRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ContainerRuntime")
+            .field("config", &self.config)
+            .finish_non_exhaustive()
+    }
+}
+
+fn io_error(id: &str, action: String) -> impl FnOnce(io::Error) -> RuntimeError + '_ {
+    move |source| RuntimeError::Io {
+        id: id.to_string(),
+        action,
+        source,
+    }
+}
+
+fn cgroup_error(id: &str, err: CgroupError) -> RuntimeError {
+    match err {
+        CgroupError::Io {
+            action,
+            path,
+            source,
+        } => RuntimeError::Io {
+            id: id.to_string(),
+            action: format!("{action} {}", path.display()),
+            source,
+        },
+        other => RuntimeError::Other {
+            id: id.to_string(),
+            reason: other.to_string(),
+        },
+    }
+}
+
+fn start_error(id: &str, reason: impl Into<String>) -> RuntimeError {
+    RuntimeError::Start {
+        id: id.to_string(),
+        reason: reason.into(),
+    }
+}
+
+/// An id names a directory and a cgroup: one plain path component.
+fn check_id(id: &str) -> Result<(), RuntimeError> {
+    let plain = !id.is_empty()
+        && id != "."
+        && id != ".."
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if plain {
+        Ok(())
+    } else {
+        Err(RuntimeError::Other {
+            id: id.to_string(),
+            reason: "id must be 1 to 128 of [A-Za-z0-9._-] and not . or ..".into(),
+        })
+    }
+}
+
+impl ContainerRuntime {
+    /// Checks the config against the host and makes the state directory.
+    pub fn new(config: ContainerConfig) -> Result<Self, RuntimeError> {
+        let id = "-";
+        for (what, path) in [
+            ("agent binary", &config.agent_binary),
+            ("init executable", &config.init_exe),
+        ] {
+            fs::metadata(path)
+                .map_err(io_error(id, format!("find the {what} {}", path.display())))?;
+        }
+        if config.cgroup_parent.is_empty() || config.cgroup_parent.contains("..") {
+            return Err(RuntimeError::Other {
+                id: id.into(),
+                reason: "cgroup_parent must be a plain name".into(),
+            });
+        }
+        fs::create_dir_all(&config.state_dir).map_err(io_error(
+            id,
+            format!("create state dir {}", config.state_dir.display()),
+        ))?;
+        let cgroups: Arc<dyn CgroupBackend> = Arc::from(cgroup::detect(
+            Path::new(CGROUP_ROOT),
+            &config.cgroup_parent,
+        ));
+        Ok(Self {
+            config,
+            cgroups,
+            shims: Arc::default(),
+        })
+    }
+
+    fn layout(&self, id: &str) -> SandboxLayout {
+        SandboxLayout::new(&self.config.state_dir, id)
+    }
+
+    /// The cgroup `cgroup.procs` files of a sandbox (for tests and diagnostics).
+    pub fn cgroup_procs_files(&self, id: &str) -> Vec<PathBuf> {
+        self.cgroups.procs_files(id)
+    }
+
+    fn make_dirs(&self, spec: &SandboxSpec) -> Result<SandboxLayout, RuntimeError> {
+        let id = spec.id.as_str();
+        check_id(id)?;
+        let layout = self.layout(id);
+        for path in [&spec.rootfs, &layout.dir] {
+            layout::check_overlay_path(path).map_err(|reason| start_error(id, reason))?;
+        }
+        layout::check_socket_path(&layout.agent_socket())
+            .map_err(|reason| start_error(id, reason))?;
+        // Only root on the host may look into a sandbox's layer and socket.
+        fs::DirBuilder::new()
+            .mode(0o700)
+            .recursive(true)
+            .create(&layout.dir)
+            .map_err(io_error(id, format!("create {}", layout.dir.display())))?;
+        fs::set_permissions(&layout.dir, fs::Permissions::from_mode(0o700))
+            .map_err(io_error(id, format!("chmod {}", layout.dir.display())))?;
+        for dir in layout.dirs() {
+            fs::create_dir_all(&dir).map_err(io_error(id, format!("create {}", dir.display())))?;
+        }
+        Ok(layout)
+    }
+
+    /// Kills every process of the sandbox, waits until its cgroup is empty and removes it.
+    async fn kill_all(&self, id: &str) -> Result<(), RuntimeError> {
+        let cgroups = Arc::clone(&self.cgroups);
+        let owned = id.to_string();
+        tokio::task::spawn_blocking(move || cgroup::kill_and_remove(cgroups.as_ref(), &owned))
+            .await
+            .map_err(|err| RuntimeError::Other {
+                id: id.to_string(),
+                reason: format!("kill task failed: {err}"),
+            })?
+            .map_err(|err| cgroup_error(id, err))?;
+        let shim = self.shims.lock().expect("shim map lock").remove(id);
+        if let Some(mut exited) = shim {
+            // The shim was in the cgroup, so it is dead; this waits only for its reaping.
+            let _ = tokio::time::timeout(SHIM_EXIT_TIMEOUT, exited.wait_for(|done| *done)).await;
+        }
+        Ok(())
+    }
+
+    /// Reads the shim's one line; on failure cleans up what `start` made.
+    async fn await_shim(
+        &self,
+        id: &str,
+        child: &mut Child,
+        console: &Path,
+    ) -> Result<i32, RuntimeError> {
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let mut line = String::new();
+        let read =
+            tokio::time::timeout(START_TIMEOUT, BufReader::new(stdout).read_line(&mut line)).await;
+        let failure = match read {
+            Ok(Ok(n)) if n > 0 => match ShimReport::parse(&line) {
+                Ok(ShimReport::Ready { init_pid }) => return Ok(init_pid),
+                Ok(ShimReport::Error(message)) => message,
+                Err(message) => message,
+            },
+            Ok(Ok(_)) => {
+                let status = child
+                    .wait()
+                    .await
+                    .map(|s| s.to_string())
+                    .unwrap_or_else(|e| e.to_string());
+                format!(
+                    "shim exited ({status}) without a report; console: {}",
+                    console_tail(console)
+                )
+            }
+            Ok(Err(err)) => format!("read the shim's report: {err}"),
+            Err(_) => format!("shim did not report within {START_TIMEOUT:?}"),
+        };
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        let _ = self.kill_all(id).await;
+        Err(start_error(id, failure))
+    }
+}
+
+/// The end of the console log, for start errors.
+fn console_tail(path: &Path) -> String {
+    let text = fs::read(path).unwrap_or_default();
+    let tail = &text[text.len().saturating_sub(512)..];
+    String::from_utf8_lossy(tail).trim().replace('\n', " | ")
+}
+
+fn describe_exit(status: io::Result<std::process::ExitStatus>) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    match status {
+        Ok(status) => match (status.code(), status.signal()) {
+            (Some(code), _) if code > 128 => {
+                format!("container init was killed by signal {}", code - 128)
+            }
+            (Some(code), _) => format!("container init exited with code {code}"),
+            (None, Some(9)) => "container was killed".to_string(),
+            (None, signal) => format!(
+                "container shim was killed by signal {}",
+                signal.unwrap_or(0)
+            ),
+        },
+        Err(err) => format!("lost the container shim: {err}"),
+    }
+}
+
+#[async_trait]
+impl Runtime for ContainerRuntime {
+    async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
+        self.make_dirs(spec).map(|_| ())
+    }
+
+    async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
+        let began = Instant::now();
+        let id = spec.id.as_str();
+        let layout = self.make_dirs(spec)?;
+        if self.is_running(id).await {
+            return Err(start_error(id, "already running"));
+        }
+        let limits = CgroupLimits::new(&spec.resources, self.config.pids_max);
+        self.cgroups
+            .create(id, &limits)
+            .map_err(|err| cgroup_error(id, err))?;
+
+        let console_path = layout.console();
+        let console = fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&console_path)
+            .map_err(io_error(id, format!("open {}", console_path.display())))?;
+        let args = InitArgs {
+            id: id.to_string(),
+            hostname: spec.hostname.clone(),
+            rootfs: spec.rootfs.clone(),
+            sandbox_dir: layout.dir.clone(),
+            agent_binary: self.config.agent_binary.clone(),
+            cgroup_procs: self.cgroups.procs_files(id),
+            env: init_args::agent_env(&spec.env),
+            keep_mknod: self.cgroups.confines_devices(),
+        };
+        let spawned = Command::new(&self.config.init_exe)
+            .arg(SUBCOMMAND)
+            .arg(args.encode())
+            .env_clear()
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(console)
+            .spawn();
+        let mut child = match spawned {
+            Ok(child) => child,
+            Err(source) => {
+                let _ = self.kill_all(id).await;
+                let action = format!("spawn {}", self.config.init_exe.display());
+                return Err(RuntimeError::Io {
+                    id: id.to_string(),
+                    action,
+                    source,
+                });
+            }
+        };
+        let init_pid = self.await_shim(id, &mut child, &console_path).await?;
+
+        let (exited_tx, exited_rx) = oneshot::channel();
+        let (done_tx, done_rx) = watch::channel(false);
+        self.shims
+            .lock()
+            .expect("shim map lock")
+            .insert(id.to_string(), done_rx);
+        tokio::spawn(async move {
+            let description = describe_exit(child.wait().await);
+            let _ = done_tx.send(true);
+            let _ = exited_tx.send(description);
+        });
+        tracing::debug!(
+            sandbox = id,
+            init_pid,
+            elapsed_us = began.elapsed().as_micros() as u64,
+            "container started"
+        );
+        Ok(Started {
+            agent: AgentEndpoint::Unix(layout.agent_socket()),
+            exited: exited_rx,
+        })
+    }
+
+    async fn stop(&self, id: &str) -> Result<(), RuntimeError> {
+        check_id(id)?;
+        self.kill_all(id).await
+    }
+
+    async fn destroy(&self, id: &str) -> Result<(), RuntimeError> {
+        check_id(id)?;
+        self.kill_all(id).await?;
+        let dir = self.layout(id).dir;
+        tokio::task::spawn_blocking(move || match fs::remove_dir_all(&dir) {
+            Err(err) if err.kind() != io::ErrorKind::NotFound => Err((dir, err)),
+            _ => Ok(()),
+        })
+        .await
+        .map_err(|err| RuntimeError::Other {
+            id: id.to_string(),
+            reason: format!("remove task failed: {err}"),
+        })?
+        .map_err(|(dir, source)| RuntimeError::Io {
+            id: id.to_string(),
+            action: format!("remove {}", dir.display()),
+            source,
+        })
+    }
+
+    async fn is_running(&self, id: &str) -> bool {
+        check_id(id).is_ok() && self.cgroups.pids(id).is_ok_and(|pids| !pids.is_empty())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_single_path_components() {
+        for good in ["sb1", "a-b_c.d", "0123456789abcdef"] {
+            assert!(check_id(good).is_ok(), "{good}");
+        }
+        for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(129)] {
+            assert!(check_id(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn exit_descriptions_name_the_cause() {
+        use std::os::unix::process::ExitStatusExt;
+        let status = |raw| Ok(std::process::ExitStatus::from_raw(raw));
+        assert_eq!(
+            describe_exit(status(0)),
+            "container init exited with code 0"
+        );
+        assert_eq!(
+            describe_exit(status(137 << 8)),
+            "container init was killed by signal 9"
+        );
+        assert_eq!(describe_exit(status(9)), "container was killed");
+    }
+}

@@ -1,0 +1,288 @@
+//! The container's filesystem view, built by the container init inside its own mount
+//! namespace: the overlay of the image and the sandbox's writable layer, /proc, a minimal
+//! /dev, read-only /sys, a /run tmpfs carrying the agent binary, then pivot_root and the
+//! masked and read-only /proc and /sys paths. Nothing here is visible on the host, so
+//! nothing needs unmounting: the mounts die with the namespace.
+
+use std::fs;
+use std::os::unix::fs::{symlink, PermissionsExt};
+use std::path::Path;
+
+use nix::mount::{mount, umount2, MntFlags, MsFlags};
+use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+use nix::unistd::{chdir, pivot_root};
+
+use super::init_args::InitArgs;
+use super::layout::SandboxLayout;
+
+/// Where the agent binary appears inside every container.
+pub const AGENT_PATH: &str = "/run/cove/cove-agent";
+
+/// Character devices of /dev: name, major, minor.
+const DEVICES: [(&str, u64, u64); 6] = [
+    ("null", 1, 3),
+    ("zero", 1, 5),
+    ("full", 1, 7),
+    ("random", 1, 8),
+    ("urandom", 1, 9),
+    ("tty", 5, 0),
+];
+
+const DEV_LINKS: [(&str, &str); 5] = [
+    ("fd", "/proc/self/fd"),
+    ("stdin", "/proc/self/fd/0"),
+    ("stdout", "/proc/self/fd/1"),
+    ("stderr", "/proc/self/fd/2"),
+    ("ptmx", "pts/ptmx"),
+];
+
+/// Files hidden behind /dev/null (Docker's masked files).
+const MASKED_FILES: [&str; 6] = [
+    "/proc/kcore",
+    "/proc/keys",
+    "/proc/timer_list",
+    "/proc/timer_stats",
+    "/proc/sched_debug",
+    "/proc/latency_stats",
+];
+/// Directories hidden behind an empty read-only tmpfs.
+const MASKED_DIRS: [&str; 5] = [
+    "/proc/acpi",
+    "/proc/asound",
+    "/proc/scsi",
+    "/sys/firmware",
+    "/sys/devices/virtual/powercap",
+];
+const READ_ONLY: [&str; 5] = [
+    "/proc/sys",
+    "/proc/sysrq-trigger",
+    "/proc/irq",
+    "/proc/bus",
+    "/proc/fs",
+];
+
+fn step<T>(result: nix::Result<T>, what: impl FnOnce() -> String) -> Result<T, String> {
+    result.map_err(|errno| format!("{}: {}", what(), errno.desc()))
+}
+
+fn io_step<T>(result: std::io::Result<T>, what: impl FnOnce() -> String) -> Result<T, String> {
+    result.map_err(|err| format!("{}: {err}", what()))
+}
+
+/// The overlayfs mount options; the paths were checked for separators by the server.
+pub fn overlay_options(lower: &Path, upper: &Path, work: &Path) -> String {
+    format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.display(),
+        upper.display(),
+        work.display()
+    )
+}
+
+fn mount_fs(fstype: &str, target: &Path, flags: MsFlags, data: Option<&str>) -> Result<(), String> {
+    step(
+        mount(Some(fstype), target, Some(fstype), flags, data),
+        || format!("mount {fstype} at {}", target.display()),
+    )
+}
+
+fn bind(source: &Path, target: &Path, flags: MsFlags) -> Result<(), String> {
+    step(
+        mount(
+            Some(source),
+            target,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REC,
+            None::<&str>,
+        ),
+        || format!("bind {} at {}", source.display(), target.display()),
+    )?;
+    if flags.is_empty() {
+        return Ok(());
+    }
+    step(
+        mount(
+            None::<&str>,
+            target,
+            None::<&str>,
+            MsFlags::MS_BIND | MsFlags::MS_REMOUNT | flags,
+            None::<&str>,
+        ),
+        || format!("remount {} with {flags:?}", target.display()),
+    )
+}
+
+fn mkdir(path: &Path) -> Result<(), String> {
+    io_step(fs::create_dir_all(path), || {
+        format!("create {}", path.display())
+    })
+}
+
+/// Builds the root, pivots into it and detaches the host's. Returns with `/` as cwd.
+pub fn build(args: &InitArgs) -> Result<(), String> {
+    let layout = SandboxLayout {
+        dir: args.sandbox_dir.clone(),
+    };
+    let root = layout.rootfs();
+    // Mount events must not propagate back to the host's shared mounts.
+    step(
+        mount(
+            None::<&str>,
+            "/",
+            None::<&str>,
+            MsFlags::MS_REC | MsFlags::MS_PRIVATE,
+            None::<&str>,
+        ),
+        || "make / private".to_string(),
+    )?;
+    let options = overlay_options(&args.rootfs, &layout.upper(), &layout.work());
+    mount_fs("overlay", &root, MsFlags::empty(), Some(&options))?;
+
+    let nosuid_nodev_noexec = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    let proc_dir = root.join("proc");
+    mkdir(&proc_dir)?;
+    mount_fs("proc", &proc_dir, nosuid_nodev_noexec, None)?;
+    let sys = root.join("sys");
+    mkdir(&sys)?;
+    mount_fs(
+        "sysfs",
+        &sys,
+        nosuid_nodev_noexec | MsFlags::MS_RDONLY,
+        None,
+    )?;
+    build_dev(&root.join("dev"))?;
+    build_run(&root.join("run"), &args.agent_binary)?;
+
+    step(nix::unistd::sethostname(&args.hostname), || {
+        format!("set hostname {:?}", args.hostname)
+    })?;
+    super::loopback::loopback_up()?;
+
+    // pivot_root(".", ".") stacks the old root on the new one; detaching it leaves the
+    // container with nothing of the host's tree.
+    step(chdir(&root), || format!("enter {}", root.display()))?;
+    step(pivot_root(".", "."), || {
+        format!("pivot_root into {}", root.display())
+    })?;
+    step(umount2(".", MntFlags::MNT_DETACH), || {
+        "detach the host root".to_string()
+    })?;
+    step(chdir("/"), || "enter /".to_string())?;
+    mask_paths()
+}
+
+fn build_dev(dev: &Path) -> Result<(), String> {
+    mkdir(dev)?;
+    mount_fs(
+        "tmpfs",
+        dev,
+        MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME,
+        Some("mode=755,size=65536k"),
+    )?;
+    for (name, major, minor) in DEVICES {
+        let path = dev.join(name);
+        step(
+            mknod(
+                &path,
+                SFlag::S_IFCHR,
+                Mode::from_bits_truncate(0o666),
+                makedev(major, minor),
+            ),
+            || format!("create device {}", path.display()),
+        )?;
+        // mknod honours the umask; the nodes must be usable by everyone.
+        io_step(
+            fs::set_permissions(&path, fs::Permissions::from_mode(0o666)),
+            || format!("chmod {}", path.display()),
+        )?;
+    }
+    let pts = dev.join("pts");
+    mkdir(&pts)?;
+    mount_fs(
+        "devpts",
+        &pts,
+        MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
+    )?;
+    let shm = dev.join("shm");
+    mkdir(&shm)?;
+    mount_fs(
+        "tmpfs",
+        &shm,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+        Some("mode=1777,size=65536k"),
+    )?;
+    for (name, target) in DEV_LINKS {
+        let link = dev.join(name);
+        io_step(symlink(target, &link), || {
+            format!("link {} to {target}", link.display())
+        })?;
+    }
+    Ok(())
+}
+
+fn build_run(run: &Path, agent_binary: &Path) -> Result<(), String> {
+    mkdir(run)?;
+    mount_fs(
+        "tmpfs",
+        run,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+        Some("mode=755"),
+    )?;
+    let agent = run.join(AGENT_PATH.trim_start_matches("/run/"));
+    mkdir(agent.parent().unwrap_or(run))?;
+    io_step(fs::File::create(&agent), || {
+        format!("create {}", agent.display())
+    })?;
+    bind(
+        agent_binary,
+        &agent,
+        MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+    )
+}
+
+fn mask_paths() -> Result<(), String> {
+    for file in MASKED_FILES
+        .map(Path::new)
+        .into_iter()
+        .filter(|p| p.exists())
+    {
+        bind(Path::new("/dev/null"), file, MsFlags::empty())?;
+    }
+    for dir in MASKED_DIRS
+        .map(Path::new)
+        .into_iter()
+        .filter(|p| p.is_dir())
+    {
+        mount_fs("tmpfs", dir, MsFlags::MS_RDONLY, Some("size=0"))?;
+    }
+    let flags = MsFlags::MS_RDONLY | MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    for path in READ_ONLY.map(Path::new).into_iter().filter(|p| p.exists()) {
+        bind(path, path, flags)?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn overlay_options_name_all_three_layers() {
+        let options = overlay_options(
+            Path::new("/img"),
+            Path::new("/s/upper"),
+            Path::new("/s/work"),
+        );
+        assert_eq!(options, "lowerdir=/img,upperdir=/s/upper,workdir=/s/work");
+    }
+
+    #[test]
+    fn agent_lands_under_run() {
+        let run = Path::new("/x/run");
+        assert_eq!(
+            run.join(AGENT_PATH.trim_start_matches("/run/")),
+            Path::new("/x/run/cove/cove-agent")
+        );
+    }
+}

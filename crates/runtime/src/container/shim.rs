@@ -1,0 +1,296 @@
+//! The container shim: `cove __container-init <json>`, a fresh single-threaded process the
+//! server spawns per start. It unshares the namespaces, binds
+//! the agent's listening socket, forks the container init (PID 1 of the new pid namespace),
+//! reports `ready <pid>` or `error <message>` on stdout and then supervises: it exits with
+//! the init's status, and on SIGTERM/SIGINT/SIGHUP it SIGKILLs the init, which takes the
+//! whole pid namespace with it. The shim puts the init into the sandbox's cgroups and
+//! stays out of them itself, so the cgroup holds exactly the container's processes. It must run before any thread exists: unshare of the
+//! mount namespace and fork both need a single-threaded process.
+#![allow(unsafe_code)]
+
+use std::ffi::CString;
+use std::fs;
+use std::io::{Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixListener;
+
+use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
+use nix::sched::{unshare, CloneFlags};
+use nix::sys::signal::{kill, signal, sigprocmask, SigHandler, SigSet, SigmaskHow, Signal};
+use nix::sys::stat::{umask, Mode};
+use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
+use nix::unistd::{dup2, execve, fork, pipe2, ForkResult, Pid};
+use seccompiler::BpfProgram;
+
+use super::harden;
+use super::init_args::{InitArgs, ShimReport, LISTEN_FD_ENV};
+use super::layout::SandboxLayout;
+use super::rootfs::{self, AGENT_PATH};
+
+/// Entry point of the shim; the `cove` binary calls it first thing when `argv[1]` is
+/// `__container-init`. Takes the arguments after the subcommand (a whole argv works too).
+pub fn container_init_main(args: Vec<String>) -> ! {
+    // A dead init or server must show as EPIPE, not kill the shim; a constructor-run
+    // shim (tests) gets here before Rust's runtime has set this.
+    // SAFETY: ignoring a signal installs no handler code.
+    let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigIgn) };
+    let code = match InitArgs::decode(&args) {
+        Ok(args) => match launch(&args) {
+            Ok(init) => {
+                report(&ShimReport::Ready {
+                    init_pid: init.as_raw(),
+                });
+                supervise(init)
+            }
+            Err(message) => {
+                report(&ShimReport::Error(format!(
+                    "sandbox {}: {message}",
+                    args.id
+                )));
+                1
+            }
+        },
+        Err(message) => {
+            report(&ShimReport::Error(message));
+            2
+        }
+    };
+    std::process::exit(code)
+}
+
+fn report(report: &ShimReport) {
+    let mut out = std::io::stdout().lock();
+    // The server may be gone; there is nobody else to tell.
+    let _ = out
+        .write_all(report.to_line().as_bytes())
+        .and_then(|()| out.flush());
+}
+
+fn supervised_signals() -> SigSet {
+    let mut set = SigSet::empty();
+    for sig in [
+        Signal::SIGCHLD,
+        Signal::SIGTERM,
+        Signal::SIGINT,
+        Signal::SIGHUP,
+    ] {
+        set.add(sig);
+    }
+    set
+}
+
+/// Everything up to a running agent; returns the host pid of the container init.
+fn launch(args: &InitArgs) -> Result<Pid, String> {
+    let flags = CloneFlags::CLONE_NEWUTS
+        | CloneFlags::CLONE_NEWIPC
+        | CloneFlags::CLONE_NEWNET
+        | CloneFlags::CLONE_NEWPID;
+    unshare(flags).map_err(|errno| format!("unshare namespaces: {}", errno.desc()))?;
+
+    let socket = SandboxLayout {
+        dir: args.sandbox_dir.clone(),
+    }
+    .agent_socket();
+    super::layout::check_socket_path(&socket)?;
+    match fs::remove_file(&socket) {
+        Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+            return Err(format!("remove stale socket {}: {err}", socket.display()))
+        }
+        _ => {}
+    }
+    // A path socket works across network namespaces; the server connects to it directly.
+    let listener =
+        UnixListener::bind(&socket).map_err(|err| format!("bind {}: {err}", socket.display()))?;
+
+    // Prepared before fork so the init only applies them.
+    let filters = harden::seccomp_filters()?;
+    let keep = harden::kept_caps(args.keep_mknod);
+    let env = exec_env(args, listener.as_raw_fd())?;
+
+    let (error_read, error_write) =
+        pipe2(OFlag::O_CLOEXEC).map_err(|errno| format!("error pipe: {}", errno.desc()))?;
+    let (go_read, go_write) =
+        pipe2(OFlag::O_CLOEXEC).map_err(|errno| format!("go pipe: {}", errno.desc()))?;
+    let mut old_mask = SigSet::empty();
+    sigprocmask(
+        SigmaskHow::SIG_BLOCK,
+        Some(&supervised_signals()),
+        Some(&mut old_mask),
+    )
+    .map_err(|errno| format!("block signals: {}", errno.desc()))?;
+
+    // SAFETY: the shim is single-threaded (it runs before the binary starts any thread),
+    // so the child may allocate and use any library call.
+    match unsafe { fork() }.map_err(|errno| format!("fork the container init: {}", errno.desc()))? {
+        ForkResult::Child => {
+            drop(error_read);
+            drop(go_write);
+            let message = container_init(args, &listener, &filters, keep, &env, &old_mask, go_read);
+            let mut pipe = fs::File::from(error_write);
+            let _ = pipe.write_all(message.as_bytes());
+            // SAFETY: _exit skips the parent's atexit handlers and buffered stdout, which
+            // this forked copy must not run or flush.
+            unsafe { libc::_exit(1) }
+        }
+        ForkResult::Parent { child } => {
+            drop(error_write);
+            drop(go_read);
+            // The first cgroup migration after a quiet spell waits for an RCU grace
+            // period (cgroup v1's threadgroup rwsem, 7-15 ms here): done while the init
+            // builds its root on the other core, and the init waits for it before exec.
+            let joined = join_cgroups(args, child);
+            if joined.is_ok() {
+                let _ = fs::File::from(go_write).write_all(b"g");
+            } else {
+                drop(go_write); // EOF: the init gives up before exec
+            }
+            // Only the container holds the socket now: once it dies, connects fail.
+            drop(listener);
+            let message = read_to_end(error_read);
+            if message.is_empty() && joined.is_ok() {
+                return Ok(child); // EOF without a word: execve succeeded
+            }
+            let _ = waitpid(child, None);
+            // An init that failed on its own (and so could not be moved) says why.
+            match joined {
+                Err(join_error) if message.is_empty() || message == NOT_PLACED => Err(join_error),
+                _ => Err(message),
+            }
+        }
+    }
+}
+
+/// Puts the container init (not the shim) into the sandbox's cgroups: a cgroup kill then
+/// ends the container but not the shim, which reaps the init and exits with its status.
+fn join_cgroups(args: &InitArgs, init: Pid) -> Result<(), String> {
+    let pid = init.as_raw().to_string();
+    for procs in &args.cgroup_procs {
+        fs::write(procs, &pid).map_err(|err| format!("join cgroup {}: {err}", procs.display()))?;
+    }
+    Ok(())
+}
+
+const NOT_PLACED: &str = "the shim did not place the container in its cgroups";
+
+/// Blocks until the shim has put this process into its cgroups; EOF means it failed.
+fn wait_for_cgroups(go: OwnedFd) -> Result<(), String> {
+    let mut byte = [0u8; 1];
+    match fs::File::from(go).read(&mut byte) {
+        Ok(1) => Ok(()),
+        _ => Err(NOT_PLACED.to_string()),
+    }
+}
+
+fn read_to_end(fd: OwnedFd) -> String {
+    let mut message = String::new();
+    let _ = fs::File::from(fd).read_to_string(&mut message);
+    message
+}
+
+fn exec_env(args: &InitArgs, listen_fd: RawFd) -> Result<Vec<CString>, String> {
+    let listen_fd = listen_fd.to_string();
+    args.env
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .chain([(LISTEN_FD_ENV, listen_fd.as_str())])
+        .map(|(k, v)| {
+            CString::new(format!("{k}={v}")).map_err(|_| format!("env {k} contains a NUL byte"))
+        })
+        .collect()
+}
+
+/// The forked container init: returns only with the reason it could not exec the agent.
+fn container_init(
+    args: &InitArgs,
+    listener: &UnixListener,
+    filters: &[BpfProgram],
+    keep_caps: u64,
+    env: &[CString],
+    old_mask: &SigSet,
+    go: OwnedFd,
+) -> String {
+    let result = (|| -> Result<std::convert::Infallible, String> {
+        // SAFETY: prctl with integer arguments only.
+        if unsafe {
+            libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            )
+        } != 0
+        {
+            return Err(format!(
+                "set parent death signal: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        unshare(CloneFlags::CLONE_NEWNS)
+            .map_err(|errno| format!("unshare mount namespace: {}", errno.desc()))?;
+        umask(Mode::from_bits_truncate(0o022));
+        rootfs::build(args)?;
+
+        // stderr is the console log the server opened; stdout joins it.
+        dup2(2, 1).map_err(|errno| format!("redirect stdout: {}", errno.desc()))?;
+        mark_fds_cloexec();
+        let fd = listener.as_raw_fd();
+        fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty()))
+            .map_err(|errno| format!("pass the listening socket: {}", errno.desc()))?;
+        // Rust ignores SIGPIPE and an ignored signal survives execve: give it back.
+        // SAFETY: installing the default disposition runs no code of ours.
+        unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) }
+            .map_err(|errno| format!("reset SIGPIPE: {}", errno.desc()))?;
+        sigprocmask(SigmaskHow::SIG_SETMASK, Some(old_mask), None)
+            .map_err(|errno| format!("restore signal mask: {}", errno.desc()))?;
+
+        wait_for_cgroups(go)?;
+        let path = CString::new(AGENT_PATH).expect("constant has no NUL");
+        let argv = [
+            CString::new("cove-agent").expect("no NUL"),
+            CString::new("init").expect("no NUL"),
+        ];
+        harden::drop_capabilities(keep_caps)?;
+        harden::confine_syscalls(filters)?;
+        execve(&path, &argv, env).map_err(|errno| format!("execve {AGENT_PATH}: {}", errno.desc()))
+    })();
+    match result {
+        Err(message) => message,
+        Ok(never) => match never {},
+    }
+}
+
+/// Descriptors the shim inherited or opened must not reach the agent.
+fn mark_fds_cloexec() {
+    const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
+    // SAFETY: close_range only changes descriptor flags; failure (old kernel) leaves
+    // Rust's default of CLOEXEC on everything it opened.
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3 as libc::c_uint,
+            libc::c_uint::MAX,
+            CLOSE_RANGE_CLOEXEC,
+        )
+    };
+}
+
+/// Waits for the container init; forwards a stop request as SIGKILL to it.
+fn supervise(init: Pid) -> i32 {
+    let signals = supervised_signals();
+    loop {
+        let Ok(sig) = signals.wait() else { continue };
+        if sig != Signal::SIGCHLD {
+            // PID 1 of a namespace ignores SIGTERM unless it handles it; SIGKILL from the
+            // parent namespace always ends it and every process in its namespace.
+            let _ = kill(init, Signal::SIGKILL);
+            continue;
+        }
+        match waitpid(init, Some(WaitPidFlag::WNOHANG)) {
+            Ok(WaitStatus::Exited(_, code)) => return code,
+            Ok(WaitStatus::Signaled(_, sig, _)) => return 128 + sig as i32,
+            Ok(_) => {}
+            Err(_) => return 1,
+        }
+    }
+}

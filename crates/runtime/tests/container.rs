@@ -1,0 +1,533 @@
+//! Real containers on this host: needs root, cgroups, overlayfs, a root filesystem
+//! (`COVE_TEST_ROOTFS`, a Debian rootfs) and the static agent (`COVE_TEST_AGENT`).
+//!
+//! The test binary is its own shim: a constructor runs before libtest's `main` (and so
+//! before any thread) and becomes `cove __container-init` when invoked that way.
+// The constructor is a linker-section static, which the unsafe_code lint counts.
+#![allow(unsafe_code)]
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use cove_runtime::container::{container_init_main, ContainerConfig, ContainerRuntime};
+use cove_runtime::{AgentEndpoint, Resources, Runtime, SandboxSpec, Started};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+
+#[ctor::ctor(unsafe)]
+fn become_the_shim_when_asked() {
+    let Ok(raw) = std::fs::read("/proc/self/cmdline") else {
+        return;
+    };
+    let args: Vec<String> = raw
+        .split(|b| *b == 0)
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    if args.get(1).map(String::as_str) == Some("__container-init") {
+        container_init_main(
+            args[2..]
+                .iter()
+                .filter(|a| !a.is_empty())
+                .cloned()
+                .collect(),
+        );
+    }
+}
+
+fn required_env(name: &str, what: &str) -> PathBuf {
+    match std::env::var_os(name) {
+        Some(value) if !value.is_empty() => PathBuf::from(value),
+        _ => panic!(
+            "set {name} to {what} to run the container tests (they need root), e.g. \
+             COVE_TEST_ROOTFS=/var/tmp/covedev/rootfs COVE_TEST_AGENT=target/x86_64-unknown-linux-musl/release/cove-agent"
+        ),
+    }
+}
+
+/// One runtime with its own state dir and cgroup parent; cleans both up.
+struct Harness {
+    runtime: ContainerRuntime,
+    config: ContainerConfig,
+    rootfs: PathBuf,
+    state: tempfile::TempDir,
+    cgroup_parent: String,
+}
+
+impl Harness {
+    fn new(name: &str) -> Self {
+        let rootfs = required_env("COVE_TEST_ROOTFS", "a Debian root filesystem with python3");
+        let agent = required_env("COVE_TEST_AGENT", "the static cove-agent binary");
+        // Short, so the agent socket path fits in sun_path.
+        let state = tempfile::Builder::new()
+            .prefix("cove-ct-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let cgroup_parent = format!("cove-test-{}-{name}", std::process::id());
+        let mut config = ContainerConfig::new(
+            state.path().to_path_buf(),
+            agent,
+            std::env::current_exe().unwrap(),
+        );
+        config.cgroup_parent = cgroup_parent.clone();
+        let runtime = ContainerRuntime::new(config.clone()).unwrap();
+        Self {
+            runtime,
+            config,
+            rootfs,
+            state,
+            cgroup_parent,
+        }
+    }
+
+    fn spec(&self, id: &str) -> SandboxSpec {
+        SandboxSpec {
+            id: id.to_string(),
+            hostname: format!("host-{id}"),
+            rootfs: self.rootfs.clone(),
+            resources: Resources {
+                cpu: 1,
+                memory_mib: 256,
+                disk_gib: 1,
+            },
+            env: vec![("SANDBOX_TEST".into(), "1".into())],
+        }
+    }
+
+    async fn start(&self, id: &str) -> (Started, PathBuf) {
+        let spec = self.spec(id);
+        self.runtime.prepare(&spec).await.unwrap();
+        let began = Instant::now();
+        let started = self.runtime.start(&spec).await.unwrap();
+        let took = began.elapsed();
+        let AgentEndpoint::Unix(socket) = started.agent.clone();
+        let version = get(&socket, "/version").await;
+        eprintln!(
+            "start() of {id} took {took:?}; start + GET /version {:?}",
+            began.elapsed()
+        );
+        assert_eq!(version.0, 200, "GET /version: {version:?}");
+        (started, socket)
+    }
+
+    fn cgroup_dirs(&self, id: &str) -> Vec<PathBuf> {
+        ["cpu", "cpuacct", "memory", "pids", "freezer", "devices", ""]
+            .iter()
+            .map(|c| {
+                Path::new("/sys/fs/cgroup")
+                    .join(c)
+                    .join(&self.cgroup_parent)
+                    .join(id)
+            })
+            .filter(|p| p.exists())
+            .collect()
+    }
+}
+
+impl Drop for Harness {
+    /// A failed test leaves its containers running: kill them through their cgroups
+    /// (the processes this test started) and remove the cgroups.
+    fn drop(&mut self) {
+        let parents: Vec<PathBuf> = ["cpu", "cpuacct", "memory", "pids", "freezer", "devices", ""]
+            .iter()
+            .map(|c| {
+                Path::new("/sys/fs/cgroup")
+                    .join(c)
+                    .join(&self.cgroup_parent)
+            })
+            .filter(|p| p.is_dir())
+            .collect();
+        let children = || {
+            parents
+                .iter()
+                .flat_map(|p| std::fs::read_dir(p).into_iter().flatten().flatten())
+                .map(|e| e.path())
+                .filter(|p| p.is_dir())
+                .collect::<Vec<_>>()
+        };
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !children().is_empty() && Instant::now() < deadline {
+            for child in children() {
+                for pid in pids_in(&[child.join("cgroup.procs")]) {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::SIGKILL,
+                    );
+                }
+                let _ = std::fs::remove_dir(&child);
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        for parent in parents {
+            let _ = std::fs::remove_dir(parent);
+        }
+    }
+}
+
+/// One HTTP/1.1 exchange over the agent socket; returns status and body.
+async fn request(socket: &Path, method: &str, path: &str, body: Option<&str>) -> (u16, String) {
+    let mut stream = UnixStream::connect(socket).await.unwrap();
+    let body = body.unwrap_or("");
+    let head = format!(
+        "{method} {path} HTTP/1.1\r\nHost: agent\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        body.len()
+    );
+    stream.write_all(head.as_bytes()).await.unwrap();
+    stream.write_all(body.as_bytes()).await.unwrap();
+    let mut raw = Vec::new();
+    stream.read_to_end(&mut raw).await.unwrap();
+    let text = String::from_utf8_lossy(&raw).into_owned();
+    let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_string())
+}
+
+async fn get(socket: &Path, path: &str) -> (u16, String) {
+    request(socket, "GET", path, None).await
+}
+
+/// Runs a shell command through the agent: exit code and combined output.
+async fn exec(socket: &Path, command: &str) -> (i64, String) {
+    let body = serde_json::json!({ "command": command, "timeout": 120 }).to_string();
+    let (status, reply) = request(socket, "POST", "/process/execute", Some(&body)).await;
+    assert_eq!(status, 200, "execute {command:?}: {reply}");
+    let reply: serde_json::Value = serde_json::from_str(&reply).unwrap();
+    (
+        reply["exitCode"].as_i64().unwrap(),
+        reply["result"].as_str().unwrap_or("").to_string(),
+    )
+}
+
+async fn exec_ok(socket: &Path, command: &str) -> String {
+    let (code, output) = exec(socket, command).await;
+    assert_eq!(code, 0, "{command:?} failed: {output}");
+    output.trim().to_string()
+}
+
+fn pids_in(files: &[PathBuf]) -> BTreeSet<i32> {
+    files
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(f).ok())
+        .flat_map(|text| {
+            text.lines()
+                .filter_map(|l| l.parse().ok())
+                .collect::<Vec<_>>()
+        })
+        .collect()
+}
+
+fn describe(pid: i32) -> String {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    let pick = |key: &str| {
+        status
+            .lines()
+            .find(|l| l.starts_with(key))
+            .unwrap_or("")
+            .to_string()
+    };
+    format!(
+        "{pid} {} {} {}",
+        pick("Name:"),
+        pick("State:"),
+        pick("PPid:")
+    )
+}
+
+fn alive(pid: i32) -> bool {
+    Path::new(&format!("/proc/{pid}")).exists()
+}
+
+#[tokio::test]
+async fn agent_answers_in_its_own_namespaces() {
+    let h = Harness::new("ns");
+    let (_started, socket) = h.start("ns1").await;
+    let began = Instant::now();
+    assert_eq!(exec_ok(&socket, "echo hi").await, "hi");
+    eprintln!("first command answered in {:?}", began.elapsed());
+
+    assert_eq!(
+        exec_ok(&socket, "cat /proc/sys/kernel/hostname").await,
+        "host-ns1"
+    );
+    assert_eq!(exec_ok(&socket, "ls /sys/class/net").await, "lo");
+    assert!(exec_ok(
+        &socket,
+        "cat /sys/class/net/lo/operstate /sys/class/net/lo/flags"
+    )
+    .await
+    .contains("0x9"));
+    let pid1 = exec_ok(&socket, "tr '\\0' ' ' < /proc/1/cmdline").await;
+    assert!(pid1.contains("cove-agent"), "pid 1 is {pid1:?}");
+    let pids = exec_ok(&socket, "ls /proc | grep -E '^[0-9]+$' | wc -l").await;
+    assert!(
+        pids.parse::<u32>().unwrap() < 10,
+        "the container sees {pids} processes"
+    );
+    let host_pid = std::process::id().to_string();
+    let listed = exec_ok(&socket, "ls /proc").await;
+    assert!(
+        !listed.split_whitespace().any(|p| p == host_pid),
+        "the container sees the test process"
+    );
+    assert_eq!(
+        exec_ok(&socket, "echo $SANDBOX_TEST $HOME").await,
+        "1 /root"
+    );
+
+    // Hardening: Docker's capability set, seccomp on, no_new_privs, masked paths.
+    let status = exec_ok(
+        &socket,
+        "grep -E '^(CapEff|CapBnd|Seccomp|NoNewPrivs):' /proc/self/status",
+    )
+    .await;
+    assert!(status.contains("CapBnd:\t00000000a80425fb"), "{status}");
+    assert!(status.contains("CapEff:\t00000000a80425fb"), "{status}");
+    assert!(status.contains("Seccomp:\t2"), "{status}");
+    assert!(status.contains("NoNewPrivs:\t1"), "{status}");
+    assert_eq!(
+        exec_ok(&socket, "cat /proc/keys /proc/timer_list | wc -c").await,
+        "0"
+    );
+    let (code, _) = exec(&socket, "echo 1 > /proc/sys/kernel/domainname").await;
+    assert_ne!(code, 0, "/proc/sys must be read-only");
+    let (code, out) = exec(&socket, "mkdir -p /mnt/x && mount -t tmpfs none /mnt/x").await;
+    assert_ne!(code, 0, "mount must fail: {out}");
+    let (code, _) = exec(
+        &socket,
+        "head -c1 /dev/urandom >/dev/null && echo x > /dev/null && test -c /dev/pts/ptmx",
+    )
+    .await;
+    assert_eq!(code, 0);
+    h.runtime.destroy("ns1").await.unwrap();
+}
+
+#[tokio::test]
+async fn files_survive_stop_and_start() {
+    let h = Harness::new("persist");
+    let (started, socket) = h.start("p1").await;
+    exec_ok(
+        &socket,
+        "echo kept > /root/note && echo gone > /run/scratch && echo tmp > /tmp/t",
+    )
+    .await;
+    h.runtime.stop("p1").await.unwrap();
+    assert!(!h.runtime.is_running("p1").await);
+    let exited = tokio::time::timeout(Duration::from_secs(5), started.exited)
+        .await
+        .unwrap()
+        .unwrap();
+    eprintln!("exited: {exited}");
+
+    let (_started, socket) = h.start("p1").await;
+    assert_eq!(exec_ok(&socket, "cat /root/note /tmp/t").await, "kept\ntmp");
+    let (code, _) = exec(&socket, "test -e /run/scratch").await;
+    assert_ne!(code, 0, "/run is a fresh tmpfs on each start");
+    h.runtime.stop("p1").await.unwrap();
+    h.runtime.stop("p1").await.unwrap();
+    h.runtime.destroy("p1").await.unwrap();
+}
+
+#[tokio::test]
+async fn memory_limit_kills_the_hog_not_the_container() {
+    let h = Harness::new("oom");
+    let (_started, socket) = h.start("m1").await;
+    let (code, output) = exec(
+        &socket,
+        "python3 -c \"b = b'x' * (600 * 1024 * 1024); print(len(b))\"",
+    )
+    .await;
+    assert_eq!(code, 137, "600 MB in 256 MiB must be OOM-killed: {output}");
+    assert_eq!(get(&socket, "/version").await.0, 200);
+    assert_eq!(exec_ok(&socket, "echo alive").await, "alive");
+    assert!(h.runtime.is_running("m1").await);
+    h.runtime.destroy("m1").await.unwrap();
+}
+
+#[tokio::test]
+async fn destroy_leaves_nothing_behind() {
+    let h = Harness::new("destroy");
+    let (started, socket) = h.start("d1").await;
+    exec_ok(&socket, "sleep 1000 > /dev/null 2>&1 &").await;
+    let pids = pids_in(&h.runtime.cgroup_procs_files("d1"));
+    assert!(pids.len() >= 3, "init, server and sleep at least: {pids:?}");
+    assert!(!h.cgroup_dirs("d1").is_empty());
+
+    h.runtime.destroy("d1").await.unwrap();
+    let state_dir = h.state.path().join("d1");
+    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    assert!(
+        !mountinfo.contains(h.state.path().to_str().unwrap()),
+        "{mountinfo}"
+    );
+    assert!(h.cgroup_dirs("d1").is_empty(), "{:?}", h.cgroup_dirs("d1"));
+    let left: Vec<_> = pids
+        .iter()
+        .filter(|p| alive(**p))
+        .map(|p| describe(*p))
+        .collect();
+    assert!(left.is_empty(), "still alive: {left:?}");
+    assert!(!state_dir.exists());
+    assert!(!h.runtime.is_running("d1").await);
+    tokio::time::timeout(Duration::from_secs(5), started.exited)
+        .await
+        .unwrap()
+        .unwrap();
+    // Idempotent, also for a sandbox that never existed.
+    h.runtime.destroy("d1").await.unwrap();
+    h.runtime.destroy("never").await.unwrap();
+}
+
+#[tokio::test]
+async fn sandboxes_do_not_see_each_other() {
+    let h = Harness::new("iso");
+    let (_a, socket_a) = h.start("a1").await;
+    let (_b, socket_b) = h.start("b1").await;
+    exec_ok(
+        &socket_a,
+        "echo secret > /root/only-a; sleep 1000 > /dev/null 2>&1 &",
+    )
+    .await;
+    let (code, _) = exec(&socket_b, "test -e /root/only-a").await;
+    assert_ne!(code, 0, "b sees a's file");
+    let procs_b = exec_ok(&socket_b, "cat /proc/[0-9]*/cmdline | tr '\\0' ' '").await;
+    assert!(
+        !procs_b.contains("sleep"),
+        "b sees a's processes: {procs_b}"
+    );
+    assert!(
+        !h.rootfs.join("root/only-a").exists(),
+        "the image was written to"
+    );
+    h.runtime.destroy("a1").await.unwrap();
+    assert_eq!(exec_ok(&socket_b, "echo still").await, "still");
+    h.runtime.destroy("b1").await.unwrap();
+}
+
+#[tokio::test]
+async fn stop_kills_running_commands() {
+    let h = Harness::new("stop");
+    let (started, socket) = h.start("s1").await;
+    exec_ok(&socket, "setsid sleep 999 > /dev/null 2>&1 &").await;
+    let blocking = tokio::spawn({
+        let socket = socket.clone();
+        async move {
+            let body = serde_json::json!({ "command": "sleep 998", "timeout": 600 }).to_string();
+            request(&socket, "POST", "/process/execute", Some(&body)).await
+        }
+    });
+    // Wait until both sleeps run.
+    let files = h.runtime.cgroup_procs_files("s1");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let sleeps = loop {
+        let sleeps: Vec<i32> = pids_in(&files)
+            .into_iter()
+            .filter(|pid| {
+                std::fs::read_to_string(format!("/proc/{pid}/comm"))
+                    .is_ok_and(|name| name.trim() == "sleep")
+            })
+            .collect();
+        if sleeps.len() == 2 || Instant::now() > deadline {
+            break sleeps;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert_eq!(sleeps.len(), 2, "both sleeps should run");
+    let all = pids_in(&files);
+
+    let began = Instant::now();
+    h.runtime.stop("s1").await.unwrap();
+    eprintln!("stop() took {:?}", began.elapsed());
+    assert!(!h.runtime.is_running("s1").await);
+    let left: Vec<_> = all
+        .iter()
+        .filter(|p| alive(**p))
+        .map(|p| describe(*p))
+        .collect();
+    assert!(left.is_empty(), "still alive: {left:?}");
+    let answer = tokio::time::timeout(Duration::from_secs(5), blocking)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_ne!(
+        answer.0, 200,
+        "the running command must not finish normally: {answer:?}"
+    );
+    tokio::time::timeout(Duration::from_secs(5), started.exited)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        h.state.path().join("s1/upper").is_dir(),
+        "stop keeps the layer"
+    );
+    h.runtime.destroy("s1").await.unwrap();
+}
+
+#[tokio::test]
+async fn start_failure_is_reported_and_cleaned_up() {
+    let h = Harness::new("fail");
+    let mut spec = h.spec("f1");
+    spec.rootfs = PathBuf::from("/nonexistent/rootfs");
+    h.runtime.prepare(&spec).await.unwrap();
+    let err = h.runtime.start(&spec).await.unwrap_err().to_string();
+    assert!(err.contains("f1") && err.contains("overlay"), "{err}");
+    assert!(h.cgroup_dirs("f1").is_empty(), "{:?}", h.cgroup_dirs("f1"));
+    assert!(!h.runtime.is_running("f1").await);
+    h.runtime.destroy("f1").await.unwrap();
+}
+
+#[tokio::test]
+async fn a_fresh_runtime_finds_and_destroys_a_running_sandbox() {
+    // As after a server crash: the new runtime has no handle on the shim.
+    let h = Harness::new("crash");
+    let (started, socket) = h.start("c1").await;
+    exec_ok(&socket, "sleep 1000 > /dev/null 2>&1 &").await;
+    let pids = pids_in(&h.runtime.cgroup_procs_files("c1"));
+    let fresh = ContainerRuntime::new(h.config.clone()).unwrap();
+    assert!(fresh.is_running("c1").await);
+    fresh.destroy("c1").await.unwrap();
+    assert!(!fresh.is_running("c1").await);
+    let left: Vec<_> = pids
+        .iter()
+        .filter(|p| alive(**p))
+        .map(|p| describe(*p))
+        .collect();
+    assert!(left.is_empty(), "still alive: {left:?}");
+    assert!(h.cgroup_dirs("c1").is_empty());
+    assert!(!h.state.path().join("c1").exists());
+    let exited = tokio::time::timeout(Duration::from_secs(5), started.exited)
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(exited.contains("signal 9"), "{exited}");
+}
+
+/// Logs medians of prepare + start and of the whole path to a first command answered;
+/// figures for the log, not thresholds (the machine is shared and noisy).
+#[tokio::test]
+async fn start_time_is_logged() {
+    let h = Harness::new("timing");
+    let (mut starts, mut firsts) = (Vec::new(), Vec::new());
+    for round in 0..10 {
+        let id = format!("t{round}");
+        let spec = h.spec(&id);
+        let began = Instant::now();
+        h.runtime.prepare(&spec).await.unwrap();
+        let started = h.runtime.start(&spec).await.unwrap();
+        starts.push(began.elapsed());
+        let AgentEndpoint::Unix(socket) = started.agent;
+        assert_eq!(exec_ok(&socket, "echo ok").await, "ok");
+        firsts.push(began.elapsed());
+        h.runtime.destroy(&id).await.unwrap();
+    }
+    starts.sort();
+    firsts.sort();
+    eprintln!(
+        "median of 10: prepare+start {:?}, to first command answered {:?} (max {:?})",
+        starts[5], firsts[5], firsts[9]
+    );
+}

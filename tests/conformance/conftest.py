@@ -1,0 +1,293 @@
+"""Conformance suite: a real cove server driven through the official Daytona SDK.
+
+One server per test session (``cove`` fixture), started from the built binary on a
+free port with a throw-away data directory; images are shared across runs (see
+``images_dir``). Every test gets a ``sandboxes`` factory that deletes what it made.
+
+Environment:
+    COVE_BIN         the server binary (default: <repo>/target/release/cove)
+    COVE_IMAGES_DIR  where root filesystems are cached (default: /var/tmp/cove/images)
+    COVE_AGENT_BIN   passed through to the server when set
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import requests
+
+from daytona import (
+    CreateSandboxFromSnapshotParams,
+    Daytona,
+    DaytonaConfig,
+    DaytonaNotFoundError,
+    Sandbox,
+)
+
+REPO = Path(__file__).resolve().parents[2]
+READY_TIMEOUT_S = 180.0
+
+
+def cove_binary() -> Path:
+    return Path(os.environ.get("COVE_BIN") or REPO / "target" / "release" / "cove")
+
+
+def images_dir() -> Path:
+    return Path(os.environ.get("COVE_IMAGES_DIR") or "/var/tmp/cove/images")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mounts_under(path: Path) -> list[str]:
+    """Mount points (host mount namespace) at or under ``path``."""
+    prefix = str(path)
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            mount_point = line.split()[4]
+            if mount_point == prefix or mount_point.startswith(prefix + "/"):
+                found.append(mount_point)
+    return found
+
+
+class CoveServer:
+    """A `cove serve` child process on its own port, over a given data directory."""
+
+    def __init__(self, data_dir: Path, api_key: str):
+        self.data_dir = data_dir
+        self.api_key = api_key
+        self.port = 0
+        self.proc: subprocess.Popen | None = None
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        self._log = None
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        binary = cove_binary()
+        if not binary.is_file():
+            pytest.exit(f"cove binary not found at {binary}; run `cargo build --release && cargo agent`", 2)
+        images_dir().mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        env = dict(os.environ)
+        env["COVE_API_KEY"] = self.api_key
+        env.setdefault("RUST_LOG", "info")
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [
+                str(binary),
+                "serve",
+                "--listen",
+                f"127.0.0.1:{self.port}",
+                "--data-dir",
+                str(self.data_dir),
+                "--images-dir",
+                str(images_dir()),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=self._log,
+            stderr=self._log,
+            env=env,
+        )
+        self._wait_ready()
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        last = None
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"cove exited with {self.proc.returncode} before answering:\n{self.log_tail()}"
+                )
+            try:
+                r = requests.get(
+                    f"{self.api_url}/sandbox",
+                    headers={"Authorization": f"Bearer {self.api_key}"},
+                    timeout=2,
+                )
+                if r.status_code == 200:
+                    return
+                last = f"{r.status_code} {r.text[:200]}"
+            except requests.RequestException as e:
+                last = repr(e)
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"cove not ready after {READY_TIMEOUT_S}s (last: {last}):\n{self.log_tail()}")
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, wait, then SIGKILL; returns the exit code."""
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        code = self.proc.returncode
+        self.proc = None
+        if self._log:
+            self._log.close()
+            self._log = None
+        return code
+
+    def log_tail(self, n: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        except OSError:
+            return "(no log)"
+
+    # Raw HTTP, for what the SDK cannot express or hides.
+    def request(self, method: str, path: str, auth: bool = True, **kw) -> requests.Response:
+        headers = kw.pop("headers", {})
+        if auth:
+            headers.setdefault("Authorization", f"Bearer {self.api_key}")
+        return requests.request(method, f"{self.api_url}{path}", headers=headers, timeout=60, **kw)
+
+    def sandbox_ids(self) -> set[str]:
+        r = self.request("GET", "/sandbox", params={"limit": 1000})
+        r.raise_for_status()
+        body = r.json()
+        ids = {item["id"] for item in body["items"]}
+        cursor = body.get("nextCursor")
+        while cursor:
+            r = self.request("GET", "/sandbox", params={"limit": 1000, "cursor": cursor})
+            r.raise_for_status()
+            body = r.json()
+            ids |= {item["id"] for item in body["items"]}
+            cursor = body.get("nextCursor")
+        return ids
+
+    def delete_all(self) -> None:
+        for sid in self.sandbox_ids():
+            self.request("DELETE", f"/sandbox/{sid}")
+
+    def client(self) -> Daytona:
+        return Daytona(DaytonaConfig(api_key=self.api_key, api_url=self.api_url))
+
+
+def new_data_dir() -> Path:
+    # Short: the agent's Unix socket lives under it and sun_path holds 107 bytes.
+    return Path(tempfile.mkdtemp(prefix="cv", dir="/tmp"))
+
+
+def remove_data_dir(path: Path) -> None:
+    if mounts_under(path):
+        # Never rmtree through a live mount; leave it for a human to look at.
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        path.parent.joinpath(f"{path.name}.log").unlink()
+    except OSError:
+        pass
+
+
+@pytest.fixture(scope="session")
+def cove() -> Iterator[CoveServer]:
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex)
+    server.start()
+    os.environ["DAYTONA_API_URL"] = server.api_url
+    os.environ["DAYTONA_API_KEY"] = server.api_key
+    try:
+        yield server
+    finally:
+        try:
+            if server.proc is not None and server.proc.poll() is None:
+                server.delete_all()
+        finally:
+            code = server.stop()
+            failed = code not in (0, None, -signal.SIGTERM)
+            if not failed:
+                remove_data_dir(data_dir)
+            else:
+                print(f"\ncove exited with {code}; data dir and log kept at {data_dir}")
+
+
+@pytest.fixture(scope="session")
+def daytona(cove: CoveServer) -> Daytona:
+    return cove.client()
+
+
+class SandboxFactory:
+    """Creates sandboxes through the SDK and deletes whatever is left at teardown."""
+
+    def __init__(self, cove: CoveServer, daytona: Daytona):
+        self.cove = cove
+        self.daytona = daytona
+        self.ids: list[str] = []
+
+    def __call__(self, params: CreateSandboxFromSnapshotParams | None = None, **kw) -> Sandbox:
+        before = self.cove.sandbox_ids()
+        try:
+            sandbox = self.daytona.create(params, **kw) if params is not None else self.daytona.create(**kw)
+        except Exception:
+            # A failed create must not leak, but if it did, clean it up here too.
+            self.ids.extend(self.cove.sandbox_ids() - before)
+            raise
+        self.ids.append(sandbox.id)
+        return sandbox
+
+    def track(self, sandbox_id: str) -> None:
+        self.ids.append(sandbox_id)
+
+    def cleanup(self) -> None:
+        for sid in self.ids:
+            try:
+                self.cove.request("DELETE", f"/sandbox/{sid}")
+            except requests.RequestException:
+                pass
+
+
+@pytest.fixture
+def sandboxes(cove: CoveServer, daytona: Daytona) -> Iterator[SandboxFactory]:
+    factory = SandboxFactory(cove, daytona)
+    try:
+        yield factory
+    finally:
+        factory.cleanup()
+
+
+@pytest.fixture
+def sandbox(sandboxes: SandboxFactory) -> Sandbox:
+    """One default sandbox for the test."""
+    return sandboxes()
+
+
+def unique(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:10]}"
+
+
+def assert_gone(daytona: Daytona, sandbox_id: str) -> None:
+    with pytest.raises(DaytonaNotFoundError):
+        daytona.get(sandbox_id)
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()

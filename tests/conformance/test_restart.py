@@ -1,0 +1,61 @@
+"""A server restart over the same data directory brings sandboxes back, files intact."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from daytona import CreateSandboxFromSnapshotParams, SandboxState
+
+from conftest import CoveServer, new_data_dir, remove_data_dir
+
+
+@pytest.fixture
+def own_server():
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex)
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.proc is None:
+            try:
+                server.start()
+            except Exception:
+                pass
+        try:
+            if server.proc is not None:
+                server.delete_all()
+        finally:
+            server.stop()
+            remove_data_dir(data_dir)
+
+
+def test_restart_keeps_sandboxes_and_files(own_server):
+    client = own_server.client()
+    running = client.create(CreateSandboxFromSnapshotParams(name="keep-running"))
+    stopped = client.create(CreateSandboxFromSnapshotParams(name="keep-stopped"))
+    running.fs.upload_file(b"survives restarts", "/root/persist.txt")
+    stopped.fs.upload_file(b"stopped too", "/root/persist.txt")
+    stopped.stop()
+
+    assert own_server.stop() == 0, own_server.log_tail()
+    own_server.start()
+    client = own_server.client()
+
+    listed = [s.id for s in client.list()]
+    assert sorted(listed) == sorted([running.id, stopped.id]), listed
+
+    again = client.get(running.id)
+    assert again.state in (SandboxState.STARTED, SandboxState.STOPPED), again.state
+    if again.state == SandboxState.STOPPED:
+        again.start()
+    assert again.state == SandboxState.STARTED
+    assert again.fs.download_file("/root/persist.txt") == b"survives restarts"
+    assert again.process.exec("echo up").result.strip() == "up"
+
+    # A sandbox the user stopped stays stopped, and starts with its disk.
+    still = client.get(stopped.id)
+    assert still.state == SandboxState.STOPPED
+    still.start()
+    assert still.fs.download_file("/root/persist.txt") == b"stopped too"
