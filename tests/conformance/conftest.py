@@ -193,6 +193,12 @@ def new_data_dir() -> Path:
 
 
 def remove_data_dir(path: Path) -> None:
+    # The server leaves its sandbox storage (a loop-mounted image) mounted on
+    # purpose; a throw-away server's goes with its data dir. Unmounting frees the
+    # loop device.
+    storage = path / "storage"
+    if any(m == str(storage) for m in mounts_under(path)):
+        subprocess.run(["umount", str(storage)], check=False)
     if mounts_under(path):
         # Never rmtree through a live mount; leave it for a human to look at.
         return

@@ -38,7 +38,7 @@ def test_delete_leaves_nothing_behind(cove, daytona, sandboxes):
     sandbox.process.create_session("bg")
     sandbox.process.execute_session_command("bg", SessionExecuteRequest(command=marker, run_async=True))
     sandbox.process.exec(f"nohup {marker} > /dev/null 2>&1 &")
-    sandbox_dir = cove.data_dir / "sandboxes" / sid
+    sandbox_dir = cove.data_dir / "storage" / "sandboxes" / sid
 
     # While it runs, the things we check for do exist (so the checks below can fail).
     assert cgroup_dirs(sid), "no cgroup of the running sandbox found"
@@ -64,7 +64,7 @@ def test_stop_ends_every_process(cove, daytona, sandboxes):
     pids = [p for d in cgroup_dirs(sid) for p in Path(d, "cgroup.procs").read_text().split()] if cgroup_dirs(sid) else []
     assert not pids, pids
     # Its disk is kept for the next start.
-    assert (cove.data_dir / "sandboxes" / sid).is_dir()
+    assert (cove.data_dir / "storage" / "sandboxes" / sid).is_dir()
 
 
 def test_stop_ends_processes_that_ignore_sigterm(sandboxes):

@@ -118,7 +118,7 @@ async fn measure(scenario: Scenario, client: &Client, n: usize) -> anyhow::Resul
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.n > 0, "--n must be at least 1");
-    let mut _data_dir = None;
+    let mut own_server = None;
     let client = match &args.url {
         Some(url) => Client::new(
             url,
@@ -142,13 +142,21 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
                 max_memory: 8,
                 max_disk: 20,
                 timer_tick_ms: 1000,
+                storage_size_gib: 16,
             })
             .await?;
-            _data_dir = Some(dir);
-            Client::new(&format!("http://{}/api", running.addr), key)
+            let client = Client::new(&format!("http://{}/api", running.addr), key);
+            own_server = Some((dir, running));
+            client
         }
     };
-    let mut samples = measure(args.scenario, &client, args.n).await?;
+    let measured = measure(args.scenario, &client, args.n).await;
+    if let Some((dir, running)) = own_server {
+        running.serve.abort();
+        running.storage.unmount()?;
+        drop(dir);
+    }
+    let mut samples = measured?;
     let (median, p95, p99) = summarize(&mut samples);
     let name = format!("{:?}", args.scenario).to_lowercase();
     if args.json {

@@ -12,6 +12,7 @@ use cove_engine::{Ceilings, Engine, EngineConfig, SnapshotRecord};
 use cove_lifecycle::SandboxClass;
 use cove_runtime::container::{ContainerConfig, ContainerRuntime};
 use cove_runtime::image::{ImageProgress, ImageStore};
+use cove_runtime::storage::Storage;
 use cove_runtime::Runtime;
 use cove_store::{SnapshotState, Store};
 
@@ -44,6 +45,9 @@ pub struct ServeArgs {
     /// Ceiling of disk per sandbox, GiB.
     #[arg(long, default_value_t = 20)]
     pub max_disk: i64,
+    /// Size of the sandbox storage filesystem (a sparse btrfs image in the data dir), GiB.
+    #[arg(long, default_value_t = 64)]
+    pub storage_size_gib: u64,
     /// How often timers are checked, in milliseconds.
     #[arg(long, default_value_t = 1000, hide = true)]
     pub timer_tick_ms: u64,
@@ -52,6 +56,8 @@ pub struct ServeArgs {
 /// A server running in this process.
 pub struct Running {
     pub addr: SocketAddr,
+    /// The sandbox storage; a temporary server unmounts it when done.
+    pub storage: Arc<Storage>,
     pub serve: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
@@ -97,11 +103,19 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<Running> {
         eprintln!();
     }
 
-    let container = ContainerRuntime::new(ContainerConfig::new(
-        data_dir.join("sandboxes"),
+    let storage_size = args.storage_size_gib << 30;
+    let storage_dir = data_dir.join("storage");
+    let storage_image = data_dir.join("storage.img");
+    let storage = tokio::task::spawn_blocking(move || Storage::open(&storage_image, &storage_dir, storage_size))
+        .await??;
+    let storage = Arc::new(storage);
+    let mut container_config = ContainerConfig::new(
+        storage.root().join("sandboxes"),
         agent_binary,
         std::env::current_exe()?,
-    ))?;
+    );
+    container_config.storage = Some(storage.clone());
+    let container = ContainerRuntime::new(container_config)?;
     let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
         SandboxClass::Container,
         Arc::new(container) as Arc<dyn Runtime>,
@@ -158,7 +172,7 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<Running> {
     tokio::spawn(async move { timers.run_timers().await });
     let serve = tokio::spawn(async move { axum::serve(listener, app).await });
     tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
-    Ok(Running { addr, serve })
+    Ok(Running { addr, storage, serve })
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {

@@ -8,6 +8,7 @@
 pub mod container;
 pub mod fake;
 pub mod image;
+pub mod storage;
 
 use std::path::PathBuf;
 

@@ -59,6 +59,9 @@ pub struct ContainerConfig {
     pub cgroup_parent: String,
     /// `pids.max` of every sandbox.
     pub pids_max: u64,
+    /// Enforces each sandbox's disk size with a project quota on its directory;
+    /// `state_dir` must then be on this storage. Without it disk is not limited.
+    pub storage: Option<Arc<crate::storage::Storage>>,
 }
 
 impl ContainerConfig {
@@ -70,6 +73,7 @@ impl ContainerConfig {
             init_exe,
             cgroup_parent: "cove".into(),
             pids_max: 4096,
+            storage: None,
         }
     }
 }
@@ -191,6 +195,21 @@ impl ContainerRuntime {
         }
         layout::check_socket_path(&layout.agent_socket())
             .map_err(|reason| start_error(id, reason))?;
+        if let Some(storage) = &self.config.storage {
+            if !layout.dir.exists() {
+                // A subvolume capped at the disk size holds every layer of the sandbox.
+                fs::create_dir_all(&self.config.state_dir).map_err(io_error(
+                    id,
+                    format!("create {}", self.config.state_dir.display()),
+                ))?;
+                storage
+                    .create_limited(&layout.dir, spec.resources.disk_gib << 30)
+                    .map_err(|error| RuntimeError::Other {
+                        id: id.to_owned(),
+                        reason: error.to_string(),
+                    })?;
+            }
+        }
         // Only root on the host may look into a sandbox's layer and socket.
         fs::DirBuilder::new()
             .mode(0o700)

@@ -1,0 +1,230 @@
+//! The filesystem sandboxes write to: a btrfs image on a loop device inside the
+//! data directory, with quotas.
+//!
+//! overlayfs has no size limit of its own, and this kernel has no generic quota
+//! support (no ext4 or XFS project quotas), so each sandbox's directory is a
+//! btrfs subvolume whose qgroup caps it at the sandbox's disk size; the upper and
+//! work layers of its overlay live inside. btrfs also snapshots a subvolume in
+//! milliseconds, which later snapshots use. The mount outlives the server:
+//! sandboxes keep their layers across restarts.
+#![allow(unsafe_code)]
+
+use std::ffi::CString;
+use std::fs::{self, File};
+use std::os::fd::AsRawFd;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("storage {path}: {action}")]
+    Io {
+        path: PathBuf,
+        action: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{program} was not found; install btrfs-progs (apt-get install btrfs-progs)")]
+    NoTool { program: &'static str },
+    #[error("`{command}` failed: {output}")]
+    Command { command: String, output: String },
+    #[error("{path} is not a btrfs filesystem")]
+    NotBtrfs { path: PathBuf },
+}
+
+fn io(path: &Path, action: &'static str) -> impl FnOnce(std::io::Error) -> StorageError {
+    let path = path.to_owned();
+    move |source| StorageError::Io { path, action, source }
+}
+
+fn last_error(path: &Path, action: &'static str) -> StorageError {
+    io(path, action)(std::io::Error::last_os_error())
+}
+
+/// The mounted storage filesystem.
+#[derive(Debug)]
+pub struct Storage {
+    root: PathBuf,
+}
+
+/// The filesystem type of the mount at exactly `mount_point`, if one is there.
+fn mount_type(mount_point: &Path) -> Option<String> {
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let wanted = mount_point.to_str()?;
+    mountinfo.lines().rev().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        (left.split(' ').nth(4) == Some(wanted))
+            .then(|| right.split(' ').next().unwrap_or_default().to_owned())
+    })
+}
+
+fn tool(names: &[&'static str]) -> Result<&'static str, StorageError> {
+    names
+        .iter()
+        .copied()
+        .find(|p| Path::new(p).exists())
+        .ok_or(StorageError::NoTool { program: names[0] })
+}
+
+fn run(command: &mut Command) -> Result<(), StorageError> {
+    let output = command.output().map_err(|source| StorageError::Io {
+        path: PathBuf::from(command.get_program()),
+        action: "run",
+        source,
+    })?;
+    if output.status.success() {
+        return Ok(());
+    }
+    Err(StorageError::Command {
+        command: format!("{command:?}"),
+        output: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+    })
+}
+
+impl Storage {
+    /// Mounts `image` (made with `size_bytes`, sparse, if missing) at `mount_point`
+    /// with quotas on, or takes the mount already there. Blocking; runs once at
+    /// start-up, so it may use the btrfs tools.
+    pub fn open(image: &Path, mount_point: &Path, size_bytes: u64) -> Result<Storage, StorageError> {
+        fs::create_dir_all(mount_point).map_err(io(mount_point, "create the mount point"))?;
+        let mount_point = mount_point.canonicalize().map_err(io(mount_point, "resolve"))?;
+        let btrfs = tool(&["/usr/bin/btrfs", "/bin/btrfs", "/usr/sbin/btrfs"])?;
+        match mount_type(&mount_point) {
+            Some(kind) if kind == "btrfs" => {}
+            Some(_) => return Err(StorageError::NotBtrfs { path: mount_point }),
+            None => {
+                if !image.exists() {
+                    let mkfs = tool(&["/usr/sbin/mkfs.btrfs", "/sbin/mkfs.btrfs", "/usr/bin/mkfs.btrfs"])?;
+                    let file = File::create(image).map_err(io(image, "create the image"))?;
+                    file.set_len(size_bytes).map_err(io(image, "size the image"))?;
+                    drop(file);
+                    if let Err(error) = run(Command::new(mkfs).arg("-q").arg(image)) {
+                        let _ = fs::remove_file(image);
+                        return Err(error);
+                    }
+                }
+                // `mount -o loop` attaches the loop device with autoclear: unmounting frees it.
+                run(Command::new("mount").args(["-t", "btrfs", "-o", "loop"]).arg(image).arg(&mount_point))?;
+            }
+        }
+        // Idempotent: enabling quotas that are on already is a no-op.
+        run(Command::new(btrfs).args(["quota", "enable"]).arg(&mount_point))?;
+        Ok(Storage { root: mount_point })
+    }
+
+    /// Where sandboxes put their layers.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Makes `dir` (which must not exist; its parent must be on this storage) a
+    /// subvolume capped at `bytes`: everything written under it counts.
+    pub fn create_limited(&self, dir: &Path, bytes: u64) -> Result<(), StorageError> {
+        let parent = dir.parent().ok_or_else(|| last_error(dir, "find its parent"))?;
+        let name = dir.file_name().ok_or_else(|| last_error(dir, "name it"))?;
+        let parent_dir = File::open(parent).map_err(io(parent, "open"))?;
+        let mut args = VolArgs { fd: 0, name: [0; VOL_NAME_MAX + 1] };
+        let name = name.as_bytes();
+        if name.len() > VOL_NAME_MAX {
+            return Err(io(dir, "name it")(std::io::ErrorKind::InvalidInput.into()));
+        }
+        args.name[..name.len()].copy_from_slice(name);
+        // SAFETY: BTRFS_IOC_SUBVOL_CREATE reads one `struct btrfs_ioctl_vol_args`
+        // (repr(C), kernel layout, NUL-terminated name) on an open directory fd.
+        if unsafe { libc::ioctl(parent_dir.as_raw_fd(), BTRFS_IOC_SUBVOL_CREATE, &args) } != 0 {
+            return Err(last_error(dir, "create its subvolume"));
+        }
+        let subvolume = File::open(dir).map_err(io(dir, "open"))?;
+        let mut lookup = InoLookupArgs { treeid: 0, objectid: FIRST_FREE_OBJECTID, name: [0; 4080] };
+        // SAFETY: BTRFS_IOC_INO_LOOKUP fills one `struct btrfs_ioctl_ino_lookup_args`
+        // (repr(C), kernel layout); with treeid 0 it answers the fd's own subvolume.
+        if unsafe { libc::ioctl(subvolume.as_raw_fd(), BTRFS_IOC_INO_LOOKUP, &mut lookup) } != 0 {
+            return Err(last_error(dir, "find its subvolume id"));
+        }
+        let limit = QgroupLimitArgs {
+            qgroupid: lookup.treeid,
+            flags: QGROUP_LIMIT_MAX_RFER | QGROUP_LIMIT_MAX_EXCL,
+            max_rfer: bytes,
+            max_excl: bytes,
+            rsv_rfer: 0,
+            rsv_excl: 0,
+        };
+        // SAFETY: BTRFS_IOC_QGROUP_LIMIT reads one `struct btrfs_ioctl_qgroup_limit_args`
+        // (repr(C), kernel layout) on any fd of the filesystem.
+        if unsafe { libc::ioctl(subvolume.as_raw_fd(), BTRFS_IOC_QGROUP_LIMIT, &limit) } != 0 {
+            return Err(last_error(dir, "set its quota"));
+        }
+        Ok(())
+    }
+
+    /// Unmounts the storage (which frees its loop device). For temporary servers
+    /// (benchmarks, tests); a real server leaves it mounted.
+    pub fn unmount(&self) -> Result<(), StorageError> {
+        let path = CString::new(self.root.as_os_str().as_bytes()).expect("a path has no NUL");
+        // SAFETY: umount2 takes a NUL-terminated path and flags, nothing else.
+        if unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) } != 0 {
+            return Err(last_error(&self.root, "unmount"));
+        }
+        Ok(())
+    }
+}
+
+const VOL_NAME_MAX: usize = 4087;
+
+/// `struct btrfs_ioctl_vol_args`.
+#[repr(C)]
+struct VolArgs {
+    fd: i64,
+    name: [u8; VOL_NAME_MAX + 1],
+}
+
+/// `struct btrfs_ioctl_ino_lookup_args`.
+#[repr(C)]
+struct InoLookupArgs {
+    treeid: u64,
+    objectid: u64,
+    name: [u8; 4080],
+}
+
+/// `struct btrfs_ioctl_qgroup_limit_args` with its `struct btrfs_qgroup_limit` inlined.
+#[repr(C)]
+struct QgroupLimitArgs {
+    qgroupid: u64,
+    flags: u64,
+    max_rfer: u64,
+    max_excl: u64,
+    rsv_rfer: u64,
+    rsv_excl: u64,
+}
+
+const FIRST_FREE_OBJECTID: u64 = 256;
+const QGROUP_LIMIT_MAX_RFER: u64 = 1 << 0;
+const QGROUP_LIMIT_MAX_EXCL: u64 = 1 << 1;
+/// `_IOW(0x94, 14, struct btrfs_ioctl_vol_args)`.
+const BTRFS_IOC_SUBVOL_CREATE: libc::Ioctl = 0x5000_940e;
+/// `_IOWR(0x94, 18, struct btrfs_ioctl_ino_lookup_args)`.
+const BTRFS_IOC_INO_LOOKUP: libc::Ioctl = 0xd000_9412;
+/// `_IOR(0x94, 43, struct btrfs_ioctl_qgroup_limit_args)` (read by the kernel
+/// despite its direction bits).
+const BTRFS_IOC_QGROUP_LIMIT: libc::Ioctl = 0x8030_942b;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `_IOC(dir, 0x94, nr, size)` as the kernel computes it.
+    fn ioc(dir: u32, nr: u32, size: usize) -> libc::Ioctl {
+        ((dir << 30) | ((size as u32) << 16) | (0x94 << 8) | nr) as libc::Ioctl
+    }
+
+    #[test]
+    fn ioctl_numbers_match_the_kernel_structs() {
+        assert_eq!(std::mem::size_of::<VolArgs>(), 4096);
+        assert_eq!(std::mem::size_of::<InoLookupArgs>(), 4096);
+        assert_eq!(std::mem::size_of::<QgroupLimitArgs>(), 48);
+        assert_eq!(BTRFS_IOC_SUBVOL_CREATE, ioc(1, 14, 4096 & 0x3fff));
+        assert_eq!(BTRFS_IOC_INO_LOOKUP, ioc(3, 18, 4096 & 0x3fff));
+        assert_eq!(BTRFS_IOC_QGROUP_LIMIT, ioc(2, 43, 48));
+    }
+}
