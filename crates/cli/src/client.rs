@@ -75,6 +75,11 @@ impl Client {
         self.send(request).await
     }
 
+    /// A request with the key set, for callers that handle the body themselves.
+    pub fn raw(&self, method: reqwest::Method, url: &str) -> reqwest::RequestBuilder {
+        self.http.request(method, url).bearer_auth(&self.key)
+    }
+
     /// A toolbox call on a sandbox, through the proxy URL the sandbox reports.
     pub async fn toolbox(
         &self,

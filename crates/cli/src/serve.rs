@@ -53,14 +53,6 @@ pub struct ServeArgs {
     pub timer_tick_ms: u64,
 }
 
-/// A server running in this process.
-pub struct Running {
-    pub addr: SocketAddr,
-    /// The sandbox storage; a temporary server unmounts it when done.
-    pub storage: Arc<Storage>,
-    pub serve: tokio::task::JoinHandle<std::io::Result<()>>,
-}
-
 pub fn progress_printer() -> impl FnMut(&ImageProgress) {
     let tty = std::io::stderr().is_terminal();
     move |p: &ImageProgress| {
@@ -73,8 +65,9 @@ pub fn progress_printer() -> impl FnMut(&ImageProgress) {
     }
 }
 
-/// Builds everything and starts serving; returns once the socket listens.
-pub async fn start(args: ServeArgs) -> anyhow::Result<Running> {
+/// Builds everything and starts serving; returns the serving task once the
+/// socket listens.
+async fn start(args: ServeArgs) -> anyhow::Result<tokio::task::JoinHandle<std::io::Result<()>>> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     #[allow(unsafe_code)]
     let euid = unsafe { libc::geteuid() };
@@ -106,8 +99,10 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<Running> {
     let storage_size = args.storage_size_gib << 30;
     let storage_dir = data_dir.join("storage");
     let storage_image = data_dir.join("storage.img");
-    let storage = tokio::task::spawn_blocking(move || Storage::open(&storage_image, &storage_dir, storage_size))
-        .await??;
+    let storage = tokio::task::spawn_blocking(move || {
+        Storage::open(&storage_image, &storage_dir, storage_size)
+    })
+    .await??;
     let storage = Arc::new(storage);
     let mut container_config = ContainerConfig::new(
         storage.root().join("sandboxes"),
@@ -172,14 +167,14 @@ pub async fn start(args: ServeArgs) -> anyhow::Result<Running> {
     tokio::spawn(async move { timers.run_timers().await });
     let serve = tokio::spawn(async move { axum::serve(listener, app).await });
     tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
-    Ok(Running { addr, storage, serve })
+    Ok(serve)
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let running = start(args).await?;
+    let serve = start(args).await?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
-        result = running.serve => result??,
+        result = serve => result??,
         _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; sandboxes are brought back on the next start"),
         _ = terminate.recv() => tracing::info!("terminated; sandboxes are brought back on the next start"),
     }

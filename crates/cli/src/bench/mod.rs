@@ -1,0 +1,128 @@
+//! `cove bench`: latency (and, for files, throughput) of a scenario over N runs.
+//!
+//! A benchmark measures; it asserts nothing. Without `--url` it starts its own
+//! server as a child process on a temporary data directory, so the server's
+//! memory can be read apart from the client's.
+
+mod files;
+mod own_server;
+mod scenarios;
+
+use anyhow::Context;
+use serde_json::{json, Map, Value};
+
+use crate::client::Client;
+
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Scenario {
+    /// Create a sandbox until its first command answers (the sandbox is deleted untimed).
+    Create,
+    /// Round trip of `true` in a running sandbox.
+    Exec,
+    /// Upload then download a large file through the API (see --size-mb).
+    Files,
+}
+
+#[derive(clap::Args, Debug)]
+pub struct BenchArgs {
+    pub scenario: Scenario,
+    /// API URL of a running server; without it a server is started here.
+    #[arg(long)]
+    pub url: Option<String>,
+    /// API key for --url.
+    #[arg(long, env = "COVE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// Number of measured runs.
+    #[arg(long, default_value_t = 50)]
+    pub n: usize,
+    /// Print one JSON object instead of text.
+    #[arg(long)]
+    pub json: bool,
+    /// Images directory of the server started here (shared, so it is built once).
+    #[arg(long, env = "COVE_IMAGES_DIR", default_value = "/var/tmp/cove/images")]
+    pub images_dir: std::path::PathBuf,
+    /// Size of the file of the `files` scenario, in MiB.
+    #[arg(long, default_value_t = 1024)]
+    pub size_mb: u64,
+}
+
+/// What one scenario measured: times of each run in milliseconds, and extra
+/// figures it reports by name.
+pub struct Measurement {
+    pub samples: Vec<f64>,
+    pub extra: Map<String, Value>,
+}
+
+/// Median, p95 and p99 of `samples` in milliseconds (nearest-rank).
+pub fn summarize(samples: &mut [f64]) -> (f64, f64, f64) {
+    samples.sort_by(f64::total_cmp);
+    let rank = |p: f64| {
+        let index = ((p / 100.0) * samples.len() as f64).ceil() as usize;
+        samples[index.clamp(1, samples.len()) - 1]
+    };
+    (rank(50.0), rank(95.0), rank(99.0))
+}
+
+pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+    anyhow::ensure!(args.n > 0, "--n must be at least 1");
+    let own = match &args.url {
+        Some(_) => None,
+        None => Some(own_server::OwnServer::start(&args.images_dir).await?),
+    };
+    let client = match (&args.url, &own) {
+        (Some(url), _) => Client::new(
+            url,
+            args.api_key
+                .as_deref()
+                .context("--url needs an API key (COVE_API_KEY)")?,
+        ),
+        (None, Some(own)) => own.client(),
+        (None, None) => unreachable!("a server is started when no URL is given"),
+    };
+    let measured = match args.scenario {
+        Scenario::Create => scenarios::create_to_first_command(&client, args.n).await,
+        Scenario::Exec => scenarios::exec_round_trip(&client, args.n).await,
+        Scenario::Files => files::transfer(&client, args.n, args.size_mb << 20).await,
+    };
+    let server_peak_rss_mb = own.as_ref().and_then(own_server::OwnServer::peak_rss_mb);
+    if let Some(own) = own {
+        own.stop().await?;
+    }
+    let Measurement {
+        mut samples,
+        mut extra,
+    } = measured?;
+    let (median, p95, p99) = summarize(&mut samples);
+    if let Some(rss) = server_peak_rss_mb {
+        extra.insert("server_peak_rss_mb".into(), json!(rss));
+    }
+    let name = format!("{:?}", args.scenario).to_lowercase();
+    if args.json {
+        let mut report = json!({ "scenario": name, "n": args.n, "median_ms": median, "p95_ms": p95,
+                                  "p99_ms": p99, "min_ms": samples[0],
+                                  "max_ms": samples[samples.len() - 1] });
+        report.as_object_mut().expect("an object").extend(extra);
+        println!("{report}");
+    } else {
+        let extra: Vec<String> = extra.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        println!(
+            "{name}: n={} median={median:.2} ms p95={p95:.2} ms p99={p99:.2} ms {}",
+            args.n,
+            extra.join(" ")
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn percentiles_by_nearest_rank() {
+        let mut samples: Vec<f64> = (1..=100).map(f64::from).collect();
+        samples.reverse();
+        assert_eq!(summarize(&mut samples), (50.0, 95.0, 99.0));
+        assert_eq!(summarize(&mut [7.0]), (7.0, 7.0, 7.0));
+    }
+}

@@ -1,0 +1,114 @@
+//! A server of the benchmark's own: `cove serve` as a child process on a
+//! temporary data directory, removed (storage unmounted) when done.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use reqwest::Method;
+
+use crate::client::Client;
+
+const KEY: &str = "cove-bench-key";
+/// The first start may build the default image.
+const READY_TIMEOUT: Duration = Duration::from_secs(600);
+
+pub struct OwnServer {
+    child: tokio::process::Child,
+    url: String,
+    dir: tempfile::TempDir,
+}
+
+impl OwnServer {
+    pub async fn start(images_dir: &Path) -> anyhow::Result<OwnServer> {
+        // Short: sandbox sockets live under it and a socket path has 107 bytes.
+        let dir = tempfile::Builder::new().prefix("cvb").tempdir_in("/tmp")?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let log = std::fs::File::create(dir.path().join("server.log"))?;
+        let child = tokio::process::Command::new(std::env::current_exe()?)
+            .arg("serve")
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .arg("--images-dir")
+            .arg(images_dir)
+            .args(["--api-key", KEY, "--storage-size-gib", "16"])
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            .kill_on_drop(true)
+            .spawn()
+            .context("start the benchmark's server")?;
+        let mut server = OwnServer {
+            child,
+            url: format!("http://127.0.0.1:{port}/api"),
+            dir,
+        };
+        let client = server.client();
+        let started = Instant::now();
+        loop {
+            if client.api(Method::GET, "/sandbox", None).await.is_ok() {
+                return Ok(server);
+            }
+            if let Some(status) = server.child.try_wait()? {
+                let log = std::fs::read_to_string(server.dir.path().join("server.log"))?;
+                server.cleanup();
+                bail!("the benchmark's server exited ({status}):\n{log}");
+            }
+            if started.elapsed() > READY_TIMEOUT {
+                server.cleanup();
+                bail!("the benchmark's server did not answer within {READY_TIMEOUT:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
+    pub fn client(&self) -> Client {
+        Client::new(&self.url, KEY)
+    }
+
+    /// The server's peak resident memory so far (VmHWM), in MiB.
+    pub fn peak_rss_mb(&self) -> Option<f64> {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()?)).ok()?;
+        peak_rss_mb(&status)
+    }
+
+    /// Ends the server and removes everything it made on the host.
+    pub async fn stop(mut self) -> anyhow::Result<()> {
+        // The server keeps nothing in memory worth a graceful exit: its state is
+        // on disk and its sandboxes were deleted by the scenario.
+        let _ = self.child.start_kill();
+        let _ = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await;
+        self.cleanup();
+        Ok(())
+    }
+
+    fn cleanup(&mut self) {
+        let storage = self.dir.path().join("data").join("storage");
+        let mounted = std::fs::read_to_string("/proc/self/mountinfo")
+            .is_ok_and(|m| m.lines().any(|l| l.split(' ').nth(4) == storage.to_str()));
+        if mounted {
+            let _ = std::process::Command::new("umount").arg(&storage).status();
+        }
+    }
+}
+
+/// VmHWM of a `/proc/<pid>/status` text, in MiB.
+pub fn peak_rss_mb(status: &str) -> Option<f64> {
+    let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib / 1024.0)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn reads_vmhwm() {
+        let status = "Name:\tcove\nVmPeak:\t  9000 kB\nVmHWM:\t    2048 kB\n";
+        assert_eq!(super::peak_rss_mb(status), Some(2.0));
+        assert_eq!(super::peak_rss_mb("Name: x\n"), None);
+    }
+}

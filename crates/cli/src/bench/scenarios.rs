@@ -1,0 +1,91 @@
+//! The lifecycle scenarios: create to first command, and exec round trips.
+
+use std::time::Instant;
+
+use anyhow::Context;
+use reqwest::Method;
+use serde_json::{json, Map, Value};
+
+use super::Measurement;
+use crate::client::Client;
+
+pub async fn create_sandbox(client: &Client) -> anyhow::Result<Value> {
+    client
+        .api(
+            Method::POST,
+            "/sandbox",
+            Some(json!({ "labels": { "cove-bench": "1" } })),
+        )
+        .await
+}
+
+pub async fn run_command(
+    client: &Client,
+    sandbox: &Value,
+    command: &str,
+) -> anyhow::Result<String> {
+    let result = client
+        .toolbox(
+            sandbox,
+            Method::POST,
+            "/process/execute",
+            json!({ "command": command }),
+        )
+        .await?;
+    anyhow::ensure!(
+        result["exitCode"] == 0,
+        "`{command}` failed in the sandbox: {result}"
+    );
+    Ok(result["result"].as_str().unwrap_or_default().to_owned())
+}
+
+pub async fn delete_sandbox(client: &Client, sandbox: &Value) -> anyhow::Result<()> {
+    let id = sandbox["id"].as_str().context("sandbox without id")?;
+    client
+        .api(Method::DELETE, &format!("/sandbox/{id}"), None)
+        .await?;
+    Ok(())
+}
+
+fn ms_since(started: Instant) -> f64 {
+    started.elapsed().as_secs_f64() * 1000.0
+}
+
+/// Create -> first command answered, each in a new sandbox.
+pub async fn create_to_first_command(client: &Client, n: usize) -> anyhow::Result<Measurement> {
+    // One unmeasured run warms caches (the image's pages, connections).
+    let warm = create_sandbox(client).await?;
+    run_command(client, &warm, "true").await?;
+    delete_sandbox(client, &warm).await?;
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let started = Instant::now();
+        let sandbox = create_sandbox(client).await?;
+        run_command(client, &sandbox, "true").await?;
+        samples.push(ms_since(started));
+        delete_sandbox(client, &sandbox).await?;
+    }
+    Ok(Measurement {
+        samples,
+        extra: Map::new(),
+    })
+}
+
+/// The round trip of `true` in one running sandbox.
+pub async fn exec_round_trip(client: &Client, n: usize) -> anyhow::Result<Measurement> {
+    let sandbox = create_sandbox(client).await?;
+    for _ in 0..5 {
+        run_command(client, &sandbox, "true").await?;
+    }
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let started = Instant::now();
+        run_command(client, &sandbox, "true").await?;
+        samples.push(ms_since(started));
+    }
+    delete_sandbox(client, &sandbox).await?;
+    Ok(Measurement {
+        samples,
+        extra: Map::new(),
+    })
+}
