@@ -126,21 +126,3 @@ async fn malformed_request_is_400_and_unknown_route_404() {
     assert_eq!(reply.json()["statusCode"], 404);
 }
 
-#[tokio::test]
-async fn execute_round_trip_of_true_is_fast() {
-    let agent = Agent::start();
-    agent
-        .post_json("/process/execute", json!({"command": "true"}))
-        .await;
-    let started = Instant::now();
-    for _ in 0..20 {
-        let reply = agent
-            .post_json("/process/execute", json!({"command": "true"}))
-            .await;
-        assert_eq!(reply.json()["exitCode"], 0);
-    }
-    let each = started.elapsed() / 20;
-    eprintln!("execute `true` round trip: {each:?}");
-    // Generous: debug build, shared CI machine; the release target is <= 3 ms.
-    assert!(each < Duration::from_millis(100), "{each:?}");
-}
