@@ -125,4 +125,3 @@ async fn malformed_request_is_400_and_unknown_route_404() {
     assert_eq!(reply.status, 404);
     assert_eq!(reply.json()["statusCode"], 404);
 }
-

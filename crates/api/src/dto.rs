@@ -46,6 +46,8 @@ pub struct Sandbox {
     pub auto_archive_interval: i64,
     pub auto_delete_interval: i64,
     pub ttl_minutes: i64,
+    /// When the wall-clock TTL destroys the sandbox; the SDK reads the TTL here.
+    pub auto_destroy_at: Option<String>,
     pub volumes: Vec<serde_json::Value>,
     pub created_at: String,
     pub updated_at: String,
@@ -80,6 +82,7 @@ impl Sandbox {
             auto_archive_interval: record.timers.auto_archive,
             auto_delete_interval: record.timers.auto_delete,
             ttl_minutes: record.ttl_minutes,
+            auto_destroy_at: record.ttl_deadline_ms.map(rfc3339),
             volumes: Vec::new(),
             created_at: rfc3339(record.created_at_ms),
             updated_at: rfc3339(record.updated_at_ms),
