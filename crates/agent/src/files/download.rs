@@ -17,6 +17,10 @@ use tokio_util::io::ReaderStream;
 use crate::error::{ApiError, Json, Query};
 use crate::{AppState, Settings};
 
+/// Bytes read from disk per body frame: few enough to keep memory flat,
+/// enough that a gibibyte is not a quarter of a million frames.
+const STREAM_CHUNK: usize = 64 << 10;
+
 #[derive(Debug, Deserialize)]
 pub struct PathQuery {
     path: String,
@@ -42,10 +46,10 @@ pub async fn download(
             (header::CONTENT_LENGTH, size.to_string()),
             (
                 header::CONTENT_DISPOSITION,
-                format!("attachment; filename=\"{}\"", escape(&name)),
+                format!("attachment; {}", filename_param(&name)),
             ),
         ],
-        Body::from_stream(ReaderStream::new(file)),
+        Body::from_stream(ReaderStream::with_capacity(file, STREAM_CHUNK)),
     )
         .into_response())
 }
@@ -82,12 +86,12 @@ async fn part(
     match open_regular(&settings, &requested).await {
         Ok((file, size)) => {
             let head = format!(
-                "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; filename=\"{}\"\r\n\
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"file\"; {}\r\n\
                  Content-Type: application/octet-stream\r\nContent-Length: {size}\r\n\r\n",
-                escape(&requested)
+                filename_param(&requested)
             );
             stream::once(std::future::ready(Ok(Bytes::from(head))))
-                .chain(ReaderStream::new(file))
+                .chain(ReaderStream::with_capacity(file, STREAM_CHUNK))
                 .chain(stream::once(std::future::ready(Ok(Bytes::from_static(
                     b"\r\n",
                 )))))
@@ -95,9 +99,9 @@ async fn part(
         }
         Err(error) => {
             let text = format!(
-                "--{boundary}\r\nContent-Disposition: form-data; name=\"error\"; filename=\"{}\"\r\n\
+                "--{boundary}\r\nContent-Disposition: form-data; name=\"error\"; {}\r\n\
                  Content-Type: application/json\r\n\r\n{}\r\n",
-                escape(&requested),
+                filename_param(&requested),
                 error.body()
             );
             stream::once(std::future::ready(Ok(Bytes::from(text)))).boxed()
@@ -125,9 +129,42 @@ async fn open_regular(
 }
 
 /// Escapes a value for a quoted `Content-Disposition` parameter.
+/// The `filename` parameter of a Content-Disposition header. A header carries
+/// Latin-1, so a name outside ASCII goes as RFC 5987 `filename*=utf-8''...`,
+/// which the SDK decodes back to the exact path it asked for.
+fn filename_param(name: &str) -> String {
+    if name.is_ascii() && !name.contains(['\r', '\n']) {
+        return format!("filename=\"{}\"", escape(name));
+    }
+    let encoded: String = name
+        .bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'.' | b'_' | b'~' | b'/' => {
+                (b as char).to_string()
+            }
+            other => format!("%{other:02X}"),
+        })
+        .collect();
+    format!("filename*=utf-8''{encoded}")
+}
+
 fn escape(value: &str) -> String {
     value
         .replace('\\', "\\\\")
         .replace('"', "\\\"")
         .replace(['\r', '\n'], " ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_ascii_names_use_the_extended_parameter() {
+        assert_eq!(filename_param("/tmp/a b.txt"), "filename=\"/tmp/a b.txt\"");
+        assert_eq!(
+            filename_param("/tmp/\u{fc}.txt"),
+            "filename*=utf-8''/tmp/%C3%BC.txt"
+        );
+    }
 }

@@ -1,10 +1,24 @@
-//! Files (`/files...`): listing, metadata, folders, deletion, and streaming
-//! uploads and downloads. Relative paths resolve against the work dir.
+//! Files (`/files...`): listing, metadata, folders, deletion, moves,
+//! permissions, name and content search, replacement, change watching, and
+//! streaming uploads and downloads. Relative paths resolve against the work dir.
+//!
+//! Paths are taken as the sandbox sees them: the agent runs inside the
+//! sandbox's own mount and PID namespaces, so `..` and symlinks lead only to
+//! the sandbox's own files, and no endpoint reaches beyond them. Tree walks
+//! (search, find, watch) never follow symlinks below their root and never
+//! enter `/proc` or `/sys` unless asked to start there. Errors name the path:
+//! missing 404, forbidden 403, malformed request 400.
 
 mod download;
 mod info;
 mod manage;
+mod permissions;
+mod rename;
+mod replace;
+mod search;
 mod upload;
+mod walk;
+mod watch;
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};
@@ -19,6 +33,12 @@ pub fn routes() -> Router<AppState> {
         .route("/files", get(info::list).delete(manage::delete))
         .route("/files/info", get(info::info))
         .route("/files/folder", post(manage::create_folder))
+        .route("/files/move", post(rename::move_file))
+        .route("/files/permissions", post(permissions::set_permissions))
+        .route("/files/search", get(search::search_files))
+        .route("/files/find", get(search::find_in_files))
+        .route("/files/replace", post(replace::replace_in_files))
+        .route("/files/watch", get(watch::watch))
         .route("/files/download", get(download::download))
         .route("/files/bulk-download", post(download::bulk_download))
         .route(
