@@ -47,6 +47,9 @@ pub enum ApiError {
         #[source]
         source: io::Error,
     },
+    /// A git command failed; its class decides status and code.
+    #[error(transparent)]
+    Git(#[from] crate::git::GitError),
 }
 
 impl ApiError {
@@ -81,6 +84,7 @@ impl ApiError {
             Self::LimitReached { .. } => StatusCode::TOO_MANY_REQUESTS,
             Self::Io { source, .. } if is_client_io_error(source) => StatusCode::BAD_REQUEST,
             Self::Io { .. } | Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::Git(error) => error.failure.status(),
         }
     }
 
@@ -99,6 +103,7 @@ impl ApiError {
             Self::LimitReached { .. } => "TOO_MANY_REQUESTS",
             Self::Io { source, .. } if is_client_io_error(source) => "BAD_REQUEST",
             Self::Io { .. } | Self::Internal { .. } => "INTERNAL_SERVER_ERROR",
+            Self::Git(error) => error.failure.code(),
         }
     }
 

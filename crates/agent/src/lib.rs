@@ -9,6 +9,7 @@ pub mod config;
 pub mod error;
 pub mod execute;
 pub mod files;
+pub mod git;
 pub mod info;
 pub mod init;
 pub mod listen;
@@ -45,6 +46,7 @@ pub fn app(state: AppState) -> Router {
         .merge(session::routes())
         .merge(files::routes())
         .merge(info::routes())
+        .merge(git::routes())
         .fallback(|uri: axum::http::Uri| async move { ApiError::NoRoute(uri.path().to_string()) })
         .with_state(state)
 }
