@@ -50,6 +50,8 @@ pub enum ApiError {
     /// A git command failed; its class decides status and code.
     #[error(transparent)]
     Git(#[from] crate::git::GitError),
+    #[error("interpreter context not found: {0}")]
+    ContextNotFound(String),
 }
 
 impl ApiError {
@@ -85,6 +87,7 @@ impl ApiError {
             Self::Io { source, .. } if is_client_io_error(source) => StatusCode::BAD_REQUEST,
             Self::Io { .. } | Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Git(error) => error.failure.status(),
+            Self::ContextNotFound(_) => StatusCode::NOT_FOUND,
         }
     }
 
@@ -104,6 +107,7 @@ impl ApiError {
             Self::Io { source, .. } if is_client_io_error(source) => "BAD_REQUEST",
             Self::Io { .. } | Self::Internal { .. } => "INTERNAL_SERVER_ERROR",
             Self::Git(error) => error.failure.code(),
+            Self::ContextNotFound(_) => "NOT_FOUND",
         }
     }
 

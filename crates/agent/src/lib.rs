@@ -12,7 +12,9 @@ pub mod files;
 pub mod git;
 pub mod info;
 pub mod init;
+pub mod interpreter;
 pub mod listen;
+pub mod pty;
 pub mod session;
 pub mod system;
 
@@ -47,6 +49,8 @@ pub fn app(state: AppState) -> Router {
         .merge(files::routes())
         .merge(info::routes())
         .merge(git::routes())
+        .merge(pty::routes())
+        .merge(interpreter::routes())
         .fallback(|uri: axum::http::Uri| async move { ApiError::NoRoute(uri.path().to_string()) })
         .with_state(state)
 }
