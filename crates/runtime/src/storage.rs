@@ -35,7 +35,11 @@ pub enum StorageError {
 
 fn io(path: &Path, action: &'static str) -> impl FnOnce(std::io::Error) -> StorageError {
     let path = path.to_owned();
-    move |source| StorageError::Io { path, action, source }
+    move |source| StorageError::Io {
+        path,
+        action,
+        source,
+    }
 }
 
 fn last_error(path: &Path, action: &'static str) -> StorageError {
@@ -86,18 +90,29 @@ impl Storage {
     /// Mounts `image` (made with `size_bytes`, sparse, if missing) at `mount_point`
     /// with quotas on, or takes the mount already there. Blocking; runs once at
     /// start-up, so it may use the btrfs tools.
-    pub fn open(image: &Path, mount_point: &Path, size_bytes: u64) -> Result<Storage, StorageError> {
+    pub fn open(
+        image: &Path,
+        mount_point: &Path,
+        size_bytes: u64,
+    ) -> Result<Storage, StorageError> {
         fs::create_dir_all(mount_point).map_err(io(mount_point, "create the mount point"))?;
-        let mount_point = mount_point.canonicalize().map_err(io(mount_point, "resolve"))?;
+        let mount_point = mount_point
+            .canonicalize()
+            .map_err(io(mount_point, "resolve"))?;
         let btrfs = tool(&["/usr/bin/btrfs", "/bin/btrfs", "/usr/sbin/btrfs"])?;
         match mount_type(&mount_point) {
             Some(kind) if kind == "btrfs" => {}
             Some(_) => return Err(StorageError::NotBtrfs { path: mount_point }),
             None => {
                 if !image.exists() {
-                    let mkfs = tool(&["/usr/sbin/mkfs.btrfs", "/sbin/mkfs.btrfs", "/usr/bin/mkfs.btrfs"])?;
+                    let mkfs = tool(&[
+                        "/usr/sbin/mkfs.btrfs",
+                        "/sbin/mkfs.btrfs",
+                        "/usr/bin/mkfs.btrfs",
+                    ])?;
                     let file = File::create(image).map_err(io(image, "create the image"))?;
-                    file.set_len(size_bytes).map_err(io(image, "size the image"))?;
+                    file.set_len(size_bytes)
+                        .map_err(io(image, "size the image"))?;
                     drop(file);
                     if let Err(error) = run(Command::new(mkfs).arg("-q").arg(image)) {
                         let _ = fs::remove_file(image);
@@ -105,11 +120,16 @@ impl Storage {
                     }
                 }
                 // `mount -o loop` attaches the loop device with autoclear: unmounting frees it.
-                run(Command::new("mount").args(["-t", "btrfs", "-o", "loop"]).arg(image).arg(&mount_point))?;
+                run(Command::new("mount")
+                    .args(["-t", "btrfs", "-o", "loop"])
+                    .arg(image)
+                    .arg(&mount_point))?;
             }
         }
         // Idempotent: enabling quotas that are on already is a no-op.
-        run(Command::new(btrfs).args(["quota", "enable"]).arg(&mount_point))?;
+        run(Command::new(btrfs)
+            .args(["quota", "enable"])
+            .arg(&mount_point))?;
         Ok(Storage { root: mount_point })
     }
 
@@ -121,10 +141,15 @@ impl Storage {
     /// Makes `dir` (which must not exist; its parent must be on this storage) a
     /// subvolume capped at `bytes`: everything written under it counts.
     pub fn create_limited(&self, dir: &Path, bytes: u64) -> Result<(), StorageError> {
-        let parent = dir.parent().ok_or_else(|| last_error(dir, "find its parent"))?;
+        let parent = dir
+            .parent()
+            .ok_or_else(|| last_error(dir, "find its parent"))?;
         let name = dir.file_name().ok_or_else(|| last_error(dir, "name it"))?;
         let parent_dir = File::open(parent).map_err(io(parent, "open"))?;
-        let mut args = VolArgs { fd: 0, name: [0; VOL_NAME_MAX + 1] };
+        let mut args = VolArgs {
+            fd: 0,
+            name: [0; VOL_NAME_MAX + 1],
+        };
         let name = name.as_bytes();
         if name.len() > VOL_NAME_MAX {
             return Err(io(dir, "name it")(std::io::ErrorKind::InvalidInput.into()));
@@ -136,7 +161,11 @@ impl Storage {
             return Err(last_error(dir, "create its subvolume"));
         }
         let subvolume = File::open(dir).map_err(io(dir, "open"))?;
-        let mut lookup = InoLookupArgs { treeid: 0, objectid: FIRST_FREE_OBJECTID, name: [0; 4080] };
+        let mut lookup = InoLookupArgs {
+            treeid: 0,
+            objectid: FIRST_FREE_OBJECTID,
+            name: [0; 4080],
+        };
         // SAFETY: BTRFS_IOC_INO_LOOKUP fills one `struct btrfs_ioctl_ino_lookup_args`
         // (repr(C), kernel layout); with treeid 0 it answers the fd's own subvolume.
         if unsafe { libc::ioctl(subvolume.as_raw_fd(), BTRFS_IOC_INO_LOOKUP, &mut lookup) } != 0 {
