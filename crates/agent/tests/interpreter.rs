@@ -182,7 +182,10 @@ async fn rich_results_carry_html_and_text() {
 async fn matplotlib_figures_come_back_as_png() {
     // A Python with matplotlib: scripts/setup puts one in the conformance venv and
     // scripts/test names its bin dir here; CI must run this test for real.
-    let Some(bin) = std::env::var("COVE_TEST_MATPLOTLIB_BIN").ok().filter(|b| !b.is_empty()) else {
+    let Some(bin) = std::env::var("COVE_TEST_MATPLOTLIB_BIN")
+        .ok()
+        .filter(|b| !b.is_empty())
+    else {
         assert!(
             std::env::var_os("CI").is_none(),
             "set COVE_TEST_MATPLOTLIB_BIN to the bin dir of a Python with matplotlib"
