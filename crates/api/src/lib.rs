@@ -12,6 +12,7 @@ mod error;
 mod not_implemented;
 mod sandbox;
 mod server_config;
+mod snapshots;
 mod toolbox;
 
 use std::sync::Arc;
@@ -58,6 +59,13 @@ pub fn app(state: AppState) -> Router {
         .route("/sandbox/{id}/start", post(sandbox::start))
         .route("/sandbox/{id}/stop", post(sandbox::stop))
         .route("/sandbox/{id}/recover", post(sandbox::recover))
+        .route("/sandbox/{id}/snapshot", post(snapshots::take))
+        .route("/sandbox/{id}/revert", post(snapshots::revert))
+        .route("/snapshots", get(snapshots::list))
+        .route(
+            "/snapshots/{id}",
+            get(snapshots::get).delete(snapshots::delete),
+        )
         .route("/sandbox/{id}/labels", put(sandbox::replace_labels))
         .route(
             "/sandbox/{id}/autostop/{minutes}",

@@ -29,11 +29,11 @@ pub fn toolbox_base(state: &AppState, headers: &HeaderMap) -> String {
     format!("{base}/toolbox")
 }
 
-fn dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) -> Json<Sandbox> {
+pub fn dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) -> Json<Sandbox> {
     Json(Sandbox::from_record(record, toolbox_base(state, headers)))
 }
 
-type Reply = Result<Json<Sandbox>, ApiError>;
+pub type Reply = Result<Json<Sandbox>, ApiError>;
 
 pub async fn create(
     State(state): State<AppState>,

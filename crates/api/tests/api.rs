@@ -38,6 +38,9 @@ async fn api() -> Api {
             state: SnapshotState::Active,
             error_reason: None,
             rootfs: "/rootfs".into(),
+            layers: vec![],
+            capture_id: None,
+            source_sandbox: None,
             cpu: 1,
             gpu: 0,
             memory_gib: 1,
@@ -311,7 +314,7 @@ async fn unimplemented_operations_answer_501_by_name() {
     let api = api().await;
     api.call("POST", "/api/sandbox", Some(json!({"name": "p"})))
         .await;
-    let (status, body) = api.call("GET", "/api/snapshots", None).await;
+    let (status, body) = api.call("GET", "/api/volumes", None).await;
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
     assert_eq!(
         body["message"],

@@ -29,7 +29,7 @@ pub struct CreateSandbox {
 }
 
 /// Names are used in URLs and as host names: keep them plain.
-fn check_name(name: &str) -> Result<(), EngineError> {
+pub(crate) fn check_name(name: &str) -> Result<(), EngineError> {
     let valid = !name.is_empty()
         && name.len() <= 63
         && name
@@ -97,17 +97,17 @@ impl Engine {
             });
         }
         let ceilings = config.ceilings;
-        let cpu = resource("cpu", request.cpu, config.default_cpu, ceilings.cpu)?;
+        let cpu = resource("cpu", request.cpu, snapshot.cpu.max(1), ceilings.cpu)?;
         let memory_gib = resource(
             "memory",
             request.memory_gib,
-            config.default_memory_gib,
+            snapshot.memory_gib.max(1),
             ceilings.memory_gib,
         )?;
         let disk_gib = resource(
             "disk",
             request.disk_gib,
-            config.default_disk_gib,
+            snapshot.disk_gib.max(1),
             ceilings.disk_gib,
         )?;
         if let Some(gpu) = request.gpu.filter(|gpu| *gpu != 0) {
@@ -196,7 +196,7 @@ impl Engine {
             })?;
 
         let runtime = self.runtime(record.class)?.clone();
-        let spec = self.spec(&record, &snapshot.rootfs);
+        let spec = self.spec(&record, &snapshot);
         let made = async {
             runtime.prepare(&spec).await?;
             runtime.start(&spec).await
@@ -226,11 +226,16 @@ impl Engine {
         Ok(record)
     }
 
-    pub(crate) fn spec(&self, record: &SandboxRecord, rootfs: &str) -> cove_runtime::SandboxSpec {
+    pub(crate) fn spec(
+        &self,
+        record: &SandboxRecord,
+        snapshot: &cove_store::SnapshotRecord,
+    ) -> cove_runtime::SandboxSpec {
         cove_runtime::SandboxSpec {
             id: record.id.clone(),
             hostname: record.name.chars().take(63).collect(),
-            rootfs: rootfs.into(),
+            rootfs: snapshot.rootfs.clone().into(),
+            layers: snapshot.layers.iter().map(Into::into).collect(),
             resources: cove_runtime::Resources {
                 cpu: record.cpu as u32,
                 memory_mib: record.memory_gib as u64 * 1024,

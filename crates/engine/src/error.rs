@@ -12,6 +12,10 @@ pub enum EngineError {
     SnapshotNotActive { name: String, state: &'static str },
     #[error("no Windows image is registered on this server, so snapshot {name} cannot be used")]
     NoWindows { name: String },
+    #[error("a snapshot named {name} already exists")]
+    SnapshotTaken { name: String },
+    #[error("{what} is in use by {}", users.join(", "))]
+    InUse { what: String, users: Vec<String> },
     #[error("a sandbox named {name} already exists")]
     NameTaken { name: String },
     #[error("invalid {field}: {reason}")]
@@ -69,9 +73,11 @@ impl EngineError {
                 source: TransitionError::NotSupported { .. },
                 ..
             } => ErrorKind::BadRequest,
-            Self::NameTaken { .. } | Self::Transition { .. } | Self::NotStarted { .. } => {
-                ErrorKind::Conflict
-            }
+            Self::NameTaken { .. }
+            | Self::SnapshotTaken { .. }
+            | Self::InUse { .. }
+            | Self::Transition { .. }
+            | Self::NotStarted { .. } => ErrorKind::Conflict,
             Self::ClassUnavailable { .. } | Self::NotImplemented { .. } => {
                 ErrorKind::NotImplemented
             }

@@ -14,6 +14,7 @@ mod error;
 mod operations;
 mod recovery;
 mod settings;
+mod snapshots;
 mod timers;
 
 use std::collections::HashMap;

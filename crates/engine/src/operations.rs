@@ -39,6 +39,17 @@ impl Engine {
         id_or_name: &str,
         operation: Operation,
     ) -> Result<SandboxRecord, EngineError> {
+        let effect = self.check_supported(operation)?;
+        self.run_effect(id_or_name, operation, effect).await
+    }
+
+    /// Runs `operation` with the side effect given, under the sandbox's lock.
+    pub(crate) async fn run_effect(
+        &self,
+        id_or_name: &str,
+        operation: Operation,
+        effect: Effect,
+    ) -> Result<SandboxRecord, EngineError> {
         let id = self.get(id_or_name).await?.id;
         let lock = self.lock_for(&id);
         let _guard = lock.lock().await;
@@ -58,7 +69,6 @@ impl Engine {
         else {
             return Ok(record);
         };
-        let effect = self.check_supported(operation)?;
         record.state = during;
         record.desired_state = desired;
         record.error_reason = None;
@@ -104,20 +114,17 @@ impl Engine {
     }
 
     async fn apply(&self, effect: Effect, record: &SandboxRecord) -> Result<(), String> {
+        if let Effect::Capture(request) = effect {
+            return self.capture(record, request).await;
+        }
         let runtime = self
             .runtime(record.class)
             .map_err(|e| e.to_string())?
             .clone();
         match effect {
             Effect::Boot => {
-                let snapshot = self
-                    .inner
-                    .store
-                    .find_snapshot(&record.snapshot)
-                    .await
-                    .map_err(|e| e.to_string())?
-                    .ok_or_else(|| format!("its snapshot {} no longer exists", record.snapshot))?;
-                let spec = self.spec(record, &snapshot.rootfs);
+                let snapshot = self.own_snapshot(record).await?;
+                let spec = self.spec(record, &snapshot);
                 // A leftover of an earlier run (a crash, a failed stop) must not linger.
                 self.forget_running(&record.id);
                 runtime.stop(&record.id).await.map_err(|e| e.to_string())?;
@@ -133,6 +140,23 @@ impl Engine {
                 self.forget_running(&record.id);
                 runtime.destroy(&record.id).await.map_err(|e| e.to_string())
             }
+            Effect::Restore { capture_id } => {
+                let own = self.own_snapshot(record).await?;
+                let spec = self.spec(record, &own);
+                let was_running = runtime.is_running(&record.id).await;
+                self.forget_running(&record.id);
+                runtime.stop(&record.id).await.map_err(|e| e.to_string())?;
+                runtime
+                    .restore(&spec, &capture_id)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if was_running {
+                    let started = runtime.start(&spec).await.map_err(|e| e.to_string())?;
+                    self.register_running(&record.id, started);
+                }
+                Ok(())
+            }
+            Effect::Capture(_) => unreachable!("handled above"),
         }
     }
 
@@ -200,9 +224,15 @@ impl Engine {
 }
 
 /// The side effect behind an operation.
-#[derive(Clone, Copy, Debug)]
-enum Effect {
+#[derive(Clone, Debug)]
+pub(crate) enum Effect {
     Boot,
     Halt,
     Destroy,
+    /// Capture the writable layer as a new snapshot.
+    Capture(crate::snapshots::CaptureRequest),
+    /// Replace the writable layer with a capture taken from the sandbox.
+    Restore {
+        capture_id: String,
+    },
 }

@@ -38,6 +38,9 @@ async fn harness() -> Harness {
             state: SnapshotState::Active,
             error_reason: None,
             rootfs: "/rootfs".into(),
+            layers: vec![],
+            capture_id: None,
+            source_sandbox: None,
             cpu: 1,
             gpu: 0,
             memory_gib: 1,
@@ -309,6 +312,7 @@ async fn a_restart_brings_sandboxes_back_once() {
             id: id.clone(),
             hostname: "x".into(),
             rootfs: "/rootfs".into(),
+            layers: vec![],
             resources: cove_runtime::Resources {
                 cpu: 1,
                 memory_mib: 1024,
@@ -331,4 +335,90 @@ async fn a_restart_brings_sandboxes_back_once() {
     );
     assert!(!fake.is_running(&stopped.id).await);
     assert_eq!(engine.list().await.unwrap().len(), 2);
+}
+
+#[tokio::test]
+async fn snapshots_capture_stack_revert_and_refuse_what_would_break() {
+    use cove_engine::ErrorKind;
+    let h = harness().await;
+    let source = h.engine.create(named("source")).await.unwrap();
+    let after = h
+        .engine
+        .snapshot(&source.id, "snap-a", false)
+        .await
+        .unwrap();
+    assert_eq!(
+        after.state,
+        SandboxState::Started,
+        "a live snapshot keeps it running"
+    );
+    let snap = h.engine.get_snapshot("snap-a").await.unwrap();
+    assert_eq!(snap.source_sandbox.as_deref(), Some(source.id.as_str()));
+    assert_eq!(snap.layers, [format!("/captures/{}", snap.id)]);
+    assert_eq!(snap.rootfs, "/rootfs");
+
+    let err = h
+        .engine
+        .snapshot(&source.id, "snap-a", false)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Conflict);
+    let err = h
+        .engine
+        .snapshot(&source.id, "mem", true)
+        .await
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::BadRequest);
+    assert!(err.to_string().contains("memory"), "{err}");
+
+    let child = h
+        .engine
+        .create(CreateSandbox {
+            snapshot: Some("snap-a".into()),
+            ..named("child")
+        })
+        .await
+        .unwrap();
+    h.engine.snapshot(&child.id, "snap-b", false).await.unwrap();
+    let stacked = h.engine.get_snapshot("snap-b").await.unwrap();
+    assert_eq!(stacked.layers.len(), 2);
+    assert_eq!(
+        stacked.layers[1], snap.layers[0],
+        "the parent's layer stays below"
+    );
+
+    // The child cannot revert to its parent's snapshot; the source can.
+    let err = h.engine.revert(&child.id, "snap-a").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::BadRequest);
+    let reverted = h.engine.revert(&source.id, "snap-a").await.unwrap();
+    assert_eq!(reverted.state, SandboxState::Started);
+    assert!(h
+        .fake
+        .calls()
+        .contains(&format!("restore {} {}", source.id, snap.id)));
+
+    // In use by a sandbox and by a stacked snapshot: refused, naming both.
+    let err = h.engine.delete_snapshot("snap-a").await.unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Conflict);
+    assert!(
+        err.to_string().contains("snapshot snap-b") && err.to_string().contains("sandbox child"),
+        "{err}"
+    );
+    assert_eq!(
+        h.engine
+            .delete_snapshot("cove-default")
+            .await
+            .unwrap_err()
+            .kind(),
+        ErrorKind::BadRequest
+    );
+
+    h.engine.delete(&child.id).await.unwrap();
+    h.engine.delete_snapshot("snap-b").await.unwrap();
+    h.engine.delete_snapshot("snap-a").await.unwrap();
+    assert!(h.fake.calls().contains(&format!("discard {}", snap.id)));
+    assert_eq!(
+        h.engine.get_snapshot("snap-a").await.unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
 }

@@ -124,4 +124,31 @@ impl Runtime for FakeRuntime {
             .get(id)
             .is_some_and(|m| m.running)
     }
+
+    async fn capture(&self, id: &str, capture_id: &str) -> Result<PathBuf, RuntimeError> {
+        self.record("capture", &format!("{id} {capture_id}"));
+        Ok(PathBuf::from(format!("/captures/{capture_id}")))
+    }
+
+    async fn discard_capture(&self, capture_id: &str) -> Result<(), RuntimeError> {
+        self.record("discard", capture_id);
+        Ok(())
+    }
+
+    async fn restore(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError> {
+        self.record("restore", &format!("{} {capture_id}", spec.id));
+        let running = self
+            .machines
+            .lock()
+            .unwrap()
+            .get(&spec.id)
+            .is_some_and(|m| m.running);
+        if running {
+            return Err(RuntimeError::Other {
+                id: spec.id.clone(),
+                reason: "restore while running".into(),
+            });
+        }
+        Ok(())
+    }
 }

@@ -30,6 +30,9 @@ pub struct SandboxSpec {
     pub hostname: String,
     /// The read-only root filesystem the sandbox starts from.
     pub rootfs: PathBuf,
+    /// Read-only layers over `rootfs`, topmost first: the captures of the snapshot
+    /// the sandbox was created from. Empty for a sandbox made from an image.
+    pub layers: Vec<PathBuf>,
     pub resources: Resources,
     /// Environment every process in the sandbox gets.
     pub env: Vec<(String, String)>,
@@ -79,4 +82,13 @@ pub trait Runtime: Send + Sync + 'static {
     async fn destroy(&self, id: &str) -> Result<(), RuntimeError>;
     /// Whether any process of the sandbox is alive.
     async fn is_running(&self, id: &str) -> bool;
+    /// Captures the sandbox's writable layer, consistently, as the read-only layer
+    /// `capture_id`; a running sandbox keeps running (it is frozen for the
+    /// instant of the copy). Returns the layer's path.
+    async fn capture(&self, id: &str, capture_id: &str) -> Result<PathBuf, RuntimeError>;
+    /// Deletes the layer made by `capture`.
+    async fn discard_capture(&self, capture_id: &str) -> Result<(), RuntimeError>;
+    /// Replaces the writable layer of a stopped sandbox with a writable copy of a
+    /// capture taken from it.
+    async fn restore(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError>;
 }

@@ -160,6 +160,75 @@ impl Storage {
         if unsafe { libc::ioctl(parent_dir.as_raw_fd(), BTRFS_IOC_SUBVOL_CREATE, &args) } != 0 {
             return Err(last_error(dir, "create its subvolume"));
         }
+        self.limit(dir, bytes)
+    }
+
+    /// Makes `dest` (which must not exist) a snapshot of the subvolume `source`:
+    /// instant, sharing every block until one side writes. A read-only snapshot is
+    /// a layer that can never change; a writable one becomes a sandbox's own.
+    pub fn snapshot(
+        &self,
+        source: &Path,
+        dest: &Path,
+        read_only: bool,
+    ) -> Result<(), StorageError> {
+        let source_dir = File::open(source).map_err(io(source, "open"))?;
+        let parent = dest
+            .parent()
+            .ok_or_else(|| last_error(dest, "find its parent"))?;
+        let parent_dir = File::open(parent).map_err(io(parent, "open"))?;
+        let name = dest
+            .file_name()
+            .ok_or_else(|| last_error(dest, "name it"))?
+            .as_bytes();
+        if name.len() > SUBVOL_NAME_MAX {
+            return Err(io(dest, "name it")(std::io::ErrorKind::InvalidInput.into()));
+        }
+        let mut args = VolArgsV2 {
+            fd: i64::from(source_dir.as_raw_fd()),
+            transid: 0,
+            flags: if read_only { SUBVOL_RDONLY } else { 0 },
+            unused: [0; 4],
+            name: [0; SUBVOL_NAME_MAX + 1],
+        };
+        args.name[..name.len()].copy_from_slice(name);
+        // SAFETY: BTRFS_IOC_SNAP_CREATE_V2 reads one `struct btrfs_ioctl_vol_args_v2`
+        // (repr(C), kernel layout, NUL-terminated name) on the destination's parent.
+        if unsafe { libc::ioctl(parent_dir.as_raw_fd(), BTRFS_IOC_SNAP_CREATE_V2, &args) } != 0 {
+            return Err(last_error(dest, "snapshot into it"));
+        }
+        Ok(())
+    }
+
+    /// Deletes the subvolume `dir` with everything in it, read-only or not.
+    pub fn delete_subvolume(&self, dir: &Path) -> Result<(), StorageError> {
+        let parent = dir
+            .parent()
+            .ok_or_else(|| last_error(dir, "find its parent"))?;
+        let parent_dir = File::open(parent).map_err(io(parent, "open"))?;
+        let name = dir
+            .file_name()
+            .ok_or_else(|| last_error(dir, "name it"))?
+            .as_bytes();
+        let mut args = VolArgs {
+            fd: 0,
+            name: [0; VOL_NAME_MAX + 1],
+        };
+        args.name[..name.len()].copy_from_slice(name);
+        // SAFETY: BTRFS_IOC_SNAP_DESTROY reads one `struct btrfs_ioctl_vol_args`
+        // (repr(C), kernel layout, NUL-terminated name) on the parent directory.
+        if unsafe { libc::ioctl(parent_dir.as_raw_fd(), BTRFS_IOC_SNAP_DESTROY, &args) } != 0 {
+            let error = std::io::Error::last_os_error();
+            if error.kind() == std::io::ErrorKind::NotFound {
+                return Ok(());
+            }
+            return Err(io(dir, "delete its subvolume")(error));
+        }
+        Ok(())
+    }
+
+    /// Caps the subvolume `dir` at `bytes`.
+    pub fn limit(&self, dir: &Path, bytes: u64) -> Result<(), StorageError> {
         let subvolume = File::open(dir).map_err(io(dir, "open"))?;
         let mut lookup = InoLookupArgs {
             treeid: 0,
@@ -200,6 +269,18 @@ impl Storage {
 }
 
 const VOL_NAME_MAX: usize = 4087;
+const SUBVOL_NAME_MAX: usize = 4039;
+const SUBVOL_RDONLY: u64 = 1 << 1;
+
+/// `struct btrfs_ioctl_vol_args_v2`, its unions as their largest members.
+#[repr(C)]
+struct VolArgsV2 {
+    fd: i64,
+    transid: u64,
+    flags: u64,
+    unused: [u64; 4],
+    name: [u8; SUBVOL_NAME_MAX + 1],
+}
 
 /// `struct btrfs_ioctl_vol_args`.
 #[repr(C)]
@@ -232,6 +313,10 @@ const QGROUP_LIMIT_MAX_RFER: u64 = 1 << 0;
 const QGROUP_LIMIT_MAX_EXCL: u64 = 1 << 1;
 /// `_IOW(0x94, 14, struct btrfs_ioctl_vol_args)`.
 const BTRFS_IOC_SUBVOL_CREATE: libc::Ioctl = 0x5000_940e;
+/// `_IOW(0x94, 15, struct btrfs_ioctl_vol_args)`.
+const BTRFS_IOC_SNAP_DESTROY: libc::Ioctl = 0x5000_940f;
+/// `_IOW(0x94, 23, struct btrfs_ioctl_vol_args_v2)`.
+const BTRFS_IOC_SNAP_CREATE_V2: libc::Ioctl = 0x5000_9417;
 /// `_IOWR(0x94, 18, struct btrfs_ioctl_ino_lookup_args)`.
 const BTRFS_IOC_INO_LOOKUP: libc::Ioctl = 0xd000_9412;
 /// `_IOR(0x94, 43, struct btrfs_ioctl_qgroup_limit_args)` (read by the kernel
@@ -252,7 +337,10 @@ mod tests {
         assert_eq!(std::mem::size_of::<VolArgs>(), 4096);
         assert_eq!(std::mem::size_of::<InoLookupArgs>(), 4096);
         assert_eq!(std::mem::size_of::<QgroupLimitArgs>(), 48);
+        assert_eq!(std::mem::size_of::<VolArgsV2>(), 4096);
         assert_eq!(BTRFS_IOC_SUBVOL_CREATE, ioc(1, 14, 4096 & 0x3fff));
+        assert_eq!(BTRFS_IOC_SNAP_DESTROY, ioc(1, 15, 4096 & 0x3fff));
+        assert_eq!(BTRFS_IOC_SNAP_CREATE_V2, ioc(1, 23, 4096 & 0x3fff));
         assert_eq!(BTRFS_IOC_INO_LOOKUP, ioc(3, 18, 4096 & 0x3fff));
         assert_eq!(BTRFS_IOC_QGROUP_LIMIT, ioc(2, 43, 48));
     }

@@ -85,6 +85,7 @@ impl Harness {
             id: id.to_string(),
             hostname: format!("host-{id}"),
             rootfs: self.rootfs.clone(),
+            layers: Vec::new(),
             resources: Resources {
                 cpu: 1,
                 memory_mib: 256,

@@ -75,6 +75,12 @@ pub struct SnapshotRecord {
     pub error_reason: Option<String>,
     /// The read-only root filesystem on disk.
     pub rootfs: String,
+    /// Read-only layers over `rootfs`, topmost first (captures of sandboxes).
+    pub layers: Vec<String>,
+    /// The runtime's capture holding the topmost layer, for a snapshot of a sandbox.
+    pub capture_id: Option<String>,
+    /// The sandbox the snapshot was taken from.
+    pub source_sandbox: Option<String>,
     pub cpu: i64,
     pub gpu: i64,
     pub memory_gib: i64,

@@ -6,7 +6,7 @@ use sqlx::Row;
 use crate::{SnapshotRecord, SnapshotState, Store, StoreError};
 
 const COLUMNS: &str = "id, name, class, state, error_reason, rootfs, cpu, gpu, memory_gib, \
-    disk_gib, size_bytes, general, created_at_ms, updated_at_ms";
+    disk_gib, size_bytes, general, created_at_ms, updated_at_ms, layers, capture_id, source_sandbox";
 
 fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
     let id: String = row.try_get("id")?;
@@ -22,6 +22,10 @@ fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
         state: SnapshotState::parse(&state).ok_or_else(|| corrupt(format!("state {state:?}")))?,
         error_reason: row.try_get("error_reason")?,
         rootfs: row.try_get("rootfs")?,
+        layers: serde_json::from_str(&row.try_get::<String, _>("layers")?)
+            .map_err(|e| corrupt(format!("layers: {e}")))?,
+        capture_id: row.try_get("capture_id")?,
+        source_sandbox: row.try_get("source_sandbox")?,
         cpu: row.try_get("cpu")?,
         gpu: row.try_get("gpu")?,
         memory_gib: row.try_get("memory_gib")?,
@@ -35,10 +39,27 @@ fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
 }
 
 impl Store {
+    /// Inserts a new snapshot; a taken name is [`StoreError::Duplicate`].
+    pub async fn insert_snapshot(&self, s: &SnapshotRecord) -> Result<(), StoreError> {
+        self.write_snapshot("INSERT", s).await.map_err(|e| match e {
+            StoreError::Query(sqlx::Error::Database(db)) if db.is_unique_violation() => {
+                StoreError::Duplicate {
+                    name: s.name.clone(),
+                }
+            }
+            other => other,
+        })
+    }
+
+    /// Inserts or replaces a snapshot.
     pub async fn save_snapshot(&self, s: &SnapshotRecord) -> Result<(), StoreError> {
+        self.write_snapshot("INSERT OR REPLACE", s).await
+    }
+
+    async fn write_snapshot(&self, verb: &str, s: &SnapshotRecord) -> Result<(), StoreError> {
         let sql = format!(
-            "INSERT OR REPLACE INTO snapshots ({COLUMNS}) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            "{verb} INTO snapshots ({COLUMNS}) \
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         );
         sqlx::query(&sql)
             .bind(&s.id)
@@ -55,6 +76,9 @@ impl Store {
             .bind(i64::from(s.general))
             .bind(s.created_at_ms)
             .bind(s.updated_at_ms)
+            .bind(serde_json::to_string(&s.layers).expect("strings serialize"))
+            .bind(&s.capture_id)
+            .bind(&s.source_sandbox)
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -71,6 +95,14 @@ impl Store {
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(from_row).transpose()
+    }
+
+    pub async fn delete_snapshot(&self, id: &str) -> Result<(), StoreError> {
+        sqlx::query("DELETE FROM snapshots WHERE id = ?")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(())
     }
 
     pub async fn list_snapshots(&self) -> Result<Vec<SnapshotRecord>, StoreError> {

@@ -105,6 +105,9 @@ pub trait CgroupBackend: Send + Sync {
     fn pids(&self, id: &str) -> Result<Vec<i32>, CgroupError>;
     /// Sends SIGKILL to every process in the cgroup without waiting for them to die.
     fn kill_all(&self, id: &str) -> Result<(), CgroupError>;
+    /// Freezes (every process stops where it is) or thaws the sandbox; returns
+    /// once the kernel reports it frozen.
+    fn set_frozen(&self, id: &str, frozen: bool) -> Result<(), CgroupError>;
     /// Removes the sandbox's cgroup; nothing to do when it is gone. Fails while populated.
     fn remove(&self, id: &str) -> Result<(), CgroupError>;
     /// Whether device access is confined by the cgroup, so CAP_MKNOD is safe to keep.
@@ -294,6 +297,21 @@ impl CgroupBackend for CgroupV1 {
         write(&state, "THAWED")
     }
 
+    fn set_frozen(&self, id: &str, frozen: bool) -> Result<(), CgroupError> {
+        let state = self.dir("freezer", id).join("freezer.state");
+        write(&state, if frozen { "FROZEN" } else { "THAWED" })?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while frozen
+            && fs::read_to_string(&state)
+                .map(|s| s.trim() == "FREEZING")
+                .unwrap_or(false)
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        Ok(())
+    }
+
     fn remove(&self, id: &str) -> Result<(), CgroupError> {
         for controller in self.controllers() {
             remove_dir(&self.dir(controller, id))?;
@@ -363,6 +381,21 @@ impl CgroupBackend for CgroupV2 {
         write(&freeze, "1")?;
         kill_pids(&self.pids(id)?);
         write(&freeze, "0")
+    }
+
+    fn set_frozen(&self, id: &str, frozen: bool) -> Result<(), CgroupError> {
+        let dir = self.dir(id);
+        write(&dir.join("cgroup.freeze"), if frozen { "1" } else { "0" })?;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let settled = |events: String| events.lines().any(|l| l == "frozen 1") == frozen;
+        while !fs::read_to_string(dir.join("cgroup.events"))
+            .map(settled)
+            .unwrap_or(true)
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        Ok(())
     }
 
     fn remove(&self, id: &str) -> Result<(), CgroupError> {

@@ -29,6 +29,9 @@ pub struct InitArgs {
     pub hostname: String,
     /// The read-only lower layer.
     pub rootfs: PathBuf,
+    /// Read-only layers over `rootfs`, topmost first.
+    #[serde(default)]
+    pub layers: Vec<PathBuf>,
     /// `{state_dir}/{id}`.
     pub sandbox_dir: PathBuf,
     pub agent_binary: PathBuf,
@@ -123,6 +126,7 @@ mod tests {
             id: "sb1".into(),
             hostname: "box".into(),
             rootfs: "/images/debian".into(),
+            layers: vec!["/snap/a/upper".into()],
             sandbox_dir: "/var/lib/cove/sb1".into(),
             agent_binary: "/usr/lib/cove/cove-agent".into(),
             cgroup_procs: vec!["/sys/fs/cgroup/pids/cove/sb1/cgroup.procs".into()],

@@ -186,11 +186,33 @@ impl ContainerRuntime {
         self.cgroups.procs_files(id)
     }
 
+    fn storage(&self, id: &str) -> Result<&Arc<crate::storage::Storage>, RuntimeError> {
+        self.config
+            .storage
+            .as_ref()
+            .ok_or_else(|| RuntimeError::Other {
+                id: id.to_owned(),
+                reason:
+                    "snapshots need the sandbox storage (btrfs), which this runtime was not given"
+                        .into(),
+            })
+    }
+
+    /// Where a capture lives: beside the sandboxes, on the same storage.
+    fn capture_dir(&self, capture_id: &str) -> PathBuf {
+        let storage_root = self
+            .config
+            .state_dir
+            .parent()
+            .unwrap_or(&self.config.state_dir);
+        storage_root.join("captures").join(capture_id)
+    }
+
     fn make_dirs(&self, spec: &SandboxSpec) -> Result<SandboxLayout, RuntimeError> {
         let id = spec.id.as_str();
         check_id(id)?;
         let layout = self.layout(id);
-        for path in [&spec.rootfs, &layout.dir] {
+        for path in spec.layers.iter().chain([&spec.rootfs, &layout.dir]) {
             layout::check_overlay_path(path).map_err(|reason| start_error(id, reason))?;
         }
         layout::check_socket_path(&layout.agent_socket())
@@ -334,6 +356,7 @@ impl Runtime for ContainerRuntime {
             id: id.to_string(),
             hostname: spec.hostname.clone(),
             rootfs: spec.rootfs.clone(),
+            layers: spec.layers.clone(),
             sandbox_dir: layout.dir.clone(),
             agent_binary: self.config.agent_binary.clone(),
             cgroup_procs: self.cgroups.procs_files(id),
@@ -407,6 +430,99 @@ impl Runtime for ContainerRuntime {
             id: id.to_string(),
             action: format!("remove {}", dir.display()),
             source,
+        })
+    }
+
+    async fn capture(&self, id: &str, capture_id: &str) -> Result<PathBuf, RuntimeError> {
+        check_id(id)?;
+        check_id(capture_id)?;
+        let storage = self.storage(id)?.clone();
+        let source = self.layout(id).dir;
+        let dest = self.capture_dir(capture_id);
+        let cgroups = Arc::clone(&self.cgroups);
+        let running = self.is_running(id).await;
+        let owned = id.to_owned();
+        tokio::task::spawn_blocking(move || {
+            if let Some(parent) = dest.parent() {
+                fs::create_dir_all(parent).map_err(|e| e.to_string())?;
+            }
+            // Frozen, no process is halfway through a sequence of writes; btrfs
+            // flushes the subvolume's pending data into the snapshot. Measured here:
+            // a few milliseconds of freeze, whatever the layer's size.
+            if running {
+                cgroups
+                    .set_frozen(&owned, true)
+                    .map_err(|e| e.to_string())?;
+            }
+            let copied = storage
+                .snapshot(&source, &dest, true)
+                .map_err(|e| e.to_string());
+            if running {
+                cgroups
+                    .set_frozen(&owned, false)
+                    .map_err(|e| e.to_string())?;
+            }
+            copied.map(|()| dest.join("upper"))
+        })
+        .await
+        .map_err(|e| RuntimeError::Other {
+            id: id.to_owned(),
+            reason: e.to_string(),
+        })?
+        .map_err(|reason| RuntimeError::Other {
+            id: id.to_owned(),
+            reason,
+        })
+    }
+
+    async fn discard_capture(&self, capture_id: &str) -> Result<(), RuntimeError> {
+        check_id(capture_id)?;
+        let storage = self.storage(capture_id)?.clone();
+        let dir = self.capture_dir(capture_id);
+        tokio::task::spawn_blocking(move || storage.delete_subvolume(&dir))
+            .await
+            .map_err(|e| RuntimeError::Other {
+                id: capture_id.to_owned(),
+                reason: e.to_string(),
+            })?
+            .map_err(|e| RuntimeError::Other {
+                id: capture_id.to_owned(),
+                reason: e.to_string(),
+            })
+    }
+
+    async fn restore(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError> {
+        let id = spec.id.as_str();
+        check_id(id)?;
+        check_id(capture_id)?;
+        if self.is_running(id).await {
+            return Err(RuntimeError::Other {
+                id: id.to_owned(),
+                reason: "cannot restore a running sandbox".into(),
+            });
+        }
+        let storage = self.storage(id)?.clone();
+        let dir = self.layout(id).dir;
+        let capture = self.capture_dir(capture_id);
+        let bytes = spec.resources.disk_gib << 30;
+        tokio::task::spawn_blocking(move || {
+            if !capture.is_dir() {
+                return Err(format!("capture {} does not exist", capture.display()));
+            }
+            storage.delete_subvolume(&dir).map_err(|e| e.to_string())?;
+            storage
+                .snapshot(&capture, &dir, false)
+                .map_err(|e| e.to_string())?;
+            storage.limit(&dir, bytes).map_err(|e| e.to_string())
+        })
+        .await
+        .map_err(|e| RuntimeError::Other {
+            id: id.to_owned(),
+            reason: e.to_string(),
+        })?
+        .map_err(|reason| RuntimeError::Other {
+            id: id.to_owned(),
+            reason,
         })
     }
 

@@ -135,7 +135,13 @@ pub fn build(args: &InitArgs) -> Result<(), String> {
         ),
         || "make / private".to_string(),
     )?;
-    let options = overlay_options(&args.rootfs, &layout.upper(), &layout.work());
+    let lower = args
+        .layers
+        .iter()
+        .chain([&args.rootfs])
+        .map(|p| p.display().to_string());
+    let lower = lower.collect::<Vec<_>>().join(":");
+    let options = overlay_options(Path::new(&lower), &layout.upper(), &layout.work());
     mount_fs("overlay", &root, MsFlags::empty(), Some(&options))?;
 
     let nosuid_nodev_noexec = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;

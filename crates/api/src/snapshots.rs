@@ -1,0 +1,151 @@
+//! Handlers of `/api/snapshots` and of a sandbox's snapshot and revert.
+
+use axum::extract::{Path, Query, State};
+use axum::http::HeaderMap;
+use axum::Json;
+use cove_engine::SnapshotRecord;
+use serde::{Deserialize, Serialize};
+
+use crate::dto::{rfc3339, ORGANIZATION_ID};
+use crate::sandbox::{dto, Reply};
+use crate::{ApiError, AppState};
+
+/// A snapshot as the SDK's `SnapshotDto` reads it.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Snapshot {
+    id: String,
+    organization_id: &'static str,
+    general: bool,
+    name: String,
+    state: &'static str,
+    size: Option<f64>,
+    cpu: i64,
+    gpu: i64,
+    mem: i64,
+    disk: i64,
+    error_reason: Option<String>,
+    created_at: String,
+    updated_at: String,
+    source_sandbox_id: Option<String>,
+    sandbox_class: &'static str,
+    /// Whether the snapshot holds memory as well as the filesystem.
+    includes_memory: bool,
+}
+
+impl From<SnapshotRecord> for Snapshot {
+    fn from(s: SnapshotRecord) -> Snapshot {
+        Snapshot {
+            id: s.id,
+            organization_id: ORGANIZATION_ID,
+            general: s.general,
+            name: s.name,
+            state: s.state.as_str(),
+            size: s.size_bytes.map(|b| b as f64 / f64::from(1u32 << 30)),
+            cpu: s.cpu,
+            gpu: s.gpu,
+            mem: s.memory_gib,
+            disk: s.disk_gib,
+            error_reason: s.error_reason,
+            created_at: rfc3339(s.created_at_ms),
+            updated_at: rfc3339(s.updated_at_ms),
+            source_sandbox_id: s.source_sandbox,
+            sandbox_class: s.class.as_str(),
+            includes_memory: false,
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotPage {
+    items: Vec<Snapshot>,
+    total: usize,
+    page: usize,
+    total_pages: usize,
+}
+
+#[derive(Debug, Deserialize)]
+pub struct PageQuery {
+    page: Option<usize>,
+    limit: Option<usize>,
+}
+
+pub async fn list(
+    State(state): State<AppState>,
+    Query(query): Query<PageQuery>,
+) -> Result<Json<SnapshotPage>, ApiError> {
+    let page = query.page.unwrap_or(1);
+    let limit = query.limit.unwrap_or(100);
+    if page == 0 || limit == 0 {
+        return Err(ApiError::bad_request("page and limit start at 1"));
+    }
+    let all = state.engine.snapshots().await?;
+    let total = all.len();
+    let items = all
+        .into_iter()
+        .skip((page - 1) * limit)
+        .take(limit)
+        .map(Snapshot::from)
+        .collect();
+    Ok(Json(SnapshotPage {
+        items,
+        total,
+        page,
+        total_pages: total.div_ceil(limit),
+    }))
+}
+
+pub async fn get(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Snapshot>, ApiError> {
+    Ok(Json(state.engine.get_snapshot(&id).await?.into()))
+}
+
+pub async fn delete(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Snapshot>, ApiError> {
+    Ok(Json(state.engine.delete_snapshot(&id).await?.into()))
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SnapshotRequest {
+    name: String,
+    #[serde(default)]
+    include_memory: bool,
+}
+
+/// `POST /sandbox/{id}/snapshot`
+pub async fn take(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<Json<SnapshotRequest>, axum::extract::rejection::JsonRejection>,
+) -> Reply {
+    let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let record = state
+        .engine
+        .snapshot(&id, &request.name, request.include_memory)
+        .await?;
+    Ok(dto(&state, &headers, record))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct RevertRequest {
+    snapshot: String,
+}
+
+/// `POST /sandbox/{id}/revert` (a cove extension): rewind to a snapshot taken from it.
+pub async fn revert(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<Json<RevertRequest>, axum::extract::rejection::JsonRejection>,
+) -> Reply {
+    let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let record = state.engine.revert(&id, &request.snapshot).await?;
+    Ok(dto(&state, &headers, record))
+}

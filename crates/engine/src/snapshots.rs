@@ -1,0 +1,207 @@
+//! Snapshots: named, read-only captures of a sandbox's filesystem that new
+//! sandboxes start from, and that their source sandbox can revert to.
+//!
+//! A snapshot of a sandbox is its writable layer captured by the runtime, stacked
+//! on the layers of the snapshot the sandbox came from; a sandbox created from it
+//! mounts those layers read-only under a fresh writable layer, so nothing is copied.
+
+use cove_lifecycle::{Operation, SandboxClass};
+use cove_store::{SandboxRecord, SnapshotRecord, SnapshotState, StoreError};
+
+use crate::create::check_name;
+use crate::operations::Effect;
+use crate::{now_ms, Engine, EngineError};
+
+/// What a user asked a capture to be.
+#[derive(Clone, Debug)]
+pub(crate) struct CaptureRequest {
+    name: String,
+}
+
+impl Engine {
+    /// Captures the filesystem of a sandbox (started or stopped) as snapshot `name`.
+    /// A started sandbox keeps running. Returns the sandbox, back in its state.
+    pub async fn snapshot(
+        &self,
+        id_or_name: &str,
+        name: &str,
+        include_memory: bool,
+    ) -> Result<SandboxRecord, EngineError> {
+        let record = self.get(id_or_name).await?;
+        check_name(name).map_err(|_| EngineError::Invalid {
+            field: "name",
+            reason: format!(
+                "snapshot name {name:?} must be 1 to 63 letters, digits, '-', '_' or '.'"
+            ),
+        })?;
+        if include_memory && record.class == SandboxClass::Container {
+            return Err(EngineError::Invalid {
+                field: "includeMemory",
+                reason: "container sandboxes do not support memory snapshots; \
+                         take a filesystem snapshot (includeMemory false) or use a VM sandbox"
+                    .into(),
+            });
+        }
+        if self.inner.store.find_snapshot(name).await?.is_some() {
+            return Err(EngineError::SnapshotTaken {
+                name: name.to_owned(),
+            });
+        }
+        let request = CaptureRequest {
+            name: name.to_owned(),
+        };
+        self.run_effect(&record.id, Operation::Snapshot, Effect::Capture(request))
+            .await
+    }
+
+    /// Rewinds a sandbox to a snapshot taken from it; a started sandbox is
+    /// started again on the restored filesystem.
+    pub async fn revert(
+        &self,
+        id_or_name: &str,
+        snapshot: &str,
+    ) -> Result<SandboxRecord, EngineError> {
+        let record = self.get(id_or_name).await?;
+        let found = self.get_snapshot(snapshot).await?;
+        let capture_id = match (&found.source_sandbox, &found.capture_id) {
+            (Some(source), Some(capture)) if *source == record.id => capture.clone(),
+            _ => {
+                return Err(EngineError::Invalid {
+                    field: "snapshot",
+                    reason: format!(
+                        "snapshot {} was not taken from sandbox {}; a sandbox reverts only to its own snapshots",
+                        found.name, record.id
+                    ),
+                })
+            }
+        };
+        self.run_effect(
+            &record.id,
+            Operation::Revert,
+            Effect::Restore { capture_id },
+        )
+        .await
+    }
+
+    /// The snapshot with this id or name.
+    pub async fn get_snapshot(&self, id_or_name: &str) -> Result<SnapshotRecord, EngineError> {
+        self.inner
+            .store
+            .find_snapshot(id_or_name)
+            .await?
+            .ok_or_else(|| EngineError::SnapshotNotFound {
+                name: id_or_name.to_owned(),
+            })
+    }
+
+    /// Deletes a snapshot nothing depends on: no sandbox runs on it and no other
+    /// snapshot is stacked on it.
+    pub async fn delete_snapshot(&self, id_or_name: &str) -> Result<SnapshotRecord, EngineError> {
+        let snapshot = self.get_snapshot(id_or_name).await?;
+        if snapshot.general {
+            return Err(EngineError::Invalid {
+                field: "snapshot",
+                reason: format!(
+                    "{} is provided by the server and cannot be deleted",
+                    snapshot.name
+                ),
+            });
+        }
+        let mut users: Vec<String> = Vec::new();
+        let all = self.inner.store.list_snapshots().await?;
+        let top = snapshot.layers.first();
+        for other in all.iter().filter(|o| o.id != snapshot.id) {
+            if top.is_some_and(|layer| other.layers.contains(layer)) {
+                users.push(format!("snapshot {}", other.name));
+            }
+        }
+        for sandbox in self.inner.store.list_sandboxes().await? {
+            if sandbox.snapshot == snapshot.name {
+                users.push(format!("sandbox {}", sandbox.name));
+            }
+        }
+        if !users.is_empty() {
+            return Err(EngineError::InUse {
+                what: format!("snapshot {}", snapshot.name),
+                users,
+            });
+        }
+        if let Some(capture) = &snapshot.capture_id {
+            let runtime = self.runtime(snapshot.class)?;
+            runtime
+                .discard_capture(capture)
+                .await
+                .map_err(|e| EngineError::Runtime {
+                    id: snapshot.id.clone(),
+                    operation: "delete its snapshot",
+                    reason: e.to_string(),
+                })?;
+        }
+        self.inner.store.delete_snapshot(&snapshot.id).await?;
+        tracing::info!(snapshot = %snapshot.name, "snapshot deleted");
+        Ok(snapshot)
+    }
+
+    /// The snapshot a sandbox was created from, which holds its lower layers.
+    pub(crate) async fn own_snapshot(
+        &self,
+        record: &SandboxRecord,
+    ) -> Result<SnapshotRecord, String> {
+        self.inner
+            .store
+            .find_snapshot(&record.snapshot)
+            .await
+            .map_err(|e| e.to_string())?
+            .ok_or_else(|| format!("its snapshot {} no longer exists", record.snapshot))
+    }
+
+    /// The side effect of a snapshot: capture, then record the new snapshot.
+    pub(crate) async fn capture(
+        &self,
+        record: &SandboxRecord,
+        request: CaptureRequest,
+    ) -> Result<(), String> {
+        let runtime = self
+            .runtime(record.class)
+            .map_err(|e| e.to_string())?
+            .clone();
+        let base = self.own_snapshot(record).await?;
+        let capture_id = uuid::Uuid::new_v4().to_string();
+        let layer = runtime
+            .capture(&record.id, &capture_id)
+            .await
+            .map_err(|e| e.to_string())?;
+        let now = now_ms();
+        let snapshot = SnapshotRecord {
+            id: capture_id.clone(),
+            name: request.name.clone(),
+            class: record.class,
+            state: SnapshotState::Active,
+            error_reason: None,
+            rootfs: base.rootfs.clone(),
+            layers: std::iter::once(layer.display().to_string())
+                .chain(base.layers.clone())
+                .collect(),
+            capture_id: Some(capture_id.clone()),
+            source_sandbox: Some(record.id.clone()),
+            cpu: record.cpu,
+            gpu: record.gpu,
+            memory_gib: record.memory_gib,
+            disk_gib: record.disk_gib,
+            size_bytes: None,
+            general: false,
+            created_at_ms: now,
+            updated_at_ms: now,
+        };
+        if let Err(error) = self.inner.store.insert_snapshot(&snapshot).await {
+            // No orphan capture when the name was taken meanwhile.
+            let _ = runtime.discard_capture(&capture_id).await;
+            return Err(match error {
+                StoreError::Duplicate { name } => format!("a snapshot named {name} already exists"),
+                other => other.to_string(),
+            });
+        }
+        tracing::info!(sandbox = %record.id, snapshot = %request.name, "snapshot taken");
+        Ok(())
+    }
+}
