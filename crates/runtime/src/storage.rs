@@ -200,6 +200,17 @@ impl Storage {
         Ok(())
     }
 
+    /// Writes out the data pending on the filesystem holding `dir`, so that a
+    /// snapshot right after has little left to flush while processes are frozen.
+    pub fn flush(&self, dir: &Path) -> Result<(), StorageError> {
+        let handle = File::open(dir).map_err(io(dir, "open"))?;
+        // SAFETY: syncfs takes an open fd and nothing else.
+        if unsafe { libc::syncfs(handle.as_raw_fd()) } != 0 {
+            return Err(last_error(dir, "flush"));
+        }
+        Ok(())
+    }
+
     /// Deletes the subvolume `dir` with everything in it, read-only or not.
     pub fn delete_subvolume(&self, dir: &Path) -> Result<(), StorageError> {
         let parent = dir

@@ -7,6 +7,7 @@
 mod files;
 mod own_server;
 mod scenarios;
+mod snapshot;
 
 use anyhow::Context;
 use serde_json::{json, Map, Value};
@@ -21,6 +22,9 @@ pub enum Scenario {
     Exec,
     /// Upload then download a large file through the API (see --size-mb).
     Files,
+    /// Live snapshots of a running sandbox that wrote --size-mb, then create
+    /// from each snapshot to first command.
+    Snapshot,
 }
 
 #[derive(clap::Args, Debug)]
@@ -41,7 +45,7 @@ pub struct BenchArgs {
     /// Images directory of the server started here (shared, so it is built once).
     #[arg(long, env = "COVE_IMAGES_DIR", default_value = "/var/tmp/cove/images")]
     pub images_dir: std::path::PathBuf,
-    /// Size of the file of the `files` scenario, in MiB.
+    /// Size of the file of the `files` and `snapshot` scenarios, in MiB.
     #[arg(long, default_value_t = 1024)]
     pub size_mb: u64,
 }
@@ -83,6 +87,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Scenario::Create => scenarios::create_to_first_command(&client, args.n).await,
         Scenario::Exec => scenarios::exec_round_trip(&client, args.n).await,
         Scenario::Files => files::transfer(&client, args.n, args.size_mb << 20).await,
+        Scenario::Snapshot => snapshot::live(&client, args.n, args.size_mb).await,
     };
     let server_peak_rss_mb = own.as_ref().and_then(own_server::OwnServer::peak_rss_mb);
     if let Some(own) = own {

@@ -446,9 +446,11 @@ impl Runtime for ContainerRuntime {
             if let Some(parent) = dest.parent() {
                 fs::create_dir_all(parent).map_err(|e| e.to_string())?;
             }
-            // Frozen, no process is halfway through a sequence of writes; btrfs
-            // flushes the subvolume's pending data into the snapshot. Measured here:
-            // a few milliseconds of freeze, whatever the layer's size.
+            // Write out pending data first, while the sandbox still runs: the
+            // snapshot must flush what is dirty, and 1 GB just written took 2.5 s
+            // of freeze without this. Frozen, no process is halfway through a
+            // sequence of writes, and only what was written since is flushed.
+            storage.flush(&source).map_err(|e| e.to_string())?;
             if running {
                 cgroups
                     .set_frozen(&owned, true)
