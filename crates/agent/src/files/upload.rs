@@ -2,8 +2,17 @@
 //! `POST /files/upload-v2?path=` (one `file` part). Each file streams into a
 //! temporary file next to its destination and is renamed into place only when
 //! complete, so a failed upload leaves nothing behind.
+//!
+//! The bytes of a part are gathered into blocks of [`WRITE_BLOCK`] and written
+//! by one blocking thread per file while the next block is being received: a
+//! gibibyte is a thousand writes, not a spawned task per network read. The
+//! [`BLOCKS`] block buffers go back and forth between the two, so an upload's
+//! memory is bounded and never freshly faulted in. The chunks are copied, not
+//! held: holding them would pin the network read buffer they are slices of
+//! and make every read allocate a new one.
 
 use std::collections::HashMap;
+use std::io::{self, Write as _};
 use std::path::{Path, PathBuf};
 
 use axum::extract::multipart::{Field, Multipart, MultipartError};
@@ -11,10 +20,15 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use serde::{Deserialize, Serialize};
-use tokio::io::AsyncWriteExt as _;
+use tokio::sync::mpsc;
 
 use crate::error::{ApiError, Json, Query};
 use crate::AppState;
+
+/// Bytes per write to disk.
+const WRITE_BLOCK: usize = 1 << 20;
+/// Block buffers per upload: one filling, the others written or waiting.
+const BLOCKS: usize = 3;
 
 #[derive(Debug, Deserialize)]
 pub struct UploadQuery {
@@ -138,28 +152,90 @@ async fn store(mut field: Field<'_>, destination: &Path) -> Result<(), ApiError>
         file_name.to_string_lossy(),
         uuid::Uuid::new_v4().simple()
     ));
-    let mut file = tokio::fs::File::create(&temporary)
+    let file = tokio::fs::File::create(&temporary)
         .await
-        .map_err(|e| ApiError::io(destination, e))?;
-    let written = async {
-        while let Some(chunk) = field.chunk().await.map_err(malformed)? {
-            file.write_all(&chunk)
-                .await
-                .map_err(|e| ApiError::io(destination, e))?;
-        }
-        file.flush()
-            .await
-            .map_err(|e| ApiError::io(destination, e))?;
-        drop(file);
-        tokio::fs::rename(&temporary, destination)
-            .await
-            .map_err(|e| ApiError::io(destination, e))
+        .map_err(|e| ApiError::io(destination, e))?
+        .into_std()
+        .await;
+
+    let (full, queued) = mpsc::channel::<Vec<u8>>(BLOCKS);
+    let (free, empty) = mpsc::channel::<Vec<u8>>(BLOCKS);
+    for _ in 0..BLOCKS {
+        let _ = free.try_send(Vec::with_capacity(WRITE_BLOCK));
     }
-    .await;
+    let writer = tokio::task::spawn_blocking(move || write_blocks(file, queued, &free));
+    let received = receive(&mut field, &full, empty).await;
+    drop(full);
+    // The writer ends once the sender is gone (all blocks written) or on its
+    // first error; a disk error explains a refused block better than the refusal.
+    let written = match writer.await {
+        Ok(Ok(())) => received,
+        Ok(Err(e)) => Err(ApiError::io(destination, e)),
+        Err(e) => Err(ApiError::internal(
+            "writing an upload",
+            io::Error::other(e.to_string()),
+        )),
+    };
+    let written = match written {
+        Ok(()) => tokio::fs::rename(&temporary, destination)
+            .await
+            .map_err(|e| ApiError::io(destination, e)),
+        Err(e) => Err(e),
+    };
     if written.is_err() {
         let _ = tokio::fs::remove_file(&temporary).await;
     }
     written
+}
+
+/// Copies the part's chunks into free blocks and queues each full one for
+/// the writer. Returns `Ok` also when the writer stopped early: its own error
+/// is the one to report.
+async fn receive(
+    field: &mut Field<'_>,
+    full: &mpsc::Sender<Vec<u8>>,
+    mut empty: mpsc::Receiver<Vec<u8>>,
+) -> Result<(), ApiError> {
+    let Some(mut block) = empty.recv().await else {
+        return Ok(());
+    };
+    while let Some(chunk) = field.chunk().await.map_err(malformed)? {
+        let mut rest = &chunk[..];
+        while !rest.is_empty() {
+            let taken = rest.len().min(WRITE_BLOCK - block.len());
+            block.extend_from_slice(&rest[..taken]);
+            rest = &rest[taken..];
+            if block.len() == WRITE_BLOCK {
+                if full.send(block).await.is_err() {
+                    return Ok(());
+                }
+                let Some(next) = empty.recv().await else {
+                    return Ok(());
+                };
+                block = next;
+            }
+        }
+    }
+    if !block.is_empty() {
+        let _ = full.send(block).await;
+    }
+    Ok(())
+}
+
+/// The writing thread: writes each queued block and hands it back emptied;
+/// the file is closed when the queue ends.
+fn write_blocks(
+    mut file: std::fs::File,
+    mut queued: mpsc::Receiver<Vec<u8>>,
+    free: &mpsc::Sender<Vec<u8>>,
+) -> io::Result<()> {
+    while let Some(mut block) = queued.blocking_recv() {
+        file.write_all(&block)?;
+        block.clear();
+        // Never full: only `BLOCKS` buffers exist.
+        let _ = free.try_send(block);
+    }
+    Ok(())
 }
 
 #[cfg(test)]
