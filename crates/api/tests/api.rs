@@ -10,7 +10,7 @@ use cove_engine::{Engine, EngineConfig, SnapshotRecord};
 use cove_lifecycle::SandboxClass;
 use cove_runtime::fake::FakeRuntime;
 use cove_runtime::Runtime;
-use cove_store::{SnapshotState, Store};
+use cove_store::Store;
 use http_body_util::BodyExt;
 use serde_json::{json, Value};
 use tower::ServiceExt;
@@ -31,25 +31,12 @@ async fn api() -> Api {
         HashMap::from([(SandboxClass::Container, fake.clone() as Arc<dyn Runtime>)]);
     let engine = Engine::new(EngineConfig::default(), store, runtimes);
     engine
-        .register_snapshot(&SnapshotRecord {
-            id: "d".into(),
-            name: "cove-default".into(),
-            class: SandboxClass::Container,
-            state: SnapshotState::Active,
-            error_reason: None,
-            rootfs: "/rootfs".into(),
-            layers: vec![],
-            capture_id: None,
-            source_sandbox: None,
-            cpu: 1,
-            gpu: 0,
-            memory_gib: 1,
-            disk_gib: 3,
-            size_bytes: None,
-            general: true,
-            created_at_ms: 0,
-            updated_at_ms: 0,
-        })
+        .register_snapshot(&SnapshotRecord::for_image(
+            "cove-default",
+            "/rootfs",
+            SandboxClass::Container,
+            0,
+        ))
         .await
         .unwrap();
     let config = ApiConfig {
@@ -318,7 +305,7 @@ async fn unimplemented_operations_answer_501_by_name() {
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
     assert_eq!(
         body["message"],
-        "GET /snapshots is not implemented by cove yet"
+        "GET /volumes is not implemented by cove yet"
     );
     let (status, body) = api.call("POST", "/api/sandbox/p/pause", None).await;
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED);

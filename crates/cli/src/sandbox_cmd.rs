@@ -156,6 +156,18 @@ fn show(sandbox: &Value, json: bool) {
     }
 }
 
+/// A call whose answer is one sandbox, shown as a table row or JSON.
+async fn one_sandbox(
+    connection: &Connection,
+    method: Method,
+    path: &str,
+    json: bool,
+) -> anyhow::Result<()> {
+    let client = Client::from_connection(connection)?;
+    show(&client.api(method, path, None).await?, json);
+    Ok(())
+}
+
 pub async fn run(command: SandboxCommand) -> anyhow::Result<()> {
     match command {
         SandboxCommand::Create {
@@ -218,54 +230,38 @@ pub async fn run(command: SandboxCommand) -> anyhow::Result<()> {
             connection,
             id,
             json,
-        } => {
-            let client = Client::from_connection(&connection)?;
-            show(
-                &client
-                    .api(Method::GET, &format!("/sandbox/{id}"), None)
-                    .await?,
-                json,
-            );
-        }
+        } => one_sandbox(&connection, Method::GET, &format!("/sandbox/{id}"), json).await?,
         SandboxCommand::Start {
             connection,
             id,
             json,
         } => {
-            let client = Client::from_connection(&connection)?;
-            show(
-                &client
-                    .api(Method::POST, &format!("/sandbox/{id}/start"), None)
-                    .await?,
+            one_sandbox(
+                &connection,
+                Method::POST,
+                &format!("/sandbox/{id}/start"),
                 json,
-            );
+            )
+            .await?
         }
         SandboxCommand::Stop {
             connection,
             id,
             json,
         } => {
-            let client = Client::from_connection(&connection)?;
-            show(
-                &client
-                    .api(Method::POST, &format!("/sandbox/{id}/stop"), None)
-                    .await?,
+            one_sandbox(
+                &connection,
+                Method::POST,
+                &format!("/sandbox/{id}/stop"),
                 json,
-            );
+            )
+            .await?
         }
         SandboxCommand::Delete {
             connection,
             id,
             json,
-        } => {
-            let client = Client::from_connection(&connection)?;
-            show(
-                &client
-                    .api(Method::DELETE, &format!("/sandbox/{id}"), None)
-                    .await?,
-                json,
-            );
-        }
+        } => one_sandbox(&connection, Method::DELETE, &format!("/sandbox/{id}"), json).await?,
         SandboxCommand::Exec {
             connection,
             id,

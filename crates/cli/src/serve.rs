@@ -14,7 +14,7 @@ use cove_runtime::container::{ContainerConfig, ContainerRuntime};
 use cove_runtime::image::{ImageProgress, ImageStore};
 use cove_runtime::storage::Storage;
 use cove_runtime::Runtime;
-use cove_store::{SnapshotState, Store};
+use cove_store::Store;
 
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServeArgs {
@@ -129,22 +129,15 @@ async fn start(args: ServeArgs) -> anyhow::Result<tokio::task::JoinHandle<std::i
     engine
         .register_snapshot(&SnapshotRecord {
             id: "cove-default".into(),
-            name: config.default_snapshot.clone(),
-            class: SandboxClass::Container,
-            state: SnapshotState::Active,
-            error_reason: None,
-            rootfs: rootfs.display().to_string(),
-            layers: vec![],
-            capture_id: None,
-            source_sandbox: None,
             cpu: config.default_cpu,
-            gpu: 0,
             memory_gib: config.default_memory_gib,
             disk_gib: config.default_disk_gib,
-            size_bytes: None,
-            general: true,
-            created_at_ms: now,
-            updated_at_ms: now,
+            ..SnapshotRecord::for_image(
+                &config.default_snapshot,
+                &rootfs.display().to_string(),
+                SandboxClass::Container,
+                now,
+            )
         })
         .await?;
     engine.recover_after_restart().await?;

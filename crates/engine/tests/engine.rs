@@ -10,7 +10,7 @@ use cove_engine::{
 use cove_lifecycle::{SandboxClass, MINUTE_MS};
 use cove_runtime::fake::FakeRuntime;
 use cove_runtime::Runtime;
-use cove_store::{SnapshotState, Store};
+use cove_store::Store;
 
 struct Harness {
     engine: Engine,
@@ -31,25 +31,12 @@ async fn harness() -> Harness {
     let fake = Arc::new(FakeRuntime::new());
     let engine = engine_on(store.clone(), fake.clone()).await;
     engine
-        .register_snapshot(&SnapshotRecord {
-            id: "default".into(),
-            name: "cove-default".into(),
-            class: SandboxClass::Container,
-            state: SnapshotState::Active,
-            error_reason: None,
-            rootfs: "/rootfs".into(),
-            layers: vec![],
-            capture_id: None,
-            source_sandbox: None,
-            cpu: 1,
-            gpu: 0,
-            memory_gib: 1,
-            disk_gib: 3,
-            size_bytes: None,
-            general: true,
-            created_at_ms: 0,
-            updated_at_ms: 0,
-        })
+        .register_snapshot(&SnapshotRecord::for_image(
+            "cove-default",
+            "/rootfs",
+            SandboxClass::Container,
+            0,
+        ))
         .await
         .unwrap();
     Harness {

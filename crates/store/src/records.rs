@@ -91,3 +91,29 @@ pub struct SnapshotRecord {
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
 }
+
+impl SnapshotRecord {
+    /// An active snapshot of a whole root filesystem, provided by the server
+    /// (an image), with the default resources of 1 vCPU, 1 GiB and 3 GiB.
+    pub fn for_image(name: &str, rootfs: &str, class: SandboxClass, at_ms: i64) -> SnapshotRecord {
+        SnapshotRecord {
+            id: name.to_owned(),
+            name: name.to_owned(),
+            class,
+            state: SnapshotState::Active,
+            error_reason: None,
+            rootfs: rootfs.to_owned(),
+            layers: Vec::new(),
+            capture_id: None,
+            source_sandbox: None,
+            cpu: 1,
+            gpu: 0,
+            memory_gib: 1,
+            disk_gib: 3,
+            size_bytes: None,
+            general: true,
+            created_at_ms: at_ms,
+            updated_at_ms: at_ms,
+        }
+    }
+}

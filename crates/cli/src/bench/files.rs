@@ -9,7 +9,7 @@ use bytes::Bytes;
 use futures_util::StreamExt;
 use serde_json::{json, Map};
 
-use super::scenarios::{create_sandbox, delete_sandbox, run_command};
+use super::scenarios::run_command;
 use super::Measurement;
 use crate::client::Client;
 
@@ -35,14 +35,8 @@ async fn agent_peak_rss_mb(client: &Client, sandbox: &serde_json::Value) -> anyh
     Ok(kib / 1024.0)
 }
 
-pub async fn transfer(client: &Client, n: usize, size: u64) -> anyhow::Result<Measurement> {
-    let sandbox = create_sandbox(client).await?;
-    let result = measure(client, &sandbox, n, size).await;
-    delete_sandbox(client, &sandbox).await?;
-    result
-}
-
-async fn measure(
+/// Uploads and downloads `size` bytes `n` times in `sandbox`.
+pub async fn transfer(
     client: &Client,
     sandbox: &serde_json::Value,
     n: usize,

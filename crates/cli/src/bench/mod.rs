@@ -86,8 +86,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let measured = match args.scenario {
         Scenario::Create => scenarios::create_to_first_command(&client, args.n).await,
         Scenario::Exec => scenarios::exec_round_trip(&client, args.n).await,
-        Scenario::Files => files::transfer(&client, args.n, args.size_mb << 20).await,
-        Scenario::Snapshot => snapshot::live(&client, args.n, args.size_mb).await,
+        Scenario::Files => {
+            let size = args.size_mb << 20;
+            scenarios::with_sandbox(&client, async |s| {
+                files::transfer(&client, s, args.n, size).await
+            })
+            .await
+        }
+        Scenario::Snapshot => {
+            scenarios::with_sandbox(&client, async |s| {
+                snapshot::live(&client, s, args.n, args.size_mb).await
+            })
+            .await
+        }
     };
     let server_peak_rss_mb = own.as_ref().and_then(own_server::OwnServer::peak_rss_mb);
     if let Some(own) = own {

@@ -47,6 +47,17 @@ pub async fn delete_sandbox(client: &Client, sandbox: &Value) -> anyhow::Result<
     Ok(())
 }
 
+/// Runs `work` in a new sandbox, deleted afterwards whatever happened.
+pub async fn with_sandbox<T>(
+    client: &Client,
+    work: impl AsyncFnOnce(&Value) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let sandbox = create_sandbox(client).await?;
+    let result = work(&sandbox).await;
+    delete_sandbox(client, &sandbox).await?;
+    result
+}
+
 fn ms_since(started: Instant) -> f64 {
     started.elapsed().as_secs_f64() * 1000.0
 }
@@ -73,19 +84,20 @@ pub async fn create_to_first_command(client: &Client, n: usize) -> anyhow::Resul
 
 /// The round trip of `true` in one running sandbox.
 pub async fn exec_round_trip(client: &Client, n: usize) -> anyhow::Result<Measurement> {
-    let sandbox = create_sandbox(client).await?;
-    for _ in 0..5 {
-        run_command(client, &sandbox, "true").await?;
-    }
-    let mut samples = Vec::with_capacity(n);
-    for _ in 0..n {
-        let started = Instant::now();
-        run_command(client, &sandbox, "true").await?;
-        samples.push(ms_since(started));
-    }
-    delete_sandbox(client, &sandbox).await?;
-    Ok(Measurement {
-        samples,
-        extra: Map::new(),
+    with_sandbox(client, async |sandbox| {
+        for _ in 0..5 {
+            run_command(client, sandbox, "true").await?;
+        }
+        let mut samples = Vec::with_capacity(n);
+        for _ in 0..n {
+            let started = Instant::now();
+            run_command(client, sandbox, "true").await?;
+            samples.push(ms_since(started));
+        }
+        Ok(Measurement {
+            samples,
+            extra: Map::new(),
+        })
     })
+    .await
 }

@@ -8,7 +8,7 @@ use anyhow::Context;
 use reqwest::Method;
 use serde_json::{json, Map};
 
-use super::scenarios::{create_sandbox, delete_sandbox, run_command};
+use super::scenarios::{delete_sandbox, run_command};
 use super::Measurement;
 use crate::client::Client;
 
@@ -18,14 +18,8 @@ const TICKER: &str = "import time\nlast=time.monotonic();worst=0.0\nend=last+{se
 while time.monotonic()<end:\n    time.sleep(0.001)\n    now=time.monotonic();worst=max(worst,now-last);last=now\n\
 open('/tmp/worst-gap','w').write(str(worst*1000))\n";
 
-pub async fn live(client: &Client, n: usize, size_mb: u64) -> anyhow::Result<Measurement> {
-    let sandbox = create_sandbox(client).await?;
-    let result = measure(client, &sandbox, n, size_mb).await;
-    delete_sandbox(client, &sandbox).await?;
-    result
-}
-
-async fn measure(
+/// Writes `size_mb` in `sandbox`, then takes `n` live snapshots of it.
+pub async fn live(
     client: &Client,
     sandbox: &serde_json::Value,
     n: usize,

@@ -442,7 +442,7 @@ impl Runtime for ContainerRuntime {
         let cgroups = Arc::clone(&self.cgroups);
         let running = self.is_running(id).await;
         let owned = id.to_owned();
-        tokio::task::spawn_blocking(move || {
+        blocking(id, move || {
             if let Some(parent) = dest.parent() {
                 fs::create_dir_all(parent).map_err(|e| e.to_string())?;
             }
@@ -467,30 +467,16 @@ impl Runtime for ContainerRuntime {
             copied.map(|()| dest.join("upper"))
         })
         .await
-        .map_err(|e| RuntimeError::Other {
-            id: id.to_owned(),
-            reason: e.to_string(),
-        })?
-        .map_err(|reason| RuntimeError::Other {
-            id: id.to_owned(),
-            reason,
-        })
     }
 
     async fn discard_capture(&self, capture_id: &str) -> Result<(), RuntimeError> {
         check_id(capture_id)?;
         let storage = self.storage(capture_id)?.clone();
         let dir = self.capture_dir(capture_id);
-        tokio::task::spawn_blocking(move || storage.delete_subvolume(&dir))
-            .await
-            .map_err(|e| RuntimeError::Other {
-                id: capture_id.to_owned(),
-                reason: e.to_string(),
-            })?
-            .map_err(|e| RuntimeError::Other {
-                id: capture_id.to_owned(),
-                reason: e.to_string(),
-            })
+        blocking(capture_id, move || {
+            storage.delete_subvolume(&dir).map_err(|e| e.to_string())
+        })
+        .await
     }
 
     async fn restore(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError> {
@@ -507,7 +493,7 @@ impl Runtime for ContainerRuntime {
         let dir = self.layout(id).dir;
         let capture = self.capture_dir(capture_id);
         let bytes = spec.resources.disk_gib << 30;
-        tokio::task::spawn_blocking(move || {
+        blocking(id, move || {
             if !capture.is_dir() {
                 return Err(format!("capture {} does not exist", capture.display()));
             }
@@ -518,19 +504,26 @@ impl Runtime for ContainerRuntime {
             storage.limit(&dir, bytes).map_err(|e| e.to_string())
         })
         .await
-        .map_err(|e| RuntimeError::Other {
-            id: id.to_owned(),
-            reason: e.to_string(),
-        })?
-        .map_err(|reason| RuntimeError::Other {
-            id: id.to_owned(),
-            reason,
-        })
     }
 
     async fn is_running(&self, id: &str) -> bool {
         check_id(id).is_ok() && self.cgroups.pids(id).is_ok_and(|pids| !pids.is_empty())
     }
+}
+
+/// Runs blocking storage work off the async threads; a failure names the sandbox.
+async fn blocking<T: Send + 'static>(
+    id: &str,
+    work: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, RuntimeError> {
+    let other = |reason: String| RuntimeError::Other {
+        id: id.to_owned(),
+        reason,
+    };
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| other(e.to_string()))?
+        .map_err(other)
 }
 
 #[cfg(test)]
