@@ -123,6 +123,28 @@ impl Harness {
             .filter(|p| p.exists())
             .collect()
     }
+
+    /// Nothing of sandbox `id` is left on the host: no mount under the state
+    /// dir, no cgroup, none of `pids` alive, no sandbox directory.
+    fn assert_nothing_left(&self, id: &str, pids: &BTreeSet<i32>) {
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        assert!(
+            !mountinfo.contains(self.state.path().to_str().unwrap()),
+            "{mountinfo}"
+        );
+        assert!(
+            self.cgroup_dirs(id).is_empty(),
+            "{:?}",
+            self.cgroup_dirs(id)
+        );
+        let left: Vec<_> = pids
+            .iter()
+            .filter(|p| alive(**p))
+            .map(|p| describe(*p))
+            .collect();
+        assert!(left.is_empty(), "still alive: {left:?}");
+        assert!(!self.state.path().join(id).exists());
+    }
 }
 
 impl Drop for Harness {
@@ -358,20 +380,7 @@ async fn destroy_leaves_nothing_behind() {
     assert!(!h.cgroup_dirs("d1").is_empty());
 
     h.runtime.destroy("d1").await.unwrap();
-    let state_dir = h.state.path().join("d1");
-    let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    assert!(
-        !mountinfo.contains(h.state.path().to_str().unwrap()),
-        "{mountinfo}"
-    );
-    assert!(h.cgroup_dirs("d1").is_empty(), "{:?}", h.cgroup_dirs("d1"));
-    let left: Vec<_> = pids
-        .iter()
-        .filter(|p| alive(**p))
-        .map(|p| describe(*p))
-        .collect();
-    assert!(left.is_empty(), "still alive: {left:?}");
-    assert!(!state_dir.exists());
+    h.assert_nothing_left("d1", &pids);
     assert!(!h.runtime.is_running("d1").await);
     tokio::time::timeout(Duration::from_secs(5), started.exited)
         .await
@@ -492,14 +501,7 @@ async fn a_fresh_runtime_finds_and_destroys_a_running_sandbox() {
     assert!(fresh.is_running("c1").await);
     fresh.destroy("c1").await.unwrap();
     assert!(!fresh.is_running("c1").await);
-    let left: Vec<_> = pids
-        .iter()
-        .filter(|p| alive(**p))
-        .map(|p| describe(*p))
-        .collect();
-    assert!(left.is_empty(), "still alive: {left:?}");
-    assert!(h.cgroup_dirs("c1").is_empty());
-    assert!(!h.state.path().join("c1").exists());
+    h.assert_nothing_left("c1", &pids);
     let exited = tokio::time::timeout(Duration::from_secs(5), started.exited)
         .await
         .unwrap()
