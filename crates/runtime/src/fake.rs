@@ -97,6 +97,7 @@ impl Runtime for FakeRuntime {
         Ok(Started {
             agent: AgentEndpoint::Unix(PathBuf::from("/nonexistent")),
             exited,
+            accelerator: None,
         })
     }
 

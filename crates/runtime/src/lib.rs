@@ -51,6 +51,9 @@ pub struct Started {
     pub agent: AgentEndpoint,
     /// Resolves when the sandbox's init exits for whatever reason, with a description.
     pub exited: tokio::sync::oneshot::Receiver<String>,
+    /// How the machine executes, for logs and the sandbox's info: `None` for a
+    /// container, `Some("kvm")` or `Some("tcg")` for a VM.
+    pub accelerator: Option<&'static str>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -89,6 +92,44 @@ pub trait Runtime: Send + Sync + 'static {
     /// Deletes the layer made by `capture`.
     async fn discard_capture(&self, capture_id: &str) -> Result<(), RuntimeError>;
     /// Replaces the writable layer of a stopped sandbox with a writable copy of a
-    /// capture taken from it.
+    /// capture taken from it. A capture that holds memory becomes the sandbox's
+    /// saved memory, so its next `start` continues from it.
     async fn restore(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError>;
+
+    // What follows is for classes that keep memory (VMs). For them `start`
+    // continues from saved memory when the sandbox's storage holds some (after
+    // `pause`, `fork`, a `restore` of a memory capture, or a `prepare` whose top
+    // layer holds memory) and boots from disk otherwise.
+
+    /// Ends the machine with its memory and device state saved in its storage;
+    /// every process continues where it was at the next `start`.
+    async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
+        Err(unsupported(id, "pause"))
+    }
+    /// Forgets the memory a paused sandbox saved, so its next `start` boots.
+    async fn discard_memory(&self, _id: &str) -> Result<(), RuntimeError> {
+        Ok(())
+    }
+    /// Like `capture`, with the machine's memory: a sandbox whose top layer is this
+    /// capture continues from it instead of booting. The machine keeps running.
+    async fn capture_with_memory(
+        &self,
+        id: &str,
+        _capture_id: &str,
+    ) -> Result<PathBuf, RuntimeError> {
+        Err(unsupported(id, "memory snapshots"))
+    }
+    /// Makes `child`'s storage a copy of running sandbox `parent`'s disk and
+    /// memory, freezing the parent only while it is copied. The caller then
+    /// `start`s the child, which continues from that memory.
+    async fn fork(&self, parent: &str, _child: &SandboxSpec) -> Result<(), RuntimeError> {
+        Err(unsupported(parent, "fork"))
+    }
+}
+
+fn unsupported(id: &str, what: &str) -> RuntimeError {
+    RuntimeError::Other {
+        id: id.to_owned(),
+        reason: format!("this sandbox class does not support {what}"),
+    }
 }

@@ -405,6 +405,7 @@ impl Runtime for ContainerRuntime {
         Ok(Started {
             agent: AgentEndpoint::Unix(layout.agent_socket()),
             exited: exited_rx,
+            accelerator: None,
         })
     }
 
