@@ -54,11 +54,22 @@ pub struct Sandbox {
     pub last_activity_at: String,
     pub sandbox_class: &'static str,
     pub kvm: bool,
+    pub spot: bool,
+    /// cove extension: may pause (seed 001's `persistent`).
+    pub persistent: bool,
+    /// cove extension: the sandbox this one was forked from.
+    pub parent_sandbox_id: Option<String>,
+    /// cove extension: how a running VM executes, "kvm" or "tcg".
+    pub accelerator: Option<&'static str>,
     pub toolbox_proxy_url: String,
 }
 
 impl Sandbox {
-    pub fn from_record(record: SandboxRecord, toolbox_proxy_url: String) -> Sandbox {
+    pub fn from_record(
+        record: SandboxRecord,
+        toolbox_proxy_url: String,
+        accelerator: Option<&'static str>,
+    ) -> Sandbox {
         Sandbox {
             organization_id: ORGANIZATION_ID,
             snapshot: record.snapshot,
@@ -89,6 +100,10 @@ impl Sandbox {
             last_activity_at: rfc3339(record.last_activity_ms),
             sandbox_class: record.class.as_str(),
             kvm: false,
+            spot: record.spot,
+            persistent: record.persistent,
+            parent_sandbox_id: record.parent_id,
+            accelerator,
             toolbox_proxy_url,
             id: record.id,
             name: record.name,
@@ -126,6 +141,8 @@ pub struct CreateSandboxRequest {
     pub domain_allow_list: Option<serde_json::Value>,
     pub kvm: Option<bool>,
     pub spot: Option<bool>,
+    /// cove extension (seed 001): may pause; defaults to "not ephemeral".
+    pub persistent: Option<bool>,
     #[serde(default)]
     pub secrets: Vec<serde_json::Value>,
     pub outbound_proxy_url: Option<String>,
@@ -148,12 +165,6 @@ impl CreateSandboxRequest {
             || self.domain_allow_list.is_some()
         {
             return Some("network allow lists");
-        }
-        if self.kvm == Some(true) {
-            return Some("kvm inside sandboxes");
-        }
-        if self.spot == Some(true) {
-            return Some("spot sandboxes");
         }
         if !self.secrets.is_empty() {
             return Some("secrets");
@@ -196,6 +207,9 @@ impl CreateSandboxRequest {
             auto_archive: self.auto_archive_interval,
             auto_delete,
             ttl_minutes: self.ttl_minutes,
+            persistent: self.persistent,
+            spot: self.spot.unwrap_or(false),
+            kvm: self.kvm.unwrap_or(false),
         }
     }
 }

@@ -9,6 +9,7 @@
 mod auth;
 mod dto;
 mod error;
+mod machines;
 mod not_implemented;
 mod sandbox;
 mod server_config;
@@ -59,6 +60,16 @@ pub fn app(state: AppState) -> Router {
         .route("/sandbox/{id}/start", post(sandbox::start))
         .route("/sandbox/{id}/stop", post(sandbox::stop))
         .route("/sandbox/{id}/recover", post(sandbox::recover))
+        .route("/sandbox/{id}/pause", post(machines::pause))
+        .route("/sandbox/{id}/fork", post(machines::fork))
+        .route("/sandbox/{id}/forks", get(machines::forks))
+        .route("/sandbox/{id}/parent", get(machines::parent))
+        .route("/sandbox/{id}/ancestors", get(machines::ancestors))
+        .route("/vms/{id}/pause", post(machines::pause))
+        .route("/vms/{id}/resume", post(machines::resume))
+        .route("/vms/{id}/start", post(machines::cold_start))
+        .route("/vms/{id}/stop", post(sandbox::stop))
+        .route("/admin/reclaim", post(machines::reclaim))
         .route("/sandbox/{id}/snapshot", post(snapshots::take))
         .route("/sandbox/{id}/revert", post(snapshots::revert))
         .route("/snapshots", get(snapshots::list))

@@ -30,7 +30,12 @@ pub fn toolbox_base(state: &AppState, headers: &HeaderMap) -> String {
 }
 
 pub fn dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) -> Json<Sandbox> {
-    Json(Sandbox::from_record(record, toolbox_base(state, headers)))
+    Json(to_dto(state, headers, record))
+}
+
+pub fn to_dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) -> Sandbox {
+    let accelerator = state.engine.accelerator(&record.id);
+    Sandbox::from_record(record, toolbox_base(state, headers), accelerator)
 }
 
 pub type Reply = Result<Json<Sandbox>, ApiError>;
@@ -106,7 +111,7 @@ pub async fn list(
         .into_iter()
         .skip(cursor)
         .take(limit)
-        .map(|record| Sandbox::from_record(record, toolbox_base(&state, &headers)))
+        .map(|record| to_dto(&state, &headers, record))
         .collect();
     let next = cursor + items.len();
     let next_cursor = (next < total).then(|| next.to_string());

@@ -27,18 +27,20 @@ async fn api() -> Api {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
     let fake = Arc::new(FakeRuntime::new());
-    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> =
-        HashMap::from([(SandboxClass::Container, fake.clone() as Arc<dyn Runtime>)]);
+    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([
+        (SandboxClass::Container, fake.clone() as Arc<dyn Runtime>),
+        (SandboxClass::LinuxVm, fake.clone() as Arc<dyn Runtime>),
+    ]);
     let engine = Engine::new(EngineConfig::default(), store, runtimes);
-    engine
-        .register_snapshot(&SnapshotRecord::for_image(
-            "cove-default",
-            "/rootfs",
-            SandboxClass::Container,
-            0,
-        ))
-        .await
-        .unwrap();
+    for (name, class) in [
+        ("cove-default", SandboxClass::Container),
+        ("daytona-vm-small", SandboxClass::LinuxVm),
+    ] {
+        engine
+            .register_snapshot(&SnapshotRecord::for_image(name, "/rootfs", class, 0))
+            .await
+            .unwrap();
+    }
     let config = ApiConfig {
         env_api_key: Some(KEY.into()),
         public_url: None,
@@ -307,8 +309,9 @@ async fn unimplemented_operations_answer_501_by_name() {
         body["message"],
         "GET /volumes is not implemented by cove yet"
     );
+    // A container cannot pause: a clear 400, not a 501.
     let (status, body) = api.call("POST", "/api/sandbox/p/pause", None).await;
-    assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
+    assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(body["message"].as_str().unwrap().contains("pause"));
     let (status, _) = api.call("GET", "/api/definitely/not/here", None).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
@@ -331,4 +334,106 @@ async fn config_validates_as_the_sdk_expects() {
     }
     assert_eq!(config["maintananceMode"], false);
     assert!(config["oidc"]["provider"].is_string());
+}
+
+#[tokio::test]
+async fn vm_pause_resume_fork_over_http() {
+    let api = api().await;
+    let (status, vm) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "vm", "snapshot": "daytona-vm-small", "autoPauseInterval": 30})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{vm}");
+    assert_eq!(vm["sandboxClass"], "linux-vm");
+    assert_eq!(vm["persistent"], true);
+    assert_eq!(
+        (
+            vm["autoPauseInterval"].as_i64(),
+            vm["autoStopInterval"].as_i64()
+        ),
+        (Some(30), Some(0))
+    );
+
+    let (status, body) = api.call("POST", "/api/sandbox/vm/pause", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["state"], "paused");
+    let (status, body) = api.call("POST", "/api/vms/vm/resume", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body["state"], "started");
+    let (_, body) = api.call("POST", "/api/vms/vm/pause", None).await;
+    assert_eq!(body["state"], "paused");
+    // Seed 001: start on a paused VM boots from disk and drops the memory.
+    let (_, body) = api.call("POST", "/api/vms/vm/start", None).await;
+    assert_eq!(body["state"], "started");
+    assert!(api
+        .fake
+        .calls()
+        .iter()
+        .any(|c| c.starts_with("discard-memory")));
+
+    let (status, child) = api
+        .call("POST", "/api/sandbox/vm/fork", Some(json!({"name": "kid"})))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{child}");
+    assert_eq!(child["name"], "kid");
+    assert_eq!(child["state"], "started");
+    assert_eq!(child["parentSandboxId"], vm["id"]);
+    let (_, forks) = api.call("GET", "/api/sandbox/vm/forks", None).await;
+    assert_eq!(forks.as_array().unwrap().len(), 1);
+    assert_eq!(forks[0]["name"], "kid");
+    let (_, parent) = api.call("GET", "/api/sandbox/kid/parent", None).await;
+    assert_eq!(parent["id"], vm["id"]);
+    let (_, ancestors) = api.call("GET", "/api/sandbox/kid/ancestors", None).await;
+    assert_eq!(ancestors[0]["id"], vm["id"]);
+
+    let (status, body) = api.call("DELETE", "/api/sandbox/vm", None).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert!(body["message"].as_str().unwrap().contains("kid"), "{body}");
+
+    // Not persistent: pause is a 409 that says why.
+    api.call(
+        "POST",
+        "/api/sandbox",
+        Some(json!({"name": "eph", "snapshot": "daytona-vm-small", "ephemeral": true})),
+    )
+    .await;
+    let (status, body) = api.call("POST", "/api/vms/eph/pause", None).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert!(body["message"].as_str().unwrap().contains("persistent"));
+
+    // kvm inside a sandbox is a 400 that says why; Windows is not registered.
+    let (status, body) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "k", "kvm": true})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body["message"].as_str().unwrap().contains("nested"));
+    let (status, body) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"snapshot": "windows-small"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body["message"].as_str().unwrap().contains("Windows"));
+
+    // Spot reclaim (extension): the spot VM is paused, not deleted.
+    api.call(
+        "POST",
+        "/api/sandbox",
+        Some(json!({"name": "sp", "snapshot": "daytona-vm-small", "spot": true})),
+    )
+    .await;
+    let (status, body) = api.call("POST", "/api/admin/reclaim", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(body[0]["action"], "paused");
+    let (_, sp) = api.call("GET", "/api/sandbox/sp", None).await;
+    assert_eq!(sp["state"], "paused");
 }

@@ -1,6 +1,7 @@
 //! The `cove` binary: glue only. It parses arguments, builds the pieces and hands
 //! over to the library crates.
 
+mod admin_cmd;
 mod agent_binary;
 mod bench;
 mod client;
@@ -31,6 +32,9 @@ enum Command {
     /// Manage images on this machine.
     #[command(subcommand)]
     Image(image_cmd::ImageCommand),
+    /// Operator actions on a running server.
+    #[command(subcommand)]
+    Admin(admin_cmd::AdminCommand),
     /// Measure a scenario and print median, p95 and p99.
     Bench(bench::BenchArgs),
 }
@@ -61,6 +65,7 @@ fn main() -> std::process::ExitCode {
             Command::Serve(args) => serve::run(args).await,
             Command::Sandbox(command) => sandbox_cmd::run(command).await,
             Command::Bench(args) => bench::run(args).await,
+            Command::Admin(command) => admin_cmd::run(command).await,
             Command::Image(command) => image_cmd::run(command).await,
         }
     });

@@ -67,6 +67,33 @@ pub enum SandboxCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Pause a VM sandbox: its memory goes to disk, its processes continue at resume.
+    Pause {
+        #[command(flatten)]
+        connection: Connection,
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Resume a paused VM sandbox from its memory.
+    Resume {
+        #[command(flatten)]
+        connection: Connection,
+        id: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Fork a running VM sandbox (disk and memory) into a new sandbox.
+    Fork {
+        #[command(flatten)]
+        connection: Connection,
+        id: String,
+        /// Name of the new sandbox.
+        #[arg(long)]
+        name: Option<String>,
+        #[arg(long)]
+        json: bool,
+    },
     /// Delete a sandbox and everything it holds.
     Delete {
         #[command(flatten)]
@@ -243,6 +270,35 @@ pub async fn run(command: SandboxCommand) -> anyhow::Result<()> {
                 json,
             )
             .await?
+        }
+        SandboxCommand::Pause {
+            connection,
+            id,
+            json,
+        } => one_sandbox(&connection, Method::POST, &format!("/vms/{id}/pause"), json).await?,
+        SandboxCommand::Resume {
+            connection,
+            id,
+            json,
+        } => {
+            one_sandbox(
+                &connection,
+                Method::POST,
+                &format!("/vms/{id}/resume"),
+                json,
+            )
+            .await?
+        }
+        SandboxCommand::Fork {
+            connection,
+            id,
+            name,
+            json,
+        } => {
+            let client = Client::from_connection(&connection)?;
+            let body = json!({ "name": name });
+            let path = format!("/sandbox/{id}/fork");
+            show(&client.api(Method::POST, &path, Some(body)).await?, json);
         }
         SandboxCommand::Stop {
             connection,

@@ -26,6 +26,12 @@ pub struct CreateSandbox {
     pub auto_archive: Option<i64>,
     pub auto_delete: Option<i64>,
     pub ttl_minutes: Option<i64>,
+    /// May pause (cove extension, as in seed 001); defaults to "not ephemeral".
+    pub persistent: Option<bool>,
+    /// cove may reclaim it: paused if persistent, deleted otherwise.
+    pub spot: bool,
+    /// Expose /dev/kvm inside the sandbox (nested virtualization).
+    pub kvm: bool,
 }
 
 /// Names are used in URLs and as host names: keep them plain.
@@ -96,6 +102,14 @@ impl Engine {
                 state: snapshot.state.as_str(),
             });
         }
+        if request.kvm {
+            return Err(EngineError::Invalid {
+                field: "kvm",
+                reason: "cove does not offer nested virtualization: /dev/kvm cannot be \
+                         exposed inside a sandbox on this server; create it without kvm"
+                    .into(),
+            });
+        }
         let ceilings = config.ceilings;
         let cpu = resource("cpu", request.cpu, snapshot.cpu.max(1), ceilings.cpu)?;
         let memory_gib = resource(
@@ -130,9 +144,30 @@ impl Engine {
                 ),
             });
         }
+        let ephemeral = request.auto_delete == Some(0);
+        if ephemeral && request.persistent == Some(true) {
+            return Err(EngineError::Invalid {
+                field: "persistent",
+                reason: "an ephemeral sandbox (autoDeleteInterval 0) cannot be persistent".into(),
+            });
+        }
+        let persistent = request.persistent.unwrap_or(!ephemeral);
+        let mut auto_stop = request.auto_stop;
+        if !persistent {
+            if request.auto_pause.is_some_and(|minutes| minutes != 0) {
+                return Err(EngineError::Invalid {
+                    field: "autoPauseInterval",
+                    reason: "a sandbox that is not persistent cannot pause".into(),
+                });
+            }
+            // Without pause, idle sandboxes stop as containers do.
+            if auto_stop.is_none() && request.auto_pause.is_none() {
+                auto_stop = Some(cove_lifecycle::DEFAULT_AUTO_STOP);
+            }
+        }
         let timers = TimerSettings::resolve(
             snapshot.class,
-            request.auto_stop,
+            auto_stop,
             request.auto_pause,
             request.auto_archive,
             request.auto_delete,
@@ -183,6 +218,9 @@ impl Engine {
             updated_at_ms: now,
             state_since_ms: now,
             last_activity_ms: now,
+            persistent,
+            spot: request.spot,
+            parent_id: None,
         };
         let lock = self.lock_for(&id);
         let _guard = lock.lock().await;

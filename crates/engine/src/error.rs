@@ -16,6 +16,10 @@ pub enum EngineError {
     SnapshotTaken { name: String },
     #[error("{what} is in use by {}", users.join(", "))]
     InUse { what: String, users: Vec<String> },
+    #[error("sandbox {id} is not persistent (ephemeral, or created with persistent false), so it cannot pause; stop it instead")]
+    NotPersistent { id: String },
+    #[error("sandbox {id} has active fork children ({}); delete them first", children.join(", "))]
+    HasForks { id: String, children: Vec<String> },
     #[error("a sandbox named {name} already exists")]
     NameTaken { name: String },
     #[error("invalid {field}: {reason}")]
@@ -76,6 +80,8 @@ impl EngineError {
             Self::NameTaken { .. }
             | Self::SnapshotTaken { .. }
             | Self::InUse { .. }
+            | Self::NotPersistent { .. }
+            | Self::HasForks { .. }
             | Self::Transition { .. }
             | Self::NotStarted { .. } => ErrorKind::Conflict,
             Self::ClassUnavailable { .. } | Self::NotImplemented { .. } => {

@@ -11,6 +11,7 @@ mod auth;
 mod config;
 mod create;
 mod error;
+mod forks;
 mod operations;
 mod recovery;
 mod settings;
@@ -44,6 +45,8 @@ pub fn now_ms() -> i64 {
 #[derive(Clone, Debug)]
 struct Running {
     agent: AgentEndpoint,
+    /// How a VM executes ("kvm" or "tcg"); `None` for containers.
+    accelerator: Option<&'static str>,
     /// Tells a late exit notice of an earlier start from the current one.
     generation: u64,
 }
@@ -159,6 +162,17 @@ impl Engine {
         })?;
         self.touch(&record.id);
         Ok((record.id, running.agent))
+    }
+
+    /// How a running VM executes ("kvm" or "tcg"); `None` for containers and
+    /// for sandboxes that are not running.
+    pub fn accelerator(&self, id: &str) -> Option<&'static str> {
+        self.inner
+            .running
+            .lock()
+            .unwrap()
+            .get(id)
+            .and_then(|r| r.accelerator)
     }
 
     /// Resets the idle clock of a sandbox.

@@ -17,19 +17,73 @@ impl Engine {
     pub async fn stop(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
         let record = self.run(id_or_name, Operation::Stop).await?;
         // Auto-delete 0 (ephemeral) deletes as soon as the sandbox stops.
+        // A parent keeps existing while it has forks; it stays stopped.
         if record.state == SandboxState::Stopped && record.timers.auto_delete == 0 {
-            return self.delete(&record.id).await;
+            return match self.delete(&record.id).await {
+                Err(EngineError::HasForks { .. }) => Ok(record),
+                other => other,
+            };
         }
         Ok(record)
     }
 
     /// Deletes a sandbox and everything it made; the returned record is `destroyed`.
+    /// A sandbox with fork children is refused (409) until they are deleted.
     pub async fn delete(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
-        self.run(id_or_name, Operation::Delete).await
+        let record = self.get(id_or_name).await?;
+        self.check_no_forks(&record).await?;
+        self.run(&record.id, Operation::Delete).await
     }
 
     pub async fn recover(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
         self.run(id_or_name, Operation::Recover).await
+    }
+
+    /// Pauses a started VM: its memory goes to disk and every process continues
+    /// at the next start or resume. Refused (409) for a sandbox that is not
+    /// persistent.
+    pub async fn pause(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
+        let record = self.get(id_or_name).await?;
+        if record.class.can_pause() && !record.persistent {
+            return Err(EngineError::NotPersistent { id: record.id });
+        }
+        self.run(&record.id, Operation::Pause).await
+    }
+
+    /// Continues a paused sandbox from its memory (a started one stays as it is).
+    pub async fn resume(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
+        self.run(id_or_name, Operation::Resume).await
+    }
+
+    /// Starts a paused or stopped sandbox from its disk, discarding saved memory
+    /// (a one-way door: the memory cannot be recovered afterwards).
+    pub async fn cold_start(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
+        self.run(id_or_name, Operation::ColdStart).await
+    }
+
+    /// Reclaims the capacity of spot sandboxes: each started one is paused if it
+    /// is persistent and can pause, deleted otherwise (as seed 001 describes).
+    /// Returns what happened, as (sandbox id, "paused" or "deleted").
+    pub async fn reclaim_spot(&self) -> Result<Vec<(String, &'static str)>, EngineError> {
+        let mut reclaimed = Vec::new();
+        for record in self.inner.store.list_sandboxes().await? {
+            if !record.spot || record.state != SandboxState::Started {
+                continue;
+            }
+            let result = if record.persistent && record.class.can_pause() {
+                self.pause(&record.id).await.map(|_| "paused")
+            } else {
+                self.delete(&record.id).await.map(|_| "deleted")
+            };
+            match result {
+                Ok(what) => {
+                    tracing::info!(sandbox = %record.id, what, "spot sandbox reclaimed");
+                    reclaimed.push((record.id, what));
+                }
+                Err(error) => tracing::warn!(sandbox = %record.id, %error, "reclaim failed"),
+            }
+        }
+        Ok(reclaimed)
     }
 
     /// Runs `operation` under the sandbox's lock: operations on one sandbox wait
@@ -104,7 +158,9 @@ impl Engine {
 
     fn check_supported(&self, operation: Operation) -> Result<Effect, EngineError> {
         match operation {
-            Operation::Start | Operation::Recover | Operation::ColdStart => Ok(Effect::Boot),
+            Operation::Start | Operation::Recover | Operation::Resume => Ok(Effect::Boot),
+            Operation::ColdStart => Ok(Effect::ColdBoot),
+            Operation::Pause => Ok(Effect::Pause),
             Operation::Stop => Ok(Effect::Halt),
             Operation::Delete => Ok(Effect::Destroy),
             other => Err(EngineError::NotImplemented {
@@ -122,15 +178,30 @@ impl Engine {
             .map_err(|e| e.to_string())?
             .clone();
         match effect {
-            Effect::Boot => {
+            Effect::Boot | Effect::ColdBoot => {
                 let snapshot = self.own_snapshot(record).await?;
                 let spec = self.spec(record, &snapshot);
-                // A leftover of an earlier run (a crash, a failed stop) must not linger.
+                // A leftover of an earlier run (a crash, a failed stop) must not
+                // linger. A paused machine is not running, and stopping it would
+                // drop the memory it is about to continue from.
                 self.forget_running(&record.id);
-                runtime.stop(&record.id).await.map_err(|e| e.to_string())?;
+                let keeps_memory = record.class.can_pause() && matches!(effect, Effect::Boot);
+                if !keeps_memory || runtime.is_running(&record.id).await {
+                    runtime.stop(&record.id).await.map_err(|e| e.to_string())?;
+                }
+                if matches!(effect, Effect::ColdBoot) {
+                    runtime
+                        .discard_memory(&record.id)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                }
                 let started = runtime.start(&spec).await.map_err(|e| e.to_string())?;
                 self.register_running(&record.id, started);
                 Ok(())
+            }
+            Effect::Pause => {
+                self.forget_running(&record.id);
+                runtime.pause(&record.id).await.map_err(|e| e.to_string())
             }
             Effect::Halt => {
                 self.forget_running(&record.id);
@@ -178,6 +249,7 @@ impl Engine {
             id.to_owned(),
             Running {
                 agent: started.agent,
+                accelerator: started.accelerator,
                 generation,
             },
         );
@@ -226,7 +298,12 @@ impl Engine {
 /// The side effect behind an operation.
 #[derive(Clone, Debug)]
 pub(crate) enum Effect {
+    /// Start: continue from saved memory if the machine has some, else boot.
     Boot,
+    /// Start from disk, discarding saved memory.
+    ColdBoot,
+    /// Save memory and end the machine.
+    Pause,
     Halt,
     Destroy,
     /// Capture the writable layer as a new snapshot.

@@ -32,6 +32,8 @@ impl Engine {
                     self.inner.store.delete_sandbox(&id).await?;
                     tracing::info!(sandbox = %id, "removed a sandbox left half-made or half-deleted");
                 }
+                // A paused machine's memory is on disk and nothing runs: keep it.
+                SandboxState::Paused if !runtime.is_running(&id).await => {}
                 _ => {
                     if let Err(error) = runtime.stop(&id).await {
                         record.state = SandboxState::Error;

@@ -16,6 +16,8 @@ use crate::{now_ms, Engine, EngineError};
 #[derive(Clone, Debug)]
 pub(crate) struct CaptureRequest {
     name: String,
+    /// Capture the machine's memory too (a started VM).
+    memory: bool,
 }
 
 impl Engine {
@@ -42,6 +44,15 @@ impl Engine {
                     .into(),
             });
         }
+        if include_memory && record.state != cove_lifecycle::SandboxState::Started {
+            return Err(EngineError::Invalid {
+                field: "includeMemory",
+                reason: format!(
+                    "a memory snapshot needs a started sandbox; {} is {}",
+                    record.id, record.state
+                ),
+            });
+        }
         if self.inner.store.find_snapshot(name).await?.is_some() {
             return Err(EngineError::SnapshotTaken {
                 name: name.to_owned(),
@@ -49,6 +60,7 @@ impl Engine {
         }
         let request = CaptureRequest {
             name: name.to_owned(),
+            memory: include_memory,
         };
         self.run_effect(&record.id, Operation::Snapshot, Effect::Capture(request))
             .await
@@ -167,10 +179,12 @@ impl Engine {
             .clone();
         let base = self.own_snapshot(record).await?;
         let capture_id = uuid::Uuid::new_v4().to_string();
-        let layer = runtime
-            .capture(&record.id, &capture_id)
-            .await
-            .map_err(|e| e.to_string())?;
+        let layer = if request.memory {
+            runtime.capture_with_memory(&record.id, &capture_id).await
+        } else {
+            runtime.capture(&record.id, &capture_id).await
+        }
+        .map_err(|e| e.to_string())?;
         let now = now_ms();
         let snapshot = SnapshotRecord {
             id: capture_id.clone(),
@@ -189,6 +203,7 @@ impl Engine {
             memory_gib: record.memory_gib,
             disk_gib: record.disk_gib,
             size_bytes: None,
+            has_memory: request.memory,
             general: false,
             created_at_ms: now,
             updated_at_ms: now,

@@ -11,6 +11,7 @@ mod transition;
 
 pub use state::{DesiredState, SandboxClass, SandboxState};
 pub use timers::{
-    due_action, TimerAction, TimerSettings, TimerSettingsError, TimerView, MINUTE_MS,
+    due_action, TimerAction, TimerSettings, TimerSettingsError, TimerView, DEFAULT_AUTO_STOP,
+    MINUTE_MS,
 };
 pub use transition::{plan, Operation, Transition, TransitionError};

@@ -70,6 +70,8 @@ impl TimerSettings {
         let ephemeral = auto_delete == 0;
         let (auto_stop, auto_pause) = match (auto_stop, auto_pause) {
             (None, None) if class.can_pause() && !ephemeral => (0, DEFAULT_AUTO_PAUSE),
+            // Asking for auto-pause alone means no auto-stop (they exclude each other).
+            (None, Some(pause)) if pause != 0 => (0, pause),
             (stop, pause) => (stop.unwrap_or(DEFAULT_AUTO_STOP), pause.unwrap_or(0)),
         };
         let settings = TimerSettings {
@@ -253,11 +255,9 @@ mod tests {
             resolve(LinuxVm, Some(5), Some(5), None),
             Err(TimerSettingsError::PauseAndStop)
         );
-        // auto-stop defaults to 15 when only auto-pause is given, so that is a conflict too.
-        assert_eq!(
-            resolve(LinuxVm, None, Some(5), None),
-            Err(TimerSettingsError::PauseAndStop)
-        );
+        // Only auto-pause given (as the SDK sends for daytona-vm-small): no auto-stop.
+        let s = resolve(LinuxVm, None, Some(5), None).unwrap();
+        assert_eq!((s.auto_stop, s.auto_pause), (0, 5));
     }
 
     #[test]

@@ -15,6 +15,8 @@ use crate::{AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
 #[derive(Debug, Default)]
 struct Machine {
     running: bool,
+    /// Holds saved memory (after pause or fork): the next start continues from it.
+    memory: bool,
     /// Fires `Started::exited` when the machine is stopped or crashes.
     exit: Option<oneshot::Sender<String>>,
 }
@@ -77,7 +79,13 @@ impl Runtime for FakeRuntime {
     }
 
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
-        self.record("start", &spec.id);
+        let resumes = self
+            .machines
+            .lock()
+            .unwrap()
+            .get(&spec.id)
+            .is_some_and(|m| m.memory);
+        self.record(if resumes { "resume" } else { "start" }, &spec.id);
         if let Some(reason) = self.fail_start.lock().unwrap().clone() {
             return Err(RuntimeError::Start {
                 id: spec.id.clone(),
@@ -93,6 +101,7 @@ impl Runtime for FakeRuntime {
             })?;
         let (exit, exited) = oneshot::channel();
         machine.running = true;
+        machine.memory = false;
         machine.exit = Some(exit);
         Ok(Started {
             agent: AgentEndpoint::Unix(PathBuf::from("/nonexistent")),
@@ -105,6 +114,7 @@ impl Runtime for FakeRuntime {
         self.record("stop", id);
         if let Some(machine) = self.machines.lock().unwrap().get_mut(id) {
             machine.running = false;
+            machine.memory = false;
             if let Some(exit) = machine.exit.take() {
                 let _ = exit.send("stopped".into());
             }
@@ -150,6 +160,61 @@ impl Runtime for FakeRuntime {
                 reason: "restore while running".into(),
             });
         }
+        Ok(())
+    }
+
+    async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
+        self.record("pause", id);
+        let mut machines = self.machines.lock().unwrap();
+        match machines.get_mut(id) {
+            Some(machine) if machine.running => {
+                machine.running = false;
+                machine.memory = true;
+                if let Some(exit) = machine.exit.take() {
+                    let _ = exit.send("paused".into());
+                }
+                Ok(())
+            }
+            _ => Err(RuntimeError::Other {
+                id: id.to_owned(),
+                reason: "paused while not running".into(),
+            }),
+        }
+    }
+
+    async fn discard_memory(&self, id: &str) -> Result<(), RuntimeError> {
+        self.record("discard-memory", id);
+        if let Some(machine) = self.machines.lock().unwrap().get_mut(id) {
+            machine.memory = false;
+        }
+        Ok(())
+    }
+
+    async fn capture_with_memory(
+        &self,
+        id: &str,
+        capture_id: &str,
+    ) -> Result<PathBuf, RuntimeError> {
+        self.record("capture-memory", &format!("{id} {capture_id}"));
+        if !self.is_running(id).await {
+            return Err(RuntimeError::Other {
+                id: id.to_owned(),
+                reason: "memory captured while not running".into(),
+            });
+        }
+        Ok(PathBuf::from(format!("/captures/{capture_id}")))
+    }
+
+    async fn fork(&self, parent: &str, child: &SandboxSpec) -> Result<(), RuntimeError> {
+        self.record("fork", &format!("{parent} {}", child.id));
+        if !self.is_running(parent).await {
+            return Err(RuntimeError::Other {
+                id: parent.to_owned(),
+                reason: "forked while not running".into(),
+            });
+        }
+        let mut machines = self.machines.lock().unwrap();
+        machines.entry(child.id.clone()).or_default().memory = true;
         Ok(())
     }
 }

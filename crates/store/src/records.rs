@@ -29,6 +29,12 @@ pub struct SandboxRecord {
     pub updated_at_ms: i64,
     pub state_since_ms: i64,
     pub last_activity_ms: i64,
+    /// May pause (keeps its memory on disk); ephemeral sandboxes are not persistent.
+    pub persistent: bool,
+    /// cove may reclaim its capacity: it is then paused (persistent) or deleted.
+    pub spot: bool,
+    /// The sandbox this one was forked from.
+    pub parent_id: Option<String>,
 }
 
 /// Where a snapshot is in its life.
@@ -86,6 +92,8 @@ pub struct SnapshotRecord {
     pub memory_gib: i64,
     pub disk_gib: i64,
     pub size_bytes: Option<i64>,
+    /// Holds the machine's memory too: sandboxes made from it continue from it.
+    pub has_memory: bool,
     /// Provided by the server itself rather than by a user.
     pub general: bool,
     pub created_at_ms: i64,
@@ -111,6 +119,7 @@ impl SnapshotRecord {
             memory_gib: 1,
             disk_gib: 3,
             size_bytes: None,
+            has_memory: false,
             general: true,
             created_at_ms: at_ms,
             updated_at_ms: at_ms,

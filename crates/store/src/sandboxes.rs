@@ -9,7 +9,7 @@ use crate::{SandboxRecord, Store, StoreError};
 const COLUMNS: &str = "id, name, snapshot, class, state, desired_state, error_reason, os_user, \
     cpu, gpu, memory_gib, disk_gib, env, labels, public, auto_stop, auto_pause, auto_archive, \
     auto_delete, ttl_minutes, ttl_deadline_ms, created_at_ms, updated_at_ms, state_since_ms, \
-    last_activity_ms";
+    last_activity_ms, persistent, spot, parent_id";
 
 fn corrupt(id: &str, reason: impl ToString) -> StoreError {
     StoreError::Corrupt {
@@ -53,6 +53,9 @@ fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
         updated_at_ms: row.try_get("updated_at_ms")?,
         state_since_ms: row.try_get("state_since_ms")?,
         last_activity_ms: row.try_get("last_activity_ms")?,
+        persistent: row.try_get::<i64, _>("persistent")? != 0,
+        spot: row.try_get::<i64, _>("spot")? != 0,
+        parent_id: row.try_get("parent_id")?,
         id,
     })
 }
@@ -76,7 +79,7 @@ impl Store {
     }
 
     async fn write_sandbox(&self, verb: &str, s: &SandboxRecord) -> Result<(), StoreError> {
-        let placeholders = vec!["?"; 25].join(", ");
+        let placeholders = vec!["?"; 28].join(", ");
         let sql = format!("{verb} INTO sandboxes ({COLUMNS}) VALUES ({placeholders})");
         sqlx::query(&sql)
             .bind(&s.id)
@@ -104,6 +107,9 @@ impl Store {
             .bind(s.updated_at_ms)
             .bind(s.state_since_ms)
             .bind(s.last_activity_ms)
+            .bind(i64::from(s.persistent))
+            .bind(i64::from(s.spot))
+            .bind(&s.parent_id)
             .execute(&self.pool)
             .await?;
         Ok(())

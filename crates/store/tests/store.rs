@@ -34,6 +34,9 @@ fn sandbox(id: &str, name: &str) -> SandboxRecord {
         updated_at_ms: 1,
         state_since_ms: 1,
         last_activity_ms: 1,
+        persistent: true,
+        spot: false,
+        parent_id: Some("id-parent".into()),
     }
 }
 
@@ -91,6 +94,7 @@ async fn snapshots_and_keys() {
         memory_gib: 1,
         disk_gib: 3,
         size_bytes: Some(5),
+        has_memory: true,
         general: true,
         created_at_ms: 1,
         updated_at_ms: 1,

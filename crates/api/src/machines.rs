@@ -1,0 +1,116 @@
+//! Handlers that keep a machine's memory: pause, resume and fork under
+//! `/api/sandbox/{id}/...` (Daytona's routes), the fork tree, seed 001's
+//! `/api/vms/{id}/...` surface, and the spot reclaim (a cove extension).
+
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::Json;
+use serde::{Deserialize, Serialize};
+
+use crate::dto::Sandbox;
+use crate::sandbox::{dto, to_dto, Reply};
+use crate::{ApiError, AppState};
+
+/// `POST /sandbox/{id}/pause` and `POST /vms/{id}/pause`.
+pub async fn pause(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply {
+    let record = state.engine.pause(&id).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+/// `POST /vms/{id}/resume`: continue from memory.
+pub async fn resume(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply {
+    let record = state.engine.resume(&id).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+/// `POST /vms/{id}/start`: seed 001's escape hatch, a paused sandbox boots from
+/// its disk and its memory is discarded.
+pub async fn cold_start(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply {
+    let record = state.engine.cold_start(&id).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+#[derive(Debug, Default, Deserialize)]
+pub struct ForkRequest {
+    pub name: Option<String>,
+}
+
+/// `POST /sandbox/{id}/fork` `{"name": ...}`: answers with the new sandbox.
+pub async fn fork(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Option<Json<ForkRequest>>,
+) -> Reply {
+    let request = body.map(|Json(b)| b).unwrap_or_default();
+    let child = state.engine.fork(&id, request.name.as_deref()).await?;
+    Ok(dto(&state, &headers, child))
+}
+
+/// `GET /sandbox/{id}/parent`.
+pub async fn parent(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply {
+    let record = state.engine.fork_parent(&id).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+/// `GET /sandbox/{id}/forks`.
+pub async fn forks(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<Sandbox>>, ApiError> {
+    let records = state.engine.forks(&id).await?;
+    Ok(Json(
+        records
+            .into_iter()
+            .map(|r| to_dto(&state, &headers, r))
+            .collect(),
+    ))
+}
+
+/// `GET /sandbox/{id}/ancestors`: nearest first.
+pub async fn ancestors(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<Vec<Sandbox>>, ApiError> {
+    let records = state.engine.fork_ancestors(&id).await?;
+    Ok(Json(
+        records
+            .into_iter()
+            .map(|r| to_dto(&state, &headers, r))
+            .collect(),
+    ))
+}
+
+#[derive(Debug, Serialize)]
+pub struct Reclaimed {
+    pub id: String,
+    pub action: &'static str,
+}
+
+/// `POST /admin/reclaim` (cove extension): reclaims every spot sandbox.
+pub async fn reclaim(State(state): State<AppState>) -> Result<Json<Vec<Reclaimed>>, ApiError> {
+    let done = state.engine.reclaim_spot().await?;
+    Ok(Json(
+        done.into_iter()
+            .map(|(id, action)| Reclaimed { id, action })
+            .collect(),
+    ))
+}

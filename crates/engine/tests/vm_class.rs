@@ -1,0 +1,345 @@
+//! The rules of classes that keep memory (VMs), driven against the fake runtime:
+//! pause and resume, cold start, memory snapshots, forks and their tree, spot
+//! reclaim, and the persistent rule.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use cove_engine::{CreateSandbox, Engine, EngineConfig, EngineError, SandboxState, SnapshotRecord};
+use cove_lifecycle::SandboxClass;
+use cove_runtime::fake::FakeRuntime;
+use cove_runtime::Runtime;
+use cove_store::Store;
+
+struct Harness {
+    engine: Engine,
+    fake: Arc<FakeRuntime>,
+    _dir: tempfile::TempDir,
+}
+
+async fn harness() -> Harness {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let fake = Arc::new(FakeRuntime::new());
+    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([
+        (SandboxClass::Container, fake.clone() as Arc<dyn Runtime>),
+        (SandboxClass::LinuxVm, fake.clone() as Arc<dyn Runtime>),
+    ]);
+    let engine = Engine::new(EngineConfig::default(), store, runtimes);
+    for (name, class) in [
+        ("cove-default", SandboxClass::Container),
+        ("daytona-vm-small", SandboxClass::LinuxVm),
+    ] {
+        engine
+            .register_snapshot(&SnapshotRecord::for_image(name, "/rootfs", class, 0))
+            .await
+            .unwrap();
+    }
+    Harness {
+        engine,
+        fake,
+        _dir: dir,
+    }
+}
+
+fn vm(name: &str) -> CreateSandbox {
+    CreateSandbox {
+        name: Some(name.into()),
+        snapshot: Some("daytona-vm-small".into()),
+        ..CreateSandbox::default()
+    }
+}
+
+fn calls_for(fake: &FakeRuntime, id: &str) -> Vec<String> {
+    fake.calls()
+        .into_iter()
+        .filter(|c| c.ends_with(id))
+        .map(|c| c.split(' ').next().unwrap().to_owned())
+        .collect()
+}
+
+#[tokio::test]
+async fn vm_defaults_to_auto_pause_and_is_persistent() {
+    let h = harness().await;
+    let s = h.engine.create(vm("v")).await.unwrap();
+    assert_eq!(s.class, SandboxClass::LinuxVm);
+    assert!(s.persistent);
+    assert_eq!((s.timers.auto_pause, s.timers.auto_stop), (60, 0));
+
+    // Both timers set is refused, and so is auto-pause on an ephemeral sandbox.
+    let both = CreateSandbox {
+        auto_pause: Some(5),
+        auto_stop: Some(5),
+        ..vm("both")
+    };
+    assert!(matches!(
+        h.engine.create(both).await,
+        Err(EngineError::Timers(_))
+    ));
+    let ephemeral = CreateSandbox {
+        auto_pause: Some(5),
+        auto_delete: Some(0),
+        ..vm("eph")
+    };
+    let err = h.engine.create(ephemeral).await.unwrap_err();
+    assert!(err.to_string().contains("cannot pause"), "{err}");
+    // An ephemeral VM is not persistent and falls back to auto-stop.
+    let eph = CreateSandbox {
+        auto_delete: Some(0),
+        ..vm("eph2")
+    };
+    let eph = h.engine.create(eph).await.unwrap();
+    assert!(!eph.persistent);
+    assert_eq!((eph.timers.auto_pause, eph.timers.auto_stop), (0, 15));
+}
+
+#[tokio::test]
+async fn pause_then_start_resumes_from_memory() {
+    let h = harness().await;
+    let s = h.engine.create(vm("p")).await.unwrap();
+    let paused = h.engine.pause(&s.id).await.unwrap();
+    assert_eq!(paused.state, SandboxState::Paused);
+    assert!(!h.fake.is_running(&s.id).await);
+    // Pausing a paused sandbox is a no-op.
+    assert_eq!(
+        h.engine.pause(&s.id).await.unwrap().state,
+        SandboxState::Paused
+    );
+    // A toolbox call on a paused sandbox is refused (409), not sent anywhere.
+    assert!(matches!(
+        h.engine.toolbox(&s.id).await,
+        Err(EngineError::NotStarted { .. })
+    ));
+    // A snapshot of a paused sandbox: resume first.
+    let err = h.engine.snapshot(&s.id, "snap", false).await.unwrap_err();
+    assert!(err.to_string().contains("resume it first"), "{err}");
+
+    let started = h.engine.start(&s.id).await.unwrap();
+    assert_eq!(started.state, SandboxState::Started);
+    // The machine continued from its memory: no stop (which would drop it) in between.
+    assert_eq!(
+        calls_for(&h.fake, &s.id),
+        ["prepare", "start", "pause", "resume"]
+    );
+}
+
+#[tokio::test]
+async fn cold_start_discards_memory() {
+    let h = harness().await;
+    let s = h.engine.create(vm("c")).await.unwrap();
+    h.engine.pause(&s.id).await.unwrap();
+    let started = h.engine.cold_start(&s.id).await.unwrap();
+    assert_eq!(started.state, SandboxState::Started);
+    let calls = calls_for(&h.fake, &s.id);
+    assert_eq!(
+        &calls[2..],
+        ["pause", "stop", "discard-memory", "start"],
+        "{calls:?}"
+    );
+}
+
+#[tokio::test]
+async fn pause_needs_persistent_and_a_pausable_class() {
+    let h = harness().await;
+    let eph = h
+        .engine
+        .create(CreateSandbox {
+            auto_delete: Some(0),
+            ..vm("e")
+        })
+        .await
+        .unwrap();
+    let err = h.engine.pause(&eph.id).await.unwrap_err();
+    assert!(matches!(err, EngineError::NotPersistent { .. }), "{err}");
+    assert_eq!(err.kind(), cove_engine::ErrorKind::Conflict);
+
+    let not_persistent = CreateSandbox {
+        persistent: Some(false),
+        ..vm("np")
+    };
+    let np = h.engine.create(not_persistent).await.unwrap();
+    assert!(matches!(
+        h.engine.pause(&np.id).await,
+        Err(EngineError::NotPersistent { .. })
+    ));
+
+    let container = h
+        .engine
+        .create(CreateSandbox {
+            name: Some("ct".into()),
+            ..CreateSandbox::default()
+        })
+        .await
+        .unwrap();
+    let err = h.engine.pause(&container.id).await.unwrap_err();
+    assert!(err.to_string().contains("do not support pause"), "{err}");
+}
+
+#[tokio::test]
+async fn memory_snapshot_records_memory_and_needs_a_started_vm() {
+    let h = harness().await;
+    let s = h.engine.create(vm("m")).await.unwrap();
+    h.engine.snapshot(&s.id, "warm", true).await.unwrap();
+    let snap = h.engine.get_snapshot("warm").await.unwrap();
+    assert!(snap.has_memory);
+    assert_eq!(snap.class, SandboxClass::LinuxVm);
+    assert!(h
+        .fake
+        .calls()
+        .iter()
+        .any(|c| c.starts_with("capture-memory")));
+    // A sandbox made from it is a VM too.
+    let child = h
+        .engine
+        .create(CreateSandbox {
+            name: Some("from-warm".into()),
+            snapshot: Some("warm".into()),
+            ..CreateSandbox::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(child.class, SandboxClass::LinuxVm);
+
+    h.engine.stop(&s.id).await.unwrap();
+    let err = h.engine.snapshot(&s.id, "cold", true).await.unwrap_err();
+    assert!(err.to_string().contains("needs a started sandbox"), "{err}");
+}
+
+#[tokio::test]
+async fn fork_makes_an_independent_child_and_a_tree() {
+    let h = harness().await;
+    let parent = h.engine.create(vm("parent")).await.unwrap();
+    let child = h.engine.fork(&parent.id, Some("child")).await.unwrap();
+    assert_eq!(child.state, SandboxState::Started);
+    assert_eq!(child.parent_id.as_deref(), Some(parent.id.as_str()));
+    assert_eq!(child.name, "child");
+    assert_ne!(child.id, parent.id);
+    // The child continued from the copied memory; the parent runs on.
+    assert_eq!(calls_for(&h.fake, &child.id), ["fork", "resume"]);
+    assert_eq!(
+        h.engine.get(&parent.id).await.unwrap().state,
+        SandboxState::Started
+    );
+    assert!(h.fake.is_running(&parent.id).await);
+
+    let grandchild = h.engine.fork("child", None).await.unwrap();
+    assert_eq!(grandchild.name, grandchild.id);
+    let ancestors: Vec<String> = h
+        .engine
+        .fork_ancestors(&grandchild.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(ancestors, ["child", "parent"]);
+    assert_eq!(
+        h.engine.fork_parent(&grandchild.id).await.unwrap().id,
+        child.id
+    );
+    let forks: Vec<String> = h
+        .engine
+        .forks(&parent.id)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(forks, ["child"]);
+    assert!(h.engine.fork_parent(&parent.id).await.is_err());
+
+    // A parent with children cannot be deleted; once they are gone it can.
+    let err = h.engine.delete(&parent.id).await.unwrap_err();
+    assert!(matches!(err, EngineError::HasForks { .. }), "{err}");
+    assert!(err.to_string().contains("child"), "{err}");
+    h.engine.delete(&grandchild.id).await.unwrap();
+    h.engine.delete(&child.id).await.unwrap();
+    h.engine.delete(&parent.id).await.unwrap();
+    assert!(h.fake.machines().is_empty());
+
+    // Taken names and stopped parents are refused, leaving nothing behind.
+    let a = h.engine.create(vm("a")).await.unwrap();
+    assert!(matches!(
+        h.engine.fork(&a.id, Some("a")).await,
+        Err(EngineError::NameTaken { .. })
+    ));
+    h.engine.stop(&a.id).await.unwrap();
+    assert!(matches!(
+        h.engine.fork(&a.id, Some("b")).await,
+        Err(EngineError::Transition { .. })
+    ));
+    assert_eq!(h.engine.list().await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn containers_cannot_fork() {
+    let h = harness().await;
+    let c = h
+        .engine
+        .create(CreateSandbox {
+            name: Some("c".into()),
+            ..CreateSandbox::default()
+        })
+        .await
+        .unwrap();
+    let err = h.engine.fork(&c.id, Some("f")).await.unwrap_err();
+    assert!(err.to_string().contains("do not support fork"), "{err}");
+    assert_eq!(h.engine.list().await.unwrap().len(), 1);
+}
+
+#[tokio::test]
+async fn spot_sandboxes_are_paused_or_deleted_on_reclaim() {
+    let h = harness().await;
+    let keep = h
+        .engine
+        .create(CreateSandbox {
+            spot: true,
+            ..vm("spot-vm")
+        })
+        .await
+        .unwrap();
+    let gone = h
+        .engine
+        .create(CreateSandbox {
+            spot: true,
+            name: Some("spot-ct".into()),
+            ..CreateSandbox::default()
+        })
+        .await
+        .unwrap();
+    let other = h.engine.create(vm("not-spot")).await.unwrap();
+    let mut reclaimed = h.engine.reclaim_spot().await.unwrap();
+    reclaimed.sort();
+    let mut expected = vec![(keep.id.clone(), "paused"), (gone.id.clone(), "deleted")];
+    expected.sort();
+    assert_eq!(reclaimed, expected);
+    assert_eq!(
+        h.engine.get(&keep.id).await.unwrap().state,
+        SandboxState::Paused
+    );
+    assert!(h.engine.get(&gone.id).await.is_err());
+    assert_eq!(
+        h.engine.get(&other.id).await.unwrap().state,
+        SandboxState::Started
+    );
+}
+
+#[tokio::test]
+async fn auto_pause_timer_pauses_an_idle_vm() {
+    let h = harness().await;
+    let s = h
+        .engine
+        .create(CreateSandbox {
+            auto_pause: Some(1),
+            ..vm("idle")
+        })
+        .await
+        .unwrap();
+    let later = cove_engine::now_ms() + 2 * cove_lifecycle::MINUTE_MS;
+    let fired = h.engine.check_timers(later).await.unwrap();
+    assert_eq!(fired, [(s.id.clone(), "auto-pause")]);
+    assert_eq!(
+        h.engine.get(&s.id).await.unwrap().state,
+        SandboxState::Paused
+    );
+}

@@ -1,0 +1,7 @@
+-- VM sandboxes: whether a sandbox may pause (persistent), whether cove may
+-- reclaim it (spot: paused, not deleted), the sandbox it was forked from, and
+-- whether a snapshot holds memory as well as disk.
+ALTER TABLE sandboxes ADD COLUMN persistent BIGINT NOT NULL DEFAULT 1;
+ALTER TABLE sandboxes ADD COLUMN spot BIGINT NOT NULL DEFAULT 0;
+ALTER TABLE sandboxes ADD COLUMN parent_id TEXT;
+ALTER TABLE snapshots ADD COLUMN has_memory BIGINT NOT NULL DEFAULT 0;
