@@ -67,9 +67,17 @@ def mounts_under(path: Path) -> list[str]:
 class CoveServer:
     """A `cove serve` child process on its own port, over a given data directory."""
 
-    def __init__(self, data_dir: Path, api_key: str):
+    def __init__(
+        self,
+        data_dir: Path,
+        api_key: str,
+        extra_args: tuple[str, ...] = (),
+        extra_env: dict[str, str] | None = None,
+    ):
         self.data_dir = data_dir
         self.api_key = api_key
+        self.extra_args = list(extra_args)
+        self.extra_env = dict(extra_env or {})
         self.port = 0
         self.proc: subprocess.Popen | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
@@ -91,6 +99,7 @@ class CoveServer:
         self.port = free_port()
         env = dict(os.environ)
         env["COVE_API_KEY"] = self.api_key
+        env.update(self.extra_env)
         env.setdefault("RUST_LOG", "info")
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
@@ -103,6 +112,7 @@ class CoveServer:
                 str(self.data_dir),
                 "--images-dir",
                 str(images_dir()),
+                *self.extra_args,
             ],
             stdin=subprocess.DEVNULL,
             stdout=self._log,

@@ -61,6 +61,7 @@ pub fn app(state: AppState) -> Router {
         .route("/sandbox/{id}/stop", post(sandbox::stop))
         .route("/sandbox/{id}/recover", post(sandbox::recover))
         .route("/sandbox/{id}/pause", post(machines::pause))
+        .route("/sandbox/{id}/archive", post(machines::archive))
         .route("/sandbox/{id}/fork", post(machines::fork))
         .route("/sandbox/{id}/forks", get(machines::forks))
         .route("/sandbox/{id}/parent", get(machines::parent))

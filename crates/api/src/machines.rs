@@ -1,6 +1,6 @@
 //! Handlers that keep a machine's memory: pause, resume and fork under
 //! `/api/sandbox/{id}/...` (Daytona's routes), the fork tree, seed 001's
-//! `/api/vms/{id}/...` surface, and the spot reclaim (a cove extension).
+//! `/api/vms/{id}/...` surface, archive, and the spot reclaim (a cove extension).
 
 use axum::extract::{Path, State};
 use axum::http::HeaderMap;
@@ -39,6 +39,17 @@ pub async fn cold_start(
     Path(id): Path<String>,
 ) -> Reply {
     let record = state.engine.cold_start(&id).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+/// `POST /sandbox/{id}/archive`: a stopped sandbox's filesystem goes to the
+/// archive; `start` brings it back.
+pub async fn archive(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Reply {
+    let record = state.engine.archive(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use cove_engine::{Ceilings, Engine, EngineConfig, SnapshotRecord};
+use cove_engine::{Archive, Ceilings, Engine, EngineConfig, SnapshotRecord};
 use cove_lifecycle::SandboxClass;
 use cove_runtime::container::{ContainerConfig, ContainerRuntime};
 use cove_runtime::image::{ImageProgress, ImageStore};
@@ -48,6 +48,11 @@ pub struct ServeArgs {
     /// Size of the sandbox storage filesystem (a sparse btrfs image in the data dir), GiB.
     #[arg(long, default_value_t = 64)]
     pub storage_size_gib: u64,
+    /// Where archived sandboxes go: a directory, or `s3://bucket/prefix` with the
+    /// usual AWS_* variables (AWS_ENDPOINT for an S3-compatible service).
+    /// Default: `<data-dir>/archive`.
+    #[arg(long, env = "COVE_ARCHIVE")]
+    pub archive: Option<String>,
     /// How often timers are checked, in milliseconds.
     #[arg(long, default_value_t = 1000, hide = true)]
     pub timer_tick_ms: u64,
@@ -122,6 +127,16 @@ async fn start(args: ServeArgs) -> anyhow::Result<tokio::task::JoinHandle<std::i
             disk_gib: args.max_disk,
         },
         timer_tick: Duration::from_millis(args.timer_tick_ms),
+        archive: Some(
+            Archive::open(
+                &args
+                    .archive
+                    .clone()
+                    .unwrap_or_else(|| data_dir.join("archive").display().to_string()),
+                storage.root().join("archive-scratch"),
+            )
+            .map_err(anyhow::Error::msg)?,
+        ),
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);

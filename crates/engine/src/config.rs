@@ -24,6 +24,8 @@ pub struct EngineConfig {
     pub os_user: String,
     /// How often timers are checked.
     pub timer_tick: Duration,
+    /// Where archived sandboxes go; without one, archive is refused.
+    pub archive: Option<crate::Archive>,
 }
 
 impl Default for EngineConfig {
@@ -40,6 +42,7 @@ impl Default for EngineConfig {
             default_disk_gib: 3,
             os_user: "root".into(),
             timer_tick: Duration::from_secs(1),
+            archive: None,
         }
     }
 }

@@ -7,6 +7,7 @@
 //! or a runtime directly. It knows nothing of HTTP or JSON.
 
 mod activity;
+mod archive;
 mod auth;
 mod config;
 mod create;
@@ -25,6 +26,7 @@ use cove_lifecycle::SandboxClass;
 use cove_runtime::{AgentEndpoint, Runtime};
 use cove_store::Store;
 
+pub use archive::Archive;
 pub use auth::hash_api_key;
 pub use config::{Ceilings, EngineConfig};
 pub use cove_lifecycle::{DesiredState, SandboxState};

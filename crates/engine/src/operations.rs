@@ -39,6 +39,29 @@ impl Engine {
         self.run(id_or_name, Operation::Recover).await
     }
 
+    /// Moves a stopped sandbox's filesystem to the archive; `start` brings it back.
+    pub async fn archive(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
+        let record = self.get(id_or_name).await?;
+        self.check_can_archive(&record)?;
+        self.run(&record.id, Operation::Archive).await
+    }
+
+    /// Refuses (400) an archive this server or this class cannot do.
+    pub(crate) fn check_can_archive(&self, record: &SandboxRecord) -> Result<(), EngineError> {
+        if self.inner.config.archive.is_none() {
+            return Err(EngineError::NotImplemented {
+                what: "archive without an archive location (serve --archive)".into(),
+            });
+        }
+        if !self.runtime(record.class)?.can_archive() {
+            return Err(EngineError::Invalid {
+                field: "sandbox",
+                reason: format!("{} sandboxes cannot be archived yet", record.class),
+            });
+        }
+        Ok(())
+    }
+
     /// Pauses a started VM: its memory goes to disk and every process continues
     /// at the next start or resume. Refused (409) for a sandbox that is not
     /// persistent.
@@ -161,6 +184,7 @@ impl Engine {
             Operation::Start | Operation::Recover | Operation::Resume => Ok(Effect::Boot),
             Operation::ColdStart => Ok(Effect::ColdBoot),
             Operation::Pause => Ok(Effect::Pause),
+            Operation::Archive => Ok(Effect::Archive),
             Operation::Stop => Ok(Effect::Halt),
             Operation::Delete => Ok(Effect::Destroy),
             other => Err(EngineError::NotImplemented {
@@ -181,6 +205,10 @@ impl Engine {
             Effect::Boot | Effect::ColdBoot => {
                 let snapshot = self.own_snapshot(record).await?;
                 let spec = self.spec(record, &snapshot);
+                // `restoring` on a start: the sandbox comes back from the archive.
+                if record.state == SandboxState::Restoring {
+                    self.unarchive(runtime.as_ref(), &spec).await?;
+                }
                 // A leftover of an earlier run (a crash, a failed stop) must not
                 // linger. A paused machine is not running, and stopping it would
                 // drop the memory it is about to continue from.
@@ -209,6 +237,36 @@ impl Engine {
             }
             Effect::Destroy => {
                 self.forget_running(&record.id);
+                runtime
+                    .destroy(&record.id)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                match &self.inner.config.archive {
+                    Some(archive) => archive.remove(&record.id).await,
+                    None => Ok(()),
+                }
+            }
+            Effect::Archive => {
+                let archive = self
+                    .inner
+                    .config
+                    .archive
+                    .clone()
+                    .ok_or("no archive location is configured")?;
+                let file = archive.scratch_file(&record.id);
+                let moved = async {
+                    runtime
+                        .export_storage(&record.id, &file)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let bytes = archive.upload(&record.id, &file).await?;
+                    tracing::info!(sandbox = %record.id, bytes, to = archive.location(), "archived");
+                    Ok::<(), String>(())
+                }
+                .await;
+                let _ = tokio::fs::remove_file(&file).await;
+                moved?;
+                // Only once the archive holds it does the local copy go.
                 runtime.destroy(&record.id).await.map_err(|e| e.to_string())
             }
             Effect::Restore { capture_id } => {
@@ -229,6 +287,34 @@ impl Engine {
             }
             Effect::Capture(_) => unreachable!("handled above"),
         }
+    }
+
+    /// Brings an archived sandbox's storage back from the archive.
+    async fn unarchive(
+        &self,
+        runtime: &dyn cove_runtime::Runtime,
+        spec: &cove_runtime::SandboxSpec,
+    ) -> Result<(), String> {
+        let archive = self
+            .inner
+            .config
+            .archive
+            .clone()
+            .ok_or("the sandbox is archived but no archive location is configured")?;
+        let file = archive.scratch_file(&spec.id);
+        let restored = async {
+            archive.download(&spec.id, &file).await?;
+            runtime
+                .import_storage(spec, &file)
+                .await
+                .map_err(|e| e.to_string())
+        }
+        .await;
+        let _ = tokio::fs::remove_file(&file).await;
+        restored?;
+        archive.remove(&spec.id).await?;
+        tracing::info!(sandbox = %spec.id, "restored from the archive");
+        Ok(())
     }
 
     pub(crate) async fn save_state(&self, record: &mut SandboxRecord) -> Result<(), EngineError> {
@@ -304,6 +390,8 @@ pub(crate) enum Effect {
     ColdBoot,
     /// Save memory and end the machine.
     Pause,
+    /// Move the stopped sandbox's storage to the archive.
+    Archive,
     Halt,
     Destroy,
     /// Capture the writable layer as a new snapshot.

@@ -30,8 +30,7 @@ impl Engine {
                 last_activity_ms: record.last_activity_ms,
                 state_since_ms: record.state_since_ms,
                 ttl_deadline_ms: record.ttl_deadline_ms,
-                // Archiving needs object storage, which this server does not have yet.
-                can_archive: false,
+                can_archive: self.check_can_archive(&record).is_ok(),
             };
             let Some(action) = due_action(&view, now) else {
                 continue;
@@ -39,6 +38,7 @@ impl Engine {
             tracing::info!(sandbox = %record.id, timer = action.as_str(), "timer fired");
             let result = match action.operation() {
                 cove_lifecycle::Operation::Stop => self.stop(&record.id).await.map(drop),
+                cove_lifecycle::Operation::Archive => self.archive(&record.id).await.map(drop),
                 operation => self.run(&record.id, operation).await.map(drop),
             };
             match result {

@@ -10,7 +10,7 @@ pub mod fake;
 pub mod image;
 pub mod storage;
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use async_trait::async_trait;
 
@@ -95,6 +95,21 @@ pub trait Runtime: Send + Sync + 'static {
     /// capture taken from it. A capture that holds memory becomes the sandbox's
     /// saved memory, so its next `start` continues from it.
     async fn restore(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError>;
+
+    /// Writes the sandbox's own storage (what it wrote; not its image or snapshot
+    /// layers) to `dest` as one file, for archiving. The sandbox is stopped.
+    async fn export_storage(&self, id: &str, _dest: &Path) -> Result<(), RuntimeError> {
+        Err(unsupported(id, "archiving"))
+    }
+    /// Rebuilds the storage of an archived (destroyed) sandbox from a file
+    /// `export_storage` wrote.
+    async fn import_storage(&self, spec: &SandboxSpec, _src: &Path) -> Result<(), RuntimeError> {
+        Err(unsupported(&spec.id, "archiving"))
+    }
+    /// Whether `export_storage` and `import_storage` work.
+    fn can_archive(&self) -> bool {
+        false
+    }
 
     // What follows is for classes that keep memory (VMs). For them `start`
     // continues from saved memory when the sandbox's storage holds some (after

@@ -99,7 +99,7 @@ impl Storage {
         let mount_point = mount_point
             .canonicalize()
             .map_err(io(mount_point, "resolve"))?;
-        let btrfs = tool(&["/usr/bin/btrfs", "/bin/btrfs", "/usr/sbin/btrfs"])?;
+        let btrfs = tool(BTRFS)?;
         match mount_type(&mount_point) {
             Some(kind) if kind == "btrfs" => {}
             Some(_) => return Err(StorageError::NotBtrfs { path: mount_point }),
@@ -267,6 +267,41 @@ impl Storage {
         Ok(())
     }
 
+    /// Writes the read-only subvolume `source` to the file `dest` as a btrfs send
+    /// stream: its whole tree with owners, modes, xattrs and special files (such
+    /// as overlayfs whiteouts), which `receive` rebuilds exactly.
+    pub fn send(&self, source: &Path, dest: &Path) -> Result<(), StorageError> {
+        let btrfs = tool(BTRFS)?;
+        run(Command::new(btrfs)
+            .args(["send", "-q", "-f"])
+            .arg(dest)
+            .arg(source))
+    }
+
+    /// Rebuilds a subvolume from a stream `send` wrote, inside the directory
+    /// `into` (on this storage), and returns it: read-only, named as the one sent.
+    pub fn receive(&self, src: &Path, into: &Path) -> Result<PathBuf, StorageError> {
+        let btrfs = tool(BTRFS)?;
+        fs::create_dir_all(into).map_err(io(into, "create"))?;
+        let before: Vec<_> = fs::read_dir(into)
+            .map_err(io(into, "list"))?
+            .filter_map(|e| e.ok().map(|e| e.file_name()))
+            .collect();
+        run(Command::new(btrfs)
+            .args(["receive", "-q", "-f"])
+            .arg(src)
+            .arg(into))?;
+        fs::read_dir(into)
+            .map_err(io(into, "list"))?
+            .filter_map(|e| e.ok())
+            .find(|e| !before.contains(&e.file_name()))
+            .map(|e| e.path())
+            .ok_or_else(|| StorageError::Command {
+                command: format!("btrfs receive -f {}", src.display()),
+                output: "made no subvolume".into(),
+            })
+    }
+
     /// Unmounts the storage (which frees its loop device). For temporary servers
     /// (benchmarks, tests); a real server leaves it mounted.
     pub fn unmount(&self) -> Result<(), StorageError> {
@@ -278,6 +313,9 @@ impl Storage {
         Ok(())
     }
 }
+
+/// Where btrfs-progs puts the `btrfs` tool.
+const BTRFS: &[&str] = &["/usr/bin/btrfs", "/bin/btrfs", "/usr/sbin/btrfs"];
 
 const VOL_NAME_MAX: usize = 4087;
 const SUBVOL_NAME_MAX: usize = 4039;

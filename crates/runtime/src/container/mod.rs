@@ -510,6 +510,76 @@ impl Runtime for ContainerRuntime {
     async fn is_running(&self, id: &str) -> bool {
         check_id(id).is_ok() && self.cgroups.pids(id).is_ok_and(|pids| !pids.is_empty())
     }
+
+    fn can_archive(&self) -> bool {
+        self.config.storage.is_some()
+    }
+
+    async fn export_storage(&self, id: &str, dest: &Path) -> Result<(), RuntimeError> {
+        check_id(id)?;
+        if self.is_running(id).await {
+            return Err(RuntimeError::Other {
+                id: id.to_owned(),
+                reason: "cannot archive a running sandbox".into(),
+            });
+        }
+        let storage = self.storage(id)?.clone();
+        let dir = self.layout(id).dir;
+        // A send needs a read-only subvolume: a snapshot of the sandbox's, kept
+        // only while the stream is written.
+        let frozen = self.capture_dir(&format!("archive-{id}"));
+        let dest = dest.to_owned();
+        blocking(id, move || {
+            if let Some(parent) = frozen.parent() {
+                fs::create_dir_all(parent).map_err(|e| e.to_string())?;
+            }
+            storage
+                .delete_subvolume(&frozen)
+                .map_err(|e| e.to_string())?;
+            storage
+                .snapshot(&dir, &frozen, true)
+                .map_err(|e| e.to_string())?;
+            let sent = storage.send(&frozen, &dest).map_err(|e| e.to_string());
+            let dropped = storage.delete_subvolume(&frozen).map_err(|e| e.to_string());
+            sent.and(dropped)
+        })
+        .await
+    }
+
+    async fn import_storage(&self, spec: &SandboxSpec, src: &Path) -> Result<(), RuntimeError> {
+        let id = spec.id.as_str();
+        check_id(id)?;
+        let storage = self.storage(id)?.clone();
+        let dir = self.layout(id).dir;
+        let incoming = self.capture_dir(&format!("incoming-{id}"));
+        let bytes = spec.resources.disk_gib << 30;
+        let src = src.to_owned();
+        blocking(id, move || {
+            // Whatever a failed import left behind goes first.
+            if incoming.exists() {
+                for entry in fs::read_dir(&incoming).map_err(|e| e.to_string())? {
+                    let entry = entry.map_err(|e| e.to_string())?;
+                    storage
+                        .delete_subvolume(&entry.path())
+                        .map_err(|e| e.to_string())?;
+                }
+            }
+            let received = storage
+                .receive(&src, &incoming)
+                .map_err(|e| e.to_string())?;
+            storage.delete_subvolume(&dir).map_err(|e| e.to_string())?;
+            let made = storage
+                .snapshot(&received, &dir, false)
+                .and_then(|()| storage.limit(&dir, bytes))
+                .map_err(|e| e.to_string());
+            storage
+                .delete_subvolume(&received)
+                .map_err(|e| e.to_string())?;
+            let _ = fs::remove_dir(&incoming);
+            made
+        })
+        .await
+    }
 }
 
 /// Runs blocking storage work off the async threads; a failure names the sandbox.

@@ -1,0 +1,164 @@
+//! Archive: a stopped sandbox's own filesystem moved to object storage and back.
+//!
+//! The runtime writes the sandbox's storage as one file (`export_storage`) and
+//! later rebuilds it from that file (`import_storage`); this module moves the
+//! file to and from an [`ObjectStore`]: a local directory by default, any
+//! S3-compatible service by configuration. The file lives in a scratch
+//! directory only while it moves.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use futures_util::StreamExt as _;
+use object_store::aws::AmazonS3Builder;
+use object_store::local::LocalFileSystem;
+use object_store::path::Path as ObjectPath;
+use object_store::{ObjectStore, ObjectStoreExt as _, WriteMultipart};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+/// Parts of a multipart upload; S3 needs at least 5 MiB per part.
+const PART_BYTES: usize = 16 << 20;
+
+/// Where archived sandboxes go.
+#[derive(Clone)]
+pub struct Archive {
+    store: Arc<dyn ObjectStore>,
+    /// Scratch space for the file being moved (on the same host as the storage).
+    scratch: PathBuf,
+    /// The location, for messages.
+    location: String,
+}
+
+impl std::fmt::Debug for Archive {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Archive")
+            .field("location", &self.location)
+            .finish()
+    }
+}
+
+impl Archive {
+    /// Opens the archive at `location`: an absolute directory path (or a
+    /// `file://` URL), or `s3://bucket[/prefix]`, configured from the usual
+    /// `AWS_*` variables (`AWS_ENDPOINT`, `AWS_ALLOW_HTTP`, `AWS_ACCESS_KEY_ID`,
+    /// `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`).
+    pub fn open(location: &str, scratch: PathBuf) -> Result<Archive, String> {
+        let store: Arc<dyn ObjectStore> = if location.starts_with("s3://") {
+            let store = AmazonS3Builder::from_env()
+                .with_url(location)
+                .build()
+                .map_err(|e| format!("archive {location}: {e}"))?;
+            Arc::new(prefixed(store, location)?)
+        } else {
+            let dir = location.strip_prefix("file://").unwrap_or(location);
+            if !Path::new(dir).is_absolute() {
+                return Err(format!(
+                    "archive {location}: give an absolute directory, a file:// URL or an s3:// URL"
+                ));
+            }
+            std::fs::create_dir_all(dir).map_err(|e| format!("archive {dir}: {e}"))?;
+            let store = LocalFileSystem::new_with_prefix(dir)
+                .map_err(|e| format!("archive {location}: {e}"))?;
+            Arc::new(store)
+        };
+        std::fs::create_dir_all(&scratch)
+            .map_err(|e| format!("archive scratch {}: {e}", scratch.display()))?;
+        Ok(Archive {
+            store,
+            scratch,
+            location: location.to_owned(),
+        })
+    }
+
+    pub fn location(&self) -> &str {
+        &self.location
+    }
+
+    /// A scratch file for sandbox `id`.
+    pub(crate) fn scratch_file(&self, id: &str) -> PathBuf {
+        self.scratch.join(format!("{id}.storage"))
+    }
+
+    fn key(id: &str) -> ObjectPath {
+        ObjectPath::from(format!("sandboxes/{id}/storage"))
+    }
+
+    /// Uploads `file` as the archive of sandbox `id`, streamed in parts.
+    pub(crate) async fn upload(&self, id: &str, file: &Path) -> Result<u64, String> {
+        let key = Self::key(id);
+        let upload = self
+            .store
+            .put_multipart(&key)
+            .await
+            .map_err(|e| format!("starting the upload to {}: {e}", self.location))?;
+        let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
+        let mut source = tokio::fs::File::open(file)
+            .await
+            .map_err(|e| format!("opening {}: {e}", file.display()))?;
+        let mut buffer = vec![0u8; PART_BYTES];
+        let mut total = 0u64;
+        loop {
+            let read = match source.read(&mut buffer).await {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) => {
+                    writer.abort().await.ok();
+                    return Err(format!("reading {}: {e}", file.display()));
+                }
+            };
+            // Bounded memory: wait while too many parts are in flight.
+            if let Err(e) = writer.wait_for_capacity(4).await {
+                return Err(format!("uploading to {}: {e}", self.location));
+            }
+            writer.write(&buffer[..read]);
+            total += read as u64;
+        }
+        writer
+            .finish()
+            .await
+            .map_err(|e| format!("finishing the upload to {}: {e}", self.location))?;
+        Ok(total)
+    }
+
+    /// Downloads the archive of sandbox `id` into `file`.
+    pub(crate) async fn download(&self, id: &str, file: &Path) -> Result<(), String> {
+        let key = Self::key(id);
+        let got = self
+            .store
+            .get(&key)
+            .await
+            .map_err(|e| format!("the archive of {id} in {}: {e}", self.location))?;
+        let mut out = tokio::fs::File::create(file)
+            .await
+            .map_err(|e| format!("creating {}: {e}", file.display()))?;
+        let mut stream = got.into_stream();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| format!("downloading from {}: {e}", self.location))?;
+            out.write_all(&chunk)
+                .await
+                .map_err(|e| format!("writing {}: {e}", file.display()))?;
+        }
+        out.sync_all()
+            .await
+            .map_err(|e| format!("writing {}: {e}", file.display()))?;
+        Ok(())
+    }
+
+    /// Deletes the archive of sandbox `id`, if there is one.
+    pub(crate) async fn remove(&self, id: &str) -> Result<(), String> {
+        match self.store.delete(&Self::key(id)).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(format!("deleting the archive of {id}: {e}")),
+        }
+    }
+}
+
+/// An S3 store whose keys live under the URL's path, if it has one.
+fn prefixed(
+    store: object_store::aws::AmazonS3,
+    location: &str,
+) -> Result<object_store::prefix::PrefixStore<object_store::aws::AmazonS3>, String> {
+    let url = url::Url::parse(location).map_err(|e| format!("archive {location}: {e}"))?;
+    let prefix = url.path().trim_matches('/').to_owned();
+    Ok(object_store::prefix::PrefixStore::new(store, prefix))
+}

@@ -1,0 +1,133 @@
+"""Archive (seed 000, issue 5): a stopped sandbox's filesystem moves to object
+storage and `start` brings it back; the local copy is gone meanwhile.
+
+The session server archives to a local directory (its default); a second server
+archives to an S3-compatible service (moto in server mode, started here on
+loopback), so the S3 path is exercised for real without leaving the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+import requests
+
+from daytona import SandboxState
+
+from conftest import CoveServer, free_port, new_data_dir, remove_data_dir
+
+
+def archive_round_trip(cove: CoveServer, daytona, tag: str) -> None:
+    sandbox = daytona.create()
+    try:
+        sandbox.fs.upload_file(f"kept {tag}".encode(), "/root/kept.txt")
+        # A deletion in the writable layer (an overlayfs whiteout) must survive too.
+        sandbox.process.exec("rm /etc/motd && mkdir -p /srv/deep/tree && echo x > /srv/deep/tree/f")
+        sandbox.stop()
+        sandbox.archive()
+        assert cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "archived"
+        # Nothing of its filesystem stays on the host.
+        assert not (cove.data_dir / "storage" / "sandboxes" / sandbox.id).exists()
+
+        sandbox.start(timeout=120)
+        assert sandbox.fs.download_file("/root/kept.txt") == f"kept {tag}".encode()
+        r = sandbox.process.exec("test ! -e /etc/motd && cat /srv/deep/tree/f")
+        assert (r.exit_code, r.result.strip()) == (0, "x"), r.result
+    finally:
+        daytona.delete(sandbox)
+
+
+def test_archive_to_a_local_directory_and_back(cove, daytona):
+    archive_round_trip(cove, daytona, "local")
+    # The archive is removed once the sandbox is back (nothing left in it).
+    left = [p for p in (cove.data_dir / "archive").rglob("*") if p.is_file()]
+    assert left == []
+
+
+def test_archive_needs_a_stopped_sandbox(cove, sandbox):
+    r = cove.request("POST", f"/sandbox/{sandbox.id}/archive")
+    assert r.status_code == 409, r.text
+    assert "stop it first" in r.json()["message"]
+    assert cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "started"
+
+
+def moto_server() -> Path | None:
+    found = shutil.which("moto_server", path=os.path.dirname(sys.executable))
+    return Path(found) if found else None
+
+
+@pytest.fixture()
+def s3():
+    binary = moto_server()
+    if binary is None:
+        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(binary), "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                requests.get(endpoint, timeout=1)
+                break
+            except requests.RequestException:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto_server did not start")
+                time.sleep(0.2)
+        bucket = "cove-archive"
+        # moto accepts unsigned requests: make the bucket with a plain PUT.
+        assert requests.put(f"{endpoint}/{bucket}", timeout=10).status_code == 200
+        yield endpoint, bucket
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def test_archive_to_s3_compatible_storage(s3):
+    endpoint, bucket = s3
+    data_dir = new_data_dir()
+    server = CoveServer(
+        data_dir,
+        api_key="cv-" + uuid.uuid4().hex,
+        extra_args=("--archive", f"s3://{bucket}/cove"),
+        extra_env={
+            "AWS_ENDPOINT": endpoint,
+            "AWS_ALLOW_HTTP": "true",
+            "AWS_ACCESS_KEY_ID": "test",
+            "AWS_SECRET_ACCESS_KEY": "test",
+            "AWS_REGION": "us-east-1",
+        },
+    )
+    server.start()
+    try:
+        daytona = server.client()
+        sandbox = daytona.create()
+        try:
+            sandbox.fs.upload_file(b"in s3", "/root/s3.txt")
+            sandbox.stop()
+            sandbox.archive()
+            # The object is in the bucket, under the configured prefix.
+            listing = requests.get(f"{endpoint}/{bucket}?list-type=2&prefix=cove/", timeout=10).text
+            assert f"cove/sandboxes/{sandbox.id}/storage" in listing, listing
+            sandbox.start(timeout=120)
+            assert sandbox.fs.download_file("/root/s3.txt") == b"in s3"
+            listing = requests.get(f"{endpoint}/{bucket}?list-type=2&prefix=cove/", timeout=10).text
+            assert sandbox.id not in listing
+        finally:
+            daytona.delete(sandbox)
+    finally:
+        server.delete_all()
+        server.stop()
+        remove_data_dir(data_dir)
