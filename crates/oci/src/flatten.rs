@@ -99,6 +99,13 @@ impl Flattener<'_> {
             let bytes = name.as_bytes();
             if let Some(hidden) = bytes.strip_prefix(WHITEOUT_PREFIX) {
                 // `.wh..wh.*` names are markers (opaque, aufs's `.wh..wh.plnk`), not deletions.
+                if hidden == b"." || hidden == b".." {
+                    return Err(OciError::UnsafeLayer {
+                        layer: self.layer.name.clone(),
+                        entry: here.join(name).display().to_string(),
+                        reason: "a whiteout of `.` or `..`",
+                    });
+                }
                 if !hidden.starts_with(WHITEOUT_PREFIX) && !hidden.is_empty() {
                     let hidden = std::ffi::OsStr::from_bytes(hidden);
                     fsat::remove_at(root_dir, hidden)

@@ -77,6 +77,13 @@ pub(crate) fn read_names(dir: BorrowedFd<'_>) -> io::Result<Vec<OsString>> {
 /// Removes `name` from `parent` whatever it is, a whole tree for a directory,
 /// never following a symlink. A missing name is not an error.
 pub(crate) fn remove_at(parent: BorrowedFd<'_>, name: &OsStr) -> io::Result<()> {
+    // `..` would be the parent's parent: never a name to remove.
+    if name.is_empty() || name == "." || name == ".." || name.as_bytes().contains(&b'/') {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("refusing to remove {name:?}: not a single name"),
+        ));
+    }
     let Some(stat) = lstat_at(parent, name)? else {
         return Ok(());
     };

@@ -172,6 +172,17 @@ impl Unpacker<'_> {
         };
         let parent = self.parent(&raw_path, &components)?;
         let path = self.host_path(&components);
+        if !self.meta.external_links.is_empty() {
+            // A later entry at a pending cross-layer hard link's path wins over
+            // it; a later non-directory also replaces everything below its path.
+            let replaced = join_bytes(&components);
+            let whole_tree = kind != EntryType::Directory;
+            self.meta.external_links.retain(|link| {
+                let below = link.path.starts_with(&replaced)
+                    && link.path.get(replaced.len()) == Some(&b'/');
+                link.path != replaced && !(whole_tree && below)
+            });
+        }
 
         if name.as_bytes().starts_with(WHITEOUT_PREFIX) {
             // A whiteout marker: only its name matters.

@@ -167,24 +167,28 @@ impl ImageStore {
             }
             None => {
                 let count = layers.len();
-                futures_util::stream::iter(layers.iter().enumerate())
-                    .map(|(index, (descriptor, digest, diff_id))| {
-                        let progress = progress.clone();
-                        let puller = &puller;
-                        async move {
-                            if self.layer_ready(diff_id) || self.blob_path(digest).exists() {
-                                progress(&Progress::LayerCached {
-                                    layer: index + 1,
-                                    layers: count,
-                                    digest: digest.to_string(),
-                                });
-                                return Ok(());
-                            }
-                            puller
-                                .download(self, descriptor, digest, index + 1, count, &progress)
-                                .await
+                // The futures are made in a loop, not in a `map` closure over
+                // borrowed items: that closure's lifetimes would make the
+                // whole pull future non-`Send` (rust-lang/rust#102211).
+                let mut downloads = Vec::with_capacity(count);
+                for (index, (descriptor, digest, diff_id)) in layers.iter().enumerate() {
+                    let progress = progress.clone();
+                    let puller = &puller;
+                    downloads.push(async move {
+                        if self.layer_ready(diff_id) || self.blob_path(digest).exists() {
+                            progress(&Progress::LayerCached {
+                                layer: index + 1,
+                                layers: count,
+                                digest: digest.to_string(),
+                            });
+                            return Ok(());
                         }
-                    })
+                        puller
+                            .download(self, descriptor, digest, index + 1, count, &progress)
+                            .await
+                    });
+                }
+                futures_util::stream::iter(downloads)
                     .buffer_unordered(PARALLEL_DOWNLOADS)
                     .try_collect::<Vec<()>>()
                     .await?;
@@ -349,15 +353,40 @@ impl Puller {
             return Ok(());
         }
         let partial = dir.join(format!("{}.partial", digest.hex()));
+        let fetched = self
+            .fetch(&partial, descriptor, digest, layer, layers, progress)
+            .await;
+        if fetched.is_err() {
+            // Best effort; the next attempt truncates it anyway.
+            let _ = tokio::fs::remove_file(&partial).await;
+        }
+        fetched?;
+        tokio::fs::rename(&partial, &path)
+            .await
+            .map_err(io_err(&path, "move the downloaded blob in place"))?;
+        drop(lock);
+        Ok(())
+    }
+
+    /// Streams one blob into `partial`, reporting progress, and checks it.
+    async fn fetch(
+        &self,
+        partial: &std::path::Path,
+        descriptor: &OciDescriptor,
+        digest: &Digest,
+        layer: usize,
+        layers: usize,
+        progress: &Sink,
+    ) -> Result<()> {
         let mut stream = self
             .client
             .pull_blob_stream(&self.reference, descriptor)
             .await
             .map_err(|e| self.error(e))?;
         let total = u64::try_from(descriptor.size).unwrap_or(0);
-        let mut file = tokio::fs::File::create(&partial)
+        let mut file = tokio::fs::File::create(partial)
             .await
-            .map_err(io_err(&partial, "create"))?;
+            .map_err(io_err(partial, "create"))?;
         let mut hasher = StreamHasher::new();
         let mut downloaded = 0u64;
         let mut reported = 0u64;
@@ -376,7 +405,7 @@ impl Puller {
             hasher.update(&chunk);
             file.write_all(&chunk)
                 .await
-                .map_err(io_err(&partial, "write"))?;
+                .map_err(io_err(partial, "write"))?;
             downloaded += chunk.len() as u64;
             if downloaded - reported >= PROGRESS_STEP {
                 reported = downloaded;
@@ -387,20 +416,14 @@ impl Puller {
             report(downloaded);
         }
         // On disk before the rename: a blob in place must be whole after a crash.
-        file.sync_all().await.map_err(io_err(&partial, "sync"))?;
-        drop(file);
+        file.sync_all().await.map_err(io_err(partial, "sync"))?;
         let actual = hasher.finish();
         if actual != *digest || (total > 0 && downloaded != total) {
-            let _ = tokio::fs::remove_file(&partial).await;
             return Err(OciError::invalid(
                 &self.label,
                 format!("layer {digest} arrived as {downloaded} bytes with digest {actual}"),
             ));
         }
-        tokio::fs::rename(&partial, &path)
-            .await
-            .map_err(io_err(&path, "move the downloaded blob in place"))?;
-        drop(lock);
         Ok(())
     }
 
@@ -543,6 +566,15 @@ mod tests {
         let parsed = parse_reference("python:3.12-slim").unwrap();
         assert_eq!(parsed.resolve_registry(), "index.docker.io");
         assert_eq!(parsed.repository(), "library/python");
+    }
+
+    /// The engine spawns pulls on tokio tasks: the future must be `Send`.
+    #[test]
+    fn pull_future_is_send() {
+        fn assert_send<T: Send>(_: &T) {}
+        let store = ImageStore::new("/nonexistent");
+        let future = store.pull("x", None, |_| {});
+        assert_send(&future);
     }
 
     #[test]

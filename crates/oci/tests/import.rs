@@ -457,3 +457,46 @@ fn absolute_names_devices_and_overlay_xattrs_stay_inside() {
         "/ dir 755 0:0\n/abs dir 755 0:0\n/abs/file file 644 0:0 \"inside\"\n/dev dir 755 0:0\n/hidden file 644 0:0 \"h\" user.kept=31\n"
     );
 }
+
+#[test]
+fn whiteouts_of_dot_dot_are_refused() {
+    if !root() {
+        return;
+    }
+    let scratch = scratch();
+    let layer1 = LayerTar::new(M1)
+        .file("sub/keep", "k", 0o644, (0, 0))
+        .finish();
+    let layer2 = LayerTar::new(M1).whiteout("sub/.wh...").finish();
+    let err = import_layers(scratch.path(), vec![plain(layer1), plain(layer2)]).unwrap_err();
+    assert!(matches!(err, OciError::UnsafeLayer { .. }), "{err}");
+    // The layer cache beside the image is intact.
+    assert!(
+        scratch
+            .path()
+            .join("cache/layers/sha256")
+            .read_dir()
+            .unwrap()
+            .count()
+            >= 2
+    );
+}
+
+#[test]
+fn a_later_entry_replaces_a_cross_layer_hard_link() {
+    if !root() {
+        return;
+    }
+    let scratch = scratch();
+    let layer1 = LayerTar::new(M1).file("a", "A", 0o644, (0, 0)).finish();
+    let layer2 = LayerTar::new(M1)
+        .hardlink("b", "a")
+        .file("b", "B", 0o600, (0, 0))
+        .hardlink("c", "a")
+        .finish();
+    let image = import_layers(scratch.path(), vec![plain(layer1), plain(layer2)]).unwrap();
+    assert_eq!(
+        listing(&image.rootfs),
+        "/ dir 755 0:0\n/a file 644 0:0 \"A\" #1\n/b file 600 0:0 \"B\"\n/c file 644 0:0 \"A\" #1\n"
+    );
+}
