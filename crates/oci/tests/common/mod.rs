@@ -575,8 +575,14 @@ pub fn tools(programs: &[&str]) -> bool {
         !required(),
         "COVE_TEST_REQUIRE_REGISTRY is set but {message}"
     );
-    eprintln!("SKIPPED: {message}");
+    skip_note(&message);
     false
+}
+
+/// Says why a test is skipped. Written to the stderr handle, not with
+/// `eprintln!`, which the test harness captures and hides for passing tests.
+fn skip_note(why: &str) {
+    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
 }
 
 /// Skips a test that needs root, or fails when the registry tests are required.
@@ -588,7 +594,7 @@ pub fn root() -> bool {
         !required(),
         "COVE_TEST_REQUIRE_REGISTRY is set but the tests do not run as root"
     );
-    eprintln!("SKIPPED: unpacking images needs root");
+    skip_note("unpacking images needs root");
     false
 }
 
