@@ -1,0 +1,129 @@
+//! The one error type of the crate, and the classes a front end maps to HTTP.
+
+use std::path::PathBuf;
+
+/// What kind of failure an [`OciError`] is, for a front end to choose a status.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The reference does not parse (HTTP 400).
+    BadReference,
+    /// The registry has no such repository, tag or digest, or the import source
+    /// holds no such image (HTTP 404).
+    NotFound,
+    /// The registry refused the credentials, or wants some (HTTP 401).
+    Unauthorized,
+    /// The registry could not be reached or failed on its side (HTTP 502).
+    Unreachable,
+    /// The image exists but cove cannot run it: no linux/amd64 variant, not a
+    /// container image, an unknown layer format (HTTP 400).
+    Unsupported,
+    /// The image is broken or hostile: digest mismatch, corrupt layer, a path
+    /// that leaves the root filesystem (HTTP 422).
+    InvalidImage,
+    /// A local filesystem operation failed (HTTP 500).
+    Io,
+}
+
+impl ErrorKind {
+    /// The HTTP status an API should answer with.
+    pub fn http_status(self) -> u16 {
+        match self {
+            ErrorKind::BadReference | ErrorKind::Unsupported => 400,
+            ErrorKind::Unauthorized => 401,
+            ErrorKind::NotFound => 404,
+            ErrorKind::InvalidImage => 422,
+            ErrorKind::Io => 500,
+            ErrorKind::Unreachable => 502,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum OciError {
+    /// HTTP 400.
+    #[error("bad image reference {reference:?}: {reason}")]
+    BadReference { reference: String, reason: String },
+    /// HTTP 404.
+    #[error("image {reference} not found: {detail}")]
+    NotFound { reference: String, detail: String },
+    /// HTTP 401.
+    #[error("registry {registry} refused access to {reference}: {detail}")]
+    Unauthorized {
+        registry: String,
+        reference: String,
+        detail: String,
+    },
+    /// HTTP 502.
+    #[error("registry {registry} is unreachable or failed: {detail}")]
+    Unreachable { registry: String, detail: String },
+    /// HTTP 400.
+    #[error("image {reference} is not supported: {reason}")]
+    Unsupported { reference: String, reason: String },
+    /// HTTP 422.
+    #[error("image {reference} is invalid: {reason}")]
+    InvalidImage { reference: String, reason: String },
+    /// HTTP 422: a layer entry that would leave the root filesystem or go through
+    /// a symbolic link. Nothing of it was written outside the layer directory.
+    #[error("layer {layer} has an unsafe entry {entry:?}: {reason}")]
+    UnsafeLayer {
+        layer: String,
+        entry: String,
+        reason: &'static str,
+    },
+    /// HTTP 500.
+    #[error("{action} {path}")]
+    Io {
+        path: PathBuf,
+        action: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl OciError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            OciError::BadReference { .. } => ErrorKind::BadReference,
+            OciError::NotFound { .. } => ErrorKind::NotFound,
+            OciError::Unauthorized { .. } => ErrorKind::Unauthorized,
+            OciError::Unreachable { .. } => ErrorKind::Unreachable,
+            OciError::Unsupported { .. } => ErrorKind::Unsupported,
+            OciError::InvalidImage { .. } | OciError::UnsafeLayer { .. } => ErrorKind::InvalidImage,
+            OciError::Io { .. } => ErrorKind::Io,
+        }
+    }
+
+    /// The HTTP status an API should answer with.
+    pub fn http_status(&self) -> u16 {
+        self.kind().http_status()
+    }
+
+    pub(crate) fn invalid(reference: &str, reason: impl Into<String>) -> OciError {
+        OciError::InvalidImage {
+            reference: reference.to_owned(),
+            reason: reason.into(),
+        }
+    }
+
+    pub(crate) fn unsupported(reference: &str, reason: impl Into<String>) -> OciError {
+        OciError::Unsupported {
+            reference: reference.to_owned(),
+            reason: reason.into(),
+        }
+    }
+}
+
+pub type Result<T, E = OciError> = std::result::Result<T, E>;
+
+/// Builds a closure for `map_err` that wraps an I/O error with its path and action.
+pub(crate) fn io_err(
+    path: impl Into<PathBuf>,
+    action: &'static str,
+) -> impl FnOnce(std::io::Error) -> OciError {
+    let path = path.into();
+    move |source| OciError::Io {
+        path,
+        action,
+        source,
+    }
+}
