@@ -152,8 +152,19 @@ pub struct CreateSandboxRequest {
 impl CreateSandboxRequest {
     /// The first field that asks for something cove cannot do yet.
     pub fn unsupported(&self) -> Option<&'static str> {
-        if self.build_info.is_some() {
-            return Some("creating a sandbox from an image (buildInfo)");
+        if self.build_info.as_ref().is_some_and(|b| {
+            b.get("dockerfileContent")
+                .and_then(|d| d.as_str())
+                .is_none()
+        }) {
+            return Some("buildInfo without dockerfileContent");
+        }
+        if self.build_info.as_ref().is_some_and(|b| {
+            b.get("contextHashes")
+                .and_then(|h| h.as_array())
+                .is_some_and(|h| !h.is_empty())
+        }) {
+            return Some("image build contexts (COPY/ADD files)");
         }
         if !self.volumes.is_empty() {
             return Some("volumes");
@@ -210,6 +221,12 @@ impl CreateSandboxRequest {
             persistent: self.persistent,
             spot: self.spot.unwrap_or(false),
             kvm: self.kvm.unwrap_or(false),
+            dockerfile: self
+                .build_info
+                .as_ref()
+                .and_then(|b| b.get("dockerfileContent"))
+                .and_then(|d| d.as_str())
+                .map(str::to_owned),
         }
     }
 }

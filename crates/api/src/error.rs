@@ -32,6 +32,7 @@ impl From<EngineError> for ApiError {
             ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
             ErrorKind::Conflict => StatusCode::CONFLICT,
             ErrorKind::NotImplemented => StatusCode::NOT_IMPLEMENTED,
+            ErrorKind::BadGateway => StatusCode::BAD_GATEWAY,
             ErrorKind::Internal => StatusCode::INTERNAL_SERVER_ERROR,
         };
         let mut message = error.to_string();

@@ -73,7 +73,8 @@ pub fn app(state: AppState) -> Router {
         .route("/admin/reclaim", post(machines::reclaim))
         .route("/sandbox/{id}/snapshot", post(snapshots::take))
         .route("/sandbox/{id}/revert", post(snapshots::revert))
-        .route("/snapshots", get(snapshots::list))
+        .route("/snapshots", get(snapshots::list).post(snapshots::create))
+        .route("/snapshots/import", post(snapshots::import))
         .route(
             "/snapshots/{id}",
             get(snapshots::get).delete(snapshots::delete),

@@ -3,7 +3,7 @@
 use axum::extract::{Path, Query, State};
 use axum::http::HeaderMap;
 use axum::Json;
-use cove_engine::SnapshotRecord;
+use cove_engine::{ImageSnapshotRequest, SnapshotRecord};
 use serde::{Deserialize, Serialize};
 
 use crate::dto::{rfc3339, ORGANIZATION_ID};
@@ -51,7 +51,7 @@ impl From<SnapshotRecord> for Snapshot {
             updated_at: rfc3339(s.updated_at_ms),
             source_sandbox_id: s.source_sandbox,
             sandbox_class: s.class.as_str(),
-            includes_memory: false,
+            includes_memory: s.has_memory,
         }
     }
 }
@@ -108,6 +108,95 @@ pub async fn delete(
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
     Ok(Json(state.engine.delete_snapshot(&id).await?.into()))
+}
+
+/// `POST /snapshots` as the SDK's `snapshot.create` sends it.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CreateSnapshotRequest {
+    name: String,
+    image_name: Option<String>,
+    build_info: Option<serde_json::Value>,
+    cpu: Option<i64>,
+    memory: Option<i64>,
+    disk: Option<i64>,
+    sandbox_class: Option<String>,
+    entrypoint: Option<Vec<String>>,
+}
+
+/// `POST /snapshots`: pulls (or builds) the image, then answers the snapshot,
+/// `active`.
+pub async fn create(
+    State(state): State<AppState>,
+    body: Result<Json<CreateSnapshotRequest>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<Snapshot>, ApiError> {
+    let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    if request.entrypoint.as_ref().is_some_and(|e| !e.is_empty()) {
+        return Err(ApiError::new(
+            axum::http::StatusCode::NOT_IMPLEMENTED,
+            "snapshot entrypoints are not implemented by cove yet",
+        ));
+    }
+    let dockerfile = match &request.build_info {
+        None => None,
+        Some(info) => {
+            let hashes = info.get("contextHashes").and_then(|h| h.as_array());
+            if hashes.is_some_and(|h| !h.is_empty()) {
+                return Err(ApiError::new(
+                    axum::http::StatusCode::NOT_IMPLEMENTED,
+                    "image build contexts (COPY/ADD files) are not implemented by cove yet",
+                ));
+            }
+            Some(
+                info.get("dockerfileContent")
+                    .and_then(|d| d.as_str())
+                    .ok_or_else(|| ApiError::bad_request("buildInfo needs dockerfileContent"))?
+                    .to_owned(),
+            )
+        }
+    };
+    let class = match request.sandbox_class.as_deref() {
+        None => None,
+        Some(name) => Some(name.parse().map_err(|_| {
+            ApiError::bad_request(format!(
+                "sandboxClass {name:?} is not one of container, linux-vm"
+            ))
+        })?),
+    };
+    let snapshot = state
+        .engine
+        .create_image_snapshot(ImageSnapshotRequest {
+            name: request.name,
+            image: request.image_name,
+            dockerfile,
+            class,
+            cpu: request.cpu,
+            memory_gib: request.memory,
+            disk_gib: request.disk,
+        })
+        .await?;
+    Ok(Json(snapshot.into()))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ImportRequest {
+    name: String,
+    path: String,
+}
+
+/// `POST /snapshots/import` (a cove extension, used by `cove image import`):
+/// registers an OCI layout directory or `docker save` tarball on the server's
+/// host as a snapshot.
+pub async fn import(
+    State(state): State<AppState>,
+    body: Result<Json<ImportRequest>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<Snapshot>, ApiError> {
+    let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let snapshot = state
+        .engine
+        .import_image_snapshot(&request.name, std::path::Path::new(&request.path))
+        .await?;
+    Ok(Json(snapshot.into()))
 }
 
 #[derive(Debug, Deserialize)]

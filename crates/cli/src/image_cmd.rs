@@ -2,10 +2,23 @@
 
 use std::path::PathBuf;
 
+use anyhow::Context as _;
+
 use cove_runtime::image::ImageStore;
 
 #[derive(clap::Subcommand, Debug)]
 pub enum ImageCommand {
+    /// Register an OCI layout directory or a `docker save` tarball on the
+    /// server's host as a snapshot (for hosts without a registry).
+    Import {
+        #[command(flatten)]
+        connection: crate::client::Connection,
+        /// The OCI layout directory or tarball (a path on the server's host).
+        path: PathBuf,
+        /// The snapshot's name, used as `snapshot=` at create.
+        #[arg(long)]
+        name: String,
+    },
     /// Build the default image if needed, then print the path of its root filesystem.
     Default {
         #[arg(long, env = "COVE_IMAGES_DIR", default_value = "/var/lib/cove/images")]
@@ -15,6 +28,27 @@ pub enum ImageCommand {
 
 pub async fn run(command: ImageCommand) -> anyhow::Result<()> {
     match command {
+        ImageCommand::Import {
+            connection,
+            path,
+            name,
+        } => {
+            let path = path
+                .canonicalize()
+                .with_context(|| format!("{} does not exist", path.display()))?;
+            let client = crate::client::Client::from_connection(&connection)?;
+            eprintln!("importing {} (unpacking its layers)", path.display());
+            let body = serde_json::json!({ "name": name, "path": path });
+            let snapshot = client
+                .api(reqwest::Method::POST, "/snapshots/import", Some(body))
+                .await?;
+            println!(
+                "snapshot {} ({}) is {}",
+                snapshot["name"].as_str().unwrap_or("?"),
+                snapshot["id"].as_str().unwrap_or("?"),
+                snapshot["state"].as_str().unwrap_or("?")
+            );
+        }
         ImageCommand::Default { images_dir } => {
             let images = ImageStore::new(images_dir);
             if !images.default_is_built() {

@@ -85,11 +85,11 @@ async fn start(args: ServeArgs) -> anyhow::Result<tokio::task::JoinHandle<std::i
     let agent_binary = crate::agent_binary::locate(args.agent_bin.clone())?;
     let store = Store::open(&data_dir.join("cove.db")).await?;
 
-    let images = ImageStore::new(
-        args.images_dir
-            .clone()
-            .unwrap_or_else(|| data_dir.join("images")),
-    );
+    let images_dir = args
+        .images_dir
+        .clone()
+        .unwrap_or_else(|| data_dir.join("images"));
+    let images = ImageStore::new(images_dir.clone());
     if !images.default_is_built() {
         eprintln!("building the default image (Debian bookworm with python3, pip, git, curl; about a minute, once)");
     }
@@ -137,6 +137,8 @@ async fn start(args: ServeArgs) -> anyhow::Result<tokio::task::JoinHandle<std::i
             )
             .map_err(anyhow::Error::msg)?,
         ),
+        // Pulled images: blobs, layers and root filesystems, beside the default image.
+        images: Some(cove_oci::ImageStore::new(images_dir.join("oci"))),
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);

@@ -26,6 +26,9 @@ pub struct EngineConfig {
     pub timer_tick: Duration,
     /// Where archived sandboxes go; without one, archive is refused.
     pub archive: Option<crate::Archive>,
+    /// The cache images from registries are pulled into; without one, creating
+    /// from an image is refused.
+    pub images: Option<cove_oci::ImageStore>,
 }
 
 impl Default for EngineConfig {
@@ -43,6 +46,7 @@ impl Default for EngineConfig {
             os_user: "root".into(),
             timer_tick: Duration::from_secs(1),
             archive: None,
+            images: None,
         }
     }
 }

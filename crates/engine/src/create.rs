@@ -32,6 +32,9 @@ pub struct CreateSandbox {
     pub spot: bool,
     /// Expose /dev/kvm inside the sandbox (nested virtualization).
     pub kvm: bool,
+    /// A Dockerfile to build the sandbox's image from (the SDK's `image=`),
+    /// instead of a snapshot.
+    pub dockerfile: Option<String>,
 }
 
 /// Names are used in URLs and as host names: keep them plain.
@@ -88,17 +91,20 @@ impl Engine {
                 name: snapshot_name,
             });
         }
-        let snapshot = self
-            .inner
-            .store
-            .find_snapshot(&snapshot_name)
-            .await?
-            .ok_or_else(|| EngineError::SnapshotNotFound {
-                name: snapshot_name.clone(),
-            })?;
+        let snapshot = match &request.dockerfile {
+            Some(text) => self.dockerfile_snapshot(text).await?,
+            None => self
+                .inner
+                .store
+                .find_snapshot(&snapshot_name)
+                .await?
+                .ok_or_else(|| EngineError::SnapshotNotFound {
+                    name: snapshot_name.clone(),
+                })?,
+        };
         if snapshot.state != SnapshotState::Active {
             return Err(EngineError::SnapshotNotActive {
-                name: snapshot_name,
+                name: snapshot.name.clone(),
                 state: snapshot.state.as_str(),
             });
         }
@@ -279,9 +285,12 @@ impl Engine {
                 memory_mib: record.memory_gib as u64 * 1024,
                 disk_gib: record.disk_gib as u64,
             },
-            env: record
+            // The image's variables first, the sandbox's own over them.
+            env: snapshot
                 .env
                 .iter()
+                .filter(|(k, _)| !record.env.contains_key(*k))
+                .chain(record.env.iter())
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
         }

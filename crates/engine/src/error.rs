@@ -20,6 +20,13 @@ pub enum EngineError {
     NotPersistent { id: String },
     #[error("sandbox {id} has active fork children ({}); delete them first", children.join(", "))]
     HasForks { id: String, children: Vec<String> },
+    #[error("image {reference}: {reason}")]
+    Image {
+        reference: String,
+        /// The HTTP status the image library suggests.
+        status: u16,
+        reason: String,
+    },
     #[error("a sandbox named {name} already exists")]
     NameTaken { name: String },
     #[error("invalid {field}: {reason}")]
@@ -61,6 +68,8 @@ pub enum ErrorKind {
     BadRequest,
     Conflict,
     NotImplemented,
+    /// Something cove depends on (a registry) failed.
+    BadGateway,
     Internal,
 }
 
@@ -87,6 +96,12 @@ impl EngineError {
             Self::ClassUnavailable { .. } | Self::NotImplemented { .. } => {
                 ErrorKind::NotImplemented
             }
+            Self::Image { status, .. } => match status {
+                404 => ErrorKind::NotFound,
+                400 | 401 | 422 => ErrorKind::BadRequest,
+                502 => ErrorKind::BadGateway,
+                _ => ErrorKind::Internal,
+            },
             Self::Runtime { .. } | Self::Store(_) => ErrorKind::Internal,
         }
     }

@@ -13,6 +13,7 @@ mod config;
 mod create;
 mod error;
 mod forks;
+mod images;
 mod operations;
 mod recovery;
 mod settings;
@@ -33,6 +34,7 @@ pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{SandboxRecord, SnapshotRecord};
 pub use create::CreateSandbox;
 pub use error::{EngineError, ErrorKind};
+pub use images::{parse_dockerfile, DockerfilePlan, ImageSnapshotRequest};
 pub use settings::SettingChange;
 
 /// Milliseconds since the Unix epoch.

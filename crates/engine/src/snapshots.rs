@@ -204,6 +204,7 @@ impl Engine {
             disk_gib: record.disk_gib,
             size_bytes: None,
             has_memory: request.memory,
+            env: base.env.clone(),
             general: false,
             created_at_ms: now,
             updated_at_ms: now,

@@ -5,3 +5,6 @@ ALTER TABLE sandboxes ADD COLUMN persistent BIGINT NOT NULL DEFAULT 1;
 ALTER TABLE sandboxes ADD COLUMN spot BIGINT NOT NULL DEFAULT 0;
 ALTER TABLE sandboxes ADD COLUMN parent_id TEXT;
 ALTER TABLE snapshots ADD COLUMN has_memory BIGINT NOT NULL DEFAULT 0;
+-- The environment a snapshot's image asks for (PATH and the like), as a JSON
+-- object; sandboxes made from it get it under their own variables.
+ALTER TABLE snapshots ADD COLUMN env TEXT NOT NULL DEFAULT '{}';

@@ -94,6 +94,8 @@ pub struct SnapshotRecord {
     pub size_bytes: Option<i64>,
     /// Holds the machine's memory too: sandboxes made from it continue from it.
     pub has_memory: bool,
+    /// Environment the image asks for; a sandbox's own variables override it.
+    pub env: BTreeMap<String, String>,
     /// Provided by the server itself rather than by a user.
     pub general: bool,
     pub created_at_ms: i64,
@@ -120,6 +122,7 @@ impl SnapshotRecord {
             disk_gib: 3,
             size_bytes: None,
             has_memory: false,
+            env: BTreeMap::new(),
             general: true,
             created_at_ms: at_ms,
             updated_at_ms: at_ms,

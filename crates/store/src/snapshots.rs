@@ -6,7 +6,7 @@ use sqlx::Row;
 use crate::{SnapshotRecord, SnapshotState, Store, StoreError};
 
 const COLUMNS: &str = "id, name, class, state, error_reason, rootfs, cpu, gpu, memory_gib, \
-    disk_gib, size_bytes, general, created_at_ms, updated_at_ms, layers, capture_id, source_sandbox, has_memory";
+    disk_gib, size_bytes, general, created_at_ms, updated_at_ms, layers, capture_id, source_sandbox, has_memory, env";
 
 fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
     let id: String = row.try_get("id")?;
@@ -33,6 +33,12 @@ fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
         size_bytes: row.try_get("size_bytes")?,
         general: row.try_get::<i64, _>("general")? != 0,
         has_memory: row.try_get::<i64, _>("has_memory")? != 0,
+        env: serde_json::from_str(&row.try_get::<String, _>("env")?).map_err(|e| {
+            StoreError::Corrupt {
+                id: row.try_get("id").unwrap_or_default(),
+                reason: format!("env: {e}"),
+            }
+        })?,
         created_at_ms: row.try_get("created_at_ms")?,
         updated_at_ms: row.try_get("updated_at_ms")?,
         id,
@@ -60,7 +66,7 @@ impl Store {
     async fn write_snapshot(&self, verb: &str, s: &SnapshotRecord) -> Result<(), StoreError> {
         let sql = format!(
             "{verb} INTO snapshots ({COLUMNS}) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         );
         sqlx::query(&sql)
             .bind(&s.id)
@@ -81,6 +87,7 @@ impl Store {
             .bind(&s.capture_id)
             .bind(&s.source_sandbox)
             .bind(i64::from(s.has_memory))
+            .bind(serde_json::to_string(&s.env).expect("a string map serializes"))
             .execute(&self.pool)
             .await?;
         Ok(())

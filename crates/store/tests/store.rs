@@ -95,6 +95,7 @@ async fn snapshots_and_keys() {
         disk_gib: 3,
         size_bytes: Some(5),
         has_memory: true,
+        env: BTreeMap::from([("PATH".into(), "/usr/bin".into())]),
         general: true,
         created_at_ms: 1,
         updated_at_ms: 1,

@@ -1,0 +1,251 @@
+"""Sandboxes from container images (issue 5): `create(image=...)` pulls from a
+registry, `snapshot.create` registers an image, `cove image import` takes an
+OCI layout for hosts without a registry, and the SDK's `Image` builder's
+Dockerfile is built as far as cove supports it.
+
+Nothing comes from the internet: the test builds a tiny image itself (a static
+busybox, Debian's busybox-static), serves it from Debian's `docker-registry` on
+a loopback port and pushes it there with skopeo.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import json
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from daytona import (
+    CreateSandboxFromImageParams,
+    CreateSandboxFromSnapshotParams,
+    CreateSnapshotParams,
+    DaytonaError,
+    DaytonaNotFoundError,
+    Image,
+)
+
+from conftest import cove_binary, free_port
+
+BUSYBOX = Path("/bin/busybox")
+APPLETS = ["sh", "echo", "cat", "ls", "env", "sleep", "test", "mkdir", "rm", "id", "pwd"]
+
+
+def sha256(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def layer_tar() -> bytes:
+    out = io.BytesIO()
+    with tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as tar:
+
+        def add_dir(name: str, mode: int = 0o755) -> None:
+            info = tarfile.TarInfo(name)
+            info.type = tarfile.DIRTYPE
+            info.mode = mode
+            tar.addfile(info)
+
+        def add_file(name: str, data: bytes, mode: int = 0o644) -> None:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = mode
+            tar.addfile(info, io.BytesIO(data))
+
+        for d in ["bin", "etc", "root", "proc", "sys", "dev", "run"]:
+            add_dir(d)
+        add_dir("tmp", 0o1777)
+        add_file("bin/busybox", BUSYBOX.read_bytes(), 0o755)
+        for applet in APPLETS:
+            link = tarfile.TarInfo(f"bin/{applet}")
+            link.type = tarfile.SYMTYPE
+            link.linkname = "busybox"
+            tar.addfile(link)
+        add_file("etc/passwd", b"root:x:0:0:root:/root:/bin/sh\n")
+        add_file("etc/group", b"root:x:0:\n")
+        add_file("etc/image-marker", b"made by test_images\n")
+    return out.getvalue()
+
+
+def write_oci_layout(dest: Path, tag: str) -> None:
+    """A one-layer linux/amd64 image as an OCI image layout directory."""
+    blobs = dest / "blobs" / "sha256"
+    blobs.mkdir(parents=True)
+
+    def blob(data: bytes) -> str:
+        digest = sha256(data)
+        (blobs / digest.split(":")[1]).write_bytes(data)
+        return digest
+
+    raw = layer_tar()
+    compressed = gzip.compress(raw)
+    config = json.dumps(
+        {
+            "architecture": "amd64",
+            "os": "linux",
+            "config": {"Env": ["PATH=/bin", "GREETING=from-image"]},
+            "rootfs": {"type": "layers", "diff_ids": [sha256(raw)]},
+        }
+    ).encode()
+    manifest = json.dumps(
+        {
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": blob(config),
+                "size": len(config),
+            },
+            "layers": [
+                {
+                    "mediaType": "application/vnd.oci.image.layer.v1.tar+gzip",
+                    "digest": blob(compressed),
+                    "size": len(compressed),
+                }
+            ],
+        }
+    ).encode()
+    index = {
+        "schemaVersion": 2,
+        "manifests": [
+            {
+                "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                "digest": blob(manifest),
+                "size": len(manifest),
+                "annotations": {"org.opencontainers.image.ref.name": tag},
+            }
+        ],
+    }
+    (dest / "index.json").write_text(json.dumps(index))
+    (dest / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
+
+
+@pytest.fixture(scope="module")
+def registry():
+    """A docker-registry on loopback holding cove/busy:v1; yields (host:port, layout dir)."""
+    missing = [t for t in ("docker-registry", "skopeo") if shutil.which(t) is None]
+    if missing or not BUSYBOX.is_file():
+        pytest.skip(f"needs docker-registry, skopeo and busybox-static (missing: {missing or 'busybox'})")
+    work = Path(tempfile.mkdtemp(prefix="cvreg", dir="/tmp"))
+    port = free_port()
+    (work / "config.yml").write_text(
+        "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
+        f"    rootdirectory: {work / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
+    )
+    proc = subprocess.Popen(
+        ["docker-registry", "serve", str(work / "config.yml")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                if requests.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                raise RuntimeError("docker-registry did not start")
+            time.sleep(0.2)
+        layout = work / "layout"
+        write_oci_layout(layout, "v1")
+        host = f"127.0.0.1:{port}"
+        subprocess.run(
+            [
+                "skopeo",
+                "copy",
+                "--quiet",
+                "--dest-tls-verify=false",
+                f"oci:{layout}:v1",
+                f"docker://{host}/cove/busy:v1",
+            ],
+            check=True,
+        )
+        yield host, layout
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def test_create_from_a_registry_image_runs_commands_with_its_env(registry, daytona, sandboxes):
+    host, _ = registry
+    sandbox = sandboxes(CreateSandboxFromImageParams(image=f"{host}/cove/busy:v1"))
+    r = sandbox.process.exec("cat /etc/image-marker && echo $GREETING")
+    assert r.exit_code == 0, r.result
+    assert r.result.split() == ["made", "by", "test_images", "from-image"]
+    # Files move in and out as in any sandbox.
+    sandbox.fs.upload_file(b"hello", "/tmp/x.txt")
+    assert sandbox.fs.download_file("/tmp/x.txt") == b"hello"
+
+
+def test_snapshot_create_from_an_image_then_create_by_name(registry, daytona, sandboxes, cove):
+    host, _ = registry
+    snap = daytona.snapshot.create(CreateSnapshotParams(name="busy-snap", image=f"{host}/cove/busy:v1"))
+    try:
+        assert snap.state == "active"
+        sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot="busy-snap"))
+        assert sandbox.process.exec("cat /etc/image-marker").result.strip() == "made by test_images"
+        daytona.delete(sandbox)
+    finally:
+        cove.request("DELETE", "/snapshots/busy-snap")
+
+
+def test_image_builder_env_is_applied_and_run_is_refused_by_name(registry, sandboxes, cove):
+    host, _ = registry
+    image = Image.base(f"{host}/cove/busy:v1").env({"BUILT": "yes"})
+    sandbox = sandboxes(CreateSandboxFromImageParams(image=image))
+    assert sandbox.process.exec("echo $BUILT $GREETING").result.strip() == "yes from-image"
+
+    before = cove.sandbox_ids()
+    with pytest.raises(DaytonaError) as info:
+        sandboxes(CreateSandboxFromImageParams(image=Image.base(f"{host}/cove/busy:v1").run_commands("true")))
+    assert info.value.status_code == 501
+    assert "RUN" in str(info.value)
+    assert cove.sandbox_ids() == before
+
+
+def test_unknown_image_is_a_clear_404_and_leaves_nothing(registry, sandboxes, cove):
+    host, _ = registry
+    before = cove.sandbox_ids()
+    with pytest.raises(DaytonaNotFoundError) as info:
+        sandboxes(CreateSandboxFromImageParams(image=f"{host}/cove/busy:nope"))
+    assert "busy:nope" in str(info.value)
+    assert cove.sandbox_ids() == before
+
+
+def test_cove_image_import_registers_an_oci_layout(registry, sandboxes, cove):
+    _, layout = registry
+    result = subprocess.run(
+        [
+            str(cove_binary()),
+            "image",
+            "import",
+            str(layout),
+            "--name",
+            "busy-imported",
+            "--url",
+            cove.api_url,
+            "--api-key",
+            cove.api_key,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "busy-imported" in result.stdout and "active" in result.stdout, result.stdout
+    try:
+        sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot="busy-imported"))
+        assert sandbox.process.exec("echo $GREETING").result.strip() == "from-image"
+        cove.request("DELETE", f"/sandbox/{sandbox.id}")
+    finally:
+        cove.request("DELETE", "/snapshots/busy-imported")
