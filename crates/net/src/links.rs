@@ -262,18 +262,18 @@ async fn remove_rules(handle: &Handle, config: &NetworkConfig) -> Result<(), Net
 }
 
 /// Creates a sandbox's veth: the host end `port` on the bridge and up, the
-/// other end `eth0` (index 2) up inside the namespace `netns`. Returns the
-/// host end's index.
+/// other end `eth0` (index 2, down) inside the namespace `netns`.
 pub(crate) async fn create_veth(
     handle: &Handle,
     port: &str,
     bridge_index: u32,
     netns: RawFd,
 ) -> Result<(), NetError> {
+    // The peer cannot be brought up here: a veth end refuses to open
+    // (ENOTCONN) until both ends exist, so `configure_inside` does it.
     let peer = LinkUnspec::new_with_index(SANDBOX_LINK_INDEX)
         .name(SANDBOX_LINK)
         .setns_by_fd(netns)
-        .up()
         .build();
     let message = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth)
         .name(port)
@@ -304,23 +304,23 @@ pub(crate) async fn isolate_port(handle: &Handle, port: &str) -> Result<(), NetE
         .map_err(NetError::netlink(format!("isolate bridge port {port}")))
 }
 
-/// Inside a sandbox's namespace: `lo` up, the address on `eth0`, the default
-/// route via the gateway.
+/// Inside a sandbox's namespace: `lo` and `eth0` up, the address on `eth0`,
+/// the default route via the gateway.
 pub(crate) async fn configure_inside(
     handle: &Handle,
     address: Ipv4Addr,
     prefix_len: u8,
     gateway: Ipv4Addr,
 ) -> Result<(), NetError> {
-    let loopback = async {
+    let up = |index: u32, name: &'static str| async move {
         handle
             .link()
-            .set(LinkUnspec::new_with_index(LOOPBACK_INDEX).up().build())
+            .set(LinkUnspec::new_with_index(index).up().build())
             .execute()
             .await
-            .map_err(NetError::netlink("bring lo up in the sandbox"))
+            .map_err(NetError::netlink(format!("bring {name} up in the sandbox")))
     };
-    let routed = async {
+    let addressed = async {
         handle
             .address()
             .add(SANDBOX_LINK_INDEX, IpAddr::V4(address), prefix_len)
@@ -328,23 +328,28 @@ pub(crate) async fn configure_inside(
             .await
             .map_err(NetError::netlink(format!(
                 "add {address} to the sandbox's eth0"
-            )))?;
-        // The gateway is reachable once the address's subnet route exists.
-        let route = RouteMessageBuilder::<Ipv4Addr>::new()
-            .gateway(gateway)
-            .output_interface(SANDBOX_LINK_INDEX)
-            .build();
-        handle
-            .route()
-            .add(route)
-            .execute()
-            .await
-            .map_err(NetError::netlink(format!(
-                "add the sandbox's default route via {gateway}"
             )))
     };
-    let (up, routed) = tokio::join!(loopback, routed);
-    up.and(routed)
+    let (lo, eth0, addressed) = tokio::join!(
+        up(LOOPBACK_INDEX, "lo"),
+        up(SANDBOX_LINK_INDEX, SANDBOX_LINK),
+        addressed
+    );
+    lo.and(eth0).and(addressed)?;
+    // The gateway is reachable once eth0 is up with its address (and so the
+    // subnet route).
+    let route = RouteMessageBuilder::<Ipv4Addr>::new()
+        .gateway(gateway)
+        .output_interface(SANDBOX_LINK_INDEX)
+        .build();
+    handle
+        .route()
+        .add(route)
+        .execute()
+        .await
+        .map_err(NetError::netlink(format!(
+            "add the sandbox's default route via {gateway}"
+        )))
 }
 
 #[cfg(test)]
