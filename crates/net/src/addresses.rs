@@ -86,11 +86,6 @@ impl AddressBook {
         Some((candidate, true))
     }
 
-    /// The sandbox's offset, if it has one.
-    pub fn get(&self, id: &str) -> Option<u32> {
-        self.by_id.get(id).copied()
-    }
-
     /// Forgets the sandbox's address; returns whether it had one.
     pub fn release(&mut self, id: &str) -> bool {
         match self.by_id.remove(id) {

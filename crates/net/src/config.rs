@@ -35,11 +35,14 @@ pub struct NetworkConfig {
     pub route_table: u32,
     /// Priority of the two policy-routing rules that select `route_table`.
     pub rule_priority: u32,
+    /// Network namespaces kept ready for the next attaches (making one is
+    /// most of the cost of an attach); 0 makes each on demand.
+    pub netns_pool: usize,
 }
 
 impl NetworkConfig {
     /// A config with the defaults: bridge `cove0`, range 10.77.0.0/16, routing
-    /// table and rule priority 7700.
+    /// table and rule priority 7700, 4 namespaces ready.
     pub fn new(uplink: Uplink, dns_upstreams: Vec<Ipv4Addr>, state_dir: PathBuf) -> Self {
         Self {
             bridge: "cove0".into(),
@@ -49,6 +52,7 @@ impl NetworkConfig {
             state_dir,
             route_table: 7700,
             rule_priority: 7700,
+            netns_pool: 4,
         }
     }
 
@@ -124,10 +128,10 @@ impl NetworkConfig {
             .then(|| u32::from(address) - u32::from(self.range.network()))
     }
 
-    /// The host end of a sandbox's veth: bridge name, `v`, offset in hex (at most
-    /// 6 digits for a /8, so at most 15 characters).
-    pub(crate) fn port_name(&self, offset: u32) -> String {
-        format!("{}v{offset:x}", self.bridge)
+    /// The host end of the `n`th veth made: bridge name, `v`, `n` in hex; `n`
+    /// wraps at 2^24 so the name fits in 15 characters.
+    pub(crate) fn port_name(&self, n: u32) -> String {
+        format!("{}v{:x}", self.bridge, n & 0xff_ffff)
     }
 
     /// Matches every port name of this bridge in nftables (`*` is a prefix match).
@@ -196,6 +200,7 @@ mod tests {
         assert_eq!(config.offset_of(Ipv4Addr::new(10, 77, 1, 0)), Some(256));
         assert_eq!(config.offset_of(Ipv4Addr::new(10, 78, 0, 0)), None);
         assert_eq!(config.port_name(256), "cove0v100");
+        assert_eq!(config.port_name(1 << 24), "cove0v0");
     }
 
     #[test]
@@ -204,8 +209,7 @@ mod tests {
         config.bridge = "abcdefgh".into();
         config.range = "10.0.0.0/8".parse().unwrap();
         config.validate().unwrap();
-        let last = *config.sandbox_offsets().end();
-        assert_eq!(config.port_name(last).len(), 15);
+        assert_eq!(config.port_name(u32::MAX).len(), 15);
     }
 
     #[test]

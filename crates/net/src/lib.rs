@@ -29,7 +29,6 @@ mod resolver;
 
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::os::fd::AsRawFd;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -63,6 +62,8 @@ pub struct Attachment {
     pub address: Ipv4Addr,
     pub prefix_len: u8,
     pub gateway: Ipv4Addr,
+    /// The host end of the sandbox's veth, a port of the bridge.
+    pub host_link: String,
     /// The sandbox's `/etc/resolv.conf`: cove's resolver, never the host's.
     pub resolv_conf: String,
 }
@@ -71,7 +72,7 @@ pub struct Attachment {
 pub struct Network {
     shared: Arc<Shared>,
     host: rtnetlink::Handle,
-    bridge_index: u32,
+    pool: netns::Pool,
     resolver: Mutex<Option<Resolver>>,
 }
 
@@ -181,9 +182,14 @@ impl Network {
         )
         .await?;
         Ok(Self {
+            pool: netns::Pool::new(
+                shared.config.netns_pool,
+                host.clone(),
+                shared.config.clone(),
+                bridge_index,
+            ),
             shared,
             host,
-            bridge_index,
             resolver: Mutex::new(Some(resolver)),
         })
     }
@@ -206,91 +212,91 @@ impl Network {
         let offset = match self.shared.reserve(id)? {
             Reserved::Attached => {
                 self.set_policy(id, policy).await?;
-                return Ok(self.attachment(id, self.shared.address_of(id)?));
+                let (address, port) = self.shared.address_of(id)?;
+                return Ok(self.attachment(id, address, port));
             }
             Reserved::Offset(offset) => offset,
         };
         let config = &self.shared.config;
         let address = config.sandbox_address(offset);
-        let port = config.port_name(offset);
-        let built = self.build(id, address, &port, &compiled).await;
+        let built = self.build(id, address, &compiled).await;
+        self.pool.refill();
         let mut state = self.shared.lock();
         state.busy.remove(id);
-        built?;
+        let port = built?;
         state.by_address.insert(address, id.to_owned());
         state.attached.insert(
             id.to_owned(),
             Sandbox {
                 address,
-                port,
+                port: port.clone(),
                 policy: compiled,
                 learned: HashMap::new(),
             },
         );
         drop(state);
-        Ok(self.attachment(id, address))
+        Ok(self.attachment(id, address, port))
     }
 
-    fn attachment(&self, id: &str, address: Ipv4Addr) -> Attachment {
+    fn attachment(&self, id: &str, address: Ipv4Addr, host_link: String) -> Attachment {
         let config = &self.shared.config;
         Attachment {
             netns_path: config.netns_dir().join(id),
             address,
             prefix_len: config.range.prefix_len(),
             gateway: config.gateway(),
+            host_link,
             resolv_conf: self.resolv_conf(),
         }
     }
 
     /// Makes the kernel objects of a sandbox; on failure removes what it made.
+    /// Returns the name of the sandbox's port (the veth's host end).
     async fn build(
         &self,
         id: &str,
         address: Ipv4Addr,
-        port: &str,
         policy: &CompiledPolicy,
-    ) -> Result<(), NetError> {
+    ) -> Result<String, NetError> {
         let config = &self.shared.config;
         let path = config.netns_dir().join(id);
+        let mut made_link = None;
+        let mut port = String::new();
         let made = async {
-            let namespace = netns::create(path.clone()).await?;
-            // A port of a failed earlier attach may still be there.
-            links::delete_link(&self.host, port).await?;
-            links::create_veth(
-                &self.host,
-                port,
-                self.bridge_index,
-                namespace.file.as_raw_fd(),
+            let namespace = self.pool.take().await?;
+            made_link = Some(namespace.host_link);
+            port = namespace.port.clone();
+            namespace.pin(&path)?;
+            links::configure_inside(
+                &namespace.handle,
+                address,
+                config.range.prefix_len(),
+                config.gateway(),
             )
             .await?;
-            let (inside, isolated) = tokio::join!(
-                links::configure_inside(
-                    &namespace.handle,
-                    address,
-                    config.range.prefix_len(),
-                    config.gateway()
-                ),
-                links::isolate_port(&self.host, port),
-            );
-            inside.and(isolated)?;
             self.shared
                 .firewall
-                .apply(&nft::sandbox_changes(Change::Add, port, address, policy))
+                .apply(&nft::sandbox_changes(Change::Add, &port, address, policy))
                 .map_err(NetError::firewall(format!(
                     "add the firewall elements of sandbox {id}"
                 )))
         }
         .await;
-        if made.is_err() {
-            // Deleting what may not exist fails on the first missing element,
-            // so each set is tried alone.
-            for change in nft::sandbox_changes(Change::Delete, port, address, policy) {
-                let _ = self.shared.firewall.apply(&[change]);
+        match made {
+            Ok(()) => Ok(port),
+            Err(err) => {
+                // Deleting what may not exist fails on the first missing
+                // element, so each set is tried alone.
+                for change in nft::sandbox_changes(Change::Delete, &port, address, policy) {
+                    let _ = self.shared.firewall.apply(&[change]);
+                }
+                if let Some(index) = made_link {
+                    let _ = links::delete_index(&self.host, index).await;
+                }
+                let _ = netns::remove(&path);
+                Err(err)
             }
-            let _ = links::delete_link(&self.host, port).await;
-            let _ = netns::remove(&path);
         }
-        made
     }
 
     /// Replaces a sandbox's policy; takes effect for the next packet.
@@ -336,7 +342,7 @@ impl Network {
     /// sandbox that is not attached is not an error.
     pub async fn detach(&self, id: &str) -> Result<(), NetError> {
         check_id(id)?;
-        let (sandbox, offset) = {
+        let sandbox = {
             let mut state = self.shared.lock();
             if !state.busy.insert(id.to_owned()) {
                 return Err(NetError::Busy { id: id.to_owned() });
@@ -345,26 +351,18 @@ impl Network {
             if let Some(sandbox) = &sandbox {
                 state.by_address.remove(&sandbox.address);
             }
-            let offset = state.book.get(id);
-            (sandbox, offset)
+            sandbox
         };
-        let removed = self.teardown(id, sandbox, offset).await;
+        let removed = self.teardown(id, sandbox).await;
         self.shared.lock().busy.remove(id);
         removed
     }
 
-    async fn teardown(
-        &self,
-        id: &str,
-        sandbox: Option<Sandbox>,
-        offset: Option<u32>,
-    ) -> Result<(), NetError> {
+    /// A sandbox that is not attached may still have a namespace file (a
+    /// detach that failed halfway); a leftover port of one is deleted at the
+    /// next start.
+    async fn teardown(&self, id: &str, sandbox: Option<Sandbox>) -> Result<(), NetError> {
         let config = &self.shared.config;
-        let port = match (&sandbox, offset) {
-            (Some(sandbox), _) => Some(sandbox.port.clone()),
-            (None, Some(offset)) => Some(config.port_name(offset)),
-            (None, None) => None,
-        };
         if let Some(sandbox) = sandbox {
             self.shared
                 .firewall
@@ -378,9 +376,7 @@ impl Network {
                     "delete the firewall elements of sandbox {id}"
                 )))?;
             self.shared.forget_learned(sandbox.address, sandbox.learned);
-        }
-        if let Some(port) = port {
-            links::delete_link(&self.host, &port).await?;
+            links::delete_link(&self.host, &sandbox.port).await?;
         }
         netns::remove(&config.netns_dir().join(id))
     }
@@ -400,6 +396,7 @@ impl Network {
     /// the bridge. Address allocations stay on disk.
     pub async fn shutdown(&self) -> Result<(), NetError> {
         drop(self.resolver.lock().expect("resolver lock").take());
+        self.pool.close().await;
         let ids: Vec<String> = self.attached().into_iter().map(|(id, _)| id).collect();
         for id in ids {
             self.detach(&id).await?;
@@ -450,11 +447,11 @@ impl Shared {
         Ok(Reserved::Offset(offset))
     }
 
-    fn address_of(&self, id: &str) -> Result<Ipv4Addr, NetError> {
+    fn address_of(&self, id: &str) -> Result<(Ipv4Addr, String), NetError> {
         self.lock()
             .attached
             .get(id)
-            .map(|s| s.address)
+            .map(|s| (s.address, s.port.clone()))
             .ok_or_else(|| NetError::NotAttached { id: id.to_owned() })
     }
 

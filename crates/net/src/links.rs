@@ -26,7 +26,6 @@ use crate::NetError;
 /// so the index is free and fixing it saves a lookup.
 const SANDBOX_LINK: &str = "eth0";
 const SANDBOX_LINK_INDEX: u32 = 2;
-const LOOPBACK_INDEX: u32 = 1;
 
 /// The errno of a netlink refusal, positive.
 pub(crate) fn errno(err: &rtnetlink::Error) -> Option<i32> {
@@ -57,12 +56,21 @@ pub(crate) async fn delete_link(handle: &Handle, name: &str) -> Result<(), NetEr
     }
 }
 
+/// Deletes a link by index; one that does not exist is not an error.
+pub(crate) async fn delete_index(handle: &Handle, index: u32) -> Result<(), NetError> {
+    match handle.link().del(index).execute().await {
+        Err(err) if errno(&err) != Some(libc::ENODEV) => {
+            Err(NetError::netlink(format!("delete link {index}"))(err))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Deletes every link named like a port of this network (`{bridge}v<hex>`).
 pub(crate) async fn delete_ports(
     handle: &Handle,
     config: &NetworkConfig,
 ) -> Result<Vec<String>, NetError> {
-    let prefix = format!("{}v", config.bridge);
     let links: Vec<_> = handle
         .link()
         .get()
@@ -78,8 +86,9 @@ pub(crate) async fn delete_ports(
         });
         let Some(name) = name else { continue };
         let is_port = name
-            .strip_prefix(&prefix)
-            .is_some_and(|rest| !rest.is_empty() && rest.bytes().all(|b| b.is_ascii_hexdigit()));
+            .strip_prefix(config.bridge.as_str())
+            .and_then(|rest| rest.strip_prefix('v'))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_hexdigit()));
         if is_port {
             delete_link(handle, &name).await?;
             deleted.push(name);
@@ -261,32 +270,51 @@ async fn remove_rules(handle: &Handle, config: &NetworkConfig) -> Result<(), Net
     Ok(())
 }
 
-/// Creates a sandbox's veth: the host end `port` on the bridge and up, the
-/// other end `eth0` (index 2, down) inside the namespace `netns`.
+/// Creates a veth whose host end `name` is an isolated port of the bridge,
+/// up, and whose other end is `eth0` (index 2) up inside the namespace
+/// `netns` (`inside` is a handle in that namespace). Returns the host end's
+/// index. The port passes no frame until the sandbox's address is bound to it
+/// in the firewall, so it may be made long before it is used.
 pub(crate) async fn create_veth(
-    handle: &Handle,
-    port: &str,
+    host: &Handle,
+    inside: &Handle,
+    name: &str,
     bridge_index: u32,
     netns: RawFd,
-) -> Result<(), NetError> {
-    // The peer cannot be brought up here: a veth end refuses to open
-    // (ENOTCONN) until both ends exist, so `configure_inside` does it.
+) -> Result<u32, NetError> {
     let peer = LinkUnspec::new_with_index(SANDBOX_LINK_INDEX)
         .name(SANDBOX_LINK)
         .setns_by_fd(netns)
         .build();
     let message = LinkMessageBuilder::<LinkVeth>::new_with_info_kind(InfoKind::Veth)
-        .name(port)
+        .name(name)
         .controller(bridge_index)
         .up()
         .set_info_data(InfoData::Veth(InfoVeth::Peer(peer)))
         .build();
-    handle
-        .link()
+    host.link()
         .add(message)
         .execute()
         .await
-        .map_err(NetError::netlink(format!("create veth {port}")))
+        .map_err(NetError::netlink(format!("create veth {name}")))?;
+    // The peer is not brought up in the same message: a veth end refuses to
+    // open (ENOTCONN) until both ends exist.
+    let eth0_up = async {
+        inside
+            .link()
+            .set(LinkUnspec::new_with_index(SANDBOX_LINK_INDEX).up().build())
+            .execute()
+            .await
+            .map_err(NetError::netlink(
+                "bring eth0 up in a new network namespace",
+            ))
+    };
+    let (up, isolated) = tokio::join!(eth0_up, isolate_port(host, name));
+    up.and(isolated)?;
+    index_of(host, name).await?.ok_or_else(|| NetError::Io {
+        action: format!("find veth {name} after creating it"),
+        source: std::io::Error::from_raw_os_error(libc::ENODEV),
+    })
 }
 
 /// Bridge-port isolation: frames from an isolated port reach only
@@ -304,40 +332,24 @@ pub(crate) async fn isolate_port(handle: &Handle, port: &str) -> Result<(), NetE
         .map_err(NetError::netlink(format!("isolate bridge port {port}")))
 }
 
-/// Inside a sandbox's namespace: `lo` and `eth0` up, the address on `eth0`,
-/// the default route via the gateway.
+/// Inside a sandbox's namespace (`lo` and `eth0` are up already): the
+/// address on `eth0`, the default route via the gateway.
 pub(crate) async fn configure_inside(
     handle: &Handle,
     address: Ipv4Addr,
     prefix_len: u8,
     gateway: Ipv4Addr,
 ) -> Result<(), NetError> {
-    let up = |index: u32, name: &'static str| async move {
-        handle
-            .link()
-            .set(LinkUnspec::new_with_index(index).up().build())
-            .execute()
-            .await
-            .map_err(NetError::netlink(format!("bring {name} up in the sandbox")))
-    };
-    let addressed = async {
-        handle
-            .address()
-            .add(SANDBOX_LINK_INDEX, IpAddr::V4(address), prefix_len)
-            .execute()
-            .await
-            .map_err(NetError::netlink(format!(
-                "add {address} to the sandbox's eth0"
-            )))
-    };
-    let (lo, eth0, addressed) = tokio::join!(
-        up(LOOPBACK_INDEX, "lo"),
-        up(SANDBOX_LINK_INDEX, SANDBOX_LINK),
-        addressed
-    );
-    lo.and(eth0).and(addressed)?;
-    // The gateway is reachable once eth0 is up with its address (and so the
-    // subnet route).
+    handle
+        .address()
+        .add(SANDBOX_LINK_INDEX, IpAddr::V4(address), prefix_len)
+        .execute()
+        .await
+        .map_err(NetError::netlink(format!(
+            "add {address} to the sandbox's eth0"
+        )))?;
+    // The gateway is reachable once eth0 has its address (and so the subnet
+    // route); a missing carrier (the host end not up yet) does not matter.
     let route = RouteMessageBuilder::<Ipv4Addr>::new()
         .gateway(gateway)
         .output_interface(SANDBOX_LINK_INDEX)

@@ -100,6 +100,7 @@ impl World {
             state_dir: state.clone(),
             route_table: 20000 + (pid % 1000) * 16 + n,
             rule_priority: 7000 + n,
+            netns_pool: 2,
         };
         let mut world = Self {
             tag,
@@ -178,6 +179,13 @@ impl World {
             .args(["link", "show", name])
             .output()
             .is_ok_and(|o| o.status.success())
+    }
+
+    /// A link's index, which a recreated link of the same name does not share.
+    pub fn ifindex(&self, name: &str) -> Option<String> {
+        std::fs::read_to_string(format!("/sys/class/net/{name}/ifindex"))
+            .ok()
+            .map(|s| s.trim().to_owned())
     }
 
     /// Links whose names start with this world's bridge name, except the uplink.
