@@ -16,6 +16,47 @@ pub struct Uplink {
     pub gateway: Ipv4Addr,
 }
 
+impl Uplink {
+    /// The host's own way out: the interface and gateway of the main routing
+    /// table's default route.
+    pub async fn detect() -> Result<Self, crate::NetError> {
+        let (connection, handle, _) =
+            rtnetlink::new_connection().map_err(crate::NetError::io("open a netlink socket"))?;
+        let task = tokio::spawn(connection);
+        let detected = async {
+            let none = || {
+                crate::NetError::Config(
+                    "the host has no IPv4 default route to use as the uplink".into(),
+                )
+            };
+            let (gateway, index) = crate::links::default_route(&handle)
+                .await?
+                .ok_or_else(none)?;
+            let interface = crate::links::name_of(&handle, index)
+                .await?
+                .ok_or_else(none)?;
+            Ok(Self { interface, gateway })
+        }
+        .await;
+        task.abort();
+        detected
+    }
+}
+
+/// The IPv4 `nameserver`s of a resolv.conf, e.g. the host's, in order.
+pub fn nameservers(resolv_conf: &str) -> Vec<Ipv4Addr> {
+    resolv_conf
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.split_whitespace();
+            match (words.next(), words.next()) {
+                (Some("nameserver"), Some(address)) => address.parse().ok(),
+                _ => None,
+            }
+        })
+        .collect()
+}
+
 #[derive(Clone, Debug)]
 pub struct NetworkConfig {
     /// The host bridge every sandbox's veth joins. Also names the nftables
@@ -210,6 +251,16 @@ mod tests {
         config.range = "10.0.0.0/8".parse().unwrap();
         config.validate().unwrap();
         assert_eq!(config.port_name(u32::MAX).len(), 15);
+    }
+
+    #[test]
+    fn nameservers_are_read_from_resolv_conf() {
+        let text =
+            "# comment\nsearch x\nnameserver 192.0.2.53\nnameserver ::1\nnameserver 127.0.0.53\n";
+        assert_eq!(
+            nameservers(text),
+            vec![Ipv4Addr::new(192, 0, 2, 53), Ipv4Addr::new(127, 0, 0, 53)]
+        );
     }
 
     #[test]

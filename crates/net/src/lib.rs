@@ -33,7 +33,7 @@ use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub use config::{NetworkConfig, Uplink};
+pub use config::{nameservers, NetworkConfig, Uplink};
 pub use error::NetError;
 pub use ipnet::Ipv4Net;
 pub use nft::elements::BatchError;

@@ -56,6 +56,56 @@ pub(crate) async fn delete_link(handle: &Handle, name: &str) -> Result<(), NetEr
     }
 }
 
+/// The main table's IPv4 default route: gateway and output interface index.
+pub(crate) async fn default_route(handle: &Handle) -> Result<Option<(Ipv4Addr, u32)>, NetError> {
+    use rtnetlink::packet_route::route::{RouteAddress, RouteAttribute};
+    let routes: Vec<_> = handle
+        .route()
+        .get(RouteMessageBuilder::<Ipv4Addr>::new().build())
+        .execute()
+        .try_collect()
+        .await
+        .map_err(NetError::netlink("list routes"))?;
+    let main = u32::from(libc::RT_TABLE_MAIN);
+    Ok(routes.iter().find_map(|route| {
+        let table = route
+            .attributes
+            .iter()
+            .find_map(|a| match a {
+                RouteAttribute::Table(t) => Some(*t),
+                _ => None,
+            })
+            .unwrap_or(u32::from(route.header.table));
+        let gateway = route.attributes.iter().find_map(|a| match a {
+            RouteAttribute::Gateway(RouteAddress::Inet(g)) => Some(*g),
+            _ => None,
+        });
+        let oif = route.attributes.iter().find_map(|a| match a {
+            RouteAttribute::Oif(i) => Some(*i),
+            _ => None,
+        });
+        match (route.header.destination_prefix_length, table, gateway, oif) {
+            (0, t, Some(gateway), Some(oif)) if t == main => Some((gateway, oif)),
+            _ => None,
+        }
+    }))
+}
+
+/// The name of the link at `index`.
+pub(crate) async fn name_of(handle: &Handle, index: u32) -> Result<Option<String>, NetError> {
+    let mut links = handle.link().get().match_index(index).execute();
+    match links.try_next().await {
+        Ok(link) => Ok(link.and_then(|l| {
+            l.attributes.into_iter().find_map(|a| match a {
+                LinkAttribute::IfName(name) => Some(name),
+                _ => None,
+            })
+        })),
+        Err(err) if errno(&err) == Some(libc::ENODEV) => Ok(None),
+        Err(err) => Err(NetError::netlink(format!("look up link {index}"))(err)),
+    }
+}
+
 /// Deletes a link by index; one that does not exist is not an error.
 pub(crate) async fn delete_index(handle: &Handle, index: u32) -> Result<(), NetError> {
     match handle.link().del(index).execute().await {

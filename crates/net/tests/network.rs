@@ -8,7 +8,7 @@ mod common;
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
-use common::{http_get, inside, resolve, World, ALLOWED_IP, DENIED_IP};
+use common::{http_get, inside, resolve, resolve_tcp, World, ALLOWED_IP, DENIED_IP};
 use cove_net::{NetError, Policy, PolicyError};
 use hickory_proto::op::ResponseCode;
 
@@ -158,6 +158,18 @@ async fn a_domain_allow_list_admits_only_what_allowed_names_resolve_to() {
         tables.contains(&format!("{} . {ALLOWED_IP} timeout", attachment.address)),
         "{tables}"
     );
+
+    // Over TCP too, which is forwarded over TCP.
+    let (allowed, denied) = inside(&attachment.netns_path, move || {
+        (
+            resolve_tcp(gateway, "allowed.test"),
+            resolve_tcp(gateway, "denied.test"),
+        )
+    })
+    .await;
+    assert_eq!(allowed.unwrap(), (ResponseCode::NoError, vec![ALLOWED_IP]));
+    assert_eq!(denied.unwrap(), (ResponseCode::NXDomain, vec![]));
+    assert_eq!(world.dns_log.lock().unwrap().len(), 2);
 
     // Wildcards cover names below the suffix.
     let policy = Policy {
@@ -471,4 +483,30 @@ async fn attach_latency() {
         median(&mut detach)
     );
     network.shutdown().await.unwrap();
+}
+
+#[tokio::test]
+async fn the_uplink_is_found_from_the_hosts_default_route() {
+    if !common::can_run() {
+        return;
+    }
+    let shown = std::process::Command::new("ip")
+        .args(["-4", "route", "show", "default", "table", "main"])
+        .output()
+        .unwrap();
+    let shown = String::from_utf8_lossy(&shown.stdout);
+    let words: Vec<&str> = shown.split_whitespace().collect();
+    let expected = words
+        .iter()
+        .position(|w| *w == "via")
+        .zip(words.iter().position(|w| *w == "dev"))
+        .map(|(via, dev)| (words[via + 1].to_owned(), words[dev + 1].to_owned()));
+    match (cove_net::Uplink::detect().await, expected) {
+        (Ok(uplink), Some((gateway, interface))) => {
+            assert_eq!(uplink.gateway.to_string(), gateway);
+            assert_eq!(uplink.interface, interface);
+        }
+        (Err(err), None) => assert!(err.to_string().contains("default route"), "{err}"),
+        (found, expected) => panic!("found {found:?}, ip shows {expected:?}"),
+    }
 }

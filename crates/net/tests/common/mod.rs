@@ -310,12 +310,7 @@ pub fn http_get(address: Ipv4Addr, port: u16) -> Result<String, String> {
     Ok(response.split("\r\n\r\n").nth(1).unwrap_or("").to_owned())
 }
 
-/// Asks the resolver at `server` for the A records of `name`.
-pub fn resolve(server: Ipv4Addr, name: &str) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
-    let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
-    socket
-        .set_read_timeout(Some(Duration::from_secs(3)))
-        .map_err(|e| e.to_string())?;
+fn a_query(name: &str) -> Vec<u8> {
     let mut query = Message::new();
     query
         .set_id(777)
@@ -323,14 +318,48 @@ pub fn resolve(server: Ipv4Addr, name: &str) -> Result<(ResponseCode, Vec<Ipv4Ad
         .set_op_code(OpCode::Query)
         .set_recursion_desired(true);
     query.add_query(Query::query(Name::from_str(name).unwrap(), RecordType::A));
+    query.to_vec().unwrap()
+}
+
+/// Asks the resolver at `server` for the A records of `name`, over UDP.
+pub fn resolve(server: Ipv4Addr, name: &str) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
+    let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
     socket
-        .send_to(&query.to_vec().unwrap(), (server, 53))
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .map_err(|e| e.to_string())?;
+    socket
+        .send_to(&a_query(name), (server, 53))
         .map_err(|e| format!("send a query to {server}: {e}"))?;
     let mut buffer = vec![0u8; 4096];
     let len = socket
         .recv(&mut buffer)
         .map_err(|e| format!("no answer from {server} for {name}: {e}"))?;
-    let answer = Message::from_vec(&buffer[..len]).map_err(|e| e.to_string())?;
+    parse_answer(&buffer[..len])
+}
+
+/// The same over TCP.
+pub fn resolve_tcp(server: Ipv4Addr, name: &str) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
+    let target = SocketAddr::from((server, 53));
+    let mut stream = TcpStream::connect_timeout(&target, CONNECT_TIMEOUT)
+        .map_err(|e| format!("connect {target}: {e}"))?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .map_err(|e| e.to_string())?;
+    let query = a_query(name);
+    let mut framed = (query.len() as u16).to_be_bytes().to_vec();
+    framed.extend_from_slice(&query);
+    stream.write_all(&framed).map_err(|e| e.to_string())?;
+    let mut len = [0u8; 2];
+    stream
+        .read_exact(&mut len)
+        .map_err(|e| format!("no answer from {target} for {name}: {e}"))?;
+    let mut answer = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    stream.read_exact(&mut answer).map_err(|e| e.to_string())?;
+    parse_answer(&answer)
+}
+
+fn parse_answer(bytes: &[u8]) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
+    let answer = Message::from_vec(bytes).map_err(|e| e.to_string())?;
     assert_eq!(answer.id(), 777);
     let addresses = answer
         .answers()
@@ -363,6 +392,9 @@ fn start_servers(
             let dns = tokio::net::UdpSocket::bind(SocketAddrV4::new(DNS_IP, 53))
                 .await
                 .unwrap();
+            let dns_tcp = tokio::net::TcpListener::bind(SocketAddrV4::new(DNS_IP, 53))
+                .await
+                .unwrap();
             let allowed = tokio::net::TcpListener::bind((ALLOWED_IP, 80))
                 .await
                 .unwrap();
@@ -371,7 +403,8 @@ fn start_servers(
                 .unwrap();
             ready_tx.send(()).unwrap();
             tokio::select! {
-                _ = serve_dns(dns, dns_log) => {}
+                _ = serve_dns(dns, Arc::clone(&dns_log)) => {}
+                _ = serve_dns_tcp(dns_tcp, dns_log) => {}
                 _ = serve_http(allowed, "allowed") => {}
                 _ = serve_http(denied, "denied") => {}
                 _ = stop_rx.wait_for(|stop| *stop) => {}
@@ -408,40 +441,68 @@ async fn serve_dns(socket: tokio::net::UdpSocket, log: Arc<Mutex<Vec<String>>>) 
         let Ok((len, peer)) = socket.recv_from(&mut buffer).await else {
             continue;
         };
-        let Ok(query) = Message::from_vec(&buffer[..len]) else {
-            continue;
-        };
-        let Some(question) = query.queries().first().cloned() else {
-            continue;
-        };
-        let name = question.name().to_ascii().trim_end_matches('.').to_owned();
-        log.lock().unwrap().push(name.clone());
-        let mut response = Message::new();
-        response
-            .set_id(query.id())
-            .set_message_type(MessageType::Response)
-            .set_op_code(OpCode::Query)
-            .set_recursion_desired(query.recursion_desired())
-            .set_recursion_available(true);
-        response.add_query(question.clone());
-        let address = match name.as_str() {
-            "allowed.test" => Some(ALLOWED_IP),
-            "denied.test" => Some(DENIED_IP),
-            _ => None,
-        };
-        match (address, question.query_type()) {
-            (Some(address), RecordType::A) => {
-                response.add_answer(Record::from_rdata(
-                    question.name().clone(),
-                    300,
-                    RData::A(A(address)),
-                ));
-            }
-            (Some(_), _) => {}
-            (None, _) => {
-                response.set_response_code(ResponseCode::NXDomain);
-            }
+        if let Some(response) = dns_answer(&buffer[..len], &log) {
+            let _ = socket.send_to(&response, peer).await;
         }
-        let _ = socket.send_to(&response.to_vec().unwrap(), peer).await;
     }
+}
+
+/// DNS over TCP: one length-prefixed query, one answer, per connection.
+async fn serve_dns_tcp(listener: tokio::net::TcpListener, log: Arc<Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let log = Arc::clone(&log);
+        tokio::spawn(async move {
+            let Ok(len) = stream.read_u16().await else {
+                return;
+            };
+            let mut query = vec![0u8; usize::from(len)];
+            if stream.read_exact(&mut query).await.is_err() {
+                return;
+            }
+            if let Some(response) = dns_answer(&query, &log) {
+                let mut framed = (response.len() as u16).to_be_bytes().to_vec();
+                framed.extend_from_slice(&response);
+                let _ = stream.write_all(&framed).await;
+            }
+        });
+    }
+}
+
+/// allowed.test and denied.test have A records (TTL 300); nothing else exists.
+fn dns_answer(query: &[u8], log: &Mutex<Vec<String>>) -> Option<Vec<u8>> {
+    let query = Message::from_vec(query).ok()?;
+    let question = query.queries().first().cloned()?;
+    let name = question.name().to_ascii().trim_end_matches('.').to_owned();
+    log.lock().unwrap().push(name.clone());
+    let mut response = Message::new();
+    response
+        .set_id(query.id())
+        .set_message_type(MessageType::Response)
+        .set_op_code(OpCode::Query)
+        .set_recursion_desired(query.recursion_desired())
+        .set_recursion_available(true);
+    response.add_query(question.clone());
+    let address = match name.as_str() {
+        "allowed.test" => Some(ALLOWED_IP),
+        "denied.test" => Some(DENIED_IP),
+        _ => None,
+    };
+    match (address, question.query_type()) {
+        (Some(address), RecordType::A) => {
+            response.add_answer(Record::from_rdata(
+                question.name().clone(),
+                300,
+                RData::A(A(address)),
+            ));
+        }
+        (Some(_), _) => {}
+        (None, _) => {
+            response.set_response_code(ResponseCode::NXDomain);
+        }
+    }
+    response.to_vec().ok()
 }
