@@ -159,6 +159,35 @@ async fn a_domain_allow_list_admits_only_what_allowed_names_resolve_to() {
         "{tables}"
     );
 
+    // The C library, reading the resolv.conf cove gives sandboxes.
+    let resolv_conf = world.state.join("resolv.conf");
+    std::fs::write(&resolv_conf, &attachment.resolv_conf).unwrap();
+    let getent = |name: &str| {
+        let script = format!(
+            "mount --bind {} /etc/resolv.conf && getent ahostsv4 {name}",
+            resolv_conf.display()
+        );
+        let output = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", attachment.netns_path.display()))
+            .args(["unshare", "--mount", "sh", "-c", &script])
+            .output()
+            .unwrap();
+        (
+            output.status.code(),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+        )
+    };
+    let (code, hosts) = getent("allowed.test");
+    assert_eq!(code, Some(0), "{hosts}");
+    assert!(hosts.contains(&ALLOWED_IP.to_string()), "{hosts}");
+    let (code, hosts) = getent("denied.test");
+    assert_eq!(code, Some(2), "getent: not found; {hosts}");
+    world
+        .dns_log
+        .lock()
+        .unwrap()
+        .retain(|name| name != "allowed.test");
+
     // Over TCP too, which is forwarded over TCP.
     let (allowed, denied) = inside(&attachment.netns_path, move || {
         (
@@ -169,7 +198,10 @@ async fn a_domain_allow_list_admits_only_what_allowed_names_resolve_to() {
     .await;
     assert_eq!(allowed.unwrap(), (ResponseCode::NoError, vec![ALLOWED_IP]));
     assert_eq!(denied.unwrap(), (ResponseCode::NXDomain, vec![]));
-    assert_eq!(world.dns_log.lock().unwrap().len(), 2);
+    assert_eq!(
+        *world.dns_log.lock().unwrap(),
+        vec!["allowed.test".to_string()]
+    );
 
     // Wildcards cover names below the suffix.
     let policy = Policy {
