@@ -11,7 +11,8 @@
 //! shutdown to load and delete the ruleset.
 //!
 //! Module map: `config` (what the server sets), `policy` (what a sandbox may
-//! reach), `addresses` (persistent allocation), `netns` (namespace files),
+//! reach), `addresses` (persistent allocation), `netns` (namespace files and
+//! a pool of ready namespaces with their veths),
 //! `links` (rtnetlink: bridge, veth, routes, rules), `nft` (ruleset and set
 //! elements), `resolver` (DNS).
 //!
@@ -53,6 +54,9 @@ const MAX_ADMIT: Duration = Duration::from_secs(24 * 3600);
 /// An admitted address this close to expiry is re-added rather than replaced:
 /// the kernel may drop it between our delete and add.
 const EXPIRY_MARGIN: Duration = Duration::from_secs(2);
+/// At most this many admitted addresses per sandbox: a wildcard lets a
+/// sandbox resolve names without end, and each admission is kernel memory.
+const MAX_LEARNED: usize = 4096;
 
 /// What a sandbox's runtime needs to put it on the network.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -516,6 +520,12 @@ impl resolver::Policies for Shared {
         let mut added = Vec::new();
         let mut expiries = Vec::new();
         for (destination, ttl) in answers {
+            if sandbox.learned.len() + added.len() >= MAX_LEARNED
+                && !sandbox.learned.contains_key(destination)
+            {
+                tracing::warn!(sandbox = %source, name, "resolver: too many admitted addresses; not admitting more");
+                break;
+            }
             let timeout = Duration::from_secs(u64::from(*ttl)).clamp(MIN_ADMIT, MAX_ADMIT);
             let expiry = now + timeout;
             match sandbox.learned.get(destination) {
