@@ -17,6 +17,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -197,6 +198,83 @@ class CoveServer:
         return Daytona(DaytonaConfig(api_key=self.api_key, api_url=self.api_url))
 
 
+def run(*args: str) -> None:
+    subprocess.run(list(args), check=True, capture_output=True)
+
+
+class FakeInternet:
+    """The sandboxes' "internet" for a test session, all on this machine: a
+    network namespace joined to the host by a veth (cove's uplink), with a DNS
+    server (allowed.test, denied.test) and an HTTP server on each name's address.
+    """
+
+    HOST_ADDR = "198.18.77.1"
+    GATEWAY = "198.18.77.2"
+    ALLOWED = "198.51.100.10"
+    DENIED = "203.0.113.10"
+
+    def __init__(self) -> None:
+        tag = uuid.uuid4().hex[:6]
+        self.netns = f"fakenet-{tag}"
+        self.interface = f"fk{tag}"
+        self.peer = f"fkp{tag}"
+        self.procs: list[subprocess.Popen] = []
+        self.web = Path(tempfile.mkdtemp(prefix="cvweb", dir="/tmp"))
+
+    def start(self) -> None:
+        run("ip", "netns", "add", self.netns)
+        ns = ["ip", "netns", "exec", self.netns]
+        run("ip", "link", "add", self.interface, "type", "veth", "peer", "name", self.peer)
+        run("ip", "link", "set", self.peer, "netns", self.netns)
+        run("ip", "addr", "add", f"{self.HOST_ADDR}/30", "dev", self.interface)
+        run("ip", "link", "set", self.interface, "up")
+        run(*ns, "ip", "addr", "add", f"{self.GATEWAY}/30", "dev", self.peer)
+        run(*ns, "ip", "link", "set", self.peer, "up")
+        run(*ns, "ip", "link", "set", "lo", "up")
+        for address in (self.ALLOWED, self.DENIED):
+            run(*ns, "ip", "addr", "add", f"{address}/32", "dev", "lo")
+        dns = Path(__file__).with_name("fakenet_dns.py")
+        self.procs.append(
+            subprocess.Popen(
+                [*ns, sys.executable, str(dns), self.GATEWAY,
+                 f"allowed.test={self.ALLOWED}", f"denied.test={self.DENIED}"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            )
+        )
+        for name, address in (("allowed", self.ALLOWED), ("denied", self.DENIED)):
+            root = self.web / name
+            root.mkdir()
+            (root / "index.html").write_text(f"{name} server\n")
+            self.procs.append(
+                subprocess.Popen(
+                    [*ns, sys.executable, "-m", "http.server", "80", "--bind", address,
+                     "--directory", str(root)],
+                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                )
+            )
+        time.sleep(0.5)
+
+    def server_args(self) -> tuple[str, ...]:
+        return (
+            "--uplink-interface", self.interface,
+            "--uplink-gateway", self.GATEWAY,
+            "--dns", self.GATEWAY,
+        )
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        # Deleting the namespace deletes the veth pair with it.
+        subprocess.run(["ip", "netns", "del", self.netns], check=False, capture_output=True)
+        subprocess.run(["ip", "link", "del", self.interface], check=False, capture_output=True)
+        shutil.rmtree(self.web, ignore_errors=True)
+
+
 def new_data_dir() -> Path:
     # Short: the agent's Unix socket lives under it and sun_path holds 107 bytes.
     return Path(tempfile.mkdtemp(prefix="cv", dir="/tmp"))
@@ -220,9 +298,20 @@ def remove_data_dir(path: Path) -> None:
 
 
 @pytest.fixture(scope="session")
-def cove() -> Iterator[CoveServer]:
+def fake_internet() -> Iterator[FakeInternet]:
+    internet = FakeInternet()
+    try:
+        internet.start()
+        yield internet
+    finally:
+        internet.stop()
+
+
+@pytest.fixture(scope="session")
+def cove(fake_internet: FakeInternet) -> Iterator[CoveServer]:
     data_dir = new_data_dir()
-    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex)
+    # Sandbox traffic leaves only into the fake internet, never off this machine.
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=fake_internet.server_args())
     server.start()
     os.environ["DAYTONA_API_URL"] = server.api_url
     os.environ["DAYTONA_API_KEY"] = server.api_key

@@ -101,7 +101,7 @@ def test_archive_to_s3_compatible_storage(s3):
     server = CoveServer(
         data_dir,
         api_key="cv-" + uuid.uuid4().hex,
-        extra_args=("--archive", f"s3://{bucket}/cove"),
+        extra_args=("--archive", f"s3://{bucket}/cove", "--no-network"),
         extra_env={
             "AWS_ENDPOINT": endpoint,
             "AWS_ALLOW_HTTP": "true",

@@ -13,7 +13,8 @@ from conftest import CoveServer, new_data_dir, remove_data_dir
 @pytest.fixture
 def own_server():
     data_dir = new_data_dir()
-    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex)
+    # Its own network would clash with the session server's bridge and routes.
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=("--no-network",))
     server.start()
     try:
         yield server

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 
+use cove_engine::NetworkSettings;
 use cove_engine::{CreateSandbox, SandboxRecord};
 use serde::{Deserialize, Serialize};
 
@@ -31,6 +32,10 @@ pub struct Sandbox {
     pub labels: BTreeMap<String, String>,
     pub public: bool,
     pub network_block_all: bool,
+    pub network_allow_list: Option<String>,
+    pub domain_allow_list: Option<String>,
+    /// cove extension.
+    pub network_deny_list: Option<String>,
     pub target: &'static str,
     pub cpu: i64,
     pub gpu: i64,
@@ -77,7 +82,10 @@ impl Sandbox {
             env: record.env,
             labels: record.labels,
             public: record.public,
-            network_block_all: false,
+            network_block_all: record.network.block_all,
+            network_allow_list: join_list(&record.network.allow_list),
+            domain_allow_list: join_list(&record.network.domains),
+            network_deny_list: join_list(&record.network.deny_list),
             target: TARGET,
             cpu: record.cpu,
             gpu: record.gpu,
@@ -137,8 +145,11 @@ pub struct CreateSandboxRequest {
     #[serde(default)]
     pub volumes: Vec<serde_json::Value>,
     pub build_info: Option<serde_json::Value>,
+    pub network_block_all: Option<bool>,
     pub network_allow_list: Option<String>,
-    pub domain_allow_list: Option<serde_json::Value>,
+    pub domain_allow_list: Option<String>,
+    /// cove extension: CIDRs never reachable.
+    pub network_deny_list: Option<String>,
     pub kvm: Option<bool>,
     pub spot: Option<bool>,
     /// cove extension (seed 001): may pause; defaults to "not ephemeral".
@@ -168,14 +179,6 @@ impl CreateSandboxRequest {
         }
         if !self.volumes.is_empty() {
             return Some("volumes");
-        }
-        if self
-            .network_allow_list
-            .as_deref()
-            .is_some_and(|list| !list.is_empty())
-            || self.domain_allow_list.is_some()
-        {
-            return Some("network allow lists");
         }
         if !self.secrets.is_empty() {
             return Some("secrets");
@@ -221,6 +224,12 @@ impl CreateSandboxRequest {
             persistent: self.persistent,
             spot: self.spot.unwrap_or(false),
             kvm: self.kvm.unwrap_or(false),
+            network: NetworkSettings {
+                block_all: self.network_block_all.unwrap_or(false),
+                allow_list: split_list(self.network_allow_list.as_deref()),
+                deny_list: split_list(self.network_deny_list.as_deref()),
+                domains: split_list(self.domain_allow_list.as_deref()),
+            },
             dockerfile: self
                 .build_info
                 .as_ref()
@@ -228,6 +237,58 @@ impl CreateSandboxRequest {
                 .and_then(|d| d.as_str())
                 .map(str::to_owned),
         }
+    }
+}
+
+/// Daytona's comma-separated lists; empty items are dropped.
+pub fn split_list(text: Option<&str>) -> Vec<String> {
+    text.unwrap_or_default()
+        .split(',')
+        .map(str::trim)
+        .filter(|item| !item.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+fn join_list(items: &[String]) -> Option<String> {
+    (!items.is_empty()).then(|| items.join(","))
+}
+
+/// `POST /sandbox/{id}/network-settings`: each field given changes the policy.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NetworkSettingsRequest {
+    pub network_block_all: Option<bool>,
+    pub network_allow_list: Option<String>,
+    pub domain_allow_list: Option<String>,
+    /// cove extension.
+    pub network_deny_list: Option<String>,
+}
+
+impl NetworkSettingsRequest {
+    /// The policy after this change, as the SDK documents it: unblocking
+    /// restores general access (clearing the allow lists), and giving an allow
+    /// list implies not blocking everything.
+    pub fn apply(self, mut settings: NetworkSettings) -> NetworkSettings {
+        if let Some(block) = self.network_block_all {
+            settings.block_all = block;
+            if !block {
+                settings.allow_list.clear();
+                settings.domains.clear();
+            }
+        }
+        if let Some(list) = self.network_allow_list {
+            settings.allow_list = split_list(Some(&list));
+            settings.block_all = false;
+        }
+        if let Some(list) = self.domain_allow_list {
+            settings.domains = split_list(Some(&list));
+            settings.block_all = false;
+        }
+        if let Some(list) = self.network_deny_list {
+            settings.deny_list = split_list(Some(&list));
+        }
+        settings
     }
 }
 

@@ -62,6 +62,10 @@ pub fn app(state: AppState) -> Router {
         .route("/sandbox/{id}/recover", post(sandbox::recover))
         .route("/sandbox/{id}/pause", post(machines::pause))
         .route("/sandbox/{id}/archive", post(machines::archive))
+        .route(
+            "/sandbox/{id}/network-settings",
+            post(machines::network_settings),
+        )
         .route("/sandbox/{id}/fork", post(machines::fork))
         .route("/sandbox/{id}/forks", get(machines::forks))
         .route("/sandbox/{id}/parent", get(machines::parent))

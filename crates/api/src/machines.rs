@@ -7,7 +7,7 @@ use axum::http::HeaderMap;
 use axum::Json;
 use serde::{Deserialize, Serialize};
 
-use crate::dto::Sandbox;
+use crate::dto::{NetworkSettingsRequest, Sandbox};
 use crate::sandbox::{dto, to_dto, Reply};
 use crate::{ApiError, AppState};
 
@@ -50,6 +50,20 @@ pub async fn archive(
     Path(id): Path<String>,
 ) -> Reply {
     let record = state.engine.archive(&id).await?;
+    Ok(dto(&state, &headers, record))
+}
+
+/// `POST /sandbox/{id}/network-settings`: applies to a running sandbox at once.
+pub async fn network_settings(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<Json<NetworkSettingsRequest>, axum::extract::rejection::JsonRejection>,
+) -> Reply {
+    let Json(change) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let current = state.engine.get(&id).await?;
+    let settings = change.apply(current.network);
+    let record = state.engine.set_network_settings(&id, settings).await?;
     Ok(dto(&state, &headers, record))
 }
 

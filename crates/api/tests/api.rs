@@ -184,8 +184,31 @@ async fn bad_creates_are_refused_and_leave_nothing() {
             Some(json!({"buildInfo": {"dockerfileContent": "FROM x"}})),
         )
         .await;
+    // This server has no image cache: a 501 that says so.
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
-    assert!(body["message"].as_str().unwrap().contains("buildInfo"));
+    assert!(
+        body["message"].as_str().unwrap().contains("image"),
+        "{body}"
+    );
+    // Nor a sandbox network: policies are refused, never silently ignored.
+    let (status, body) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"networkAllowList": "10.0.0.0/8"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_IMPLEMENTED, "{body}");
+    assert!(body["message"].as_str().unwrap().contains("network"));
+    let (status, body) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"networkAllowList": "10.0.0.0/99"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(body["message"].as_str().unwrap().contains("10.0.0.0/99"));
     let (status, _) = api
         .call("POST", "/api/sandbox", Some(json!({"cpu": "two"})))
         .await;

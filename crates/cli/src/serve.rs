@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::io::IsTerminal;
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -53,6 +53,25 @@ pub struct ServeArgs {
     /// Default: `<data-dir>/archive`.
     #[arg(long, env = "COVE_ARCHIVE")]
     pub archive: Option<String>,
+    /// Give sandboxes no network at all (only loopback), instead of cove's bridge.
+    #[arg(long)]
+    pub no_network: bool,
+    /// The host interface sandbox traffic leaves by (default: the default route's).
+    #[arg(long, requires = "uplink_gateway")]
+    pub uplink_interface: Option<String>,
+    /// The next hop on the uplink interface (default: the default route's).
+    #[arg(long, requires = "uplink_interface")]
+    pub uplink_gateway: Option<std::net::Ipv4Addr>,
+    /// DNS servers cove's resolver forwards sandbox queries to, comma-separated
+    /// (default: the host's /etc/resolv.conf nameservers).
+    #[arg(long, value_delimiter = ',')]
+    pub dns: Vec<std::net::Ipv4Addr>,
+    /// The private range sandbox addresses come from.
+    #[arg(long, default_value = "10.77.0.0/16")]
+    pub network_range: cove_net::Ipv4Net,
+    /// The bridge sandboxes are attached to (at most 8 characters).
+    #[arg(long, default_value = "cove0")]
+    pub bridge: String,
     /// How often timers are checked, in milliseconds.
     #[arg(long, default_value_t = 1000, hide = true)]
     pub timer_tick_ms: u64,
@@ -72,7 +91,13 @@ pub fn progress_printer() -> impl FnMut(&ImageProgress) {
 
 /// Builds everything and starts serving; returns the serving task once the
 /// socket listens.
-async fn start(args: ServeArgs) -> anyhow::Result<tokio::task::JoinHandle<std::io::Result<()>>> {
+/// The running server and the network it made (to be removed at shutdown).
+type Serving = (
+    tokio::task::JoinHandle<std::io::Result<()>>,
+    Option<Arc<cove_net::Network>>,
+);
+
+async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     #[allow(unsafe_code)]
     let euid = unsafe { libc::geteuid() };
@@ -120,6 +145,11 @@ async fn start(args: ServeArgs) -> anyhow::Result<tokio::task::JoinHandle<std::i
         SandboxClass::Container,
         Arc::new(container) as Arc<dyn Runtime>,
     )]);
+    let network = if args.no_network {
+        None
+    } else {
+        Some(Arc::new(open_network(&args, &data_dir).await?))
+    };
     let config = EngineConfig {
         ceilings: Ceilings {
             cpu: args.max_cpu,
@@ -139,6 +169,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<tokio::task::JoinHandle<std::i
         ),
         // Pulled images: blobs, layers and root filesystems, beside the default image.
         images: Some(cove_oci::ImageStore::new(images_dir.join("oci"))),
+        network: network.clone().map(cove_engine::NetworkHandle),
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);
@@ -180,16 +211,50 @@ async fn start(args: ServeArgs) -> anyhow::Result<tokio::task::JoinHandle<std::i
     tokio::spawn(async move { timers.run_timers().await });
     let serve = tokio::spawn(async move { axum::serve(listener, app).await });
     tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
-    Ok(serve)
+    Ok((serve, network))
+}
+
+/// cove's sandbox network over the configured (or the host's default) uplink.
+async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_net::Network> {
+    let uplink = match (&args.uplink_interface, args.uplink_gateway) {
+        (Some(interface), Some(gateway)) => cove_net::Uplink {
+            interface: interface.clone(),
+            gateway,
+        },
+        _ => cove_net::Uplink::detect()
+            .await
+            .context("finding the host's uplink for sandbox traffic (or pass --uplink-interface and --uplink-gateway, or --no-network)")?,
+    };
+    let dns = if args.dns.is_empty() {
+        let host = std::fs::read_to_string("/etc/resolv.conf").unwrap_or_default();
+        cove_net::nameservers(&host)
+    } else {
+        args.dns.clone()
+    };
+    if dns.is_empty() {
+        bail!("no DNS server for sandboxes: pass --dns");
+    }
+    let mut config = cove_net::NetworkConfig::new(uplink, dns, data_dir.join("net"));
+    config.range = args.network_range;
+    config.bridge = args.bridge.clone();
+    cove_net::Network::new(config)
+        .await
+        .context("setting up the sandbox network (needs nftables; or pass --no-network)")
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let serve = start(args).await?;
+    let (serve, network) = start(args).await?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         result = serve => result??,
         _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; sandboxes are brought back on the next start"),
         _ = terminate.recv() => tracing::info!("terminated; sandboxes are brought back on the next start"),
+    }
+    if let Some(network) = network {
+        // The bridge, firewall tables and routes go; addresses stay on disk.
+        if let Err(error) = network.shutdown().await {
+            tracing::error!(%error, "removing the sandbox network");
+        }
     }
     Ok(())
 }

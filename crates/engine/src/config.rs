@@ -29,6 +29,8 @@ pub struct EngineConfig {
     /// The cache images from registries are pulled into; without one, creating
     /// from an image is refused.
     pub images: Option<cove_oci::ImageStore>,
+    /// The node's sandbox network; without one, sandboxes have only loopback.
+    pub network: Option<crate::NetworkHandle>,
 }
 
 impl Default for EngineConfig {
@@ -47,6 +49,7 @@ impl Default for EngineConfig {
             timer_tick: Duration::from_secs(1),
             archive: None,
             images: None,
+            network: None,
         }
     }
 }

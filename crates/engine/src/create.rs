@@ -35,6 +35,8 @@ pub struct CreateSandbox {
     /// A Dockerfile to build the sandbox's image from (the SDK's `image=`),
     /// instead of a snapshot.
     pub dockerfile: Option<String>,
+    /// Egress policy (networkBlockAll, networkAllowList, domainAllowList).
+    pub network: cove_store::NetworkSettings,
 }
 
 /// Names are used in URLs and as host names: keep them plain.
@@ -106,6 +108,14 @@ impl Engine {
             return Err(EngineError::SnapshotNotActive {
                 name: snapshot.name.clone(),
                 state: snapshot.state.as_str(),
+            });
+        }
+        crate::network::policy(&request.network)?;
+        if request.network != cove_store::NetworkSettings::default()
+            && self.inner.config.network.is_none()
+        {
+            return Err(EngineError::NotImplemented {
+                what: "network policies on a server without sandbox networking".into(),
             });
         }
         if request.kvm {
@@ -227,6 +237,7 @@ impl Engine {
             persistent,
             spot: request.spot,
             parent_id: None,
+            network: request.network.clone(),
         };
         let lock = self.lock_for(&id);
         let _guard = lock.lock().await;
@@ -242,8 +253,8 @@ impl Engine {
         let runtime = self.runtime(record.class)?.clone();
         let spec = self.spec(&record, &snapshot);
         let made = async {
-            runtime.prepare(&spec).await?;
-            runtime.start(&spec).await
+            runtime.prepare(&spec).await.map_err(|e| e.to_string())?;
+            self.start_machine(runtime.as_ref(), &record, spec).await
         }
         .await;
         let started = match made {
@@ -253,11 +264,14 @@ impl Engine {
                 if let Err(cleanup) = runtime.destroy(&id).await {
                     tracing::error!(sandbox = %id, error = %cleanup, "cleanup after a failed create");
                 }
+                if let Err(cleanup) = self.release_network(&record).await {
+                    tracing::error!(sandbox = %id, error = %cleanup, "cleanup after a failed create");
+                }
                 self.inner.store.delete_sandbox(&id).await?;
                 return Err(EngineError::Runtime {
                     id,
                     operation: "be created",
-                    reason: error.to_string(),
+                    reason: error,
                 });
             }
         };
@@ -293,6 +307,7 @@ impl Engine {
                 .chain(record.env.iter())
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
+            network: None,
         }
     }
 }

@@ -88,8 +88,8 @@ impl Engine {
         };
         self.save_state(&mut parent).await?;
         let made = match copied {
-            Ok(()) => runtime.start(&spec).await,
-            Err(error) => Err(error),
+            Ok(()) => self.start_machine(runtime.as_ref(), &child, spec).await,
+            Err(error) => Err(error.to_string()),
         };
         let started = match made {
             Ok(started) => started,
@@ -101,7 +101,7 @@ impl Engine {
                 return Err(EngineError::Runtime {
                     id: parent.id,
                     operation: "fork",
-                    reason: error.to_string(),
+                    reason: error,
                 });
             }
         };

@@ -14,6 +14,7 @@ mod create;
 mod error;
 mod forks;
 mod images;
+mod network;
 mod operations;
 mod recovery;
 mod settings;
@@ -31,10 +32,11 @@ pub use archive::Archive;
 pub use auth::hash_api_key;
 pub use config::{Ceilings, EngineConfig};
 pub use cove_lifecycle::{DesiredState, SandboxState};
-pub use cove_store::{SandboxRecord, SnapshotRecord};
+pub use cove_store::{NetworkSettings, SandboxRecord, SnapshotRecord};
 pub use create::CreateSandbox;
 pub use error::{EngineError, ErrorKind};
 pub use images::{parse_dockerfile, DockerfilePlan, ImageSnapshotRequest};
+pub use network::{policy as network_policy, NetworkHandle};
 pub use settings::SettingChange;
 
 /// Milliseconds since the Unix epoch.

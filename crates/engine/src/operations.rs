@@ -223,17 +223,19 @@ impl Engine {
                         .await
                         .map_err(|e| e.to_string())?;
                 }
-                let started = runtime.start(&spec).await.map_err(|e| e.to_string())?;
+                let started = self.start_machine(runtime.as_ref(), record, spec).await?;
                 self.register_running(&record.id, started);
                 Ok(())
             }
             Effect::Pause => {
                 self.forget_running(&record.id);
-                runtime.pause(&record.id).await.map_err(|e| e.to_string())
+                runtime.pause(&record.id).await.map_err(|e| e.to_string())?;
+                self.detach_network(record).await
             }
             Effect::Halt => {
                 self.forget_running(&record.id);
-                runtime.stop(&record.id).await.map_err(|e| e.to_string())
+                runtime.stop(&record.id).await.map_err(|e| e.to_string())?;
+                self.detach_network(record).await
             }
             Effect::Destroy => {
                 self.forget_running(&record.id);
@@ -241,6 +243,7 @@ impl Engine {
                     .destroy(&record.id)
                     .await
                     .map_err(|e| e.to_string())?;
+                self.release_network(record).await?;
                 match &self.inner.config.archive {
                     Some(archive) => archive.remove(&record.id).await,
                     None => Ok(()),
@@ -267,7 +270,11 @@ impl Engine {
                 let _ = tokio::fs::remove_file(&file).await;
                 moved?;
                 // Only once the archive holds it does the local copy go.
-                runtime.destroy(&record.id).await.map_err(|e| e.to_string())
+                runtime
+                    .destroy(&record.id)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                self.release_network(record).await
             }
             Effect::Restore { capture_id } => {
                 let own = self.own_snapshot(record).await?;
@@ -275,17 +282,38 @@ impl Engine {
                 let was_running = runtime.is_running(&record.id).await;
                 self.forget_running(&record.id);
                 runtime.stop(&record.id).await.map_err(|e| e.to_string())?;
+                self.detach_network(record).await?;
                 runtime
                     .restore(&spec, &capture_id)
                     .await
                     .map_err(|e| e.to_string())?;
                 if was_running {
-                    let started = runtime.start(&spec).await.map_err(|e| e.to_string())?;
+                    let started = self.start_machine(runtime.as_ref(), record, spec).await?;
                     self.register_running(&record.id, started);
                 }
                 Ok(())
             }
             Effect::Capture(_) => unreachable!("handled above"),
+        }
+    }
+
+    /// Starts a sandbox's machine on the network: attached right before, and
+    /// detached again if the start fails.
+    pub(crate) async fn start_machine(
+        &self,
+        runtime: &dyn cove_runtime::Runtime,
+        record: &SandboxRecord,
+        mut spec: cove_runtime::SandboxSpec,
+    ) -> Result<Started, String> {
+        spec.network = self.attach_network(record).await?;
+        match runtime.start(&spec).await {
+            Ok(started) => Ok(started),
+            Err(error) => {
+                if let Err(detach) = self.detach_network(record).await {
+                    tracing::warn!(sandbox = %record.id, error = %detach, "after a failed start");
+                }
+                Err(error.to_string())
+            }
         }
     }
 

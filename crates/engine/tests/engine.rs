@@ -306,6 +306,7 @@ async fn a_restart_brings_sandboxes_back_once() {
                 disk_gib: 3,
             },
             env: vec![],
+            network: None,
         };
         fake.prepare(&spec).await.unwrap();
     }

@@ -36,6 +36,18 @@ pub struct SandboxSpec {
     pub resources: Resources,
     /// Environment every process in the sandbox gets.
     pub env: Vec<(String, String)>,
+    /// The network made for the sandbox (by cove-net); `None` leaves it with
+    /// only a loopback interface.
+    pub network: Option<SandboxNetwork>,
+}
+
+/// A network prepared for one sandbox.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SandboxNetwork {
+    /// A network namespace file (a bind mount) the container joins.
+    pub netns: PathBuf,
+    /// The sandbox's `/etc/resolv.conf`.
+    pub resolv_conf: String,
 }
 
 /// How the server reaches the agent inside a running sandbox.

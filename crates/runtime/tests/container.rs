@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use cove_runtime::container::{container_init_main, ContainerConfig, ContainerRuntime};
-use cove_runtime::{AgentEndpoint, Resources, Runtime, SandboxSpec, Started};
+use cove_runtime::{AgentEndpoint, Resources, Runtime, SandboxNetwork, SandboxSpec, Started};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
@@ -92,11 +92,16 @@ impl Harness {
                 disk_gib: 1,
             },
             env: vec![("SANDBOX_TEST".into(), "1".into())],
+            network: None,
         }
     }
 
     async fn start(&self, id: &str) -> (Started, PathBuf) {
-        let spec = self.spec(id);
+        self.start_spec(self.spec(id)).await
+    }
+
+    async fn start_spec(&self, spec: SandboxSpec) -> (Started, PathBuf) {
+        let id = spec.id.clone();
         self.runtime.prepare(&spec).await.unwrap();
         let began = Instant::now();
         let started = self.runtime.start(&spec).await.unwrap();
@@ -533,4 +538,80 @@ async fn start_time_is_logged() {
         "median of 10: prepare+start {:?}, to first command answered {:?} (max {:?})",
         starts[5], firsts[5], firsts[9]
     );
+}
+
+/// A network namespace made with `ip netns`, with a veth pair inside; deleted on drop.
+struct TestNetns {
+    name: String,
+}
+
+impl TestNetns {
+    fn new(name: &str) -> Self {
+        let netns = Self {
+            name: format!("cove-ct-{}-{name}", std::process::id()),
+        };
+        let ip = |args: &[&str]| {
+            let status = std::process::Command::new("ip")
+                .args(args)
+                .status()
+                .unwrap();
+            assert!(status.success(), "ip {args:?}");
+        };
+        ip(&["netns", "add", &netns.name]);
+        let n = netns.name.as_str();
+        ip(&[
+            "-n", n, "link", "add", "a0", "type", "veth", "peer", "name", "b0",
+        ]);
+        ip(&["-n", n, "addr", "add", "10.123.0.2/24", "dev", "a0"]);
+        ip(&["-n", n, "link", "set", "a0", "up"]);
+        ip(&["-n", n, "link", "set", "lo", "up"]);
+        netns
+    }
+
+    fn path(&self) -> PathBuf {
+        Path::new("/run/netns").join(&self.name)
+    }
+}
+
+impl Drop for TestNetns {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+#[tokio::test]
+async fn a_sandbox_joins_the_network_prepared_for_it() {
+    let h = Harness::new("net");
+    let netns = TestNetns::new("net");
+    let mut spec = h.spec("n1");
+    spec.network = Some(SandboxNetwork {
+        netns: netns.path(),
+        resolv_conf: "nameserver 10.123.0.1\n".into(),
+    });
+    let (_started, socket) = h.start_spec(spec).await;
+    let interfaces = exec_ok(&socket, "cat /proc/net/dev").await;
+    assert!(interfaces.contains("a0:"), "{interfaces}");
+    assert_eq!(
+        exec_ok(&socket, "cat /etc/resolv.conf").await,
+        "nameserver 10.123.0.1"
+    );
+    let addresses = exec_ok(&socket, "cat /proc/net/fib_trie").await;
+    assert!(addresses.contains("10.123.0.2"), "{addresses}");
+
+    // Without a network: a namespace of its own with only lo, and the
+    // image's resolv.conf untouched.
+    let (_plain, plain) = h.start("n2").await;
+    let interfaces = exec_ok(&plain, "cat /proc/net/dev").await;
+    assert!(!interfaces.contains("a0:"), "{interfaces}");
+    assert!(interfaces.contains("lo:"), "{interfaces}");
+    let (_, resolv) = exec(&plain, "cat /etc/resolv.conf").await;
+    assert!(!resolv.contains("10.123.0.1"), "{resolv}");
+
+    // The network outlives the sandbox: it belongs to the network side.
+    h.runtime.destroy("n1").await.unwrap();
+    h.runtime.destroy("n2").await.unwrap();
+    assert!(netns.path().exists());
+    h.assert_nothing_left("n1", &BTreeSet::new());
 }

@@ -8,3 +8,5 @@ ALTER TABLE snapshots ADD COLUMN has_memory BIGINT NOT NULL DEFAULT 0;
 -- The environment a snapshot's image asks for (PATH and the like), as a JSON
 -- object; sandboxes made from it get it under their own variables.
 ALTER TABLE snapshots ADD COLUMN env TEXT NOT NULL DEFAULT '{}';
+-- A sandbox's egress policy (JSON: blockAll, allowList, denyList, domains).
+ALTER TABLE sandboxes ADD COLUMN network TEXT NOT NULL DEFAULT '{}';

@@ -16,7 +16,7 @@ use std::str::FromStr;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::SqlitePool;
 
-pub use records::{SandboxRecord, SnapshotRecord, SnapshotState};
+pub use records::{NetworkSettings, SandboxRecord, SnapshotRecord, SnapshotState};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

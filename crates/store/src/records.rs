@@ -35,6 +35,22 @@ pub struct SandboxRecord {
     pub spot: bool,
     /// The sandbox this one was forked from.
     pub parent_id: Option<String>,
+    /// Its egress policy, as the user gave it.
+    pub network: NetworkSettings,
+}
+
+/// A sandbox's egress policy as the user gave it (checked by the engine).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(default, rename_all = "camelCase")]
+pub struct NetworkSettings {
+    /// Nothing leaves the sandbox.
+    pub block_all: bool,
+    /// If not empty, only these CIDRs (and `domains`) are reachable.
+    pub allow_list: Vec<String>,
+    /// Never reachable (a cove extension).
+    pub deny_list: Vec<String>,
+    /// If not empty, only these names resolve, and what they resolve to is reachable.
+    pub domains: Vec<String>,
 }
 
 /// Where a snapshot is in its life.

@@ -9,7 +9,7 @@ use crate::{SandboxRecord, Store, StoreError};
 const COLUMNS: &str = "id, name, snapshot, class, state, desired_state, error_reason, os_user, \
     cpu, gpu, memory_gib, disk_gib, env, labels, public, auto_stop, auto_pause, auto_archive, \
     auto_delete, ttl_minutes, ttl_deadline_ms, created_at_ms, updated_at_ms, state_since_ms, \
-    last_activity_ms, persistent, spot, parent_id";
+    last_activity_ms, persistent, spot, parent_id, network";
 
 fn corrupt(id: &str, reason: impl ToString) -> StoreError {
     StoreError::Corrupt {
@@ -56,6 +56,8 @@ fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
         persistent: row.try_get::<i64, _>("persistent")? != 0,
         spot: row.try_get::<i64, _>("spot")? != 0,
         parent_id: row.try_get("parent_id")?,
+        network: serde_json::from_str(&text("network")?)
+            .map_err(|e| corrupt(&id, format!("network: {e}")))?,
         id,
     })
 }
@@ -79,7 +81,7 @@ impl Store {
     }
 
     async fn write_sandbox(&self, verb: &str, s: &SandboxRecord) -> Result<(), StoreError> {
-        let placeholders = vec!["?"; 28].join(", ");
+        let placeholders = vec!["?"; 29].join(", ");
         let sql = format!("{verb} INTO sandboxes ({COLUMNS}) VALUES ({placeholders})");
         sqlx::query(&sql)
             .bind(&s.id)
@@ -110,6 +112,7 @@ impl Store {
             .bind(i64::from(s.persistent))
             .bind(i64::from(s.spot))
             .bind(&s.parent_id)
+            .bind(serde_json::to_string(&s.network).expect("settings serialize"))
             .execute(&self.pool)
             .await?;
         Ok(())

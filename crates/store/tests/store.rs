@@ -37,6 +37,12 @@ fn sandbox(id: &str, name: &str) -> SandboxRecord {
         persistent: true,
         spot: false,
         parent_id: Some("id-parent".into()),
+        network: cove_store::NetworkSettings {
+            block_all: false,
+            allow_list: vec!["10.0.0.0/8".into()],
+            deny_list: vec![],
+            domains: vec!["*.example.com".into()],
+        },
     }
 }
 

@@ -41,6 +41,18 @@ pub struct InitArgs {
     pub env: Vec<(String, String)>,
     /// Keep CAP_MKNOD only where the cgroup confines device access.
     pub keep_mknod: bool,
+    /// The network namespace to join; without one the container gets a new,
+    /// empty one with only `lo`.
+    #[serde(default)]
+    pub network: Option<InitNetwork>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InitNetwork {
+    /// A network namespace file to `setns` into.
+    pub netns: PathBuf,
+    /// Bind-mounted over the container's `/etc/resolv.conf`.
+    pub resolv_conf: String,
 }
 
 impl InitArgs {
@@ -132,6 +144,10 @@ mod tests {
             cgroup_procs: vec!["/sys/fs/cgroup/pids/cove/sb1/cgroup.procs".into()],
             env: vec![("A".into(), "b c\n".into())],
             keep_mknod: true,
+            network: Some(InitNetwork {
+                netns: "/var/lib/cove/net/netns/sb1".into(),
+                resolv_conf: "nameserver 10.77.0.1\n".into(),
+            }),
         }
     }
 

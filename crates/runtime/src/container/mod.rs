@@ -6,7 +6,8 @@
 //! `shim`), which builds the container and answers with one line. Module map:
 //! `layout` (host paths of a sandbox), `cgroup` (limits, membership, kill),
 //! `init_args` (server to shim message), `shim` (the shim and container init),
-//! `rootfs` (mounts and pivot_root), `harden` (capabilities, seccomp), `loopback`.
+//! `rootfs` (mounts and pivot_root), `harden` (capabilities, seccomp), `loopback`
+//! (the only interface of a sandbox without a network).
 //!
 //! Everything a container mounts lives in its own mount namespace, so the host is clean
 //! once its processes are gone; the host objects are the cgroup and `{state_dir}/{id}`.
@@ -362,6 +363,10 @@ impl Runtime for ContainerRuntime {
             cgroup_procs: self.cgroups.procs_files(id),
             env: init_args::agent_env(&spec.env),
             keep_mknod: self.cgroups.confines_devices(),
+            network: spec.network.as_ref().map(|network| init_args::InitNetwork {
+                netns: network.netns.clone(),
+                resolv_conf: network.resolv_conf.clone(),
+            }),
         };
         let spawned = Command::new(&self.config.init_exe)
             .arg(SUBCOMMAND)

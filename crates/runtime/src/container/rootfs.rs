@@ -1,8 +1,8 @@
 //! The container's filesystem view, built by the container init inside its own mount
 //! namespace: the overlay of the image and the sandbox's writable layer, /proc, a minimal
-//! /dev, read-only /sys, a /run tmpfs carrying the agent binary, then pivot_root and the
-//! masked and read-only /proc and /sys paths. Nothing here is visible on the host, so
-//! nothing needs unmounting: the mounts die with the namespace.
+//! /dev, read-only /sys, a /run tmpfs carrying the agent binary, then pivot_root, the
+//! network's resolv.conf, and the masked and read-only /proc and /sys paths. Nothing here
+//! is visible on the host, so nothing needs unmounting: the mounts die with the namespace.
 
 use std::fs;
 use std::os::unix::fs::{symlink, PermissionsExt};
@@ -162,7 +162,9 @@ pub fn build(args: &InitArgs) -> Result<(), String> {
     step(nix::unistd::sethostname(&args.hostname), || {
         format!("set hostname {:?}", args.hostname)
     })?;
-    super::loopback::loopback_up()?;
+    if args.network.is_none() {
+        super::loopback::loopback_up()?;
+    }
 
     // pivot_root(".", ".") stacks the old root on the new one; detaching it leaves the
     // container with nothing of the host's tree.
@@ -174,7 +176,42 @@ pub fn build(args: &InitArgs) -> Result<(), String> {
         "detach the host root".to_string()
     })?;
     step(chdir("/"), || "enter /".to_string())?;
+    if let Some(network) = &args.network {
+        resolv_conf(&network.resolv_conf)?;
+    }
     mask_paths()
+}
+
+/// Where the sandbox's resolv.conf lives, on the /run tmpfs.
+const RESOLV_CONF_SOURCE: &str = "/run/cove/resolv.conf";
+
+/// Puts the network's resolv.conf over `/etc/resolv.conf` (a bind mount, as
+/// Docker does, so the sandbox's own layer keeps its file). The image's copy
+/// is never used: debootstrap copies the host's, and queries to the host's
+/// resolvers would bypass cove's. Runs after pivot_root, so a symlink there
+/// resolves inside the container, never on the host.
+fn resolv_conf(content: &str) -> Result<(), String> {
+    let source = Path::new(RESOLV_CONF_SOURCE);
+    io_step(fs::write(source, content), || {
+        format!("write {}", source.display())
+    })?;
+    let target = Path::new("/etc/resolv.conf");
+    mkdir(Path::new("/etc"))?;
+    let is_file = fs::symlink_metadata(target).is_ok_and(|m| m.file_type().is_file());
+    if !is_file {
+        // A dangling symlink (to systemd-resolved, say) or nothing: a plain
+        // file to mount on.
+        match fs::remove_file(target) {
+            Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
+                return Err(format!("remove {}: {err}", target.display()))
+            }
+            _ => {}
+        }
+        io_step(fs::File::create(target), || {
+            format!("create {}", target.display())
+        })?;
+    }
+    bind(source, target, MsFlags::empty())
 }
 
 fn build_dev(dev: &Path) -> Result<(), String> {

@@ -1,5 +1,6 @@
 //! The container shim: `cove __container-init <json>`, a fresh single-threaded process the
-//! server spawns per start. It unshares the namespaces, binds
+//! server spawns per start. It unshares the namespaces (or joins the network
+//! namespace the network side prepared), binds
 //! the agent's listening socket, forks the container init (PID 1 of the new pid namespace),
 //! reports `ready <pid>` or `error <message>` on stdout and then supervises: it exits with
 //! the init's status, and on SIGTERM/SIGINT/SIGHUP it SIGKILLs the init, which takes the
@@ -11,11 +12,11 @@
 use std::ffi::CString;
 use std::fs;
 use std::io::{Read, Write};
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 
 use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
-use nix::sched::{unshare, CloneFlags};
+use nix::sched::{setns, unshare, CloneFlags};
 use nix::sys::signal::{kill, signal, sigprocmask, SigHandler, SigSet, SigmaskHow, Signal};
 use nix::sys::stat::{umask, Mode};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
@@ -81,10 +82,13 @@ fn supervised_signals() -> SigSet {
 
 /// Everything up to a running agent; returns the host pid of the container init.
 fn launch(args: &InitArgs) -> Result<Pid, String> {
-    let flags = CloneFlags::CLONE_NEWUTS
-        | CloneFlags::CLONE_NEWIPC
-        | CloneFlags::CLONE_NEWNET
-        | CloneFlags::CLONE_NEWPID;
+    let mut flags = CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWPID;
+    match &args.network {
+        // The network side made and configured the namespace; the container
+        // only enters it, before anything in it runs.
+        Some(network) => join_network(&network.netns)?,
+        None => flags |= CloneFlags::CLONE_NEWNET,
+    }
     unshare(flags).map_err(|errno| format!("unshare namespaces: {}", errno.desc()))?;
 
     let socket = SandboxLayout {
@@ -158,6 +162,18 @@ fn launch(args: &InitArgs) -> Result<Pid, String> {
             }
         }
     }
+}
+
+fn join_network(netns: &std::path::Path) -> Result<(), String> {
+    let file = fs::File::open(netns)
+        .map_err(|err| format!("open network namespace {}: {err}", netns.display()))?;
+    setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|errno| {
+        format!(
+            "join network namespace {}: {}",
+            netns.display(),
+            errno.desc()
+        )
+    })
 }
 
 /// Puts the container init (not the shim) into the sandbox's cgroups: a cgroup kill then

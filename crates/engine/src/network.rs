@@ -1,0 +1,142 @@
+//! Sandbox networking: each started container sandbox is attached to cove's
+//! network (its own namespace, address, and egress policy) right before its
+//! runtime starts it, detached when it stops or pauses, and its address is
+//! released when it is deleted. Policy changes on a running sandbox apply live.
+
+use std::sync::Arc;
+
+use cove_lifecycle::{SandboxClass, SandboxState};
+use cove_net::{Policy, PolicyError};
+use cove_runtime::SandboxNetwork;
+use cove_store::{NetworkSettings, SandboxRecord};
+
+use crate::{Engine, EngineError};
+
+/// The node's network, shared by the engine and the server that made it.
+#[derive(Clone)]
+pub struct NetworkHandle(pub Arc<cove_net::Network>);
+
+impl std::fmt::Debug for NetworkHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("NetworkHandle")
+    }
+}
+
+fn invalid(field: &'static str, error: PolicyError) -> EngineError {
+    EngineError::Invalid {
+        field,
+        reason: error.to_string(),
+    }
+}
+
+/// The policy `settings` describe, checked: a bad CIDR or domain is a 400 naming it.
+pub fn policy(settings: &NetworkSettings) -> Result<Policy, EngineError> {
+    let cidrs = |field: &'static str, list: &[String]| -> Result<_, EngineError> {
+        list.iter()
+            .map(|c| Policy::parse_cidr(c).map_err(|e| invalid(field, e)))
+            .collect::<Result<Vec<_>, _>>()
+    };
+    let policy = Policy {
+        block_all: settings.block_all,
+        allow_cidrs: cidrs("networkAllowList", &settings.allow_list)?,
+        deny_cidrs: cidrs("networkDenyList", &settings.deny_list)?,
+        allow_domains: settings.domains.clone(),
+    };
+    policy.validate().map_err(|e| {
+        let field = match e {
+            PolicyError::InvalidDomain { .. } => "domainAllowList",
+            _ => "networkAllowList",
+        };
+        invalid(field, e)
+    })?;
+    Ok(policy)
+}
+
+impl Engine {
+    fn network(&self, class: SandboxClass) -> Option<&Arc<cove_net::Network>> {
+        // VMs get their network through a TAP device, which is not built yet:
+        // they keep the guest's own loopback only.
+        match class {
+            SandboxClass::Container => self.inner.config.network.as_ref().map(|n| &n.0),
+            SandboxClass::LinuxVm => None,
+        }
+    }
+
+    /// Attaches a sandbox that is about to start; `None` without networking.
+    pub(crate) async fn attach_network(
+        &self,
+        record: &SandboxRecord,
+    ) -> Result<Option<SandboxNetwork>, String> {
+        let Some(network) = self.network(record.class) else {
+            return Ok(None);
+        };
+        let policy = policy(&record.network).map_err(|e| e.to_string())?;
+        let attachment = network
+            .attach(&record.id, &policy)
+            .await
+            .map_err(|e| format!("attaching it to the network: {e}"))?;
+        Ok(Some(SandboxNetwork {
+            netns: attachment.netns_path,
+            resolv_conf: attachment.resolv_conf,
+        }))
+    }
+
+    /// Takes a sandbox that no longer runs off the network (keeps its address).
+    pub(crate) async fn detach_network(&self, record: &SandboxRecord) -> Result<(), String> {
+        match self.network(record.class) {
+            Some(network) => network
+                .detach(&record.id)
+                .await
+                .map_err(|e| format!("detaching it from the network: {e}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Gives up a deleted sandbox's address.
+    pub(crate) async fn release_network(&self, record: &SandboxRecord) -> Result<(), String> {
+        match self.network(record.class) {
+            Some(network) => network
+                .release(&record.id)
+                .await
+                .map_err(|e| format!("releasing its network address: {e}")),
+            None => Ok(()),
+        }
+    }
+
+    /// Replaces a sandbox's egress policy; a running sandbox gets it at once.
+    pub async fn set_network_settings(
+        &self,
+        id_or_name: &str,
+        settings: NetworkSettings,
+    ) -> Result<SandboxRecord, EngineError> {
+        let checked = policy(&settings)?;
+        let id = self.get(id_or_name).await?.id;
+        let lock = self.lock_for(&id);
+        let _guard = lock.lock().await;
+        let mut record = self.get(&id).await?;
+        if self.network(record.class).is_none() && settings != NetworkSettings::default() {
+            return Err(EngineError::NotImplemented {
+                what: format!(
+                    "network policies for {} sandboxes on this server (no sandbox networking)",
+                    record.class
+                ),
+            });
+        }
+        if record.state == SandboxState::Started {
+            if let Some(network) = self.network(record.class) {
+                network
+                    .set_policy(&record.id, &checked)
+                    .await
+                    .map_err(|e| EngineError::Runtime {
+                        id: record.id.clone(),
+                        operation: "change its network policy",
+                        reason: e.to_string(),
+                    })?;
+            }
+        }
+        record.network = settings;
+        record.updated_at_ms = crate::now_ms();
+        self.inner.store.save_sandbox(&record).await?;
+        Ok(record)
+    }
+}

@@ -1,0 +1,584 @@
+//! Sandbox networking: every sandbox gets a network namespace with one veth
+//! into a host bridge, an address from a private range, NAT out of a configured
+//! uplink, an egress policy enforced in nftables sets, and cove's own DNS
+//! resolver, which admits the addresses of allowed names.
+//!
+//! [`Network`] is made once at server start ([`Network::new`] also removes what
+//! a previous run left); [`Network::attach`] makes a sandbox's namespace (a file
+//! the container joins with `setns`), [`Network::set_policy`] changes its
+//! policy live, [`Network::detach`] removes every trace of it. The create path
+//! (`attach`) uses only netlink; the `nft` binary runs only at start and
+//! shutdown to load and delete the ruleset.
+//!
+//! Module map: `config` (what the server sets), `policy` (what a sandbox may
+//! reach), `addresses` (persistent allocation), `netns` (namespace files and
+//! a pool of ready namespaces with their veths),
+//! `links` (rtnetlink: bridge, veth, routes, rules), `nft` (ruleset and set
+//! elements), `resolver` (DNS).
+//!
+//! This crate knows nothing of containers, HTTP or the database; the container
+//! runtime only sees the namespace path and the resolv.conf text.
+
+mod addresses;
+mod config;
+mod error;
+mod links;
+mod netns;
+mod nft;
+mod policy;
+mod resolver;
+
+use std::collections::{HashMap, HashSet};
+use std::net::{Ipv4Addr, SocketAddrV4};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use config::{nameservers, NetworkConfig, Uplink};
+pub use error::NetError;
+pub use ipnet::Ipv4Net;
+pub use nft::elements::BatchError;
+pub use policy::{Policy, PolicyError};
+
+use addresses::AddressBook;
+use nft::elements::{Change, Element};
+use nft::Firewall;
+use policy::{CompiledPolicy, Resolution};
+use resolver::Resolver;
+
+/// An address a resolver answer admits stays reachable for the record's TTL,
+/// but at least this long (a TTL of 0 would admit nothing usable) ...
+const MIN_ADMIT: Duration = Duration::from_secs(10);
+/// ... and at most this long.
+const MAX_ADMIT: Duration = Duration::from_secs(24 * 3600);
+/// An admitted address this close to expiry is re-added rather than replaced:
+/// the kernel may drop it between our delete and add.
+const EXPIRY_MARGIN: Duration = Duration::from_secs(2);
+/// At most this many admitted addresses per sandbox: a wildcard lets a
+/// sandbox resolve names without end, and each admission is kernel memory.
+const MAX_LEARNED: usize = 4096;
+
+/// What a sandbox's runtime needs to put it on the network.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Attachment {
+    /// The namespace file to `setns` into (`CLONE_NEWNET`).
+    pub netns_path: PathBuf,
+    pub address: Ipv4Addr,
+    pub prefix_len: u8,
+    pub gateway: Ipv4Addr,
+    /// The host end of the sandbox's veth, a port of the bridge.
+    pub host_link: String,
+    /// The sandbox's `/etc/resolv.conf`: cove's resolver, never the host's.
+    pub resolv_conf: String,
+}
+
+/// The sandbox network of one server.
+pub struct Network {
+    shared: Arc<Shared>,
+    host: rtnetlink::Handle,
+    pool: netns::Pool,
+    resolver: Mutex<Option<Resolver>>,
+}
+
+impl std::fmt::Debug for Network {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Network")
+            .field("config", &self.shared.config)
+            .finish_non_exhaustive()
+    }
+}
+
+/// What the resolver shares with the network.
+struct Shared {
+    config: NetworkConfig,
+    firewall: Firewall,
+    state: Mutex<State>,
+}
+
+struct State {
+    book: AddressBook,
+    attached: HashMap<String, Sandbox>,
+    by_address: HashMap<Ipv4Addr, String>,
+    /// Ids with an attach or detach under way.
+    busy: HashSet<String>,
+}
+
+struct Sandbox {
+    address: Ipv4Addr,
+    port: String,
+    policy: CompiledPolicy,
+    /// Addresses the resolver admitted, and when the kernel forgets them.
+    learned: HashMap<Ipv4Addr, Instant>,
+}
+
+/// An id names a file under the state dir: one plain path component.
+fn check_id(id: &str) -> Result<(), NetError> {
+    let plain = !id.is_empty()
+        && id != "."
+        && id != ".."
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if plain {
+        Ok(())
+    } else {
+        Err(NetError::InvalidId { id: id.to_owned() })
+    }
+}
+
+impl Network {
+    /// Sets up the bridge, routing, firewall and resolver, after removing
+    /// whatever a previous run with this config left (namespaces, links, rules,
+    /// set elements). Address allocations are kept.
+    pub async fn new(config: NetworkConfig) -> Result<Self, NetError> {
+        config.validate().map_err(NetError::Config)?;
+        let netns_dir = config.netns_dir();
+        std::fs::create_dir_all(&netns_dir)
+            .map_err(NetError::io(format!("create {}", netns_dir.display())))?;
+        let (connection, host, _) =
+            rtnetlink::new_connection().map_err(NetError::io("open a netlink socket"))?;
+        tokio::spawn(connection);
+
+        let stale = netns::remove_all(&netns_dir)?;
+        let ports = links::delete_ports(&host, &config).await?;
+        if !stale.is_empty() || !ports.is_empty() {
+            tracing::info!(
+                namespaces = stale.len(),
+                links = ports.len(),
+                "removed the sandbox network of a previous run"
+            );
+        }
+        let uplink_index = links::index_of(&host, &config.uplink.interface)
+            .await?
+            .ok_or_else(|| {
+                NetError::Config(format!(
+                    "uplink interface {} does not exist",
+                    config.uplink.interface
+                ))
+            })?;
+        let bridge_index = links::create_bridge(&host, &config).await?;
+        links::enable_forwarding(&config)?;
+        links::install_routing(&host, &config, uplink_index).await?;
+        nft::run_nft(&nft::ruleset(&config)).await?;
+
+        let shared = Arc::new(Shared {
+            firewall: Firewall::open(&config)?,
+            state: Mutex::new(State {
+                book: AddressBook::load(&config)?,
+                attached: HashMap::new(),
+                by_address: HashMap::new(),
+                busy: HashSet::new(),
+            }),
+            config,
+        });
+        let upstreams = shared
+            .config
+            .dns_upstreams
+            .iter()
+            .map(|a| SocketAddrV4::new(*a, 53))
+            .collect();
+        let resolver = Resolver::start(
+            SocketAddrV4::new(shared.config.gateway(), 53),
+            upstreams,
+            shared.config.route_table,
+            Arc::clone(&shared) as Arc<dyn resolver::Policies>,
+        )
+        .await?;
+        Ok(Self {
+            pool: netns::Pool::new(
+                shared.config.netns_pool,
+                host.clone(),
+                shared.config.clone(),
+                bridge_index,
+            ),
+            shared,
+            host,
+            resolver: Mutex::new(Some(resolver)),
+        })
+    }
+
+    pub fn config(&self) -> &NetworkConfig {
+        &self.shared.config
+    }
+
+    /// The `/etc/resolv.conf` of every sandbox: cove's resolver on the gateway.
+    pub fn resolv_conf(&self) -> String {
+        format!("nameserver {}\n", self.shared.config.gateway())
+    }
+
+    /// Puts a sandbox on the network with `policy`: its namespace, veth,
+    /// address and firewall elements. Attaching an attached sandbox applies
+    /// the policy and returns the same attachment.
+    pub async fn attach(&self, id: &str, policy: &Policy) -> Result<Attachment, NetError> {
+        check_id(id)?;
+        let compiled = policy.compile()?;
+        let offset = match self.shared.reserve(id)? {
+            Reserved::Attached => {
+                self.set_policy(id, policy).await?;
+                let (address, port) = self.shared.address_of(id)?;
+                return Ok(self.attachment(id, address, port));
+            }
+            Reserved::Offset(offset) => offset,
+        };
+        let config = &self.shared.config;
+        let address = config.sandbox_address(offset);
+        let built = self.build(id, address, &compiled).await;
+        self.pool.refill();
+        let mut state = self.shared.lock();
+        state.busy.remove(id);
+        let port = built?;
+        state.by_address.insert(address, id.to_owned());
+        state.attached.insert(
+            id.to_owned(),
+            Sandbox {
+                address,
+                port: port.clone(),
+                policy: compiled,
+                learned: HashMap::new(),
+            },
+        );
+        drop(state);
+        Ok(self.attachment(id, address, port))
+    }
+
+    fn attachment(&self, id: &str, address: Ipv4Addr, host_link: String) -> Attachment {
+        let config = &self.shared.config;
+        Attachment {
+            netns_path: config.netns_dir().join(id),
+            address,
+            prefix_len: config.range.prefix_len(),
+            gateway: config.gateway(),
+            host_link,
+            resolv_conf: self.resolv_conf(),
+        }
+    }
+
+    /// Makes the kernel objects of a sandbox; on failure removes what it made.
+    /// Returns the name of the sandbox's port (the veth's host end).
+    async fn build(
+        &self,
+        id: &str,
+        address: Ipv4Addr,
+        policy: &CompiledPolicy,
+    ) -> Result<String, NetError> {
+        let config = &self.shared.config;
+        let path = config.netns_dir().join(id);
+        let mut made_link = None;
+        let mut port = String::new();
+        let made = async {
+            let namespace = self.pool.take().await?;
+            made_link = Some(namespace.host_link);
+            port = namespace.port.clone();
+            namespace.pin(&path)?;
+            links::configure_inside(
+                &namespace.handle,
+                address,
+                config.range.prefix_len(),
+                config.gateway(),
+            )
+            .await?;
+            self.shared
+                .firewall
+                .apply(&nft::sandbox_changes(Change::Add, &port, address, policy))
+                .map_err(NetError::firewall(format!(
+                    "add the firewall elements of sandbox {id}"
+                )))
+        }
+        .await;
+        match made {
+            Ok(()) => Ok(port),
+            Err(err) => {
+                // Deleting what may not exist fails on the first missing
+                // element, so each set is tried alone.
+                for change in nft::sandbox_changes(Change::Delete, &port, address, policy) {
+                    let _ = self.shared.firewall.apply(&[change]);
+                }
+                if let Some(index) = made_link {
+                    let _ = links::delete_index(&self.host, index).await;
+                }
+                let _ = netns::remove(&path);
+                Err(err)
+            }
+        }
+    }
+
+    /// Replaces a sandbox's policy; takes effect for the next packet.
+    pub async fn set_policy(&self, id: &str, policy: &Policy) -> Result<(), NetError> {
+        check_id(id)?;
+        let new = policy.compile()?;
+        let mut state = self.shared.lock();
+        let sandbox = state
+            .attached
+            .get_mut(id)
+            .ok_or_else(|| NetError::NotAttached { id: id.to_owned() })?;
+        let changes = nft::policy_diff(sandbox.address, &sandbox.policy, &new);
+        self.shared
+            .firewall
+            .apply(&changes)
+            .map_err(NetError::firewall(format!(
+                "change the policy of sandbox {id}"
+            )))?;
+        let domains_changed = sandbox.policy.domains != new.domains;
+        sandbox.policy = new;
+        if domains_changed {
+            // What the old names resolved to is not what the new ones allow.
+            let learned = std::mem::take(&mut sandbox.learned);
+            self.shared.forget_learned(sandbox.address, learned);
+        }
+        Ok(())
+    }
+
+    /// The attached sandboxes' ids and addresses.
+    pub fn attached(&self) -> Vec<(String, Ipv4Addr)> {
+        let state = self.shared.lock();
+        let mut list: Vec<_> = state
+            .attached
+            .iter()
+            .map(|(id, s)| (id.clone(), s.address))
+            .collect();
+        list.sort();
+        list
+    }
+
+    /// Removes a sandbox from the network: its firewall elements, veth and
+    /// namespace file. It keeps its address for the next attach. Detaching a
+    /// sandbox that is not attached is not an error.
+    pub async fn detach(&self, id: &str) -> Result<(), NetError> {
+        check_id(id)?;
+        let sandbox = {
+            let mut state = self.shared.lock();
+            if !state.busy.insert(id.to_owned()) {
+                return Err(NetError::Busy { id: id.to_owned() });
+            }
+            let sandbox = state.attached.remove(id);
+            if let Some(sandbox) = &sandbox {
+                state.by_address.remove(&sandbox.address);
+            }
+            sandbox
+        };
+        let removed = self.teardown(id, sandbox).await;
+        self.shared.lock().busy.remove(id);
+        removed
+    }
+
+    /// A sandbox that is not attached may still have a namespace file (a
+    /// detach that failed halfway); a leftover port of one is deleted at the
+    /// next start.
+    async fn teardown(&self, id: &str, sandbox: Option<Sandbox>) -> Result<(), NetError> {
+        let config = &self.shared.config;
+        if let Some(sandbox) = sandbox {
+            self.shared
+                .firewall
+                .apply(&nft::sandbox_changes(
+                    Change::Delete,
+                    &sandbox.port,
+                    sandbox.address,
+                    &sandbox.policy,
+                ))
+                .map_err(NetError::firewall(format!(
+                    "delete the firewall elements of sandbox {id}"
+                )))?;
+            self.shared.forget_learned(sandbox.address, sandbox.learned);
+            links::delete_link(&self.host, &sandbox.port).await?;
+        }
+        netns::remove(&config.netns_dir().join(id))
+    }
+
+    /// Detaches the sandbox and gives up its address (for a deleted sandbox).
+    pub async fn release(&self, id: &str) -> Result<(), NetError> {
+        self.detach(id).await?;
+        let mut state = self.shared.lock();
+        if state.book.release(id) {
+            state.book.save(&self.shared.config)?;
+        }
+        Ok(())
+    }
+
+    /// Stops the resolver and removes everything the network made on the host:
+    /// every sandbox's objects, the firewall tables, the rules and route, and
+    /// the bridge. Address allocations stay on disk.
+    pub async fn shutdown(&self) -> Result<(), NetError> {
+        drop(self.resolver.lock().expect("resolver lock").take());
+        self.pool.close().await;
+        let ids: Vec<String> = self.attached().into_iter().map(|(id, _)| id).collect();
+        for id in ids {
+            self.detach(&id).await?;
+        }
+        let config = &self.shared.config;
+        nft::run_nft(&nft::teardown(config)).await?;
+        let uplink_index = links::index_of(&self.host, &config.uplink.interface).await?;
+        links::remove_routing(&self.host, config, uplink_index).await?;
+        links::delete_link(&self.host, &config.bridge).await?;
+        netns::remove_all(&config.netns_dir())?;
+        Ok(())
+    }
+}
+
+/// What `attach` found for an id.
+enum Reserved {
+    Attached,
+    /// Not attached: marked busy, with this address offset (saved).
+    Offset(u32),
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().expect("network state lock")
+    }
+
+    fn reserve(&self, id: &str) -> Result<Reserved, NetError> {
+        let mut state = self.lock();
+        if state.attached.contains_key(id) {
+            return Ok(Reserved::Attached);
+        }
+        if !state.busy.insert(id.to_owned()) {
+            return Err(NetError::Busy { id: id.to_owned() });
+        }
+        let Some((offset, changed)) = state.book.reserve(id) else {
+            state.busy.remove(id);
+            return Err(NetError::RangeFull {
+                range: self.config.range,
+            });
+        };
+        if changed {
+            if let Err(err) = state.book.save(&self.config) {
+                state.book.release(id);
+                state.busy.remove(id);
+                return Err(err);
+            }
+        }
+        Ok(Reserved::Offset(offset))
+    }
+
+    fn address_of(&self, id: &str) -> Result<(Ipv4Addr, String), NetError> {
+        self.lock()
+            .attached
+            .get(id)
+            .map(|s| (s.address, s.port.clone()))
+            .ok_or_else(|| NetError::NotAttached { id: id.to_owned() })
+    }
+
+    /// Deletes admitted addresses that have not expired yet. Each may expire
+    /// on its own meanwhile, and a batch fails whole on one missing element,
+    /// so a failed batch is retried one element at a time.
+    fn forget_learned(&self, sandbox: Ipv4Addr, learned: HashMap<Ipv4Addr, Instant>) {
+        let now = Instant::now();
+        let elements: Vec<Element> = learned
+            .into_iter()
+            .filter(|(_, expiry)| *expiry > now)
+            .map(|(destination, _)| nft::learned(sandbox, destination, None))
+            .collect();
+        if elements.is_empty() {
+            return;
+        }
+        let all = nft::learned_changes(Change::Delete, elements.clone());
+        if self.firewall.apply(&[all]).is_err() {
+            for element in elements {
+                let _ = self
+                    .firewall
+                    .apply(&[nft::learned_changes(Change::Delete, vec![element])]);
+            }
+        }
+    }
+}
+
+impl resolver::Policies for Shared {
+    fn resolution(&self, source: Ipv4Addr, name: &str) -> Resolution {
+        let state = self.lock();
+        match state
+            .by_address
+            .get(&source)
+            .and_then(|id| state.attached.get(id))
+        {
+            Some(sandbox) => sandbox.policy.resolve(name),
+            None => Resolution::Refuse,
+        }
+    }
+
+    fn admit(
+        &self,
+        source: Ipv4Addr,
+        name: &str,
+        answers: &[(Ipv4Addr, u32)],
+    ) -> Result<(), NetError> {
+        let mut state = self.lock();
+        let State {
+            by_address,
+            attached,
+            ..
+        } = &mut *state;
+        let Some(sandbox) = by_address.get(&source).and_then(|id| attached.get_mut(id)) else {
+            return Ok(()); // detached meanwhile: nothing to admit to
+        };
+        if sandbox.policy.resolve(name) != (Resolution::Forward { admit: true }) {
+            return Ok(()); // the policy changed while upstream answered
+        }
+        let now = Instant::now();
+        sandbox.learned.retain(|_, expiry| *expiry > now);
+        let mut replaced = Vec::new();
+        let mut added = Vec::new();
+        let mut expiries = Vec::new();
+        for (destination, ttl) in answers {
+            if sandbox.learned.len() + added.len() >= MAX_LEARNED
+                && !sandbox.learned.contains_key(destination)
+            {
+                tracing::warn!(sandbox = %source, name, "resolver: too many admitted addresses; not admitting more");
+                break;
+            }
+            let timeout = Duration::from_secs(u64::from(*ttl)).clamp(MIN_ADMIT, MAX_ADMIT);
+            let expiry = now + timeout;
+            match sandbox.learned.get(destination) {
+                Some(current) if *current >= expiry => continue,
+                // Re-adding an element that exists keeps its old timeout, so
+                // extending one means deleting it first, in the same batch.
+                Some(current) if *current > now + EXPIRY_MARGIN => {
+                    replaced.push(nft::learned(source, *destination, None));
+                }
+                _ => {}
+            }
+            added.push(nft::learned(
+                source,
+                *destination,
+                Some(timeout.as_millis() as u64),
+            ));
+            expiries.push((*destination, expiry));
+        }
+        if added.is_empty() {
+            return Ok(());
+        }
+        let batch = [
+            nft::learned_changes(Change::Delete, replaced),
+            nft::learned_changes(Change::Add, added.clone()),
+        ];
+        let applied = self.firewall.apply(&batch).or_else(|err| {
+            // An element expired between our check and the delete.
+            if err.errno() == Some(libc::ENOENT) {
+                self.firewall
+                    .apply(&[nft::learned_changes(Change::Add, added)])
+            } else {
+                Err(err)
+            }
+        });
+        applied.map_err(NetError::firewall(format!(
+            "admit the addresses of {name} for sandbox {source}"
+        )))?;
+        sandbox.learned.extend(expiries);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_single_path_components() {
+        for good in ["sb1", "a-b_c.d"] {
+            assert!(check_id(good).is_ok(), "{good}");
+        }
+        for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(129)] {
+            assert!(check_id(bad).is_err(), "{bad}");
+        }
+    }
+}

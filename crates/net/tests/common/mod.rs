@@ -1,0 +1,508 @@
+//! A fake internet for the network tests, all on this machine: a namespace
+//! `fakenet-<tag>` joined to the host by a veth (the uplink cove is given), with
+//! a DNS server (allowed.test -> 198.51.100.10, denied.test -> 203.0.113.10) and
+//! an HTTP server on each of those two addresses. Sandbox traffic reaches it
+//! only through cove's routing table, whose default route is this veth, so
+//! nothing a test does leaves the machine. Everything is removed on drop, also
+//! when the test failed.
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4, TcpStream, UdpSocket};
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use cove_net::{Network, NetworkConfig, Uplink};
+use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
+use hickory_proto::rr::{rdata::A, Name, RData, Record, RecordType};
+
+pub const ALLOWED_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
+pub const DENIED_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
+pub const DNS_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 53);
+pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(1500);
+
+/// Whether the tests can run here; says why not when they cannot.
+pub fn can_run() -> bool {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: the network tests need root (namespaces, links, nftables)");
+        return false;
+    }
+    if Command::new("nft").arg("--version").output().is_err() {
+        eprintln!("skipped: the network tests need nft (apt-get install nftables)");
+        return false;
+    }
+    true
+}
+
+fn run(args: &[&str]) -> Result<(), String> {
+    let output = Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map_err(|e| format!("{args:?}: {e}"))?;
+    if output.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{args:?}: {}",
+            String::from_utf8_lossy(&output.stderr).trim()
+        ))
+    }
+}
+
+fn output(args: &[&str]) -> String {
+    Command::new(args[0])
+        .args(&args[1..])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default()
+}
+
+/// One test's world: the fake internet, a state dir and a network config
+/// whose names and numbers no other test uses.
+pub struct World {
+    pub tag: String,
+    pub config: NetworkConfig,
+    pub state: PathBuf,
+    fakenet: String,
+    uplink: String,
+    /// Names the fake DNS server was asked for, in order.
+    pub dns_log: Arc<Mutex<Vec<String>>>,
+    servers: Option<(
+        std::thread::JoinHandle<()>,
+        tokio::sync::watch::Sender<bool>,
+    )>,
+}
+
+impl World {
+    pub fn new() -> Self {
+        static NEXT: AtomicU32 = AtomicU32::new(0);
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let pid = std::process::id();
+        // Bridge names are at most 8 characters: "ct", 4 hex of the pid, the test number.
+        let tag = format!("ct{:04x}{n:x}", pid & 0xffff);
+        let k = ((pid as u8) as u32 * 16 + n) % 250 + 1;
+        let state = std::env::temp_dir().join(format!("cove-net-{tag}"));
+        let fakenet = format!("fakenet-{tag}");
+        let uplink = format!("{tag}u");
+        let config = NetworkConfig {
+            bridge: tag.clone(),
+            range: format!("10.250.{k}.0/24").parse().unwrap(),
+            uplink: Uplink {
+                interface: uplink.clone(),
+                gateway: Ipv4Addr::new(198, 18, k as u8, 2),
+            },
+            dns_upstreams: vec![DNS_IP],
+            state_dir: state.clone(),
+            route_table: 20000 + (pid % 1000) * 16 + n,
+            rule_priority: 7000 + n,
+            netns_pool: 2,
+        };
+        let mut world = Self {
+            tag,
+            config,
+            state,
+            fakenet,
+            uplink,
+            dns_log: Arc::default(),
+            servers: None,
+        };
+        // The guard exists before anything is made, so a failure below cleans up.
+        world.make_fakenet(k).expect("build the fake internet");
+        world
+    }
+
+    fn make_fakenet(&mut self, k: u32) -> Result<(), String> {
+        let ns = self.fakenet.clone();
+        let host = format!("198.18.{k}.1/30");
+        let far = format!("198.18.{k}.2/30");
+        run(&["ip", "netns", "add", &ns])?;
+        run(&[
+            "ip",
+            "link",
+            "add",
+            &self.uplink,
+            "type",
+            "veth",
+            "peer",
+            "name",
+            "up0",
+            "netns",
+            &ns,
+        ])?;
+        run(&["ip", "addr", "add", &host, "dev", &self.uplink])?;
+        run(&["ip", "link", "set", &self.uplink, "up"])?;
+        // Answers come back from addresses the host's main table would send
+        // elsewhere; strict reverse-path filtering would drop them.
+        std::fs::write(
+            format!("/proc/sys/net/ipv4/conf/{}/rp_filter", self.uplink),
+            "0",
+        )
+        .map_err(|e| e.to_string())?;
+        for args in [
+            vec!["addr", "add", far.as_str(), "dev", "up0"],
+            vec!["link", "set", "up0", "up"],
+            vec!["link", "set", "lo", "up"],
+            vec!["addr", "add", "198.51.100.10/32", "dev", "lo"],
+            vec!["addr", "add", "198.51.100.53/32", "dev", "lo"],
+            vec!["addr", "add", "203.0.113.10/32", "dev", "lo"],
+        ] {
+            let mut full = vec!["ip", "-n", ns.as_str()];
+            full.extend(args);
+            run(&full)?;
+        }
+        self.servers = Some(start_servers(
+            Path::new("/run/netns").join(&ns),
+            Arc::clone(&self.dns_log),
+        ));
+        Ok(())
+    }
+
+    pub async fn network(&self) -> Network {
+        Network::new(self.config.clone())
+            .await
+            .expect("set up the network")
+    }
+
+    /// Elements of this world's nftables tables, as `nft` lists them.
+    pub fn nft_tables(&self) -> String {
+        output(&["nft", "list", "table", "inet", &self.tag])
+            + &output(&["nft", "list", "table", "bridge", &self.tag])
+    }
+
+    pub fn link_exists(&self, name: &str) -> bool {
+        Command::new("ip")
+            .args(["link", "show", name])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    }
+
+    /// A link's index, which a recreated link of the same name does not share.
+    pub fn ifindex(&self, name: &str) -> Option<String> {
+        std::fs::read_to_string(format!("/sys/class/net/{name}/ifindex"))
+            .ok()
+            .map(|s| s.trim().to_owned())
+    }
+
+    /// Links whose names start with this world's bridge name, except the uplink.
+    pub fn links(&self) -> Vec<String> {
+        output(&["ip", "-o", "link", "show"])
+            .lines()
+            .filter_map(|line| line.split(": ").nth(1))
+            .map(|name| name.split('@').next().unwrap_or(name).to_owned())
+            .filter(|name| name.starts_with(&self.tag) && *name != self.uplink)
+            .collect()
+    }
+
+    pub fn rules(&self) -> String {
+        output(&["ip", "rule", "show"])
+            .lines()
+            .filter(|l| l.contains(&format!("lookup {}", self.config.route_table)))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    pub fn routes(&self) -> String {
+        output(&[
+            "ip",
+            "route",
+            "show",
+            "table",
+            &self.config.route_table.to_string(),
+        ])
+    }
+
+    pub fn netns_files(&self) -> Vec<String> {
+        std::fs::read_dir(self.state.join("netns"))
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    pub fn mounts_under_state(&self) -> Vec<String> {
+        let state = self.state.to_string_lossy().into_owned();
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap_or_default()
+            .lines()
+            .filter(|l| l.contains(&state))
+            .map(str::to_owned)
+            .collect()
+    }
+}
+
+impl Drop for World {
+    fn drop(&mut self) {
+        // What a failed test may have left; each step tolerates "not there".
+        let tag = self.tag.clone();
+        let _ = run(&["nft", "delete", "table", "inet", &tag]);
+        let _ = run(&["nft", "delete", "table", "bridge", &tag]);
+        for link in self.links() {
+            let _ = run(&["ip", "link", "del", &link]);
+        }
+        let table = self.config.route_table.to_string();
+        for _ in 0..4 {
+            if run(&["ip", "rule", "del", "table", &table]).is_err() {
+                break;
+            }
+        }
+        let _ = run(&["ip", "route", "flush", "table", &table]);
+        for file in self.netns_files() {
+            let path = self.state.join("netns").join(file);
+            let _ = nix::mount::umount2(&path, nix::mount::MntFlags::MNT_DETACH);
+        }
+        let _ = std::fs::remove_dir_all(&self.state);
+        if let Some((thread, stop)) = self.servers.take() {
+            let _ = stop.send(true);
+            let _ = thread.join();
+        }
+        let _ = run(&["ip", "link", "del", &self.uplink]);
+        let _ = run(&["ip", "netns", "del", &self.fakenet]);
+    }
+}
+
+/// Enters the network namespace at `path` for the rest of this thread's life.
+pub fn enter(path: &Path) {
+    let file = std::fs::File::open(path).expect("open the namespace");
+    nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
+}
+
+/// Runs blocking `work` on a fresh thread inside the namespace at `netns` (a
+/// fresh thread, so no pooled thread is left in it).
+pub async fn inside<T: Send + 'static>(
+    netns: &Path,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let path = netns.to_owned();
+    tokio::task::spawn_blocking(move || {
+        std::thread::spawn(move || {
+            enter(&path);
+            work()
+        })
+        .join()
+        .expect("work inside the sandbox panicked")
+    })
+    .await
+    .expect("join the sandbox thread")
+}
+
+/// GET / from `address:port`: the body, or why it failed.
+pub fn http_get(address: Ipv4Addr, port: u16) -> Result<String, String> {
+    let target = SocketAddr::from((address, port));
+    let mut stream = TcpStream::connect_timeout(&target, CONNECT_TIMEOUT)
+        .map_err(|e| format!("connect {target}: {e}"))?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .map_err(|e| e.to_string())?;
+    stream
+        .write_all(b"GET / HTTP/1.0\r\n\r\n")
+        .map_err(|e| format!("send to {target}: {e}"))?;
+    let mut response = String::new();
+    stream
+        .read_to_string(&mut response)
+        .map_err(|e| format!("read from {target}: {e}"))?;
+    Ok(response.split("\r\n\r\n").nth(1).unwrap_or("").to_owned())
+}
+
+fn a_query(name: &str) -> Vec<u8> {
+    let mut query = Message::new();
+    query
+        .set_id(777)
+        .set_message_type(MessageType::Query)
+        .set_op_code(OpCode::Query)
+        .set_recursion_desired(true);
+    query.add_query(Query::query(Name::from_str(name).unwrap(), RecordType::A));
+    query.to_vec().unwrap()
+}
+
+/// Asks the resolver at `server` for the A records of `name`, over UDP.
+pub fn resolve(server: Ipv4Addr, name: &str) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
+    let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
+    socket
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .map_err(|e| e.to_string())?;
+    socket
+        .send_to(&a_query(name), (server, 53))
+        .map_err(|e| format!("send a query to {server}: {e}"))?;
+    let mut buffer = vec![0u8; 4096];
+    let len = socket
+        .recv(&mut buffer)
+        .map_err(|e| format!("no answer from {server} for {name}: {e}"))?;
+    parse_answer(&buffer[..len])
+}
+
+/// The same over TCP.
+pub fn resolve_tcp(server: Ipv4Addr, name: &str) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
+    let target = SocketAddr::from((server, 53));
+    let mut stream = TcpStream::connect_timeout(&target, CONNECT_TIMEOUT)
+        .map_err(|e| format!("connect {target}: {e}"))?;
+    stream
+        .set_read_timeout(Some(Duration::from_secs(3)))
+        .map_err(|e| e.to_string())?;
+    let query = a_query(name);
+    let mut framed = (query.len() as u16).to_be_bytes().to_vec();
+    framed.extend_from_slice(&query);
+    stream.write_all(&framed).map_err(|e| e.to_string())?;
+    let mut len = [0u8; 2];
+    stream
+        .read_exact(&mut len)
+        .map_err(|e| format!("no answer from {target} for {name}: {e}"))?;
+    let mut answer = vec![0u8; usize::from(u16::from_be_bytes(len))];
+    stream.read_exact(&mut answer).map_err(|e| e.to_string())?;
+    parse_answer(&answer)
+}
+
+fn parse_answer(bytes: &[u8]) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
+    let answer = Message::from_vec(bytes).map_err(|e| e.to_string())?;
+    assert_eq!(answer.id(), 777);
+    let addresses = answer
+        .answers()
+        .iter()
+        .filter_map(|r| match r.data() {
+            RData::A(a) => Some(a.0),
+            _ => None,
+        })
+        .collect();
+    Ok((answer.response_code(), addresses))
+}
+
+/// The fake internet's servers, on a thread inside its namespace.
+fn start_servers(
+    netns: PathBuf,
+    dns_log: Arc<Mutex<Vec<String>>>,
+) -> (
+    std::thread::JoinHandle<()>,
+    tokio::sync::watch::Sender<bool>,
+) {
+    let (stop_tx, mut stop_rx) = tokio::sync::watch::channel(false);
+    let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+    let thread = std::thread::spawn(move || {
+        enter(&netns);
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        runtime.block_on(async move {
+            let dns = tokio::net::UdpSocket::bind(SocketAddrV4::new(DNS_IP, 53))
+                .await
+                .unwrap();
+            let dns_tcp = tokio::net::TcpListener::bind(SocketAddrV4::new(DNS_IP, 53))
+                .await
+                .unwrap();
+            let allowed = tokio::net::TcpListener::bind((ALLOWED_IP, 80))
+                .await
+                .unwrap();
+            let denied = tokio::net::TcpListener::bind((DENIED_IP, 80))
+                .await
+                .unwrap();
+            ready_tx.send(()).unwrap();
+            tokio::select! {
+                _ = serve_dns(dns, Arc::clone(&dns_log)) => {}
+                _ = serve_dns_tcp(dns_tcp, dns_log) => {}
+                _ = serve_http(allowed, "allowed") => {}
+                _ = serve_http(denied, "denied") => {}
+                _ = stop_rx.wait_for(|stop| *stop) => {}
+            }
+        });
+    });
+    ready_rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("fake internet servers started");
+    (thread, stop_tx)
+}
+
+async fn serve_http(listener: tokio::net::TcpListener, body: &'static str) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else {
+            continue;
+        };
+        tokio::spawn(async move {
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request).await;
+            let response = format!(
+                "HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = stream.write_all(response.as_bytes()).await;
+        });
+    }
+}
+
+async fn serve_dns(socket: tokio::net::UdpSocket, log: Arc<Mutex<Vec<String>>>) {
+    let mut buffer = vec![0u8; 4096];
+    loop {
+        let Ok((len, peer)) = socket.recv_from(&mut buffer).await else {
+            continue;
+        };
+        if let Some(response) = dns_answer(&buffer[..len], &log) {
+            let _ = socket.send_to(&response, peer).await;
+        }
+    }
+}
+
+/// DNS over TCP: one length-prefixed query, one answer, per connection.
+async fn serve_dns_tcp(listener: tokio::net::TcpListener, log: Arc<Mutex<Vec<String>>>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    loop {
+        let Ok((mut stream, _)) = listener.accept().await else {
+            continue;
+        };
+        let log = Arc::clone(&log);
+        tokio::spawn(async move {
+            let Ok(len) = stream.read_u16().await else {
+                return;
+            };
+            let mut query = vec![0u8; usize::from(len)];
+            if stream.read_exact(&mut query).await.is_err() {
+                return;
+            }
+            if let Some(response) = dns_answer(&query, &log) {
+                let mut framed = (response.len() as u16).to_be_bytes().to_vec();
+                framed.extend_from_slice(&response);
+                let _ = stream.write_all(&framed).await;
+            }
+        });
+    }
+}
+
+/// allowed.test and denied.test have A records (TTL 300); nothing else exists.
+fn dns_answer(query: &[u8], log: &Mutex<Vec<String>>) -> Option<Vec<u8>> {
+    let query = Message::from_vec(query).ok()?;
+    let question = query.queries().first().cloned()?;
+    let name = question.name().to_ascii().trim_end_matches('.').to_owned();
+    log.lock().unwrap().push(name.clone());
+    let mut response = Message::new();
+    response
+        .set_id(query.id())
+        .set_message_type(MessageType::Response)
+        .set_op_code(OpCode::Query)
+        .set_recursion_desired(query.recursion_desired())
+        .set_recursion_available(true);
+    response.add_query(question.clone());
+    let address = match name.as_str() {
+        "allowed.test" => Some(ALLOWED_IP),
+        "denied.test" => Some(DENIED_IP),
+        _ => None,
+    };
+    match (address, question.query_type()) {
+        (Some(address), RecordType::A) => {
+            response.add_answer(Record::from_rdata(
+                question.name().clone(),
+                300,
+                RData::A(A(address)),
+            ));
+        }
+        (Some(_), _) => {}
+        (None, _) => {
+            response.set_response_code(ResponseCode::NXDomain);
+        }
+    }
+    response.to_vec().ok()
+}
