@@ -188,6 +188,27 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             )
         })
         .await?;
+    // VM snapshots by size, as Daytona names them. Without a VM runtime on this
+    // server a create from them answers 501 saying so.
+    for (name, cpu, memory_gib) in [
+        ("daytona-vm-small", 1, 1),
+        ("daytona-vm-medium", 2, 2),
+        ("daytona-vm-large", 2, 4),
+    ] {
+        engine
+            .register_snapshot(&SnapshotRecord {
+                cpu,
+                memory_gib,
+                disk_gib: config.default_disk_gib,
+                ..SnapshotRecord::for_image(
+                    name,
+                    &rootfs.display().to_string(),
+                    SandboxClass::LinuxVm,
+                    now,
+                )
+            })
+            .await?;
+    }
     engine.recover_after_restart().await?;
 
     let env_api_key = args.api_key.clone().filter(|k| !k.is_empty());

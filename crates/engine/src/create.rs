@@ -239,6 +239,9 @@ impl Engine {
             parent_id: None,
             network: request.network.clone(),
         };
+        // Checked before the row exists: no half-made sandbox for a class this
+        // server cannot run.
+        let runtime = self.runtime(record.class)?.clone();
         let lock = self.lock_for(&id);
         let _guard = lock.lock().await;
         self.inner
@@ -250,7 +253,6 @@ impl Engine {
                 other => other.into(),
             })?;
 
-        let runtime = self.runtime(record.class)?.clone();
         let spec = self.spec(&record, &snapshot);
         let made = async {
             runtime.prepare(&spec).await.map_err(|e| e.to_string())?;

@@ -343,3 +343,27 @@ async fn auto_pause_timer_pauses_an_idle_vm() {
         SandboxState::Paused
     );
 }
+
+#[tokio::test]
+async fn a_class_without_a_runtime_is_refused_and_leaves_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let fake = Arc::new(FakeRuntime::new());
+    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> =
+        HashMap::from([(SandboxClass::Container, fake.clone() as Arc<dyn Runtime>)]);
+    let engine = Engine::new(EngineConfig::default(), store, runtimes);
+    engine
+        .register_snapshot(&SnapshotRecord::for_image(
+            "daytona-vm-small",
+            "/rootfs",
+            SandboxClass::LinuxVm,
+            0,
+        ))
+        .await
+        .unwrap();
+    let err = engine.create(vm("v")).await.unwrap_err();
+    assert_eq!(err.kind(), cove_engine::ErrorKind::NotImplemented, "{err}");
+    assert!(err.to_string().contains("linux-vm"), "{err}");
+    assert!(engine.list().await.unwrap().is_empty());
+    assert!(fake.machines().is_empty());
+}

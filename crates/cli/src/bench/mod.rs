@@ -25,6 +25,9 @@ pub enum Scenario {
     /// Live snapshots of a running sandbox that wrote --size-mb, then create
     /// from each snapshot to first command.
     Snapshot,
+    /// Create to first command on a server without sandbox networking, then on
+    /// one with it: the latency networking adds (own servers only).
+    Net,
 }
 
 #[derive(clap::Args, Debug)]
@@ -69,9 +72,15 @@ pub fn summarize(samples: &mut [f64]) -> (f64, f64, f64) {
 
 pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.n > 0, "--n must be at least 1");
+    if args.scenario == Scenario::Net {
+        anyhow::ensure!(
+            args.url.is_none(),
+            "the net scenario compares two servers of its own; it takes no --url"
+        );
+    }
     let own = match &args.url {
         Some(_) => None,
-        None => Some(own_server::OwnServer::start(&args.images_dir).await?),
+        None => Some(own_server::OwnServer::start(&args.images_dir, &[]).await?),
     };
     let client = match (&args.url, &own) {
         (Some(url), _) => Client::new(
@@ -99,6 +108,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             })
             .await
         }
+        Scenario::Net => network_cost(&client, &args).await,
     };
     let server_peak_rss_mb = own.as_ref().and_then(own_server::OwnServer::peak_rss_mb);
     if let Some(own) = own {
@@ -128,6 +138,27 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// Creates on this (networked) server, then on one of its own without
+/// networking; reports the networked samples and the difference of medians.
+async fn network_cost(client: &Client, args: &BenchArgs) -> anyhow::Result<Measurement> {
+    let mut with = scenarios::create_to_first_command(client, args.n).await?;
+    let bare = own_server::OwnServer::start(&args.images_dir, &["--no-network"]).await?;
+    let without = scenarios::create_to_first_command(&bare.client(), args.n).await;
+    bare.stop().await?;
+    let mut without = without?;
+    let (with_median, ..) = summarize(&mut with.samples.clone());
+    let (without_median, without_p95, _) = summarize(&mut without.samples);
+    with.extra
+        .insert("no_network_median_ms".into(), json!(without_median));
+    with.extra
+        .insert("no_network_p95_ms".into(), json!(without_p95));
+    with.extra.insert(
+        "network_added_median_ms".into(),
+        json!(with_median - without_median),
+    );
+    Ok(with)
 }
 
 #[cfg(test)]

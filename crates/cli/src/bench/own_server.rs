@@ -21,7 +21,7 @@ pub struct OwnServer {
 }
 
 impl OwnServer {
-    pub async fn start(images_dir: &Path) -> anyhow::Result<OwnServer> {
+    pub async fn start(images_dir: &Path, extra_args: &[&str]) -> anyhow::Result<OwnServer> {
         // Short: sandbox sockets live under it and a socket path has 107 bytes.
         let dir = tempfile::Builder::new().prefix("cvb").tempdir_in("/tmp")?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -36,6 +36,7 @@ impl OwnServer {
             .arg("--images-dir")
             .arg(images_dir)
             .args(["--api-key", KEY, "--storage-size-gib", "16"])
+            .args(extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log)
@@ -78,10 +79,21 @@ impl OwnServer {
 
     /// Ends the server and removes everything it made on the host.
     pub async fn stop(mut self) -> anyhow::Result<()> {
-        // The server keeps nothing in memory worth a graceful exit: its state is
-        // on disk and its sandboxes were deleted by the scenario.
-        let _ = self.child.start_kill();
-        let _ = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await;
+        // SIGTERM first: the server removes its sandbox network (bridge,
+        // firewall tables, routes) on the way out.
+        if let Some(pid) = self.child.id() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        if tokio::time::timeout(Duration::from_secs(20), self.child.wait())
+            .await
+            .is_err()
+        {
+            let _ = self.child.start_kill();
+            let _ = tokio::time::timeout(Duration::from_secs(10), self.child.wait()).await;
+        }
         self.cleanup();
         Ok(())
     }
