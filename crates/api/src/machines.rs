@@ -61,9 +61,10 @@ pub async fn network_settings(
     body: Result<Json<NetworkSettingsRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Reply {
     let Json(change) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let current = state.engine.get(&id).await?;
-    let settings = change.apply(current.network);
-    let record = state.engine.set_network_settings(&id, settings).await?;
+    let record = state
+        .engine
+        .set_network_settings(&id, |current| change.apply(current))
+        .await?;
     Ok(dto(&state, &headers, record))
 }
 

@@ -108,6 +108,7 @@ impl Archive {
             };
             // Bounded memory: wait while too many parts are in flight.
             if let Err(e) = writer.wait_for_capacity(4).await {
+                writer.abort().await.ok();
                 return Err(format!("uploading to {}: {e}", self.location));
             }
             writer.write(&buffer[..read]);
@@ -142,6 +143,16 @@ impl Archive {
             .await
             .map_err(|e| format!("writing {}: {e}", file.display()))?;
         Ok(())
+    }
+
+    /// Whether the archive holds a complete copy of sandbox `id` (an upload
+    /// becomes visible only once it finished).
+    pub(crate) async fn holds(&self, id: &str) -> Result<bool, String> {
+        match self.store.head(&Self::key(id)).await {
+            Ok(_) => Ok(true),
+            Err(object_store::Error::NotFound { .. }) => Ok(false),
+            Err(e) => Err(format!("looking for the archive of {id}: {e}")),
+        }
     }
 
     /// Deletes the archive of sandbox `id`, if there is one.

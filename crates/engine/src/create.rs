@@ -56,7 +56,7 @@ pub(crate) fn check_name(name: &str) -> Result<(), EngineError> {
     }
 }
 
-fn resource(
+pub(crate) fn resource(
     field: &'static str,
     requested: Option<i64>,
     default: i64,
@@ -112,10 +112,13 @@ impl Engine {
         }
         crate::network::policy(&request.network)?;
         if request.network != cove_store::NetworkSettings::default()
-            && self.inner.config.network.is_none()
+            && self.network(snapshot.class).is_none()
         {
             return Err(EngineError::NotImplemented {
-                what: "network policies on a server without sandbox networking".into(),
+                what: format!(
+                    "network policies for {} sandboxes on this server (no sandbox networking)",
+                    snapshot.class
+                ),
             });
         }
         if request.kvm {

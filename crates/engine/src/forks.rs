@@ -97,6 +97,9 @@ impl Engine {
                 if let Err(cleanup) = runtime.destroy(&child_id).await {
                     tracing::error!(sandbox = %child_id, error = %cleanup, "cleanup after a failed fork");
                 }
+                if let Err(cleanup) = self.release_network(&child).await {
+                    tracing::error!(sandbox = %child_id, error = %cleanup, "cleanup after a failed fork");
+                }
                 self.inner.store.delete_sandbox(&child_id).await?;
                 return Err(EngineError::Runtime {
                     id: parent.id,

@@ -12,6 +12,7 @@ use cove_lifecycle::SandboxClass;
 use cove_store::{SnapshotRecord, SnapshotState};
 use sha2::{Digest as _, Sha256};
 
+use crate::create::resource;
 use crate::{now_ms, Engine, EngineError};
 
 /// What a Dockerfile asks for, in the subset cove builds.
@@ -256,27 +257,27 @@ impl Engine {
             }
         };
         let ceilings = self.inner.config.ceilings;
-        for (field, value, ceiling) in [
-            ("cpu", request.cpu, ceilings.cpu),
-            ("memory", request.memory_gib, ceilings.memory_gib),
-            ("disk", request.disk_gib, ceilings.disk_gib),
-        ] {
-            if let Some(value) = value.filter(|v| *v > ceiling) {
-                return Err(EngineError::AboveCeiling {
-                    field,
-                    requested: value,
-                    ceiling,
-                });
-            }
-        }
+        let cpu = resource("cpu", request.cpu, source.cpu.max(1), ceilings.cpu)?;
+        let memory_gib = resource(
+            "memory",
+            request.memory_gib,
+            source.memory_gib.max(1),
+            ceilings.memory_gib,
+        )?;
+        let disk_gib = resource(
+            "disk",
+            request.disk_gib,
+            source.disk_gib.max(1),
+            ceilings.disk_gib,
+        )?;
         let now = now_ms();
         let snapshot = SnapshotRecord {
             id: uuid::Uuid::new_v4().to_string(),
             name: request.name.clone(),
             class,
-            cpu: request.cpu.unwrap_or(source.cpu),
-            memory_gib: request.memory_gib.unwrap_or(source.memory_gib),
-            disk_gib: request.disk_gib.unwrap_or(source.disk_gib),
+            cpu,
+            memory_gib,
+            disk_gib,
             general: false,
             created_at_ms: now,
             updated_at_ms: now,
@@ -315,9 +316,10 @@ impl Engine {
             })
         })
         .await
-        .map_err(|e| EngineError::Invalid {
-            field: "path",
-            reason: format!("the import stopped: {e}"),
+        .map_err(|e| EngineError::Runtime {
+            id: name.to_owned(),
+            operation: "import its image",
+            reason: e.to_string(),
         })?
         .map_err(|e| image_error(&path.display().to_string(), e))?;
         let snapshot = snapshot_of(self, name, &pulled);

@@ -43,8 +43,9 @@ pub fn policy(settings: &NetworkSettings) -> Result<Policy, EngineError> {
         allow_domains: settings.domains.clone(),
     };
     policy.validate().map_err(|e| {
-        let field = match e {
+        let field = match &e {
             PolicyError::InvalidDomain { .. } => "domainAllowList",
+            _ if e.to_string().contains("deny") => "networkDenyList",
             _ => "networkAllowList",
         };
         invalid(field, e)
@@ -53,7 +54,7 @@ pub fn policy(settings: &NetworkSettings) -> Result<Policy, EngineError> {
 }
 
 impl Engine {
-    fn network(&self, class: SandboxClass) -> Option<&Arc<cove_net::Network>> {
+    pub(crate) fn network(&self, class: SandboxClass) -> Option<&Arc<cove_net::Network>> {
         // VMs get their network through a TAP device, which is not built yet:
         // they keep the guest's own loopback only.
         match class {
@@ -104,16 +105,19 @@ impl Engine {
     }
 
     /// Replaces a sandbox's egress policy; a running sandbox gets it at once.
+    /// `change` turns the current settings (read under the sandbox's lock, so
+    /// concurrent partial changes both apply) into the new ones.
     pub async fn set_network_settings(
         &self,
         id_or_name: &str,
-        settings: NetworkSettings,
+        change: impl FnOnce(NetworkSettings) -> NetworkSettings,
     ) -> Result<SandboxRecord, EngineError> {
-        let checked = policy(&settings)?;
         let id = self.get(id_or_name).await?.id;
         let lock = self.lock_for(&id);
         let _guard = lock.lock().await;
         let mut record = self.get(&id).await?;
+        let settings = change(record.network.clone());
+        let checked = policy(&settings)?;
         if self.network(record.class).is_none() && settings != NetworkSettings::default() {
             return Err(EngineError::NotImplemented {
                 what: format!(

@@ -30,9 +30,7 @@ impl Engine {
     /// Deletes a sandbox and everything it made; the returned record is `destroyed`.
     /// A sandbox with fork children is refused (409) until they are deleted.
     pub async fn delete(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
-        let record = self.get(id_or_name).await?;
-        self.check_no_forks(&record).await?;
-        self.run(&record.id, Operation::Delete).await
+        self.run(id_or_name, Operation::Delete).await
     }
 
     pub async fn recover(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
@@ -46,7 +44,7 @@ impl Engine {
         self.run(&record.id, Operation::Archive).await
     }
 
-    /// Refuses (400) an archive this server or this class cannot do.
+    /// Refuses an archive this server (501) or this class (400) cannot do.
     pub(crate) fn check_can_archive(&self, record: &SandboxRecord) -> Result<(), EngineError> {
         if self.inner.config.archive.is_none() {
             return Err(EngineError::NotImplemented {
@@ -146,11 +144,17 @@ impl Engine {
         else {
             return Ok(record);
         };
+        // Under the lock, so a fork in progress is seen: a parent keeps existing
+        // while it has forks, whoever asks for the delete.
+        if operation == Operation::Delete {
+            self.check_no_forks(&record).await?;
+        }
         record.state = during;
         record.desired_state = desired;
         record.error_reason = None;
         self.save_state(&mut record).await?;
 
+        let effect_kind = effect.clone();
         match self.apply(effect, &record).await {
             Ok(()) => {
                 record.state = success;
@@ -166,7 +170,15 @@ impl Engine {
                 Ok(record)
             }
             Err(reason) => {
-                record.state = SandboxState::Error;
+                // A start from the archive that failed leaves the sandbox where
+                // its data is: in the archive, to be started again.
+                let from_archive =
+                    during == SandboxState::Restoring && matches!(effect_kind, Effect::Boot);
+                record.state = if from_archive {
+                    SandboxState::Archived
+                } else {
+                    SandboxState::Error
+                };
                 record.error_reason = Some(format!("{operation} failed: {reason}"));
                 self.save_state(&mut record).await?;
                 tracing::warn!(sandbox = %id, %operation, %reason, "failed");
@@ -244,10 +256,14 @@ impl Engine {
                     .await
                     .map_err(|e| e.to_string())?;
                 self.release_network(record).await?;
-                match &self.inner.config.archive {
-                    Some(archive) => archive.remove(&record.id).await,
-                    None => Ok(()),
+                // Only an archived sandbox has a copy there; an unreachable archive
+                // must not keep a sandbox from being deleted.
+                if let Some(archive) = &self.inner.config.archive {
+                    if let Err(error) = archive.remove(&record.id).await {
+                        tracing::warn!(sandbox = %record.id, %error, "left its archive copy");
+                    }
                 }
+                Ok(())
             }
             Effect::Archive => {
                 let archive = self
@@ -269,12 +285,16 @@ impl Engine {
                 .await;
                 let _ = tokio::fs::remove_file(&file).await;
                 moved?;
-                // Only once the archive holds it does the local copy go.
-                runtime
-                    .destroy(&record.id)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                self.release_network(record).await
+                // Only once the archive holds it does the local copy go. From here
+                // the sandbox is archived whatever the cleanup says: its data is
+                // safe in the archive, and a start restores it from there.
+                if let Err(error) = self.release_network(record).await {
+                    tracing::warn!(sandbox = %record.id, %error, "after archiving");
+                }
+                if let Err(error) = runtime.destroy(&record.id).await {
+                    tracing::warn!(sandbox = %record.id, %error, "removing the local copy after archiving");
+                }
+                Ok(())
             }
             Effect::Restore { capture_id } => {
                 let own = self.own_snapshot(record).await?;
@@ -399,6 +419,9 @@ impl Engine {
             return;
         };
         if record.state == SandboxState::Started {
+            if let Err(error) = self.detach_network(&record).await {
+                tracing::warn!(sandbox = %id, %error, "after an unexpected exit");
+            }
             record.state = SandboxState::Error;
             record.error_reason = Some(format!("the sandbox exited unexpectedly: {why}"));
             if let Err(error) = self.save_state(&mut record).await {

@@ -32,6 +32,22 @@ impl Engine {
                     self.inner.store.delete_sandbox(&id).await?;
                     tracing::info!(sandbox = %id, "removed a sandbox left half-made or half-deleted");
                 }
+                // Interrupted while moving to or from the archive: if the archive
+                // holds its copy, that is where its data is (the local copy may
+                // be gone); a start restores it.
+                SandboxState::Archiving | SandboxState::Restoring
+                    if self.archive_holds(&id).await =>
+                {
+                    let _ = runtime.stop(&id).await;
+                    record.state = SandboxState::Archived;
+                    self.save_state(&mut record).await?;
+                    tracing::info!(sandbox = %id, "back to archived after a server restart");
+                    if record.desired_state == DesiredState::Started {
+                        if let Err(error) = self.start(&id).await {
+                            tracing::warn!(sandbox = %id, %error, "restore failed");
+                        }
+                    }
+                }
                 // A paused machine's memory is on disk and nothing runs: keep it.
                 SandboxState::Paused if !runtime.is_running(&id).await => {}
                 _ => {
@@ -68,5 +84,15 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    async fn archive_holds(&self, id: &str) -> bool {
+        match &self.inner.config.archive {
+            Some(archive) => archive.holds(id).await.unwrap_or_else(|error| {
+                tracing::warn!(sandbox = %id, %error, "cannot tell whether it is archived");
+                false
+            }),
+            None => false,
+        }
     }
 }

@@ -37,6 +37,9 @@ impl Engine {
                 record.timers = record.timers.with(class, |t| t.auto_stop = m)?
             }
             SettingChange::AutoPause(m) => {
+                if m != 0 && !record.persistent {
+                    return Err(EngineError::NotPersistent { id: record.id });
+                }
                 record.timers = record.timers.with(class, |t| t.auto_pause = m)?
             }
             SettingChange::AutoArchive(m) => {

@@ -39,6 +39,7 @@ impl Engine {
             let result = match action.operation() {
                 cove_lifecycle::Operation::Stop => self.stop(&record.id).await.map(drop),
                 cove_lifecycle::Operation::Archive => self.archive(&record.id).await.map(drop),
+                cove_lifecycle::Operation::Pause => self.pause(&record.id).await.map(drop),
                 operation => self.run(&record.id, operation).await.map(drop),
             };
             match result {
