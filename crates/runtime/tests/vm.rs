@@ -268,7 +268,7 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     b.layers = vec![capture.clone()];
     rt.prepare(&b).await.unwrap();
     let began = Instant::now();
-    rt.start(&b).await.unwrap();
+    let started_b = rt.start(&b).await.unwrap();
     let b_socket = h.socket("vm-b");
     assert_eq!(exec_ok(&b_socket, "cat /root/who").await, "from-a");
     eprintln!(
@@ -335,13 +335,63 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     let (dead, _) = exec(&c_socket, &format!("kill -0 {counter}")).await;
     assert_ne!(dead, 0, "processes do not survive a stop");
 
+    // A disk capture of a running VM; a sandbox made from it boots with
+    // what was written (the agent flushes first), then a revert to the
+    // memory snapshot brings its processes back.
+    let disk_capture = rt.capture("vm-c", "cap-2").await.unwrap();
+    let mut d = h.spec("vm-d", 256);
+    d.layers = vec![disk_capture.clone()];
+    rt.prepare(&d).await.unwrap();
+    rt.start(&d).await.unwrap();
+    let d_socket = h.socket("vm-d");
+    assert_eq!(
+        exec_ok(&d_socket, "cat /root/who /root/late").await,
+        "child\nunsynced-but-stopped"
+    );
+    rt.stop("vm-d").await.unwrap();
+    rt.restore(&d, "cap-1").await.unwrap();
+    rt.start(&d).await.unwrap();
+    assert_eq!(exec_ok(&d_socket, "cat /root/who").await, "from-a");
+    assert_counting(&d_socket, &counter, 0).await;
+
+    // A VM that dies is reported.
+    let b_qemu = qemus_under(&h.storage.root().join("vms").join("vm-b"));
+    assert_eq!(b_qemu.len(), 1, "{b_qemu:?}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(b_qemu[0]),
+        nix::sys::signal::SIGKILL,
+    )
+    .unwrap();
+    let why = tokio::time::timeout(Duration::from_secs(30), started_b.exited)
+        .await
+        .expect("the exit is reported")
+        .unwrap();
+    assert!(why.contains("signal 9"), "{why}");
+    assert!(!rt.is_running("vm-b").await);
+
+    // After a server restart, a new runtime finds the VM still running and
+    // can stop it.
+    let again = VmRuntime::new(VmConfig::new(
+        h.storage.clone(),
+        assets().unwrap().0,
+        assets().unwrap().2,
+    ))
+    .unwrap();
+    assert!(again.is_running("vm-a").await);
+    again.stop("vm-a").await.unwrap();
+    assert!(!again.is_running("vm-a").await);
+    assert!(qemus_under(&h.storage.root().join("vms").join("vm-a")).is_empty());
+    drop(again);
+
     // Destroy: no process, no files.
-    for id in ["vm-a", "vm-b", "vm-c"] {
+    for id in ["vm-a", "vm-b", "vm-c", "vm-d"] {
         rt.destroy(id).await.unwrap();
         assert!(!h.storage.root().join("vms").join(id).exists(), "{id}");
         rt.destroy(id).await.unwrap();
     }
     rt.discard_capture("cap-1").await.unwrap();
+    rt.discard_capture("cap-2").await.unwrap();
     assert!(!capture.exists());
+    assert!(!disk_capture.exists());
     assert!(h.qemus().is_empty(), "left running: {:?}", h.qemus());
 }

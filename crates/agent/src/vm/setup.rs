@@ -7,9 +7,9 @@
 //!   random state as its siblings. Body: `{"hostname", "env": {name: value},
 //!   "unixTimeNs", "entropy": hex, "growRoot", "diskBytes"}`. It sets the clock, mixes in the host's
 //!   entropy and reseeds the kernel's generator, sets the hostname, replaces
-//!   the variables the previous call set, and with `"growRoot": true` grows
-//!   the root filesystem to its disk (after waiting until the disk is
-//!   `diskBytes` large). Answers `{"diskBytes"}` when it grew.
+//!   the variables the previous call set, and with `"growRoot": true` starts
+//!   growing the root filesystem to its disk (once the disk is `diskBytes`
+//!   large) in the background. Answers `{}`.
 //! - `POST /cove/vm/sync` before the host stops the VM: writes out every
 //!   filesystem, so files survive the stop.
 #![allow(unsafe_code)]
@@ -72,15 +72,18 @@ async fn identity(body: Bytes) -> Result<Json<Value>, ApiError> {
     nix::unistd::sethostname(&request.hostname)
         .map_err(|e| ApiError::BadRequest(format!("hostname {:?}: {e}", request.hostname)))?;
     replace_env(&request.env);
-    if !request.grow_root {
-        return Ok(Json(json!({})));
+    if request.grow_root {
+        // In the background: growing ends with a journal flush that takes a
+        // good part of a second under emulation, and nothing needs to wait
+        // for the extra space. A failure is only logged: the sandbox runs on
+        // with the smaller filesystem.
+        let expected = request.disk_bytes;
+        tokio::task::spawn_blocking(move || match super::boot::grow_root(expected) {
+            Ok(bytes) => tracing::info!(disk_bytes = bytes, "root filesystem fills its disk"),
+            Err(error) => tracing::warn!(%error, "could not grow the root filesystem"),
+        });
     }
-    let expected = request.disk_bytes;
-    let disk_bytes = tokio::task::spawn_blocking(move || super::boot::grow_root(expected))
-        .await
-        .map_err(|e| ApiError::internal("grow the root filesystem", io::Error::other(e)))?
-        .map_err(|e| ApiError::internal("grow the root filesystem", e))?;
-    Ok(Json(json!({ "diskBytes": disk_bytes })))
+    Ok(Json(json!({})))
 }
 
 async fn sync() -> Result<Json<Value>, ApiError> {

@@ -28,7 +28,6 @@ mod template;
 use std::collections::{BTreeMap, HashMap};
 use std::fs;
 use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -232,8 +231,7 @@ fn orphan_pid(layout: &VmLayout) -> Option<i32> {
         .parse()
         .ok()?;
     let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    let qmp = layout.qmp();
-    let wanted = format!("unix:{},server=on", qmp.display());
+    let wanted = qemu::qmp_argument(&layout.qmp());
     let ours = cmdline
         .split(|b| *b == 0)
         .any(|arg| arg == wanted.as_bytes());
@@ -452,22 +450,13 @@ impl VmRuntime {
                     format!("write {}", layout.machine().display()),
                 ))?;
         }
-        if saved.is_some() {
-            // A RAM file just cloned (template, snapshot, fork) has nothing in
-            // the page cache, and the restored guest would fault it in page by
-            // page; reading ahead in the background while QEMU starts is faster.
+        // A RAM file just cloned (template, snapshot, fork) has nothing in the
+        // page cache, and a restored guest faulting it in page by page is
+        // slow; reading it in while QEMU starts and loads its state is not.
+        let warmed = saved.as_ref().map(|_| {
             let ram = layout.ram();
-            tokio::task::spawn_blocking(move || {
-                if let Ok(file) = fs::File::open(&ram) {
-                    let _ = nix::fcntl::posix_fadvise(
-                        file.as_raw_fd(),
-                        0,
-                        0,
-                        nix::fcntl::PosixFadviseAdvice::POSIX_FADV_WILLNEED,
-                    );
-                }
-            });
-        }
+            tokio::task::spawn_blocking(move || reflink::read_ahead(&ram))
+        });
         let spec = self.machine_spec(
             format!("cove-{id}"),
             layout,
@@ -482,6 +471,11 @@ impl VmRuntime {
                 start_error(id, format!("{e}; console: {}", log_tail(&layout.console())))
             })?;
         let launched = began.elapsed();
+        if let Some(warmed) = warmed {
+            if let Ok(Err(error)) = warmed.await {
+                tracing::debug!(sandbox = id, %error, "could not read the RAM file ahead");
+            }
+        }
         let connected = async {
             let agent_timeout = if saved.is_some() {
                 // From here the memory diverges from the saved state.
@@ -874,6 +868,17 @@ impl Runtime for VmRuntime {
         let copied = match self.running(id) {
             Some(vm) => {
                 let vm = vm.lock().await;
+                // What the guest has written but holds in its page cache
+                // belongs in the capture too; flushed while it still runs.
+                let synced =
+                    tokio::time::timeout(SYNC_TIMEOUT, vm.session.post("/cove/vm/sync", "{}"))
+                        .await;
+                if !matches!(synced, Ok(Ok((200, _)))) {
+                    tracing::warn!(
+                        sandbox = id,
+                        "the agent did not flush its disks before a capture"
+                    );
+                }
                 self.with_vm_frozen(id, &vm, None, copy).await
             }
             None => blocking(id, copy).await,

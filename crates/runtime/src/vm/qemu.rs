@@ -150,6 +150,12 @@ pub fn kernel_cmdline(spec: &MachineSpec) -> String {
     words.join(" ")
 }
 
+/// The `-qmp` argument; also how a QEMU process is recognised as the one of
+/// a sandbox from its command line.
+pub fn qmp_argument(socket: &Path) -> String {
+    format!("unix:{},server=on,wait=off", socket.display())
+}
+
 /// QEMU's arguments (without the program).
 pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
@@ -206,10 +212,7 @@ pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
         &format!("virtserialport,id={AGENT_PORT_ID},chardev=agent,name={AGENT_PORT_NAME}"),
     ]);
     push(&["-device", "virtio-rng-device"]);
-    push(&[
-        "-qmp",
-        &format!("unix:{},server=on,wait=off", path(&spec.qmp_socket)),
-    ]);
+    push(&["-qmp", &qmp_argument(&spec.qmp_socket)]);
     push(&["-pidfile", &path(&spec.pid_file)]);
     if spec.incoming {
         // Paused after the state loads, so the runtime can adjust the disk

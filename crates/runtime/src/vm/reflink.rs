@@ -59,6 +59,39 @@ pub fn clone_file(source: &Path, dest: &Path) -> io::Result<()> {
     Ok(())
 }
 
+/// Reads the data of `path` (a sparse file: holes are skipped) so that it is
+/// in the page cache. A plain read: `readahead(2)` only starts the I/O, and a
+/// guest faulting pages in while it runs measured slower than this.
+pub fn read_ahead(path: &Path) -> io::Result<()> {
+    use nix::unistd::{lseek, Whence};
+    use std::os::unix::fs::FileExt;
+    let file = File::open(path)?;
+    let fd = file.as_raw_fd();
+    let len = file.metadata()?.len() as i64;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut offset = 0i64;
+    while offset < len {
+        let data = match lseek(fd, offset, Whence::SeekData) {
+            Ok(data) => data,
+            // No data after `offset`.
+            Err(nix::errno::Errno::ENXIO) => break,
+            Err(errno) => return Err(errno.into()),
+        };
+        let hole = lseek(fd, data, Whence::SeekHole).unwrap_or(len);
+        let mut at = data;
+        while at < hole {
+            let want = ((hole - at) as usize).min(buf.len());
+            let n = file.read_at(&mut buf[..want], at as u64)?;
+            if n == 0 {
+                break;
+            }
+            at += n as i64;
+        }
+        offset = hole;
+    }
+    Ok(())
+}
+
 /// Like [`clone_file`], replacing `dest` if it exists.
 pub fn clone_replacing(source: &Path, dest: &Path) -> io::Result<()> {
     match fs::remove_file(dest) {
@@ -71,6 +104,18 @@ pub fn clone_replacing(source: &Path, dest: &Path) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn read_ahead_walks_a_sparse_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("ram");
+        let file = File::create(&path).unwrap();
+        file.set_len(8 << 20).unwrap();
+        std::os::unix::fs::FileExt::write_at(&file, b"data", 4 << 20).unwrap();
+        read_ahead(&path).unwrap();
+        File::create(dir.path().join("empty")).unwrap();
+        read_ahead(&dir.path().join("empty")).unwrap();
+    }
 
     #[test]
     fn a_failed_clone_leaves_no_file() {
