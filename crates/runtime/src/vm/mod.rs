@@ -4,9 +4,11 @@
 //! Module map: `qemu` (the command line, the accelerator), `qmp` (the QMP
 //! client), `machine` (one QEMU process: launch, save, restore, quit),
 //! `bridge` (the agent channel: yamux over virtio-serial, served to the
-//! server as a Unix socket), `disk` (base images, qcow2), `reflink` (block
-//! sharing copies), `layout` (a sandbox's files), `saved` (`machine.json`),
-//! `template` (pre-booted machines that new sandboxes continue from).
+//! server as a Unix socket), `boot` (a VM brought up and told who it is),
+//! `copy` (freezing a VM while its files are cloned), `disk` (base images,
+//! qcow2), `reflink` (block sharing copies), `layout` (a sandbox's files),
+//! `saved` (`machine.json`), `template` (pre-booted machines that new
+//! sandboxes continue from), `orphan` (QEMU processes of an earlier server).
 //!
 //! Everything of a sandbox lives in `{storage}/vms/{id}/` on the btrfs
 //! storage, where a copy of a RAM file or a disk is a reflink: pause writes
@@ -15,43 +17,43 @@
 //! in their own process groups and outlive the server; after a restart they
 //! are found again through their pid files.
 
+mod boot;
 mod bridge;
+mod copy;
 mod disk;
 mod layout;
 mod machine;
+mod orphan;
 mod qemu;
 mod qmp;
 mod reflink;
 mod saved;
 mod template;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::fs;
 use std::io;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use tokio::sync::oneshot;
 
 use crate::storage::Storage;
 use crate::{AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
-use bridge::{Bridge, Session};
+use boot::{Identity, RunningVm};
+use bridge::Bridge;
+use copy::{clone_saved, discard_memory_files};
 use layout::VmLayout;
-use machine::{Boot, Machine};
-use saved::SavedMachine;
+use orphan::{end_orphan, orphan_pid};
 
 pub use disk::AGENT_IN_GUEST;
 pub use qemu::{detect_accelerator, Accelerator, HostFacts};
 
-/// How long a restored VM's agent may take to reopen its port.
-const RESTORE_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the agent may take to flush its disks before a stop.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
-/// How long a process found through its pid file gets to exit on SIGTERM.
-const TERM_TIMEOUT: Duration = Duration::from_secs(10);
 /// Room in a sandbox's subvolume beyond its disk and memory: device state,
 /// logs, qcow2 metadata, and blocks briefly counted twice while a RAM page
 /// shared with a copy is rewritten.
@@ -103,22 +105,6 @@ impl VmConfig {
 
     pub fn initramfs(&self) -> PathBuf {
         self.assets_dir.join("initramfs.cpio")
-    }
-}
-
-/// A VM this runtime started and that runs.
-struct RunningVm {
-    machine: Machine,
-    session: Session,
-    /// Serves `agent.sock`; dropped to stop it.
-    bridge: Option<Bridge>,
-    driver: tokio::task::JoinHandle<()>,
-}
-
-impl Drop for RunningVm {
-    fn drop(&mut self) {
-        self.bridge.take();
-        self.driver.abort();
     }
 }
 
@@ -195,67 +181,6 @@ fn remove_if_present(path: &Path) -> io::Result<()> {
         Err(error) if error.kind() != io::ErrorKind::NotFound => Err(error),
         _ => Ok(()),
     }
-}
-
-/// The end of a log, for errors.
-fn log_tail(path: &Path) -> String {
-    let text = fs::read(path).unwrap_or_default();
-    let tail = &text[text.len().saturating_sub(600)..];
-    String::from_utf8_lossy(tail).trim().replace('\n', " | ")
-}
-
-/// Forgets saved memory: the device state first, so a half-done discard never
-/// looks like a usable memory.
-fn discard_memory_files(layout: &VmLayout) -> io::Result<()> {
-    remove_if_present(&layout.state())?;
-    remove_if_present(&layout.machine())?;
-    remove_if_present(&layout.ram())
-}
-
-/// Copies saved memory and disk from one directory to another (reflinks),
-/// replacing what is there; the device state last.
-fn clone_saved(from: &VmLayout, to: &VmLayout) -> io::Result<()> {
-    remove_if_present(&to.state())?;
-    reflink::clone_replacing(&from.disk(), &to.disk())?;
-    reflink::clone_replacing(&from.ram(), &to.ram())?;
-    reflink::clone_replacing(&from.machine(), &to.machine())?;
-    reflink::clone_replacing(&from.state(), &to.state())
-}
-
-/// The live process of a sandbox that another server process started, from
-/// its pid file: alive and running QEMU on this sandbox's files.
-fn orphan_pid(layout: &VmLayout) -> Option<i32> {
-    let pid: i32 = fs::read_to_string(layout.pid_file())
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    let wanted = qemu::qmp_argument(&layout.qmp());
-    let ours = cmdline
-        .split(|b| *b == 0)
-        .any(|arg| arg == wanted.as_bytes());
-    ours.then_some(pid)
-}
-
-/// Ends a QEMU process this runtime did not start: SIGTERM (QEMU flushes its
-/// disks and exits), SIGKILL if it lingers.
-async fn end_orphan(pid: i32) {
-    use nix::sys::signal::{kill, Signal};
-    let pid = nix::unistd::Pid::from_raw(pid);
-    let _ = kill(pid, Signal::SIGTERM);
-    let began = Instant::now();
-    while kill(pid, None).is_ok() && began.elapsed() < TERM_TIMEOUT {
-        // Not our child, so it cannot be waited for; its /proc entry goes
-        // once its parent (init, after our restart) reaps it.
-        if fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|stat| stat.split_whitespace().nth(2) == Some("Z"))
-        {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    let _ = kill(pid, Signal::SIGKILL);
 }
 
 impl VmRuntime {
@@ -358,264 +283,6 @@ impl VmRuntime {
         ))
     }
 
-    fn machine_spec(
-        &self,
-        name: String,
-        layout: &VmLayout,
-        cpus: u32,
-        memory_mib: u64,
-        incoming: bool,
-    ) -> qemu::MachineSpec {
-        qemu::MachineSpec {
-            name,
-            accelerator: self.accelerator,
-            tsc_khz: self.tsc_khz,
-            cpus,
-            memory_mib,
-            firmware: self.config.firmware.clone(),
-            kernel: self.config.kernel(),
-            initramfs: self.config.initramfs(),
-            ram_file: layout.ram(),
-            disk: layout.disk(),
-            console_log: layout.console(),
-            qemu_log: layout.qemu_log(),
-            agent_chardev: layout.chardev(),
-            qmp_socket: layout.qmp(),
-            pid_file: layout.pid_file(),
-            incoming,
-        }
-    }
-
-    /// Boots or restores the machine in `layout`, connects its agent and
-    /// tells it who it is. On failure nothing of the machine is left running.
-    async fn bring_up(
-        &self,
-        id: &str,
-        layout: &VmLayout,
-        identity: &Identity,
-        exited: oneshot::Sender<String>,
-    ) -> Result<RunningVm, RuntimeError> {
-        let saved = if layout.has_memory() {
-            let saved = SavedMachine::read(&layout.machine())
-                .map_err(io_error(id, format!("read {}", layout.machine().display())))?;
-            if let Some(why) = saved.incompatibility(self.accelerator) {
-                return Err(start_error(
-                    id,
-                    format!("its saved memory cannot be restored: {why}"),
-                ));
-            }
-            Some(saved)
-        } else {
-            None
-        };
-        let disk_bytes = identity.disk_bytes;
-        let current_disk =
-            disk::qcow2_size(&layout.disk()).map_err(|e| start_error(id, e.to_string()))?;
-        if current_disk > disk_bytes {
-            return Err(start_error(
-                id,
-                format!("its disk is {current_disk} bytes, more than the {disk_bytes} asked for; disks cannot shrink"),
-            ));
-        }
-        let (cpus, memory_mib, boot) = match &saved {
-            Some(saved) => (
-                saved.cpus,
-                saved.memory_mib,
-                Boot::Restore {
-                    state: layout.state(),
-                },
-            ),
-            None => {
-                // A cold boot starts from zeroed memory (a sparse file).
-                let ram = layout.ram();
-                let prepared =
-                    fs::File::create(&ram).and_then(|file| file.set_len(identity.memory_mib << 20));
-                prepared.map_err(io_error(id, format!("make {}", ram.display())))?;
-                if current_disk < disk_bytes {
-                    let (qemu_img, disk) = (self.config.qemu_img.clone(), layout.disk());
-                    blocking(id, move || {
-                        disk::resize(&qemu_img, &disk, disk_bytes).map_err(|e| e.to_string())
-                    })
-                    .await?;
-                }
-                (identity.cpus, identity.memory_mib, Boot::Cold)
-            }
-        };
-        if saved.is_none() {
-            // Describes the running machine, for the saves to come.
-            SavedMachine::new(self.accelerator, cpus, memory_mib)
-                .write(&layout.machine())
-                .map_err(io_error(
-                    id,
-                    format!("write {}", layout.machine().display()),
-                ))?;
-        }
-        // A RAM file just cloned (template, snapshot, fork) has nothing in the
-        // page cache, and a restored guest faulting it in page by page is
-        // slow; reading it in while QEMU starts and loads its state is not.
-        let warmed = saved.as_ref().map(|_| {
-            let ram = layout.ram();
-            tokio::task::spawn_blocking(move || reflink::read_ahead(&ram))
-        });
-        let spec = self.machine_spec(
-            format!("cove-{id}"),
-            layout,
-            cpus,
-            memory_mib,
-            saved.is_some(),
-        );
-        let began = Instant::now();
-        let machine = Machine::launch(&self.config.qemu, &spec, &boot, exited)
-            .await
-            .map_err(|e| {
-                start_error(id, format!("{e}; console: {}", log_tail(&layout.console())))
-            })?;
-        let launched = began.elapsed();
-        if let Some(warmed) = warmed {
-            if let Ok(Err(error)) = warmed.await {
-                tracing::debug!(sandbox = id, %error, "could not read the RAM file ahead");
-            }
-        }
-        let connected = async {
-            let agent_timeout = if saved.is_some() {
-                // From here the memory diverges from the saved state.
-                remove_if_present(&layout.state()).map_err(|source| machine::MachineError::Io {
-                    action: format!("remove {}", layout.state().display()),
-                    source,
-                })?;
-                machine.resume().await?;
-                // Disks become writable (active) only once the VM runs; the
-                // guest is told of the new size and the agent waits for it.
-                if current_disk < disk_bytes {
-                    machine.resize_disk(disk_bytes).await?;
-                }
-                RESTORE_AGENT_TIMEOUT
-            } else {
-                self.config.boot_timeout
-            };
-            machine
-                .connect_agent(&layout.chardev(), agent_timeout)
-                .await
-        }
-        .await;
-        let (session, driver) = match connected {
-            Ok(connected) => connected,
-            Err(error) => {
-                machine.kill().await;
-                return Err(start_error(
-                    id,
-                    format!("{error}; console: {}", log_tail(&layout.console())),
-                ));
-            }
-        };
-        let connected = began.elapsed();
-        let running = RunningVm {
-            machine,
-            session,
-            bridge: None,
-            driver,
-        };
-        // A boot may follow a disk resize; a restore grew the disk just now or not at all.
-        let grow_root = saved.is_none() || current_disk < disk_bytes;
-        if let Err(reason) = identity.apply(&running.session, grow_root).await {
-            running.machine.kill().await;
-            return Err(start_error(id, reason));
-        }
-        tracing::debug!(
-            sandbox = id,
-            launched_ms = launched.as_secs_f64() * 1e3,
-            agent_connected_ms = connected.as_secs_f64() * 1e3,
-            identity_applied_ms = began.elapsed().as_secs_f64() * 1e3,
-            "vm brought up"
-        );
-        Ok(running)
-    }
-
-    /// Stops a running VM for the instant of `work` (which copies its files),
-    /// then lets it run on. With `state`, the device state is saved there first.
-    async fn with_vm_frozen<T: Send + 'static>(
-        &self,
-        id: &str,
-        vm: &RunningVm,
-        state: Option<PathBuf>,
-        work: impl FnOnce() -> Result<T, String> + Send + 'static,
-    ) -> Result<T, RuntimeError> {
-        let began = Instant::now();
-        vm.machine
-            .pause_vcpus()
-            .await
-            .map_err(|e| other(id, format!("stop the vCPUs: {e}")))?;
-        let saved = match &state {
-            Some(path) => vm.machine.save_state(path).await.map_err(|e| e.to_string()),
-            None => Ok(()),
-        };
-        let result = match saved {
-            Ok(()) => blocking(id, work).await,
-            Err(reason) => Err(other(id, format!("save the device state: {reason}"))),
-        };
-        let resumed = vm.machine.resume().await;
-        tracing::debug!(
-            sandbox = id,
-            frozen_ms = began.elapsed().as_secs_f64() * 1e3,
-            "vm frozen for a copy"
-        );
-        resumed.map_err(|e| other(id, format!("continue the vCPUs: {e}")))?;
-        result
-    }
-
-    /// Copies a sandbox's disk and memory into `dest` (a sandbox or capture
-    /// directory): from its running VM, frozen only while the files are
-    /// cloned, or from the memory it saved when paused.
-    async fn copy_memory(&self, id: &str, dest: VmLayout) -> Result<(), RuntimeError> {
-        let source = self.layout(id);
-        let Some(vm) = self.running(id) else {
-            if !source.has_memory() {
-                return Err(other(
-                    id,
-                    "it is neither running nor paused with its memory",
-                ));
-            }
-            return blocking(id, move || {
-                clone_saved(&source, &dest).map_err(|e| e.to_string())
-            })
-            .await;
-        };
-        let vm = vm.lock().await;
-        // Written out while the VM still runs, so the clone under the freeze
-        // has only what was dirtied since to flush.
-        let ram = source.ram();
-        blocking(id, move || {
-            fs::File::open(&ram)
-                .and_then(|file| file.sync_data())
-                .map_err(|e| format!("flush {}: {e}", ram.display()))
-        })
-        .await?;
-        let machine = SavedMachine::read(&source.machine())
-            .map_err(io_error(id, format!("read {}", source.machine().display())))?;
-        let state_partial = dest.dir.join("state.partial");
-        let (from, to, partial) = (source.clone(), dest.clone(), state_partial.clone());
-        self.with_vm_frozen(id, &vm, Some(state_partial.clone()), move || {
-            remove_if_present(&to.state()).map_err(|e| e.to_string())?;
-            reflink::clone_replacing(&from.ram(), &to.ram())
-                .map_err(|e| format!("clone the RAM file: {e}"))?;
-            reflink::clone_replacing(&from.disk(), &to.disk())
-                .map_err(|e| format!("clone the disk: {e}"))?;
-            Ok(partial)
-        })
-        .await
-        .inspect_err(|_| {
-            let _ = fs::remove_file(&state_partial);
-        })?;
-        drop(vm);
-        machine
-            .write(&dest.machine())
-            .map_err(io_error(id, format!("write {}", dest.machine().display())))?;
-        fs::rename(&state_partial, dest.state()).map_err(io_error(
-            id,
-            format!("move {} in place", dest.state().display()),
-        ))
-    }
-
     async fn template_for(&self, spec: &SandboxSpec) -> Result<VmLayout, RuntimeError> {
         let id = spec.id.as_str();
         let base = self.base_for(id, &spec.rootfs).await?;
@@ -655,53 +322,6 @@ impl VmRuntime {
             .expect("bases lock")
             .insert(rootfs.to_owned(), (stamp, base.clone()));
         Ok(base)
-    }
-}
-
-/// Who a VM is, told to its agent after every boot and restore.
-struct Identity {
-    hostname: String,
-    env: BTreeMap<String, String>,
-    cpus: u32,
-    memory_mib: u64,
-    disk_bytes: u64,
-}
-
-impl Identity {
-    fn of(spec: &SandboxSpec) -> Identity {
-        Identity {
-            hostname: spec.hostname.clone(),
-            env: spec.env.iter().cloned().collect(),
-            cpus: spec.resources.cpu.max(1),
-            memory_mib: spec.resources.memory_mib,
-            disk_bytes: spec.resources.disk_gib << 30,
-        }
-    }
-
-    async fn apply(&self, session: &Session, grow_root: bool) -> Result<(), String> {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_nanos() as u64;
-        let entropy = bridge::random_hex(64).map_err(|e| format!("read random bytes: {e}"))?;
-        let body = serde_json::json!({
-            "hostname": self.hostname,
-            "env": self.env,
-            "unixTimeNs": now,
-            "entropy": entropy,
-            "growRoot": grow_root,
-            "diskBytes": self.disk_bytes,
-        });
-        let (status, answer) = session
-            .post("/cove/vm/identity", &body.to_string())
-            .await
-            .map_err(|e| format!("tell the agent its identity: {e}"))?;
-        if status != 200 {
-            return Err(format!(
-                "the agent refused its identity ({status}): {answer}"
-            ));
-        }
-        Ok(())
     }
 }
 
