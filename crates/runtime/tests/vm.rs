@@ -214,6 +214,19 @@ async fn assert_counting(socket: &Path, pid: &str, at_least: u64) {
     }
 }
 
+/// The guest's wall clock agrees with the host's within a few seconds.
+async fn assert_clock_is_right(socket: &Path) {
+    let guest: i64 = exec_ok(socket, "date +%s").await.parse().unwrap();
+    let host = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!(
+        (guest - host).abs() <= 3,
+        "guest clock {guest}, host clock {host}"
+    );
+}
+
 fn ms(duration: Duration) -> String {
     format!("{:.0} ms", duration.as_secs_f64() * 1e3)
 }
@@ -249,6 +262,7 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     let counter = start_counter(&socket).await;
     assert_counting(&socket, &counter, 0).await;
     let before = count(&socket).await;
+    assert_clock_is_right(&socket).await;
     let began = Instant::now();
     rt.pause("vm-a").await.unwrap();
     eprintln!("pause: {}", ms(began.elapsed()));
@@ -259,6 +273,12 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     assert_eq!(exec_ok(&socket, "echo back").await, "back");
     eprintln!("resume -> first command: {}", ms(began.elapsed()));
     assert_counting(&socket, &counter, before).await;
+    // The guest's clock stopped while it was paused; the host set it again.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    rt.pause("vm-a").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    rt.start(&a).await.unwrap();
+    assert_clock_is_right(&socket).await;
     exec_ok(&socket, "echo from-a > /root/who && sync").await;
 
     // A memory snapshot: a new sandbox made from it runs the same counter.

@@ -7,8 +7,9 @@
 //! restored from saved memory still holds the yamux state of the old one, so
 //! every session starts with a handshake:
 //!
-//! 1. the host sends filler bytes (0xff), then `COVE-HOST-HELLO <nonce>\n`,
-//!    and repeats the hello line until it is answered;
+//! 1. the host sends filler bytes (0xff), then `COVE-HOST-HELLO <nonce>
+//!    t=<unix ns>\n`, and repeats the hello line (with a fresh time) until it
+//!    is answered; the agent sets its clock from it;
 //! 2. the agent reads past anything before a hello, answers
 //!    `COVE-GUEST-HELLO <nonce>\n` once, and drops the repeats that follow;
 //! 3. yamux runs, the host as client, the agent as server.
@@ -38,22 +39,65 @@ use super::port::{self, Port};
 
 const HOST_HELLO: &[u8] = b"COVE-HOST-HELLO ";
 const GUEST_HELLO: &str = "COVE-GUEST-HELLO ";
-/// Longest nonce accepted; the host sends 32 hex digits.
-const MAX_NONCE: usize = 64;
+/// Longest hello line accepted after its prefix; the host sends 32 hex
+/// digits of nonce and a time.
+const MAX_HELLO_REST: usize = 96;
 
-/// Where a hello line ends in `buf`: the nonce and the index just past its
-/// newline. Bytes before the hello are stale and skipped.
-pub fn find_hello<'a>(buf: &'a [u8], prefix: &[u8]) -> Option<(&'a str, usize)> {
-    let start = memchr::memmem::find(buf, prefix)?;
-    let rest = &buf[start + prefix.len()..];
-    let end = memchr::memchr(b'\n', &rest[..rest.len().min(MAX_NONCE + 1)])?;
-    let nonce = std::str::from_utf8(&rest[..end]).ok()?;
-    let valid = !nonce.is_empty() && nonce.bytes().all(|b| b.is_ascii_alphanumeric());
-    valid.then_some((nonce, start + prefix.len() + end + 1))
+/// One hello of the host: `COVE-HOST-HELLO <nonce> t=<unix ns>\n`.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Hello<'a> {
+    pub nonce: &'a str,
+    /// The host's clock when it sent the hello: a restored guest's clock
+    /// stopped when its memory was saved.
+    pub unix_ns: Option<u64>,
 }
 
-/// Reads until the host's hello; returns its nonce and what followed it.
-async fn await_host_hello<R: AsyncRead + Unpin>(reader: &mut R) -> io::Result<(String, Vec<u8>)> {
+/// Parses what follows the prefix of a hello line (without the newline).
+fn parse_hello(rest: &[u8]) -> Option<Hello<'_>> {
+    let text = std::str::from_utf8(rest).ok()?;
+    let mut words = text.split(' ');
+    let nonce = words.next()?;
+    if nonce.is_empty() || !nonce.bytes().all(|b| b.is_ascii_alphanumeric()) {
+        return None;
+    }
+    let mut unix_ns = None;
+    for word in words {
+        match word.strip_prefix("t=") {
+            Some(time) => unix_ns = Some(time.parse().ok()?),
+            None => return None,
+        }
+    }
+    Some(Hello { nonce, unix_ns })
+}
+
+/// Where a hello line ends in `buf`: the hello and the index just past its
+/// newline. Bytes before the hello are stale and skipped.
+pub fn find_hello(buf: &[u8]) -> Option<(Hello<'_>, usize)> {
+    let mut from = 0;
+    while let Some(found) = memchr::memmem::find(&buf[from..], HOST_HELLO) {
+        let start = from + found + HOST_HELLO.len();
+        let rest = &buf[start..];
+        let end = memchr::memchr(b'\n', &rest[..rest.len().min(MAX_HELLO_REST + 1)]);
+        match end {
+            // Unfinished: wait for more.
+            None if rest.len() <= MAX_HELLO_REST => return None,
+            Some(end) => {
+                if let Some(hello) = parse_hello(&rest[..end]) {
+                    return Some((hello, start + end + 1));
+                }
+            }
+            None => {}
+        }
+        from = start;
+    }
+    None
+}
+
+/// Reads until the host's hello; returns its nonce, its time and what
+/// followed it.
+async fn await_host_hello<R: AsyncRead + Unpin>(
+    reader: &mut R,
+) -> io::Result<(String, Option<u64>, Vec<u8>)> {
     let mut buf = Vec::with_capacity(256);
     let mut chunk = [0u8; 4096];
     loop {
@@ -62,11 +106,11 @@ async fn await_host_hello<R: AsyncRead + Unpin>(reader: &mut R) -> io::Result<(S
             return Err(io::ErrorKind::UnexpectedEof.into());
         }
         buf.extend_from_slice(&chunk[..n]);
-        if let Some((nonce, end)) = find_hello(&buf, HOST_HELLO) {
-            return Ok((nonce.to_owned(), buf[end..].to_vec()));
+        if let Some((hello, end)) = find_hello(&buf) {
+            return Ok((hello.nonce.to_owned(), hello.unix_ns, buf[end..].to_vec()));
         }
         // Keep only what could still be the start of a hello.
-        let keep = HOST_HELLO.len() + MAX_NONCE + 1;
+        let keep = HOST_HELLO.len() + MAX_HELLO_REST + 1;
         if buf.len() > keep {
             buf.drain(..buf.len() - keep);
         }
@@ -84,11 +128,13 @@ struct SkipRepeats<T> {
     inner: T,
 }
 
-/// What the start of `pending` is, with respect to a repeated `line`.
+/// What the start of `pending` is, with respect to a repeated hello that
+/// starts with `line` (`COVE-HOST-HELLO <nonce>`; the time after it differs
+/// between repeats).
 #[derive(Debug, PartialEq, Eq)]
 enum Repeat {
-    /// A whole repeat: drop that many bytes.
-    Whole,
+    /// A whole repeat this many bytes long: drop it.
+    Whole(usize),
     /// Could still become one: read more.
     Partial,
     /// Something else: repeats are over.
@@ -96,16 +142,21 @@ enum Repeat {
 }
 
 fn classify(pending: &[u8], line: &[u8]) -> Repeat {
-    if pending.len() >= line.len() {
-        if pending.starts_with(line) {
-            Repeat::Whole
+    if pending.len() <= line.len() {
+        return if line.starts_with(pending) {
+            Repeat::Partial
         } else {
             Repeat::No
-        }
-    } else if line.starts_with(pending) {
-        Repeat::Partial
-    } else {
-        Repeat::No
+        };
+    }
+    if !pending.starts_with(line) || !matches!(pending[line.len()], b' ' | b'\n') {
+        return Repeat::No;
+    }
+    let rest = &pending[line.len()..];
+    match memchr::memchr(b'\n', &rest[..rest.len().min(MAX_HELLO_REST + 1)]) {
+        Some(end) => Repeat::Whole(line.len() + end + 1),
+        None if rest.len() <= MAX_HELLO_REST => Repeat::Partial,
+        None => Repeat::No,
     }
 }
 
@@ -118,7 +169,7 @@ impl<T: AsyncRead + Unpin> AsyncRead for SkipRepeats<T> {
         let this = &mut *self;
         while this.skipping {
             match classify(&this.buffer[this.offset..], &this.line) {
-                Repeat::Whole => this.offset += this.line.len(),
+                Repeat::Whole(length) => this.offset += length,
                 Repeat::No => this.skipping = false,
                 Repeat::Partial => {
                     this.buffer.drain(..this.offset);
@@ -221,13 +272,19 @@ async fn serve_sessions(path: PathBuf, streams: mpsc::UnboundedSender<Connection
 async fn session(path: &Path, streams: &mpsc::UnboundedSender<Connection>) -> io::Result<()> {
     let mut port = Port::open(path)?;
     wait_for_host(&port).await?;
-    let (nonce, rest) = await_host_hello(&mut port).await?;
+    let (nonce, unix_ns, rest) = await_host_hello(&mut port).await?;
+    if let Some(unix_ns) = unix_ns {
+        // Before anything answers: a restored guest's clock is as old as
+        // its saved memory, and a plain resume gets no other correction.
+        if let Err(error) = super::setup::set_clock(unix_ns) {
+            tracing::warn!(%error, "could not set the clock from the host's hello");
+        }
+    }
     port.write_all(format!("{GUEST_HELLO}{nonce}\n").as_bytes())
         .await?;
     tracing::info!("host session started");
     let mut hello = HOST_HELLO.to_vec();
     hello.extend_from_slice(nonce.as_bytes());
-    hello.push(b'\n');
     let io = SkipRepeats {
         line: hello,
         buffer: rest,
@@ -272,38 +329,48 @@ mod tests {
 
     #[test]
     fn a_hello_is_found_after_stale_bytes() {
-        let buf = b"\x00\x02garbageCOVE-HOST-HELLO abc123\nyamux";
-        let (nonce, end) = find_hello(buf, HOST_HELLO).unwrap();
-        assert_eq!(nonce, "abc123");
+        let buf = b"\x00\x02garbageCOVE-HOST-HELLO abc123 t=1700000000000000000\nyamux";
+        let (hello, end) = find_hello(buf).unwrap();
+        assert_eq!(hello.nonce, "abc123");
+        assert_eq!(hello.unix_ns, Some(1_700_000_000_000_000_000));
         assert_eq!(&buf[end..], b"yamux");
+        let (hello, _) = find_hello(b"COVE-HOST-HELLO n0\n").unwrap();
+        assert_eq!((hello.nonce, hello.unix_ns), ("n0", None));
     }
 
     #[test]
     fn an_unfinished_or_bad_hello_is_not_taken() {
-        assert!(find_hello(b"COVE-HOST-HELLO abc", HOST_HELLO).is_none());
-        assert!(find_hello(b"COVE-HOST-HELLO a b\n", HOST_HELLO).is_none());
-        assert!(find_hello(b"COVE-HOST-HELLO \n", HOST_HELLO).is_none());
-        let long = format!("COVE-HOST-HELLO {}\n", "a".repeat(MAX_NONCE + 1));
-        assert!(find_hello(long.as_bytes(), HOST_HELLO).is_none());
+        assert!(find_hello(b"COVE-HOST-HELLO abc").is_none());
+        assert!(find_hello(b"COVE-HOST-HELLO a b\n").is_none());
+        assert!(find_hello(b"COVE-HOST-HELLO a t=x\n").is_none());
+        assert!(find_hello(b"COVE-HOST-HELLO \n").is_none());
+        let long = format!("COVE-HOST-HELLO {}\n", "a".repeat(MAX_HELLO_REST + 1));
+        assert!(find_hello(long.as_bytes()).is_none());
+        // A bad hello does not hide a good one after it.
+        let (hello, _) = find_hello(b"COVE-HOST-HELLO a b\nCOVE-HOST-HELLO ok\n").unwrap();
+        assert_eq!(hello.nonce, "ok");
     }
 
     #[test]
     fn repeats_are_told_from_what_follows() {
-        let line = b"COVE-HOST-HELLO n\n";
+        let line = b"COVE-HOST-HELLO n";
         assert_eq!(
-            classify(b"COVE-HOST-HELLO n\n\x00\x00", line),
-            Repeat::Whole
+            classify(b"COVE-HOST-HELLO n t=5\n\x00\x00", line),
+            Repeat::Whole(22)
         );
+        assert_eq!(classify(b"COVE-HOST-HELLO n\n", line), Repeat::Whole(18));
+        assert_eq!(classify(b"COVE-HOST-HELLO n t=", line), Repeat::Partial);
         assert_eq!(classify(b"COVE-HO", line), Repeat::Partial);
         assert_eq!(classify(b"", line), Repeat::Partial);
         assert_eq!(classify(b"\x00\x01\x00", line), Repeat::No);
-        assert_eq!(classify(b"COVE-HOST-HELLO m\n", line), Repeat::No);
+        assert_eq!(classify(b"COVE-HOST-HELLO m t=1\n", line), Repeat::No);
+        assert_eq!(classify(b"COVE-HOST-HELLO nn\n", line), Repeat::No);
     }
 
     #[tokio::test]
     async fn repeated_hellos_are_dropped_before_the_session() {
         let (mut host, guest) = tokio::io::duplex(1024);
-        let line = b"COVE-HOST-HELLO n\n".to_vec();
+        let line = b"COVE-HOST-HELLO n".to_vec();
         let mut io = SkipRepeats {
             line: line.clone(),
             buffer: b"COVE-HOST-HE".to_vec(),
@@ -325,9 +392,9 @@ mod tests {
     async fn the_handshake_skips_stale_bytes_and_keeps_what_follows() {
         let (mut host, mut guest) = tokio::io::duplex(1024);
         host.write_all(b"stale COVE-HOST-HEL").await.unwrap();
-        host.write_all(b"LO n0nce\nnext").await.unwrap();
-        let (nonce, rest) = await_host_hello(&mut guest).await.unwrap();
-        assert_eq!(nonce, "n0nce");
+        host.write_all(b"LO n0nce t=7\nnext").await.unwrap();
+        let (nonce, time, rest) = await_host_hello(&mut guest).await.unwrap();
+        assert_eq!((nonce.as_str(), time), ("n0nce", Some(7)));
         assert_eq!(rest, b"next");
     }
 }

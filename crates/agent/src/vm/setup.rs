@@ -123,7 +123,8 @@ fn replace_env(env: &BTreeMap<String, String>) {
     }
 }
 
-fn set_clock(unix_ns: u64) -> io::Result<()> {
+/// Sets the wall clock (a restored guest's stopped when it was saved).
+pub fn set_clock(unix_ns: u64) -> io::Result<()> {
     let time = libc::timespec {
         tv_sec: (unix_ns / 1_000_000_000) as _,
         tv_nsec: (unix_ns % 1_000_000_000) as _,

@@ -250,9 +250,16 @@ impl VmRuntime {
         };
         // A boot may follow a disk resize; a restore grew the disk just now or not at all.
         let grow_root = saved.is_none() || current_disk < disk_bytes;
-        if let Err(reason) = identity.apply(&running.session, grow_root).await {
-            running.machine.kill().await;
-            return Err(start_error(id, reason));
+        // A sandbox resuming its own paused memory still is who it was, and
+        // its clock came with the hello: it needs no identity call.
+        let own_memory = saved
+            .as_ref()
+            .is_some_and(|saved| saved.owner.as_deref() == Some(id));
+        if !own_memory || grow_root {
+            if let Err(reason) = identity.apply(&running.session, grow_root).await {
+                running.machine.kill().await;
+                return Err(start_error(id, reason));
+            }
         }
         tracing::debug!(
             sandbox = id,

@@ -10,7 +10,8 @@
 //!
 //! The handshake (the agent's `vm::session` has the other half and explains
 //! why it looks like this): the host sends [`FILLER_BYTES`] bytes of 0xff and
-//! `COVE-HOST-HELLO <nonce>\n`, repeats the hello line until the agent
+//! `COVE-HOST-HELLO <nonce> t=<unix ns>\n`, repeats the hello line (with the
+//! time of each send: the agent sets its clock from it) until the agent
 //! answers `COVE-GUEST-HELLO <nonce>\n`, and reads past anything before that
 //! answer: a VM restored from saved memory may still send bytes of its
 //! previous host's session. The filler makes a stale yamux session in the
@@ -167,9 +168,8 @@ pub fn random_hex(bytes: usize) -> io::Result<String> {
 /// Sends the filler and the hello, repeating the hello until the answer;
 /// returns what followed the answer.
 async fn handshake(mut socket: UnixStream, nonce: &str) -> io::Result<(Vec<u8>, UnixStream)> {
-    let hello = format!("{HOST_HELLO}{nonce}\n");
     let mut first = vec![0xffu8; FILLER_BYTES];
-    first.extend_from_slice(hello.as_bytes());
+    first.extend_from_slice(hello(nonce).as_bytes());
     socket.write_all(&first).await?;
     let mut wanted = GUEST_HELLO.to_vec();
     wanted.extend_from_slice(nonce.as_bytes());
@@ -198,11 +198,21 @@ async fn handshake(mut socket: UnixStream, nonce: &str) -> io::Result<(Vec<u8>, 
                 }
             }
             _ = tokio::time::sleep(pause) => {
-                socket.write_all(hello.as_bytes()).await?;
+                socket.write_all(hello(nonce).as_bytes()).await?;
                 repeats += 1;
             }
         }
     }
+}
+
+/// A hello line, with the host's clock for a restored guest, whose clock
+/// stopped when its memory was saved.
+fn hello(nonce: &str) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    format!("{HOST_HELLO}{nonce} t={now}\n")
 }
 
 /// What follows `wanted` in `seen`, once it is there; otherwise trims `seen`
@@ -388,8 +398,10 @@ mod tests {
             };
             let line = &seen[at + prefix.len()..];
             if let Some(newline) = line.iter().position(|b| *b == b'\n') {
-                let nonce = String::from_utf8(line[..newline].to_vec()).unwrap();
-                break (nonce, at + prefix.len() + newline + 1);
+                let text = String::from_utf8(line[..newline].to_vec()).unwrap();
+                let (nonce, time) = text.split_once(" t=").unwrap();
+                assert!(time.parse::<u128>().unwrap() > 0);
+                break (nonce.to_owned(), at + prefix.len() + newline + 1);
             }
         };
         assert!(seen[..FILLER_BYTES].iter().all(|b| *b == 0xff));
@@ -398,15 +410,23 @@ mod tests {
             .await
             .unwrap();
         // The repeats sent so far precede the first yamux byte: drop them.
-        let line = format!("{HOST_HELLO}{nonce}\n");
+        let line = format!("{HOST_HELLO}{nonce} t=");
         let mut rest = String::from_utf8_lossy(&seen[end..]).into_owned();
-        while !rest.is_empty() && line.starts_with(rest.as_str()) || rest.starts_with(&line) {
+        loop {
             if rest.starts_with(&line) {
-                rest.drain(..line.len());
-                continue;
+                match rest.find('\n') {
+                    Some(newline) => drop(rest.drain(..=newline)),
+                    None => {
+                        let n = socket.read(&mut buf).await.unwrap();
+                        rest.push_str(&String::from_utf8_lossy(&buf[..n]));
+                    }
+                }
+            } else if !rest.is_empty() && line.starts_with(rest.as_str()) {
+                let n = socket.read(&mut buf).await.unwrap();
+                rest.push_str(&String::from_utf8_lossy(&buf[..n]));
+            } else {
+                break;
             }
-            let n = socket.read(&mut buf).await.unwrap();
-            rest.push_str(&String::from_utf8_lossy(&buf[..n]));
         }
         let io = Prefixed {
             prefix: rest.into_bytes(),

@@ -20,12 +20,16 @@ pub(super) fn discard_memory_files(layout: &VmLayout) -> io::Result<()> {
 }
 
 /// Copies saved memory and disk from one directory to another (reflinks),
-/// replacing what is there; the device state last.
+/// replacing what is there; the device state last. The copy has no owner.
 pub(super) fn clone_saved(from: &VmLayout, to: &VmLayout) -> io::Result<()> {
     remove_if_present(&to.state())?;
     reflink::clone_replacing(&from.disk(), &to.disk())?;
     reflink::clone_replacing(&from.ram(), &to.ram())?;
-    reflink::clone_replacing(&from.machine(), &to.machine())?;
+    let machine = SavedMachine {
+        owner: None,
+        ..SavedMachine::read(&from.machine())?
+    };
+    machine.write(&to.machine())?;
     reflink::clone_replacing(&from.state(), &to.state())
 }
 
@@ -89,8 +93,11 @@ impl VmRuntime {
                 .map_err(|e| format!("flush {}: {e}", ram.display()))
         })
         .await?;
-        let machine = SavedMachine::read(&source.machine())
-            .map_err(io_error(id, format!("read {}", source.machine().display())))?;
+        let machine = SavedMachine {
+            owner: None,
+            ..SavedMachine::read(&source.machine())
+                .map_err(io_error(id, format!("read {}", source.machine().display())))?
+        };
         let state_partial = dest.dir.join("state.partial");
         let (from, to, partial) = (source.clone(), dest.clone(), state_partial.clone());
         self.with_vm_frozen(id, &vm, Some(state_partial.clone()), move || {

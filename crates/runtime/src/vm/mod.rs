@@ -48,6 +48,7 @@ use bridge::Bridge;
 use copy::{clone_saved, discard_memory_files};
 use layout::VmLayout;
 use orphan::{end_orphan, orphan_pid};
+use saved::SavedMachine;
 
 pub use disk::AGENT_IN_GUEST;
 pub use qemu::{detect_accelerator, Accelerator, HostFacts};
@@ -577,6 +578,16 @@ impl Runtime for VmRuntime {
         guard.bridge.take();
         guard.machine.quit().await;
         drop(guard);
+        let machine = SavedMachine::read(&layout.machine()).map(|machine| SavedMachine {
+            owner: Some(id.to_owned()),
+            ..machine
+        });
+        machine
+            .and_then(|machine| machine.write(&layout.machine()))
+            .map_err(io_error(
+                id,
+                format!("update {}", layout.machine().display()),
+            ))?;
         fs::rename(&partial, layout.state()).map_err(io_error(
             id,
             format!("move {} in place", layout.state().display()),

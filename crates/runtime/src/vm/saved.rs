@@ -16,6 +16,12 @@ pub struct SavedMachine {
     pub accelerator: String,
     pub cpus: u32,
     pub memory_mib: u64,
+    /// The sandbox whose pause saved this memory, which alone may continue
+    /// from it without being told its identity again. A copy (template,
+    /// snapshot, fork) has none: its memory holds another sandbox's name
+    /// and environment, and random state that a sibling shares.
+    #[serde(default)]
+    pub owner: Option<String>,
 }
 
 impl SavedMachine {
@@ -25,6 +31,7 @@ impl SavedMachine {
             accelerator: accelerator.name().to_owned(),
             cpus,
             memory_mib,
+            owner: None,
         }
     }
 
