@@ -1,12 +1,11 @@
 //! The guest's end of the agent's virtio-serial port (`cove.agent`), as an
 //! async byte stream.
 //!
-//! What the port does, as measured with QEMU 10 and Linux 6.12: reads return
-//! end-of-file once the host side is not connected (after any data still
-//! buffered), and `poll` reports `POLLHUP` for as long as it is not. A VM
-//! restored from saved memory on a QEMU whose chardev nobody has connected to
-//! yet is told so right after it continues, so the agent sees end-of-file
-//! there too. Only one open of the port at a time is allowed in the guest.
+//! What the port does, as seen with QEMU 10 and Linux 6.12: when the host
+//! process disconnects, reads return end-of-file (after any data still
+//! buffered), and `poll` reports `POLLHUP` for as long as nobody is
+//! connected. Only one open of the port at a time is allowed in the guest.
+//! What a restored guest sees is in `session`.
 #![allow(unsafe_code)]
 
 use std::fs;

@@ -15,15 +15,17 @@
 //! 3. yamux runs, the host as client, the agent as server.
 //!
 //! A restored guest is told right after it continues that its host is gone
-//! (the new QEMU's chardev has nobody connected yet), so the agent usually
-//! sees end-of-file, ends its session and opens the port again. But the host
-//! connects at once, and when the guest handles both notices before the
-//! agent reads, it never sees end-of-file: its old yamux session reads the
-//! filler instead, which is no valid frame header (yamux version 0) and longer
-//! than any partial frame the host may have left (it sends at most 16 KiB a
-//! frame), so that session fails and the agent starts over, finding one of
-//! the repeated hellos. QEMU's `VSERPORT_CHANGE` events cannot tell the host
-//! when the guest reopened: they are rate-limited to one a second per port.
+//! (the new QEMU's chardev has nobody connected yet), and then that it is
+//! back, since the host connects at once. When both notices are handled
+//! before the agent reads, the agent never sees end-of-file; in our runs
+//! that is what happened on every restore. Its old yamux session reads the
+//! filler instead, which is no valid frame header (yamux version 0) and
+//! longer than any partial frame the host may have left (it sends at most
+//! 16 KiB a frame), so that session fails and the agent starts over, finding
+//! one of the repeated hellos. A host that goes away while the VM runs is
+//! seen as end-of-file, and the agent starts over the same way. QEMU's
+//! `VSERPORT_CHANGE` events cannot tell the host when the guest reopened the
+//! port: they are rate-limited to one a second per port.
 
 use std::io;
 use std::path::{Path, PathBuf};
