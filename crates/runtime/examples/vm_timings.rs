@@ -46,6 +46,24 @@ async fn exec(socket: &Path, command: &str) -> String {
     text
 }
 
+/// `GET /files/download`: the file streams through the channel as it is.
+async fn download(socket: &Path, path: &str) -> usize {
+    let mut stream = UnixStream::connect(socket)
+        .await
+        .expect("connect to the agent");
+    let request =
+        format!("GET /files/download?path={path} HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n");
+    stream.write_all(request.as_bytes()).await.expect("send");
+    let mut reply = Vec::new();
+    stream.read_to_end(&mut reply).await.expect("receive");
+    assert!(
+        reply.starts_with(b"HTTP/1.1 200"),
+        "{}",
+        String::from_utf8_lossy(&reply[..200.min(reply.len())])
+    );
+    reply.len()
+}
+
 fn ms(duration: Duration) -> f64 {
     (duration.as_secs_f64() * 1e4).round() / 10.0
 }
@@ -86,6 +104,35 @@ async fn measure(
     let first_command_ms = ms(began.elapsed());
     // Some memory in use, as a sandbox that did something has.
     exec(&socket(&id), "head -c 64M /dev/urandom > /dev/shm/fill").await;
+    // How fast bytes come out through the agent's channel (yamux over virtio-serial).
+    exec(
+        &socket(&id),
+        "head -c 16000000 /dev/zero | tr '\\0' a > /dev/shm/out",
+    )
+    .await;
+    let began = Instant::now();
+    exec(
+        &socket(&id),
+        "head -c 16000000 /dev/zero | tr '\\0' a > /dev/null",
+    )
+    .await;
+    eprintln!(
+        "{memory_mib} MiB: making the output alone: {} ms",
+        ms(began.elapsed())
+    );
+    let began = Instant::now();
+    let reply = exec(&socket(&id), "cat /dev/shm/out").await;
+    eprintln!(
+        "{memory_mib} MiB: {} bytes of command output in {} ms",
+        reply.len(),
+        ms(began.elapsed())
+    );
+    let began = Instant::now();
+    let bytes = download(&socket(&id), "/dev/shm/out").await;
+    eprintln!(
+        "{memory_mib} MiB: downloaded {bytes} bytes in {} ms",
+        ms(began.elapsed())
+    );
 
     let began = Instant::now();
     runtime.pause(&id).await.expect("pause");
