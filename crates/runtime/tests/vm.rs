@@ -251,12 +251,17 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     // The template's memory held another name and environment.
     let who = exec_ok(&socket, "echo $(hostname) $SANDBOX_TEST").await;
     assert_eq!(who, "host-vm-a env-vm-a");
-    // The root filesystem fills the 2 GiB disk, larger than the template's.
-    let size = exec_ok(&socket, "df --output=size -B1M / | tail -n 1").await;
-    assert!(
-        size.trim().parse::<u64>().unwrap() > 1800,
-        "root is {size} MiB"
-    );
+    // The root filesystem grows (in the background) to fill the 2 GiB disk,
+    // larger than the template's.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let size = exec_ok(&socket, "df --output=size -B1M / | tail -n 1").await;
+        if size.trim().parse::<u64>().unwrap() > 1800 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "root stays at {size} MiB");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 
     // Pause and resume: the counter process goes on where it was.
     let counter = start_counter(&socket).await;
@@ -401,6 +406,10 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     again.stop("vm-a").await.unwrap();
     assert!(!again.is_running("vm-a").await);
     assert!(qemus_under(&h.storage.root().join("vms").join("vm-a")).is_empty());
+    assert!(again.is_running("vm-d").await);
+    again.destroy("vm-d").await.unwrap();
+    assert!(qemus_under(&h.storage.root().join("vms").join("vm-d")).is_empty());
+    assert!(!h.storage.root().join("vms").join("vm-d").exists());
     drop(again);
 
     // Destroy: no process, no files.

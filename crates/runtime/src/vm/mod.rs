@@ -425,7 +425,7 @@ impl Runtime for VmRuntime {
             vm.bridge.take();
             vm.machine.quit().await;
         } else if let Some(pid) = orphan_pid(&layout) {
-            end_orphan(pid).await;
+            end_orphan(pid, true).await;
         }
         let _ = remove_if_present(&layout.agent_socket());
         if layout.dir.exists() {
@@ -442,10 +442,7 @@ impl Runtime for VmRuntime {
             vm.machine.kill().await;
         }
         if let Some(pid) = orphan_pid(&layout) {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(pid),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+            end_orphan(pid, false).await;
         }
         let storage = self.config.storage.clone();
         blocking(id, move || {

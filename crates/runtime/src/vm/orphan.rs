@@ -26,22 +26,36 @@ pub(super) fn orphan_pid(layout: &VmLayout) -> Option<i32> {
     ours.then_some(pid)
 }
 
-/// Ends a QEMU process this runtime did not start: SIGTERM (QEMU flushes its
-/// disks and exits), SIGKILL if it lingers.
-pub(super) async fn end_orphan(pid: i32) {
+/// Ends a QEMU process this runtime did not start and waits until it is
+/// gone: gracefully with SIGTERM (QEMU flushes its disks and exits), SIGKILL
+/// if it lingers; or at once with SIGKILL.
+pub(super) async fn end_orphan(pid: i32, graceful: bool) {
     use nix::sys::signal::{kill, Signal};
     let pid = nix::unistd::Pid::from_raw(pid);
-    let _ = kill(pid, Signal::SIGTERM);
+    let first = if graceful {
+        Signal::SIGTERM
+    } else {
+        Signal::SIGKILL
+    };
+    let _ = kill(pid, first);
     let began = Instant::now();
-    while kill(pid, None).is_ok() && began.elapsed() < TERM_TIMEOUT {
-        // Not our child, so it cannot be waited for; its /proc entry goes
-        // once its parent (init, after our restart) reaps it.
+    let mut killed = !graceful;
+    while kill(pid, None).is_ok() {
+        // Not our child, so it cannot be waited for; a zombie is gone
+        // enough (its parent, init after our restart, reaps it).
         if fs::read_to_string(format!("/proc/{pid}/stat"))
             .is_ok_and(|stat| stat.split_whitespace().nth(2) == Some("Z"))
         {
             return;
         }
+        if !killed && began.elapsed() > TERM_TIMEOUT {
+            let _ = kill(pid, Signal::SIGKILL);
+            killed = true;
+        }
+        if began.elapsed() > 2 * TERM_TIMEOUT {
+            tracing::error!(%pid, "qemu did not end after SIGKILL");
+            return;
+        }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    let _ = kill(pid, Signal::SIGKILL);
 }
