@@ -17,6 +17,7 @@ pub mod listen;
 pub mod pty;
 pub mod session;
 pub mod system;
+pub mod vm;
 
 use std::sync::Arc;
 

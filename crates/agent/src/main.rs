@@ -1,5 +1,5 @@
-//! `cove-agent init | serve [--socket PATH]`: argument parsing and start-up
-//! order only; everything else lives in the library.
+//! `cove-agent init | serve [--socket PATH] | vm`: argument parsing and
+//! start-up order only; everything else lives in the library.
 
 use std::io::IsTerminal as _;
 
@@ -7,11 +7,14 @@ use anyhow::{bail, Context as _};
 use cove_agent::listen::{self, Endpoint};
 use cove_agent::{config, AppState, Settings};
 
-const USAGE: &str = "usage: cove-agent init | serve [--socket PATH]";
+const USAGE: &str = "usage: cove-agent init | serve [--socket PATH] | vm";
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let mode = args.next().unwrap_or_default();
+    if mode == "vm" {
+        return vm_main();
+    }
     let mut socket = None;
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -39,14 +42,7 @@ fn main() -> anyhow::Result<()> {
         _ => bail!("{USAGE}"),
     }
 
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal())
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("COVE_AGENT_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    init_logging(true);
     let listener = listen::open(&endpoint).context("opening the listening socket")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -57,6 +53,47 @@ fn main() -> anyhow::Result<()> {
         let sessions = state.sessions.clone();
         tracing::info!(?endpoint, "cove-agent serving");
         let served = listen::serve(listener, cove_agent::app(state)).await;
+        sessions.shutdown();
+        served.context("serving")
+    })
+}
+
+/// Logs to stderr; colours only for a terminal a person reads (a VM's
+/// console is a terminal too, but ends up in a log file).
+fn init_logging(colours: bool) {
+    tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_ansi(colours && std::io::stderr().is_terminal())
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("COVE_AGENT_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+}
+
+/// `cove-agent vm`: PID 1 of a VM, started by the initramfs. Makes the system
+/// a container would get from its host, then serves over virtio-serial.
+fn vm_main() -> anyhow::Result<()> {
+    if let Err(failure) = cove_agent::vm::boot::prepare_system() {
+        // PID 1 exiting ends the VM, which the host reports with the console.
+        bail!("preparing the VM: {failure}");
+    }
+    let settings = Settings::from_env();
+    // Still single-threaded here, which both calls below require.
+    config::remove_private_env();
+    cove_agent::init::split_off_server().context("starting as PID 1")?;
+    init_logging(false);
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    runtime.block_on(async {
+        let state = AppState::new(settings).context("preparing the agent state")?;
+        let sessions = state.sessions.clone();
+        let incoming = cove_agent::vm::session::listen().context("opening the host port")?;
+        tracing::info!("cove-agent serving over virtio-serial");
+        let app = cove_agent::app(state).merge(cove_agent::vm::setup::routes());
+        let served = axum::serve(incoming, app).await;
         sessions.shutdown();
         served.context("serving")
     })

@@ -25,7 +25,7 @@ pub const DEFAULT_PACKAGES: &[&str] = &[
     "less",
 ];
 const DEFAULT_MIRROR: &str = "http://deb.debian.org/debian";
-const COMPLETE_MARKER: &str = ".complete";
+pub(crate) const COMPLETE_MARKER: &str = ".complete";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImageError {

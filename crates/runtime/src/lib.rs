@@ -1,7 +1,7 @@
 //! The machines behind sandboxes.
 //!
 //! [`Runtime`] is the one interface the engine drives; each sandbox class has a
-//! backend behind it ([`container`] today, the VM backend later), and [`fake`]
+//! backend behind it ([`container`], [`vm`]), and [`fake`]
 //! stands in for them in tests of everything above. [`image`] owns root
 //! filesystems on disk. This crate knows nothing of HTTP, JSON APIs or the database.
 
@@ -9,6 +9,7 @@ pub mod container;
 pub mod fake;
 pub mod image;
 pub mod storage;
+pub mod vm;
 
 use std::path::{Path, PathBuf};
 

@@ -1,0 +1,273 @@
+//! Bringing a VM up: a cold boot or a restore of saved memory, the agent
+//! connected, and the sandbox's identity told to it.
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::path::Path;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use tokio::sync::oneshot;
+
+use super::bridge::{self, Bridge, Session};
+use super::layout::VmLayout;
+use super::machine::{self, Boot, Machine};
+use super::saved::SavedMachine;
+use super::{
+    blocking, disk, io_error, qemu, reflink, remove_if_present, start_error, RuntimeError,
+    SandboxSpec, VmRuntime,
+};
+
+/// How long a restored VM's agent may take to reopen its port.
+const RESTORE_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A VM this runtime started and that runs.
+pub(super) struct RunningVm {
+    pub machine: Machine,
+    pub session: Session,
+    /// Serves `agent.sock`; dropped to stop it.
+    pub bridge: Option<Bridge>,
+    pub driver: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for RunningVm {
+    fn drop(&mut self) {
+        self.bridge.take();
+        self.driver.abort();
+    }
+}
+
+/// The end of a log, for errors.
+fn log_tail(path: &Path) -> String {
+    let text = fs::read(path).unwrap_or_default();
+    let tail = &text[text.len().saturating_sub(600)..];
+    String::from_utf8_lossy(tail).trim().replace('\n', " | ")
+}
+
+/// Who a VM is, told to its agent after every boot and restore.
+pub(super) struct Identity {
+    pub hostname: String,
+    pub env: BTreeMap<String, String>,
+    pub cpus: u32,
+    pub memory_mib: u64,
+    pub disk_bytes: u64,
+}
+
+impl Identity {
+    pub fn of(spec: &SandboxSpec) -> Identity {
+        Identity {
+            hostname: spec.hostname.clone(),
+            env: spec.env.iter().cloned().collect(),
+            cpus: spec.resources.cpu.max(1),
+            memory_mib: spec.resources.memory_mib,
+            disk_bytes: spec.resources.disk_gib << 30,
+        }
+    }
+
+    async fn apply(&self, session: &Session, grow_root: bool) -> Result<(), String> {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_nanos() as u64;
+        let entropy = bridge::random_hex(64).map_err(|e| format!("read random bytes: {e}"))?;
+        let body = serde_json::json!({
+            "hostname": self.hostname,
+            "env": self.env,
+            "unixTimeNs": now,
+            "entropy": entropy,
+            "growRoot": grow_root,
+            "diskBytes": self.disk_bytes,
+        });
+        let (status, answer) = session
+            .post("/cove/vm/identity", &body.to_string())
+            .await
+            .map_err(|e| format!("tell the agent its identity: {e}"))?;
+        if status != 200 {
+            return Err(format!(
+                "the agent refused its identity ({status}): {answer}"
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl VmRuntime {
+    fn machine_spec(
+        &self,
+        name: String,
+        layout: &VmLayout,
+        cpus: u32,
+        memory_mib: u64,
+        incoming: bool,
+    ) -> qemu::MachineSpec {
+        qemu::MachineSpec {
+            name,
+            accelerator: self.accelerator,
+            tsc_khz: self.tsc_khz,
+            cpus,
+            memory_mib,
+            firmware: self.config.firmware.clone(),
+            kernel: self.config.kernel(),
+            initramfs: self.config.initramfs(),
+            ram_file: layout.ram(),
+            disk: layout.disk(),
+            console_log: layout.console(),
+            qemu_log: layout.qemu_log(),
+            agent_chardev: layout.chardev(),
+            qmp_socket: layout.qmp(),
+            pid_file: layout.pid_file(),
+            incoming,
+        }
+    }
+
+    /// Boots or restores the machine in `layout`, connects its agent and
+    /// tells it who it is. On failure nothing of the machine is left running.
+    pub(super) async fn bring_up(
+        &self,
+        id: &str,
+        layout: &VmLayout,
+        identity: &Identity,
+        exited: oneshot::Sender<String>,
+    ) -> Result<RunningVm, RuntimeError> {
+        let saved = if layout.has_memory() {
+            let saved = SavedMachine::read(&layout.machine())
+                .map_err(io_error(id, format!("read {}", layout.machine().display())))?;
+            if let Some(why) = saved.incompatibility(self.accelerator) {
+                return Err(start_error(
+                    id,
+                    format!("its saved memory cannot be restored: {why}"),
+                ));
+            }
+            Some(saved)
+        } else {
+            None
+        };
+        let disk_bytes = identity.disk_bytes;
+        let current_disk =
+            disk::qcow2_size(&layout.disk()).map_err(|e| start_error(id, e.to_string()))?;
+        if current_disk > disk_bytes {
+            return Err(start_error(
+                id,
+                format!("its disk is {current_disk} bytes, more than the {disk_bytes} asked for; disks cannot shrink"),
+            ));
+        }
+        let (cpus, memory_mib, boot) = match &saved {
+            Some(saved) => (
+                saved.cpus,
+                saved.memory_mib,
+                Boot::Restore {
+                    state: layout.state(),
+                },
+            ),
+            None => {
+                // A cold boot starts from zeroed memory (a sparse file).
+                let ram = layout.ram();
+                let prepared =
+                    fs::File::create(&ram).and_then(|file| file.set_len(identity.memory_mib << 20));
+                prepared.map_err(io_error(id, format!("make {}", ram.display())))?;
+                if current_disk < disk_bytes {
+                    let (qemu_img, disk) = (self.config.qemu_img.clone(), layout.disk());
+                    blocking(id, move || {
+                        disk::resize(&qemu_img, &disk, disk_bytes).map_err(|e| e.to_string())
+                    })
+                    .await?;
+                }
+                (identity.cpus, identity.memory_mib, Boot::Cold)
+            }
+        };
+        if saved.is_none() {
+            // Describes the running machine, for the saves to come.
+            SavedMachine::new(self.accelerator, cpus, memory_mib)
+                .write(&layout.machine())
+                .map_err(io_error(
+                    id,
+                    format!("write {}", layout.machine().display()),
+                ))?;
+        }
+        // A RAM file just cloned (template, snapshot, fork) has nothing in the
+        // page cache, and a restored guest faulting it in page by page is
+        // slow; reading it in while QEMU starts and loads its state is not.
+        let warmed = saved.as_ref().map(|_| {
+            let ram = layout.ram();
+            tokio::task::spawn_blocking(move || reflink::read_ahead(&ram))
+        });
+        let spec = self.machine_spec(
+            format!("cove-{id}"),
+            layout,
+            cpus,
+            memory_mib,
+            saved.is_some(),
+        );
+        let began = Instant::now();
+        let machine = Machine::launch(&self.config.qemu, &spec, &boot, exited)
+            .await
+            .map_err(|e| {
+                start_error(id, format!("{e}; console: {}", log_tail(&layout.console())))
+            })?;
+        let launched = began.elapsed();
+        if let Some(warmed) = warmed {
+            if let Ok(Err(error)) = warmed.await {
+                tracing::debug!(sandbox = id, %error, "could not read the RAM file ahead");
+            }
+        }
+        let connected = async {
+            let agent_timeout = if saved.is_some() {
+                // From here the memory diverges from the saved state.
+                remove_if_present(&layout.state()).map_err(|source| machine::MachineError::Io {
+                    action: format!("remove {}", layout.state().display()),
+                    source,
+                })?;
+                machine.resume().await?;
+                // Disks become writable (active) only once the VM runs; the
+                // guest is told of the new size and the agent waits for it.
+                if current_disk < disk_bytes {
+                    machine.resize_disk(disk_bytes).await?;
+                }
+                RESTORE_AGENT_TIMEOUT
+            } else {
+                self.config.boot_timeout
+            };
+            machine
+                .connect_agent(&layout.chardev(), agent_timeout)
+                .await
+        }
+        .await;
+        let (session, driver) = match connected {
+            Ok(connected) => connected,
+            Err(error) => {
+                machine.kill().await;
+                return Err(start_error(
+                    id,
+                    format!("{error}; console: {}", log_tail(&layout.console())),
+                ));
+            }
+        };
+        let connected = began.elapsed();
+        let running = RunningVm {
+            machine,
+            session,
+            bridge: None,
+            driver,
+        };
+        // A boot may follow a disk resize; a restore grew the disk just now or not at all.
+        let grow_root = saved.is_none() || current_disk < disk_bytes;
+        // A sandbox resuming its own paused memory still is who it was, and
+        // its clock came with the hello: it needs no identity call.
+        let own_memory = saved
+            .as_ref()
+            .is_some_and(|saved| saved.owner.as_deref() == Some(id));
+        if !own_memory || grow_root {
+            if let Err(reason) = identity.apply(&running.session, grow_root).await {
+                running.machine.kill().await;
+                return Err(start_error(id, reason));
+            }
+        }
+        tracing::debug!(
+            sandbox = id,
+            launched_ms = launched.as_secs_f64() * 1e3,
+            agent_connected_ms = connected.as_secs_f64() * 1e3,
+            identity_applied_ms = began.elapsed().as_secs_f64() * 1e3,
+            "vm brought up"
+        );
+        Ok(running)
+    }
+}

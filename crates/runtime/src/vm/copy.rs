@@ -1,0 +1,124 @@
+//! Copies of a VM's files: saved memory cloned between directories, and a
+//! running VM frozen for the instant its files are cloned.
+
+use std::fs;
+use std::io;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use super::boot::RunningVm;
+use super::layout::VmLayout;
+use super::saved::SavedMachine;
+use super::{blocking, io_error, other, reflink, remove_if_present, RuntimeError, VmRuntime};
+
+/// Forgets saved memory: the device state first, so a half-done discard never
+/// looks like a usable memory.
+pub(super) fn discard_memory_files(layout: &VmLayout) -> io::Result<()> {
+    remove_if_present(&layout.state())?;
+    remove_if_present(&layout.machine())?;
+    remove_if_present(&layout.ram())
+}
+
+/// Copies saved memory and disk from one directory to another (reflinks),
+/// replacing what is there; the device state last. The copy has no owner.
+pub(super) fn clone_saved(from: &VmLayout, to: &VmLayout) -> io::Result<()> {
+    remove_if_present(&to.state())?;
+    reflink::clone_replacing(&from.disk(), &to.disk())?;
+    reflink::clone_replacing(&from.ram(), &to.ram())?;
+    let machine = SavedMachine {
+        owner: None,
+        ..SavedMachine::read(&from.machine())?
+    };
+    machine.write(&to.machine())?;
+    reflink::clone_replacing(&from.state(), &to.state())
+}
+
+impl VmRuntime {
+    /// Stops a running VM for the instant of `work` (which copies its files),
+    /// then lets it run on. With `state`, the device state is saved there first.
+    pub(super) async fn with_vm_frozen<T: Send + 'static>(
+        &self,
+        id: &str,
+        vm: &RunningVm,
+        state: Option<PathBuf>,
+        work: impl FnOnce() -> Result<T, String> + Send + 'static,
+    ) -> Result<T, RuntimeError> {
+        let began = Instant::now();
+        vm.machine
+            .pause_vcpus()
+            .await
+            .map_err(|e| other(id, format!("stop the vCPUs: {e}")))?;
+        let saved = match &state {
+            Some(path) => vm.machine.save_state(path).await.map_err(|e| e.to_string()),
+            None => Ok(()),
+        };
+        let result = match saved {
+            Ok(()) => blocking(id, work).await,
+            Err(reason) => Err(other(id, format!("save the device state: {reason}"))),
+        };
+        let resumed = vm.machine.resume().await;
+        tracing::debug!(
+            sandbox = id,
+            frozen_ms = began.elapsed().as_secs_f64() * 1e3,
+            "vm frozen for a copy"
+        );
+        resumed.map_err(|e| other(id, format!("continue the vCPUs: {e}")))?;
+        result
+    }
+
+    /// Copies a sandbox's disk and memory into `dest` (a sandbox or capture
+    /// directory): from its running VM, frozen only while the files are
+    /// cloned, or from the memory it saved when paused.
+    pub(super) async fn copy_memory(&self, id: &str, dest: VmLayout) -> Result<(), RuntimeError> {
+        let source = self.layout(id);
+        let Some(vm) = self.running(id) else {
+            if !source.has_memory() {
+                return Err(other(
+                    id,
+                    "it is neither running nor paused with its memory",
+                ));
+            }
+            return blocking(id, move || {
+                clone_saved(&source, &dest).map_err(|e| e.to_string())
+            })
+            .await;
+        };
+        let vm = vm.lock().await;
+        // Written out while the VM still runs, so the clone under the freeze
+        // has only what was dirtied since to flush.
+        let ram = source.ram();
+        blocking(id, move || {
+            fs::File::open(&ram)
+                .and_then(|file| file.sync_data())
+                .map_err(|e| format!("flush {}: {e}", ram.display()))
+        })
+        .await?;
+        let machine = SavedMachine {
+            owner: None,
+            ..SavedMachine::read(&source.machine())
+                .map_err(io_error(id, format!("read {}", source.machine().display())))?
+        };
+        let state_partial = dest.dir.join("state.partial");
+        let (from, to, partial) = (source.clone(), dest.clone(), state_partial.clone());
+        self.with_vm_frozen(id, &vm, Some(state_partial.clone()), move || {
+            remove_if_present(&to.state()).map_err(|e| e.to_string())?;
+            reflink::clone_replacing(&from.ram(), &to.ram())
+                .map_err(|e| format!("clone the RAM file: {e}"))?;
+            reflink::clone_replacing(&from.disk(), &to.disk())
+                .map_err(|e| format!("clone the disk: {e}"))?;
+            Ok(partial)
+        })
+        .await
+        .inspect_err(|_| {
+            let _ = fs::remove_file(&state_partial);
+        })?;
+        drop(vm);
+        machine
+            .write(&dest.machine())
+            .map_err(io_error(id, format!("write {}", dest.machine().display())))?;
+        fs::rename(&state_partial, dest.state()).map_err(io_error(
+            id,
+            format!("move {} in place", dest.state().display()),
+        ))
+    }
+}

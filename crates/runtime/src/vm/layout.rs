@@ -1,0 +1,103 @@
+//! Where a VM sandbox keeps its files: `{storage}/vms/{id}/` (a btrfs
+//! subvolume capped at the sandbox's disk plus memory) holds
+//!
+//! - `disk.qcow2`: the root disk, over the read-only base image;
+//! - `ram`: the guest's memory, mapped shared by QEMU;
+//! - `state`: device state saved with the memory (only while the VM is not
+//!   running and its memory is kept), `machine.json` the machine it fits;
+//! - `qmp.sock`, `serial.sock` (QEMU's end of the agent port), `agent.sock`
+//!   (the runtime's: the server's toolbox proxy connects here), `qemu.pid`,
+//!   `console.log` (the guest's serial console) and `qemu.log` (QEMU's own).
+//!
+//! A memory capture or a template holds the same `disk.qcow2`, `ram`,
+//! `state` and `machine.json`. Pure path arithmetic.
+
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+/// `sun_path` is 108 bytes including the terminating NUL.
+const MAX_SOCKET_PATH: usize = 107;
+
+#[derive(Clone, Debug)]
+pub struct VmLayout {
+    pub dir: PathBuf,
+}
+
+impl VmLayout {
+    pub fn new(dir: PathBuf) -> VmLayout {
+        VmLayout { dir }
+    }
+
+    pub fn disk(&self) -> PathBuf {
+        self.dir.join("disk.qcow2")
+    }
+    pub fn ram(&self) -> PathBuf {
+        self.dir.join("ram")
+    }
+    pub fn state(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+    pub fn machine(&self) -> PathBuf {
+        self.dir.join("machine.json")
+    }
+    pub fn qmp(&self) -> PathBuf {
+        self.dir.join("qmp.sock")
+    }
+    pub fn chardev(&self) -> PathBuf {
+        self.dir.join("serial.sock")
+    }
+    pub fn agent_socket(&self) -> PathBuf {
+        self.dir.join("agent.sock")
+    }
+    pub fn pid_file(&self) -> PathBuf {
+        self.dir.join("qemu.pid")
+    }
+    pub fn console(&self) -> PathBuf {
+        self.dir.join("console.log")
+    }
+    pub fn qemu_log(&self) -> PathBuf {
+        self.dir.join("qemu.log")
+    }
+
+    /// Whether memory is saved here: `state` is written last and removed first.
+    pub fn has_memory(&self) -> bool {
+        self.state().exists() && self.ram().exists() && self.machine().exists()
+    }
+
+    /// Rejects a directory whose sockets the kernel could not bind.
+    pub fn check_socket_paths(&self) -> Result<(), String> {
+        for socket in [self.qmp(), self.chardev(), self.agent_socket()] {
+            let len = socket.as_os_str().as_bytes().len();
+            if len > MAX_SOCKET_PATH {
+                return Err(format!(
+                    "socket path {} is {len} bytes, more than the {MAX_SOCKET_PATH} a unix socket allows; use a shorter data dir",
+                    socket.display()
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The directory of a VM sandbox under the storage root.
+pub fn sandbox_dir(storage_root: &Path, id: &str) -> PathBuf {
+    storage_root.join("vms").join(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn files_live_in_the_sandbox_dir() {
+        let layout = VmLayout::new(sandbox_dir(Path::new("/data/storage"), "sb1"));
+        assert_eq!(layout.disk(), Path::new("/data/storage/vms/sb1/disk.qcow2"));
+        assert_eq!(
+            layout.agent_socket(),
+            Path::new("/data/storage/vms/sb1/agent.sock")
+        );
+        assert!(layout.check_socket_paths().is_ok());
+        let long = VmLayout::new(PathBuf::from(format!("/{}", "x".repeat(100))));
+        assert!(long.check_socket_paths().is_err());
+    }
+}

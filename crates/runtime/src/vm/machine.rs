@@ -1,0 +1,297 @@
+//! One QEMU process: started from the runtime's [`MachineSpec`], driven over
+//! QMP, connected to its agent (see `bridge` for how a restored guest's stale
+//! session is told apart). Knows nothing of sandboxes or storage.
+
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokio::sync::{oneshot, watch};
+
+use super::bridge::Session;
+use super::qemu::{self, MachineSpec};
+use super::qmp::{Qmp, QmpError};
+
+/// How long QEMU may take to open its QMP socket.
+const QMP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a migration to or from a file may take.
+const MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long QEMU may take to exit after `quit`.
+const QUIT_TIMEOUT: Duration = Duration::from_secs(10);
+
+#[derive(Debug, thiserror::Error)]
+pub enum MachineError {
+    #[error("{action}")]
+    Io {
+        action: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error(transparent)]
+    Qmp(#[from] QmpError),
+    #[error("qemu exited: {0}")]
+    Exited(String),
+    #[error("{0}")]
+    Failed(String),
+}
+
+fn io_error(action: impl Into<String>) -> impl FnOnce(io::Error) -> MachineError {
+    let action = action.into();
+    move |source| MachineError::Io { action, source }
+}
+
+/// How a machine begins.
+#[derive(Clone, Debug)]
+pub enum Boot {
+    /// From its disk.
+    Cold,
+    /// From memory: the RAM file already holds it; this is its device state.
+    Restore { state: PathBuf },
+}
+
+/// A QEMU process this runtime started.
+#[derive(Debug)]
+pub struct Machine {
+    pub pid: u32,
+    qmp: Qmp,
+    /// `Some(description)` once the process has exited.
+    exit: watch::Receiver<Option<String>>,
+}
+
+impl Machine {
+    /// Starts QEMU and, for a restore, loads the device state; the machine
+    /// is then paused (call [`Machine::resume`]). A cold boot runs at once.
+    /// `exited` learns how the process ended, whenever it does.
+    pub async fn launch(
+        program: &Path,
+        spec: &MachineSpec,
+        boot: &Boot,
+        exited: oneshot::Sender<String>,
+    ) -> Result<Machine, MachineError> {
+        for stale in [&spec.qmp_socket, &spec.agent_chardev, &spec.pid_file] {
+            match std::fs::remove_file(stale) {
+                Err(error) if error.kind() != io::ErrorKind::NotFound => {
+                    return Err(io_error(format!("remove {}", stale.display()))(error))
+                }
+                _ => {}
+            }
+        }
+        let log_path = spec.qemu_log.clone();
+        let log = std::fs::File::create(&log_path)
+            .map_err(io_error(format!("create {}", log_path.display())))?;
+        let mut command = tokio::process::Command::new(program);
+        command
+            .args(qemu::arguments(spec))
+            .env_clear()
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(log)
+            // Its own process group: a signal to the server's group (a
+            // terminal's Ctrl-C) must not end the VMs, which outlive it.
+            .process_group(0);
+        let mut child = command
+            .spawn()
+            .map_err(io_error(format!("start {}", program.display())))?;
+        let pid = child.id().unwrap_or_default();
+        let (exit_tx, exit) = watch::channel(None);
+        let log_for_exit = log_path.clone();
+        tokio::spawn(async move {
+            let status = child.wait().await;
+            let description = describe_exit(status, &log_for_exit);
+            let _ = exit_tx.send(Some(description.clone()));
+            let _ = exited.send(description);
+        });
+
+        let qmp = connect_qmp(&spec.qmp_socket, &exit).await?;
+        let mut machine = Machine { pid, qmp, exit };
+        if let Boot::Restore { state } = boot {
+            let loaded = machine.load_state(state).await;
+            if let Err(error) = loaded {
+                machine.kill().await;
+                return Err(error);
+            }
+        }
+        Ok(machine)
+    }
+
+    /// Whether the process has exited, and how.
+    pub fn exited(&self) -> Option<String> {
+        self.exit.borrow().clone()
+    }
+
+    async fn load_state(&mut self, state: &Path) -> Result<(), MachineError> {
+        self.set_migration_capabilities().await?;
+        let uri = format!("file:{}", state.display());
+        self.qmp
+            .execute("migrate-incoming", json!({ "uri": uri }))
+            .await?;
+        self.await_migration().await
+    }
+
+    /// Runs the vCPUs (after a restore, or a [`Machine::pause_vcpus`]).
+    pub async fn resume(&self) -> Result<(), MachineError> {
+        self.qmp.execute("cont", json!({})).await?;
+        Ok(())
+    }
+
+    /// Stops the vCPUs; block devices are flushed before this returns.
+    pub async fn pause_vcpus(&self) -> Result<(), MachineError> {
+        self.qmp.execute("stop", json!({})).await?;
+        Ok(())
+    }
+
+    /// Saves the device state of a paused machine to `path`; the RAM stays in
+    /// its file (`x-ignore-shared`). The machine may be resumed afterwards.
+    pub async fn save_state(&self, path: &Path) -> Result<(), MachineError> {
+        self.set_migration_capabilities().await?;
+        let uri = format!("file:{}", path.display());
+        self.qmp.execute("migrate", json!({ "uri": uri })).await?;
+        self.await_migration().await
+    }
+
+    /// Capabilities persist in a QEMU process and a stale one breaks the next
+    /// migration, so every migration sets the one it needs explicitly.
+    async fn set_migration_capabilities(&self) -> Result<(), MachineError> {
+        self.qmp
+            .execute(
+                "migrate-set-capabilities",
+                json!({ "capabilities": [{ "capability": "x-ignore-shared", "state": true }] }),
+            )
+            .await?;
+        Ok(())
+    }
+
+    async fn await_migration(&self) -> Result<(), MachineError> {
+        let began = Instant::now();
+        loop {
+            let info = self.qmp.execute("query-migrate", json!({})).await?;
+            match info.get("status").and_then(Value::as_str) {
+                Some("completed") => return Ok(()),
+                Some(status @ ("failed" | "cancelled")) => {
+                    let reason = info
+                        .get("error-desc")
+                        .and_then(Value::as_str)
+                        .unwrap_or("no reason given");
+                    return Err(MachineError::Failed(format!(
+                        "migration {status}: {reason}"
+                    )));
+                }
+                _ => {}
+            }
+            if let Some(description) = self.exited() {
+                return Err(MachineError::Exited(description));
+            }
+            if began.elapsed() > MIGRATION_TIMEOUT {
+                return Err(MachineError::Failed(format!(
+                    "migration did not finish within {MIGRATION_TIMEOUT:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    }
+
+    /// Grows the root disk while the machine runs; the guest sees the change.
+    pub async fn resize_disk(&self, bytes: u64) -> Result<(), MachineError> {
+        self.qmp
+            .execute(
+                "block_resize",
+                json!({ "device": qemu::ROOT_DRIVE, "size": bytes }),
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// Connects to the agent and shakes hands, waiting for it at most
+    /// `timeout` or until QEMU exits. Returns the session and the task that
+    /// drives it.
+    pub async fn connect_agent(
+        &self,
+        chardev: &Path,
+        timeout: Duration,
+    ) -> Result<(Session, tokio::task::JoinHandle<()>), MachineError> {
+        let mut exit = self.exit.clone();
+        tokio::select! {
+            connected = Session::connect(chardev, timeout) => connected
+                .map_err(io_error(format!("connect to the agent at {}", chardev.display()))),
+            _ = exit.wait_for(Option::is_some) => {
+                Err(MachineError::Exited(self.exited().unwrap_or_default()))
+            }
+        }
+    }
+
+    /// Asks QEMU to exit and waits for it; kills it if it does not.
+    pub async fn quit(&self) {
+        let _ = self.qmp.execute("quit", json!({})).await;
+        let mut exit = self.exit.clone();
+        let waited = tokio::time::timeout(QUIT_TIMEOUT, exit.wait_for(Option::is_some))
+            .await
+            .is_ok();
+        if !waited {
+            self.kill().await;
+        }
+    }
+
+    /// Kills QEMU and waits until it is gone.
+    pub async fn kill(&self) {
+        if self.exited().is_none() && self.pid > 0 {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(self.pid as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+        }
+        let mut exit = self.exit.clone();
+        let _gone = tokio::time::timeout(QUIT_TIMEOUT, exit.wait_for(Option::is_some))
+            .await
+            .is_ok();
+    }
+}
+
+async fn connect_qmp(
+    socket: &Path,
+    exit: &watch::Receiver<Option<String>>,
+) -> Result<Qmp, MachineError> {
+    let began = Instant::now();
+    loop {
+        if let Some(description) = exit.borrow().clone() {
+            return Err(MachineError::Exited(description));
+        }
+        match Qmp::connect(socket).await {
+            Ok(qmp) => return Ok(qmp),
+            Err(QmpError::Io(error))
+                if matches!(
+                    error.kind(),
+                    io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused
+                ) && began.elapsed() < QMP_TIMEOUT =>
+            {
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            Err(error) => return Err(error.into()),
+        }
+    }
+}
+
+fn describe_exit(status: io::Result<std::process::ExitStatus>, log: &Path) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    let tail = std::fs::read(log)
+        .map(|text| {
+            let tail = &text[text.len().saturating_sub(400)..];
+            String::from_utf8_lossy(tail).trim().replace('\n', " | ")
+        })
+        .unwrap_or_default();
+    let what = match status {
+        Ok(status) => match (status.code(), status.signal()) {
+            (Some(0), _) => "qemu exited".to_owned(),
+            (Some(code), _) => format!("qemu exited with code {code}"),
+            (None, Some(signal)) => format!("qemu was killed by signal {signal}"),
+            (None, None) => "qemu ended".to_owned(),
+        },
+        Err(error) => format!("lost qemu: {error}"),
+    };
+    if tail.is_empty() {
+        what
+    } else {
+        format!("{what}: {tail}")
+    }
+}

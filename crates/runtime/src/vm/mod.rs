@@ -1,0 +1,642 @@
+//! The VM backend: a sandbox is a QEMU microVM whose memory lives in a file,
+//! so it survives pause and resume, memory snapshots and forks.
+//!
+//! Module map: `qemu` (the command line, the accelerator), `qmp` (the QMP
+//! client), `machine` (one QEMU process: launch, save, restore, quit),
+//! `bridge` (the agent channel: yamux over virtio-serial, served to the
+//! server as a Unix socket), `boot` (a VM brought up and told who it is),
+//! `copy` (freezing a VM while its files are cloned), `disk` (base images,
+//! qcow2), `reflink` (block sharing copies), `layout` (a sandbox's files),
+//! `saved` (`machine.json`), `template` (pre-booted machines that new
+//! sandboxes continue from), `orphan` (QEMU processes of an earlier server).
+//!
+//! Everything of a sandbox lives in `{storage}/vms/{id}/` on the btrfs
+//! storage, where a copy of a RAM file or a disk is a reflink: pause writes
+//! only the device state (the RAM is its file), and a fork or a memory
+//! capture freezes the VM only while its files are cloned. QEMU processes run
+//! in their own process groups and outlive the server; after a restart they
+//! are found again through their pid files.
+
+mod boot;
+mod bridge;
+mod copy;
+mod disk;
+mod layout;
+mod machine;
+mod orphan;
+mod qemu;
+mod qmp;
+mod reflink;
+mod saved;
+mod template;
+
+use std::collections::HashMap;
+use std::fs;
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use tokio::sync::oneshot;
+
+use crate::storage::Storage;
+use crate::{AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
+use boot::{Identity, RunningVm};
+use bridge::Bridge;
+use copy::{clone_saved, discard_memory_files};
+use layout::VmLayout;
+use orphan::{end_orphan, orphan_pid};
+use saved::SavedMachine;
+
+pub use disk::AGENT_IN_GUEST;
+pub use qemu::{detect_accelerator, Accelerator, HostFacts};
+
+/// How long the agent may take to flush its disks before a stop.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
+/// Room in a sandbox's subvolume beyond its disk and memory: device state,
+/// logs, qcow2 metadata, and blocks briefly counted twice while a RAM page
+/// shared with a copy is rewritten.
+const SUBVOLUME_SLACK: u64 = 1 << 30;
+
+/// What the VM backend needs from the host.
+#[derive(Clone, Debug)]
+pub struct VmConfig {
+    /// The btrfs storage: sandboxes in `vms/`, captures in `captures/`,
+    /// templates in `vm-templates/`.
+    pub storage: Arc<Storage>,
+    /// `vmlinux` and `initramfs.cpio` (made by `scripts/vm-assets`); base
+    /// disks are cached in its `bases/`.
+    pub assets_dir: PathBuf,
+    /// The static cove-agent, written into every base disk.
+    pub agent_binary: PathBuf,
+    pub qemu: PathBuf,
+    pub qemu_img: PathBuf,
+    /// qboot, the firmware of microvm.
+    pub firmware: PathBuf,
+    /// `None` picks KVM where it works, TCG elsewhere.
+    pub accelerator: Option<Accelerator>,
+    /// Whether a sandbox made from an image continues from a pre-booted
+    /// template instead of booting (see `template`).
+    pub templates: bool,
+    /// How long a cold boot may take until the agent answers.
+    pub boot_timeout: Duration,
+}
+
+impl VmConfig {
+    /// Debian's QEMU paths, automatic accelerator, templates on.
+    pub fn new(storage: Arc<Storage>, assets_dir: PathBuf, agent_binary: PathBuf) -> VmConfig {
+        VmConfig {
+            storage,
+            assets_dir,
+            agent_binary,
+            qemu: "/usr/bin/qemu-system-x86_64".into(),
+            qemu_img: "/usr/bin/qemu-img".into(),
+            firmware: "/usr/share/qemu/qboot.rom".into(),
+            accelerator: None,
+            templates: true,
+            boot_timeout: Duration::from_secs(180),
+        }
+    }
+
+    pub fn kernel(&self) -> PathBuf {
+        self.assets_dir.join("vmlinux")
+    }
+
+    pub fn initramfs(&self) -> PathBuf {
+        self.assets_dir.join("initramfs.cpio")
+    }
+}
+
+pub struct VmRuntime {
+    config: VmConfig,
+    accelerator: Accelerator,
+    tsc_khz: Option<u64>,
+    running: Mutex<HashMap<String, Arc<tokio::sync::Mutex<RunningVm>>>>,
+    /// Base disks by image, with the agent file stamp they were made for.
+    bases: Mutex<HashMap<PathBuf, (String, PathBuf)>>,
+}
+
+impl std::fmt::Debug for VmRuntime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VmRuntime")
+            .field("config", &self.config)
+            .field("accelerator", &self.accelerator)
+            .finish_non_exhaustive()
+    }
+}
+
+fn other(id: &str, reason: impl Into<String>) -> RuntimeError {
+    RuntimeError::Other {
+        id: id.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+fn io_error(id: &str, action: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
+    let id = id.to_owned();
+    let action = action.into();
+    move |source| RuntimeError::Io { id, action, source }
+}
+
+fn start_error(id: &str, reason: impl Into<String>) -> RuntimeError {
+    RuntimeError::Start {
+        id: id.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// An id names a directory: one plain path component.
+fn check_id(id: &str) -> Result<(), RuntimeError> {
+    let plain = !id.is_empty()
+        && id != "."
+        && id != ".."
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if plain {
+        Ok(())
+    } else {
+        Err(other(
+            id,
+            "id must be 1 to 128 of [A-Za-z0-9._-] and not . or ..",
+        ))
+    }
+}
+
+/// Runs blocking work off the async threads; a failure names the sandbox.
+async fn blocking<T: Send + 'static>(
+    id: &str,
+    work: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, RuntimeError> {
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| other(id, e.to_string()))?
+        .map_err(|reason| other(id, reason))
+}
+
+fn remove_if_present(path: &Path) -> io::Result<()> {
+    match fs::remove_file(path) {
+        Err(error) if error.kind() != io::ErrorKind::NotFound => Err(error),
+        _ => Ok(()),
+    }
+}
+
+impl VmRuntime {
+    /// Checks the config against the host and picks the accelerator.
+    pub fn new(config: VmConfig) -> Result<VmRuntime, RuntimeError> {
+        let id = "-";
+        for (what, path) in [
+            ("agent binary", config.agent_binary.clone()),
+            ("qemu", config.qemu.clone()),
+            ("qemu-img", config.qemu_img.clone()),
+            ("firmware", config.firmware.clone()),
+            ("guest kernel (run scripts/vm-assets)", config.kernel()),
+            ("initramfs (run scripts/vm-assets)", config.initramfs()),
+        ] {
+            fs::metadata(&path)
+                .map_err(io_error(id, format!("find the {what} {}", path.display())))?;
+        }
+        let facts = HostFacts::read();
+        let accelerator = config
+            .accelerator
+            .unwrap_or_else(|| detect_accelerator(&facts));
+        let tsc_khz = facts.tsc_khz();
+        for dir in ["vms", "captures", "vm-templates"] {
+            let path = config.storage.root().join(dir);
+            fs::create_dir_all(&path)
+                .map_err(io_error(id, format!("create {}", path.display())))?;
+        }
+        tracing::info!(accelerator = accelerator.name(), "VM runtime ready");
+        Ok(VmRuntime {
+            config,
+            accelerator,
+            tsc_khz,
+            running: Mutex::default(),
+            bases: Mutex::default(),
+        })
+    }
+
+    /// The accelerator every VM of this runtime uses.
+    pub fn accelerator(&self) -> Accelerator {
+        self.accelerator
+    }
+
+    /// Makes the template for sandboxes of `spec`'s image and resources now
+    /// rather than at the first create (for a server's start-up).
+    pub async fn warm_template(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
+        self.template_for(spec).await.map(|_| ())
+    }
+
+    fn layout(&self, id: &str) -> VmLayout {
+        VmLayout::new(layout::sandbox_dir(self.config.storage.root(), id))
+    }
+
+    fn capture_layout(&self, capture_id: &str) -> VmLayout {
+        VmLayout::new(self.config.storage.root().join("captures").join(capture_id))
+    }
+
+    fn running(&self, id: &str) -> Option<Arc<tokio::sync::Mutex<RunningVm>>> {
+        self.running
+            .lock()
+            .expect("running map lock")
+            .get(id)
+            .cloned()
+    }
+
+    fn take_running(&self, id: &str) -> Option<Arc<tokio::sync::Mutex<RunningVm>>> {
+        self.running.lock().expect("running map lock").remove(id)
+    }
+
+    /// The sandbox's directory: a subvolume capped at its disk, twice its
+    /// memory and some slack. Made once.
+    fn make_dir(&self, spec: &SandboxSpec) -> Result<VmLayout, RuntimeError> {
+        let id = spec.id.as_str();
+        check_id(id)?;
+        let layout = self.layout(id);
+        layout
+            .check_socket_paths()
+            .map_err(|r| start_error(id, r))?;
+        if !layout.dir.exists() {
+            let limit = (spec.resources.disk_gib << 30)
+                + 2 * (spec.resources.memory_mib << 20)
+                + SUBVOLUME_SLACK;
+            self.config
+                .storage
+                .create_limited(&layout.dir, limit)
+                .map_err(|e| other(id, e.to_string()))?;
+            fs::set_permissions(&layout.dir, fs::Permissions::from_mode(0o700))
+                .map_err(io_error(id, format!("chmod {}", layout.dir.display())))?;
+            reflink::set_nocow(&layout.dir)
+                .map_err(io_error(id, format!("make {} nocow", layout.dir.display())))?;
+        }
+        Ok(layout)
+    }
+
+    fn make_capture_dir(&self, id: &str, capture: &VmLayout) -> Result<(), RuntimeError> {
+        fs::create_dir_all(&capture.dir)
+            .map_err(io_error(id, format!("create {}", capture.dir.display())))?;
+        reflink::set_nocow(&capture.dir).map_err(io_error(
+            id,
+            format!("make {} nocow", capture.dir.display()),
+        ))
+    }
+
+    async fn template_for(&self, spec: &SandboxSpec) -> Result<VmLayout, RuntimeError> {
+        let id = spec.id.as_str();
+        let base = self.base_for(id, &spec.rootfs).await?;
+        template::ensure(
+            self,
+            id,
+            &base,
+            spec.resources.cpu.max(1),
+            spec.resources.memory_mib,
+        )
+        .await
+    }
+
+    /// The base disk of an image. Its key hashes the whole agent binary, so
+    /// the answer is remembered for as long as the agent file looks the same.
+    async fn base_for(&self, id: &str, rootfs: &Path) -> Result<PathBuf, RuntimeError> {
+        let stamp = disk::file_stamp(&self.config.agent_binary).map_err(io_error(
+            id,
+            format!("read {}", self.config.agent_binary.display()),
+        ))?;
+        if let Some((known, base)) = self.bases.lock().expect("bases lock").get(rootfs) {
+            if *known == stamp && base.exists() {
+                return Ok(base.clone());
+            }
+        }
+        let (cache, owned_rootfs, agent) = (
+            self.config.assets_dir.clone(),
+            rootfs.to_owned(),
+            self.config.agent_binary.clone(),
+        );
+        let base = blocking(id, move || {
+            disk::ensure_base(&cache, &owned_rootfs, &agent).map_err(|e| e.to_string())
+        })
+        .await?;
+        self.bases
+            .lock()
+            .expect("bases lock")
+            .insert(rootfs.to_owned(), (stamp, base.clone()));
+        Ok(base)
+    }
+}
+
+#[async_trait]
+impl Runtime for VmRuntime {
+    async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
+        let id = spec.id.as_str();
+        let layout = self.make_dir(spec)?;
+        if layout.disk().exists() {
+            return Ok(());
+        }
+        if let Some(top) = spec.layers.first() {
+            let from = VmLayout::new(top.clone());
+            return blocking(id, move || {
+                if from.has_memory() {
+                    clone_saved(&from, &layout)
+                } else {
+                    reflink::clone_file(&from.disk(), &layout.disk())
+                }
+                .map_err(|e| format!("copy the layer {}: {e}", from.dir.display()))
+            })
+            .await;
+        }
+        if self.config.templates {
+            let template = self.template_for(spec).await?;
+            return blocking(id, move || {
+                clone_saved(&template, &layout)
+                    .map_err(|e| format!("copy the template {}: {e}", template.dir.display()))
+            })
+            .await;
+        }
+        let base = self.base_for(id, &spec.rootfs).await?;
+        let qemu_img = self.config.qemu_img.clone();
+        let bytes = spec.resources.disk_gib << 30;
+        blocking(id, move || {
+            disk::create_overlay(&qemu_img, &base, &layout.disk(), bytes).map_err(|e| e.to_string())
+        })
+        .await
+    }
+
+    async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
+        let began = Instant::now();
+        let id = spec.id.as_str();
+        check_id(id)?;
+        if self.is_running(id).await {
+            return Err(start_error(id, "already running"));
+        }
+        let layout = self.layout(id);
+        if !layout.disk().exists() {
+            self.prepare(spec).await?;
+        }
+        let restoring = layout.has_memory();
+        let (exited_tx, exited_rx) = oneshot::channel();
+        let mut vm = self
+            .bring_up(id, &layout, &Identity::of(spec), exited_tx)
+            .await?;
+        let bridge = Bridge::serve(&layout.agent_socket(), vm.session.clone());
+        match bridge {
+            Ok(bridge) => vm.bridge = Some(bridge),
+            Err(error) => {
+                vm.machine.kill().await;
+                return Err(io_error(
+                    id,
+                    format!("serve {}", layout.agent_socket().display()),
+                )(error));
+            }
+        }
+        self.running
+            .lock()
+            .expect("running map lock")
+            .insert(id.to_owned(), Arc::new(tokio::sync::Mutex::new(vm)));
+        tracing::info!(
+            sandbox = id,
+            accelerator = self.accelerator.name(),
+            from_memory = restoring,
+            elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
+            "vm started"
+        );
+        Ok(Started {
+            agent: AgentEndpoint::Unix(layout.agent_socket()),
+            exited: exited_rx,
+            accelerator: Some(self.accelerator.name()),
+        })
+    }
+
+    async fn stop(&self, id: &str) -> Result<(), RuntimeError> {
+        check_id(id)?;
+        let layout = self.layout(id);
+        if let Some(vm) = self.take_running(id) {
+            let mut vm = vm.lock().await;
+            // Guest writes still in its page cache would be lost with the VM.
+            let synced =
+                tokio::time::timeout(SYNC_TIMEOUT, vm.session.post("/cove/vm/sync", "{}")).await;
+            if !matches!(synced, Ok(Ok((200, _)))) {
+                tracing::warn!(
+                    sandbox = id,
+                    "the agent did not flush its disks before the stop"
+                );
+            }
+            vm.bridge.take();
+            vm.machine.quit().await;
+        } else if let Some(pid) = orphan_pid(&layout) {
+            end_orphan(pid, true).await;
+        }
+        let _ = remove_if_present(&layout.agent_socket());
+        if layout.dir.exists() {
+            discard_memory_files(&layout).map_err(io_error(id, "discard its memory"))?;
+        }
+        Ok(())
+    }
+
+    async fn destroy(&self, id: &str) -> Result<(), RuntimeError> {
+        check_id(id)?;
+        let layout = self.layout(id);
+        if let Some(vm) = self.take_running(id) {
+            let vm = vm.lock().await;
+            vm.machine.kill().await;
+        }
+        if let Some(pid) = orphan_pid(&layout) {
+            end_orphan(pid, false).await;
+        }
+        let storage = self.config.storage.clone();
+        blocking(id, move || {
+            if !layout.dir.exists() {
+                return Ok(());
+            }
+            if storage.delete_subvolume(&layout.dir).is_err() {
+                fs::remove_dir_all(&layout.dir)
+                    .map_err(|e| format!("remove {}: {e}", layout.dir.display()))?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn is_running(&self, id: &str) -> bool {
+        if check_id(id).is_err() {
+            return false;
+        }
+        if let Some(vm) = self.running(id) {
+            let vm = vm.lock().await;
+            if vm.machine.exited().is_none() {
+                return true;
+            }
+            drop(vm);
+            self.take_running(id);
+            return false;
+        }
+        orphan_pid(&self.layout(id)).is_some()
+    }
+
+    async fn capture(&self, id: &str, capture_id: &str) -> Result<PathBuf, RuntimeError> {
+        check_id(id)?;
+        check_id(capture_id)?;
+        let source = self.layout(id);
+        let dest = self.capture_layout(capture_id);
+        self.make_capture_dir(id, &dest)?;
+        let (from, to) = (source.disk(), dest.disk());
+        let copy =
+            move || reflink::clone_file(&from, &to).map_err(|e| format!("clone the disk: {e}"));
+        let copied = match self.running(id) {
+            Some(vm) => {
+                let vm = vm.lock().await;
+                // What the guest has written but holds in its page cache
+                // belongs in the capture too; flushed while it still runs.
+                let synced =
+                    tokio::time::timeout(SYNC_TIMEOUT, vm.session.post("/cove/vm/sync", "{}"))
+                        .await;
+                if !matches!(synced, Ok(Ok((200, _)))) {
+                    tracing::warn!(
+                        sandbox = id,
+                        "the agent did not flush its disks before a capture"
+                    );
+                }
+                self.with_vm_frozen(id, &vm, None, copy).await
+            }
+            None => blocking(id, copy).await,
+        };
+        if let Err(error) = copied {
+            let _ = fs::remove_dir_all(&dest.dir);
+            return Err(error);
+        }
+        Ok(dest.dir)
+    }
+
+    async fn discard_capture(&self, capture_id: &str) -> Result<(), RuntimeError> {
+        check_id(capture_id)?;
+        let dir = self.capture_layout(capture_id).dir;
+        blocking(capture_id, move || match fs::remove_dir_all(&dir) {
+            Err(error) if error.kind() != io::ErrorKind::NotFound => {
+                Err(format!("remove {}: {error}", dir.display()))
+            }
+            _ => Ok(()),
+        })
+        .await
+    }
+
+    async fn restore(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError> {
+        let id = spec.id.as_str();
+        check_id(id)?;
+        check_id(capture_id)?;
+        if self.is_running(id).await {
+            return Err(other(id, "cannot restore a running sandbox"));
+        }
+        let layout = self.make_dir(spec)?;
+        let capture = self.capture_layout(capture_id);
+        blocking(id, move || {
+            if !capture.disk().exists() {
+                return Err(format!("capture {} does not exist", capture.dir.display()));
+            }
+            if capture.has_memory() {
+                clone_saved(&capture, &layout)
+            } else {
+                discard_memory_files(&layout)
+                    .and_then(|()| reflink::clone_replacing(&capture.disk(), &layout.disk()))
+            }
+            .map_err(|e| format!("copy the capture {}: {e}", capture.dir.display()))
+        })
+        .await
+    }
+
+    async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
+        check_id(id)?;
+        let began = Instant::now();
+        let Some(vm) = self.take_running(id) else {
+            return Err(other(id, "it is not running"));
+        };
+        let mut guard = vm.lock().await;
+        let layout = self.layout(id);
+        let saved = async {
+            guard.machine.pause_vcpus().await?;
+            let partial = layout.dir.join("state.partial");
+            guard.machine.save_state(&partial).await?;
+            Ok::<_, machine::MachineError>(partial)
+        }
+        .await;
+        let partial = match saved {
+            Ok(partial) => partial,
+            Err(error) => {
+                // The VM keeps running as it was.
+                let _ = guard.machine.resume().await;
+                drop(guard);
+                self.running
+                    .lock()
+                    .expect("running map lock")
+                    .insert(id.to_owned(), vm);
+                return Err(other(id, format!("save its state: {error}")));
+            }
+        };
+        guard.bridge.take();
+        guard.machine.quit().await;
+        drop(guard);
+        let machine = SavedMachine::read(&layout.machine()).map(|machine| SavedMachine {
+            owner: Some(id.to_owned()),
+            ..machine
+        });
+        machine
+            .and_then(|machine| machine.write(&layout.machine()))
+            .map_err(io_error(
+                id,
+                format!("update {}", layout.machine().display()),
+            ))?;
+        fs::rename(&partial, layout.state()).map_err(io_error(
+            id,
+            format!("move {} in place", layout.state().display()),
+        ))?;
+        tracing::info!(
+            sandbox = id,
+            elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
+            "vm paused"
+        );
+        Ok(())
+    }
+
+    async fn discard_memory(&self, id: &str) -> Result<(), RuntimeError> {
+        check_id(id)?;
+        if self.is_running(id).await {
+            // A running VM's RAM file is its live memory, not a saved one.
+            return Ok(());
+        }
+        let layout = self.layout(id);
+        if !layout.dir.exists() {
+            return Ok(());
+        }
+        discard_memory_files(&layout).map_err(io_error(id, "discard its memory"))
+    }
+
+    async fn capture_with_memory(
+        &self,
+        id: &str,
+        capture_id: &str,
+    ) -> Result<PathBuf, RuntimeError> {
+        check_id(id)?;
+        check_id(capture_id)?;
+        let dest = self.capture_layout(capture_id);
+        self.make_capture_dir(id, &dest)?;
+        if let Err(error) = self.copy_memory(id, dest.clone()).await {
+            let _ = fs::remove_dir_all(&dest.dir);
+            return Err(error);
+        }
+        Ok(dest.dir)
+    }
+
+    async fn fork(&self, parent: &str, child: &SandboxSpec) -> Result<(), RuntimeError> {
+        check_id(parent)?;
+        let began = Instant::now();
+        let dest = self.make_dir(child)?;
+        self.copy_memory(parent, dest).await?;
+        tracing::info!(
+            sandbox = parent,
+            child = %child.id,
+            elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
+            "vm forked"
+        );
+        Ok(())
+    }
+}

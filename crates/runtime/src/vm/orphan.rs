@@ -1,0 +1,61 @@
+//! QEMU processes another server process started: after a restart they
+//! still run (in their own process groups) and are found by their pid files.
+
+use std::fs;
+use std::time::{Duration, Instant};
+
+use super::layout::VmLayout;
+use super::qemu;
+
+/// How long a process found through its pid file gets to exit on SIGTERM.
+const TERM_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The live process of a sandbox that another server process started, from
+/// its pid file: alive and running QEMU on this sandbox's files.
+pub(super) fn orphan_pid(layout: &VmLayout) -> Option<i32> {
+    let pid: i32 = fs::read_to_string(layout.pid_file())
+        .ok()?
+        .trim()
+        .parse()
+        .ok()?;
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let wanted = qemu::qmp_argument(&layout.qmp());
+    let ours = cmdline
+        .split(|b| *b == 0)
+        .any(|arg| arg == wanted.as_bytes());
+    ours.then_some(pid)
+}
+
+/// Ends a QEMU process this runtime did not start and waits until it is
+/// gone: gracefully with SIGTERM (QEMU flushes its disks and exits), SIGKILL
+/// if it lingers; or at once with SIGKILL.
+pub(super) async fn end_orphan(pid: i32, graceful: bool) {
+    use nix::sys::signal::{kill, Signal};
+    let pid = nix::unistd::Pid::from_raw(pid);
+    let first = if graceful {
+        Signal::SIGTERM
+    } else {
+        Signal::SIGKILL
+    };
+    let _ = kill(pid, first);
+    let began = Instant::now();
+    let mut killed = !graceful;
+    while kill(pid, None).is_ok() {
+        // Not our child, so it cannot be waited for; a zombie is gone
+        // enough (its parent, init after our restart, reaps it).
+        if fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| stat.split_whitespace().nth(2) == Some("Z"))
+        {
+            return;
+        }
+        if !killed && began.elapsed() > TERM_TIMEOUT {
+            let _ = kill(pid, Signal::SIGKILL);
+            killed = true;
+        }
+        if began.elapsed() > 2 * TERM_TIMEOUT {
+            tracing::error!(%pid, "qemu did not end after SIGKILL");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}

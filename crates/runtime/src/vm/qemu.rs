@@ -1,0 +1,327 @@
+//! QEMU's command line for one VM, and the choice of accelerator. Pure: the
+//! host facts come in as values, so every rule here is unit-tested.
+//!
+//! The machine is `microvm` with qboot and a PVH kernel booted directly, one
+//! virtio-blk root disk, one virtio-serial port for the agent, a virtio-rng,
+//! and the guest RAM in a file mapped shared (`memory-backend-file` with the
+//! id `microvm.ram`, which microvm requires), so that saving a VM writes only
+//! its device state (`x-ignore-shared`) and the RAM file is its memory. A
+//! restore must see exactly the devices the save saw: [`LAYOUT_VERSION`]
+//! names this set and is recorded with every saved memory.
+
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+/// Changes whenever the device set or its order changes, which makes memory
+/// saved before unusable.
+pub const LAYOUT_VERSION: u32 = 1;
+/// The id QEMU gives the agent's serial port; `VSERPORT_CHANGE` events name it.
+pub const AGENT_PORT_ID: &str = "coveport";
+/// The name the guest sees for the agent's port.
+pub const AGENT_PORT_NAME: &str = "cove.agent";
+/// The QMP device id of the root disk, for `block_resize`.
+pub const ROOT_DRIVE: &str = "root";
+
+/// How a VM executes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Accelerator {
+    Kvm,
+    Tcg,
+}
+
+impl Accelerator {
+    pub fn name(self) -> &'static str {
+        match self {
+            Accelerator::Kvm => "kvm",
+            Accelerator::Tcg => "tcg",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Accelerator> {
+        match name {
+            "kvm" => Some(Accelerator::Kvm),
+            "tcg" => Some(Accelerator::Tcg),
+            _ => None,
+        }
+    }
+}
+
+/// What the host offers, as [`detect_accelerator`] needs it.
+#[derive(Clone, Debug, Default)]
+pub struct HostFacts {
+    /// `/proc/cpuinfo`.
+    pub cpuinfo: String,
+    /// Whether the `kvm_pvm` module is loaded: its KVM runs only guests built
+    /// for PVM, and stock kernels fail under it.
+    pub kvm_pvm_loaded: bool,
+    /// Whether `/dev/kvm` opens for reading and writing.
+    pub kvm_device_opens: bool,
+}
+
+impl HostFacts {
+    /// Reads the facts of this host.
+    pub fn read() -> HostFacts {
+        HostFacts {
+            cpuinfo: std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default(),
+            kvm_pvm_loaded: Path::new("/sys/module/kvm_pvm").exists(),
+            kvm_device_opens: std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/kvm")
+                .is_ok(),
+        }
+    }
+
+    /// The CPU's TSC frequency in kHz, from the first `cpu MHz` line.
+    pub fn tsc_khz(&self) -> Option<u64> {
+        let line = self.cpuinfo.lines().find(|l| l.starts_with("cpu MHz"))?;
+        let mhz: f64 = line.split(':').nth(1)?.trim().parse().ok()?;
+        (mhz > 0.0).then(|| (mhz * 1000.0).round() as u64)
+    }
+}
+
+/// KVM where the CPU has hardware virtualisation, `kvm_pvm` is not in the
+/// way, and `/dev/kvm` opens; software emulation (TCG) elsewhere.
+pub fn detect_accelerator(facts: &HostFacts) -> Accelerator {
+    let hardware = facts
+        .cpuinfo
+        .lines()
+        .filter(|l| l.starts_with("flags"))
+        .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"));
+    if hardware && !facts.kvm_pvm_loaded && facts.kvm_device_opens {
+        Accelerator::Kvm
+    } else {
+        Accelerator::Tcg
+    }
+}
+
+/// Everything one QEMU process is started with.
+#[derive(Clone, Debug)]
+pub struct MachineSpec {
+    pub name: String,
+    pub accelerator: Accelerator,
+    /// For TCG: the host's TSC frequency, which the guest must be told or it
+    /// may hang calibrating its timer.
+    pub tsc_khz: Option<u64>,
+    pub cpus: u32,
+    pub memory_mib: u64,
+    pub firmware: PathBuf,
+    pub kernel: PathBuf,
+    pub initramfs: PathBuf,
+    pub ram_file: PathBuf,
+    pub disk: PathBuf,
+    pub console_log: PathBuf,
+    /// QEMU's own messages (its stderr).
+    pub qemu_log: PathBuf,
+    pub agent_chardev: PathBuf,
+    pub qmp_socket: PathBuf,
+    pub pid_file: PathBuf,
+    /// Wait for `migrate-incoming` instead of booting.
+    pub incoming: bool,
+}
+
+/// The guest kernel's command line.
+pub fn kernel_cmdline(spec: &MachineSpec) -> String {
+    let mut words = vec![
+        "console=ttyS0".to_owned(),
+        "quiet".into(),
+        "loglevel=4".into(),
+        // Any kernel panic (including PID 1 exiting) resets the machine, and
+        // QEMU exits on reset (-no-reboot): the runtime sees the VM end.
+        "panic=-1".into(),
+        "reboot=t".into(),
+        "root=/dev/vda".into(),
+        "rootfstype=ext4".into(),
+        "rw".into(),
+        "8250.nr_uarts=1".into(),
+        // The only user of the guest is the sandbox, root inside it: guest
+        // speculation mitigations would guard the guest kernel from its only
+        // user, and cost most under emulation.
+        "mitigations=off".into(),
+        "random.trust_cpu=on".into(),
+        "cryptomgr.notests".into(),
+    ];
+    if spec.accelerator == Accelerator::Tcg {
+        if let Some(khz) = spec.tsc_khz {
+            words.push(format!("tsc_early_khz={khz}"));
+        }
+        words.push("no_timer_check".into());
+    }
+    words.join(" ")
+}
+
+/// The `-qmp` argument; also how a QEMU process is recognised as the one of
+/// a sandbox from its command line.
+pub fn qmp_argument(socket: &Path) -> String {
+    format!("unix:{},server=on,wait=off", socket.display())
+}
+
+/// QEMU's arguments (without the program).
+pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
+    let mut args: Vec<OsString> = Vec::new();
+    let mut push = |parts: &[&str]| args.extend(parts.iter().map(OsString::from));
+    let path = |p: &Path| p.to_string_lossy().into_owned();
+    let (accel, cpu) = match spec.accelerator {
+        Accelerator::Kvm => ("kvm", "host"),
+        Accelerator::Tcg => ("tcg,thread=multi", "max"),
+    };
+    push(&["-name", &spec.name]);
+    push(&[
+        "-machine",
+        "microvm,pit=off,pic=off,rtc=on,isa-serial=on,acpi=on,memory-backend=microvm.ram",
+    ]);
+    push(&["-accel", accel, "-cpu", cpu]);
+    push(&["-smp", &spec.cpus.to_string()]);
+    push(&["-m", &format!("{}M", spec.memory_mib)]);
+    push(&[
+        "-object",
+        &format!(
+            "memory-backend-file,id=microvm.ram,size={}M,mem-path={},share=on",
+            spec.memory_mib,
+            path(&spec.ram_file)
+        ),
+    ]);
+    push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
+    push(&["-bios", &path(&spec.firmware)]);
+    push(&["-kernel", &path(&spec.kernel)]);
+    push(&["-initrd", &path(&spec.initramfs)]);
+    push(&["-append", &kernel_cmdline(spec)]);
+    push(&[
+        "-chardev",
+        &format!("file,id=console,path={},append=on", path(&spec.console_log)),
+        "-serial",
+        "chardev:console",
+    ]);
+    push(&[
+        "-drive",
+        &format!(
+            "id={ROOT_DRIVE},file={},format=qcow2,if=none,discard=unmap",
+            path(&spec.disk)
+        ),
+        "-device",
+        &format!("virtio-blk-device,drive={ROOT_DRIVE}"),
+    ]);
+    push(&["-device", "virtio-serial-device,max_ports=2"]);
+    push(&[
+        "-chardev",
+        &format!(
+            "socket,id=agent,path={},server=on,wait=off",
+            path(&spec.agent_chardev)
+        ),
+        "-device",
+        &format!("virtserialport,id={AGENT_PORT_ID},chardev=agent,name={AGENT_PORT_NAME}"),
+    ]);
+    push(&["-device", "virtio-rng-device"]);
+    push(&["-qmp", &qmp_argument(&spec.qmp_socket)]);
+    push(&["-pidfile", &path(&spec.pid_file)]);
+    if spec.incoming {
+        // Paused after the state loads, so the runtime can adjust the disk
+        // and connect before the guest runs.
+        push(&["-incoming", "defer", "-S"]);
+    }
+    args
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn facts(flags: &str, pvm: bool, opens: bool) -> HostFacts {
+        HostFacts {
+            cpuinfo: format!("processor\t: 0\ncpu MHz\t\t: 2595.124\nflags\t\t: fpu {flags} sse\n"),
+            kvm_pvm_loaded: pvm,
+            kvm_device_opens: opens,
+        }
+    }
+
+    #[test]
+    fn kvm_needs_hardware_support_no_pvm_and_the_device() {
+        assert_eq!(
+            detect_accelerator(&facts("vmx", false, true)),
+            Accelerator::Kvm
+        );
+        assert_eq!(
+            detect_accelerator(&facts("svm", false, true)),
+            Accelerator::Kvm
+        );
+        assert_eq!(
+            detect_accelerator(&facts("svm", true, true)),
+            Accelerator::Tcg
+        );
+        assert_eq!(
+            detect_accelerator(&facts("svm", false, false)),
+            Accelerator::Tcg
+        );
+        assert_eq!(
+            detect_accelerator(&facts("hypervisor", false, true)),
+            Accelerator::Tcg
+        );
+    }
+
+    #[test]
+    fn the_tsc_frequency_comes_from_cpuinfo() {
+        assert_eq!(facts("", false, false).tsc_khz(), Some(2_595_124));
+        assert_eq!(HostFacts::default().tsc_khz(), None);
+    }
+
+    fn spec(accelerator: Accelerator, incoming: bool) -> MachineSpec {
+        let p = |s: &str| PathBuf::from(format!("/s/{s}"));
+        MachineSpec {
+            name: "cove-sb1".into(),
+            accelerator,
+            tsc_khz: Some(2_000_000),
+            cpus: 2,
+            memory_mib: 512,
+            firmware: p("qboot.rom"),
+            kernel: p("vmlinux"),
+            initramfs: p("initramfs.cpio"),
+            ram_file: p("ram"),
+            disk: p("disk.qcow2"),
+            console_log: p("console.log"),
+            qemu_log: p("qemu.log"),
+            agent_chardev: p("serial.sock"),
+            qmp_socket: p("qmp.sock"),
+            pid_file: p("qemu.pid"),
+            incoming,
+        }
+    }
+
+    fn joined(spec: &MachineSpec) -> String {
+        arguments(spec)
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ")
+    }
+
+    #[test]
+    fn tcg_guests_get_the_timer_settings() {
+        let line = kernel_cmdline(&spec(Accelerator::Tcg, false));
+        assert!(line.contains("tsc_early_khz=2000000"), "{line}");
+        assert!(line.contains("no_timer_check"), "{line}");
+        let line = kernel_cmdline(&spec(Accelerator::Kvm, false));
+        assert!(!line.contains("tsc_early_khz"), "{line}");
+    }
+
+    #[test]
+    fn ram_is_a_shared_file_named_for_microvm() {
+        let args = joined(&spec(Accelerator::Tcg, false));
+        assert!(args.contains("memory-backend=microvm.ram"), "{args}");
+        assert!(
+            args.contains("memory-backend-file,id=microvm.ram,size=512M,mem-path=/s/ram,share=on"),
+            "{args}"
+        );
+        assert!(args.contains("-accel tcg,thread=multi -cpu max"), "{args}");
+        assert!(args.contains("-smp 2 -m 512M"), "{args}");
+        assert!(!args.contains("-incoming"), "{args}");
+    }
+
+    #[test]
+    fn a_restore_waits_for_its_state_and_keeps_the_devices() {
+        let boot = arguments(&spec(Accelerator::Kvm, false));
+        let restore = arguments(&spec(Accelerator::Kvm, true));
+        assert_eq!(&restore[..boot.len()], &boot[..]);
+        assert_eq!(&restore[boot.len()..], ["-incoming", "defer", "-S"]);
+        assert!(joined(&spec(Accelerator::Kvm, true)).contains("-accel kvm -cpu host"));
+    }
+}

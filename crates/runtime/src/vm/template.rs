@@ -1,0 +1,160 @@
+//! Pre-booted templates: booting under TCG takes seconds, so a sandbox made
+//! from an image continues from a machine that booted once, with its agent
+//! ready, and saved its memory. One template per base disk, accelerator,
+//! vCPU count and RAM size (and kernel, initramfs and device layout), in
+//! `{storage}/vm-templates/{hash}/` beside the sandboxes, so copying it is a
+//! reflink. Made lazily by the first `prepare` that needs it (or ahead of
+//! time with `VmRuntime::warm_template`), once, under a file lock, and
+//! never changed after: a finished template has a `complete` marker.
+//!
+//! Its disk is as large as the base; sandboxes with larger disks grow theirs
+//! when they start.
+
+use std::fs::{self, File};
+use std::path::Path;
+
+use nix::fcntl::{Flock, FlockArg};
+use sha2::{Digest, Sha256};
+
+use super::layout::VmLayout;
+use super::saved::SavedMachine;
+use super::{blocking, disk, other, Identity, RuntimeError, VmRuntime};
+
+const COMPLETE: &str = "complete";
+
+/// The template's directory name: a hash of everything its memory depends on.
+fn template_name(runtime: &VmRuntime, base: &Path, cpus: u32, memory_mib: u64) -> String {
+    let config = &runtime.config;
+    let stamp = |path: &Path| disk::file_stamp(path).unwrap_or_default();
+    let description = format!(
+        "base={} accel={} cpus={cpus} memory={memory_mib} layout={} kernel={} initramfs={}",
+        base.display(),
+        runtime.accelerator.name(),
+        super::qemu::LAYOUT_VERSION,
+        stamp(&config.kernel()),
+        stamp(&config.initramfs()),
+    );
+    Sha256::digest(description.as_bytes())
+        .iter()
+        .take(8)
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// Returns the template for these resources, making it first if needed.
+pub(super) async fn ensure(
+    runtime: &VmRuntime,
+    id: &str,
+    base: &Path,
+    cpus: u32,
+    memory_mib: u64,
+) -> Result<VmLayout, RuntimeError> {
+    let templates = runtime.config.storage.root().join("vm-templates");
+    let name = template_name(runtime, base, cpus, memory_mib);
+    let layout = VmLayout::new(templates.join(&name));
+    if layout.dir.join(COMPLETE).exists() {
+        return Ok(layout);
+    }
+    let lock_path = templates.join(format!("{name}.lock"));
+    let lock = blocking(id, move || {
+        let file =
+            File::create(&lock_path).map_err(|e| format!("open {}: {e}", lock_path.display()))?;
+        Flock::lock(file, FlockArg::LockExclusive)
+            .map_err(|(_, errno)| format!("lock {}: {errno}", lock_path.display()))
+    })
+    .await?;
+    if layout.dir.join(COMPLETE).exists() {
+        return Ok(layout);
+    }
+    let began = std::time::Instant::now();
+    let partial = VmLayout::new(templates.join(format!("{name}.partial")));
+    let made = make(runtime, id, base, &partial, cpus, memory_mib).await;
+    if let Err(error) = made {
+        let _ = fs::remove_dir_all(&partial.dir);
+        return Err(error);
+    }
+    let (from, to) = (partial.dir.clone(), layout.dir.clone());
+    blocking(id, move || finish(&from, &to)).await?;
+    drop(lock);
+    tracing::info!(
+        template = %layout.dir.display(),
+        cpus,
+        memory_mib,
+        elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
+        "made a VM template"
+    );
+    Ok(layout)
+}
+
+/// Boots a machine in `partial`, waits for its agent and saves it.
+async fn make(
+    runtime: &VmRuntime,
+    id: &str,
+    base: &Path,
+    partial: &VmLayout,
+    cpus: u32,
+    memory_mib: u64,
+) -> Result<(), RuntimeError> {
+    if partial.dir.exists() {
+        fs::remove_dir_all(&partial.dir)
+            .map_err(|e| other(id, format!("remove {}: {e}", partial.dir.display())))?;
+    }
+    fs::create_dir_all(&partial.dir)
+        .map_err(|e| other(id, format!("create {}: {e}", partial.dir.display())))?;
+    super::reflink::set_nocow(&partial.dir)
+        .map_err(|e| other(id, format!("make {} nocow: {e}", partial.dir.display())))?;
+    partial
+        .check_socket_paths()
+        .map_err(|reason| other(id, reason))?;
+    let base_bytes = fs::metadata(base)
+        .map_err(|e| other(id, format!("read {}: {e}", base.display())))?
+        .len();
+    let (qemu_img, base_owned, disk_path) = (
+        runtime.config.qemu_img.clone(),
+        base.to_owned(),
+        partial.disk(),
+    );
+    blocking(id, move || {
+        disk::create_overlay(&qemu_img, &base_owned, &disk_path, base_bytes)
+            .map_err(|e| e.to_string())
+    })
+    .await?;
+    let identity = Identity {
+        hostname: "sandbox".into(),
+        env: Default::default(),
+        cpus,
+        memory_mib,
+        disk_bytes: base_bytes,
+    };
+    let (exited, _) = tokio::sync::oneshot::channel();
+    let mut vm = runtime
+        .bring_up(id, partial, &identity, exited)
+        .await
+        .map_err(|e| other(id, format!("boot a template: {e}")))?;
+    let saved = async {
+        // What the boot wrote reaches the disk, not only the guest's cache.
+        let _ = vm.session.post("/cove/vm/sync", "{}").await;
+        vm.machine.pause_vcpus().await?;
+        vm.machine.save_state(&partial.state()).await
+    }
+    .await;
+    vm.bridge.take();
+    vm.machine.quit().await;
+    saved.map_err(|e| other(id, format!("save a template: {e}")))?;
+    SavedMachine::read(&partial.machine())
+        .map_err(|e| other(id, format!("read {}: {e}", partial.machine().display())))?;
+    Ok(())
+}
+
+/// Keeps only the files a copy needs and moves the template in place.
+fn finish(partial: &Path, dir: &Path) -> Result<(), String> {
+    for name in ["qmp.sock", "serial.sock", "agent.sock", "qemu.pid"] {
+        let _ = fs::remove_file(partial.join(name));
+    }
+    File::create(partial.join(COMPLETE))
+        .map_err(|e| format!("mark {} complete: {e}", partial.display()))?;
+    if dir.exists() {
+        fs::remove_dir_all(dir).map_err(|e| format!("remove {}: {e}", dir.display()))?;
+    }
+    fs::rename(partial, dir).map_err(|e| format!("move {} in place: {e}", dir.display()))
+}
