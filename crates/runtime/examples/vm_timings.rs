@@ -216,6 +216,7 @@ async fn main() {
             disk_gib: 2,
         },
         env: Vec::new(),
+        network: None,
     };
     let mut rows = Vec::new();
     for &memory_mib in &sizes {

@@ -90,6 +90,7 @@ impl Harness {
                 disk_gib: 2,
             },
             env: vec![("SANDBOX_TEST".into(), format!("env-{id}"))],
+            network: None,
         }
     }
 
