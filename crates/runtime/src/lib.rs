@@ -155,6 +155,47 @@ pub trait Runtime: Send + Sync + 'static {
     }
 }
 
+/// An id names a directory (and a cgroup): one plain path component.
+pub(crate) fn check_id(id: &str) -> Result<(), RuntimeError> {
+    let plain = !id.is_empty()
+        && id != "."
+        && id != ".."
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
+    if plain {
+        Ok(())
+    } else {
+        Err(RuntimeError::Other {
+            id: id.to_owned(),
+            reason: "id must be 1 to 128 of [A-Za-z0-9._-] and not . or ..".into(),
+        })
+    }
+}
+
+pub(crate) fn start_error(id: &str, reason: impl Into<String>) -> RuntimeError {
+    RuntimeError::Start {
+        id: id.to_owned(),
+        reason: reason.into(),
+    }
+}
+
+/// Runs blocking work off the async threads; a failure names the sandbox.
+pub(crate) async fn blocking<T: Send + 'static>(
+    id: &str,
+    work: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, RuntimeError> {
+    let other = |reason: String| RuntimeError::Other {
+        id: id.to_owned(),
+        reason,
+    };
+    tokio::task::spawn_blocking(work)
+        .await
+        .map_err(|e| other(e.to_string()))?
+        .map_err(other)
+}
+
 fn unsupported(id: &str, what: &str) -> RuntimeError {
     RuntimeError::Other {
         id: id.to_owned(),

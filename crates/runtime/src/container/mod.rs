@@ -34,7 +34,9 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::{oneshot, watch};
 
-use crate::{AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
+use crate::{
+    blocking, check_id, start_error, AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started,
+};
 use cgroup::{CgroupBackend, CgroupError, CgroupLimits};
 use init_args::{InitArgs, ShimReport, SUBCOMMAND};
 use layout::SandboxLayout;
@@ -117,32 +119,6 @@ fn cgroup_error(id: &str, err: CgroupError) -> RuntimeError {
             id: id.to_string(),
             reason: other.to_string(),
         },
-    }
-}
-
-fn start_error(id: &str, reason: impl Into<String>) -> RuntimeError {
-    RuntimeError::Start {
-        id: id.to_string(),
-        reason: reason.into(),
-    }
-}
-
-/// An id names a directory and a cgroup: one plain path component.
-fn check_id(id: &str) -> Result<(), RuntimeError> {
-    let plain = !id.is_empty()
-        && id != "."
-        && id != ".."
-        && id.len() <= 128
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if plain {
-        Ok(())
-    } else {
-        Err(RuntimeError::Other {
-            id: id.to_string(),
-            reason: "id must be 1 to 128 of [A-Za-z0-9._-] and not . or ..".into(),
-        })
     }
 }
 
@@ -585,21 +561,6 @@ impl Runtime for ContainerRuntime {
         })
         .await
     }
-}
-
-/// Runs blocking storage work off the async threads; a failure names the sandbox.
-async fn blocking<T: Send + 'static>(
-    id: &str,
-    work: impl FnOnce() -> Result<T, String> + Send + 'static,
-) -> Result<T, RuntimeError> {
-    let other = |reason: String| RuntimeError::Other {
-        id: id.to_owned(),
-        reason,
-    };
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|e| other(e.to_string()))?
-        .map_err(other)
 }
 
 #[cfg(test)]

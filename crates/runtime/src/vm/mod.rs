@@ -42,7 +42,9 @@ use async_trait::async_trait;
 use tokio::sync::oneshot;
 
 use crate::storage::Storage;
-use crate::{AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
+use crate::{
+    blocking, check_id, start_error, AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started,
+};
 use boot::{Identity, RunningVm};
 use bridge::Bridge;
 use copy::{clone_saved, discard_memory_files};
@@ -138,43 +140,6 @@ fn io_error(id: &str, action: impl Into<String>) -> impl FnOnce(io::Error) -> Ru
     let id = id.to_owned();
     let action = action.into();
     move |source| RuntimeError::Io { id, action, source }
-}
-
-fn start_error(id: &str, reason: impl Into<String>) -> RuntimeError {
-    RuntimeError::Start {
-        id: id.to_owned(),
-        reason: reason.into(),
-    }
-}
-
-/// An id names a directory: one plain path component.
-fn check_id(id: &str) -> Result<(), RuntimeError> {
-    let plain = !id.is_empty()
-        && id != "."
-        && id != ".."
-        && id.len() <= 128
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if plain {
-        Ok(())
-    } else {
-        Err(other(
-            id,
-            "id must be 1 to 128 of [A-Za-z0-9._-] and not . or ..",
-        ))
-    }
-}
-
-/// Runs blocking work off the async threads; a failure names the sandbox.
-async fn blocking<T: Send + 'static>(
-    id: &str,
-    work: impl FnOnce() -> Result<T, String> + Send + 'static,
-) -> Result<T, RuntimeError> {
-    tokio::task::spawn_blocking(work)
-        .await
-        .map_err(|e| other(id, e.to_string()))?
-        .map_err(|reason| other(id, reason))
 }
 
 fn remove_if_present(path: &Path) -> io::Result<()> {
