@@ -56,7 +56,26 @@ pub(crate) fn check_name(name: &str) -> Result<(), EngineError> {
     }
 }
 
-pub(crate) fn resource(
+/// The vCPUs, memory and disk (GiB) asked for, each defaulting to `base`'s, at
+/// least 1 and within the ceilings.
+pub(crate) fn sized(
+    ceilings: crate::Ceilings,
+    (cpu, memory_gib, disk_gib): (Option<i64>, Option<i64>, Option<i64>),
+    base: &cove_store::SnapshotRecord,
+) -> Result<(i64, i64, i64), EngineError> {
+    Ok((
+        resource("cpu", cpu, base.cpu.max(1), ceilings.cpu)?,
+        resource(
+            "memory",
+            memory_gib,
+            base.memory_gib.max(1),
+            ceilings.memory_gib,
+        )?,
+        resource("disk", disk_gib, base.disk_gib.max(1), ceilings.disk_gib)?,
+    ))
+}
+
+fn resource(
     field: &'static str,
     requested: Option<i64>,
     default: i64,
@@ -129,19 +148,10 @@ impl Engine {
                     .into(),
             });
         }
-        let ceilings = config.ceilings;
-        let cpu = resource("cpu", request.cpu, snapshot.cpu.max(1), ceilings.cpu)?;
-        let memory_gib = resource(
-            "memory",
-            request.memory_gib,
-            snapshot.memory_gib.max(1),
-            ceilings.memory_gib,
-        )?;
-        let disk_gib = resource(
-            "disk",
-            request.disk_gib,
-            snapshot.disk_gib.max(1),
-            ceilings.disk_gib,
+        let (cpu, memory_gib, disk_gib) = sized(
+            config.ceilings,
+            (request.cpu, request.memory_gib, request.disk_gib),
+            &snapshot,
         )?;
         if let Some(gpu) = request.gpu.filter(|gpu| *gpu != 0) {
             return Err(EngineError::AboveCeiling {

@@ -12,7 +12,7 @@ use cove_lifecycle::SandboxClass;
 use cove_store::{SnapshotRecord, SnapshotState};
 use sha2::{Digest as _, Sha256};
 
-use crate::create::resource;
+use crate::create::sized;
 use crate::{now_ms, Engine, EngineError};
 
 /// What a Dockerfile asks for, in the subset cove builds.
@@ -256,19 +256,10 @@ impl Engine {
                 })
             }
         };
-        let ceilings = self.inner.config.ceilings;
-        let cpu = resource("cpu", request.cpu, source.cpu.max(1), ceilings.cpu)?;
-        let memory_gib = resource(
-            "memory",
-            request.memory_gib,
-            source.memory_gib.max(1),
-            ceilings.memory_gib,
-        )?;
-        let disk_gib = resource(
-            "disk",
-            request.disk_gib,
-            source.disk_gib.max(1),
-            ceilings.disk_gib,
+        let (cpu, memory_gib, disk_gib) = sized(
+            self.inner.config.ceilings,
+            (request.cpu, request.memory_gib, request.disk_gib),
+            &source,
         )?;
         let now = now_ms();
         let snapshot = SnapshotRecord {
