@@ -8,6 +8,8 @@ Environment:
     COVE_BIN         the server binary (default: <repo>/target/release/cove)
     COVE_IMAGES_DIR  where root filesystems are cached (default: /var/tmp/cove/images)
     COVE_AGENT_BIN   passed through to the server when set
+    COVE_TEST_VM_ASSETS  the VM guest assets (scripts/vm-assets); without it the
+                     VM tests skip and servers run with --no-vm
 """
 
 from __future__ import annotations
@@ -47,6 +49,19 @@ def images_dir() -> Path:
     return Path(os.environ.get("COVE_IMAGES_DIR") or "/var/tmp/cove/images")
 
 
+def vm_assets() -> Path | None:
+    """The guest kernel and initramfs (scripts/vm-assets); None: VM tests skip."""
+    path = os.environ.get("COVE_TEST_VM_ASSETS")
+    return Path(path) if path else None
+
+
+def vm_args(vms: bool) -> list[str]:
+    assets = vm_assets()
+    if vms and assets is not None:
+        return ["--vm-assets", str(assets)]
+    return ["--no-vm"]
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -74,8 +89,12 @@ class CoveServer:
         api_key: str,
         extra_args: tuple[str, ...] = (),
         extra_env: dict[str, str] | None = None,
+        vms: bool = False,
     ):
         self.data_dir = data_dir
+        # A server boots a VM template at start when it serves VMs; the ones
+        # that test something else leave that CPU to the others.
+        self.vms = vms
         self.api_key = api_key
         self.extra_args = list(extra_args)
         self.extra_env = dict(extra_env or {})
@@ -113,6 +132,7 @@ class CoveServer:
                 str(self.data_dir),
                 "--images-dir",
                 str(images_dir()),
+                *vm_args(self.vms),
                 *self.extra_args,
             ],
             stdin=subprocess.DEVNULL,
@@ -311,7 +331,9 @@ def fake_internet() -> Iterator[FakeInternet]:
 def cove(fake_internet: FakeInternet) -> Iterator[CoveServer]:
     data_dir = new_data_dir()
     # Sandbox traffic leaves only into the fake internet, never off this machine.
-    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=fake_internet.server_args())
+    server = CoveServer(
+        data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=fake_internet.server_args(), vms=True
+    )
     server.start()
     os.environ["DAYTONA_API_URL"] = server.api_url
     os.environ["DAYTONA_API_KEY"] = server.api_key
@@ -358,7 +380,8 @@ class SandboxFactory:
         self.ids.append(sandbox_id)
 
     def cleanup(self) -> None:
-        for sid in self.ids:
+        # Newest first: forks go before the parents they keep from deletion.
+        for sid in reversed(self.ids):
             try:
                 self.cove.request("DELETE", f"/sandbox/{sid}")
             except requests.RequestException:

@@ -13,6 +13,7 @@ use cove_lifecycle::SandboxClass;
 use cove_runtime::container::{ContainerConfig, ContainerRuntime};
 use cove_runtime::image::{ImageProgress, ImageStore};
 use cove_runtime::storage::Storage;
+use cove_runtime::vm::{VmConfig, VmRuntime};
 use cove_runtime::Runtime;
 use cove_store::Store;
 
@@ -72,6 +73,13 @@ pub struct ServeArgs {
     /// The bridge sandboxes are attached to (at most 8 characters).
     #[arg(long, default_value = "cove0")]
     pub bridge: String,
+    /// The guest kernel and initramfs of VM sandboxes (made by `scripts/vm-assets`).
+    /// Without them, or with `--no-vm`, VM snapshots answer 501.
+    #[arg(long, env = "COVE_VM_ASSETS", default_value = "/var/tmp/cove/vm")]
+    pub vm_assets: PathBuf,
+    /// Serve no VM sandboxes (containers only).
+    #[arg(long)]
+    pub no_vm: bool,
     /// How often timers are checked, in milliseconds.
     #[arg(long, default_value_t = 1000, hide = true)]
     pub timer_tick_ms: u64,
@@ -140,11 +148,16 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         std::env::current_exe()?,
     );
     container_config.storage = Some(storage.clone());
+    let agent_for_vms = container_config.agent_binary.clone();
     let container = ContainerRuntime::new(container_config)?;
-    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
+    let mut runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
         SandboxClass::Container,
         Arc::new(container) as Arc<dyn Runtime>,
     )]);
+    let vm = open_vm_runtime(&args, storage.clone(), agent_for_vms);
+    if let Some(vm) = &vm {
+        runtimes.insert(SandboxClass::LinuxVm, vm.clone() as Arc<dyn Runtime>);
+    }
     let network = if args.no_network {
         None
     } else {
@@ -210,6 +223,9 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             .await?;
     }
     engine.recover_after_restart().await?;
+    if let Some(vm) = vm {
+        warm_vm_template(vm, &rootfs, config.default_disk_gib);
+    }
 
     let env_api_key = args.api_key.clone().filter(|k| !k.is_empty());
     if env_api_key.is_none() {
@@ -233,6 +249,62 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     let serve = tokio::spawn(async move { axum::serve(listener, app).await });
     tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
     Ok((serve, network))
+}
+
+/// The VM backend, when this host can run it: QEMU installed (`scripts/vm-setup`)
+/// and the guest assets built (`scripts/vm-assets`). Without it the server still
+/// serves containers, and VM creates answer 501 naming what is missing.
+fn open_vm_runtime(
+    args: &ServeArgs,
+    storage: Arc<Storage>,
+    agent_binary: PathBuf,
+) -> Option<Arc<VmRuntime>> {
+    if args.no_vm {
+        return None;
+    }
+    let config = VmConfig::new(storage, args.vm_assets.clone(), agent_binary);
+    match VmRuntime::new(config) {
+        Ok(vm) => {
+            tracing::info!(
+                accelerator = vm.accelerator().name(),
+                "VM sandboxes enabled"
+            );
+            Some(Arc::new(vm))
+        }
+        Err(error) => {
+            tracing::warn!(%error, "VM sandboxes disabled (run scripts/vm-setup and scripts/vm-assets)");
+            None
+        }
+    }
+}
+
+/// Boots the template of `daytona-vm-small` in the background, so the first VM
+/// create continues from it instead of waiting for a boot (seconds under TCG).
+/// A create that comes first waits for the same template, never makes a second.
+fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64) {
+    let spec = cove_runtime::SandboxSpec {
+        id: "template-warmup".into(),
+        hostname: "template".into(),
+        rootfs: rootfs.to_path_buf(),
+        layers: Vec::new(),
+        resources: cove_runtime::Resources {
+            cpu: 1,
+            memory_mib: 1024,
+            disk_gib: disk_gib as u64,
+        },
+        env: Vec::new(),
+        network: None,
+    };
+    tokio::spawn(async move {
+        let began = std::time::Instant::now();
+        match vm.warm_template(&spec).await {
+            Ok(()) => tracing::info!(
+                elapsed_ms = began.elapsed().as_millis() as u64,
+                "VM template ready"
+            ),
+            Err(error) => tracing::warn!(%error, "making the VM template"),
+        }
+    });
 }
 
 /// cove's sandbox network over the configured (or the host's default) uplink.

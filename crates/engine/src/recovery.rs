@@ -1,10 +1,13 @@
 //! Bringing sandboxes back after the server itself restarted.
 //!
-//! Nothing a runtime made is trusted across a restart: whatever a sandbox was
-//! doing, its leftover processes are ended, and it is brought to the state the
-//! user last asked for. No sandbox is lost and none is made twice.
+//! A running machine that outlived the server and that its runtime can take
+//! over (a VM: QEMU runs on in its own process group) is taken over as it
+//! runs. Nothing else a runtime made is trusted across a restart: whatever a
+//! sandbox was doing, its leftover processes are ended, and it is brought to
+//! the state the user last asked for. No sandbox is lost and none is made twice.
 
 use cove_lifecycle::{DesiredState, SandboxState};
+use cove_store::SandboxRecord;
 
 use crate::{Engine, EngineError};
 
@@ -50,6 +53,11 @@ impl Engine {
                 }
                 // A paused machine's memory is on disk and nothing runs: keep it.
                 SandboxState::Paused if !runtime.is_running(&id).await => {}
+                // A machine that outlived the server (a VM) is taken over as
+                // it runs, its processes intact.
+                SandboxState::Started
+                    if record.desired_state == DesiredState::Started
+                        && self.reattach(runtime.as_ref(), &record).await => {}
                 _ => {
                     if let Err(error) = runtime.stop(&id).await {
                         record.state = SandboxState::Error;
@@ -84,6 +92,30 @@ impl Engine {
             }
         }
         Ok(())
+    }
+
+    /// Whether the runtime took the sandbox over as it runs; if so it is
+    /// registered as running, as after a start.
+    async fn reattach(&self, runtime: &dyn cove_runtime::Runtime, record: &SandboxRecord) -> bool {
+        let spec = match self.own_snapshot(record).await {
+            Ok(snapshot) => self.spec(record, &snapshot),
+            Err(error) => {
+                tracing::warn!(sandbox = %record.id, %error, "cannot take it over");
+                return false;
+            }
+        };
+        match runtime.reattach(&spec).await {
+            Ok(Some(started)) => {
+                self.register_running(&record.id, started);
+                tracing::info!(sandbox = %record.id, "still running after a server restart");
+                true
+            }
+            Ok(None) => false,
+            Err(error) => {
+                tracing::warn!(sandbox = %record.id, %error, "taking it over failed; it is restarted");
+                false
+            }
+        }
     }
 
     async fn archive_holds(&self, id: &str) -> bool {

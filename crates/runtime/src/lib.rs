@@ -98,6 +98,13 @@ pub trait Runtime: Send + Sync + 'static {
     async fn destroy(&self, id: &str) -> Result<(), RuntimeError>;
     /// Whether any process of the sandbox is alive.
     async fn is_running(&self, id: &str) -> bool;
+    /// Takes over a machine that outlived an earlier server process, as it
+    /// runs (a server restart then loses none of its processes). `None` when
+    /// nothing of the sandbox runs or this backend cannot take a machine
+    /// over; the caller then stops what is left and starts it again.
+    async fn reattach(&self, _spec: &SandboxSpec) -> Result<Option<Started>, RuntimeError> {
+        Ok(None)
+    }
     /// Captures the sandbox's writable layer, consistently, as the read-only layer
     /// `capture_id`; a running sandbox keeps running (it is frozen for the
     /// instant of the copy). Returns the layer's path.

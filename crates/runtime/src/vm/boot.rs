@@ -270,4 +270,30 @@ impl VmRuntime {
         );
         Ok(running)
     }
+
+    /// Takes over a VM an earlier server process started, which still runs:
+    /// QMP and the agent channel are connected again (the guest's agent
+    /// tells the new session from its stale one by the same handshake as
+    /// after a restore). It is the same machine: no identity call.
+    pub(super) async fn take_over(
+        &self,
+        id: &str,
+        layout: &VmLayout,
+        pid: u32,
+        exited: oneshot::Sender<String>,
+    ) -> Result<RunningVm, RuntimeError> {
+        let machine = Machine::adopt(pid, &layout.qmp(), exited)
+            .await
+            .map_err(|e| start_error(id, format!("take over qemu (pid {pid}): {e}")))?;
+        let (session, driver) = machine
+            .connect_agent(&layout.chardev(), RESTORE_AGENT_TIMEOUT)
+            .await
+            .map_err(|e| start_error(id, format!("reconnect to its agent: {e}")))?;
+        Ok(RunningVm {
+            machine,
+            session,
+            bridge: None,
+            driver,
+        })
+    }
 }

@@ -18,6 +18,8 @@ use super::qmp::{Qmp, QmpError};
 const QMP_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long a migration to or from a file may take.
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
+/// How often an adopted QEMU process (not our child) is checked for its end.
+const ADOPTED_POLL: Duration = Duration::from_millis(200);
 /// How long QEMU may take to exit after `quit`.
 const QUIT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -114,6 +116,28 @@ impl Machine {
             }
         }
         Ok(machine)
+    }
+
+    /// Takes over a QEMU process an earlier server started (`pid`, found
+    /// through its pid file), as it runs: its QMP socket accepts a new
+    /// client once the old one is gone. It is not our child, so its end is
+    /// noticed by polling; `exited` learns of it as for [`Machine::launch`].
+    pub async fn adopt(
+        pid: u32,
+        qmp_socket: &Path,
+        exited: oneshot::Sender<String>,
+    ) -> Result<Machine, MachineError> {
+        let (exit_tx, exit) = watch::channel(None);
+        let qmp = connect_qmp(qmp_socket, &exit).await?;
+        tokio::spawn(async move {
+            while process_alive(pid) {
+                tokio::time::sleep(ADOPTED_POLL).await;
+            }
+            let description = format!("qemu (pid {pid}, adopted after a server restart) exited");
+            let _ = exit_tx.send(Some(description.clone()));
+            let _ = exited.send(description);
+        });
+        Ok(Machine { pid, qmp, exit })
     }
 
     /// Whether the process has exited, and how.
@@ -270,6 +294,14 @@ async fn connect_qmp(
             Err(error) => return Err(error.into()),
         }
     }
+}
+
+/// Alive and not a zombie (a zombie that is not our child is reaped by init).
+fn process_alive(pid: u32) -> bool {
+    let pid_t = nix::unistd::Pid::from_raw(pid as i32);
+    nix::sys::signal::kill(pid_t, None).is_ok()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|stat| stat.split_whitespace().nth(2) == Some("Z"))
 }
 
 fn describe_exit(status: io::Result<std::process::ExitStatus>, log: &Path) -> String {

@@ -439,6 +439,39 @@ impl Runtime for VmRuntime {
         orphan_pid(&self.layout(id)).is_some()
     }
 
+    async fn reattach(&self, spec: &SandboxSpec) -> Result<Option<Started>, RuntimeError> {
+        let id = spec.id.as_str();
+        check_id(id)?;
+        if self.running(id).is_some() {
+            return Err(start_error(id, "already running"));
+        }
+        let layout = self.layout(id);
+        let Some(pid) = orphan_pid(&layout) else {
+            return Ok(None);
+        };
+        let (exited_tx, exited_rx) = oneshot::channel();
+        let mut vm = self.take_over(id, &layout, pid as u32, exited_tx).await?;
+        match Bridge::serve(&layout.agent_socket(), vm.session.clone()) {
+            Ok(bridge) => vm.bridge = Some(bridge),
+            Err(error) => {
+                return Err(io_error(
+                    id,
+                    format!("serve {}", layout.agent_socket().display()),
+                )(error))
+            }
+        }
+        self.running
+            .lock()
+            .expect("running map lock")
+            .insert(id.to_owned(), Arc::new(tokio::sync::Mutex::new(vm)));
+        tracing::info!(sandbox = id, %pid, "took over a running vm after a server restart");
+        Ok(Some(Started {
+            agent: AgentEndpoint::Unix(layout.agent_socket()),
+            exited: exited_rx,
+            accelerator: Some(self.accelerator.name()),
+        }))
+    }
+
     async fn capture(&self, id: &str, capture_id: &str) -> Result<PathBuf, RuntimeError> {
         check_id(id)?;
         check_id(capture_id)?;
@@ -517,6 +550,17 @@ impl Runtime for VmRuntime {
         };
         let mut guard = vm.lock().await;
         let layout = self.layout(id);
+        // What the guest wrote but holds in its page cache is on its disk
+        // before the pause: a cold start from a paused sandbox (seed 001's
+        // `start`) drops the memory and must find the files on the disk.
+        let synced =
+            tokio::time::timeout(SYNC_TIMEOUT, guard.session.post("/cove/vm/sync", "{}")).await;
+        if !matches!(synced, Ok(Ok((200, _)))) {
+            tracing::warn!(
+                sandbox = id,
+                "the agent did not flush its disks before the pause"
+            );
+        }
         let saved = async {
             guard.machine.pause_vcpus().await?;
             let partial = layout.dir.join("state.partial");

@@ -1,0 +1,270 @@
+"""VM sandboxes (seeds 000-002): QEMU microVMs whose running processes survive
+pause and resume, memory snapshots and forks. Under TCG on hosts without KVM,
+so every step takes a second or so; the tests wait in states, never in time.
+
+The "in-memory counter" is a shell loop in a session: its variable lives only
+in the shell's memory, and each turn writes it to a file. After a pause, a
+memory snapshot or a fork it must go on from where it was, not start again.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from daytona import CreateSandboxFromSnapshotParams, SandboxState, SessionExecuteRequest
+
+from conftest import CoveServer, new_data_dir, remove_data_dir, unique, vm_assets, wait_until
+
+pytestmark = pytest.mark.skipif(vm_assets() is None, reason="COVE_TEST_VM_ASSETS is not set (scripts/vm-assets)")
+
+VM = "daytona-vm-small"
+# Written aside and renamed, so a reader never sees the file empty.
+COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/counter; sleep 0.2; done"
+TIMEOUT = 180
+
+
+def vm(sandboxes, **kw):
+    return sandboxes(CreateSandboxFromSnapshotParams(snapshot=VM, **kw), timeout=TIMEOUT)
+
+
+def start_counter(sandbox) -> str:
+    sandbox.process.create_session("keepalive")
+    command = sandbox.process.execute_session_command(
+        "keepalive", SessionExecuteRequest(command=COUNTER, run_async=True)
+    )
+    assert wait_until(lambda: counter(sandbox) >= 2, TIMEOUT), "the counter never started"
+    return command.cmd_id
+
+
+def counter(sandbox) -> int:
+    text = sandbox.process.exec("cat /tmp/counter 2>/dev/null || echo 0").result.strip()
+    return int(text or 0)
+
+
+def counting_on(sandbox, at_least: int) -> bool:
+    """The loop runs, and its count went on from `at_least` rather than from 0."""
+    first = counter(sandbox)
+    if first < at_least:
+        return False
+    return wait_until(lambda: counter(sandbox) > first, 60)
+
+
+def test_vm_class_and_accelerator(cove, sandboxes):
+    sandbox = vm(sandboxes)
+    assert sandbox.state == SandboxState.STARTED
+    dto = cove.request("GET", f"/sandbox/{sandbox.id}").json()
+    assert dto["sandboxClass"] == "linux-vm"
+    assert dto["accelerator"] in ("kvm", "tcg")
+    # Its own kernel, not the host's.
+    assert sandbox.process.exec("uname -r").result.strip() != os.uname().release
+    assert sandbox.process.exec("echo hello from a vm").result.strip() == "hello from a vm"
+
+
+def test_seed_000_pause_and_resume_keep_running_processes(sandboxes):
+    sandbox = vm(sandboxes)
+    command = start_counter(sandbox)
+    sandbox.fs.upload_file(b"on disk", "/root/kept.txt")
+    before = counter(sandbox)
+
+    sandbox.pause()
+    assert sandbox.state == SandboxState.PAUSED
+    sandbox.start(timeout=TIMEOUT)
+    assert sandbox.state == SandboxState.STARTED
+
+    # The session command started before the pause is still running...
+    assert sandbox.process.get_session_command("keepalive", command).exit_code is None
+    # ...and its in-memory count went on from where it was.
+    assert counting_on(sandbox, before)
+    assert sandbox.fs.download_file("/root/kept.txt") == b"on disk"
+
+
+def test_vms_surface_pause_resume_and_cold_start(cove, sandboxes):
+    sandbox = vm(sandboxes)
+    start_counter(sandbox)
+    sandbox.fs.upload_file(b"disk survives a cold start", "/root/disk.txt")
+
+    assert cove.request("POST", f"/vms/{sandbox.id}/pause").status_code == 200
+    assert cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "paused"
+    assert cove.request("POST", f"/vms/{sandbox.id}/resume").status_code == 200
+    sandbox.refresh_data()
+    assert sandbox.state == SandboxState.STARTED
+    before = counter(sandbox)
+    assert counting_on(sandbox, before)
+
+    # Seed 001: `start` on a paused VM discards its memory and boots from the disk.
+    assert cove.request("POST", f"/vms/{sandbox.id}/pause").status_code == 200
+    assert cove.request("POST", f"/vms/{sandbox.id}/start").status_code == 200
+    sandbox.refresh_data()
+    assert sandbox.state == SandboxState.STARTED
+    assert sandbox.fs.download_file("/root/disk.txt") == b"disk survives a cold start"
+    # The loop died with the memory ("[w]" keeps grep from finding itself).
+    assert sandbox.process.exec("ps -eo args | grep -c '[w]hile true' || true").result.strip() == "0"
+
+    assert cove.request("POST", f"/vms/{sandbox.id}/stop").status_code == 200
+    assert cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "stopped"
+
+
+def test_pause_rules(cove, sandboxes):
+    ephemeral = vm(sandboxes, ephemeral=True)
+    reply = cove.request("POST", f"/sandbox/{ephemeral.id}/pause")
+    assert reply.status_code == 409, reply.text
+    assert "persistent" in reply.json()["message"]
+
+    container = sandboxes()
+    reply = cove.request("POST", f"/vms/{container.id}/pause")
+    assert reply.status_code in (400, 409), reply.text
+
+    reply = cove.request(
+        "POST", "/sandbox", json={"snapshot": VM, "autoPauseInterval": 5, "autoStopInterval": 5}
+    )
+    assert reply.status_code == 400, reply.text
+
+
+def test_memory_snapshot_starts_with_processes_running(cove, sandboxes, daytona):
+    sandbox = vm(sandboxes)
+    command = start_counter(sandbox)
+    name = unique("mem")
+    reply = cove.request("POST", f"/sandbox/{sandbox.id}/snapshot", json={"name": name, "includeMemory": True})
+    assert reply.status_code in (200, 201), reply.text
+    try:
+        assert wait_until(
+            lambda: cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "started", TIMEOUT
+        )
+        snapshot = cove.request("GET", f"/snapshots/{name}").json()
+        assert snapshot["includesMemory"] is True, snapshot
+        at_capture = counter(sandbox)
+
+        copy = vm_from(sandboxes, name)
+        assert copy.process.get_session_command("keepalive", command).exit_code is None
+        assert counting_on(copy, 1)
+        # The copy continues the captured count; it did not start a new loop at 0.
+        assert counter(copy) >= at_capture - 50
+        # The original went on running through the capture.
+        assert counting_on(sandbox, at_capture)
+    finally:
+        for sid in list(sandboxes.ids)[1:]:
+            cove.request("DELETE", f"/sandbox/{sid}")
+        wait_until(lambda: cove.request("DELETE", f"/snapshots/{name}").status_code in (200, 204, 404), 60, 1)
+
+
+def vm_from(sandboxes, snapshot: str):
+    return sandboxes(CreateSandboxFromSnapshotParams(snapshot=snapshot), timeout=TIMEOUT)
+
+
+def test_forks_diverge_and_keep_the_parent(cove, sandboxes, daytona):
+    parent = vm(sandboxes)
+    start_counter(parent)
+    parent.code_interpreter.run_code("x = 41")
+    at_fork = counter(parent)
+
+    first = parent.fork(name=unique("fork-a"), timeout=TIMEOUT)
+    sandboxes.track(first.id)
+    second = parent.fork(name=unique("fork-b"), timeout=TIMEOUT)
+    sandboxes.track(second.id)
+    assert first.state == SandboxState.STARTED and second.state == SandboxState.STARTED
+
+    # Each child holds the parent's memory: the interpreter's variable, the loop's count.
+    first.code_interpreter.run_code("x += 1")
+    second.code_interpreter.run_code("x += 100")
+    assert first.code_interpreter.run_code("print(x)").stdout.strip() == "42"
+    assert second.code_interpreter.run_code("print(x)").stdout.strip() == "141"
+    assert parent.code_interpreter.run_code("print(x)").stdout.strip() == "41"
+    assert counting_on(first, at_fork)
+    assert counting_on(second, at_fork)
+    assert counting_on(parent, at_fork)
+
+    # Disks are independent too.
+    first.fs.upload_file(b"first", "/root/who")
+    second.fs.upload_file(b"second", "/root/who")
+    assert first.fs.download_file("/root/who") == b"first"
+    assert second.fs.download_file("/root/who") == b"second"
+    assert parent.process.exec("cat /root/who 2>/dev/null || echo none").result.strip() == "none"
+
+    # The fork tree.
+    forks = cove.request("GET", f"/sandbox/{parent.id}/forks").json()
+    assert sorted(f["id"] for f in forks) == sorted([first.id, second.id])
+    assert cove.request("GET", f"/sandbox/{first.id}/parent").json()["id"] == parent.id
+    ancestors = cove.request("GET", f"/sandbox/{first.id}/ancestors").json()
+    assert [a["id"] for a in ancestors] == [parent.id]
+
+    # A parent with forks stays; the message names them.
+    reply = cove.request("DELETE", f"/sandbox/{parent.id}")
+    assert reply.status_code == 409, reply.text
+    assert first.id in reply.json()["message"] or first.name in reply.json()["message"]
+
+
+def test_windows_snapshot_is_a_clear_error(cove):
+    reply = cove.request("POST", "/sandbox", json={"snapshot": "windows-11"})
+    assert reply.status_code == 400, reply.text
+    assert "windows" in reply.json()["message"].lower()
+
+
+def qemu_processes(data_dir: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if "qemu-system" in cmdline and str(data_dir) in cmdline:
+            found.append(int(entry.name))
+    return found
+
+
+def test_killed_server_loses_no_vm_and_delete_leaves_no_qemu():
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=("--no-network",), vms=True)
+    server.start()
+    try:
+        client = server.client()
+        running = client.create(CreateSandboxFromSnapshotParams(snapshot=VM, name="vm-running"), timeout=TIMEOUT)
+        paused = client.create(CreateSandboxFromSnapshotParams(snapshot=VM, name="vm-paused"), timeout=TIMEOUT)
+        running.fs.upload_file(b"running disk", "/root/f")
+        paused.fs.upload_file(b"paused disk", "/root/f")
+        start_counter(running)
+        start_counter(paused)
+        before = counter(paused)
+        paused.pause()
+        assert qemu_processes(data_dir), "a running VM has a QEMU process"
+
+        # No goodbye: the server dies; the QEMU processes do not.
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(timeout=30)
+        server.proc = None
+        server.start()
+        client = server.client()
+
+        again = client.get(running.id)
+        assert again.state in (SandboxState.STARTED, SandboxState.STOPPED), again.state
+        if again.state == SandboxState.STARTED:
+            # Found again, still counting.
+            assert counting_on(again, 1)
+        else:
+            again.start(timeout=TIMEOUT)
+        assert again.fs.download_file("/root/f") == b"running disk"
+
+        still = client.get(paused.id)
+        assert still.state == SandboxState.PAUSED, still.state
+        still.start(timeout=TIMEOUT)
+        assert counting_on(still, before)
+        assert still.fs.download_file("/root/f") == b"paused disk"
+
+        for sandbox in (again, still):
+            client.delete(sandbox, timeout=TIMEOUT, wait=True)
+        assert wait_until(lambda: not qemu_processes(data_dir), 30), qemu_processes(data_dir)
+    finally:
+        try:
+            if server.proc is not None:
+                server.delete_all()
+        finally:
+            server.stop()
+            for pid in qemu_processes(data_dir):
+                os.kill(pid, signal.SIGKILL)
+            remove_data_dir(data_dir)
