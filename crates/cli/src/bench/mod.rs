@@ -8,6 +8,7 @@ mod files;
 mod own_server;
 mod scenarios;
 mod snapshot;
+mod vm;
 
 use anyhow::Context;
 use serde_json::{json, Map, Value};
@@ -28,6 +29,16 @@ pub enum Scenario {
     /// Create to first command on a server without sandbox networking, then on
     /// one with it: the latency networking adds (own servers only).
     Net,
+    /// Create a VM sandbox (from its pre-booted template) until its first
+    /// command answers (see --vm-snapshot).
+    VmCreate,
+    /// Pause of a running VM until `paused`; resume figures beside.
+    VmPause,
+    /// Resume of a paused VM until its first command answers; pause figures beside.
+    VmResume,
+    /// Fork of a running VM until the child answers a command, with the
+    /// longest stop the parent's processes saw.
+    VmFork,
 }
 
 #[derive(clap::Args, Debug)]
@@ -51,6 +62,9 @@ pub struct BenchArgs {
     /// Size of the file of the `files` and `snapshot` scenarios, in MiB.
     #[arg(long, default_value_t = 1024)]
     pub size_mb: u64,
+    /// The snapshot of the VM scenarios (a larger one shows how memory size matters).
+    #[arg(long, default_value = "daytona-vm-small")]
+    pub vm_snapshot: String,
 }
 
 /// What one scenario measured: times of each run in milliseconds, and extra
@@ -109,6 +123,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
             .await
         }
         Scenario::Net => network_cost(&client, &args).await,
+        Scenario::VmCreate => vm::create(&client, &args.vm_snapshot, args.n).await,
+        Scenario::VmPause => vm::pause(&client, &args.vm_snapshot, args.n).await,
+        Scenario::VmResume => vm::resume(&client, &args.vm_snapshot, args.n).await,
+        Scenario::VmFork => vm::fork(&client, &args.vm_snapshot, args.n).await,
     };
     let server_peak_rss_mb = own.as_ref().and_then(own_server::OwnServer::peak_rss_mb);
     if let Some(own) = own {
@@ -122,7 +140,9 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     if let Some(rss) = server_peak_rss_mb {
         extra.insert("server_peak_rss_mb".into(), json!(rss));
     }
-    let name = format!("{:?}", args.scenario).to_lowercase();
+    let name = clap::ValueEnum::to_possible_value(&args.scenario)
+        .map(|v| v.get_name().to_owned())
+        .unwrap_or_default();
     if args.json {
         let mut report = json!({ "scenario": name, "n": args.n, "median_ms": median, "p95_ms": p95,
                                   "p99_ms": p99, "min_ms": samples[0],

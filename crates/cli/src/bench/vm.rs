@@ -1,0 +1,200 @@
+//! The VM scenarios: create from the template, pause, resume, fork. Each runs
+//! on VMs of `--vm-snapshot` (`daytona-vm-small` by default; a larger one
+//! shows whether a figure grows with memory size).
+
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use reqwest::Method;
+use serde_json::{json, Map, Value};
+
+use super::scenarios::{delete_sandbox, run_command};
+use super::{summarize, Measurement};
+use crate::client::Client;
+
+/// A process that wakes every 5 ms and keeps the longest gap it saw: how
+/// long the VM's processes were stopped (a fork's freeze of its parent).
+const TICKER: &str = "import time\nlast=time.monotonic();worst=0.0\nend=last+{secs}\n\
+while time.monotonic()<end:\n    time.sleep(0.005)\n    now=time.monotonic();worst=max(worst,now-last);last=now\n\
+open('/tmp/worst-gap','w').write(str(worst*1000))\n";
+
+/// How long a VM operation may take before the bench gives up on it.
+const OPERATION_TIMEOUT: Duration = Duration::from_secs(300);
+
+fn ms_since(started: Instant) -> f64 {
+    started.elapsed().as_secs_f64() * 1000.0
+}
+
+fn id_of(sandbox: &Value) -> anyhow::Result<String> {
+    Ok(sandbox["id"]
+        .as_str()
+        .context("sandbox without id")?
+        .to_owned())
+}
+
+async fn create_vm(client: &Client, snapshot: &str) -> anyhow::Result<Value> {
+    let sandbox = client
+        .api(
+            Method::POST,
+            "/sandbox",
+            Some(json!({ "snapshot": snapshot, "labels": { "cove-bench": "1" } })),
+        )
+        .await?;
+    anyhow::ensure!(
+        sandbox["sandboxClass"] == "linux-vm",
+        "{snapshot} did not make a VM sandbox: {sandbox}"
+    );
+    Ok(sandbox)
+}
+
+/// Runs `work` on a new VM, deleted afterwards whatever happened.
+async fn with_vm<T>(
+    client: &Client,
+    snapshot: &str,
+    work: impl AsyncFnOnce(&Value) -> anyhow::Result<T>,
+) -> anyhow::Result<T> {
+    let sandbox = create_vm(client, snapshot).await?;
+    let result = work(&sandbox).await;
+    delete_sandbox(client, &sandbox).await?;
+    result
+}
+
+/// Create -> first command answered, each in a new VM (from the template).
+pub async fn create(client: &Client, snapshot: &str, n: usize) -> anyhow::Result<Measurement> {
+    // The first create may wait for the template to be made; not measured.
+    let warm = create_vm(client, snapshot).await?;
+    run_command(client, &warm, "true").await?;
+    delete_sandbox(client, &warm).await?;
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let started = Instant::now();
+        let sandbox = create_vm(client, snapshot).await?;
+        run_command(client, &sandbox, "true").await?;
+        samples.push(ms_since(started));
+        delete_sandbox(client, &sandbox).await?;
+    }
+    Ok(Measurement {
+        samples,
+        extra: Map::new(),
+    })
+}
+
+/// Pause (request until `paused`) and resume (request until a command
+/// answers) of one VM, `n` times each; returns (pause, resume) samples.
+pub async fn pause_and_resume(
+    client: &Client,
+    snapshot: &str,
+    n: usize,
+) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+    with_vm(client, snapshot, async |sandbox| {
+        let id = id_of(sandbox)?;
+        // Something running, as in a real sandbox.
+        start_session_command(client, sandbox, "busy", "while true; do sleep 0.1; done").await?;
+        let mut pauses = Vec::with_capacity(n);
+        let mut resumes = Vec::with_capacity(n);
+        for _ in 0..n {
+            let started = Instant::now();
+            let paused = client
+                .api(Method::POST, &format!("/sandbox/{id}/pause"), None)
+                .await?;
+            pauses.push(ms_since(started));
+            anyhow::ensure!(paused["state"] == "paused", "pause answered {paused}");
+            let started = Instant::now();
+            client
+                .api(Method::POST, &format!("/sandbox/{id}/start"), None)
+                .await?;
+            run_command(client, sandbox, "true").await?;
+            resumes.push(ms_since(started));
+        }
+        Ok((pauses, resumes))
+    })
+    .await
+}
+
+/// Fork request -> the child answers a command, `n` times from one parent
+/// whose processes record the longest stop they saw.
+pub async fn fork(client: &Client, snapshot: &str, n: usize) -> anyhow::Result<Measurement> {
+    with_vm(client, snapshot, async |parent| {
+        let id = id_of(parent)?;
+        let secs = 10 + n * 5;
+        let script = TICKER.replace("{secs}", &secs.to_string());
+        let command = format!("python3 -c \"{}\"", script.replace('"', "\\\""));
+        start_session_command(client, parent, "ticker", &command).await?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let mut samples = Vec::with_capacity(n);
+        for i in 0..n {
+            let started = Instant::now();
+            let child = client
+                .api(
+                    Method::POST,
+                    &format!("/sandbox/{id}/fork"),
+                    Some(json!({ "name": format!("bench-fork-{}-{i}", &id[..8]) })),
+                )
+                .await?;
+            let answered = run_command(client, &child, "true").await;
+            samples.push(ms_since(started));
+            delete_sandbox(client, &child).await?;
+            answered?;
+        }
+        let began = Instant::now();
+        let worst_gap = loop {
+            if let Ok(out) = run_command(client, parent, "cat /tmp/worst-gap").await {
+                break out.trim().parse::<f64>().ok();
+            }
+            anyhow::ensure!(
+                began.elapsed() < OPERATION_TIMEOUT,
+                "the ticker in the parent never reported"
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        };
+        let mut extra = Map::new();
+        extra.insert("parent_longest_stall_ms".into(), json!(worst_gap));
+        Ok(Measurement { samples, extra })
+    })
+    .await
+}
+
+async fn start_session_command(
+    client: &Client,
+    sandbox: &Value,
+    session: &str,
+    command: &str,
+) -> anyhow::Result<()> {
+    client
+        .toolbox(
+            sandbox,
+            Method::POST,
+            "/process/session",
+            json!({ "sessionId": session }),
+        )
+        .await?;
+    client
+        .toolbox(
+            sandbox,
+            Method::POST,
+            &format!("/process/session/{session}/exec"),
+            json!({ "command": command, "runAsync": true }),
+        )
+        .await?;
+    Ok(())
+}
+
+/// The pause scenario's figures, with resume's beside them.
+pub async fn pause(client: &Client, snapshot: &str, n: usize) -> anyhow::Result<Measurement> {
+    let (samples, mut resumes) = pause_and_resume(client, snapshot, n).await?;
+    let (median, p95, _) = summarize(&mut resumes);
+    let mut extra = Map::new();
+    extra.insert("resume_to_command_median_ms".into(), json!(median));
+    extra.insert("resume_to_command_p95_ms".into(), json!(p95));
+    Ok(Measurement { samples, extra })
+}
+
+/// The resume scenario's figures, with pause's beside them.
+pub async fn resume(client: &Client, snapshot: &str, n: usize) -> anyhow::Result<Measurement> {
+    let (mut pauses, samples) = pause_and_resume(client, snapshot, n).await?;
+    let (median, p95, _) = summarize(&mut pauses);
+    let mut extra = Map::new();
+    extra.insert("pause_median_ms".into(), json!(median));
+    extra.insert("pause_p95_ms".into(), json!(p95));
+    Ok(Measurement { samples, extra })
+}
