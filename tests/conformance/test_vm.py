@@ -124,6 +124,17 @@ def test_pause_rules(cove, sandboxes):
     )
     assert reply.status_code == 400, reply.text
 
+    # Volumes in VMs (a shared filesystem device) are not built yet: said, not ignored.
+    volume = cove.request("POST", "/volumes", json={"name": unique("vmvol")}).json()
+    try:
+        reply = cove.request(
+            "POST", "/sandbox", json={"snapshot": VM, "volumes": [{"volumeId": volume["id"], "mountPath": "/data"}]}
+        )
+        assert reply.status_code == 501, reply.text
+        assert "volumes" in reply.json()["message"]
+    finally:
+        cove.request("DELETE", f"/volumes/{volume['id']}")
+
 
 def test_memory_snapshot_starts_with_processes_running(cove, sandboxes, daytona):
     sandbox = vm(sandboxes)

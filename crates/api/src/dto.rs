@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use cove_engine::NetworkSettings;
-use cove_engine::{CreateSandbox, SandboxRecord};
+use cove_engine::{CreateSandbox, SandboxRecord, VolumeMount};
 use serde::{Deserialize, Serialize};
 
 /// Daytona's organisation id is required on every sandbox; a single-tenant cove
@@ -53,7 +53,7 @@ pub struct Sandbox {
     pub ttl_minutes: i64,
     /// When the wall-clock TTL destroys the sandbox; the SDK reads the TTL here.
     pub auto_destroy_at: Option<String>,
-    pub volumes: Vec<serde_json::Value>,
+    pub volumes: Vec<VolumeMount>,
     pub created_at: String,
     pub updated_at: String,
     pub last_activity_at: String,
@@ -102,7 +102,7 @@ impl Sandbox {
             auto_delete_interval: record.timers.auto_delete,
             ttl_minutes: record.ttl_minutes,
             auto_destroy_at: record.ttl_deadline_ms.map(rfc3339),
-            volumes: Vec::new(),
+            volumes: record.volumes.clone(),
             created_at: rfc3339(record.created_at_ms),
             updated_at: rfc3339(record.updated_at_ms),
             last_activity_at: rfc3339(record.last_activity_ms),
@@ -143,7 +143,7 @@ pub struct CreateSandboxRequest {
     pub ttl_minutes: Option<i64>,
     pub ephemeral: Option<bool>,
     #[serde(default)]
-    pub volumes: Vec<serde_json::Value>,
+    pub volumes: Vec<VolumeMount>,
     pub build_info: Option<serde_json::Value>,
     pub network_block_all: Option<bool>,
     pub network_allow_list: Option<String>,
@@ -176,9 +176,6 @@ impl CreateSandboxRequest {
                 .is_some_and(|h| !h.is_empty())
         }) {
             return Some("image build contexts (COPY/ADD files)");
-        }
-        if !self.volumes.is_empty() {
-            return Some("volumes");
         }
         if !self.secrets.is_empty() {
             return Some("secrets");
@@ -236,6 +233,7 @@ impl CreateSandboxRequest {
                 .and_then(|b| b.get("dockerfileContent"))
                 .and_then(|d| d.as_str())
                 .map(str::to_owned),
+            volumes: self.volumes,
         }
     }
 }

@@ -15,6 +15,7 @@ mod sandbox;
 mod server_config;
 mod snapshots;
 mod toolbox;
+mod volumes;
 
 use std::sync::Arc;
 
@@ -83,6 +84,9 @@ pub fn app(state: AppState) -> Router {
             "/snapshots/{id}",
             get(snapshots::get).delete(snapshots::delete),
         )
+        .route("/volumes", get(volumes::list).post(volumes::create))
+        .route("/volumes/by-name/{name}", get(volumes::get_by_name))
+        .route("/volumes/{id}", get(volumes::get).delete(volumes::delete))
         .route("/sandbox/{id}/labels", put(sandbox::replace_labels))
         .route(
             "/sandbox/{id}/autostop/{minutes}",

@@ -326,11 +326,11 @@ async fn unimplemented_operations_answer_501_by_name() {
     let api = api().await;
     api.call("POST", "/api/sandbox", Some(json!({"name": "p"})))
         .await;
-    let (status, body) = api.call("GET", "/api/volumes", None).await;
+    let (status, body) = api.call("GET", "/api/docker-registry", None).await;
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
     assert_eq!(
         body["message"],
-        "GET /volumes is not implemented by cove yet"
+        "GET /docker-registry is not implemented by cove yet"
     );
     // A container cannot pause: a clear 400, not a 501.
     let (status, body) = api.call("POST", "/api/sandbox/p/pause", None).await;

@@ -183,6 +183,8 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         // Pulled images: blobs, layers and root filesystems, beside the default image.
         images: Some(cove_oci::ImageStore::new(images_dir.join("oci"))),
         network: network.clone().map(cove_engine::NetworkHandle),
+        // On the sandbox storage, so a volume is as durable as a sandbox's disk.
+        volumes_dir: Some(storage.root().join("volumes")),
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);
@@ -294,6 +296,7 @@ fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64) {
         },
         env: Vec::new(),
         network: None,
+        volumes: Vec::new(),
     };
     tokio::spawn(async move {
         let began = std::time::Instant::now();

@@ -31,6 +31,8 @@ pub struct EngineConfig {
     pub images: Option<cove_oci::ImageStore>,
     /// The node's sandbox network; without one, sandboxes have only loopback.
     pub network: Option<crate::NetworkHandle>,
+    /// Where volumes live (a directory each); without one, volumes are refused.
+    pub volumes_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -50,6 +52,7 @@ impl Default for EngineConfig {
             archive: None,
             images: None,
             network: None,
+            volumes_dir: None,
         }
     }
 }

@@ -37,6 +37,8 @@ pub struct CreateSandbox {
     pub dockerfile: Option<String>,
     /// Egress policy (networkBlockAll, networkAllowList, domainAllowList).
     pub network: cove_store::NetworkSettings,
+    /// Volumes to mount, by id or name.
+    pub volumes: Vec<cove_store::VolumeMount>,
 }
 
 /// Names are used in URLs and as host names: keep them plain.
@@ -219,6 +221,9 @@ impl Engine {
         let id = uuid::Uuid::new_v4().to_string();
         let name = request.name.clone().unwrap_or_else(|| id.clone());
         check_name(&name)?;
+        let volumes = self
+            .resolve_mounts(snapshot.class, &request.volumes)
+            .await?;
 
         let now = now_ms();
         let Transition::Run { during, .. } = Transition::create() else {
@@ -251,6 +256,7 @@ impl Engine {
             spot: request.spot,
             parent_id: None,
             network: request.network.clone(),
+            volumes,
         };
         // Checked before the row exists: no half-made sandbox for a class this
         // server cannot run.
@@ -323,6 +329,7 @@ impl Engine {
                 .map(|(k, v)| (k.clone(), v.clone()))
                 .collect(),
             network: None,
+            volumes: self.volume_binds(record),
         }
     }
 }

@@ -12,6 +12,12 @@ pub enum EngineError {
     SnapshotNotActive { name: String, state: &'static str },
     #[error("no Windows image is registered on this server, so snapshot {name} cannot be used")]
     NoWindows { name: String },
+    #[error("volume {name} not found")]
+    VolumeNotFound { name: String },
+    #[error("a volume named {name} already exists")]
+    VolumeTaken { name: String },
+    #[error("sandbox {id} has volumes attached, so it cannot pause (their files are shared and live outside its memory); stop it instead")]
+    HasVolumes { id: String },
     #[error("a snapshot named {name} already exists")]
     SnapshotTaken { name: String },
     #[error("{what} is in use by {}", users.join(", "))]
@@ -76,7 +82,9 @@ pub enum ErrorKind {
 impl EngineError {
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::SandboxNotFound { .. } | Self::SnapshotNotFound { .. } => ErrorKind::NotFound,
+            Self::SandboxNotFound { .. }
+            | Self::SnapshotNotFound { .. }
+            | Self::VolumeNotFound { .. } => ErrorKind::NotFound,
             Self::Invalid { .. }
             | Self::AboveCeiling { .. }
             | Self::Timers(_)
@@ -88,6 +96,8 @@ impl EngineError {
             } => ErrorKind::BadRequest,
             Self::NameTaken { .. }
             | Self::SnapshotTaken { .. }
+            | Self::VolumeTaken { .. }
+            | Self::HasVolumes { .. }
             | Self::InUse { .. }
             | Self::NotPersistent { .. }
             | Self::HasForks { .. }

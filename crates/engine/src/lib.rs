@@ -20,6 +20,7 @@ mod recovery;
 mod settings;
 mod snapshots;
 mod timers;
+mod volumes;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -32,7 +33,7 @@ pub use archive::Archive;
 pub use auth::hash_api_key;
 pub use config::{Ceilings, EngineConfig};
 pub use cove_lifecycle::{DesiredState, SandboxState};
-pub use cove_store::{NetworkSettings, SandboxRecord, SnapshotRecord};
+pub use cove_store::{NetworkSettings, SandboxRecord, SnapshotRecord, VolumeMount, VolumeRecord};
 pub use create::CreateSandbox;
 pub use error::{EngineError, ErrorKind};
 pub use images::{parse_dockerfile, DockerfilePlan, ImageSnapshotRequest};

@@ -68,6 +68,9 @@ impl Engine {
         if record.class.can_pause() && !record.persistent {
             return Err(EngineError::NotPersistent { id: record.id });
         }
+        if !record.volumes.is_empty() {
+            return Err(EngineError::HasVolumes { id: record.id });
+        }
         self.run(&record.id, Operation::Pause).await
     }
 

@@ -307,6 +307,7 @@ async fn a_restart_brings_sandboxes_back_once() {
             },
             env: vec![],
             network: None,
+            volumes: Vec::new(),
         };
         fake.prepare(&spec).await.unwrap();
     }

@@ -217,6 +217,7 @@ async fn main() {
         },
         env: Vec::new(),
         network: None,
+        volumes: Vec::new(),
     };
     let mut rows = Vec::new();
     for &memory_mib in &sizes {

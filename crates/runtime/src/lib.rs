@@ -40,6 +40,16 @@ pub struct SandboxSpec {
     /// The network made for the sandbox (by cove-net); `None` leaves it with
     /// only a loopback interface.
     pub network: Option<SandboxNetwork>,
+    /// Host directories (volumes) mounted into the sandbox.
+    pub volumes: Vec<VolumeBind>,
+}
+
+/// A host directory mounted read-write at `target` inside a sandbox.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct VolumeBind {
+    pub source: PathBuf,
+    /// Absolute and normal (no `..`), checked by the engine.
+    pub target: PathBuf,
 }
 
 /// A network prepared for one sandbox.

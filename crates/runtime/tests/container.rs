@@ -93,6 +93,7 @@ impl Harness {
             },
             env: vec![("SANDBOX_TEST".into(), "1".into())],
             network: None,
+            volumes: Vec::new(),
         }
     }
 

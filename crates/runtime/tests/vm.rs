@@ -91,6 +91,7 @@ impl Harness {
             },
             env: vec![("SANDBOX_TEST".into(), format!("env-{id}"))],
             network: None,
+            volumes: Vec::new(),
         }
     }
 

@@ -9,6 +9,7 @@ mod api_keys;
 mod records;
 mod sandboxes;
 mod snapshots;
+mod volumes;
 
 use std::path::Path;
 use std::str::FromStr;
@@ -16,7 +17,9 @@ use std::str::FromStr;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::SqlitePool;
 
-pub use records::{NetworkSettings, SandboxRecord, SnapshotRecord, SnapshotState};
+pub use records::{
+    NetworkSettings, SandboxRecord, SnapshotRecord, SnapshotState, VolumeMount, VolumeRecord,
+};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -34,6 +37,29 @@ pub enum StoreError {
     Duplicate { name: String },
     #[error("stored row {id} is corrupt: {reason}")]
     Corrupt { id: String, reason: String },
+}
+
+/// The statement that writes every column of a row keyed by `id`: a plain
+/// insert for a new row, an upsert for a saved one. Upserting (rather than
+/// `INSERT OR REPLACE`, which deletes and re-inserts) keeps the row's rowid,
+/// so listings in creation order stay stable among rows made in one
+/// millisecond.
+fn write_row_sql(table: &str, columns: &str, upsert: bool) -> String {
+    let names: Vec<&str> = columns.split(',').map(str::trim).collect();
+    let placeholders = vec!["?"; names.len()].join(", ");
+    let mut sql = format!("INSERT INTO {table} ({columns}) VALUES ({placeholders})");
+    if upsert {
+        let updates: Vec<String> = names
+            .iter()
+            .filter(|name| **name != "id")
+            .map(|name| format!("{name} = excluded.{name}"))
+            .collect();
+        sql.push_str(&format!(
+            " ON CONFLICT(id) DO UPDATE SET {}",
+            updates.join(", ")
+        ));
+    }
+    sql
 }
 
 /// The database of one cove server.

@@ -37,6 +37,30 @@ pub struct SandboxRecord {
     pub parent_id: Option<String>,
     /// Its egress policy, as the user gave it.
     pub network: NetworkSettings,
+    /// The volumes it mounts.
+    pub volumes: Vec<VolumeMount>,
+}
+
+/// A volume mounted into a sandbox.
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VolumeMount {
+    pub volume_id: String,
+    /// Absolute path inside the sandbox.
+    pub mount_path: String,
+    /// A directory inside the volume mounted instead of its root.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub subpath: Option<String>,
+}
+
+/// A volume: a directory that outlives the sandboxes it is mounted into.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VolumeRecord {
+    pub id: String,
+    pub name: String,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+    pub last_used_at_ms: Option<i64>,
 }
 
 /// A sandbox's egress policy as the user gave it (checked by the engine).

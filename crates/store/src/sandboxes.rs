@@ -9,7 +9,7 @@ use crate::{SandboxRecord, Store, StoreError};
 const COLUMNS: &str = "id, name, snapshot, class, state, desired_state, error_reason, os_user, \
     cpu, gpu, memory_gib, disk_gib, env, labels, public, auto_stop, auto_pause, auto_archive, \
     auto_delete, ttl_minutes, ttl_deadline_ms, created_at_ms, updated_at_ms, state_since_ms, \
-    last_activity_ms, persistent, spot, parent_id, network";
+    last_activity_ms, persistent, spot, parent_id, network, volumes";
 
 fn corrupt(id: &str, reason: impl ToString) -> StoreError {
     StoreError::Corrupt {
@@ -58,6 +58,8 @@ fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
         parent_id: row.try_get("parent_id")?,
         network: serde_json::from_str(&text("network")?)
             .map_err(|e| corrupt(&id, format!("network: {e}")))?,
+        volumes: serde_json::from_str(&text("volumes")?)
+            .map_err(|e| corrupt(&id, format!("volumes: {e}")))?,
         id,
     })
 }
@@ -65,7 +67,7 @@ fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
 impl Store {
     /// Inserts a new sandbox; a taken name or id is [`StoreError::Duplicate`].
     pub async fn insert_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
-        self.write_sandbox("INSERT", s).await.map_err(|e| match e {
+        self.write_sandbox(false, s).await.map_err(|e| match e {
             StoreError::Query(sqlx::Error::Database(db)) if db.is_unique_violation() => {
                 StoreError::Duplicate {
                     name: s.name.clone(),
@@ -77,12 +79,11 @@ impl Store {
 
     /// Replaces the row of an existing sandbox.
     pub async fn save_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
-        self.write_sandbox("INSERT OR REPLACE", s).await
+        self.write_sandbox(true, s).await
     }
 
-    async fn write_sandbox(&self, verb: &str, s: &SandboxRecord) -> Result<(), StoreError> {
-        let placeholders = vec!["?"; 29].join(", ");
-        let sql = format!("{verb} INTO sandboxes ({COLUMNS}) VALUES ({placeholders})");
+    async fn write_sandbox(&self, upsert: bool, s: &SandboxRecord) -> Result<(), StoreError> {
+        let sql = crate::write_row_sql("sandboxes", COLUMNS, upsert);
         sqlx::query(&sql)
             .bind(&s.id)
             .bind(&s.name)
@@ -113,6 +114,7 @@ impl Store {
             .bind(i64::from(s.spot))
             .bind(&s.parent_id)
             .bind(serde_json::to_string(&s.network).expect("settings serialize"))
+            .bind(serde_json::to_string(&s.volumes).expect("mounts serialize"))
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -136,7 +138,7 @@ impl Store {
 
     /// Every sandbox, oldest first.
     pub async fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
-        let sql = format!("SELECT {COLUMNS} FROM sandboxes ORDER BY created_at_ms, id");
+        let sql = format!("SELECT {COLUMNS} FROM sandboxes ORDER BY created_at_ms, rowid");
         let rows = sqlx::query(&sql).fetch_all(&self.pool).await?;
         rows.iter().map(from_row).collect()
     }

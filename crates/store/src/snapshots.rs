@@ -48,7 +48,7 @@ fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
 impl Store {
     /// Inserts a new snapshot; a taken name is [`StoreError::Duplicate`].
     pub async fn insert_snapshot(&self, s: &SnapshotRecord) -> Result<(), StoreError> {
-        self.write_snapshot("INSERT", s).await.map_err(|e| match e {
+        self.write_snapshot(false, s).await.map_err(|e| match e {
             StoreError::Query(sqlx::Error::Database(db)) if db.is_unique_violation() => {
                 StoreError::Duplicate {
                     name: s.name.clone(),
@@ -60,14 +60,11 @@ impl Store {
 
     /// Inserts or replaces a snapshot.
     pub async fn save_snapshot(&self, s: &SnapshotRecord) -> Result<(), StoreError> {
-        self.write_snapshot("INSERT OR REPLACE", s).await
+        self.write_snapshot(true, s).await
     }
 
-    async fn write_snapshot(&self, verb: &str, s: &SnapshotRecord) -> Result<(), StoreError> {
-        let sql = format!(
-            "{verb} INTO snapshots ({COLUMNS}) \
-             VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-        );
+    async fn write_snapshot(&self, upsert: bool, s: &SnapshotRecord) -> Result<(), StoreError> {
+        let sql = crate::write_row_sql("snapshots", COLUMNS, upsert);
         sqlx::query(&sql)
             .bind(&s.id)
             .bind(&s.name)
@@ -115,7 +112,7 @@ impl Store {
     }
 
     pub async fn list_snapshots(&self) -> Result<Vec<SnapshotRecord>, StoreError> {
-        let sql = format!("SELECT {COLUMNS} FROM snapshots ORDER BY created_at_ms, id");
+        let sql = format!("SELECT {COLUMNS} FROM snapshots ORDER BY created_at_ms, rowid");
         let rows = sqlx::query(&sql).fetch_all(&self.pool).await?;
         rows.iter().map(from_row).collect()
     }

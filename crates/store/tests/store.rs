@@ -43,6 +43,11 @@ fn sandbox(id: &str, name: &str) -> SandboxRecord {
             deny_list: vec![],
             domains: vec!["*.example.com".into()],
         },
+        volumes: vec![cove_store::VolumeMount {
+            volume_id: "v1".into(),
+            mount_path: "/data".into(),
+            subpath: Some("a".into()),
+        }],
     }
 }
 

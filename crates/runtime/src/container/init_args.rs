@@ -45,6 +45,9 @@ pub struct InitArgs {
     /// empty one with only `lo`.
     #[serde(default)]
     pub network: Option<InitNetwork>,
+    /// Volumes bind-mounted into the root.
+    #[serde(default)]
+    pub volumes: Vec<crate::VolumeBind>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -148,6 +151,10 @@ mod tests {
                 netns: "/var/lib/cove/net/netns/sb1".into(),
                 resolv_conf: "nameserver 10.77.0.1\n".into(),
             }),
+            volumes: vec![crate::VolumeBind {
+                source: "/var/lib/cove/storage/volumes/v1".into(),
+                target: "/data".into(),
+            }],
         }
     }
 

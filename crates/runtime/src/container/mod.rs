@@ -343,6 +343,7 @@ impl Runtime for ContainerRuntime {
                 netns: network.netns.clone(),
                 resolv_conf: network.resolv_conf.clone(),
             }),
+            volumes: spec.volumes.clone(),
         };
         let spawned = Command::new(&self.config.init_exe)
             .arg(SUBCOMMAND)

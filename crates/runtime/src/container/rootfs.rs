@@ -158,6 +158,9 @@ pub fn build(args: &InitArgs) -> Result<(), String> {
     )?;
     build_dev(&root.join("dev"))?;
     build_run(&root.join("run"), &args.agent_binary)?;
+    for volume in &args.volumes {
+        mount_volume(&root, volume)?;
+    }
 
     step(nix::unistd::sethostname(&args.hostname), || {
         format!("set hostname {:?}", args.hostname)
@@ -180,6 +183,44 @@ pub fn build(args: &InitArgs) -> Result<(), String> {
         resolv_conf(&network.resolv_conf)?;
     }
     mask_paths()
+}
+
+/// Binds a volume's directory at its path under `root`. Runs before
+/// pivot_root, so a symlink on the way (the sandbox's own files can hold
+/// any) would resolve on the host: the path is made, or walked, one plain
+/// directory at a time and refused at the first symlink.
+fn mount_volume(root: &Path, volume: &crate::VolumeBind) -> Result<(), String> {
+    let mut target = root.to_path_buf();
+    for part in volume.target.components() {
+        let std::path::Component::Normal(part) = part else {
+            continue;
+        };
+        target.push(part);
+        match fs::symlink_metadata(&target) {
+            Ok(meta) if meta.file_type().is_symlink() => {
+                return Err(format!(
+                    "volume mount path {} passes through a symlink in the sandbox",
+                    volume.target.display()
+                ))
+            }
+            Ok(meta) if !meta.is_dir() => {
+                return Err(format!(
+                    "volume mount path {}: {} is not a directory",
+                    volume.target.display(),
+                    target.strip_prefix(root).unwrap_or(&target).display()
+                ))
+            }
+            Ok(_) => {}
+            Err(_) => io_step(fs::create_dir(&target), || {
+                format!("create {}", target.display())
+            })?,
+        }
+    }
+    bind(
+        &volume.source,
+        &target,
+        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+    )
 }
 
 /// Where the sandbox's resolv.conf lives, on the /run tmpfs.

@@ -1,0 +1,82 @@
+//! Handlers of `/api/volumes`: volumes that outlive sandboxes.
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+use cove_engine::VolumeRecord;
+use serde::{Deserialize, Serialize};
+
+use crate::dto::{rfc3339, ORGANIZATION_ID};
+use crate::{ApiError, AppState};
+
+/// A volume as the SDK's `VolumeDto` reads it. A cove volume is a directory
+/// made at once, so it is `ready` from its creation.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Volume {
+    id: String,
+    name: String,
+    organization_id: &'static str,
+    state: &'static str,
+    created_at: String,
+    updated_at: String,
+    last_used_at: Option<String>,
+    error_reason: Option<String>,
+}
+
+impl From<VolumeRecord> for Volume {
+    fn from(v: VolumeRecord) -> Volume {
+        Volume {
+            id: v.id,
+            name: v.name,
+            organization_id: ORGANIZATION_ID,
+            state: "ready",
+            created_at: rfc3339(v.created_at_ms),
+            updated_at: rfc3339(v.updated_at_ms),
+            last_used_at: v.last_used_at_ms.map(rfc3339),
+            error_reason: None,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct CreateVolume {
+    name: String,
+}
+
+pub async fn create(
+    State(state): State<AppState>,
+    Json(request): Json<CreateVolume>,
+) -> Result<Json<Volume>, ApiError> {
+    Ok(Json(
+        state.engine.create_volume(&request.name).await?.into(),
+    ))
+}
+
+pub async fn list(State(state): State<AppState>) -> Result<Json<Vec<Volume>>, ApiError> {
+    let volumes = state.engine.volumes().await?;
+    Ok(Json(volumes.into_iter().map(Volume::from).collect()))
+}
+
+/// By id (or, as cove allows everywhere, by name).
+pub async fn get(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Volume>, ApiError> {
+    Ok(Json(state.engine.volume(&id).await?.into()))
+}
+
+pub async fn get_by_name(
+    State(state): State<AppState>,
+    Path(name): Path<String>,
+) -> Result<Json<Volume>, ApiError> {
+    Ok(Json(state.engine.volume(&name).await?.into()))
+}
+
+pub async fn delete(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state.engine.delete_volume(&id).await?;
+    Ok(StatusCode::OK)
+}

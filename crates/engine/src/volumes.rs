@@ -1,0 +1,257 @@
+//! Volumes: directories that outlive sandboxes, mounted into them at create
+//! (`volumes: [{volumeId, mountPath, subpath}]`) and shared between them.
+//! Each is a directory `{volumes_dir}/{id}` on the node; a volume some
+//! sandbox mounts cannot be deleted.
+
+use std::path::{Component, Path, PathBuf};
+
+use cove_lifecycle::SandboxClass;
+use cove_store::{SandboxRecord, StoreError, VolumeMount, VolumeRecord};
+
+use crate::create::check_name;
+use crate::{now_ms, Engine, EngineError};
+
+/// Paths a volume may not cover: the kernel's and the agent's.
+const RESERVED: &[&str] = &["/proc", "/sys", "/dev", "/run"];
+
+fn invalid(field: &'static str, reason: String) -> EngineError {
+    EngineError::Invalid { field, reason }
+}
+
+/// An absolute path without `.`, `..` or empty parts, not `/` and not under a
+/// reserved directory.
+fn check_mount_path(path: &str) -> Result<(), EngineError> {
+    let field = "volumes.mountPath";
+    let normal = path.starts_with('/')
+        && !path.contains('\0')
+        && path[1..]
+            .split('/')
+            .all(|part| !part.is_empty() && part != "." && part != "..");
+    if !normal || path == "/" {
+        return Err(invalid(
+            field,
+            format!("{path:?} must be an absolute path like /home/data, without '.' or '..'"),
+        ));
+    }
+    if let Some(reserved) = RESERVED
+        .iter()
+        .find(|r| path == **r || path.starts_with(&format!("{r}/")))
+    {
+        return Err(invalid(
+            field,
+            format!("{path:?} is under {reserved}, which the sandbox's system owns"),
+        ));
+    }
+    Ok(())
+}
+
+/// A relative path inside the volume, without `..`.
+fn check_subpath(subpath: &str) -> Result<(), EngineError> {
+    let plain = !subpath.contains('\0')
+        && Path::new(subpath)
+            .components()
+            .all(|c| matches!(c, Component::Normal(_) | Component::CurDir));
+    if plain {
+        Ok(())
+    } else {
+        Err(invalid(
+            "volumes.subpath",
+            format!("{subpath:?} must be a relative path inside the volume, without '..'"),
+        ))
+    }
+}
+
+impl Engine {
+    fn volumes_dir(&self) -> Result<&Path, EngineError> {
+        self.inner
+            .config
+            .volumes_dir
+            .as_deref()
+            .ok_or_else(|| EngineError::NotImplemented {
+                what: "volumes on this server (no volume directory configured)".into(),
+            })
+    }
+
+    fn volume_dir(&self, id: &str) -> Result<PathBuf, EngineError> {
+        Ok(self.volumes_dir()?.join(id))
+    }
+
+    /// Makes a volume (an empty directory) named `name`.
+    pub async fn create_volume(&self, name: &str) -> Result<VolumeRecord, EngineError> {
+        check_name(name)?;
+        let now = now_ms();
+        let record = VolumeRecord {
+            id: uuid::Uuid::new_v4().to_string(),
+            name: name.to_owned(),
+            created_at_ms: now,
+            updated_at_ms: now,
+            last_used_at_ms: None,
+        };
+        let dir = self.volume_dir(&record.id)?;
+        tokio::fs::create_dir_all(&dir)
+            .await
+            .map_err(|e| EngineError::Runtime {
+                id: record.id.clone(),
+                operation: "create the volume",
+                reason: format!("create {}: {e}", dir.display()),
+            })?;
+        if let Err(error) = self.inner.store.insert_volume(&record).await {
+            let _ = tokio::fs::remove_dir_all(&dir).await;
+            return Err(match error {
+                StoreError::Duplicate { name } => EngineError::VolumeTaken { name },
+                other => other.into(),
+            });
+        }
+        tracing::info!(volume = %record.id, name = %record.name, "volume created");
+        Ok(record)
+    }
+
+    pub async fn volumes(&self) -> Result<Vec<VolumeRecord>, EngineError> {
+        Ok(self.inner.store.list_volumes().await?)
+    }
+
+    /// The volume with this id or name.
+    pub async fn volume(&self, id_or_name: &str) -> Result<VolumeRecord, EngineError> {
+        self.inner
+            .store
+            .find_volume(id_or_name)
+            .await?
+            .ok_or_else(|| EngineError::VolumeNotFound {
+                name: id_or_name.to_owned(),
+            })
+    }
+
+    /// Deletes a volume and its files; refused while a sandbox mounts it.
+    pub async fn delete_volume(&self, id_or_name: &str) -> Result<(), EngineError> {
+        let volume = self.volume(id_or_name).await?;
+        let users: Vec<String> = self
+            .inner
+            .store
+            .list_sandboxes()
+            .await?
+            .into_iter()
+            .filter(|s| s.volumes.iter().any(|m| m.volume_id == volume.id))
+            .map(|s| s.name)
+            .collect();
+        if !users.is_empty() {
+            return Err(EngineError::InUse {
+                what: format!("volume {}", volume.name),
+                users,
+            });
+        }
+        self.inner.store.delete_volume(&volume.id).await?;
+        let dir = self.volume_dir(&volume.id)?;
+        if let Err(error) = tokio::fs::remove_dir_all(&dir).await {
+            if error.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(volume = %volume.id, %error, "removing the volume's files");
+            }
+        }
+        tracing::info!(volume = %volume.id, name = %volume.name, "volume deleted");
+        Ok(())
+    }
+
+    /// Checks the mounts a create asks for and names each volume by its id.
+    /// Makes a subpath's directory if it is missing.
+    pub(crate) async fn resolve_mounts(
+        &self,
+        class: SandboxClass,
+        mounts: &[VolumeMount],
+    ) -> Result<Vec<VolumeMount>, EngineError> {
+        if mounts.is_empty() {
+            return Ok(Vec::new());
+        }
+        if class != SandboxClass::Container {
+            return Err(EngineError::NotImplemented {
+                what: format!("volumes in {class} sandboxes"),
+            });
+        }
+        let mut resolved: Vec<VolumeMount> = Vec::with_capacity(mounts.len());
+        for mount in mounts {
+            check_mount_path(&mount.mount_path)?;
+            if let Some(subpath) = &mount.subpath {
+                check_subpath(subpath)?;
+            }
+            if resolved.iter().any(|m| m.mount_path == mount.mount_path) {
+                return Err(invalid(
+                    "volumes.mountPath",
+                    format!("{} is used twice", mount.mount_path),
+                ));
+            }
+            let volume = self.volume(&mount.volume_id).await?;
+            if let Some(subpath) = &mount.subpath {
+                let dir = self.volume_dir(&volume.id)?.join(subpath);
+                tokio::fs::create_dir_all(&dir)
+                    .await
+                    .map_err(|e| EngineError::Runtime {
+                        id: volume.id.clone(),
+                        operation: "prepare the volume",
+                        reason: format!("create {}: {e}", dir.display()),
+                    })?;
+            }
+            self.inner.store.touch_volume(&volume.id, now_ms()).await?;
+            resolved.push(VolumeMount {
+                volume_id: volume.id,
+                mount_path: mount.mount_path.clone(),
+                subpath: mount.subpath.clone(),
+            });
+        }
+        Ok(resolved)
+    }
+
+    /// The host directories a sandbox's runtime binds.
+    pub(crate) fn volume_binds(&self, record: &SandboxRecord) -> Vec<cove_runtime::VolumeBind> {
+        let Some(dir) = self.inner.config.volumes_dir.as_deref() else {
+            return Vec::new();
+        };
+        record
+            .volumes
+            .iter()
+            .map(|m| {
+                let root = dir.join(&m.volume_id);
+                cove_runtime::VolumeBind {
+                    source: match &m.subpath {
+                        Some(subpath) => root.join(subpath),
+                        None => root,
+                    },
+                    target: PathBuf::from(&m.mount_path),
+                }
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mount_paths() {
+        for good in ["/data", "/home/user/work", "/mnt/a-b_c.d"] {
+            assert!(check_mount_path(good).is_ok(), "{good}");
+        }
+        for bad in [
+            "/",
+            "data",
+            "",
+            "/a/../b",
+            "/a/./b",
+            "/a//b",
+            "/a/",
+            "/proc",
+            "/proc/x",
+            "/sys/fs",
+            "/dev",
+            "/run/cove",
+        ] {
+            assert!(check_mount_path(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn subpaths() {
+        assert!(check_subpath("a/b").is_ok());
+        assert!(check_subpath("../x").is_err());
+        assert!(check_subpath("/abs").is_err());
+        assert!(check_subpath("a/../../x").is_err());
+    }
+}

@@ -1,0 +1,113 @@
+"""Volumes: directories that outlive sandboxes, mounted into them at create and
+shared between them (issue 5)."""
+
+from __future__ import annotations
+
+import pytest
+from daytona import CreateSandboxFromSnapshotParams, DaytonaError, VolumeMount
+
+from conftest import unique
+
+
+@pytest.fixture
+def volume(daytona, cove):
+    made = daytona.volume.get(unique("vol"), create=True)
+    yield made
+    cove.request("DELETE", f"/volumes/{made.id}")
+
+
+def with_volume(sandboxes, volume_id: str, mount_path: str = "/data", subpath: str | None = None):
+    return sandboxes(
+        CreateSandboxFromSnapshotParams(
+            volumes=[VolumeMount(volume_id=volume_id, mount_path=mount_path, subpath=subpath)]
+        )
+    )
+
+
+def test_a_volume_written_by_one_sandbox_is_read_by_another(daytona, sandboxes, volume):
+    assert volume.state == "ready"
+    writer = with_volume(sandboxes, volume.id)
+    writer.fs.upload_file(b"shared", "/data/hello.txt")
+    # By name as well as by id.
+    reader = with_volume(sandboxes, volume.name, mount_path="/mnt/shared")
+    assert reader.fs.download_file("/mnt/shared/hello.txt") == b"shared"
+    # Live: a write in one shows in the other at once.
+    reader.process.exec("echo back > /mnt/shared/reply.txt")
+    assert writer.process.exec("cat /data/reply.txt").result.strip() == "back"
+    assert writer.volumes[0].mount_path == "/data"
+
+
+def test_a_volume_outlives_its_sandboxes(daytona, sandboxes, volume):
+    first = with_volume(sandboxes, volume.id)
+    first.process.exec("mkdir -p /data/keep && echo kept > /data/keep/file")
+    daytona.delete(first, wait=True)
+    second = with_volume(sandboxes, volume.id)
+    assert second.process.exec("cat /data/keep/file").result.strip() == "kept"
+    assert daytona.volume.get(volume.name).id == volume.id
+    assert volume.id in [v.id for v in daytona.volume.list()]
+
+
+def test_a_subpath_mounts_only_that_directory(sandboxes, volume):
+    whole = with_volume(sandboxes, volume.id)
+    whole.process.exec("echo top > /data/top.txt")
+    part = with_volume(sandboxes, volume.id, mount_path="/work", subpath="projects/a")
+    part.process.exec("echo inside > /work/in.txt")
+    assert part.process.exec("ls /work").result.split() == ["in.txt"]
+    assert whole.process.exec("cat /data/projects/a/in.txt").result.strip() == "inside"
+
+
+def test_a_volume_in_use_cannot_be_deleted(cove, daytona, sandboxes, volume):
+    user = with_volume(sandboxes, volume.id)
+    reply = cove.request("DELETE", f"/volumes/{volume.id}")
+    assert reply.status_code == 409, reply.text
+    assert user.name in reply.json()["message"]
+    daytona.delete(user, wait=True)
+    assert cove.request("DELETE", f"/volumes/{volume.id}").status_code == 200
+    assert cove.request("GET", f"/volumes/{volume.id}").status_code == 404
+
+
+def test_volume_errors(cove, daytona, sandboxes, volume):
+    before = cove.sandbox_ids()
+    for mount_path, expected in [("relative", 400), ("/", 400), ("/proc/x", 400), ("/a/../etc", 400)]:
+        reply = cove.request(
+            "POST", "/sandbox", json={"volumes": [{"volumeId": volume.id, "mountPath": mount_path}]}
+        )
+        assert reply.status_code == expected, (mount_path, reply.text)
+        assert "mountPath" in reply.json()["message"]
+    reply = cove.request(
+        "POST", "/sandbox", json={"volumes": [{"volumeId": volume.id, "mountPath": "/d", "subpath": "../x"}]}
+    )
+    assert reply.status_code == 400, reply.text
+    reply = cove.request("POST", "/sandbox", json={"volumes": [{"volumeId": "no-such-volume", "mountPath": "/d"}]})
+    assert reply.status_code == 404, reply.text
+    assert "no-such-volume" in reply.json()["message"]
+    # Nothing half-made was left.
+    assert cove.sandbox_ids() == before
+
+    assert cove.request("POST", "/volumes", json={"name": volume.name}).status_code == 409
+    assert cove.request("POST", "/volumes", json={"name": "bad name!"}).status_code == 400
+    with pytest.raises(DaytonaError):
+        daytona.volume.get(unique("missing"))
+
+
+def test_a_symlink_in_the_sandbox_cannot_redirect_a_mount(cove, sandboxes, volume):
+    # A snapshot whose files hold a symlink to a host-looking path.
+    source = sandboxes()
+    source.process.exec("ln -s /etc /root/evil")
+    name = unique("evil")
+    source.stop()
+    reply = cove.request("POST", f"/sandbox/{source.id}/snapshot", json={"name": name})
+    assert reply.status_code in (200, 201), reply.text
+    try:
+        before = cove.sandbox_ids()
+        reply = cove.request(
+            "POST",
+            "/sandbox",
+            json={"snapshot": name, "volumes": [{"volumeId": volume.id, "mountPath": "/root/evil/x"}]},
+        )
+        assert reply.status_code >= 400, reply.text
+        assert "symlink" in reply.json()["message"]
+        assert cove.sandbox_ids() == before
+    finally:
+        cove.request("DELETE", f"/sandbox/{source.id}")
+        cove.request("DELETE", f"/snapshots/{name}")
