@@ -6,6 +6,8 @@ use cove_lifecycle::{SandboxState, TimerSettingsError, TransitionError};
 pub enum EngineError {
     #[error("sandbox {id} not found")]
     SandboxNotFound { id: String },
+    #[error("sandbox {id} has no signed preview URL with this token for port {port}")]
+    SignedPreviewNotFound { id: String, port: u16 },
     #[error("snapshot {name} not found")]
     SnapshotNotFound { name: String },
     #[error("snapshot {name} is {state}, not active")]
@@ -76,7 +78,9 @@ pub enum ErrorKind {
 impl EngineError {
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::SandboxNotFound { .. } | Self::SnapshotNotFound { .. } => ErrorKind::NotFound,
+            Self::SandboxNotFound { .. }
+            | Self::SnapshotNotFound { .. }
+            | Self::SignedPreviewNotFound { .. } => ErrorKind::NotFound,
             Self::Invalid { .. }
             | Self::AboveCeiling { .. }
             | Self::Timers(_)
