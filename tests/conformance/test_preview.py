@@ -162,6 +162,16 @@ def test_the_preview_url_serves_with_the_token_and_refuses_without(web: Sandbox,
     assert "authorization" not in seen and TOKEN_HEADER.lower() not in seen
     assert seen["path"] == "/headers?x=1"
     assert seen["x-forwarded-prefix"] == f"/preview/{web.id}/{APP_PORT}"
+    # With the token, the API key is still removed; an application's own
+    # Authorization header passes.
+    for authorization, forwarded in ((f"Bearer {cove.api_key}", False), ("Bearer app-secret", True)):
+        r = requests.get(
+            f"{preview.url}/headers",
+            headers={TOKEN_HEADER: preview.token, "Authorization": authorization},
+            timeout=10,
+        )
+        assert r.status_code == 200, r.text
+        assert ("authorization" in r.json()) == forwarded
 
     # `python3 -m http.server` as it is.
     files = web.get_preview_link(FILES_PORT)

@@ -275,6 +275,13 @@ async fn serve(
     mut request: Request,
 ) -> Result<Response, ApiError> {
     let (id, grant) = authorize(&state, &target, request.headers()).await?;
+    // The API key never reaches the sandbox, even when something else let the
+    // request in; an application's own Authorization header does.
+    let strip_authorization = match (grant, auth::bearer(request.headers())) {
+        (Grant::ApiKey, _) => true,
+        (Grant::Open, Some(key)) => auth::key_accepted(&state, key).await?,
+        (Grant::Open, None) => false,
+    };
     // Not `engine.toolbox`: a preview must not reset the idle clock.
     let (record, endpoint) = state.engine.agent(&id).await?;
     let AgentEndpoint::Unix(socket) = endpoint;
@@ -299,7 +306,7 @@ async fn serve(
     *request.version_mut() = Version::HTTP_11;
     let headers = request.headers_mut();
     headers.remove(TOKEN_HEADER);
-    if matches!(grant, Grant::ApiKey) {
+    if strip_authorization {
         headers.remove(header::AUTHORIZATION);
     }
     let host = host.unwrap_or_else(|| HeaderValue::from_static("localhost"));
