@@ -12,9 +12,10 @@ import time
 import uuid
 from typing import Iterator
 
+import httpx
 import pytest
 import requests
-import websocket
+from httpx_ws import connect_ws
 
 from daytona import Daytona, DaytonaConfig, Sandbox, SessionExecuteRequest
 
@@ -206,14 +207,11 @@ def test_a_public_sandbox_needs_no_token(web: Sandbox):
 
 def test_websocket_echo_round_trips(web: Sandbox):
     preview = web.get_preview_link(APP_PORT)
-    url = preview.url.replace("http://", "ws://", 1) + "/ws"
-    ws = websocket.create_connection(url, header=[f"{TOKEN_HEADER}: {preview.token}"], timeout=10)
-    try:
-        for text in ("first", "second " * 40):
-            ws.send(text)
-            assert ws.recv() == "echo: " + text
-    finally:
-        ws.close()
+    with httpx.Client(headers={TOKEN_HEADER: preview.token}, timeout=10) as client:
+        with connect_ws(preview.url + "/ws", client) as ws:
+            for text in ("first", "second " * 40):
+                ws.send_text(text)
+                assert ws.receive_text(timeout=10) == "echo: " + text
 
 
 def test_server_sent_events_arrive_as_they_are_sent(web: Sandbox):
