@@ -52,6 +52,13 @@ pub enum ApiError {
     Git(#[from] crate::git::GitError),
     #[error("interpreter context not found: {0}")]
     ContextNotFound(String),
+    /// Nothing accepted a tunnel's connection: the client's answer, not our fault.
+    #[error("nothing accepts connections on port {port} in the sandbox: {source}")]
+    PortUnreachable {
+        port: u16,
+        #[source]
+        source: io::Error,
+    },
 }
 
 impl ApiError {
@@ -88,6 +95,7 @@ impl ApiError {
             Self::Io { .. } | Self::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
             Self::Git(error) => error.failure.status(),
             Self::ContextNotFound(_) => StatusCode::NOT_FOUND,
+            Self::PortUnreachable { .. } => StatusCode::BAD_GATEWAY,
         }
     }
 
@@ -108,6 +116,7 @@ impl ApiError {
             Self::Io { .. } | Self::Internal { .. } => "INTERNAL_SERVER_ERROR",
             Self::Git(error) => error.failure.code(),
             Self::ContextNotFound(_) => "NOT_FOUND",
+            Self::PortUnreachable { .. } => "BAD_GATEWAY",
         }
     }
 
@@ -137,7 +146,7 @@ fn is_client_io_error(error: &io::Error) -> bool {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
-        if status.is_server_error() {
+        if status.is_server_error() && !matches!(self, Self::PortUnreachable { .. }) {
             tracing::error!(error = %self, "request failed");
         }
         (status, axum::Json(self.body())).into_response()

@@ -17,6 +17,7 @@ pub mod listen;
 pub mod pty;
 pub mod session;
 pub mod system;
+pub mod tunnel;
 pub mod vm;
 
 use std::sync::Arc;
@@ -52,6 +53,7 @@ pub fn app(state: AppState) -> Router {
         .merge(git::routes())
         .merge(pty::routes())
         .merge(interpreter::routes())
+        .merge(tunnel::routes())
         .fallback(|uri: axum::http::Uri| async move { ApiError::NoRoute(uri.path().to_string()) })
         .with_state(state)
 }

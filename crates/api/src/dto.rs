@@ -306,3 +306,22 @@ pub struct Labels {
 pub struct Url {
     pub url: String,
 }
+
+/// `GET /sandbox/{id}/ports/{port}/preview-url`.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PortPreviewUrl {
+    pub sandbox_id: String,
+    pub url: String,
+    pub token: String,
+}
+
+/// `GET /sandbox/{id}/ports/{port}/signed-preview-url`.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SignedPortPreviewUrl {
+    pub sandbox_id: String,
+    pub port: u16,
+    pub token: String,
+    pub url: String,
+}

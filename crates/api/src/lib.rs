@@ -11,6 +11,7 @@ mod dto;
 mod error;
 mod machines;
 mod not_implemented;
+mod preview;
 mod sandbox;
 mod server_config;
 mod snapshots;
@@ -33,6 +34,10 @@ pub struct ApiConfig {
     /// The URL clients reach this server at (e.g. `http://10.0.0.5:3000`); when
     /// unset, it is taken from each request's `Host` header.
     pub public_url: Option<String>,
+    /// The wildcard DNS domain of host-based preview URLs
+    /// (`{port}-{sandboxId}.{domain}`); without it preview URLs are path-based
+    /// (`/preview/{sandboxId}/{port}/`).
+    pub preview_domain: Option<String>,
 }
 
 #[derive(Clone)]
@@ -40,6 +45,7 @@ pub struct AppState {
     engine: Engine,
     config: Arc<ApiConfig>,
     toolbox: toolbox::AgentClient,
+    previews: preview::Previews,
 }
 
 impl AppState {
@@ -48,6 +54,7 @@ impl AppState {
             engine,
             config: Arc::new(config),
             toolbox: toolbox::AgentClient::new(),
+            previews: preview::Previews::new(),
         }
     }
 }
@@ -107,17 +114,39 @@ pub fn app(state: AppState) -> Router {
         .route("/sandbox/{id}/ttl/{minutes}", post(sandbox::set_ttl))
         .route("/sandbox/{id}/public/{public}", post(sandbox::set_public))
         .route(
+            "/sandbox/{id}/ports/{port}/preview-url",
+            get(preview::preview_url),
+        )
+        .route(
+            "/sandbox/{id}/ports/{port}/signed-preview-url",
+            get(preview::signed_preview_url),
+        )
+        .route(
+            "/sandbox/{id}/ports/{port}/signed-preview-url/{token}/expire",
+            post(preview::expire_signed_preview_url),
+        )
+        .route(
             "/sandbox/{id}/toolbox-proxy-url",
             get(sandbox::toolbox_proxy_url),
         )
         .fallback(not_implemented::fallback);
-    Router::new()
+    let with_key = Router::new()
         .nest("/api", api)
         .route("/toolbox/{id}/{*path}", any(toolbox::proxy))
         .route("/toolbox/{id}", any(toolbox::proxy_root))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,
+        ));
+    // Previews check their own credentials (a preview token, a signed URL, or
+    // none for a public sandbox), so they sit outside the API key layer; the
+    // host-based ones are taken before any routing by path.
+    Router::new()
+        .route("/preview/{*path}", any(preview::by_path))
+        .merge(with_key)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            preview::by_host,
         ))
         .with_state(state)
 }

@@ -44,6 +44,7 @@ async fn api() -> Api {
     let config = ApiConfig {
         env_api_key: Some(KEY.into()),
         public_url: None,
+        preview_domain: Some("preview.localhost".into()),
     };
     Api {
         router: app(AppState::new(engine, config)),
@@ -459,4 +460,282 @@ async fn vm_pause_resume_fork_over_http() {
     assert_eq!(body[0]["action"], "paused");
     let (_, sp) = api.call("GET", "/api/sandbox/sp", None).await;
     assert_eq!(sp["state"], "paused");
+}
+
+impl Api {
+    /// A request without the API key unless `headers` carry one.
+    async fn send(
+        &self,
+        method: &str,
+        host: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> (StatusCode, axum::http::HeaderMap, Value) {
+        let mut request = Request::builder()
+            .method(method)
+            .uri(path)
+            .header("host", host);
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let response = self
+            .router
+            .clone()
+            .oneshot(request.body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let status = response.status();
+        let headers = response.headers().clone();
+        let bytes = response.into_body().collect().await.unwrap().to_bytes();
+        (
+            status,
+            headers,
+            serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        )
+    }
+}
+
+fn message(body: &Value) -> &str {
+    body["message"].as_str().unwrap_or_default()
+}
+
+/// The fake runtime's agent socket does not exist, so a preview that passes
+/// every check ends in a 502 naming the agent: that is how these tests see
+/// that a request got through.
+fn got_through(status: StatusCode, body: &Value) -> bool {
+    status == StatusCode::BAD_GATEWAY && message(body).contains("agent")
+}
+
+#[tokio::test]
+async fn preview_urls_and_their_tokens() {
+    let api = api().await;
+    let (_, s) = api
+        .call("POST", "/api/sandbox", Some(json!({"name": "web"})))
+        .await;
+    let id = s["id"].as_str().unwrap();
+    for port in ["0", "65536", "http"] {
+        let (status, body) = api
+            .call(
+                "GET",
+                &format!("/api/sandbox/web/ports/{port}/preview-url"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(message(&body).contains(port), "{body}");
+    }
+    let (status, preview) = api
+        .call("GET", "/api/sandbox/web/ports/3000/preview-url", None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{preview}");
+    assert_eq!(preview["sandboxId"], id);
+    // Host-based (the test server has a preview domain), on the listen port.
+    assert_eq!(
+        preview["url"],
+        format!("http://3000-{id}.preview.localhost:3000")
+    );
+    let token = preview["token"].as_str().unwrap();
+    let (_, again) = api
+        .call(
+            "GET",
+            &format!("/api/sandbox/{id}/ports/8080/preview-url"),
+            None,
+        )
+        .await;
+    assert_eq!(again["token"], token, "one stable token per sandbox");
+    let (status, _) = api
+        .call("GET", "/api/sandbox/nothing/ports/3000/preview-url", None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn private_previews_need_the_token_or_a_key() {
+    let api = api().await;
+    let (_, s) = api
+        .call("POST", "/api/sandbox", Some(json!({"name": "web"})))
+        .await;
+    let id = s["id"].as_str().unwrap().to_owned();
+    let (_, preview) = api
+        .call("GET", "/api/sandbox/web/ports/3000/preview-url", None)
+        .await;
+    let token = preview["token"].as_str().unwrap().to_owned();
+    let host = format!("3000-{id}.preview.localhost:3000");
+    let path = format!("/preview/{id}/3000/index.html");
+
+    // Host-based requests are previews whatever their path, even /api/...
+    for (host, path) in [
+        (host.as_str(), "/api/sandbox"),
+        ("cove.test:3000", path.as_str()),
+    ] {
+        let (status, _, body) = api.send("GET", host, path, &[]).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+        assert!(message(&body).contains("X-Daytona-Preview-Token"), "{body}");
+        let (status, _, body) = api
+            .send("GET", host, path, &[("x-daytona-preview-token", "wrong")])
+            .await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+        assert!(message(&body).contains("wrong preview token"), "{body}");
+        let (status, _, body) = api
+            .send("GET", host, path, &[("x-daytona-preview-token", &token)])
+            .await;
+        assert!(got_through(status, &body), "{status} {body}");
+        let (status, _, body) = api
+            .send(
+                "GET",
+                host,
+                path,
+                &[("authorization", &format!("Bearer {KEY}"))],
+            )
+            .await;
+        assert!(got_through(status, &body), "{status} {body}");
+        let (status, _, _) = api
+            .send("GET", host, path, &[("authorization", "Bearer nope")])
+            .await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED);
+    }
+
+    // A public sandbox needs nothing.
+    let (status, _) = api.call("POST", "/api/sandbox/web/public/true", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _, body) = api.send("GET", &host, "/", &[]).await;
+    assert!(got_through(status, &body), "{status} {body}");
+
+    // The bare path is redirected to the directory form, query kept.
+    let (status, headers, _) = api
+        .send(
+            "GET",
+            "cove.test:3000",
+            &format!("/preview/{id}/3000?a=1"),
+            &[],
+        )
+        .await;
+    assert_eq!(status, StatusCode::PERMANENT_REDIRECT);
+    assert_eq!(headers["location"], format!("/preview/{id}/3000/?a=1"));
+    let (status, _, body) = api
+        .send(
+            "GET",
+            "cove.test:3000",
+            &format!("/preview/{id}/99999/"),
+            &[],
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(message(&body).contains("99999"));
+
+    // A stopped sandbox says so.
+    api.call("POST", "/api/sandbox/web/stop", None).await;
+    let (status, _, body) = api.send("GET", &host, "/", &[]).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    assert!(message(&body).contains("start it first"), "{body}");
+}
+
+#[tokio::test]
+async fn previews_do_not_reset_the_idle_clock() {
+    let api = api().await;
+    let (_, s) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "web", "public": true})),
+        )
+        .await;
+    let id = s["id"].as_str().unwrap().to_owned();
+    let before = s["lastActivityAt"].clone();
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let (status, _, body) = api
+        .send(
+            "GET",
+            "cove.test:3000",
+            &format!("/preview/{id}/3000/"),
+            &[],
+        )
+        .await;
+    assert!(got_through(status, &body), "{status} {body}");
+    let (_, after) = api.call("GET", "/api/sandbox/web", None).await;
+    assert_eq!(after["lastActivityAt"], before);
+    // The toolbox does reset it (the comparison that makes the above mean something).
+    api.call("GET", &format!("/toolbox/{id}/version"), None)
+        .await;
+    let (_, touched) = api.call("GET", "/api/sandbox/web", None).await;
+    assert_ne!(touched["lastActivityAt"], before);
+}
+
+#[tokio::test]
+async fn signed_preview_urls_work_until_they_expire() {
+    let api = api().await;
+    let (_, s) = api
+        .call("POST", "/api/sandbox", Some(json!({"name": "web"})))
+        .await;
+    let id = s["id"].as_str().unwrap().to_owned();
+    for bad in ["0", "86401", "soon"] {
+        let (status, body) = api
+            .call(
+                "GET",
+                &format!("/api/sandbox/web/ports/3000/signed-preview-url?expiresInSeconds={bad}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+        assert!(message(&body).contains("expiresInSeconds"));
+    }
+    let (status, signed) = api
+        .call(
+            "GET",
+            "/api/sandbox/web/ports/3000/signed-preview-url?expiresInSeconds=600",
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{signed}");
+    assert_eq!(signed["sandboxId"], id);
+    assert_eq!(signed["port"], 3000);
+    let token = signed["token"].as_str().unwrap().to_owned();
+    assert_eq!(
+        signed["url"],
+        format!("http://3000-{token}.preview.localhost:3000")
+    );
+    let host = format!("3000-{token}.preview.localhost");
+    let (status, _, body) = api.send("GET", &host, "/", &[]).await;
+    assert!(got_through(status, &body), "{status} {body}");
+    let (status, _, body) = api
+        .send("GET", "cove.test", &format!("/preview/{token}/3000/x"), &[])
+        .await;
+    assert!(got_through(status, &body), "{status} {body}");
+    // Only for its own port.
+    let (status, _, body) = api
+        .send("GET", &format!("3001-{token}.preview.localhost"), "/", &[])
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+
+    let expire = format!("/api/sandbox/web/ports/3000/signed-preview-url/{token}/expire");
+    let (status, _) = api.call("POST", &expire, None).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _, body) = api.send("GET", &host, "/", &[]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    assert!(message(&body).contains("expired"), "{body}");
+    let (status, _) = api
+        .call(
+            "POST",
+            "/api/sandbox/web/ports/3001/signed-preview-url/abc/expire",
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    // One that runs out by itself.
+    let (_, short) = api
+        .call(
+            "GET",
+            "/api/sandbox/web/ports/3000/signed-preview-url?expiresInSeconds=1",
+            None,
+        )
+        .await;
+    let host = format!(
+        "3000-{}.preview.localhost",
+        short["token"].as_str().unwrap()
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let (status, _, body) = api.send("GET", &host, "/", &[]).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    assert!(message(&body).contains("expired"), "{body}");
 }

@@ -34,6 +34,11 @@ pub struct ServeArgs {
     /// The URL clients reach this server at, if not the Host they use.
     #[arg(long, env = "COVE_PUBLIC_URL")]
     pub public_url: Option<String>,
+    /// The wildcard DNS domain of host-based preview URLs
+    /// (`{port}-{sandboxId}.{domain}`, e.g. `preview.localhost`); without it
+    /// preview URLs are path-based (`{public URL}/preview/{sandboxId}/{port}/`).
+    #[arg(long, env = "COVE_PREVIEW_DOMAIN")]
+    pub preview_domain: Option<String>,
     /// An API key accepted besides the stored ones; without it a key is created once.
     #[arg(long, env = "COVE_API_KEY", hide_env_values = true)]
     pub api_key: Option<String>,
@@ -240,6 +245,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         cove_api::ApiConfig {
             env_api_key,
             public_url: args.public_url.clone(),
+            preview_domain: args.preview_domain.clone(),
         },
     ));
     let listener = tokio::net::TcpListener::bind(args.listen)

@@ -6,6 +6,8 @@ use cove_lifecycle::{SandboxState, TimerSettingsError, TransitionError};
 pub enum EngineError {
     #[error("sandbox {id} not found")]
     SandboxNotFound { id: String },
+    #[error("sandbox {id} has no signed preview URL with this token for port {port}")]
+    SignedPreviewNotFound { id: String, port: u16 },
     #[error("snapshot {name} not found")]
     SnapshotNotFound { name: String },
     #[error("snapshot {name} is {state}, not active")]
@@ -84,7 +86,8 @@ impl EngineError {
         match self {
             Self::SandboxNotFound { .. }
             | Self::SnapshotNotFound { .. }
-            | Self::VolumeNotFound { .. } => ErrorKind::NotFound,
+            | Self::VolumeNotFound { .. }
+            | Self::SignedPreviewNotFound { .. } => ErrorKind::NotFound,
             Self::Invalid { .. }
             | Self::AboveCeiling { .. }
             | Self::Timers(_)

@@ -16,6 +16,7 @@ mod forks;
 mod images;
 mod network;
 mod operations;
+mod preview;
 mod recovery;
 mod settings;
 mod snapshots;
@@ -33,7 +34,9 @@ pub use archive::Archive;
 pub use auth::hash_api_key;
 pub use config::{Ceilings, EngineConfig};
 pub use cove_lifecycle::{DesiredState, SandboxState};
-pub use cove_store::{NetworkSettings, SandboxRecord, SnapshotRecord, VolumeMount, VolumeRecord};
+pub use cove_store::{
+    NetworkSettings, SandboxRecord, SignedPreview, SnapshotRecord, VolumeMount, VolumeRecord,
+};
 pub use create::CreateSandbox;
 pub use error::{EngineError, ErrorKind};
 pub use images::{parse_dockerfile, DockerfilePlan, ImageSnapshotRequest};
@@ -155,20 +158,9 @@ impl Engine {
 
     /// Where the agent of a started sandbox listens; counts as an interaction.
     pub async fn toolbox(&self, id_or_name: &str) -> Result<(String, AgentEndpoint), EngineError> {
-        let record = self.get(id_or_name).await?;
-        if record.state != SandboxState::Started {
-            return Err(EngineError::NotStarted {
-                id: record.id,
-                state: record.state,
-            });
-        }
-        let running = self.inner.running.lock().unwrap().get(&record.id).cloned();
-        let running = running.ok_or_else(|| EngineError::NotStarted {
-            id: record.id.clone(),
-            state: record.state,
-        })?;
+        let (record, agent) = self.agent(id_or_name).await?;
         self.touch(&record.id);
-        Ok((record.id, running.agent))
+        Ok((record.id, agent))
     }
 
     /// How a running VM executes ("kvm" or "tcg"); `None` for containers and

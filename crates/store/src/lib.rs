@@ -6,6 +6,7 @@
 //! SQL is kept portable so PostgreSQL can replace SQLite.
 
 mod api_keys;
+mod previews;
 mod records;
 mod sandboxes;
 mod snapshots;
@@ -17,6 +18,7 @@ use std::str::FromStr;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::SqlitePool;
 
+pub use previews::SignedPreview;
 pub use records::{
     NetworkSettings, SandboxRecord, SnapshotRecord, SnapshotState, VolumeMount, VolumeRecord,
 };

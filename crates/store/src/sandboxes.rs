@@ -152,10 +152,14 @@ impl Store {
     }
 
     pub async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
-        sqlx::query("DELETE FROM sandboxes WHERE id = ?")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
+        // Its preview tokens go with it: a new sandbox never inherits them.
+        for statement in [
+            "DELETE FROM preview_tokens WHERE sandbox_id = ?",
+            "DELETE FROM signed_previews WHERE sandbox_id = ?",
+            "DELETE FROM sandboxes WHERE id = ?",
+        ] {
+            sqlx::query(statement).bind(id).execute(&self.pool).await?;
+        }
         Ok(())
     }
 

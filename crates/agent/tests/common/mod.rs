@@ -67,6 +67,10 @@ impl Agent {
         }
     }
 
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
     pub fn path(&self, relative: &str) -> PathBuf {
         self.work_dir.join(relative)
     }

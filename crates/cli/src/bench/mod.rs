@@ -6,6 +6,7 @@
 
 mod files;
 mod own_server;
+mod preview;
 mod scenarios;
 mod snapshot;
 mod vm;
@@ -26,6 +27,9 @@ pub enum Scenario {
     /// Live snapshots of a running sandbox that wrote --size-mb, then create
     /// from each snapshot to first command.
     Snapshot,
+    /// Download a --size-mb file through a preview URL (cove's listener and the
+    /// agent's tunnel to a server in the sandbox); also small-request round trips.
+    Preview,
     /// Create to first command on a server without sandbox networking, then on
     /// one with it: the latency networking adds (own servers only).
     Net,
@@ -59,7 +63,7 @@ pub struct BenchArgs {
     /// Images directory of the server started here (shared, so it is built once).
     #[arg(long, env = "COVE_IMAGES_DIR", default_value = "/var/tmp/cove/images")]
     pub images_dir: std::path::PathBuf,
-    /// Size of the file of the `files` and `snapshot` scenarios, in MiB.
+    /// Size of the file of the `files`, `snapshot` and `preview` scenarios, in MiB.
     #[arg(long, default_value_t = 1024)]
     pub size_mb: u64,
     /// The snapshot of the VM scenarios (a larger one shows how memory size matters).
@@ -119,6 +123,13 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Scenario::Snapshot => {
             scenarios::with_sandbox(&client, async |s| {
                 snapshot::live(&client, s, args.n, args.size_mb).await
+            })
+            .await
+        }
+        Scenario::Preview => {
+            let size = args.size_mb << 20;
+            scenarios::with_sandbox(&client, async |s| {
+                preview::download(&client, s, args.n, size).await
             })
             .await
         }
