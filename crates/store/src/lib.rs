@@ -1,7 +1,7 @@
 //! Persistence of cove.
 //!
 //! Owns the database schema (migrations in `migrations/`) and the rows of
-//! sandboxes, snapshots and API keys. It stores plain records and checks
+//! sandboxes, snapshots, API keys and SSH access tokens. It stores plain records and checks
 //! nothing about transitions: the engine decides, this crate remembers.
 //! SQL is kept portable so PostgreSQL can replace SQLite.
 
@@ -9,6 +9,7 @@ mod api_keys;
 mod records;
 mod sandboxes;
 mod snapshots;
+mod ssh_access;
 
 use std::path::Path;
 use std::str::FromStr;
@@ -17,6 +18,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::SqlitePool;
 
 pub use records::{NetworkSettings, SandboxRecord, SnapshotRecord, SnapshotState};
+pub use ssh_access::SshAccessRecord;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

@@ -1,0 +1,12 @@
+-- SSH access tokens (`POST /api/sandbox/{id}/ssh-access`). Only a SHA-256 of
+-- each token is kept, as for API keys: the token is shown once, when issued.
+-- A token goes with its sandbox (the foreign key) and when revoked (the row).
+CREATE TABLE ssh_access (
+    id TEXT PRIMARY KEY,
+    sandbox_id TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+    token_hash TEXT NOT NULL UNIQUE,
+    expires_at_ms BIGINT NOT NULL,
+    created_at_ms BIGINT NOT NULL,
+    updated_at_ms BIGINT NOT NULL
+);
+CREATE INDEX ssh_access_sandbox ON ssh_access (sandbox_id);
