@@ -14,6 +14,7 @@ mod not_implemented;
 mod sandbox;
 mod server_config;
 mod snapshots;
+mod ssh_access;
 mod toolbox;
 
 use std::sync::Arc;
@@ -32,6 +33,9 @@ pub struct ApiConfig {
     /// The URL clients reach this server at (e.g. `http://10.0.0.5:3000`); when
     /// unset, it is taken from each request's `Host` header.
     pub public_url: Option<String>,
+    /// The port of the SSH gateway (`serve --ssh-listen`), for the `sshCommand`
+    /// of issued SSH access; `None` when the server runs no gateway.
+    pub ssh_port: Option<u16>,
 }
 
 #[derive(Clone)]
@@ -60,6 +64,11 @@ pub fn app(state: AppState) -> Router {
         .route("/sandbox/{id}/start", post(sandbox::start))
         .route("/sandbox/{id}/stop", post(sandbox::stop))
         .route("/sandbox/{id}/recover", post(sandbox::recover))
+        .route(
+            "/sandbox/{id}/ssh-access",
+            post(ssh_access::create).delete(ssh_access::revoke),
+        )
+        .route("/sandbox/ssh-access/validate", get(ssh_access::validate))
         .route("/sandbox/{id}/pause", post(machines::pause))
         .route("/sandbox/{id}/archive", post(machines::archive))
         .route(

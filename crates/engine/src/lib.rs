@@ -19,6 +19,7 @@ mod operations;
 mod recovery;
 mod settings;
 mod snapshots;
+mod ssh_access;
 mod timers;
 
 use std::collections::HashMap;
@@ -38,6 +39,7 @@ pub use error::{EngineError, ErrorKind};
 pub use images::{parse_dockerfile, DockerfilePlan, ImageSnapshotRequest};
 pub use network::{policy as network_policy, NetworkHandle};
 pub use settings::SettingChange;
+pub use ssh_access::{IssuedSshAccess, SshAccessRecord, MAX_SSH_ACCESS_MINUTES};
 
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> i64 {
