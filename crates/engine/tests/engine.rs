@@ -430,6 +430,13 @@ async fn ssh_access_is_issued_validated_expires_and_is_revoked() {
     );
     assert_eq!(h.engine.validate_ssh_access("unknown").await.unwrap(), None);
     assert_eq!(h.engine.validate_ssh_access("").await.unwrap(), None);
+    // A token outlives a stop and start of its sandbox.
+    h.engine.stop(&s.id).await.unwrap();
+    h.engine.start(&s.id).await.unwrap();
+    assert_eq!(
+        h.engine.validate_ssh_access(&issued.token).await.unwrap(),
+        Some(s.id.clone())
+    );
 
     // Expired: valid until its last millisecond, not after.
     let expires = issued.record.expires_at_ms;

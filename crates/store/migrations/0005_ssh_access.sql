@@ -1,9 +1,11 @@
 -- SSH access tokens (`POST /api/sandbox/{id}/ssh-access`). Only a SHA-256 of
 -- each token is kept, as for API keys: the token is shown once, when issued.
--- A token goes with its sandbox (the foreign key) and when revoked (the row).
+-- A token goes when revoked and with its sandbox (`delete_sandbox`; not a
+-- foreign key: saving a sandbox is `INSERT OR REPLACE`, whose delete would
+-- cascade).
 CREATE TABLE ssh_access (
     id TEXT PRIMARY KEY,
-    sandbox_id TEXT NOT NULL REFERENCES sandboxes (id) ON DELETE CASCADE,
+    sandbox_id TEXT NOT NULL,
     token_hash TEXT NOT NULL UNIQUE,
     expires_at_ms BIGINT NOT NULL,
     created_at_ms BIGINT NOT NULL,

@@ -149,11 +149,18 @@ impl Store {
         Ok(row.is_some())
     }
 
+    /// Deletes a sandbox's row and what only it uses (its SSH access tokens).
     pub async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
+        let mut transaction = self.pool.begin().await?;
+        sqlx::query("DELETE FROM ssh_access WHERE sandbox_id = ?")
+            .bind(id)
+            .execute(&mut *transaction)
+            .await?;
         sqlx::query("DELETE FROM sandboxes WHERE id = ?")
             .bind(id)
-            .execute(&self.pool)
+            .execute(&mut *transaction)
             .await?;
+        transaction.commit().await?;
         Ok(())
     }
 

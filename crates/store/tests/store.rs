@@ -173,7 +173,9 @@ async fn ssh_access_is_found_by_hash_revoked_pruned_and_goes_with_its_sandbox() 
     assert_eq!(store.find_ssh_access("h2").await.unwrap(), None);
     assert!(store.find_ssh_access("h3").await.unwrap().is_some());
 
-    // Deleting a sandbox deletes its tokens (foreign key), not the others'.
+    // Saving a sandbox keeps its tokens; deleting it deletes them, not the others'.
+    store.save_sandbox(&sandbox("id-a", "alpha")).await.unwrap();
+    assert!(store.find_ssh_access("h3").await.unwrap().is_some());
     store.delete_sandbox("id-a").await.unwrap();
     assert_eq!(store.find_ssh_access("h3").await.unwrap(), None);
     assert!(store.find_ssh_access("h4").await.unwrap().is_some());
