@@ -205,9 +205,9 @@ async fn run_shell(
         while let Some(message) = input.wait().await {
             match message {
                 ChannelMsg::Data { data } => {
-                    if to_pty.send(Message::Binary(data)).await.is_err() {
+                    let Ok(()) = to_pty.send(Message::Binary(data)).await else {
                         break;
-                    }
+                    };
                 }
                 ChannelMsg::WindowChange {
                     col_width,
