@@ -5,11 +5,16 @@ a message, not a shell."""
 
 from __future__ import annotations
 
+import os
+import socket
 import subprocess
-import time
+import urllib.request
 from datetime import datetime, timezone
 
 import pytest
+from daytona import SessionExecuteRequest
+
+from conftest import free_port, unique, wait_until
 
 SSH = "/usr/bin/ssh"
 
@@ -38,7 +43,7 @@ def ssh(cove, token: str, *args: str, stdin: bytes | None = None, timeout: float
 
 @pytest.fixture(autouse=True, scope="module")
 def _needs_ssh():
-    if not __import__("os").path.exists(SSH):
+    if not os.path.exists(SSH):
         pytest.skip("the system ssh client (openssh-client) is not installed")
 
 
@@ -132,3 +137,53 @@ def test_deleting_the_sandbox_ends_its_tokens(sandboxes, cove):
     r = cove.request("GET", "/sandbox/ssh-access/validate", params={"token": token})
     assert r.json() == {"valid": False, "sandboxId": ""}
     assert "unknown, expired or revoked" in refused(ssh(cove, token, "true"))
+
+
+def test_local_forwarding_reaches_a_port_on_the_sandbox_loopback(sandbox, cove):
+    """`ssh -L` through the agent's tunnel (`GET /cove/tunnel/{port}`)."""
+    session = unique("web")
+    sandbox.process.create_session(session)
+    sandbox.process.execute_session_command(
+        session,
+        SessionExecuteRequest(
+            command="mkdir -p /tmp/web && echo forwarded > /tmp/web/index.html && "
+            "python3 -m http.server 8765 --bind 127.0.0.1 --directory /tmp/web",
+            run_async=True,
+        ),
+    )
+    assert wait_until(
+        lambda: sandbox.process.exec("curl -sf http://127.0.0.1:8765/").exit_code == 0, 30
+    ), "the web server in the sandbox did not start"
+
+    token = sandbox.create_ssh_access(expires_in_minutes=5).token
+    local = free_port()
+    forward = subprocess.Popen(
+        [
+            SSH, "-N",
+            "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+            "-o", "BatchMode=yes", "-o", "ExitOnForwardFailure=yes",
+            "-L", f"127.0.0.1:{local}:localhost:8765",
+            "-p", str(cove.ssh_port), f"{token}@127.0.0.1",
+        ],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        def listening() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", local)) == 0
+
+        assert wait_until(listening, 20), "ssh -L never listened"
+        try:
+            body = urllib.request.urlopen(f"http://127.0.0.1:{local}/", timeout=20).read()
+        except OSError as error:
+            forward.terminate()
+            stderr = forward.communicate(timeout=10)[1].decode(errors="replace")
+            if "404" in stderr and "/cove/tunnel" in stderr:
+                pytest.skip(f"this agent has no tunnel endpoint yet: {stderr.strip()}")
+            raise AssertionError(f"{error}; ssh said: {stderr}")
+        assert body == b"forwarded\n"
+    finally:
+        if forward.poll() is None:
+            forward.terminate()
+            forward.wait(timeout=10)
+        sandbox.process.delete_session(session)
