@@ -99,6 +99,9 @@ class CoveServer:
         self.extra_args = list(extra_args)
         self.extra_env = dict(extra_env or {})
         self.port = 0
+        # The SSH gateway's port (`--ssh-listen`); every server gets its own
+        # on loopback, so servers never clash over the default 0.0.0.0:2222.
+        self.ssh_port = 0
         self.proc: subprocess.Popen | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self._log = None
@@ -117,6 +120,7 @@ class CoveServer:
             pytest.exit(f"cove binary not found at {binary}; run `cargo build --release && cargo agent`", 2)
         images_dir().mkdir(parents=True, exist_ok=True)
         self.port = free_port()
+        self.ssh_port = free_port()
         env = dict(os.environ)
         env["COVE_API_KEY"] = self.api_key
         env.update(self.extra_env)
@@ -133,6 +137,8 @@ class CoveServer:
                 "--images-dir",
                 str(images_dir()),
                 *vm_args(self.vms),
+                "--ssh-listen",
+                f"127.0.0.1:{self.ssh_port}",
                 *self.extra_args,
             ],
             stdin=subprocess.DEVNULL,

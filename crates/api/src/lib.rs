@@ -15,6 +15,7 @@ mod preview;
 mod sandbox;
 mod server_config;
 mod snapshots;
+mod ssh_access;
 mod toolbox;
 mod volumes;
 
@@ -38,6 +39,9 @@ pub struct ApiConfig {
     /// (`{port}-{sandboxId}.{domain}`); without it preview URLs are path-based
     /// (`/preview/{sandboxId}/{port}/`).
     pub preview_domain: Option<String>,
+    /// The port of the SSH gateway (`serve --ssh-listen`), for the `sshCommand`
+    /// of issued SSH access; `None` when the server runs no gateway.
+    pub ssh_port: Option<u16>,
 }
 
 #[derive(Clone)]
@@ -68,6 +72,11 @@ pub fn app(state: AppState) -> Router {
         .route("/sandbox/{id}/start", post(sandbox::start))
         .route("/sandbox/{id}/stop", post(sandbox::stop))
         .route("/sandbox/{id}/recover", post(sandbox::recover))
+        .route(
+            "/sandbox/{id}/ssh-access",
+            post(ssh_access::create).delete(ssh_access::revoke),
+        )
+        .route("/sandbox/ssh-access/validate", get(ssh_access::validate))
         .route("/sandbox/{id}/pause", post(machines::pause))
         .route("/sandbox/{id}/archive", post(machines::archive))
         .route(

@@ -45,6 +45,7 @@ async fn api() -> Api {
         env_api_key: Some(KEY.into()),
         public_url: None,
         preview_domain: Some("preview.localhost".into()),
+        ssh_port: Some(2222),
     };
     Api {
         router: app(AppState::new(engine, config)),
@@ -738,4 +739,130 @@ async fn signed_preview_urls_work_until_they_expire() {
     let (status, _, body) = api.send("GET", &host, "/", &[]).await;
     assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
     assert!(message(&body).contains("expired"), "{body}");
+}
+
+#[tokio::test]
+async fn ssh_access_over_http() {
+    let api = api().await;
+    let (_, s) = api
+        .call("POST", "/api/sandbox", Some(json!({"name": "ssh-box"})))
+        .await;
+    let id = s["id"].as_str().unwrap().to_owned();
+
+    let (status, access) = api
+        .call(
+            "POST",
+            "/api/sandbox/ssh-box/ssh-access?expiresInMinutes=30",
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{access}");
+    for key in [
+        "id",
+        "sandboxId",
+        "token",
+        "expiresAt",
+        "createdAt",
+        "updatedAt",
+        "sshCommand",
+    ] {
+        assert!(access[key].is_string(), "{key} missing in {access}");
+    }
+    assert_eq!(access["sandboxId"], id.as_str());
+    let token = access["token"].as_str().unwrap().to_owned();
+    // The host the client used, the gateway's port.
+    assert_eq!(
+        access["sshCommand"],
+        format!("ssh {token}@cove.test -p 2222").as_str()
+    );
+
+    let validate = |token: String| {
+        let api = &api;
+        async move {
+            api.call(
+                "GET",
+                &format!("/api/sandbox/ssh-access/validate?token={token}"),
+                None,
+            )
+            .await
+        }
+    };
+    let (status, valid) = validate(token.clone()).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(valid, json!({"valid": true, "sandboxId": id}));
+    let (_, invalid) = validate("not-a-token".into()).await;
+    assert_eq!(invalid, json!({"valid": false, "sandboxId": ""}));
+
+    // Revoking one token answers with the sandbox; the token is then invalid.
+    let (status, sandbox) = api
+        .call(
+            "DELETE",
+            &format!("/api/sandbox/{id}/ssh-access?token={token}"),
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{sandbox}");
+    assert_eq!(sandbox["id"], id.as_str());
+    assert_eq!(validate(token).await.1["valid"], false);
+
+    // Without a token, every token of the sandbox goes.
+    let (_, a) = api
+        .call("POST", "/api/sandbox/ssh-box/ssh-access", None)
+        .await;
+    let (_, b) = api
+        .call("POST", "/api/sandbox/ssh-box/ssh-access", None)
+        .await;
+    let (status, _) = api
+        .call("DELETE", "/api/sandbox/ssh-box/ssh-access", None)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    for access in [a, b] {
+        let token = access["token"].as_str().unwrap().to_owned();
+        assert_eq!(validate(token).await.1["valid"], false);
+    }
+}
+
+#[tokio::test]
+async fn ssh_access_refusals() {
+    let api = api().await;
+    api.call("POST", "/api/sandbox", Some(json!({"name": "ssh-box"})))
+        .await;
+    for query in ["0", "-5", "99999999", "1.5", "soon"] {
+        let (status, body) = api
+            .call(
+                "POST",
+                &format!("/api/sandbox/ssh-box/ssh-access?expiresInMinutes={query}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{query}: {body}");
+        assert!(
+            body["message"]
+                .as_str()
+                .unwrap()
+                .contains("expiresInMinutes"),
+            "{body}"
+        );
+    }
+    for (method, path) in [
+        ("POST", "/api/sandbox/nope/ssh-access"),
+        ("DELETE", "/api/sandbox/nope/ssh-access"),
+    ] {
+        let (status, _) = api.call(method, path, None).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{method} {path}");
+    }
+    let (status, _) = api
+        .call("GET", "/api/sandbox/ssh-access/validate", None)
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    // Like every other route, these need the API key.
+    let (status, _) = api
+        .call_with_key(
+            "GET",
+            "/api/sandbox/ssh-access/validate?token=x",
+            None,
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
 }

@@ -85,6 +85,10 @@ pub struct ServeArgs {
     /// Serve no VM sandboxes (containers only).
     #[arg(long)]
     pub no_vm: bool,
+    /// Address of the SSH gateway (`ssh TOKEN@host -p PORT`, tokens from
+    /// `POST /api/sandbox/{id}/ssh-access`); its host key is kept in the data dir.
+    #[arg(long, env = "COVE_SSH_LISTEN", default_value = "0.0.0.0:2222")]
+    pub ssh_listen: SocketAddr,
     /// How often timers are checked, in milliseconds.
     #[arg(long, default_value_t = 1000, hide = true)]
     pub timer_tick_ms: u64,
@@ -108,6 +112,7 @@ pub fn progress_printer() -> impl FnMut(&ImageProgress) {
 type Serving = (
     tokio::task::JoinHandle<std::io::Result<()>>,
     Option<Arc<cove_net::Network>>,
+    cove_ssh::Gateway,
 );
 
 async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
@@ -240,12 +245,22 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             eprintln!("created an API key; it is shown once, keep it:\n\n    {key}\n");
         }
     }
+    let ssh = cove_ssh::Gateway::start(
+        engine.clone(),
+        cove_ssh::GatewayConfig {
+            listen: args.ssh_listen,
+            host_key: data_dir.join("ssh_host_ed25519_key"),
+        },
+    )
+    .await
+    .context("starting the SSH gateway (or pass another --ssh-listen)")?;
     let app = cove_api::app(cove_api::AppState::new(
         engine.clone(),
         cove_api::ApiConfig {
             env_api_key,
             public_url: args.public_url.clone(),
             preview_domain: args.preview_domain.clone(),
+            ssh_port: Some(ssh.local_addr().port()),
         },
     ));
     let listener = tokio::net::TcpListener::bind(args.listen)
@@ -256,7 +271,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     tokio::spawn(async move { timers.run_timers().await });
     let serve = tokio::spawn(async move { axum::serve(listener, app).await });
     tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
-    Ok((serve, network))
+    Ok((serve, network, ssh))
 }
 
 /// The VM backend, when this host can run it: QEMU installed (`scripts/vm-setup`)
@@ -345,13 +360,14 @@ async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let (serve, network) = start(args).await?;
+    let (serve, network, ssh) = start(args).await?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         result = serve => result??,
         _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; sandboxes are brought back on the next start"),
         _ = terminate.recv() => tracing::info!("terminated; sandboxes are brought back on the next start"),
     }
+    ssh.shutdown().await;
     if let Some(network) = network {
         // The bridge, firewall tables and routes go; addresses stay on disk.
         if let Err(error) = network.shutdown().await {

@@ -6,7 +6,13 @@ use crate::{now_ms, Engine, EngineError};
 
 /// The stored form of an API key.
 pub fn hash_api_key(key: &str) -> String {
-    let digest = Sha256::digest(key.as_bytes());
+    hash_secret(key)
+}
+
+/// SHA-256 in hex: how secrets (API keys, SSH access tokens) are stored and
+/// looked up, so the database never holds one in clear.
+pub(crate) fn hash_secret(secret: &str) -> String {
+    let digest = Sha256::digest(secret.as_bytes());
     digest.iter().map(|b| format!("{b:02x}")).collect()
 }
 

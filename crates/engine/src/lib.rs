@@ -20,6 +20,7 @@ mod preview;
 mod recovery;
 mod settings;
 mod snapshots;
+mod ssh_access;
 mod timers;
 mod volumes;
 
@@ -42,6 +43,7 @@ pub use error::{EngineError, ErrorKind};
 pub use images::{parse_dockerfile, DockerfilePlan, ImageSnapshotRequest};
 pub use network::{policy as network_policy, NetworkHandle};
 pub use settings::SettingChange;
+pub use ssh_access::{IssuedSshAccess, SshAccessRecord, MAX_SSH_ACCESS_MINUTES};
 
 /// Milliseconds since the Unix epoch.
 pub fn now_ms() -> i64 {

@@ -411,3 +411,117 @@ async fn snapshots_capture_stack_revert_and_refuse_what_would_break() {
         ErrorKind::NotFound
     );
 }
+
+#[tokio::test]
+async fn ssh_access_is_issued_validated_expires_and_is_revoked() {
+    let h = harness().await;
+    let s = h.engine.create(named("ssh")).await.unwrap();
+    let issued = h.engine.create_ssh_access("ssh", Some(5)).await.unwrap();
+    assert_eq!(issued.record.sandbox_id, s.id);
+    assert!(issued.token.len() >= 32, "{}", issued.token);
+    assert_eq!(
+        issued.record.expires_at_ms - issued.record.created_at_ms,
+        5 * MINUTE_MS
+    );
+    // Only the hash is stored.
+    assert_ne!(issued.record.token_hash, issued.token);
+    assert_eq!(
+        h.engine.validate_ssh_access(&issued.token).await.unwrap(),
+        Some(s.id.clone())
+    );
+    assert_eq!(h.engine.validate_ssh_access("unknown").await.unwrap(), None);
+    assert_eq!(h.engine.validate_ssh_access("").await.unwrap(), None);
+    // A token outlives a stop and start of its sandbox.
+    h.engine.stop(&s.id).await.unwrap();
+    h.engine.start(&s.id).await.unwrap();
+    assert_eq!(
+        h.engine.validate_ssh_access(&issued.token).await.unwrap(),
+        Some(s.id.clone())
+    );
+
+    // Expired: valid until its last millisecond, not after.
+    let expires = issued.record.expires_at_ms;
+    assert!(h
+        .engine
+        .validate_ssh_access_at(&issued.token, expires - 1)
+        .await
+        .unwrap()
+        .is_some());
+    assert_eq!(
+        h.engine
+            .validate_ssh_access_at(&issued.token, expires)
+            .await
+            .unwrap(),
+        None
+    );
+
+    // Two tokens: revoking one leaves the other; revoking all ends both.
+    let second = h.engine.create_ssh_access(&s.id, None).await.unwrap();
+    assert_ne!(second.token, issued.token);
+    assert_eq!(
+        second.record.expires_at_ms - second.record.created_at_ms,
+        60 * MINUTE_MS
+    );
+    h.engine
+        .revoke_ssh_access("ssh", Some(&issued.token))
+        .await
+        .unwrap();
+    assert_eq!(
+        h.engine.validate_ssh_access(&issued.token).await.unwrap(),
+        None
+    );
+    assert!(h
+        .engine
+        .validate_ssh_access(&second.token)
+        .await
+        .unwrap()
+        .is_some());
+    let third = h.engine.create_ssh_access(&s.id, Some(1)).await.unwrap();
+    h.engine.revoke_ssh_access(&s.id, None).await.unwrap();
+    for token in [&second.token, &third.token] {
+        assert_eq!(h.engine.validate_ssh_access(token).await.unwrap(), None);
+    }
+
+    // A deleted sandbox's tokens go with it.
+    let fourth = h.engine.create_ssh_access(&s.id, Some(1)).await.unwrap();
+    h.engine.delete(&s.id).await.unwrap();
+    assert_eq!(
+        h.engine.validate_ssh_access(&fourth.token).await.unwrap(),
+        None
+    );
+}
+
+#[tokio::test]
+async fn ssh_access_refuses_bad_lifetimes_and_unknown_sandboxes() {
+    let h = harness().await;
+    h.engine.create(named("ssh")).await.unwrap();
+    for minutes in [0, -1, cove_engine::MAX_SSH_ACCESS_MINUTES + 1] {
+        let error = h
+            .engine
+            .create_ssh_access("ssh", Some(minutes))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(
+                error,
+                EngineError::Invalid {
+                    field: "expiresInMinutes",
+                    ..
+                }
+            ),
+            "{error}"
+        );
+    }
+    for error in [
+        h.engine
+            .create_ssh_access("nope", Some(5))
+            .await
+            .unwrap_err(),
+        h.engine.revoke_ssh_access("nope", None).await.unwrap_err(),
+    ] {
+        assert!(
+            matches!(error, EngineError::SandboxNotFound { .. }),
+            "{error}"
+        );
+    }
+}

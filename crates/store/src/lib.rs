@@ -1,7 +1,7 @@
 //! Persistence of cove.
 //!
 //! Owns the database schema (migrations in `migrations/`) and the rows of
-//! sandboxes, snapshots and API keys. It stores plain records and checks
+//! sandboxes, snapshots, API keys and SSH access tokens. It stores plain records and checks
 //! nothing about transitions: the engine decides, this crate remembers.
 //! SQL is kept portable so PostgreSQL can replace SQLite.
 
@@ -10,6 +10,7 @@ mod previews;
 mod records;
 mod sandboxes;
 mod snapshots;
+mod ssh_access;
 mod volumes;
 
 use std::path::Path;
@@ -22,6 +23,7 @@ pub use previews::SignedPreview;
 pub use records::{
     NetworkSettings, SandboxRecord, SnapshotRecord, SnapshotState, VolumeMount, VolumeRecord,
 };
+pub use ssh_access::SshAccessRecord;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {

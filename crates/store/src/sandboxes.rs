@@ -151,15 +151,23 @@ impl Store {
         Ok(row.is_some())
     }
 
+    /// Deletes a sandbox's row and what only it uses (its SSH access tokens).
     pub async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
-        // Its preview tokens go with it: a new sandbox never inherits them.
+        // Its preview tokens and SSH access go with it: a new sandbox never
+        // inherits them.
+        let mut transaction = self.pool.begin().await?;
         for statement in [
             "DELETE FROM preview_tokens WHERE sandbox_id = ?",
             "DELETE FROM signed_previews WHERE sandbox_id = ?",
+            "DELETE FROM ssh_access WHERE sandbox_id = ?",
             "DELETE FROM sandboxes WHERE id = ?",
         ] {
-            sqlx::query(statement).bind(id).execute(&self.pool).await?;
+            sqlx::query(statement)
+                .bind(id)
+                .execute(&mut *transaction)
+                .await?;
         }
+        transaction.commit().await?;
         Ok(())
     }
 

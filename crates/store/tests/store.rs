@@ -120,3 +120,69 @@ async fn snapshots_and_keys() {
     store.add_api_key_hash("h", 1).await.unwrap();
     assert_eq!(store.api_key_hashes().await.unwrap(), vec!["h".to_string()]);
 }
+
+fn access(
+    id: &str,
+    sandbox_id: &str,
+    hash: &str,
+    expires_at_ms: i64,
+) -> cove_store::SshAccessRecord {
+    cove_store::SshAccessRecord {
+        id: id.into(),
+        sandbox_id: sandbox_id.into(),
+        token_hash: hash.into(),
+        expires_at_ms,
+        created_at_ms: 1,
+        updated_at_ms: 1,
+    }
+}
+
+#[tokio::test]
+async fn ssh_access_is_found_by_hash_revoked_pruned_and_goes_with_its_sandbox() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    store
+        .insert_sandbox(&sandbox("id-a", "alpha"))
+        .await
+        .unwrap();
+    store
+        .insert_sandbox(&sandbox("id-b", "beta"))
+        .await
+        .unwrap();
+    for record in [
+        access("1", "id-a", "h1", 100),
+        access("2", "id-a", "h2", 200),
+        access("3", "id-a", "h3", 300),
+        access("4", "id-b", "h4", 400),
+    ] {
+        store.add_ssh_access(&record).await.unwrap();
+    }
+    assert_eq!(
+        store.find_ssh_access("h2").await.unwrap(),
+        Some(access("2", "id-a", "h2", 200))
+    );
+    assert_eq!(store.find_ssh_access("nope").await.unwrap(), None);
+
+    // A token is revoked only through its own sandbox.
+    assert_eq!(
+        store.revoke_ssh_access("id-b", Some("h1")).await.unwrap(),
+        0
+    );
+    assert_eq!(
+        store.revoke_ssh_access("id-a", Some("h1")).await.unwrap(),
+        1
+    );
+    assert_eq!(store.find_ssh_access("h1").await.unwrap(), None);
+
+    assert_eq!(store.prune_ssh_access(200).await.unwrap(), 1);
+    assert_eq!(store.find_ssh_access("h2").await.unwrap(), None);
+    assert!(store.find_ssh_access("h3").await.unwrap().is_some());
+
+    // Saving a sandbox keeps its tokens; deleting it deletes them, not the others'.
+    store.save_sandbox(&sandbox("id-a", "alpha")).await.unwrap();
+    assert!(store.find_ssh_access("h3").await.unwrap().is_some());
+    store.delete_sandbox("id-a").await.unwrap();
+    assert_eq!(store.find_ssh_access("h3").await.unwrap(), None);
+    assert!(store.find_ssh_access("h4").await.unwrap().is_some());
+    assert_eq!(store.revoke_ssh_access("id-b", None).await.unwrap(), 1);
+}
