@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -207,6 +208,63 @@ def test_forks_diverge_and_keep_the_parent(cove, sandboxes, daytona):
     reply = cove.request("DELETE", f"/sandbox/{parent.id}")
     assert reply.status_code == 409, reply.text
     assert first.id in reply.json()["message"] or first.name in reply.json()["message"]
+
+
+CURL = "curl -s -m 5 -o /dev/null -w '%{http_code}' "
+
+
+def fetch(sandbox, url: str) -> str:
+    """The HTTP status the sandbox gets for url, or '000' when it cannot connect."""
+    return sandbox.process.exec(CURL + url, timeout=30).result.strip()
+
+
+def address_of(sandbox) -> str:
+    return sandbox.process.exec("hostname -I").result.split()[0]
+
+
+def tap_devices() -> set[str]:
+    return {p.parent.name for p in Path("/sys/class/net").glob("*/tun_flags")}
+
+
+def test_vm_network_policy_forks_and_pause(cove, sandboxes, fake_internet):
+    taps_before = tap_devices()
+    parent = vm(sandboxes, domain_allow_list="allowed.test")
+    # The guest's own NIC, on a TAP device of cove's bridge, with cove's resolver.
+    assert len(tap_devices() - taps_before) == 1
+    assert "nameserver 10.77.0.1" in parent.process.exec("cat /etc/resolv.conf").result
+    assert fetch(parent, "http://allowed.test/") == "200"
+    assert fetch(parent, "http://denied.test/") == "000"
+    assert fetch(parent, f"http://{fake_internet.DENIED}/") == "000"
+
+    # A live change, no restart.
+    parent.update_network_settings(network_block_all=True)
+    assert wait_until(lambda: fetch(parent, "http://allowed.test/") == "000", 30)
+    parent.update_network_settings(network_block_all=False)
+    assert wait_until(lambda: fetch(parent, f"http://{fake_internet.DENIED}/") == "200", 30)
+
+    # A fork starts from the parent's memory (its address, its MAC) and is
+    # given its own: both reach the internet, neither reaches the other.
+    child = parent.fork(name=unique("net-fork"), timeout=TIMEOUT)
+    sandboxes.track(child.id)
+    assert address_of(child) != address_of(parent)
+    assert fetch(child, "http://allowed.test/") == "200"
+    assert fetch(parent, "http://allowed.test/") == "200"
+    child.process.exec("nohup python3 -m http.server 8000 >/dev/null 2>&1 &")
+    assert wait_until(lambda: fetch(child, "http://127.0.0.1:8000/") == "200", 60)
+    assert fetch(parent, f"http://{address_of(child)}:8000/") == "000"
+
+    # Pause gives the TAP device up; resume gets one again, same address.
+    address = address_of(parent)
+    parent.pause()
+    parent.start(timeout=TIMEOUT)
+    assert address_of(parent) == address
+    assert fetch(parent, "http://allowed.test/") == "200"
+
+    for sandbox in (child, parent):
+        sandbox.delete(timeout=TIMEOUT)
+    assert wait_until(lambda: tap_devices() <= taps_before, 30), tap_devices() - taps_before
+    tables = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True).stdout
+    assert address not in tables
 
 
 def test_windows_snapshot_is_a_clear_error(cove):

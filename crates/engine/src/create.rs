@@ -132,9 +132,7 @@ impl Engine {
             });
         }
         crate::network::policy(&request.network)?;
-        if request.network != cove_store::NetworkSettings::default()
-            && self.network(snapshot.class).is_none()
-        {
+        if request.network != cove_store::NetworkSettings::default() && self.network().is_none() {
             return Err(EngineError::NotImplemented {
                 what: format!(
                     "network policies for {} sandboxes on this server (no sandbox networking)",

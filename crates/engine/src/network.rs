@@ -1,13 +1,14 @@
-//! Sandbox networking: each started container sandbox is attached to cove's
-//! network (its own namespace, address, and egress policy) right before its
-//! runtime starts it, detached when it stops or pauses, and its address is
-//! released when it is deleted. Policy changes on a running sandbox apply live.
+//! Sandbox networking: each started sandbox is attached to cove's network (an
+//! address and an egress policy; a container gets its own namespace, a VM a
+//! TAP device its guest configures) right before its runtime starts it,
+//! detached when it stops or pauses, and its address is released when it is
+//! deleted. Policy changes on a running sandbox apply live.
 
 use std::sync::Arc;
 
 use cove_lifecycle::{SandboxClass, SandboxState};
-use cove_net::{Policy, PolicyError};
-use cove_runtime::SandboxNetwork;
+use cove_net::{Link, LinkKind, Policy, PolicyError};
+use cove_runtime::{NetworkLink, SandboxNetwork, TapLink};
 use cove_store::{NetworkSettings, SandboxRecord};
 
 use crate::{Engine, EngineError};
@@ -54,13 +55,9 @@ pub fn policy(settings: &NetworkSettings) -> Result<Policy, EngineError> {
 }
 
 impl Engine {
-    pub(crate) fn network(&self, class: SandboxClass) -> Option<&Arc<cove_net::Network>> {
-        // VMs get their network through a TAP device, which is not built yet:
-        // they keep the guest's own loopback only.
-        match class {
-            SandboxClass::Container => self.inner.config.network.as_ref().map(|n| &n.0),
-            SandboxClass::LinuxVm => None,
-        }
+    /// The network every sandbox joins; `None` on a server without one.
+    pub(crate) fn network(&self) -> Option<&Arc<cove_net::Network>> {
+        self.inner.config.network.as_ref().map(|n| &n.0)
     }
 
     /// Attaches a sandbox that is about to start; `None` without networking.
@@ -68,23 +65,37 @@ impl Engine {
         &self,
         record: &SandboxRecord,
     ) -> Result<Option<SandboxNetwork>, String> {
-        let Some(network) = self.network(record.class) else {
+        let Some(network) = self.network() else {
             return Ok(None);
         };
         let policy = policy(&record.network).map_err(|e| e.to_string())?;
+        let kind = match record.class {
+            SandboxClass::Container => LinkKind::Namespace,
+            SandboxClass::LinuxVm => LinkKind::Tap,
+        };
         let attachment = network
-            .attach(&record.id, &policy)
+            .attach_as(&record.id, &policy, kind)
             .await
             .map_err(|e| format!("attaching it to the network: {e}"))?;
+        let link = match &attachment.link {
+            Link::Namespace(path) => NetworkLink::Namespace(path.clone()),
+            Link::Tap(device) => NetworkLink::Tap(TapLink {
+                device: device.clone(),
+                mac: attachment.guest_mac(),
+                address: attachment.address,
+                prefix_len: attachment.prefix_len,
+                gateway: attachment.gateway,
+            }),
+        };
         Ok(Some(SandboxNetwork {
-            netns: attachment.netns_path,
+            link,
             resolv_conf: attachment.resolv_conf,
         }))
     }
 
     /// Takes a sandbox that no longer runs off the network (keeps its address).
     pub(crate) async fn detach_network(&self, record: &SandboxRecord) -> Result<(), String> {
-        match self.network(record.class) {
+        match self.network() {
             Some(network) => network
                 .detach(&record.id)
                 .await
@@ -95,7 +106,7 @@ impl Engine {
 
     /// Gives up a deleted sandbox's address.
     pub(crate) async fn release_network(&self, record: &SandboxRecord) -> Result<(), String> {
-        match self.network(record.class) {
+        match self.network() {
             Some(network) => network
                 .release(&record.id)
                 .await
@@ -118,7 +129,7 @@ impl Engine {
         let mut record = self.get(&id).await?;
         let settings = change(record.network.clone());
         let checked = policy(&settings)?;
-        if self.network(record.class).is_none() && settings != NetworkSettings::default() {
+        if self.network().is_none() && settings != NetworkSettings::default() {
             return Err(EngineError::NotImplemented {
                 what: format!(
                     "network policies for {} sandboxes on this server (no sandbox networking)",
@@ -127,7 +138,7 @@ impl Engine {
             });
         }
         if record.state == SandboxState::Started {
-            if let Some(network) = self.network(record.class) {
+            if let Some(network) = self.network() {
                 network
                     .set_policy(&record.id, &checked)
                     .await

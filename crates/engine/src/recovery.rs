@@ -105,6 +105,29 @@ impl Engine {
             }
         };
         match runtime.reattach(&spec).await {
+            // Its TAP device went with the old server's network (a new
+            // server clears every port it finds): a pause and a resume on a
+            // fresh one keeps every process and puts the machine back on
+            // the network.
+            Ok(Some(started)) if self.network().is_some() && record.class.can_pause() => {
+                drop(started);
+                let replugged = async {
+                    runtime.pause(&record.id).await.map_err(|e| e.to_string())?;
+                    self.start_machine(runtime, record, spec).await
+                }
+                .await;
+                match replugged {
+                    Ok(started) => {
+                        self.register_running(&record.id, started);
+                        tracing::info!(sandbox = %record.id, "still running after a server restart, on the network again");
+                        true
+                    }
+                    Err(error) => {
+                        tracing::warn!(sandbox = %record.id, %error, "putting it back on the network failed; it is restarted");
+                        false
+                    }
+                }
+            }
             Ok(Some(started)) => {
                 self.register_running(&record.id, started);
                 tracing::info!(sandbox = %record.id, "still running after a server restart");

@@ -27,10 +27,11 @@ mod netns;
 mod nft;
 mod policy;
 mod resolver;
+mod tap;
 
 use std::collections::{HashMap, HashSet};
 use std::net::{Ipv4Addr, SocketAddrV4};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -58,11 +59,30 @@ const EXPIRY_MARGIN: Duration = Duration::from_secs(2);
 /// sandbox resolve names without end, and each admission is kernel memory.
 const MAX_LEARNED: usize = 4096;
 
+/// How a sandbox meets the bridge.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LinkKind {
+    /// A network namespace of its own with a veth (containers).
+    Namespace,
+    /// A TAP device the sandbox's VM opens; the guest configures the address.
+    Tap,
+}
+
+/// What the runtime joins or opens.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Link {
+    /// The namespace file to `setns` into (`CLONE_NEWNET`); `eth0` inside
+    /// has the address and the default route already.
+    Namespace(PathBuf),
+    /// The TAP device's name; the guest gives its NIC the address, the
+    /// gateway route and the MAC [`Attachment::guest_mac`].
+    Tap(String),
+}
+
 /// What a sandbox's runtime needs to put it on the network.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Attachment {
-    /// The namespace file to `setns` into (`CLONE_NEWNET`).
-    pub netns_path: PathBuf,
+    pub link: Link,
     pub address: Ipv4Addr,
     pub prefix_len: u8,
     pub gateway: Ipv4Addr,
@@ -70,6 +90,25 @@ pub struct Attachment {
     pub host_link: String,
     /// The sandbox's `/etc/resolv.conf`: cove's resolver, never the host's.
     pub resolv_conf: String,
+}
+
+impl Attachment {
+    /// The namespace file of a [`Link::Namespace`] attachment.
+    pub fn netns_path(&self) -> Option<&Path> {
+        match &self.link {
+            Link::Namespace(path) => Some(path),
+            Link::Tap(_) => None,
+        }
+    }
+
+    /// The MAC a VM's NIC must use: locally administered and derived from the
+    /// address, so it is unique on the bridge. A VM restored from another's
+    /// memory (a template, a snapshot, a fork) starts with that one's MAC, and
+    /// two sandboxes sharing one would steal each other's frames.
+    pub fn guest_mac(&self) -> [u8; 6] {
+        let [a, b, c, d] = self.address.octets();
+        [0x02, 0x76, a, b, c, d]
+    }
 }
 
 /// The sandbox network of one server.
@@ -105,6 +144,7 @@ struct State {
 
 struct Sandbox {
     address: Ipv4Addr,
+    kind: LinkKind,
     port: String,
     policy: CompiledPolicy,
     /// Addresses the resolver admitted, and when the kernel forgets them.
@@ -207,24 +247,37 @@ impl Network {
         format!("nameserver {}\n", self.shared.config.gateway())
     }
 
-    /// Puts a sandbox on the network with `policy`: its namespace, veth,
-    /// address and firewall elements. Attaching an attached sandbox applies
-    /// the policy and returns the same attachment.
+    /// Puts a container sandbox on the network with `policy`: its namespace,
+    /// veth, address and firewall elements. Attaching an attached sandbox
+    /// applies the policy and returns the same attachment.
     pub async fn attach(&self, id: &str, policy: &Policy) -> Result<Attachment, NetError> {
+        self.attach_as(id, policy, LinkKind::Namespace).await
+    }
+
+    /// Puts a sandbox on the network through `kind` of link: a namespace
+    /// (containers) or a TAP device (VMs). Otherwise as [`Network::attach`].
+    pub async fn attach_as(
+        &self,
+        id: &str,
+        policy: &Policy,
+        kind: LinkKind,
+    ) -> Result<Attachment, NetError> {
         check_id(id)?;
         let compiled = policy.compile()?;
         let offset = match self.shared.reserve(id)? {
             Reserved::Attached => {
                 self.set_policy(id, policy).await?;
-                let (address, port) = self.shared.address_of(id)?;
-                return Ok(self.attachment(id, address, port));
+                let (address, kind, port) = self.shared.address_of(id)?;
+                return Ok(self.attachment(id, address, kind, port));
             }
             Reserved::Offset(offset) => offset,
         };
         let config = &self.shared.config;
         let address = config.sandbox_address(offset);
-        let built = self.build(id, address, &compiled).await;
-        self.pool.refill();
+        let built = self.build(id, address, kind, &compiled).await;
+        if kind == LinkKind::Namespace {
+            self.pool.refill();
+        }
         let mut state = self.shared.lock();
         state.busy.remove(id);
         let port = built?;
@@ -233,19 +286,29 @@ impl Network {
             id.to_owned(),
             Sandbox {
                 address,
+                kind,
                 port: port.clone(),
                 policy: compiled,
                 learned: HashMap::new(),
             },
         );
         drop(state);
-        Ok(self.attachment(id, address, port))
+        Ok(self.attachment(id, address, kind, port))
     }
 
-    fn attachment(&self, id: &str, address: Ipv4Addr, host_link: String) -> Attachment {
+    fn attachment(
+        &self,
+        id: &str,
+        address: Ipv4Addr,
+        kind: LinkKind,
+        host_link: String,
+    ) -> Attachment {
         let config = &self.shared.config;
         Attachment {
-            netns_path: config.netns_dir().join(id),
+            link: match kind {
+                LinkKind::Namespace => Link::Namespace(config.netns_dir().join(id)),
+                LinkKind::Tap => Link::Tap(host_link.clone()),
+            },
             address,
             prefix_len: config.range.prefix_len(),
             gateway: config.gateway(),
@@ -255,11 +318,13 @@ impl Network {
     }
 
     /// Makes the kernel objects of a sandbox; on failure removes what it made.
-    /// Returns the name of the sandbox's port (the veth's host end).
+    /// Returns the name of the sandbox's port (the veth's host end, or the TAP
+    /// device).
     async fn build(
         &self,
         id: &str,
         address: Ipv4Addr,
+        kind: LinkKind,
         policy: &CompiledPolicy,
     ) -> Result<String, NetError> {
         let config = &self.shared.config;
@@ -267,17 +332,33 @@ impl Network {
         let mut made_link = None;
         let mut port = String::new();
         let made = async {
-            let namespace = self.pool.take().await?;
-            made_link = Some(namespace.host_link);
-            port = namespace.port.clone();
-            namespace.pin(&path)?;
-            links::configure_inside(
-                &namespace.handle,
-                address,
-                config.range.prefix_len(),
-                config.gateway(),
-            )
-            .await?;
+            match kind {
+                LinkKind::Namespace => {
+                    let namespace = self.pool.take().await?;
+                    made_link = Some(namespace.host_link);
+                    port = namespace.port.clone();
+                    namespace.pin(&path)?;
+                    links::configure_inside(
+                        &namespace.handle,
+                        address,
+                        config.range.prefix_len(),
+                        config.gateway(),
+                    )
+                    .await?;
+                }
+                LinkKind::Tap => {
+                    let (name, bridge_index) = self.pool.next_port();
+                    port = name;
+                    tap::create(&port)?;
+                    match links::enslave_tap(&self.host, &port, bridge_index).await {
+                        Ok(index) => made_link = Some(index),
+                        Err(err) => {
+                            let _ = links::delete_link(&self.host, &port).await;
+                            return Err(err);
+                        }
+                    }
+                }
+            }
             self.shared
                 .firewall
                 .apply(&nft::sandbox_changes(Change::Add, &port, address, policy))
@@ -341,8 +422,8 @@ impl Network {
         list
     }
 
-    /// Removes a sandbox from the network: its firewall elements, veth and
-    /// namespace file. It keeps its address for the next attach. Detaching a
+    /// Removes a sandbox from the network: its firewall elements, veth or TAP
+    /// device, and namespace file. It keeps its address for the next attach. Detaching a
     /// sandbox that is not attached is not an error.
     pub async fn detach(&self, id: &str) -> Result<(), NetError> {
         check_id(id)?;
@@ -451,11 +532,11 @@ impl Shared {
         Ok(Reserved::Offset(offset))
     }
 
-    fn address_of(&self, id: &str) -> Result<(Ipv4Addr, String), NetError> {
+    fn address_of(&self, id: &str) -> Result<(Ipv4Addr, LinkKind, String), NetError> {
         self.lock()
             .attached
             .get(id)
-            .map(|s| (s.address, s.port.clone()))
+            .map(|s| (s.address, s.kind, s.port.clone()))
             .ok_or_else(|| NetError::NotAttached { id: id.to_owned() })
     }
 

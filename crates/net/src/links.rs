@@ -367,6 +367,35 @@ pub(crate) async fn create_veth(
     })
 }
 
+/// Makes the TAP device `name` an isolated, up port of the bridge (the
+/// firewall passes no frame from it until a sandbox's address is bound to
+/// it). Returns its index.
+pub(crate) async fn enslave_tap(
+    handle: &Handle,
+    name: &str,
+    bridge_index: u32,
+) -> Result<u32, NetError> {
+    let index = index_of(handle, name).await?.ok_or_else(|| NetError::Io {
+        action: format!("find TAP device {name} after creating it"),
+        source: std::io::Error::from_raw_os_error(libc::ENODEV),
+    })?;
+    handle
+        .link()
+        .set(
+            LinkUnspec::new_with_index(index)
+                .controller(bridge_index)
+                .up()
+                .build(),
+        )
+        .execute()
+        .await
+        .map_err(NetError::netlink(format!(
+            "make TAP device {name} a port of the bridge"
+        )))?;
+    isolate_port(handle, name).await?;
+    Ok(index)
+}
+
 /// Bridge-port isolation: frames from an isolated port reach only
 /// non-isolated ports (the bridge itself), never another sandbox.
 pub(crate) async fn isolate_port(handle: &Handle, port: &str) -> Result<(), NetError> {

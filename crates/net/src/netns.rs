@@ -184,6 +184,13 @@ impl Pool {
         }
     }
 
+    /// A port name no other port of this run has (for a TAP device), and
+    /// the bridge's index.
+    pub fn next_port(&self) -> (String, u32) {
+        let n = self.inner.next_name.fetch_add(1, Ordering::Relaxed);
+        (self.inner.config.port_name(n), self.inner.bridge_index)
+    }
+
     /// Stops refilling and deletes the ready namespaces' veths (the
     /// namespaces end with their descriptors).
     pub async fn close(&self) {

@@ -9,7 +9,7 @@ use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
 use common::{http_get, inside, resolve, resolve_tcp, World, ALLOWED_IP, DENIED_IP};
-use cove_net::{NetError, Policy, PolicyError};
+use cove_net::{Link, LinkKind, NetError, Policy, PolicyError};
 use hickory_proto::op::ResponseCode;
 
 fn cidr(text: &str) -> cove_net::Ipv4Net {
@@ -32,16 +32,17 @@ async fn an_open_sandbox_resolves_and_reaches_the_internet() {
     );
 
     let gateway = attachment.gateway;
-    let (allowed, denied, unknown, addresses) = inside(&attachment.netns_path, move || {
-        let addresses = std::fs::read_to_string("/proc/net/fib_trie").unwrap_or_default();
-        (
-            resolve(gateway, "allowed.test"),
-            http_get(DENIED_IP, 80),
-            resolve(gateway, "nothing.test"),
-            addresses,
-        )
-    })
-    .await;
+    let (allowed, denied, unknown, addresses) =
+        inside(attachment.netns_path().unwrap(), move || {
+            let addresses = std::fs::read_to_string("/proc/net/fib_trie").unwrap_or_default();
+            (
+                resolve(gateway, "allowed.test"),
+                http_get(DENIED_IP, 80),
+                resolve(gateway, "nothing.test"),
+                addresses,
+            )
+        })
+        .await;
     assert_eq!(allowed.unwrap(), (ResponseCode::NoError, vec![ALLOWED_IP]));
     assert_eq!(unknown.unwrap().0, ResponseCode::NXDomain);
     assert_eq!(
@@ -50,7 +51,10 @@ async fn an_open_sandbox_resolves_and_reaches_the_internet() {
         "an open sandbox reaches any address"
     );
     assert!(addresses.contains(&attachment.address.to_string()));
-    let body = inside(&attachment.netns_path, || http_get(ALLOWED_IP, 80)).await;
+    let body = inside(attachment.netns_path().unwrap(), || {
+        http_get(ALLOWED_IP, 80)
+    })
+    .await;
     assert_eq!(body.unwrap(), "allowed");
 
     network.shutdown().await.unwrap();
@@ -69,7 +73,7 @@ async fn block_all_lets_nothing_out() {
     };
     let attachment = network.attach("blocked", &policy).await.unwrap();
     let gateway = attachment.gateway;
-    let (allowed, denied, dns) = inside(&attachment.netns_path, move || {
+    let (allowed, denied, dns) = inside(attachment.netns_path().unwrap(), move || {
         (
             http_get(ALLOWED_IP, 80),
             http_get(DENIED_IP, 80),
@@ -99,7 +103,7 @@ async fn an_allow_list_of_cidrs_lets_only_those_through() {
         ..Policy::default()
     };
     let attachment = network.attach("cidrs", &policy).await.unwrap();
-    let (allowed, denied) = inside(&attachment.netns_path, || {
+    let (allowed, denied) = inside(attachment.netns_path().unwrap(), || {
         (http_get(ALLOWED_IP, 80), http_get(DENIED_IP, 80))
     })
     .await;
@@ -112,7 +116,10 @@ async fn an_allow_list_of_cidrs_lets_only_those_through() {
         ..policy
     };
     network.set_policy("cidrs", &policy).await.unwrap();
-    let allowed = inside(&attachment.netns_path, || http_get(ALLOWED_IP, 80)).await;
+    let allowed = inside(attachment.netns_path().unwrap(), || {
+        http_get(ALLOWED_IP, 80)
+    })
+    .await;
     assert!(allowed.is_err(), "{allowed:?}");
     network.shutdown().await.unwrap();
 }
@@ -130,7 +137,7 @@ async fn a_domain_allow_list_admits_only_what_allowed_names_resolve_to() {
     };
     let attachment = network.attach("domains", &policy).await.unwrap();
     let gateway = attachment.gateway;
-    let outcome = inside(&attachment.netns_path, move || {
+    let outcome = inside(attachment.netns_path().unwrap(), move || {
         let before = http_get(ALLOWED_IP, 80);
         let allowed = resolve(gateway, "allowed.test");
         let after = http_get(ALLOWED_IP, 80);
@@ -168,7 +175,10 @@ async fn a_domain_allow_list_admits_only_what_allowed_names_resolve_to() {
             resolv_conf.display()
         );
         let output = std::process::Command::new("nsenter")
-            .arg(format!("--net={}", attachment.netns_path.display()))
+            .arg(format!(
+                "--net={}",
+                attachment.netns_path().unwrap().display()
+            ))
             .args(["unshare", "--mount", "sh", "-c", &script])
             .output()
             .unwrap();
@@ -189,7 +199,7 @@ async fn a_domain_allow_list_admits_only_what_allowed_names_resolve_to() {
         .retain(|name| name != "allowed.test");
 
     // Over TCP too, which is forwarded over TCP.
-    let (allowed, denied) = inside(&attachment.netns_path, move || {
+    let (allowed, denied) = inside(attachment.netns_path().unwrap(), move || {
         (
             resolve_tcp(gateway, "allowed.test"),
             resolve_tcp(gateway, "denied.test"),
@@ -209,7 +219,7 @@ async fn a_domain_allow_list_admits_only_what_allowed_names_resolve_to() {
         ..Policy::default()
     };
     network.set_policy("domains", &policy).await.unwrap();
-    let (denied, direct) = inside(&attachment.netns_path, move || {
+    let (denied, direct) = inside(attachment.netns_path().unwrap(), move || {
         (resolve(gateway, "denied.test"), http_get(DENIED_IP, 80))
     })
     .await;
@@ -231,7 +241,7 @@ async fn sandboxes_reach_neither_each_other_nor_the_host() {
 
     // A server in b, which the host can reach (as a preview proxy will).
     let b_address = b.address;
-    let listener = inside(&b.netns_path, move || {
+    let listener = inside(b.netns_path().unwrap(), move || {
         TcpListener::bind((b_address, 8080)).unwrap()
     })
     .await;
@@ -244,7 +254,7 @@ async fn sandboxes_reach_neither_each_other_nor_the_host() {
     });
     assert_eq!(http_get(b_address, 8080).unwrap(), "from b");
     serve.join().unwrap();
-    let listener = inside(&b.netns_path, move || {
+    let listener = inside(b.netns_path().unwrap(), move || {
         TcpListener::bind((b_address, 8081)).unwrap()
     })
     .await;
@@ -255,7 +265,7 @@ async fn sandboxes_reach_neither_each_other_nor_the_host() {
     let on_gateway = TcpListener::bind((gateway, 8082)).unwrap();
     let on_uplink = TcpListener::bind((host_uplink, 8083)).unwrap();
 
-    let (to_b, to_gateway, to_uplink, internet) = inside(&a.netns_path, move || {
+    let (to_b, to_gateway, to_uplink, internet) = inside(a.netns_path().unwrap(), move || {
         (
             http_get(b_address, 8081),
             http_get(gateway, 8082),
@@ -286,7 +296,7 @@ async fn policy_changes_apply_to_a_running_sandbox() {
     let world = World::new();
     let network = world.network().await;
     let attachment = network.attach("live", &Policy::default()).await.unwrap();
-    let path = attachment.netns_path.clone();
+    let path = attachment.netns_path().unwrap().to_path_buf();
     let reach = || {
         let path = path.clone();
         async move {
@@ -381,7 +391,10 @@ async fn bad_policies_are_refused_naming_the_entry_and_make_nothing() {
         .await
         .unwrap();
     assert!(network.set_policy("good", &bad_domain).await.is_err());
-    let allowed = inside(&attachment.netns_path, || http_get(ALLOWED_IP, 80)).await;
+    let allowed = inside(attachment.netns_path().unwrap(), || {
+        http_get(ALLOWED_IP, 80)
+    })
+    .await;
     assert_eq!(allowed.unwrap(), "allowed");
     network.shutdown().await.unwrap();
 }
@@ -402,7 +415,7 @@ async fn detach_and_shutdown_leave_nothing_behind() {
     let attachment = network.attach("gone", &policy).await.unwrap();
     let keep = network.attach("kept", &Policy::default()).await.unwrap();
     let gateway = attachment.gateway;
-    let resolved = inside(&attachment.netns_path, move || {
+    let resolved = inside(attachment.netns_path().unwrap(), move || {
         resolve(gateway, "allowed.test")
     })
     .await;
@@ -419,7 +432,7 @@ async fn detach_and_shutdown_leave_nothing_behind() {
     assert!(!world.link_exists(&attachment.host_link));
     assert!(world.link_exists(&keep.host_link));
     assert_eq!(world.netns_files(), vec!["kept".to_string()]);
-    assert!(!attachment.netns_path.exists());
+    assert!(!attachment.netns_path().unwrap().exists());
     assert_eq!(world.mounts_under_state().len(), 1);
     network.detach("gone").await.unwrap(); // again: nothing to do
 
@@ -471,7 +484,7 @@ async fn a_restart_removes_leftovers_and_keeps_addresses() {
 
     let again = network.attach("second", &Policy::default()).await.unwrap();
     assert_eq!(again.address, second.address);
-    let body = inside(&again.netns_path, || http_get(ALLOWED_IP, 80)).await;
+    let body = inside(again.netns_path().unwrap(), || http_get(ALLOWED_IP, 80)).await;
     assert_eq!(body.unwrap(), "allowed");
     network.shutdown().await.unwrap();
 }
@@ -554,4 +567,65 @@ async fn the_uplink_is_found_from_the_hosts_default_route() {
         (Err(err), None) => assert!(err.to_string().contains("default route"), "{err}"),
         (found, expected) => panic!("found {found:?}, ip shows {expected:?}"),
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_vm_gets_an_isolated_tap_port_that_detach_removes() {
+    if !common::can_run() {
+        return;
+    }
+    let world = World::new();
+    let network = world.network().await;
+    let policy = Policy {
+        block_all: true,
+        ..Policy::default()
+    };
+    let attachment = network
+        .attach_as("vm", &policy, LinkKind::Tap)
+        .await
+        .unwrap();
+    let Link::Tap(device) = &attachment.link else {
+        panic!("a VM's link is a TAP device: {attachment:?}");
+    };
+    assert_eq!(device, &attachment.host_link);
+    assert!(attachment.netns_path().is_none());
+    assert!(world.config.range.contains(&attachment.address));
+    let [a, b, c, d] = attachment.address.octets();
+    assert_eq!(attachment.guest_mac(), [0x02, 0x76, a, b, c, d]);
+    let sys = std::path::Path::new("/sys/class/net").join(device);
+    // A TAP device (tun_flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR, persistent),
+    // an isolated port of this world's bridge, up.
+    let flags = std::fs::read_to_string(sys.join("tun_flags")).unwrap();
+    let flags = u32::from_str_radix(flags.trim().trim_start_matches("0x"), 16).unwrap();
+    assert_eq!(flags & 0x5002, 0x5002, "{flags:#x}");
+    let master = std::fs::read_link(sys.join("master")).unwrap();
+    assert_eq!(
+        master.file_name().unwrap().to_str().unwrap(),
+        world.config.bridge
+    );
+    assert_eq!(
+        std::fs::read_to_string(sys.join("brport/isolated"))
+            .unwrap()
+            .trim(),
+        "1"
+    );
+    let tables = world.nft_tables();
+    assert!(tables.contains(device.as_str()), "{tables}");
+    assert!(tables.contains(&attachment.address.to_string()), "{tables}");
+    // Attaching again answers the same TAP device.
+    let again = network
+        .attach_as("vm", &policy, LinkKind::Tap)
+        .await
+        .unwrap();
+    assert_eq!(again, attachment);
+
+    network.detach("vm").await.unwrap();
+    assert!(!world.link_exists(device));
+    let tables = world.nft_tables();
+    assert!(!tables.contains(device.as_str()), "{tables}");
+    assert!(
+        !tables.contains(&attachment.address.to_string()),
+        "{tables}"
+    );
+    assert!(world.netns_files().is_empty());
 }

@@ -55,10 +55,29 @@ pub struct VolumeBind {
 /// A network prepared for one sandbox.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SandboxNetwork {
-    /// A network namespace file (a bind mount) the container joins.
-    pub netns: PathBuf,
+    pub link: NetworkLink,
     /// The sandbox's `/etc/resolv.conf`.
     pub resolv_conf: String,
+}
+
+/// How a sandbox meets the network.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum NetworkLink {
+    /// A network namespace file (a bind mount) a container joins; its `eth0`
+    /// is configured already.
+    Namespace(PathBuf),
+    /// A TAP device a VM's NIC uses; the guest configures itself with these.
+    Tap(TapLink),
+}
+
+/// A VM's TAP device and the settings of the guest's NIC behind it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TapLink {
+    pub device: String,
+    pub mac: [u8; 6],
+    pub address: std::net::Ipv4Addr,
+    pub prefix_len: u8,
+    pub gateway: std::net::Ipv4Addr,
 }
 
 /// How the server reaches the agent inside a running sandbox.

@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use cove_runtime::container::{container_init_main, ContainerConfig, ContainerRuntime};
-use cove_runtime::{AgentEndpoint, Resources, Runtime, SandboxNetwork, SandboxSpec, Started};
+use cove_runtime::{
+    AgentEndpoint, NetworkLink, Resources, Runtime, SandboxNetwork, SandboxSpec, Started,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
@@ -588,7 +590,7 @@ async fn a_sandbox_joins_the_network_prepared_for_it() {
     let netns = TestNetns::new("net");
     let mut spec = h.spec("n1");
     spec.network = Some(SandboxNetwork {
-        netns: netns.path(),
+        link: NetworkLink::Namespace(netns.path()),
         resolv_conf: "nameserver 10.123.0.1\n".into(),
     });
     let (_started, socket) = h.start_spec(spec).await;

@@ -9,7 +9,9 @@
 //!   entropy and reseeds the kernel's generator, sets the hostname, replaces
 //!   the variables the previous call set, and with `"growRoot": true` starts
 //!   growing the root filesystem to its disk (once the disk is `diskBytes`
-//!   large) in the background. Answers `{}`.
+//!   large) in the background. `"network"`: `{"mac", "address", "prefixLen",
+//!   "gateway", "resolvConf"}` configures the NIC (see [`super::network`]);
+//!   `null` takes it down. Answers `{}`.
 //! - `POST /cove/vm/sync` before the host stops the VM: writes out every
 //!   filesystem, so files survive the stop.
 #![allow(unsafe_code)]
@@ -51,6 +53,8 @@ struct IdentityRequest {
     /// The size the root disk has now; after a resize the guest may take a
     /// moment to see it.
     disk_bytes: Option<u64>,
+    #[serde(default)]
+    network: Option<super::network::GuestNetwork>,
 }
 
 /// The variables the last identity call set, with the values they replaced
@@ -72,6 +76,11 @@ async fn identity(body: Bytes) -> Result<Json<Value>, ApiError> {
     nix::unistd::sethostname(&request.hostname)
         .map_err(|e| ApiError::BadRequest(format!("hostname {:?}: {e}", request.hostname)))?;
     replace_env(&request.env);
+    let network = request.network;
+    tokio::task::spawn_blocking(move || super::network::configure(network.as_ref()))
+        .await
+        .map_err(|e| ApiError::internal("configure the network", io::Error::other(e)))?
+        .map_err(|e| ApiError::internal("configure the network", e))?;
     if request.grow_root {
         // In the background: growing ends with a journal flush that takes a
         // good part of a second under emulation, and nothing needs to wait

@@ -35,7 +35,8 @@ use tokio::process::{Child, Command};
 use tokio::sync::{oneshot, watch};
 
 use crate::{
-    blocking, check_id, start_error, AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started,
+    blocking, check_id, start_error, AgentEndpoint, NetworkLink, Runtime, RuntimeError,
+    SandboxNetwork, SandboxSpec, Started,
 };
 use cgroup::{CgroupBackend, CgroupError, CgroupLimits};
 use init_args::{InitArgs, ShimReport, SUBCOMMAND};
@@ -314,6 +315,22 @@ impl Runtime for ContainerRuntime {
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
         let began = Instant::now();
         let id = spec.id.as_str();
+        let network = match &spec.network {
+            None => None,
+            Some(SandboxNetwork {
+                link: NetworkLink::Namespace(netns),
+                resolv_conf,
+            }) => Some(init_args::InitNetwork {
+                netns: netns.clone(),
+                resolv_conf: resolv_conf.clone(),
+            }),
+            Some(_) => {
+                return Err(start_error(
+                    id,
+                    "a container joins a network namespace, not a TAP device",
+                ))
+            }
+        };
         let layout = self.make_dirs(spec)?;
         if self.is_running(id).await {
             return Err(start_error(id, "already running"));
@@ -339,10 +356,7 @@ impl Runtime for ContainerRuntime {
             cgroup_procs: self.cgroups.procs_files(id),
             env: init_args::agent_env(&spec.env),
             keep_mknod: self.cgroups.confines_devices(),
-            network: spec.network.as_ref().map(|network| init_args::InitNetwork {
-                netns: network.netns.clone(),
-                resolv_conf: network.resolv_conf.clone(),
-            }),
+            network,
             volumes: spec.volumes.clone(),
         };
         let spawned = Command::new(&self.config.init_exe)

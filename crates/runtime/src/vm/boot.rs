@@ -16,6 +16,7 @@ use super::{
     blocking, disk, io_error, qemu, reflink, remove_if_present, start_error, RuntimeError,
     SandboxSpec, VmRuntime,
 };
+use crate::{NetworkLink, SandboxNetwork, TapLink};
 
 /// How long a restored VM's agent may take to reopen its port.
 const RESTORE_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -50,16 +51,43 @@ pub(super) struct Identity {
     pub cpus: u32,
     pub memory_mib: u64,
     pub disk_bytes: u64,
+    /// The guest's NIC settings and resolv.conf; `None`: no network.
+    pub network: Option<(TapLink, String)>,
 }
 
 impl Identity {
-    pub fn of(spec: &SandboxSpec) -> Identity {
-        Identity {
+    /// A VM joins the network through a TAP device only.
+    pub fn of(spec: &SandboxSpec) -> Result<Identity, RuntimeError> {
+        let network = match &spec.network {
+            None => None,
+            Some(SandboxNetwork {
+                link: NetworkLink::Tap(tap),
+                resolv_conf,
+            }) => Some((tap.clone(), resolv_conf.clone())),
+            Some(_) => {
+                return Err(start_error(
+                    &spec.id,
+                    "a VM's network is a TAP device, not a namespace",
+                ))
+            }
+        };
+        Ok(Identity {
             hostname: spec.hostname.clone(),
             env: spec.env.iter().cloned().collect(),
             cpus: spec.resources.cpu.max(1),
             memory_mib: spec.resources.memory_mib,
             disk_bytes: spec.resources.disk_gib << 30,
+            network,
+        })
+    }
+
+    fn nic(&self) -> qemu::Nic {
+        match &self.network {
+            Some((tap, _)) => qemu::Nic::Tap {
+                device: tap.device.clone(),
+                mac: tap.mac,
+            },
+            None => qemu::Nic::Unplugged,
         }
     }
 
@@ -76,6 +104,13 @@ impl Identity {
             "entropy": entropy,
             "growRoot": grow_root,
             "diskBytes": self.disk_bytes,
+            "network": self.network.as_ref().map(|(tap, resolv_conf)| serde_json::json!({
+                "mac": qemu::mac_text(&tap.mac),
+                "address": tap.address.to_string(),
+                "prefixLen": tap.prefix_len,
+                "gateway": tap.gateway.to_string(),
+                "resolvConf": resolv_conf,
+            })),
         });
         let (status, answer) = session
             .post("/cove/vm/identity", &body.to_string())
@@ -97,6 +132,7 @@ impl VmRuntime {
         layout: &VmLayout,
         cpus: u32,
         memory_mib: u64,
+        nic: qemu::Nic,
         incoming: bool,
     ) -> qemu::MachineSpec {
         qemu::MachineSpec {
@@ -115,6 +151,7 @@ impl VmRuntime {
             agent_chardev: layout.chardev(),
             qmp_socket: layout.qmp(),
             pid_file: layout.pid_file(),
+            nic,
             incoming,
         }
     }
@@ -195,6 +232,7 @@ impl VmRuntime {
             layout,
             cpus,
             memory_mib,
+            identity.nic(),
             saved.is_some(),
         );
         let began = Instant::now();

@@ -335,15 +335,14 @@ impl Runtime for VmRuntime {
         if self.is_running(id).await {
             return Err(start_error(id, "already running"));
         }
+        let identity = Identity::of(spec)?;
         let layout = self.layout(id);
         if !layout.disk().exists() {
             self.prepare(spec).await?;
         }
         let restoring = layout.has_memory();
         let (exited_tx, exited_rx) = oneshot::channel();
-        let mut vm = self
-            .bring_up(id, &layout, &Identity::of(spec), exited_tx)
-            .await?;
+        let mut vm = self.bring_up(id, &layout, &identity, exited_tx).await?;
         let bridge = Bridge::serve(&layout.agent_socket(), vm.session.clone());
         match bridge {
             Ok(bridge) => vm.bridge = Some(bridge),

@@ -3,6 +3,9 @@
 //!
 //! The machine is `microvm` with qboot and a PVH kernel booted directly, one
 //! virtio-blk root disk, one virtio-serial port for the agent, a virtio-rng,
+//! one virtio-net NIC (on the sandbox's TAP device, or on a QEMU hub port
+//! with nothing else on it when the sandbox has no network: the device set,
+//! which saved memory depends on, is the same either way),
 //! and the guest RAM in a file mapped shared (`memory-backend-file` with the
 //! id `microvm.ram`, which microvm requires), so that saving a VM writes only
 //! its device state (`x-ignore-shared`) and the RAM file is its memory. A
@@ -14,13 +17,33 @@ use std::path::{Path, PathBuf};
 
 /// Changes whenever the device set or its order changes, which makes memory
 /// saved before unusable.
-pub const LAYOUT_VERSION: u32 = 1;
+pub const LAYOUT_VERSION: u32 = 2;
 /// The id QEMU gives the agent's serial port; `VSERPORT_CHANGE` events name it.
 pub const AGENT_PORT_ID: &str = "coveport";
 /// The name the guest sees for the agent's port.
 pub const AGENT_PORT_NAME: &str = "cove.agent";
 /// The QMP device id of the root disk, for `block_resize`.
 pub const ROOT_DRIVE: &str = "root";
+/// The MAC of a NIC with no network behind it; a networked guest is given
+/// its own by its agent (a restored NIC keeps the MAC of the saved one).
+pub const UNPLUGGED_MAC: [u8; 6] = [0x02, 0x76, 0, 0, 0, 0];
+
+/// What the guest's NIC is plugged into.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Nic {
+    /// A hub port with no other port: frames go nowhere.
+    Unplugged,
+    /// The sandbox's TAP device, a port of cove's bridge.
+    Tap { device: String, mac: [u8; 6] },
+}
+
+/// `aa:bb:cc:dd:ee:ff`.
+pub fn mac_text(mac: &[u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
 
 /// How a VM executes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -116,6 +139,7 @@ pub struct MachineSpec {
     pub agent_chardev: PathBuf,
     pub qmp_socket: PathBuf,
     pub pid_file: PathBuf,
+    pub nic: Nic,
     /// Wait for `migrate-incoming` instead of booting.
     pub incoming: bool,
 }
@@ -212,6 +236,21 @@ pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
         &format!("virtserialport,id={AGENT_PORT_ID},chardev=agent,name={AGENT_PORT_NAME}"),
     ]);
     push(&["-device", "virtio-rng-device"]);
+    let (netdev, mac) = match &spec.nic {
+        Nic::Unplugged => ("hubport,id=net0,hubid=0".to_owned(), UNPLUGGED_MAC),
+        // No vhost: it would need /dev/vhost-net and adds nothing under TCG;
+        // QEMU opens the persistent TAP device cove-net made, by name.
+        Nic::Tap { device, mac } => (
+            format!("tap,id=net0,ifname={device},script=no,downscript=no,vhost=off"),
+            *mac,
+        ),
+    };
+    push(&[
+        "-netdev",
+        &netdev,
+        "-device",
+        &format!("virtio-net-device,netdev=net0,mac={}", mac_text(&mac)),
+    ]);
     push(&["-qmp", &qmp_argument(&spec.qmp_socket)]);
     push(&["-pidfile", &path(&spec.pid_file)]);
     if spec.incoming {
@@ -282,6 +321,7 @@ mod tests {
             agent_chardev: p("serial.sock"),
             qmp_socket: p("qmp.sock"),
             pid_file: p("qemu.pid"),
+            nic: Nic::Unplugged,
             incoming,
         }
     }
@@ -314,6 +354,27 @@ mod tests {
         assert!(args.contains("-accel tcg,thread=multi -cpu max"), "{args}");
         assert!(args.contains("-smp 2 -m 512M"), "{args}");
         assert!(!args.contains("-incoming"), "{args}");
+    }
+
+    #[test]
+    fn the_nic_is_always_there_and_on_the_tap_when_networked() {
+        let mut machine = spec(Accelerator::Tcg, false);
+        let args = joined(&machine);
+        assert!(args.contains("-netdev hubport,id=net0,hubid=0"), "{args}");
+        assert!(
+            args.contains("virtio-net-device,netdev=net0,mac=02:76:00:00:00:00"),
+            "{args}"
+        );
+        machine.nic = Nic::Tap {
+            device: "cove0v1f".into(),
+            mac: [2, 0x76, 10, 77, 0, 9],
+        };
+        let args = joined(&machine);
+        assert!(
+            args.contains("-netdev tap,id=net0,ifname=cove0v1f,script=no,downscript=no"),
+            "{args}"
+        );
+        assert!(args.contains("mac=02:76:0a:4d:00:09"), "{args}");
     }
 
     #[test]

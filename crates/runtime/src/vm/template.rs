@@ -125,6 +125,7 @@ async fn make(
         cpus,
         memory_mib,
         disk_bytes: base_bytes,
+        network: None,
     };
     let (exited, _) = tokio::sync::oneshot::channel();
     let mut vm = runtime
