@@ -22,6 +22,13 @@ from daytona import (
 from daytona_api_client import CreateSandbox
 from daytona_toolbox_api_client import PortApi
 
+from conftest import SANDBOX_CLASSES, sandbox_of_class
+
+@pytest.fixture(params=SANDBOX_CLASSES)
+def sandbox(request, sandboxes):
+    """A fresh container, or this module's VM: every test runs on both."""
+    return sandbox_of_class(request, sandboxes)
+
 
 def write(sandbox, files: dict[str, str]) -> None:
     for path, text in files.items():
@@ -194,7 +201,11 @@ def test_ports_show_what_listens_in_the_sandbox(sandbox):
 
 def test_latest_metrics_describe_the_sandbox(sandbox):
     metrics = sandbox.get_metrics_latest()
-    assert metrics.cpu_count >= 1
+    # The sandbox's own resources (a VM's kernel keeps some memory and its
+    # filesystem some blocks for itself), not the host's.
+    assert metrics.cpu_count == sandbox.cpu
+    assert 0.8 * sandbox.memory * 1024**3 <= metrics.mem_total <= sandbox.memory * 1024**3
+    assert 0.85 * sandbox.disk * 1024**3 <= metrics.disk_total <= sandbox.disk * 1024**3
     assert 0.0 <= metrics.cpu_used_pct <= 100.0
     assert 0 < metrics.mem_used <= metrics.mem_total
     # A container's disk is its quota group, counted at each btrfs commit: a
