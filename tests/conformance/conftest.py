@@ -409,6 +409,34 @@ def sandbox(sandboxes: SandboxFactory) -> Sandbox:
     return sandboxes()
 
 
+VM_SNAPSHOT = "daytona-vm-small"
+VM_TIMEOUT = 180
+# The classes every toolbox test runs on: the toolbox must behave the same in a
+# container and in a VM (where the agent is reached over virtio-serial).
+SANDBOX_CLASSES = ["container", "vm"]
+
+
+@pytest.fixture(scope="module")
+def module_vm(cove: CoveServer, daytona: Daytona) -> Iterator[Sandbox]:
+    """One VM sandbox shared by a module's tests: a VM under TCG costs seconds
+    to make, so the toolbox tests that leave no conflicting state share one."""
+    if vm_assets() is None:
+        pytest.skip("COVE_TEST_VM_ASSETS is not set (scripts/vm-assets)")
+    factory = SandboxFactory(cove, daytona)
+    try:
+        yield factory(CreateSandboxFromSnapshotParams(snapshot=VM_SNAPSHOT), timeout=VM_TIMEOUT)
+    finally:
+        factory.cleanup()
+
+
+def sandbox_of_class(request: pytest.FixtureRequest, sandboxes: SandboxFactory) -> Sandbox:
+    """For a fixture parametrized over SANDBOX_CLASSES: a fresh container, or
+    the module's VM."""
+    if request.param == "vm":
+        return request.getfixturevalue("module_vm")
+    return sandboxes()
+
+
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:10]}"
 

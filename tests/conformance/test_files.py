@@ -8,6 +8,13 @@ import os
 import pytest
 from daytona import DaytonaError, DaytonaFileNotFoundError, FileUpload
 
+from conftest import SANDBOX_CLASSES, sandbox_of_class
+
+@pytest.fixture(params=SANDBOX_CLASSES)
+def sandbox(request, sandboxes):
+    """A fresh container, or this module's VM: every test runs on both."""
+    return sandbox_of_class(request, sandboxes)
+
 
 def test_binary_round_trip_is_byte_exact(sandbox):
     payload = os.urandom(3 * 1024 * 1024) + bytes(range(256)) + b"\r\n\x00--boundary--\r\n"

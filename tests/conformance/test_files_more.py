@@ -19,7 +19,15 @@ from daytona import (
     DaytonaFileNotFoundError,
     DaytonaNotFoundError,
 )
+from daytona_api_client import CreateSandbox
 from daytona_toolbox_api_client import PortApi
+
+from conftest import SANDBOX_CLASSES, sandbox_of_class
+
+@pytest.fixture(params=SANDBOX_CLASSES)
+def sandbox(request, sandboxes):
+    """A fresh container, or this module's VM: every test runs on both."""
+    return sandbox_of_class(request, sandboxes)
 
 
 def write(sandbox, files: dict[str, str]) -> None:
@@ -193,10 +201,38 @@ def test_ports_show_what_listens_in_the_sandbox(sandbox):
 
 def test_latest_metrics_describe_the_sandbox(sandbox):
     metrics = sandbox.get_metrics_latest()
-    assert metrics.cpu_count >= 1
+    # The sandbox's own resources (a VM's kernel keeps some memory and its
+    # filesystem some blocks for itself), not the host's.
+    assert metrics.cpu_count == sandbox.cpu
+    assert 0.8 * sandbox.memory * 1024**3 <= metrics.mem_total <= sandbox.memory * 1024**3
+    assert 0.85 * sandbox.disk * 1024**3 <= metrics.disk_total <= sandbox.disk * 1024**3
     assert 0.0 <= metrics.cpu_used_pct <= 100.0
     assert 0 < metrics.mem_used <= metrics.mem_total
-    assert 0 < metrics.disk_used <= metrics.disk_total
+    # A container's disk is its quota group, counted at each btrfs commit: a
+    # sandbox that wrote nothing yet may read 0.
+    assert 0 <= metrics.disk_used <= metrics.disk_total
+
+
+def test_metrics_are_the_sandbox_limits_not_the_hosts(daytona, sandboxes):
+    # Resources go through the generated client (the SDK sends them only with
+    # an image build), as in test_lifecycle.
+    dto = daytona._sandbox_api.create_sandbox(CreateSandbox(cpu=1, memory=1, disk=3))
+    sandboxes.track(dto.id)
+    sandbox = daytona.get(dto.id)
+    before = sandbox.get_metrics_latest()
+    assert before.cpu_count == 1
+    assert before.mem_total == 1024**3
+    assert before.disk_total == 3 * 1024**3
+    assert 0 < before.mem_used < before.mem_total
+    sandbox.process.exec("head -c 64000000 /dev/urandom > /root/fill.bin && sync")
+    after = sandbox.get_metrics_latest()
+    # The quota group counts what the sandbox wrote.
+    assert after.disk_used - before.disk_used >= 60_000_000
+    # Its own cgroup, bound read-only; nothing of the host's other cgroups.
+    limit = "cat /sys/fs/cgroup/memory/memory.limit_in_bytes 2>/dev/null || cat /sys/fs/cgroup/memory.max"
+    assert sandbox.process.exec(limit).result.strip() == str(1024**3)
+    assert sandbox.process.exec("test ! -e /sys/fs/cgroup/memory/cove && test ! -e /sys/fs/cgroup/cove").exit_code == 0
+    assert sandbox.process.exec("touch /sys/fs/cgroup/memory/x || touch /sys/fs/cgroup/x").exit_code != 0
 
 
 def test_update_env_reaches_new_processes(sandbox):

@@ -17,7 +17,8 @@ from daytona import (
 
 SEED = """
 set -e
-rm -rf /tmp/remote.git /tmp/seed
+# A VM sandbox is shared by the module's tests: clear what earlier ones cloned.
+rm -rf /tmp/remote.git /tmp/seed one /tmp/two /tmp/dev /tmp/old /tmp/r /tmp/m /tmp/a /tmp/b /tmp/plain
 git init -q --bare -b main /tmp/remote.git
 git init -q -b main /tmp/seed && cd /tmp/seed
 git config user.name Seed && git config user.email seed@example.com
@@ -27,6 +28,13 @@ git switch -q -c dev && echo dev > dev.txt && git add . && git commit -q -m 'on 
 git remote add origin /tmp/remote.git && git push -q origin main dev
 git log --format=%H main
 """
+
+from conftest import SANDBOX_CLASSES, sandbox_of_class
+
+@pytest.fixture(params=SANDBOX_CLASSES)
+def sandbox(request, sandboxes):
+    """A fresh container, or this module's VM: every test runs on both."""
+    return sandbox_of_class(request, sandboxes)
 
 
 def run(sandbox, command: str) -> str:

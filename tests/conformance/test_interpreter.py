@@ -8,6 +8,13 @@ import time
 import pytest
 from daytona import DaytonaTimeoutError
 
+from conftest import SANDBOX_CLASSES, sandbox_of_class
+
+@pytest.fixture(params=SANDBOX_CLASSES)
+def sandbox(request, sandboxes):
+    """A fresh container, or this module's VM: every test runs on both."""
+    return sandbox_of_class(request, sandboxes)
+
 
 def test_run_code_keeps_variables_and_streams(sandbox):
     interpreter = sandbox.code_interpreter

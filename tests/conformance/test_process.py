@@ -6,9 +6,15 @@ import asyncio
 import time
 
 import pytest
-from daytona import SessionExecuteRequest
+from daytona import DaytonaError, SessionExecuteRequest
+from daytona_toolbox_api_client import InfoApi
 
-from conftest import unique, wait_until
+from conftest import SANDBOX_CLASSES, unique, wait_until, sandbox_of_class
+
+@pytest.fixture(params=SANDBOX_CLASSES)
+def sandbox(request, sandboxes):
+    """A fresh container, or this module's VM: every test runs on both."""
+    return sandbox_of_class(request, sandboxes)
 
 
 def test_exec_with_cwd_and_env(sandbox):
@@ -174,3 +180,42 @@ def test_session_logs_follow(sandbox):
         assert sandbox.process.get_session_command(session, response.cmd_id).exit_code == 0
     finally:
         sandbox.process.delete_session(session)
+
+
+def test_ninth_shell_and_seventeenth_background_command_are_refused(sandbox):
+    sessions = [unique(f"lim{i}") for i in range(8)]
+    try:
+        for session in sessions:
+            sandbox.process.create_session(session)
+        with pytest.raises(DaytonaError) as refused:
+            sandbox.process.create_session(unique("ninth"))
+        assert refused.value.status_code == 429
+        assert "8" in str(refused.value)
+
+        for i in range(16):
+            sandbox.process.execute_session_command(
+                sessions[i % 8], SessionExecuteRequest(command="sleep 60", run_async=True)
+            )
+        with pytest.raises(DaytonaError) as refused:
+            sandbox.process.execute_session_command(
+                sessions[0], SessionExecuteRequest(command="sleep 60", run_async=True)
+            )
+        assert refused.value.status_code == 429
+        assert "16" in str(refused.value)
+    finally:
+        for session in sessions:
+            try:
+                sandbox.process.delete_session(session)
+            except DaytonaError:
+                pass
+    # Deleting the shells ended their commands, so new ones are admitted.
+    assert wait_until(lambda: "sleep 60" not in sandbox.process.exec("ps -eo args").result, 10)
+    session = unique("after")
+    sandbox.process.create_session(session)
+    sandbox.process.delete_session(session)
+
+
+def test_info_endpoints(sandbox):
+    assert sandbox.get_user_home_dir() == "/root"
+    assert sandbox.get_work_dir() == sandbox.process.exec("pwd").result.strip()
+    assert InfoApi(sandbox._toolbox_api).get_version()["version"]

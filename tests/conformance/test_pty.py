@@ -8,7 +8,12 @@ import time
 import pytest
 from daytona import DaytonaError, DaytonaNotFoundError, PtySize
 
-from conftest import unique
+from conftest import SANDBOX_CLASSES, unique, sandbox_of_class
+
+@pytest.fixture(params=SANDBOX_CLASSES)
+def sandbox(request, sandboxes):
+    """A fresh container, or this module's VM: every test runs on both."""
+    return sandbox_of_class(request, sandboxes)
 
 
 def read_until(handle, needle: str, timeout: float = 15.0) -> str:

@@ -31,6 +31,10 @@ pub struct Settings {
     pub max_log_bytes: usize,
     /// Where sessions keep their per-command FIFOs and scripts.
     pub state_dir: PathBuf,
+    /// The sysfs directory of the btrfs quota group that caps the sandbox's
+    /// disk (`COVE_DISK_QGROUP`, set by the container runtime); without it the
+    /// disk is the root filesystem's (a VM's own disk).
+    pub disk_qgroup: Option<PathBuf>,
 }
 
 impl Settings {
@@ -71,6 +75,7 @@ impl Settings {
             max_async_commands: number("COVE_AGENT_MAX_ASYNC_COMMANDS", 16) as usize,
             max_log_bytes: number("COVE_AGENT_MAX_LOG_BYTES", 32 << 20) as usize,
             state_dir,
+            disk_qgroup: var("COVE_DISK_QGROUP").map(PathBuf::from),
         }
     }
 

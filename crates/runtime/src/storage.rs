@@ -50,6 +50,33 @@ fn last_error(path: &Path, action: &'static str) -> StorageError {
 #[derive(Debug)]
 pub struct Storage {
     root: PathBuf,
+    /// `/sys/fs/btrfs/{fsid}` of the mounted filesystem, where the kernel shows
+    /// each qgroup's limit and usage; None when it cannot be found.
+    sysfs: Option<PathBuf>,
+}
+
+/// The source device of the mount at exactly `mount_point` (`/dev/loop3`).
+fn mount_source(mount_point: &Path) -> Option<String> {
+    let mountinfo = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let wanted = mount_point.to_str()?;
+    mountinfo.lines().rev().find_map(|line| {
+        let (left, right) = line.split_once(" - ")?;
+        (left.split(' ').nth(4) == Some(wanted))
+            .then(|| right.split(' ').nth(1))?
+            .map(str::to_owned)
+    })
+}
+
+/// The filesystem's directory under `/sys/fs/btrfs`: the one whose `devices/`
+/// lists the mount's block device.
+fn btrfs_sysfs_dir(mount_point: &Path) -> Option<PathBuf> {
+    let source = mount_source(mount_point)?;
+    let device = Path::new(&source).file_name()?.to_owned();
+    fs::read_dir("/sys/fs/btrfs")
+        .ok()?
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .find(|dir| dir.join("devices").join(&device).exists())
 }
 
 /// The filesystem type of the mount at exactly `mount_point`, if one is there.
@@ -84,6 +111,22 @@ fn run(command: &mut Command) -> Result<(), StorageError> {
         command: format!("{command:?}"),
         output: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
     })
+}
+
+/// The id of the subvolume `dir` is in (its level-0 qgroup has the same id).
+fn subvolume_id(dir: &Path) -> Result<u64, StorageError> {
+    let subvolume = File::open(dir).map_err(io(dir, "open"))?;
+    let mut lookup = InoLookupArgs {
+        treeid: 0,
+        objectid: FIRST_FREE_OBJECTID,
+        name: [0; 4080],
+    };
+    // SAFETY: BTRFS_IOC_INO_LOOKUP fills one `struct btrfs_ioctl_ino_lookup_args`
+    // (repr(C), kernel layout); with treeid 0 it answers the fd's own subvolume.
+    if unsafe { libc::ioctl(subvolume.as_raw_fd(), BTRFS_IOC_INO_LOOKUP, &mut lookup) } != 0 {
+        return Err(last_error(dir, "find its subvolume id"));
+    }
+    Ok(lookup.treeid)
 }
 
 impl Storage {
@@ -130,7 +173,21 @@ impl Storage {
         run(Command::new(btrfs)
             .args(["quota", "enable"])
             .arg(&mount_point))?;
-        Ok(Storage { root: mount_point })
+        let sysfs = btrfs_sysfs_dir(&mount_point);
+        Ok(Storage {
+            root: mount_point,
+            sysfs,
+        })
+    }
+
+    /// The kernel's view of the quota group of the subvolume `dir`
+    /// (`/sys/fs/btrfs/{fsid}/qgroups/0_{id}`: `referenced`, `max_referenced`),
+    /// which a sandbox reads to report its own disk; None when sysfs does not
+    /// show it.
+    pub fn qgroup_sysfs_dir(&self, dir: &Path) -> Option<PathBuf> {
+        let id = subvolume_id(dir).ok()?;
+        let qgroup = self.sysfs.as_ref()?.join("qgroups").join(format!("0_{id}"));
+        qgroup.is_dir().then_some(qgroup)
     }
 
     /// Where sandboxes put their layers.
@@ -241,18 +298,8 @@ impl Storage {
     /// Caps the subvolume `dir` at `bytes`.
     pub fn limit(&self, dir: &Path, bytes: u64) -> Result<(), StorageError> {
         let subvolume = File::open(dir).map_err(io(dir, "open"))?;
-        let mut lookup = InoLookupArgs {
-            treeid: 0,
-            objectid: FIRST_FREE_OBJECTID,
-            name: [0; 4080],
-        };
-        // SAFETY: BTRFS_IOC_INO_LOOKUP fills one `struct btrfs_ioctl_ino_lookup_args`
-        // (repr(C), kernel layout); with treeid 0 it answers the fd's own subvolume.
-        if unsafe { libc::ioctl(subvolume.as_raw_fd(), BTRFS_IOC_INO_LOOKUP, &mut lookup) } != 0 {
-            return Err(last_error(dir, "find its subvolume id"));
-        }
         let limit = QgroupLimitArgs {
-            qgroupid: lookup.treeid,
+            qgroupid: subvolume_id(dir)?,
             flags: QGROUP_LIMIT_MAX_RFER | QGROUP_LIMIT_MAX_EXCL,
             max_rfer: bytes,
             max_excl: bytes,

@@ -3,9 +3,14 @@
 //!
 //! Sources, best first: the sandbox's own cgroup (v2 `cpu.stat`, `cpu.max`,
 //! `memory.current`, `memory.max`, `memory.stat`; v1 `cpuacct.usage`,
-//! `cpu.cfs_quota_us`, `memory.usage_in_bytes`, `memory.limit_in_bytes`), found
-//! through `/proc/self/cgroup` under `/sys/fs/cgroup` when that is mounted;
-//! otherwise the kernel-wide `/proc/stat` and `/proc/meminfo`. Disk is
+//! `cpu.cfs_quota_us`, `memory.usage_in_bytes`, `memory.limit_in_bytes`),
+//! found by mapping `/proc/self/cgroup` through the cgroup mounts of
+//! `/proc/self/mountinfo` (a container sees only its own cgroups, bound
+//! read-only at `/sys/fs/cgroup/{controller}`); otherwise the kernel-wide
+//! `/proc/stat` and `/proc/meminfo`, which in a VM are the VM's own. Disk is
+//! the btrfs quota group that caps a container (`referenced`,
+//! `max_referenced` in the sysfs directory the runtime names,
+//! [`Settings::disk_qgroup`](crate::config::Settings)), else
 //! `statvfs("/")`. `cpuUsedPct` is the CPU time used over the last sample window
 //! as a percentage of the CPU limit: the window runs from the previous request
 //! when that was between [`MIN_WINDOW`] and [`MAX_WINDOW`] ago, otherwise the
@@ -18,12 +23,13 @@ use std::time::{Duration, Instant};
 use serde::Serialize;
 use time::OffsetDateTime;
 
+use axum::extract::State;
+
 use crate::error::{ApiError, Json};
+use crate::AppState;
 
 pub const MIN_WINDOW: Duration = Duration::from_millis(200);
 pub const MAX_WINDOW: Duration = Duration::from_secs(60);
-
-const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -49,7 +55,7 @@ struct CpuSample {
 
 static LAST_SAMPLE: Mutex<Option<CpuSample>> = Mutex::new(None);
 
-pub async fn metrics() -> Result<Json<SystemMetrics>, ApiError> {
+pub async fn metrics(State(state): State<AppState>) -> Result<Json<SystemMetrics>, ApiError> {
     let source = Source::detect();
     let previous = *LAST_SAMPLE.lock().unwrap_or_else(|e| e.into_inner());
     let previous = match previous {
@@ -71,12 +77,10 @@ pub async fn metrics() -> Result<Json<SystemMetrics>, ApiError> {
         0.0
     };
     let memory = source.memory()?;
-    let disk =
-        nix::sys::statvfs::statvfs("/").map_err(|e| ApiError::internal("statvfs /", e.into()))?;
-    let fragment = disk.fragment_size();
-    let disk_total = disk.blocks() * fragment;
-    let disk_free = disk.blocks_available() * fragment;
-    let disk_used = (disk.blocks() - disk.blocks_free()) * fragment;
+    let disk = match &state.settings.disk_qgroup {
+        Some(qgroup) => qgroup_disk(qgroup)?,
+        None => root_disk()?,
+    };
     let now = OffsetDateTime::now_utc();
     Ok(Json(SystemMetrics {
         cpu_count: cpu_limit.ceil().max(1.0) as u32,
@@ -84,14 +88,44 @@ pub async fn metrics() -> Result<Json<SystemMetrics>, ApiError> {
         mem_total: memory.total,
         mem_used: memory.used,
         mem_cache: memory.cache,
-        disk_total,
-        disk_used,
-        disk_free,
+        disk_total: disk.total,
+        disk_used: disk.used,
+        disk_free: disk.free,
         timestamp: now
             .format(&time::format_description::well_known::Rfc3339)
             .unwrap_or_default(),
         timestamp_unix: now.unix_timestamp(),
     }))
+}
+
+struct Disk {
+    total: u64,
+    used: u64,
+    free: u64,
+}
+
+/// The root filesystem's size and use.
+fn root_disk() -> Result<Disk, ApiError> {
+    let disk =
+        nix::sys::statvfs::statvfs("/").map_err(|e| ApiError::internal("statvfs /", e.into()))?;
+    let fragment = disk.fragment_size();
+    Ok(Disk {
+        total: disk.blocks() * fragment,
+        used: (disk.blocks() - disk.blocks_free()) * fragment,
+        free: disk.blocks_available() * fragment,
+    })
+}
+
+/// The sandbox's quota group: everything its layers reference, against its
+/// limit. Capped by the filesystem's own free space when that is smaller
+/// (the storage image is shared and may fill before the quota does).
+fn qgroup_disk(dir: &Path) -> Result<Disk, ApiError> {
+    let used = number(&read(&dir.join("referenced"))?).unwrap_or(0);
+    let limit = number(&read(&dir.join("max_referenced"))?).filter(|l| *l > 0);
+    let root = root_disk()?;
+    let total = limit.unwrap_or(root.total);
+    let free = total.saturating_sub(used).min(root.free);
+    Ok(Disk { total, used, free })
 }
 
 struct Memory {
@@ -113,23 +147,20 @@ enum Source {
 
 impl Source {
     fn detect() -> Self {
-        let Ok(membership) = std::fs::read_to_string("/proc/self/cgroup") else {
+        let (Ok(membership), Ok(mountinfo)) = (
+            std::fs::read_to_string("/proc/self/cgroup"),
+            std::fs::read_to_string("/proc/self/mountinfo"),
+        ) else {
             return Self::Kernel;
         };
-        let root = Path::new(CGROUP_ROOT);
-        if let Some(dir) = cgroup_path(&membership, "") {
-            let dir = root.join(dir);
+        let mounts = cgroup_mounts(&mountinfo);
+        let locate = |controller: &str| cgroup_dir(&membership, &mounts, controller);
+        if let Some(dir) = locate("") {
             if dir.join("cpu.stat").is_file() && dir.join("memory.current").is_file() {
                 return Self::V2(dir);
             }
         }
-        let v1 = |controller: &str| {
-            let dir = root
-                .join(controller)
-                .join(cgroup_path(&membership, controller)?);
-            dir.is_dir().then_some(dir)
-        };
-        match (v1("cpu"), v1("cpuacct"), v1("memory")) {
+        match (locate("cpu"), locate("cpuacct"), locate("memory")) {
             (Some(cpu), Some(cpuacct), Some(memory))
                 if cpuacct.join("cpuacct.usage").is_file()
                     && memory.join("memory.usage_in_bytes").is_file() =>
@@ -248,8 +279,95 @@ fn number(text: &str) -> Option<u64> {
     text.trim().parse().ok()
 }
 
+/// A cgroup filesystem mount: `root` is the cgroup directory that appears at
+/// `point` (not `/` for a bind of one cgroup, as in a container).
+#[derive(Debug, PartialEq)]
+struct CgroupMount {
+    root: PathBuf,
+    point: PathBuf,
+    /// The v1 controllers of the hierarchy; empty for cgroup2.
+    controllers: Vec<String>,
+    v2: bool,
+}
+
+/// The cgroup mounts of a `/proc/self/mountinfo`.
+fn cgroup_mounts(mountinfo: &str) -> Vec<CgroupMount> {
+    mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (left, right) = line.split_once(" - ")?;
+            let mut left = left.split(' ');
+            let root = unescape(left.nth(3)?);
+            let point = unescape(left.next()?);
+            let mut right = right.split(' ');
+            let fstype = right.next()?;
+            let options = right.nth(1).unwrap_or_default();
+            let v2 = match fstype {
+                "cgroup2" => true,
+                "cgroup" => false,
+                _ => return None,
+            };
+            let controllers = if v2 {
+                Vec::new()
+            } else {
+                options.split(',').map(str::to_owned).collect()
+            };
+            Some(CgroupMount {
+                root: root.into(),
+                point: point.into(),
+                controllers,
+                v2,
+            })
+        })
+        .collect()
+}
+
+/// mountinfo writes space, tab, newline and backslash as `\ooo`.
+fn unescape(field: &str) -> String {
+    let mut out = String::with_capacity(field.len());
+    let mut rest = field;
+    while let Some(at) = rest.find('\\') {
+        out.push_str(&rest[..at]);
+        let code = rest
+            .get(at + 1..at + 4)
+            .and_then(|o| u8::from_str_radix(o, 8).ok());
+        match code {
+            Some(byte) => {
+                out.push(char::from(byte));
+                rest = &rest[at + 4..];
+            }
+            None => {
+                out.push('\\');
+                rest = &rest[at + 1..];
+            }
+        }
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Where this process's cgroup of `controller` (`""`: the v2 hierarchy) is
+/// visible: its path in `/proc/self/cgroup`, made relative to the root of a
+/// mount of that hierarchy and joined under its mount point.
+fn cgroup_dir(membership: &str, mounts: &[CgroupMount], controller: &str) -> Option<PathBuf> {
+    let path = Path::new(cgroup_path(membership, controller)?);
+    mounts
+        .iter()
+        .filter(|m| {
+            if controller.is_empty() {
+                m.v2
+            } else {
+                !m.v2 && m.controllers.iter().any(|c| c == controller)
+            }
+        })
+        .find_map(|m| {
+            let dir = m.point.join(path.strip_prefix(&m.root).ok()?);
+            dir.is_dir().then_some(dir)
+        })
+}
+
 /// The cgroup path of `controller` in `/proc/self/cgroup` (`""` is the v2
-/// unified hierarchy), relative, so it can be joined under the mount.
+/// unified hierarchy), absolute as the kernel writes it.
 fn cgroup_path<'a>(membership: &'a str, controller: &str) -> Option<&'a str> {
     membership.lines().find_map(|line| {
         let mut fields = line.splitn(3, ':');
@@ -259,7 +377,7 @@ fn cgroup_path<'a>(membership: &'a str, controller: &str) -> Option<&'a str> {
         } else {
             controllers.split(',').any(|c| c == controller)
         };
-        matches.then(|| path.trim_start_matches('/'))
+        matches.then_some(path)
     })
 }
 
@@ -305,10 +423,37 @@ mod tests {
     #[test]
     fn cgroup_paths_of_v1_and_v2() {
         let membership = "12:cpu,cpuacct:/cove/sb1\n4:memory:/cove/sb1\n0::/cove/sb2\n";
-        assert_eq!(cgroup_path(membership, "cpuacct"), Some("cove/sb1"));
-        assert_eq!(cgroup_path(membership, "memory"), Some("cove/sb1"));
-        assert_eq!(cgroup_path(membership, ""), Some("cove/sb2"));
+        assert_eq!(cgroup_path(membership, "cpuacct"), Some("/cove/sb1"));
+        assert_eq!(cgroup_path(membership, "memory"), Some("/cove/sb1"));
+        assert_eq!(cgroup_path(membership, ""), Some("/cove/sb2"));
         assert_eq!(cgroup_path(membership, "pids"), None);
+    }
+
+    #[test]
+    fn cgroup_mounts_of_a_container_and_a_host() {
+        let mountinfo = "\
+30 25 0:26 / /sys/fs/cgroup/memory rw,nosuid - cgroup cgroup rw,memory
+31 25 0:27 / /sys/fs/cgroup/cpu rw,nosuid - cgroup cgroup rw,cpu,cpuacct
+32 25 0:28 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw,nsdelegate
+90 80 0:26 /cove/sb1 /sys/fs/cgroup/memory ro,nosuid - cgroup cgroup rw,memory
+91 80 0:5 / /my\\040dir rw - tmpfs tmpfs rw
+";
+        let mounts = cgroup_mounts(mountinfo);
+        assert_eq!(mounts.len(), 4);
+        assert_eq!(
+            mounts[1].controllers,
+            vec!["rw".to_string(), "cpu".into(), "cpuacct".into()]
+        );
+        assert!(mounts[2].v2);
+        assert_eq!(mounts[3].root, Path::new("/cove/sb1"));
+        assert_eq!(unescape("/my\\040dir"), "/my dir");
+        // A bind of the sandbox's own cgroup maps its path to the mount point.
+        let bound = &mounts[3];
+        let relative = Path::new("/cove/sb1").strip_prefix(&bound.root).unwrap();
+        assert_eq!(
+            bound.point.join(relative),
+            Path::new("/sys/fs/cgroup/memory")
+        );
     }
 
     #[test]

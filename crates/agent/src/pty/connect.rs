@@ -11,6 +11,7 @@ use serde_json::json;
 use tokio::sync::broadcast::error::{RecvError, TryRecvError};
 
 use super::{PtySession, Registry};
+use crate::error::ApiError;
 
 /// Subprotocol by which a client asks for the `exited` control message.
 pub const EXIT_CONTROL_SUBPROTOCOL: &str = "X-Daytona-Pty-Exit-Control";
@@ -27,7 +28,30 @@ pub async fn serve(
 ) {
     // Subscribe before a lazy session starts, so its first output is seen.
     let (mut output, mut exit) = session.subscribe();
-    let terminal = match session.start(registry) {
+    // Told before the shell starts: the sync SDK waits only 100 ms for this
+    // message (its timeout handling misses httpx_ws' `queue.Empty`), and
+    // spawning a shell can take longer than that in a VM under emulation. A
+    // shell that then fails to start is reported by an `error` message.
+    let connected = json!({"type": "control", "status": "connected"});
+    if socket
+        .send(Message::Text(connected.to_string().into()))
+        .await
+        .is_err()
+    {
+        return;
+    }
+    // Forking the shell blocks; off the async workers, which in a one-vCPU VM
+    // are one thread that also carries the virtio-serial channel.
+    let starting = session.clone();
+    let started = tokio::task::spawn_blocking(move || starting.start(registry))
+        .await
+        .unwrap_or_else(|e| {
+            Err(ApiError::internal(
+                "starting the pty shell",
+                std::io::Error::other(e.to_string()),
+            ))
+        });
+    let terminal = match started {
         Ok(terminal) => terminal,
         Err(e) => {
             let error = json!({
@@ -40,14 +64,6 @@ pub async fn serve(
             return;
         }
     };
-    let connected = json!({"type": "control", "status": "connected"});
-    if socket
-        .send(Message::Text(connected.to_string().into()))
-        .await
-        .is_err()
-    {
-        return;
-    }
     loop {
         if exit.borrow_and_update().is_some() {
             break;

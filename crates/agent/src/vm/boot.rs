@@ -98,8 +98,11 @@ fn loopback_up() -> io::Result<()> {
 /// `_IOW('f', 16, __u64)`: grows a mounted ext4 filesystem to a block count.
 const EXT4_IOC_RESIZE_FS: libc::Ioctl = 0x4008_6610;
 
-/// How long the guest may take to see a disk the host has just grown.
-const RESIZE_NOTICE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// How often, 2 ms apart, the guest looks for a disk the host has just grown
+/// (5 s). Counted, not timed: right after a restore from a template's memory
+/// the guest's monotonic clock leaps by the time the template lay saved, and a
+/// deadline on it expired before the disk had a chance to grow.
+const RESIZE_NOTICE_ATTEMPTS: u32 = 2500;
 
 /// Grows the root filesystem to fill its disk (online; the disk may have been
 /// made larger than the image it started from), after waiting until the disk
@@ -111,14 +114,15 @@ pub fn grow_root(expected: Option<u64>) -> io::Result<u64> {
     let dev = std::os::unix::fs::MetadataExt::dev(&metadata);
     let (major, minor) = (libc::major(dev), libc::minor(dev));
     let size_file = format!("/sys/dev/block/{major}:{minor}/size");
-    let began = std::time::Instant::now();
+    let mut attempts = 0;
     let bytes = loop {
         let sectors: u64 = fs::read_to_string(&size_file)?
             .trim()
             .parse()
             .map_err(io::Error::other)?;
         let bytes = sectors * 512;
-        if expected.is_none_or(|e| bytes >= e) || began.elapsed() > RESIZE_NOTICE_TIMEOUT {
+        attempts += 1;
+        if expected.is_none_or(|e| bytes >= e) || attempts >= RESIZE_NOTICE_ATTEMPTS {
             break bytes;
         }
         std::thread::sleep(std::time::Duration::from_millis(2));

@@ -10,6 +10,7 @@ use std::io;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
+use super::init_args::CgroupView;
 use crate::Resources;
 
 /// The scheduler period every sandbox gets; the quota is `cpu` times this.
@@ -114,6 +115,9 @@ pub trait CgroupBackend: Send + Sync {
     fn confines_devices(&self) -> bool;
     /// Where the cgroup lives, for messages.
     fn describe(&self, id: &str) -> PathBuf;
+    /// The sandbox's cgroup directories as the container sees them, read-only,
+    /// under its `/sys/fs/cgroup`: one per v1 controller, or the v2 one at the top.
+    fn views(&self, id: &str) -> Vec<CgroupView>;
 }
 
 /// Picks v2 when `root` is a unified mount (has `cgroup.controllers`), else v1.
@@ -326,6 +330,15 @@ impl CgroupBackend for CgroupV1 {
     fn describe(&self, id: &str) -> PathBuf {
         self.dir("pids", id)
     }
+
+    fn views(&self, id: &str) -> Vec<CgroupView> {
+        self.controllers()
+            .map(|controller| CgroupView {
+                host: self.dir(controller, id),
+                target: controller.to_owned(),
+            })
+            .collect()
+    }
 }
 
 /// cgroup v2: one directory, `{root}/{parent}/{id}`.
@@ -364,6 +377,13 @@ impl CgroupBackend for CgroupV2 {
 
     fn procs_files(&self, id: &str) -> Vec<PathBuf> {
         vec![self.dir(id).join("cgroup.procs")]
+    }
+
+    fn views(&self, id: &str) -> Vec<CgroupView> {
+        vec![CgroupView {
+            host: self.dir(id),
+            target: String::new(),
+        }]
     }
 
     fn pids(&self, id: &str) -> Result<Vec<i32>, CgroupError> {

@@ -37,6 +37,10 @@ pub struct InitArgs {
     pub agent_binary: PathBuf,
     /// `cgroup.procs` files the shim puts the container init into before it execs.
     pub cgroup_procs: Vec<PathBuf>,
+    /// The sandbox's cgroups, bound read-only under the container's
+    /// `/sys/fs/cgroup` so the agent reports its own limits and usage.
+    #[serde(default)]
+    pub cgroup_views: Vec<CgroupView>,
     /// The agent's environment, without the listen fd.
     pub env: Vec<(String, String)>,
     /// Keep CAP_MKNOD only where the cgroup confines device access.
@@ -48,6 +52,15 @@ pub struct InitArgs {
     /// Volumes bind-mounted into the root.
     #[serde(default)]
     pub volumes: Vec<crate::VolumeBind>,
+}
+
+/// One cgroup directory of the sandbox and where it appears inside.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CgroupView {
+    /// The host directory (`/sys/fs/cgroup/memory/cove/{id}`).
+    pub host: PathBuf,
+    /// Its path under the container's `/sys/fs/cgroup` (`memory`; empty for v2).
+    pub target: String,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -145,6 +158,10 @@ mod tests {
             sandbox_dir: "/var/lib/cove/sb1".into(),
             agent_binary: "/usr/lib/cove/cove-agent".into(),
             cgroup_procs: vec!["/sys/fs/cgroup/pids/cove/sb1/cgroup.procs".into()],
+            cgroup_views: vec![CgroupView {
+                host: "/sys/fs/cgroup/memory/cove/sb1".into(),
+                target: "memory".into(),
+            }],
             env: vec![("A".into(), "b c\n".into())],
             keep_mknod: true,
             network: Some(InitNetwork {

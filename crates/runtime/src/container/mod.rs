@@ -48,6 +48,8 @@ pub use shim::container_init_main;
 const START_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long `stop` waits for a killed shim to be reaped after the cgroup is empty.
 const SHIM_EXIT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Names the sysfs directory of the sandbox's quota group for the agent.
+const DISK_QGROUP_ENV: &str = "COVE_DISK_QGROUP";
 /// Where the cgroup controllers are mounted.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
 
@@ -346,6 +348,13 @@ impl Runtime for ContainerRuntime {
             .append(true)
             .open(&console_path)
             .map_err(io_error(id, format!("open {}", console_path.display())))?;
+        let mut env = init_args::agent_env(&spec.env);
+        if let Some(qgroup) =
+            (self.config.storage.as_ref()).and_then(|storage| storage.qgroup_sysfs_dir(&layout.dir))
+        {
+            // The container's read-only /sys shows it; the agent reads its disk there.
+            env.push((DISK_QGROUP_ENV.to_owned(), qgroup.display().to_string()));
+        }
         let args = InitArgs {
             id: id.to_string(),
             hostname: spec.hostname.clone(),
@@ -354,7 +363,8 @@ impl Runtime for ContainerRuntime {
             sandbox_dir: layout.dir.clone(),
             agent_binary: self.config.agent_binary.clone(),
             cgroup_procs: self.cgroups.procs_files(id),
-            env: init_args::agent_env(&spec.env),
+            cgroup_views: self.cgroups.views(id),
+            env,
             keep_mknod: self.cgroups.confines_devices(),
             network,
             volumes: spec.volumes.clone(),

@@ -12,7 +12,7 @@ use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 use nix::unistd::{chdir, pivot_root};
 
-use super::init_args::InitArgs;
+use super::init_args::{CgroupView, InitArgs};
 use super::layout::SandboxLayout;
 
 /// Where the agent binary appears inside every container.
@@ -156,6 +156,7 @@ pub fn build(args: &InitArgs) -> Result<(), String> {
         nosuid_nodev_noexec | MsFlags::MS_RDONLY,
         None,
     )?;
+    build_cgroup(&sys.join("fs/cgroup"), &args.cgroup_views)?;
     build_dev(&root.join("dev"))?;
     build_run(&root.join("run"), &args.agent_binary)?;
     for volume in &args.volumes {
@@ -183,6 +184,36 @@ pub fn build(args: &InitArgs) -> Result<(), String> {
         resolv_conf(&network.resolv_conf)?;
     }
     mask_paths()
+}
+
+/// A read-only tmpfs at `/sys/fs/cgroup` holding read-only binds of the
+/// sandbox's own cgroups (as Docker does): the agent reads its limits and usage
+/// there, and nothing of the host's other cgroups is visible.
+fn build_cgroup(dir: &Path, views: &[CgroupView]) -> Result<(), String> {
+    if views.is_empty() {
+        return Ok(());
+    }
+    let nosuid_nodev_noexec = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+    mount_fs("tmpfs", dir, nosuid_nodev_noexec, Some("mode=755,size=64k"))?;
+    for view in views {
+        let target = dir.join(&view.target);
+        mkdir(&target)?;
+        bind(
+            &view.host,
+            &target,
+            nosuid_nodev_noexec | MsFlags::MS_RDONLY,
+        )?;
+    }
+    step(
+        mount(
+            None::<&str>,
+            dir,
+            None::<&str>,
+            MsFlags::MS_REMOUNT | MsFlags::MS_RDONLY | nosuid_nodev_noexec,
+            Some("mode=755,size=64k"),
+        ),
+        || format!("remount {} read-only", dir.display()),
+    )
 }
 
 /// Binds a volume's directory at its path under `root`. Runs before

@@ -68,7 +68,12 @@ pub(super) async fn ensure(
     }
     let began = std::time::Instant::now();
     let partial = VmLayout::new(templates.join(format!("{name}.partial")));
+    let mut abandoned = AbandonGuard {
+        partial: &partial,
+        armed: true,
+    };
     let made = make(runtime, id, base, &partial, cpus, memory_mib).await;
+    abandoned.armed = false;
     if let Err(error) = made {
         let _ = fs::remove_dir_all(&partial.dir);
         return Err(error);
@@ -86,6 +91,34 @@ pub(super) async fn ensure(
     Ok(layout)
 }
 
+/// Ends the QEMU of a template being made when the making is given up
+/// without finishing: when the server shuts down mid-boot, its runtime drops
+/// the task, and QEMU, in its own process group so that sandboxes outlive
+/// the server, would run on over a half-made template (and keep the storage
+/// busy).
+struct AbandonGuard<'a> {
+    partial: &'a VmLayout,
+    armed: bool,
+}
+
+impl Drop for AbandonGuard<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            end_qemu_of(self.partial);
+        }
+    }
+}
+
+/// SIGKILLs the QEMU whose pid file is in `layout`, if it runs on it.
+fn end_qemu_of(layout: &VmLayout) {
+    if let Some(pid) = super::orphan::orphan_pid(layout) {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+}
+
 /// Boots a machine in `partial`, waits for its agent and saves it.
 async fn make(
     runtime: &VmRuntime,
@@ -96,6 +129,9 @@ async fn make(
     memory_mib: u64,
 ) -> Result<(), RuntimeError> {
     if partial.dir.exists() {
+        // Left by a server that ended mid-boot; we hold the lock, so any QEMU
+        // still on it is nobody's.
+        end_qemu_of(partial);
         fs::remove_dir_all(&partial.dir)
             .map_err(|e| other(id, format!("remove {}: {e}", partial.dir.display())))?;
     }
