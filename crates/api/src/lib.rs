@@ -96,6 +96,8 @@ pub fn app(state: AppState) -> Router {
         .route("/sandbox/{id}/revert", post(snapshots::revert))
         .route("/snapshots", get(snapshots::list).post(snapshots::create))
         .route("/snapshots/import", post(snapshots::import))
+        .route("/snapshots/{id}/activate", post(snapshots::activate))
+        .route("/snapshots/{id}/deactivate", post(snapshots::deactivate))
         .route(
             "/snapshots/{id}",
             get(snapshots::get).delete(snapshots::delete),

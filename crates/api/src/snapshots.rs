@@ -110,6 +110,23 @@ pub async fn delete(
     Ok(Json(state.engine.delete_snapshot(&id).await?.into()))
 }
 
+/// `POST /snapshots/{id}/activate`
+pub async fn activate(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Snapshot>, ApiError> {
+    Ok(Json(state.engine.activate_snapshot(&id).await?.into()))
+}
+
+/// `POST /snapshots/{id}/deactivate`: 204, as Daytona answers.
+pub async fn deactivate(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<axum::http::StatusCode, ApiError> {
+    state.engine.deactivate_snapshot(&id).await?;
+    Ok(axum::http::StatusCode::NO_CONTENT)
+}
+
 /// `POST /snapshots` as the SDK's `snapshot.create` sends it.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]

@@ -10,7 +10,7 @@ pub enum EngineError {
     SignedPreviewNotFound { id: String, port: u16 },
     #[error("snapshot {name} not found")]
     SnapshotNotFound { name: String },
-    #[error("snapshot {name} is {state}, not active")]
+    #[error("snapshot {name} is {state}, not active{}", activate_hint(name, state))]
     SnapshotNotActive { name: String, state: &'static str },
     #[error("no Windows image is registered on this server, so snapshot {name} cannot be used")]
     NoWindows { name: String },
@@ -67,6 +67,15 @@ pub enum EngineError {
     },
     #[error("internal storage error")]
     Store(#[from] cove_store::StoreError),
+}
+
+/// What to do about an inactive snapshot.
+fn activate_hint(name: &str, state: &str) -> String {
+    if state == "inactive" {
+        format!("; activate it first (POST /api/snapshots/{name}/activate)")
+    } else {
+        String::new()
+    }
 }
 
 /// How a front end should classify an error.

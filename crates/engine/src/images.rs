@@ -161,8 +161,15 @@ impl Engine {
         let name =
             cove_oci::normalize_reference(reference).map_err(|e| image_error(reference, e))?;
         if let Some(found) = self.inner.store.find_snapshot(&name).await? {
-            if found.state == SnapshotState::Active {
-                return Ok(found);
+            match found.state {
+                SnapshotState::Active => return Ok(found),
+                SnapshotState::Inactive => {
+                    return Err(EngineError::SnapshotNotActive {
+                        name: found.name,
+                        state: found.state.as_str(),
+                    })
+                }
+                _ => {}
             }
         }
         let images = self.image_store()?;
