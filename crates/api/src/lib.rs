@@ -97,6 +97,11 @@ pub fn app(state: AppState) -> Router {
         .route("/snapshots", get(snapshots::list).post(snapshots::create))
         .route("/snapshots/import", post(snapshots::import))
         .route("/snapshots/{id}/activate", post(snapshots::activate))
+        .route("/snapshots/{id}/build-logs", get(snapshots::build_logs))
+        .route(
+            "/snapshots/{id}/build-logs-url",
+            get(snapshots::build_logs_url),
+        )
         .route("/snapshots/{id}/deactivate", post(snapshots::deactivate))
         .route(
             "/snapshots/{id}",

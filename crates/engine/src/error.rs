@@ -35,6 +35,8 @@ pub enum EngineError {
         status: u16,
         reason: String,
     },
+    #[error("the image build failed: {reason}")]
+    BuildFailed { reason: String },
     #[error("a sandbox named {name} already exists")]
     NameTaken { name: String },
     #[error("invalid {field}: {reason}")]
@@ -101,6 +103,7 @@ impl EngineError {
             | Self::AboveCeiling { .. }
             | Self::Timers(_)
             | Self::NoWindows { .. }
+            | Self::BuildFailed { .. }
             | Self::SnapshotNotActive { .. } => ErrorKind::BadRequest,
             Self::Transition {
                 source: TransitionError::NotSupported { .. },

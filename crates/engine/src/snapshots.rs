@@ -174,7 +174,12 @@ impl Engine {
         }
         let mut users: Vec<String> = Vec::new();
         let all = self.inner.store.list_snapshots().await?;
-        let top = snapshot.layers.first();
+        // Only a snapshot that owns its top layer (a capture) can pull it from
+        // under others; built images share cached layers they do not own.
+        let top = snapshot
+            .capture_id
+            .as_ref()
+            .and_then(|_| snapshot.layers.first());
         for other in all.iter().filter(|o| o.id != snapshot.id) {
             if top.is_some_and(|layer| other.layers.contains(layer)) {
                 users.push(format!("snapshot {}", other.name));
@@ -203,6 +208,7 @@ impl Engine {
                 })?;
         }
         self.inner.store.delete_snapshot(&snapshot.id).await?;
+        self.inner.builds.lock().unwrap().remove(&snapshot.id);
         tracing::info!(snapshot = %snapshot.name, "snapshot deleted");
         Ok(snapshot)
     }
@@ -258,6 +264,7 @@ impl Engine {
             size_bytes: None,
             has_memory: request.memory,
             env: base.env.clone(),
+            image: base.image.clone(),
             general: false,
             created_at_ms: now,
             updated_at_ms: now,

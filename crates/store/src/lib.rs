@@ -21,7 +21,8 @@ use sqlx::SqlitePool;
 
 pub use previews::SignedPreview;
 pub use records::{
-    NetworkSettings, SandboxRecord, SnapshotRecord, SnapshotState, VolumeMount, VolumeRecord,
+    BuildStepRecord, ImageSettings, NetworkSettings, SandboxRecord, SnapshotRecord, SnapshotState,
+    VolumeMount, VolumeRecord,
 };
 pub use ssh_access::SshAccessRecord;
 

@@ -136,10 +136,34 @@ pub struct SnapshotRecord {
     pub has_memory: bool,
     /// Environment the image asks for; a sandbox's own variables override it.
     pub env: BTreeMap<String, String>,
+    /// What the image asks of its sandboxes besides the environment.
+    pub image: ImageSettings,
     /// Provided by the server itself rather than by a user.
     pub general: bool,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
+}
+
+/// An image's WORKDIR, USER, ENTRYPOINT and CMD.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ImageSettings {
+    /// Where commands start; `None` is the user's home.
+    pub workdir: Option<String>,
+    /// Who the sandbox's processes run as; `None` is root.
+    pub user: Option<String>,
+    pub entrypoint: Vec<String>,
+    pub cmd: Vec<String>,
+}
+
+/// One cached step of an image build: the layer it made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BuildStepRecord {
+    /// A hash of the base image and every instruction up to this one.
+    pub cache_key: String,
+    /// The runtime's capture that holds the layer.
+    pub capture_id: String,
+    pub layer: String,
+    pub created_at_ms: i64,
 }
 
 impl SnapshotRecord {
@@ -163,6 +187,7 @@ impl SnapshotRecord {
             size_bytes: None,
             has_memory: false,
             env: BTreeMap::new(),
+            image: ImageSettings::default(),
             general: true,
             created_at_ms: at_ms,
             updated_at_ms: at_ms,

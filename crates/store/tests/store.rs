@@ -107,6 +107,12 @@ async fn snapshots_and_keys() {
         size_bytes: Some(5),
         has_memory: true,
         env: BTreeMap::from([("PATH".into(), "/usr/bin".into())]),
+        image: cove_store::ImageSettings {
+            workdir: Some("/app".into()),
+            user: Some("nobody".into()),
+            entrypoint: vec!["/bin/sh".into(), "-c".into()],
+            cmd: vec!["sleep infinity".into()],
+        },
         general: true,
         created_at_ms: 1,
         updated_at_ms: 1,
@@ -117,6 +123,20 @@ async fn snapshots_and_keys() {
         Some(snap)
     );
     assert_eq!(store.find_snapshot("nope").await.unwrap(), None);
+    let step = cove_store::BuildStepRecord {
+        cache_key: "k".into(),
+        capture_id: "c1".into(),
+        layer: "/layers/c1".into(),
+        created_at_ms: 2,
+    };
+    assert!(store.insert_build_step(&step).await.unwrap());
+    let again = cove_store::BuildStepRecord {
+        capture_id: "c2".into(),
+        ..step.clone()
+    };
+    assert!(!store.insert_build_step(&again).await.unwrap());
+    assert_eq!(store.find_build_step("k").await.unwrap(), Some(step));
+    assert_eq!(store.find_build_step("other").await.unwrap(), None);
     store.add_api_key_hash("h", 1).await.unwrap();
     assert_eq!(store.api_key_hashes().await.unwrap(), vec!["h".to_string()]);
 }

@@ -337,7 +337,7 @@ impl Runtime for ContainerRuntime {
             sandbox_dir: layout.dir.clone(),
             agent_binary: self.config.agent_binary.clone(),
             cgroup_procs: self.cgroups.procs_files(id),
-            env: init_args::agent_env(&spec.env),
+            env: init_args::agent_env(spec),
             keep_mknod: self.cgroups.confines_devices(),
             network: spec.network.as_ref().map(|network| init_args::InitNetwork {
                 netns: network.netns.clone(),
