@@ -20,6 +20,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -128,17 +129,24 @@ def write_oci_layout(dest: Path, tag: str) -> None:
     (dest / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
 
 
-@pytest.fixture(scope="module")
-def registry():
-    """A docker-registry on loopback holding cove/busy:v1; yields (host:port, layout dir)."""
+@contextmanager
+def local_registry(user: str | None = None, password: str | None = None):
+    """A docker-registry on loopback holding cove/busy:v1 (behind htpasswd
+    basic auth when given a user); yields (host:port, layout dir)."""
     missing = [t for t in ("docker-registry", "skopeo") if shutil.which(t) is None]
+    if user and shutil.which("htpasswd") is None:
+        missing.append("htpasswd")
     if missing or not BUSYBOX.is_file():
-        pytest.skip(f"needs docker-registry, skopeo and busybox-static (missing: {missing or 'busybox'})")
+        pytest.skip(f"needs docker-registry, skopeo, htpasswd and busybox-static (missing: {missing or 'busybox'})")
     work = Path(tempfile.mkdtemp(prefix="cvreg", dir="/tmp"))
     port = free_port()
+    auth = ""
+    if user:
+        subprocess.run(["htpasswd", "-Bbc", str(work / "htpasswd"), user, password], check=True, capture_output=True)
+        auth = f"auth:\n  htpasswd:\n    realm: cove-test\n    path: {work / 'htpasswd'}\n"
     (work / "config.yml").write_text(
         "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
-        f"    rootdirectory: {work / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
+        f"    rootdirectory: {work / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n" + auth
     )
     proc = subprocess.Popen(
         ["docker-registry", "serve", str(work / "config.yml")],
@@ -149,7 +157,7 @@ def registry():
         deadline = time.monotonic() + 30
         while True:
             try:
-                if requests.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200:
+                if requests.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code in (200, 401):
                     break
             except requests.RequestException:
                 pass
@@ -159,12 +167,14 @@ def registry():
         layout = work / "layout"
         write_oci_layout(layout, "v1")
         host = f"127.0.0.1:{port}"
+        creds = ["--dest-creds", f"{user}:{password}"] if user else []
         subprocess.run(
             [
                 "skopeo",
                 "copy",
                 "--quiet",
                 "--dest-tls-verify=false",
+                *creds,
                 f"oci:{layout}:v1",
                 f"docker://{host}/cove/busy:v1",
             ],
@@ -175,6 +185,18 @@ def registry():
         proc.terminate()
         proc.wait(timeout=10)
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def registry():
+    with local_registry() as found:
+        yield found
+
+
+@pytest.fixture(scope="module")
+def private_registry():
+    with local_registry("cove", "pull-secret") as found:
+        yield found
 
 
 def test_create_from_a_registry_image_runs_commands_with_its_env(registry, daytona, sandboxes):
@@ -380,3 +402,40 @@ def test_cove_image_import_registers_an_oci_layout(registry, sandboxes, cove):
         cove.request("DELETE", f"/sandbox/{sandbox.id}")
     finally:
         cove.request("DELETE", "/snapshots/busy-imported")
+
+
+def test_docker_registry_credentials_are_used_for_pulls_from_their_host(private_registry, daytona, sandboxes, cove):
+    host, _ = private_registry
+    image = f"{host}/cove/busy:v1"
+    before = cove.sandbox_ids()
+    # Without credentials the registry refuses, and the answer says so.
+    with pytest.raises(DaytonaError) as info:
+        sandboxes(CreateSandboxFromImageParams(image=image))
+    assert "busy" in str(info.value) and info.value.status_code in (400, 401, 403), str(info.value)
+    assert cove.sandbox_ids() == before
+
+    r = cove.request(
+        "POST",
+        "/docker-registry",
+        json={"name": "private", "url": f"http://{host}", "username": "cove", "password": "wrong"},
+    )
+    assert r.status_code == 201, r.text
+    registry_id = r.json()["id"]
+    try:
+        assert "wrong" not in cove.request("GET", "/docker-registry").text
+        with pytest.raises(DaytonaError):
+            sandboxes(CreateSandboxFromImageParams(image=image))
+        # The right password, by update; the listing still never shows it.
+        r = cove.request(
+            "PATCH",
+            f"/docker-registry/{registry_id}",
+            json={"name": "private", "url": host, "username": "cove", "password": "pull-secret"},
+        )
+        assert r.status_code == 200, r.text
+        assert "pull-secret" not in cove.request("GET", f"/docker-registry/{registry_id}").text
+        sandbox = sandboxes(CreateSandboxFromImageParams(image=image))
+        assert sandbox.process.exec("cat /etc/image-marker").result.strip() == "made by test_images"
+        daytona.delete(sandbox)
+    finally:
+        assert cove.request("DELETE", f"/docker-registry/{registry_id}").status_code == 204
+    assert cove.request("GET", f"/docker-registry/{registry_id}").status_code == 404

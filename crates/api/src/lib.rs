@@ -7,6 +7,7 @@
 //! touch the database or a runtime.
 
 mod auth;
+mod docker_registry;
 mod dto;
 mod error;
 mod machines;
@@ -106,6 +107,21 @@ pub fn app(state: AppState) -> Router {
         .route(
             "/snapshots/{id}",
             get(snapshots::get).delete(snapshots::delete),
+        )
+        .route(
+            "/docker-registry",
+            get(docker_registry::list).post(docker_registry::create),
+        )
+        // Daytona's transient push access is not served: keep its 501.
+        .route(
+            "/docker-registry/registry-push-access",
+            get(not_implemented::fallback),
+        )
+        .route(
+            "/docker-registry/{id}",
+            get(docker_registry::get)
+                .patch(docker_registry::update)
+                .delete(docker_registry::delete),
         )
         .route("/volumes", get(volumes::list).post(volumes::create))
         .route("/volumes/by-name/{name}", get(volumes::get_by_name))

@@ -920,3 +920,75 @@ async fn inactive_snapshots_refuse_new_sandboxes_until_activated() {
         .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
 }
+
+#[tokio::test]
+async fn docker_registries_keep_their_password_to_themselves() {
+    let api = api().await;
+    let (status, created) = api
+        .call(
+            "POST",
+            "/api/docker-registry",
+            Some(json!({"name": "local", "url": "http://127.0.0.1:5000", "username": "u", "password": "s3cret"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["registryType"], "organization");
+    assert_eq!(created["project"], "");
+    assert!(!created.to_string().contains("s3cret"), "{created}");
+    let id = created["id"].as_str().unwrap();
+
+    let (status, listed) = api.call("GET", "/api/docker-registry", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    assert!(!listed.to_string().contains("s3cret"));
+
+    let (status, updated) = api
+        .call(
+            "PATCH",
+            &format!("/api/docker-registry/{id}"),
+            Some(json!({"name": "renamed", "url": "127.0.0.1:5000", "username": "v"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{updated}");
+    assert_eq!(updated["name"], "renamed");
+    assert_eq!(updated["username"], "v");
+    let (_, got) = api
+        .call("GET", &format!("/api/docker-registry/{id}"), None)
+        .await;
+    assert_eq!(got["name"], "renamed");
+
+    for (body, field) in [
+        (
+            json!({"name": "x", "url": "not a host", "username": "u", "password": "p"}),
+            "url",
+        ),
+        (
+            json!({"name": "x", "url": "h:1", "username": "u"}),
+            "password",
+        ),
+        (
+            json!({"name": "", "url": "h:1", "username": "u", "password": "p"}),
+            "name",
+        ),
+    ] {
+        let (status, answer) = api.call("POST", "/api/docker-registry", Some(body)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+        assert!(message(&answer).contains(field), "{answer}");
+    }
+    let (_, listed) = api.call("GET", "/api/docker-registry", None).await;
+    assert_eq!(listed.as_array().unwrap().len(), 1, "nothing half-made");
+
+    let (status, _) = api
+        .call("GET", "/api/docker-registry/registry-push-access", None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
+    let (status, _) = api
+        .call("DELETE", &format!("/api/docker-registry/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, body) = api
+        .call("GET", &format!("/api/docker-registry/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(message(&body).contains("not found"));
+}

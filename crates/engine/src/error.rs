@@ -14,6 +14,8 @@ pub enum EngineError {
     SnapshotNotActive { name: String, state: &'static str },
     #[error("no Windows image is registered on this server, so snapshot {name} cannot be used")]
     NoWindows { name: String },
+    #[error("docker registry {id} not found")]
+    RegistryNotFound { id: String },
     #[error("volume {name} not found")]
     VolumeNotFound { name: String },
     #[error("a volume named {name} already exists")]
@@ -98,6 +100,7 @@ impl EngineError {
             Self::SandboxNotFound { .. }
             | Self::SnapshotNotFound { .. }
             | Self::VolumeNotFound { .. }
+            | Self::RegistryNotFound { .. }
             | Self::SignedPreviewNotFound { .. } => ErrorKind::NotFound,
             Self::Invalid { .. }
             | Self::AboveCeiling { .. }

@@ -37,9 +37,10 @@ impl Engine {
             }
         }
         let images = self.image_store()?;
+        let credentials = self.credentials_for(reference).await?;
         let label = name.clone();
         let pulled = images
-            .pull(reference, None, move |progress| {
+            .pull(reference, credentials.as_ref(), move |progress| {
                 tracing::info!(image = %label, "{progress}");
             })
             .await

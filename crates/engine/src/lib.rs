@@ -19,6 +19,7 @@ mod network;
 mod operations;
 mod preview;
 mod recovery;
+mod registries;
 mod settings;
 mod snapshots;
 mod ssh_access;
@@ -38,12 +39,14 @@ pub use build::{parse_dockerfile, BuildLog, DockerfilePlan};
 pub use config::{Ceilings, EngineConfig};
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
-    NetworkSettings, SandboxRecord, SignedPreview, SnapshotRecord, VolumeMount, VolumeRecord,
+    DockerRegistryRecord, NetworkSettings, SandboxRecord, SignedPreview, SnapshotRecord,
+    VolumeMount, VolumeRecord,
 };
 pub use create::CreateSandbox;
 pub use error::{EngineError, ErrorKind};
 pub use images::ImageSnapshotRequest;
 pub use network::{policy as network_policy, NetworkHandle};
+pub use registries::{registry_host, RegistryRequest};
 pub use settings::SettingChange;
 pub use ssh_access::{IssuedSshAccess, SshAccessRecord, MAX_SSH_ACCESS_MINUTES};
 

@@ -194,3 +194,33 @@ impl SnapshotRecord {
         }
     }
 }
+
+/// Credentials for one image registry.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DockerRegistryRecord {
+    pub id: String,
+    pub name: String,
+    /// As the user gave it: `host[:port]`, optionally with a scheme and path.
+    pub url: String,
+    pub username: String,
+    pub password: String,
+    /// A namespace within the registry; may be empty.
+    pub project: String,
+    /// Daytona's kind (`organization` for user-made ones).
+    pub registry_type: String,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
+impl std::fmt::Debug for DockerRegistryRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DockerRegistryRecord")
+            .field("id", &self.id)
+            .field("name", &self.name)
+            .field("url", &self.url)
+            .field("username", &self.username)
+            .field("password", &"<redacted>")
+            .field("project", &self.project)
+            .finish()
+    }
+}

@@ -206,3 +206,31 @@ async fn ssh_access_is_found_by_hash_revoked_pruned_and_goes_with_its_sandbox() 
     assert!(store.find_ssh_access("h4").await.unwrap().is_some());
     assert_eq!(store.revoke_ssh_access("id-b", None).await.unwrap(), 1);
 }
+
+#[tokio::test]
+async fn docker_registries() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let mut registry = cove_store::DockerRegistryRecord {
+        id: "r1".into(),
+        name: "local".into(),
+        url: "127.0.0.1:5000".into(),
+        username: "u".into(),
+        password: "secret".into(),
+        project: String::new(),
+        registry_type: "organization".into(),
+        created_at_ms: 1,
+        updated_at_ms: 1,
+    };
+    store.save_registry(&registry).await.unwrap();
+    assert!(!format!("{registry:?}").contains("secret"));
+    registry.password = "new".into();
+    store.save_registry(&registry).await.unwrap();
+    assert_eq!(
+        store.list_registries().await.unwrap(),
+        vec![registry.clone()]
+    );
+    assert_eq!(store.find_registry("r1").await.unwrap(), Some(registry));
+    store.delete_registry("r1").await.unwrap();
+    assert_eq!(store.find_registry("r1").await.unwrap(), None);
+}
