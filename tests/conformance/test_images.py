@@ -1,7 +1,8 @@
 """Sandboxes from container images (issue 5): `create(image=...)` pulls from a
 registry, `snapshot.create` registers an image, `cove image import` takes an
 OCI layout for hosts without a registry, and the SDK's `Image` builder's
-Dockerfile is built as far as cove supports it.
+Dockerfile is built: RUN in a build sandbox, ENV/WORKDIR/USER/ENTRYPOINT/CMD
+in the image's settings, each step cached.
 
 Nothing comes from the internet: the test builds a tiny image itself (a static
 busybox, Debian's busybox-static), serves it from Debian's `docker-registry` on
@@ -19,6 +20,7 @@ import subprocess
 import tarfile
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,7 @@ from daytona import (
     Image,
 )
 
-from conftest import cove_binary, free_port
+from conftest import cove_binary, free_port, unique
 
 BUSYBOX = Path("/bin/busybox")
 APPLETS = ["sh", "echo", "cat", "ls", "env", "sleep", "test", "mkdir", "rm", "id", "pwd"]
@@ -127,17 +129,24 @@ def write_oci_layout(dest: Path, tag: str) -> None:
     (dest / "oci-layout").write_text(json.dumps({"imageLayoutVersion": "1.0.0"}))
 
 
-@pytest.fixture(scope="module")
-def registry():
-    """A docker-registry on loopback holding cove/busy:v1; yields (host:port, layout dir)."""
+@contextmanager
+def local_registry(user: str | None = None, password: str | None = None):
+    """A docker-registry on loopback holding cove/busy:v1 (behind htpasswd
+    basic auth when given a user); yields (host:port, layout dir)."""
     missing = [t for t in ("docker-registry", "skopeo") if shutil.which(t) is None]
+    if user and shutil.which("htpasswd") is None:
+        missing.append("htpasswd")
     if missing or not BUSYBOX.is_file():
-        pytest.skip(f"needs docker-registry, skopeo and busybox-static (missing: {missing or 'busybox'})")
+        pytest.skip(f"needs docker-registry, skopeo, htpasswd and busybox-static (missing: {missing or 'busybox'})")
     work = Path(tempfile.mkdtemp(prefix="cvreg", dir="/tmp"))
     port = free_port()
+    auth = ""
+    if user:
+        subprocess.run(["htpasswd", "-Bbc", str(work / "htpasswd"), user, password], check=True, capture_output=True)
+        auth = f"auth:\n  htpasswd:\n    realm: cove-test\n    path: {work / 'htpasswd'}\n"
     (work / "config.yml").write_text(
         "version: 0.1\nlog:\n  level: warn\nstorage:\n  filesystem:\n"
-        f"    rootdirectory: {work / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n"
+        f"    rootdirectory: {work / 'data'}\nhttp:\n  addr: 127.0.0.1:{port}\n" + auth
     )
     proc = subprocess.Popen(
         ["docker-registry", "serve", str(work / "config.yml")],
@@ -148,7 +157,7 @@ def registry():
         deadline = time.monotonic() + 30
         while True:
             try:
-                if requests.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code == 200:
+                if requests.get(f"http://127.0.0.1:{port}/v2/", timeout=1).status_code in (200, 401):
                     break
             except requests.RequestException:
                 pass
@@ -158,12 +167,14 @@ def registry():
         layout = work / "layout"
         write_oci_layout(layout, "v1")
         host = f"127.0.0.1:{port}"
+        creds = ["--dest-creds", f"{user}:{password}"] if user else []
         subprocess.run(
             [
                 "skopeo",
                 "copy",
                 "--quiet",
                 "--dest-tls-verify=false",
+                *creds,
                 f"oci:{layout}:v1",
                 f"docker://{host}/cove/busy:v1",
             ],
@@ -174,6 +185,18 @@ def registry():
         proc.terminate()
         proc.wait(timeout=10)
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def registry():
+    with local_registry() as found:
+        yield found
+
+
+@pytest.fixture(scope="module")
+def private_registry():
+    with local_registry("cove", "pull-secret") as found:
+        yield found
 
 
 def test_create_from_a_registry_image_runs_commands_with_its_env(registry, daytona, sandboxes):
@@ -199,7 +222,9 @@ def test_snapshot_create_from_an_image_then_create_by_name(registry, daytona, sa
         cove.request("DELETE", "/snapshots/busy-snap")
 
 
-def test_image_builder_env_is_applied_and_run_is_refused_by_name(registry, sandboxes, cove):
+def test_image_builder_env_is_applied_and_unsupported_instructions_are_refused_by_name(
+    registry, sandboxes, cove
+):
     host, _ = registry
     image = Image.base(f"{host}/cove/busy:v1").env({"BUILT": "yes"})
     sandbox = sandboxes(CreateSandboxFromImageParams(image=image))
@@ -207,10 +232,138 @@ def test_image_builder_env_is_applied_and_run_is_refused_by_name(registry, sandb
 
     before = cove.sandbox_ids()
     with pytest.raises(DaytonaError) as info:
-        sandboxes(CreateSandboxFromImageParams(image=Image.base(f"{host}/cove/busy:v1").run_commands("true")))
+        sandboxes(
+            CreateSandboxFromImageParams(image=Image.base(f"{host}/cove/busy:v1").dockerfile_commands(["VOLUME /data"]))
+        )
     assert info.value.status_code == 501
-    assert "RUN" in str(info.value)
+    assert "VOLUME" in str(info.value)
     assert cove.sandbox_ids() == before
+
+
+def test_run_steps_build_layers_and_the_image_settings_reach_sandboxes(daytona, sandboxes, cove):
+    """FROM the server's own Debian image (nothing from the network)."""
+    name = unique("built")
+    image = (
+        Image.base("cove-default")
+        .run_commands("echo hi > /built.txt")
+        .dockerfile_commands(['RUN ["/bin/sh", "-c", "echo exec-form > /argv.txt"]'])
+        .env({"BUILT": "yes"})
+        .dockerfile_commands(["ENV WHERE=${BUILT}-two", "USER nobody"])
+        .workdir("/srv/work")
+        .run_commands("id -un > who.txt")
+        .entrypoint(["/bin/sleep"])
+        .cmd(["infinity"])
+    )
+    logs: list[str] = []
+    snap = daytona.snapshot.create(CreateSnapshotParams(name=name, image=image), on_logs=logs.append)
+    try:
+        assert snap.state == "active"
+        text = "\n".join(logs)
+        assert "RUN echo hi > /built.txt" in text and "build complete" in text, text
+        assert daytona.snapshot.get(name).entrypoint == ["/bin/sleep", "infinity"]
+
+        sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot=name))
+        r = sandbox.process.exec("cat /built.txt /argv.txt; pwd; echo $BUILT $WHERE; id -un; cat who.txt")
+        assert r.exit_code == 0, r.result
+        assert r.result.split() == ["hi", "exec-form", "/srv/work", "yes", "yes-two", "nobody", "nobody"]
+        assert sandbox.get_work_dir() == "/srv/work"
+        # The sandbox runs as the image's user: root's files stay root's.
+        assert sandbox.process.exec("touch /etc/nope").exit_code != 0
+
+        # The same Dockerfile with one more step reuses the layers built above.
+        again: list[str] = []
+        name2 = unique("built")
+        started = time.monotonic()
+        snap2 = daytona.snapshot.create(
+            CreateSnapshotParams(name=name2, image=image.run_commands("echo more > more.txt")),
+            on_logs=again.append,
+        )
+        try:
+            assert snap2.state == "active"
+            assert "\n".join(again).count("using cache") == 4, again
+            assert time.monotonic() - started < 30
+            sandbox2 = sandboxes(CreateSandboxFromSnapshotParams(snapshot=name2))
+            assert sandbox2.process.exec("cat /built.txt more.txt").result.split() == ["hi", "more"]
+            daytona.delete(sandbox2)
+        finally:
+            cove.request("DELETE", f"/snapshots/{name2}")
+        daytona.delete(sandbox)
+    finally:
+        cove.request("DELETE", f"/snapshots/{name}")
+
+
+def test_a_sandbox_from_an_image_with_run_steps_is_built_first(sandboxes):
+    image = Image.base("cove-default").run_commands("echo direct > /direct.txt").workdir("/opt/app")
+    sandbox = sandboxes(CreateSandboxFromImageParams(image=image))
+    r = sandbox.process.exec("cat /direct.txt; pwd")
+    assert r.result.split() == ["direct", "/opt/app"], r.result
+
+
+def test_a_failing_run_fails_the_snapshot_with_its_exit_code_and_output(daytona, cove, sandboxes):
+    name = unique("doomed")
+    image = Image.base("cove-default").run_commands("echo about to fail; exit 3")
+    try:
+        with pytest.raises(DaytonaError) as info:
+            daytona.snapshot.create(CreateSnapshotParams(name=name, image=image))
+        message = str(info.value)
+        assert "exit 3" in message and "code 3" in message and "about to fail" in message, message
+        got = cove.request("GET", f"/snapshots/{name}").json()
+        assert got["state"] == "error"
+        logs = cove.request("GET", f"/snapshots/{got['id']}/build-logs").text
+        assert "about to fail" in logs and "code 3" in logs, logs
+        before = cove.sandbox_ids()
+        with pytest.raises(DaytonaError) as info:
+            sandboxes(CreateSandboxFromSnapshotParams(snapshot=name))
+        assert info.value.status_code == 400 and "error" in str(info.value)
+        assert cove.sandbox_ids() == before
+    finally:
+        cove.request("DELETE", f"/snapshots/{name}")
+
+    # Creating a sandbox straight from it answers the same reason, and leaves nothing.
+    before = cove.sandbox_ids()
+    with pytest.raises(DaytonaError) as info:
+        sandboxes(CreateSandboxFromImageParams(image=Image.base("cove-default").run_commands("exit 7")))
+    assert info.value.status_code == 400 and "code 7" in str(info.value)
+    assert cove.sandbox_ids() == before
+
+
+def test_unsupported_instructions_fail_the_snapshot_with_logs_naming_them(daytona, cove):
+    name = unique("nocopy")
+    try:
+        with pytest.raises(DaytonaError) as info:
+            daytona.snapshot.create(
+                CreateSnapshotParams(name=name, image=Image.base("cove-default").dockerfile_commands(["SHELL [\"/bin/bash\"]"]))
+            )
+        assert "SHELL" in str(info.value)
+        got = cove.request("GET", f"/snapshots/{name}").json()
+        assert got["state"] == "error" and "SHELL" in got["errorReason"]
+        assert "SHELL" in cove.request("GET", f"/snapshots/{name}/build-logs").text
+    finally:
+        cove.request("DELETE", f"/snapshots/{name}")
+    # A malformed Dockerfile is refused at once, and nothing is registered.
+    r = cove.request(
+        "POST", "/snapshots", json={"name": name, "buildInfo": {"dockerfileContent": "RUN true\n"}}
+    )
+    assert r.status_code == 400 and "FROM" in r.json()["message"]
+    assert cove.request("GET", f"/snapshots/{name}").status_code == 404
+
+
+def test_snapshots_deactivate_and_activate(daytona, cove, sandboxes, registry):
+    host, _ = registry
+    name = unique("toggle")
+    daytona.snapshot.create(CreateSnapshotParams(name=name, image=f"{host}/cove/busy:v1"))
+    try:
+        assert cove.request("POST", f"/snapshots/{name}/deactivate").status_code == 204
+        assert daytona.snapshot.get(name).state == "inactive"
+        with pytest.raises(DaytonaError) as info:
+            sandboxes(CreateSandboxFromSnapshotParams(snapshot=name))
+        assert info.value.status_code == 400 and "activate" in str(info.value)
+        assert daytona.snapshot.activate(name).state == "active"
+        sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot=name))
+        assert sandbox.process.exec("echo $GREETING").result.strip() == "from-image"
+        daytona.delete(sandbox)
+    finally:
+        cove.request("DELETE", f"/snapshots/{name}")
 
 
 def test_unknown_image_is_a_clear_404_and_leaves_nothing(registry, sandboxes, cove):
@@ -249,3 +402,40 @@ def test_cove_image_import_registers_an_oci_layout(registry, sandboxes, cove):
         cove.request("DELETE", f"/sandbox/{sandbox.id}")
     finally:
         cove.request("DELETE", "/snapshots/busy-imported")
+
+
+def test_docker_registry_credentials_are_used_for_pulls_from_their_host(private_registry, daytona, sandboxes, cove):
+    host, _ = private_registry
+    image = f"{host}/cove/busy:v1"
+    before = cove.sandbox_ids()
+    # Without credentials the registry refuses, and the answer says so.
+    with pytest.raises(DaytonaError) as info:
+        sandboxes(CreateSandboxFromImageParams(image=image))
+    assert "busy" in str(info.value) and info.value.status_code in (400, 401, 403), str(info.value)
+    assert cove.sandbox_ids() == before
+
+    r = cove.request(
+        "POST",
+        "/docker-registry",
+        json={"name": "private", "url": f"http://{host}", "username": "cove", "password": "wrong"},
+    )
+    assert r.status_code == 201, r.text
+    registry_id = r.json()["id"]
+    try:
+        assert "wrong" not in cove.request("GET", "/docker-registry").text
+        with pytest.raises(DaytonaError):
+            sandboxes(CreateSandboxFromImageParams(image=image))
+        # The right password, by update; the listing still never shows it.
+        r = cove.request(
+            "PATCH",
+            f"/docker-registry/{registry_id}",
+            json={"name": "private", "url": host, "username": "cove", "password": "pull-secret"},
+        )
+        assert r.status_code == 200, r.text
+        assert "pull-secret" not in cove.request("GET", f"/docker-registry/{registry_id}").text
+        sandbox = sandboxes(CreateSandboxFromImageParams(image=image))
+        assert sandbox.process.exec("cat /etc/image-marker").result.strip() == "made by test_images"
+        daytona.delete(sandbox)
+    finally:
+        assert cove.request("DELETE", f"/docker-registry/{registry_id}").status_code == 204
+    assert cove.request("GET", f"/docker-registry/{registry_id}").status_code == 404

@@ -18,6 +18,7 @@ pub mod pty;
 pub mod session;
 pub mod system;
 pub mod tunnel;
+pub mod user;
 pub mod vm;
 
 use std::sync::Arc;

@@ -33,13 +33,29 @@ fn main() -> anyhow::Result<()> {
             listen::LISTEN_FD_ENV
         ),
     };
-    let settings = Settings::from_env();
+    let mut settings = Settings::from_env();
+    let run_as = match std::env::var("COVE_USER") {
+        Ok(user) if !user.is_empty() => {
+            let found = cove_agent::user::lookup(&user)
+                .map_err(|e| anyhow::anyhow!("the sandbox user {user:?}: {e}"))?;
+            settings.home_dir = found.home.clone();
+            if std::env::var_os("COVE_WORKDIR").is_none() {
+                settings.work_dir = found.home.clone();
+            }
+            Some(found)
+        }
+        _ => None,
+    };
     // Still single-threaded here, which both calls below require.
     config::remove_private_env();
     match mode.as_str() {
         "init" => cove_agent::init::split_off_server().context("starting as PID 1")?,
         "serve" => {}
         _ => bail!("{USAGE}"),
+    }
+    if let Some(user) = &run_as {
+        cove_agent::user::become_user(user)
+            .map_err(|e| anyhow::anyhow!("becoming the sandbox user {}: {e}", user.name))?;
     }
 
     init_logging(true);

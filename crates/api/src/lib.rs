@@ -7,6 +7,7 @@
 //! touch the database or a runtime.
 
 mod auth;
+mod docker_registry;
 mod dto;
 mod error;
 mod machines;
@@ -96,9 +97,31 @@ pub fn app(state: AppState) -> Router {
         .route("/sandbox/{id}/revert", post(snapshots::revert))
         .route("/snapshots", get(snapshots::list).post(snapshots::create))
         .route("/snapshots/import", post(snapshots::import))
+        .route("/snapshots/{id}/activate", post(snapshots::activate))
+        .route("/snapshots/{id}/build-logs", get(snapshots::build_logs))
+        .route(
+            "/snapshots/{id}/build-logs-url",
+            get(snapshots::build_logs_url),
+        )
+        .route("/snapshots/{id}/deactivate", post(snapshots::deactivate))
         .route(
             "/snapshots/{id}",
             get(snapshots::get).delete(snapshots::delete),
+        )
+        .route(
+            "/docker-registry",
+            get(docker_registry::list).post(docker_registry::create),
+        )
+        // Daytona's transient push access is not served: keep its 501.
+        .route(
+            "/docker-registry/registry-push-access",
+            get(not_implemented::fallback),
+        )
+        .route(
+            "/docker-registry/{id}",
+            get(docker_registry::get)
+                .patch(docker_registry::update)
+                .delete(docker_registry::delete),
         )
         .route("/volumes", get(volumes::list).post(volumes::create))
         .route("/volumes/by-name/{name}", get(volumes::get_by_name))

@@ -16,7 +16,12 @@ const DEFAULT_PAGE: usize = 100;
 /// Where clients reach the toolbox: the configured public URL, or the host they
 /// used for this request.
 pub fn toolbox_base(state: &AppState, headers: &HeaderMap) -> String {
-    let base = match &state.config.public_url {
+    format!("{}/toolbox", public_base(state, headers))
+}
+
+/// The URL clients reach this server at, without a trailing slash.
+pub fn public_base(state: &AppState, headers: &HeaderMap) -> String {
+    match &state.config.public_url {
         Some(url) => url.trim_end_matches('/').to_owned(),
         None => {
             let host = headers
@@ -25,8 +30,7 @@ pub fn toolbox_base(state: &AppState, headers: &HeaderMap) -> String {
                 .unwrap_or("127.0.0.1");
             format!("http://{host}")
         }
-    };
-    format!("{base}/toolbox")
+    }
 }
 
 pub fn dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) -> Json<Sandbox> {

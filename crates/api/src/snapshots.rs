@@ -31,10 +31,19 @@ pub struct Snapshot {
     sandbox_class: &'static str,
     /// Whether the snapshot holds memory as well as the filesystem.
     includes_memory: bool,
+    /// The image's ENTRYPOINT and CMD, as Daytona reports a snapshot's entrypoint.
+    entrypoint: Option<Vec<String>>,
 }
 
 impl From<SnapshotRecord> for Snapshot {
     fn from(s: SnapshotRecord) -> Snapshot {
+        let entrypoint: Vec<String> = s
+            .image
+            .entrypoint
+            .iter()
+            .chain(&s.image.cmd)
+            .cloned()
+            .collect();
         Snapshot {
             id: s.id,
             organization_id: ORGANIZATION_ID,
@@ -52,6 +61,7 @@ impl From<SnapshotRecord> for Snapshot {
             source_sandbox_id: s.source_sandbox,
             sandbox_class: s.class.as_str(),
             includes_memory: s.has_memory,
+            entrypoint: (!entrypoint.is_empty()).then_some(entrypoint),
         }
     }
 }
@@ -108,6 +118,85 @@ pub async fn delete(
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
     Ok(Json(state.engine.delete_snapshot(&id).await?.into()))
+}
+
+/// `GET /snapshots/{id}/build-logs-url`: where the SDK reads the build log.
+pub async fn build_logs_url(
+    State(state): State<AppState>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Result<Json<crate::dto::Url>, ApiError> {
+    let snapshot = state.engine.get_snapshot(&id).await?;
+    Ok(Json(crate::dto::Url {
+        url: format!(
+            "{}/api/snapshots/{}/build-logs",
+            crate::sandbox::public_base(&state, &headers),
+            snapshot.id
+        ),
+    }))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct FollowQuery {
+    #[serde(default)]
+    follow: bool,
+}
+
+/// `GET /snapshots/{id}/build-logs[?follow=true]`: the build log as text, one
+/// line per line; with `follow` the answer streams until the build ends.
+pub async fn build_logs(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+    Query(query): Query<FollowQuery>,
+) -> Result<axum::response::Response, ApiError> {
+    let log = state.engine.build_log(&id).await?;
+    let text_plain = [(
+        axum::http::header::CONTENT_TYPE,
+        "text/plain; charset=utf-8",
+    )];
+    if !query.follow {
+        let (lines, _) = log.read(0);
+        let body: String = lines.iter().map(|l| format!("{l}\n")).collect();
+        return Ok(axum::response::IntoResponse::into_response((
+            text_plain, body,
+        )));
+    }
+    let stream =
+        futures_util::stream::unfold((log, 0usize, false), |(log, seen, ended)| async move {
+            if ended {
+                return None;
+            }
+            loop {
+                let (lines, done) = log.read(seen);
+                if !lines.is_empty() || done {
+                    let chunk: String = lines.iter().map(|l| format!("{l}\n")).collect();
+                    let seen = seen + lines.len();
+                    return Some((Ok::<_, std::convert::Infallible>(chunk), (log, seen, done)));
+                }
+                log.wait(seen).await;
+            }
+        });
+    Ok(axum::response::IntoResponse::into_response((
+        text_plain,
+        axum::body::Body::from_stream(stream),
+    )))
+}
+
+/// `POST /snapshots/{id}/activate`
+pub async fn activate(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<Json<Snapshot>, ApiError> {
+    Ok(Json(state.engine.activate_snapshot(&id).await?.into()))
+}
+
+/// `POST /snapshots/{id}/deactivate`: 204, as Daytona answers.
+pub async fn deactivate(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<axum::http::StatusCode, ApiError> {
+    state.engine.deactivate_snapshot(&id).await?;
+    Ok(axum::http::StatusCode::NO_CONTENT)
 }
 
 /// `POST /snapshots` as the SDK's `snapshot.create` sends it.

@@ -328,11 +328,13 @@ async fn unimplemented_operations_answer_501_by_name() {
     let api = api().await;
     api.call("POST", "/api/sandbox", Some(json!({"name": "p"})))
         .await;
-    let (status, body) = api.call("GET", "/api/docker-registry", None).await;
+    let (status, body) = api
+        .call("GET", "/api/object-storage/push-access", None)
+        .await;
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
     assert_eq!(
         body["message"],
-        "GET /docker-registry is not implemented by cove yet"
+        "GET /object-storage/push-access is not implemented by cove yet"
     );
     // A container cannot pause: a clear 400, not a 501.
     let (status, body) = api.call("POST", "/api/sandbox/p/pause", None).await;
@@ -865,4 +867,128 @@ async fn ssh_access_refusals() {
         )
         .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn inactive_snapshots_refuse_new_sandboxes_until_activated() {
+    let api = api().await;
+    api.call("POST", "/api/sandbox", Some(json!({"name": "src"})))
+        .await;
+    let (status, _) = api
+        .call(
+            "POST",
+            "/api/sandbox/src/snapshot",
+            Some(json!({"name": "snap"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, body) = api.call("POST", "/api/snapshots/snap/activate", None).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(message(&body).contains("only an inactive"), "{body}");
+
+    let (status, _) = api
+        .call("POST", "/api/snapshots/snap/deactivate", None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (_, got) = api.call("GET", "/api/snapshots/snap", None).await;
+    assert_eq!(got["state"], "inactive");
+    let before = api.call("GET", "/api/sandbox", None).await.1;
+    let (status, body) = api
+        .call("POST", "/api/sandbox", Some(json!({"snapshot": "snap"})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        message(&body).contains("snap is inactive") && message(&body).contains("activate"),
+        "{body}"
+    );
+    assert_eq!(api.call("GET", "/api/sandbox", None).await.1, before);
+    // The server's own image stays active.
+    let (status, _) = api
+        .call("POST", "/api/snapshots/cove-default/deactivate", None)
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+
+    let (status, activated) = api.call("POST", "/api/snapshots/snap/activate", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(activated["state"], "active");
+    let (status, _) = api
+        .call("POST", "/api/sandbox", Some(json!({"snapshot": "snap"})))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = api
+        .call("POST", "/api/snapshots/ghost/activate", None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+#[tokio::test]
+async fn docker_registries_keep_their_password_to_themselves() {
+    let api = api().await;
+    let (status, created) = api
+        .call(
+            "POST",
+            "/api/docker-registry",
+            Some(json!({"name": "local", "url": "http://127.0.0.1:5000", "username": "u", "password": "s3cret"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{created}");
+    assert_eq!(created["registryType"], "organization");
+    assert_eq!(created["project"], "");
+    assert!(!created.to_string().contains("s3cret"), "{created}");
+    let id = created["id"].as_str().unwrap();
+
+    let (status, listed) = api.call("GET", "/api/docker-registry", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    assert!(!listed.to_string().contains("s3cret"));
+
+    let (status, updated) = api
+        .call(
+            "PATCH",
+            &format!("/api/docker-registry/{id}"),
+            Some(json!({"name": "renamed", "url": "127.0.0.1:5000", "username": "v"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{updated}");
+    assert_eq!(updated["name"], "renamed");
+    assert_eq!(updated["username"], "v");
+    let (_, got) = api
+        .call("GET", &format!("/api/docker-registry/{id}"), None)
+        .await;
+    assert_eq!(got["name"], "renamed");
+
+    for (body, field) in [
+        (
+            json!({"name": "x", "url": "not a host", "username": "u", "password": "p"}),
+            "url",
+        ),
+        (
+            json!({"name": "x", "url": "h:1", "username": "u"}),
+            "password",
+        ),
+        (
+            json!({"name": "", "url": "h:1", "username": "u", "password": "p"}),
+            "name",
+        ),
+    ] {
+        let (status, answer) = api.call("POST", "/api/docker-registry", Some(body)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+        assert!(message(&answer).contains(field), "{answer}");
+    }
+    let (_, listed) = api.call("GET", "/api/docker-registry", None).await;
+    assert_eq!(listed.as_array().unwrap().len(), 1, "nothing half-made");
+
+    let (status, _) = api
+        .call("GET", "/api/docker-registry/registry-push-access", None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
+    let (status, _) = api
+        .call("DELETE", &format!("/api/docker-registry/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, body) = api
+        .call("GET", &format!("/api/docker-registry/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert!(message(&body).contains("not found"));
 }

@@ -318,6 +318,8 @@ fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64) {
         env: Vec::new(),
         network: None,
         volumes: Vec::new(),
+        workdir: None,
+        user: None,
     };
     tokio::spawn(async move {
         let began = std::time::Instant::now();

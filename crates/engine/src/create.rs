@@ -160,16 +160,16 @@ impl Engine {
                 ceiling: 0,
             });
         }
-        let user = request
-            .user
-            .clone()
-            .unwrap_or_else(|| config.os_user.clone());
-        if user != config.os_user {
+        // The image's USER, else the server's; root may always be asked for.
+        let image_user = snapshot.image.user.clone();
+        let default_user = image_user.clone().unwrap_or_else(|| config.os_user.clone());
+        let user = request.user.clone().unwrap_or_else(|| default_user.clone());
+        if user != config.os_user && Some(&user) != image_user.as_ref() {
             return Err(EngineError::Invalid {
                 field: "user",
                 reason: format!(
-                    "{user:?} does not exist here; sandboxes run as {:?}",
-                    config.os_user
+                    "{user:?} does not exist here; sandboxes of snapshot {} run as {default_user:?}",
+                    snapshot.name
                 ),
             });
         }
@@ -328,6 +328,8 @@ impl Engine {
                 .collect(),
             network: None,
             volumes: self.volume_binds(record),
+            workdir: snapshot.image.workdir.clone(),
+            user: (record.os_user != self.inner.config.os_user).then(|| record.os_user.clone()),
         }
     }
 }

@@ -10,10 +10,12 @@ pub enum EngineError {
     SignedPreviewNotFound { id: String, port: u16 },
     #[error("snapshot {name} not found")]
     SnapshotNotFound { name: String },
-    #[error("snapshot {name} is {state}, not active")]
+    #[error("snapshot {name} is {state}, not active{}", activate_hint(name, state))]
     SnapshotNotActive { name: String, state: &'static str },
     #[error("no Windows image is registered on this server, so snapshot {name} cannot be used")]
     NoWindows { name: String },
+    #[error("docker registry {id} not found")]
+    RegistryNotFound { id: String },
     #[error("volume {name} not found")]
     VolumeNotFound { name: String },
     #[error("a volume named {name} already exists")]
@@ -35,6 +37,8 @@ pub enum EngineError {
         status: u16,
         reason: String,
     },
+    #[error("the image build failed: {reason}")]
+    BuildFailed { reason: String },
     #[error("a sandbox named {name} already exists")]
     NameTaken { name: String },
     #[error("invalid {field}: {reason}")]
@@ -69,6 +73,15 @@ pub enum EngineError {
     Store(#[from] cove_store::StoreError),
 }
 
+/// What to do about an inactive snapshot.
+fn activate_hint(name: &str, state: &str) -> String {
+    if state == "inactive" {
+        format!("; activate it first (POST /api/snapshots/{name}/activate)")
+    } else {
+        String::new()
+    }
+}
+
 /// How a front end should classify an error.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
@@ -87,11 +100,13 @@ impl EngineError {
             Self::SandboxNotFound { .. }
             | Self::SnapshotNotFound { .. }
             | Self::VolumeNotFound { .. }
+            | Self::RegistryNotFound { .. }
             | Self::SignedPreviewNotFound { .. } => ErrorKind::NotFound,
             Self::Invalid { .. }
             | Self::AboveCeiling { .. }
             | Self::Timers(_)
             | Self::NoWindows { .. }
+            | Self::BuildFailed { .. }
             | Self::SnapshotNotActive { .. } => ErrorKind::BadRequest,
             Self::Transition {
                 source: TransitionError::NotSupported { .. },

@@ -4,155 +4,19 @@
 //! An image becomes an ordinary snapshot whose root filesystem is the unpacked
 //! image and whose environment is the image's; the agent is not copied in (the
 //! container backend mounts it into every sandbox). A snapshot is made once per
-//! reference (or per Dockerfile text) and reused.
+//! reference (or per Dockerfile text) and reused. Dockerfiles are built by
+//! `build`.
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 
 use cove_lifecycle::SandboxClass;
 use cove_store::{SnapshotRecord, SnapshotState};
 use sha2::{Digest as _, Sha256};
 
+use crate::build::{parse_dockerfile, BuildLog, BuiltImage};
 use crate::create::sized;
 use crate::{now_ms, Engine, EngineError};
-
-/// What a Dockerfile asks for, in the subset cove builds.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct DockerfilePlan {
-    /// The image of the one `FROM`.
-    pub base: String,
-    /// `ENV` settings, in order (later ones win).
-    pub env: Vec<(String, String)>,
-}
-
-/// Parses a Dockerfile into the steps cove can build, or names the first
-/// instruction it cannot.
-pub fn parse_dockerfile(text: &str) -> Result<DockerfilePlan, EngineError> {
-    let mut plan = DockerfilePlan::default();
-    // Continuation lines (`\` at the end) join into one instruction.
-    let mut joined: Vec<String> = Vec::new();
-    let mut current = String::new();
-    for line in text.lines() {
-        let trimmed = line.trim();
-        if current.is_empty() && (trimmed.is_empty() || trimmed.starts_with('#')) {
-            continue;
-        }
-        if let Some(head) = trimmed.strip_suffix('\\') {
-            current.push_str(head);
-            current.push(' ');
-            continue;
-        }
-        current.push_str(trimmed);
-        joined.push(std::mem::take(&mut current));
-    }
-    if !current.is_empty() {
-        joined.push(current);
-    }
-    for instruction in joined {
-        let (keyword, rest) = instruction
-            .split_once(char::is_whitespace)
-            .map(|(k, r)| (k, r.trim()))
-            .unwrap_or((instruction.as_str(), ""));
-        match keyword.to_ascii_uppercase().as_str() {
-            "FROM" => {
-                if !plan.base.is_empty() {
-                    return Err(unsupported("a second FROM (multi-stage builds)"));
-                }
-                let mut words = rest.split_whitespace();
-                let image = words.next().unwrap_or_default();
-                let platform = image.starts_with("--");
-                if image.is_empty() || platform || words.next().is_some() {
-                    return Err(unsupported(&format!("FROM {rest}")));
-                }
-                plan.base = image.to_owned();
-            }
-            "ENV" => plan.env.extend(parse_env(rest)?),
-            // Metadata only: nothing to build.
-            "LABEL" | "EXPOSE" | "CMD" | "ENTRYPOINT" | "STOPSIGNAL" | "MAINTAINER" => {}
-            "WORKDIR" | "USER" | "RUN" | "COPY" | "ADD" | "ARG" | "VOLUME" | "SHELL"
-            | "ONBUILD" | "HEALTHCHECK" => {
-                return Err(unsupported(&format!("the {keyword} instruction")));
-            }
-            other => {
-                return Err(EngineError::Invalid {
-                    field: "buildInfo.dockerfileContent",
-                    reason: format!("{other:?} is not a Dockerfile instruction"),
-                })
-            }
-        }
-        if plan.base.is_empty() {
-            return Err(EngineError::Invalid {
-                field: "buildInfo.dockerfileContent",
-                reason: "the Dockerfile must start with FROM".into(),
-            });
-        }
-    }
-    if plan.base.is_empty() {
-        return Err(EngineError::Invalid {
-            field: "buildInfo.dockerfileContent",
-            reason: "the Dockerfile has no FROM".into(),
-        });
-    }
-    Ok(plan)
-}
-
-fn unsupported(what: &str) -> EngineError {
-    EngineError::NotImplemented {
-        what: format!("building images with {what}"),
-    }
-}
-
-/// `ENV KEY=value KEY2="two words"` or the old `ENV KEY value` form.
-fn parse_env(rest: &str) -> Result<Vec<(String, String)>, EngineError> {
-    let bad = || EngineError::Invalid {
-        field: "buildInfo.dockerfileContent",
-        reason: format!("cannot read ENV {rest}"),
-    };
-    let Some(first) = rest.split_whitespace().next() else {
-        return Err(bad());
-    };
-    if !first.contains('=') {
-        let (key, value) = rest.split_once(char::is_whitespace).ok_or_else(bad)?;
-        return Ok(vec![(key.to_owned(), unquote(value.trim()))]);
-    }
-    let mut pairs = Vec::new();
-    let mut chars = rest.chars().peekable();
-    while chars.peek().is_some() {
-        while chars.peek().is_some_and(|c| c.is_whitespace()) {
-            chars.next();
-        }
-        let key: String = chars.by_ref().take_while(|c| *c != '=').collect();
-        if key.is_empty() {
-            break;
-        }
-        let mut value = String::new();
-        let mut quote: Option<char> = None;
-        while let Some(&c) = chars.peek() {
-            match (quote, c) {
-                (None, c) if c.is_whitespace() => break,
-                (None, '"' | '\'') => quote = Some(c),
-                (Some(q), c) if c == q => quote = None,
-                _ => value.push(c),
-            }
-            chars.next();
-        }
-        if quote.is_some() || key.contains(char::is_whitespace) {
-            return Err(bad());
-        }
-        pairs.push((key, value));
-    }
-    Ok(pairs)
-}
-
-fn unquote(value: &str) -> String {
-    let quoted = value.len() >= 2
-        && ((value.starts_with('"') && value.ends_with('"'))
-            || (value.starts_with('\'') && value.ends_with('\'')));
-    if quoted {
-        value[1..value.len() - 1].to_owned()
-    } else {
-        value.to_owned()
-    }
-}
 
 impl Engine {
     /// The snapshot of a registry image, pulled on first use. Its name is the
@@ -161,14 +25,22 @@ impl Engine {
         let name =
             cove_oci::normalize_reference(reference).map_err(|e| image_error(reference, e))?;
         if let Some(found) = self.inner.store.find_snapshot(&name).await? {
-            if found.state == SnapshotState::Active {
-                return Ok(found);
+            match found.state {
+                SnapshotState::Active => return Ok(found),
+                SnapshotState::Inactive => {
+                    return Err(EngineError::SnapshotNotActive {
+                        name: found.name,
+                        state: found.state.as_str(),
+                    })
+                }
+                _ => {}
             }
         }
         let images = self.image_store()?;
+        let credentials = self.credentials_for(reference).await?;
         let label = name.clone();
         let pulled = images
-            .pull(reference, None, move |progress| {
+            .pull(reference, credentials.as_ref(), move |progress| {
                 tracing::info!(image = %label, "{progress}");
             })
             .await
@@ -179,13 +51,11 @@ impl Engine {
         Ok(snapshot)
     }
 
-    /// The snapshot built from a Dockerfile, made once per Dockerfile text.
+    /// The snapshot built from a Dockerfile, made once per Dockerfile text
+    /// (for a sandbox created from an `Image`); the build runs before this
+    /// returns.
     pub async fn dockerfile_snapshot(&self, text: &str) -> Result<SnapshotRecord, EngineError> {
         let plan = parse_dockerfile(text)?;
-        let base = self.image_snapshot(&plan.base).await?;
-        if plan.env.is_empty() {
-            return Ok(base);
-        }
         let digest = Sha256::digest(text.as_bytes());
         let name = format!(
             "cove-build-{}",
@@ -197,19 +67,143 @@ impl Engine {
         if let Some(found) = self.inner.store.find_snapshot(&name).await? {
             return Ok(found);
         }
-        let mut env = base.env.clone();
-        env.extend(plan.env);
-        let now = now_ms();
-        let snapshot = SnapshotRecord {
-            id: name.clone(),
-            name: name.clone(),
-            env,
-            created_at_ms: now,
-            updated_at_ms: now,
-            ..base
-        };
+        let log = self.new_build_log(&name);
+        let built = self.build_image(&plan, &log).await;
+        if let Err(error) = &built {
+            log.line(format!("error: {error}"));
+        }
+        log.finish();
+        let config = &self.inner.config;
+        let snapshot = built_snapshot(
+            SnapshotRecord {
+                cpu: config.default_cpu,
+                memory_gib: config.default_memory_gib,
+                disk_gib: config.default_disk_gib,
+                general: false,
+                ..SnapshotRecord::for_image(&name, "", SandboxClass::Container, now_ms())
+            },
+            built?,
+        );
         self.inner.store.save_snapshot(&snapshot).await?;
+        tracing::info!(snapshot = %name, layers = snapshot.layers.len(), "image built");
         Ok(snapshot)
+    }
+
+    fn new_build_log(&self, snapshot_id: &str) -> Arc<BuildLog> {
+        let log = Arc::new(BuildLog::default());
+        self.inner
+            .builds
+            .lock()
+            .unwrap()
+            .insert(snapshot_id.to_owned(), log.clone());
+        log
+    }
+
+    /// The build log of a snapshot: the live one while it builds and after,
+    /// until the server restarts; else what its state says.
+    pub async fn build_log(&self, id_or_name: &str) -> Result<Arc<BuildLog>, EngineError> {
+        let snapshot = self.get_snapshot(id_or_name).await?;
+        if let Some(log) = self.inner.builds.lock().unwrap().get(&snapshot.id) {
+            return Ok(log.clone());
+        }
+        let lines = match (snapshot.state, snapshot.error_reason) {
+            (SnapshotState::Error, Some(reason)) => vec![format!("error: {reason}")],
+            (SnapshotState::Building | SnapshotState::Pending, _) => {
+                vec!["the build log was lost when the server restarted".into()]
+            }
+            _ => Vec::new(),
+        };
+        Ok(Arc::new(BuildLog::finished(lines)))
+    }
+
+    /// Registers snapshot `name` as `building` and builds its Dockerfile in
+    /// the background: it becomes `active`, or `error` with the reason (and
+    /// the build log says which instruction). A Dockerfile that cannot be
+    /// read is refused at once, and nothing is registered.
+    async fn start_build(
+        &self,
+        mut snapshot: SnapshotRecord,
+        text: &str,
+    ) -> Result<SnapshotRecord, EngineError> {
+        let plan = match parse_dockerfile(text) {
+            Err(error @ EngineError::Invalid { .. }) => return Err(error),
+            other => other,
+        };
+        if snapshot.class != SandboxClass::Container {
+            return Err(EngineError::NotImplemented {
+                what: format!(
+                    "building Dockerfile images for {} sandboxes",
+                    snapshot.class
+                ),
+            });
+        }
+        snapshot.state = SnapshotState::Building;
+        if let Err(error) = &plan {
+            snapshot.state = SnapshotState::Error;
+            snapshot.error_reason = Some(error.to_string());
+        }
+        self.inner
+            .store
+            .insert_snapshot(&snapshot)
+            .await
+            .map_err(|e| match e {
+                cove_store::StoreError::Duplicate { name } => EngineError::SnapshotTaken { name },
+                other => other.into(),
+            })?;
+        let log = self.new_build_log(&snapshot.id);
+        let plan = match plan {
+            Ok(plan) => plan,
+            Err(error) => {
+                log.line(format!("error: {error}"));
+                log.finish();
+                return Ok(snapshot);
+            }
+        };
+        let engine = self.clone();
+        let record = snapshot.clone();
+        tokio::spawn(async move {
+            let built = engine.build_image(&plan, &log).await;
+            let mut record = record;
+            record.updated_at_ms = now_ms();
+            match built {
+                Ok(built) => record = built_snapshot(record, built),
+                Err(error) => {
+                    log.line(format!("error: {error}"));
+                    tracing::warn!(snapshot = %record.name, %error, "image build failed");
+                    record.state = SnapshotState::Error;
+                    record.error_reason = Some(error.to_string());
+                }
+            }
+            // Deleted while it built: nothing to record.
+            let still_there = matches!(
+                engine.inner.store.find_snapshot(&record.id).await,
+                Ok(Some(_))
+            );
+            if still_there {
+                if let Err(error) = engine.inner.store.save_snapshot(&record).await {
+                    tracing::error!(snapshot = %record.name, %error, "recording a build");
+                }
+            }
+            if record.state == SnapshotState::Active {
+                tracing::info!(snapshot = %record.name, "image built");
+            }
+            log.finish();
+        });
+        Ok(snapshot)
+    }
+}
+
+/// `snapshot` made `active` on what a build made.
+fn built_snapshot(snapshot: SnapshotRecord, built: BuiltImage) -> SnapshotRecord {
+    SnapshotRecord {
+        state: SnapshotState::Active,
+        error_reason: None,
+        rootfs: built.rootfs,
+        layers: built.layers,
+        env: built.env,
+        image: built.image,
+        class: SandboxClass::Container,
+        ..snapshot
     }
 }
 
@@ -228,8 +222,9 @@ pub struct ImageSnapshotRequest {
 }
 
 impl Engine {
-    /// Registers snapshot `name` made from a registry image or a Dockerfile;
-    /// returns it `active` once the image is pulled.
+    /// Registers snapshot `name` made from a registry image (returned
+    /// `active` once pulled) or a Dockerfile (returned `building`; see
+    /// `start_build`).
     pub async fn create_image_snapshot(
         &self,
         request: ImageSnapshotRequest,
@@ -248,7 +243,33 @@ impl Engine {
         self.runtime(class)?;
         let source = match (&request.image, &request.dockerfile) {
             (Some(image), None) => self.image_snapshot(image).await?,
-            (None, Some(text)) => self.dockerfile_snapshot(text).await?,
+            (None, Some(text)) => {
+                let config = &self.inner.config;
+                let defaults = SnapshotRecord {
+                    cpu: config.default_cpu,
+                    memory_gib: config.default_memory_gib,
+                    disk_gib: config.default_disk_gib,
+                    ..SnapshotRecord::for_image("", "", class, 0)
+                };
+                let (cpu, memory_gib, disk_gib) = sized(
+                    config.ceilings,
+                    (request.cpu, request.memory_gib, request.disk_gib),
+                    &defaults,
+                )?;
+                let now = now_ms();
+                let snapshot = SnapshotRecord {
+                    id: uuid::Uuid::new_v4().to_string(),
+                    name: request.name.clone(),
+                    cpu,
+                    memory_gib,
+                    disk_gib,
+                    general: false,
+                    created_at_ms: now,
+                    updated_at_ms: now,
+                    ..defaults
+                };
+                return self.start_build(snapshot, text).await;
+            }
             _ => {
                 return Err(EngineError::Invalid {
                     field: "imageName",
@@ -388,45 +409,5 @@ fn image_error(reference: &str, error: cove_oci::OciError) -> EngineError {
         reference: reference.to_owned(),
         status: error.kind().http_status(),
         reason: error.to_string(),
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn dockerfiles_cove_can_build() {
-        let plan = parse_dockerfile(
-            "# comment\nFROM python:3.12-slim\nENV A=1 B=\"two words\"\nENV C three\nLABEL x=y\n",
-        )
-        .unwrap();
-        assert_eq!(plan.base, "python:3.12-slim");
-        assert_eq!(
-            plan.env,
-            [
-                ("A".to_owned(), "1".to_owned()),
-                ("B".to_owned(), "two words".to_owned()),
-                ("C".to_owned(), "three".to_owned()),
-            ]
-        );
-        let joined = parse_dockerfile("FROM \\\n  alpine:3\n").unwrap();
-        assert_eq!(joined.base, "alpine:3");
-    }
-
-    #[test]
-    fn dockerfiles_cove_cannot_build_are_refused_by_name() {
-        let err = parse_dockerfile("FROM debian\nRUN apt-get update\n").unwrap_err();
-        assert!(err.to_string().contains("RUN"), "{err}");
-        assert!(matches!(err, EngineError::NotImplemented { .. }));
-        let err = parse_dockerfile("FROM a AS b\n").unwrap_err();
-        assert!(err.to_string().contains("FROM a AS b"), "{err}");
-        let err = parse_dockerfile("ENV A=1\n").unwrap_err();
-        assert!(err.to_string().contains("must start with FROM"), "{err}");
-        let err = parse_dockerfile("FROM a\nFROM b\n").unwrap_err();
-        assert!(err.to_string().contains("multi-stage"), "{err}");
-        let err = parse_dockerfile("FROM a\nFROBNICATE\n").unwrap_err();
-        assert!(matches!(err, EngineError::Invalid { .. }), "{err}");
-        assert!(parse_dockerfile("").is_err());
     }
 }

@@ -9,6 +9,7 @@
 mod activity;
 mod archive;
 mod auth;
+mod build;
 mod config;
 mod create;
 mod error;
@@ -18,6 +19,7 @@ mod network;
 mod operations;
 mod preview;
 mod recovery;
+mod registries;
 mod settings;
 mod snapshots;
 mod ssh_access;
@@ -33,15 +35,18 @@ use cove_store::Store;
 
 pub use archive::Archive;
 pub use auth::hash_api_key;
+pub use build::{parse_dockerfile, BuildLog, DockerfilePlan};
 pub use config::{Ceilings, EngineConfig};
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
-    NetworkSettings, SandboxRecord, SignedPreview, SnapshotRecord, VolumeMount, VolumeRecord,
+    DockerRegistryRecord, NetworkSettings, SandboxRecord, SignedPreview, SnapshotRecord,
+    VolumeMount, VolumeRecord,
 };
 pub use create::CreateSandbox;
 pub use error::{EngineError, ErrorKind};
-pub use images::{parse_dockerfile, DockerfilePlan, ImageSnapshotRequest};
+pub use images::ImageSnapshotRequest;
 pub use network::{policy as network_policy, NetworkHandle};
+pub use registries::{registry_host, RegistryRequest};
 pub use settings::SettingChange;
 pub use ssh_access::{IssuedSshAccess, SshAccessRecord, MAX_SSH_ACCESS_MINUTES};
 
@@ -78,6 +83,8 @@ struct Inner {
     running: Mutex<HashMap<String, Running>>,
     generation: std::sync::atomic::AtomicU64,
     activity: activity::Activity,
+    /// Build logs of image builds since the server started, by snapshot id.
+    builds: Mutex<HashMap<String, Arc<build::BuildLog>>>,
     /// Stored key hashes, read once: checking a key must not cost a query per request.
     api_keys: std::sync::RwLock<Option<Vec<String>>>,
 }
@@ -97,6 +104,7 @@ impl Engine {
                 running: Mutex::default(),
                 generation: Default::default(),
                 activity: activity::Activity::default(),
+                builds: Mutex::default(),
                 api_keys: Default::default(),
             }),
         }

@@ -15,6 +15,22 @@ impl Engine {
     /// Reconciles every stored sandbox with its runtime. Call once at start-up,
     /// before serving requests.
     pub async fn recover_after_restart(&self) -> Result<(), EngineError> {
+        // A build does not survive its server: say so rather than build forever.
+        for mut snapshot in self.inner.store.list_snapshots().await? {
+            if matches!(
+                snapshot.state,
+                cove_store::SnapshotState::Building | cove_store::SnapshotState::Pending
+            ) {
+                snapshot.state = cove_store::SnapshotState::Error;
+                snapshot.error_reason = Some(
+                    "the server restarted while the image was being built; delete the snapshot and create it again"
+                        .into(),
+                );
+                snapshot.updated_at_ms = crate::now_ms();
+                self.inner.store.save_snapshot(&snapshot).await?;
+                tracing::warn!(snapshot = %snapshot.name, "build interrupted by a restart");
+            }
+        }
         for mut record in self.inner.store.list_sandboxes().await? {
             let id = record.id.clone();
             let Ok(runtime) = self.runtime(record.class).cloned() else {

@@ -106,6 +106,59 @@ impl Engine {
             })
     }
 
+    /// Makes an inactive snapshot usable again for new sandboxes.
+    pub async fn activate_snapshot(&self, id_or_name: &str) -> Result<SnapshotRecord, EngineError> {
+        let mut snapshot = self.get_snapshot(id_or_name).await?;
+        if snapshot.state != SnapshotState::Inactive {
+            return Err(EngineError::Invalid {
+                field: "snapshot",
+                reason: format!(
+                    "snapshot {} is {}; only an inactive snapshot can be activated",
+                    snapshot.name,
+                    snapshot.state.as_str()
+                ),
+            });
+        }
+        snapshot.state = SnapshotState::Active;
+        snapshot.updated_at_ms = now_ms();
+        self.inner.store.save_snapshot(&snapshot).await?;
+        tracing::info!(snapshot = %snapshot.name, "snapshot activated");
+        Ok(snapshot)
+    }
+
+    /// Keeps a snapshot (and the sandboxes made from it) but refuses new
+    /// sandboxes from it until it is activated again.
+    pub async fn deactivate_snapshot(
+        &self,
+        id_or_name: &str,
+    ) -> Result<SnapshotRecord, EngineError> {
+        let mut snapshot = self.get_snapshot(id_or_name).await?;
+        if snapshot.general {
+            return Err(EngineError::Invalid {
+                field: "snapshot",
+                reason: format!(
+                    "{} is provided by the server and cannot be deactivated",
+                    snapshot.name
+                ),
+            });
+        }
+        if snapshot.state != SnapshotState::Active {
+            return Err(EngineError::Invalid {
+                field: "snapshot",
+                reason: format!(
+                    "snapshot {} is {}; only an active snapshot can be deactivated",
+                    snapshot.name,
+                    snapshot.state.as_str()
+                ),
+            });
+        }
+        snapshot.state = SnapshotState::Inactive;
+        snapshot.updated_at_ms = now_ms();
+        self.inner.store.save_snapshot(&snapshot).await?;
+        tracing::info!(snapshot = %snapshot.name, "snapshot deactivated");
+        Ok(snapshot)
+    }
+
     /// Deletes a snapshot nothing depends on: no sandbox runs on it and no other
     /// snapshot is stacked on it.
     pub async fn delete_snapshot(&self, id_or_name: &str) -> Result<SnapshotRecord, EngineError> {
@@ -121,7 +174,12 @@ impl Engine {
         }
         let mut users: Vec<String> = Vec::new();
         let all = self.inner.store.list_snapshots().await?;
-        let top = snapshot.layers.first();
+        // Only a snapshot that owns its top layer (a capture) can pull it from
+        // under others; built images share cached layers they do not own.
+        let top = snapshot
+            .capture_id
+            .as_ref()
+            .and_then(|_| snapshot.layers.first());
         for other in all.iter().filter(|o| o.id != snapshot.id) {
             if top.is_some_and(|layer| other.layers.contains(layer)) {
                 users.push(format!("snapshot {}", other.name));
@@ -150,6 +208,7 @@ impl Engine {
                 })?;
         }
         self.inner.store.delete_snapshot(&snapshot.id).await?;
+        self.inner.builds.lock().unwrap().remove(&snapshot.id);
         tracing::info!(snapshot = %snapshot.name, "snapshot deleted");
         Ok(snapshot)
     }
@@ -205,6 +264,7 @@ impl Engine {
             size_bytes: None,
             has_memory: request.memory,
             env: base.env.clone(),
+            image: base.image.clone(),
             general: false,
             created_at_ms: now,
             updated_at_ms: now,

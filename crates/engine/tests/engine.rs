@@ -308,6 +308,8 @@ async fn a_restart_brings_sandboxes_back_once() {
             env: vec![],
             network: None,
             volumes: Vec::new(),
+            workdir: None,
+            user: None,
         };
         fake.prepare(&spec).await.unwrap();
     }

@@ -218,6 +218,8 @@ async fn main() {
         env: Vec::new(),
         network: None,
         volumes: Vec::new(),
+        workdir: None,
+        user: None,
     };
     let mut rows = Vec::new();
     for &memory_mib in &sizes {

@@ -42,6 +42,12 @@ pub struct SandboxSpec {
     pub network: Option<SandboxNetwork>,
     /// Host directories (volumes) mounted into the sandbox.
     pub volumes: Vec<VolumeBind>,
+    /// The directory commands start in (the image's WORKDIR); `None` is the
+    /// user's home.
+    pub workdir: Option<String>,
+    /// The user every sandbox process runs as (the image's USER, a name or
+    /// uid, optionally `:group`); `None` is root.
+    pub user: Option<String>,
 }
 
 /// A host directory mounted read-write at `target` inside a sandbox.

@@ -96,6 +96,8 @@ impl Harness {
             env: vec![("SANDBOX_TEST".into(), "1".into())],
             network: None,
             volumes: Vec::new(),
+            workdir: None,
+            user: None,
         }
     }
 

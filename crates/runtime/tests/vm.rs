@@ -92,6 +92,8 @@ impl Harness {
             env: vec![("SANDBOX_TEST".into(), format!("env-{id}"))],
             network: None,
             volumes: Vec::new(),
+            workdir: None,
+            user: None,
         }
     }
 

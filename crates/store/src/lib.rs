@@ -8,6 +8,7 @@
 mod api_keys;
 mod previews;
 mod records;
+mod registries;
 mod sandboxes;
 mod snapshots;
 mod ssh_access;
@@ -21,7 +22,8 @@ use sqlx::SqlitePool;
 
 pub use previews::SignedPreview;
 pub use records::{
-    NetworkSettings, SandboxRecord, SnapshotRecord, SnapshotState, VolumeMount, VolumeRecord,
+    BuildStepRecord, DockerRegistryRecord, ImageSettings, NetworkSettings, SandboxRecord,
+    SnapshotRecord, SnapshotState, VolumeMount, VolumeRecord,
 };
 pub use ssh_access::SshAccessRecord;
 

@@ -136,10 +136,34 @@ pub struct SnapshotRecord {
     pub has_memory: bool,
     /// Environment the image asks for; a sandbox's own variables override it.
     pub env: BTreeMap<String, String>,
+    /// What the image asks of its sandboxes besides the environment.
+    pub image: ImageSettings,
     /// Provided by the server itself rather than by a user.
     pub general: bool,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
+}
+
+/// An image's WORKDIR, USER, ENTRYPOINT and CMD.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ImageSettings {
+    /// Where commands start; `None` is the user's home.
+    pub workdir: Option<String>,
+    /// Who the sandbox's processes run as; `None` is root.
+    pub user: Option<String>,
+    pub entrypoint: Vec<String>,
+    pub cmd: Vec<String>,
+}
+
+/// One cached step of an image build: the layer it made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BuildStepRecord {
+    /// A hash of the base image and every instruction up to this one.
+    pub cache_key: String,
+    /// The runtime's capture that holds the layer.
+    pub capture_id: String,
+    pub layer: String,
+    pub created_at_ms: i64,
 }
 
 impl SnapshotRecord {
@@ -163,9 +187,40 @@ impl SnapshotRecord {
             size_bytes: None,
             has_memory: false,
             env: BTreeMap::new(),
+            image: ImageSettings::default(),
             general: true,
             created_at_ms: at_ms,
             updated_at_ms: at_ms,
         }
+    }
+}
+
+/// Credentials for one image registry.
+#[derive(Clone, PartialEq, Eq)]
+pub struct DockerRegistryRecord {
+    pub id: String,
+    pub name: String,
+    /// As the user gave it: `host[:port]`, optionally with a scheme and path.
+    pub url: String,
+    pub username: String,
+    pub password: String,
+    /// A namespace within the registry; may be empty.
+    pub project: String,
+    /// Daytona's kind (`organization` for user-made ones).
+    pub registry_type: String,
+    pub created_at_ms: i64,
+    pub updated_at_ms: i64,
+}
+
+impl std::fmt::Debug for DockerRegistryRecord {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DockerRegistryRecord")
+            .field("id", &self.id)
+            .field("name", &self.name)
+            .field("url", &self.url)
+            .field("username", &self.username)
+            .field("password", &"<redacted>")
+            .field("project", &self.project)
+            .finish()
     }
 }

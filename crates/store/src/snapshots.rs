@@ -3,10 +3,11 @@
 use sqlx::sqlite::SqliteRow;
 use sqlx::Row;
 
-use crate::{SnapshotRecord, SnapshotState, Store, StoreError};
+use crate::{BuildStepRecord, ImageSettings, SnapshotRecord, SnapshotState, Store, StoreError};
 
 const COLUMNS: &str = "id, name, class, state, error_reason, rootfs, cpu, gpu, memory_gib, \
-    disk_gib, size_bytes, general, created_at_ms, updated_at_ms, layers, capture_id, source_sandbox, has_memory, env";
+    disk_gib, size_bytes, general, created_at_ms, updated_at_ms, layers, capture_id, source_sandbox, has_memory, env, workdir, image_user, \
+    entrypoint, cmd";
 
 fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
     let id: String = row.try_get("id")?;
@@ -39,6 +40,14 @@ fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
                 reason: format!("env: {e}"),
             }
         })?,
+        image: ImageSettings {
+            workdir: row.try_get("workdir")?,
+            user: row.try_get("image_user")?,
+            entrypoint: serde_json::from_str(&row.try_get::<String, _>("entrypoint")?)
+                .map_err(|e| corrupt(format!("entrypoint: {e}")))?,
+            cmd: serde_json::from_str(&row.try_get::<String, _>("cmd")?)
+                .map_err(|e| corrupt(format!("cmd: {e}")))?,
+        },
         created_at_ms: row.try_get("created_at_ms")?,
         updated_at_ms: row.try_get("updated_at_ms")?,
         id,
@@ -85,6 +94,10 @@ impl Store {
             .bind(&s.source_sandbox)
             .bind(i64::from(s.has_memory))
             .bind(serde_json::to_string(&s.env).expect("a string map serializes"))
+            .bind(&s.image.workdir)
+            .bind(&s.image.user)
+            .bind(serde_json::to_string(&s.image.entrypoint).expect("strings serialize"))
+            .bind(serde_json::to_string(&s.image.cmd).expect("strings serialize"))
             .execute(&self.pool)
             .await?;
         Ok(())
@@ -115,5 +128,45 @@ impl Store {
         let sql = format!("SELECT {COLUMNS} FROM snapshots ORDER BY created_at_ms, rowid");
         let rows = sqlx::query(&sql).fetch_all(&self.pool).await?;
         rows.iter().map(from_row).collect()
+    }
+}
+
+impl Store {
+    /// The cached build step with this key.
+    pub async fn find_build_step(
+        &self,
+        cache_key: &str,
+    ) -> Result<Option<BuildStepRecord>, StoreError> {
+        let row = sqlx::query(
+            "SELECT cache_key, capture_id, layer, created_at_ms FROM build_steps WHERE cache_key = ?",
+        )
+        .bind(cache_key)
+        .fetch_optional(&self.pool)
+        .await?;
+        row.map(|row| {
+            Ok(BuildStepRecord {
+                cache_key: row.try_get("cache_key")?,
+                capture_id: row.try_get("capture_id")?,
+                layer: row.try_get("layer")?,
+                created_at_ms: row.try_get("created_at_ms")?,
+            })
+        })
+        .transpose()
+    }
+
+    /// Remembers a built step; a step built twice at once keeps the first
+    /// (answered `false`, so the caller discards its own copy).
+    pub async fn insert_build_step(&self, step: &BuildStepRecord) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "INSERT INTO build_steps (cache_key, capture_id, layer, created_at_ms) \
+             VALUES (?, ?, ?, ?) ON CONFLICT (cache_key) DO NOTHING",
+        )
+        .bind(&step.cache_key)
+        .bind(&step.capture_id)
+        .bind(&step.layer)
+        .bind(step.created_at_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() == 1)
     }
 }

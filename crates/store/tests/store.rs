@@ -107,6 +107,12 @@ async fn snapshots_and_keys() {
         size_bytes: Some(5),
         has_memory: true,
         env: BTreeMap::from([("PATH".into(), "/usr/bin".into())]),
+        image: cove_store::ImageSettings {
+            workdir: Some("/app".into()),
+            user: Some("nobody".into()),
+            entrypoint: vec!["/bin/sh".into(), "-c".into()],
+            cmd: vec!["sleep infinity".into()],
+        },
         general: true,
         created_at_ms: 1,
         updated_at_ms: 1,
@@ -117,6 +123,20 @@ async fn snapshots_and_keys() {
         Some(snap)
     );
     assert_eq!(store.find_snapshot("nope").await.unwrap(), None);
+    let step = cove_store::BuildStepRecord {
+        cache_key: "k".into(),
+        capture_id: "c1".into(),
+        layer: "/layers/c1".into(),
+        created_at_ms: 2,
+    };
+    assert!(store.insert_build_step(&step).await.unwrap());
+    let again = cove_store::BuildStepRecord {
+        capture_id: "c2".into(),
+        ..step.clone()
+    };
+    assert!(!store.insert_build_step(&again).await.unwrap());
+    assert_eq!(store.find_build_step("k").await.unwrap(), Some(step));
+    assert_eq!(store.find_build_step("other").await.unwrap(), None);
     store.add_api_key_hash("h", 1).await.unwrap();
     assert_eq!(store.api_key_hashes().await.unwrap(), vec!["h".to_string()]);
 }
@@ -185,4 +205,32 @@ async fn ssh_access_is_found_by_hash_revoked_pruned_and_goes_with_its_sandbox() 
     assert_eq!(store.find_ssh_access("h3").await.unwrap(), None);
     assert!(store.find_ssh_access("h4").await.unwrap().is_some());
     assert_eq!(store.revoke_ssh_access("id-b", None).await.unwrap(), 1);
+}
+
+#[tokio::test]
+async fn docker_registries() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let mut registry = cove_store::DockerRegistryRecord {
+        id: "r1".into(),
+        name: "local".into(),
+        url: "127.0.0.1:5000".into(),
+        username: "u".into(),
+        password: "secret".into(),
+        project: String::new(),
+        registry_type: "organization".into(),
+        created_at_ms: 1,
+        updated_at_ms: 1,
+    };
+    store.save_registry(&registry).await.unwrap();
+    assert!(!format!("{registry:?}").contains("secret"));
+    registry.password = "new".into();
+    store.save_registry(&registry).await.unwrap();
+    assert_eq!(
+        store.list_registries().await.unwrap(),
+        vec![registry.clone()]
+    );
+    assert_eq!(store.find_registry("r1").await.unwrap(), Some(registry));
+    store.delete_registry("r1").await.unwrap();
+    assert_eq!(store.find_registry("r1").await.unwrap(), None);
 }

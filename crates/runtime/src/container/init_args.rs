@@ -9,15 +9,15 @@ use serde::{Deserialize, Serialize};
 /// The first argument that selects the shim in the `cove` binary.
 pub const SUBCOMMAND: &str = "__container-init";
 
-/// Environment the agent gets under whatever the sandbox spec adds.
-const BASE_ENV: [(&str, &str); 4] = [
+/// Environment the agent gets under whatever the sandbox spec adds. Without
+/// `COVE_WORKDIR` the agent starts commands in its user's home.
+const BASE_ENV: [(&str, &str); 3] = [
     ("HOME", "/root"),
     (
         "PATH",
         "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
     ),
     ("TERM", "xterm"),
-    ("COVE_WORKDIR", "/root"),
 ];
 
 /// Names the inherited listening socket; set by the container init, never by the spec.
@@ -94,12 +94,24 @@ impl InitArgs {
 
 /// The agent's environment: the base, then the spec's variables (which win), minus the
 /// listen fd variable, which only the container init may set.
-pub fn agent_env(spec_env: &[(String, String)]) -> Vec<(String, String)> {
+pub fn agent_env(spec: &crate::SandboxSpec) -> Vec<(String, String)> {
     let mut env: Vec<(String, String)> = BASE_ENV
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
-    for (key, value) in spec_env {
+    // The image's settings are the agent's (`COVE_*` never reach a sandbox
+    // process); a spec's own variables cannot override them.
+    let image = [("COVE_WORKDIR", &spec.workdir), ("COVE_USER", &spec.user)];
+    let image: Vec<(String, String)> = image
+        .into_iter()
+        .filter_map(|(key, value)| value.as_ref().map(|v| (key.to_owned(), v.clone())))
+        .collect();
+    for (key, value) in spec
+        .env
+        .iter()
+        .filter(|(k, _)| k != "COVE_WORKDIR" && k != "COVE_USER")
+        .chain(&image)
+    {
         if key == LISTEN_FD_ENV || key.is_empty() || key.contains('=') || key.contains('\0') {
             continue;
         }
@@ -192,12 +204,37 @@ mod tests {
 
     #[test]
     fn spec_env_overrides_base_but_not_the_listen_fd() {
-        let env = agent_env(&[
-            ("PATH".into(), "/bin".into()),
-            ("FOO".into(), "1".into()),
-            (LISTEN_FD_ENV.into(), "9".into()),
-            ("A=B".into(), "x".into()),
-        ]);
+        let mut spec = crate::SandboxSpec {
+            id: "a".into(),
+            hostname: "a".into(),
+            rootfs: "/".into(),
+            layers: vec![],
+            resources: crate::Resources {
+                cpu: 1,
+                memory_mib: 1,
+                disk_gib: 1,
+            },
+            env: vec![
+                ("PATH".into(), "/bin".into()),
+                ("FOO".into(), "1".into()),
+                (LISTEN_FD_ENV.into(), "9".into()),
+                ("A=B".into(), "x".into()),
+                ("COVE_USER".into(), "root".into()),
+            ],
+            network: None,
+            volumes: vec![],
+            workdir: None,
+            user: None,
+        };
+        let env = agent_env(&spec);
+        assert!(env
+            .iter()
+            .all(|(k, _)| k != "COVE_USER" && k != "COVE_WORKDIR"));
+        spec.workdir = Some("/app".into());
+        spec.user = Some("nobody".into());
+        let env = agent_env(&spec);
+        assert!(env.contains(&("COVE_WORKDIR".into(), "/app".into())));
+        assert!(env.contains(&("COVE_USER".into(), "nobody".into())));
         assert!(env.contains(&("PATH".into(), "/bin".into())));
         assert!(env.contains(&("HOME".into(), "/root".into())));
         assert!(env.contains(&("FOO".into(), "1".into())));

@@ -348,7 +348,7 @@ impl Runtime for ContainerRuntime {
             .append(true)
             .open(&console_path)
             .map_err(io_error(id, format!("open {}", console_path.display())))?;
-        let mut env = init_args::agent_env(&spec.env);
+        let mut env = init_args::agent_env(spec);
         if let Some(qgroup) =
             (self.config.storage.as_ref()).and_then(|storage| storage.qgroup_sysfs_dir(&layout.dir))
         {

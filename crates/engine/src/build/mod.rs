@@ -1,0 +1,323 @@
+//! Building images from Dockerfiles (the SDK's `Image` builder).
+//!
+//! `FROM` names a snapshot on this server or an image to pull. Each `RUN` runs
+//! in a build sandbox: a container made by the runtime like any sandbox, on
+//! the base's root filesystem under the layers built so far, never registered
+//! as a sandbox. When the command exits 0 the sandbox is stopped, its writable
+//! layer captured read-only (as a snapshot of a sandbox is) and stacked as the
+//! next layer, and the sandbox removed. `WORKDIR` also makes a layer (the
+//! directory). `ENV`, `ARG`, `USER`, `ENTRYPOINT` and `CMD` change only the
+//! image's settings, which later steps and the sandboxes made from the image
+//! see.
+//!
+//! Every step that makes a layer is cached under a hash of the base and every
+//! instruction up to it (`build_steps` in the store), so a Dockerfile that
+//! starts like an earlier one reuses that one's layers. Cached layers are
+//! kept: snapshots stand on them without owning them.
+
+mod agent;
+mod dockerfile;
+mod logs;
+
+use std::collections::BTreeMap;
+
+use cove_lifecycle::SandboxClass;
+use cove_store::{BuildStepRecord, ImageSettings, NetworkSettings, SnapshotRecord};
+use sha2::{Digest as _, Sha256};
+
+use dockerfile::StepKind;
+pub use dockerfile::{parse_dockerfile, DockerfilePlan};
+pub use logs::BuildLog;
+
+use crate::{now_ms, Engine, EngineError};
+
+/// How much of a failed step's output goes into the snapshot's error reason.
+const OUTPUT_TAIL_BYTES: usize = 2000;
+
+/// What a build makes: the layers and settings of the finished image.
+#[derive(Clone, Debug)]
+pub(crate) struct BuiltImage {
+    pub rootfs: String,
+    /// Topmost first.
+    pub layers: Vec<String>,
+    pub env: BTreeMap<String, String>,
+    pub image: ImageSettings,
+}
+
+/// Where a build is between steps.
+struct Progress {
+    image: BuiltImage,
+    /// `ARG`s: visible to later `RUN`s, not kept in the image.
+    args: BTreeMap<String, String>,
+    /// A hash of the base and every instruction so far.
+    key: [u8; 32],
+}
+
+impl Progress {
+    /// Variables `$VAR` expands from: arguments under the environment.
+    fn vars(&self) -> BTreeMap<String, String> {
+        let mut vars = self.args.clone();
+        vars.extend(self.image.env.clone());
+        vars
+    }
+
+    fn advance(&mut self, text: &str) {
+        let mut hash = Sha256::new();
+        hash.update(self.key);
+        hash.update(text.as_bytes());
+        self.key = hash.finalize().into();
+    }
+
+    fn key_hex(&self) -> String {
+        hex(&self.key)
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// A build that failed: the message says which instruction and why.
+fn failed(reason: String) -> EngineError {
+    EngineError::BuildFailed { reason }
+}
+
+impl Engine {
+    /// Builds `plan`, writing what happens to `log`.
+    pub(crate) async fn build_image(
+        &self,
+        plan: &DockerfilePlan,
+        log: &BuildLog,
+    ) -> Result<BuiltImage, EngineError> {
+        log.line(format!("FROM {}", plan.base));
+        let base = self.build_base(&plan.base).await?;
+        let mut seed = Sha256::new();
+        seed.update(b"cove-build-1\0");
+        seed.update(base.id.as_bytes());
+        let mut progress = Progress {
+            image: BuiltImage {
+                rootfs: base.rootfs.clone(),
+                layers: base.layers.clone(),
+                env: base.env.clone(),
+                image: base.image.clone(),
+            },
+            args: BTreeMap::new(),
+            key: seed.finalize().into(),
+        };
+        let total = plan.steps.len();
+        for (index, step) in plan.steps.iter().enumerate() {
+            log.line(format!("STEP {}/{total}: {}", index + 1, step.text));
+            progress.advance(&step.text);
+            let vars = progress.vars();
+            match &step.kind {
+                StepKind::Run(command) => {
+                    let env = progress.vars();
+                    let user = progress.image.image.user.clone();
+                    self.layer_step(&mut progress, log, &step.text, command.argv(), env, user)
+                        .await?;
+                }
+                StepKind::Workdir(dir) => {
+                    let dir = dockerfile::expand(dir, &vars);
+                    let dir = match &progress.image.image.workdir {
+                        Some(current) if !dir.starts_with('/') => format!("{current}/{dir}"),
+                        _ if !dir.starts_with('/') => format!("/{dir}"),
+                        _ => dir,
+                    };
+                    // Made as root, then given to the image's user, as Docker does.
+                    let mut script = format!("mkdir -p {}", agent::shell_quote(&dir));
+                    if let Some(user) = &progress.image.image.user {
+                        script.push_str(&format!(
+                            " && chown {} {}",
+                            agent::shell_quote(user),
+                            agent::shell_quote(&dir)
+                        ));
+                    }
+                    let argv = vec!["/bin/sh".into(), "-c".into(), script];
+                    self.layer_step(&mut progress, log, &step.text, argv, BTreeMap::new(), None)
+                        .await?;
+                    progress.image.image.workdir = Some(dir);
+                }
+                StepKind::Env(text) => {
+                    progress
+                        .image
+                        .env
+                        .extend(dockerfile::parse_env(text, &vars)?);
+                }
+                StepKind::Arg { name, default } => {
+                    let value = default
+                        .as_deref()
+                        .map(|d| dockerfile::expand(d, &vars))
+                        .unwrap_or_default();
+                    progress.args.insert(name.clone(), value);
+                }
+                StepKind::User(user) => {
+                    progress.image.image.user = Some(dockerfile::expand(user, &vars));
+                }
+                StepKind::Entrypoint(command) => {
+                    progress.image.image.entrypoint = command.argv();
+                    // As in Docker, a new ENTRYPOINT drops an inherited CMD.
+                    progress.image.image.cmd.clear();
+                }
+                StepKind::Cmd(command) => progress.image.image.cmd = command.argv(),
+                StepKind::Metadata => {}
+            }
+        }
+        log.line("build complete");
+        Ok(progress.image)
+    }
+
+    /// The snapshot a `FROM` names: one on this server (a snapshot or an
+    /// image already pulled), else an image pulled from its registry.
+    async fn build_base(&self, name: &str) -> Result<SnapshotRecord, EngineError> {
+        let base = match self.inner.store.find_snapshot(name).await? {
+            Some(found) => found,
+            None => self.image_snapshot(name).await?,
+        };
+        if base.state != cove_store::SnapshotState::Active {
+            return Err(EngineError::SnapshotNotActive {
+                name: base.name,
+                state: base.state.as_str(),
+            });
+        }
+        if base.class != SandboxClass::Container || base.has_memory {
+            return Err(EngineError::NotImplemented {
+                what: format!(
+                    "building on {} (a {} snapshot{}); FROM a container image",
+                    base.name,
+                    base.class,
+                    if base.has_memory { " with memory" } else { "" }
+                ),
+            });
+        }
+        Ok(base)
+    }
+
+    /// Runs `argv` in a build sandbox on the layers so far and stacks what it
+    /// changed as a new layer, or reuses the layer cached for this step.
+    async fn layer_step(
+        &self,
+        progress: &mut Progress,
+        log: &BuildLog,
+        text: &str,
+        argv: Vec<String>,
+        env: BTreeMap<String, String>,
+        user: Option<String>,
+    ) -> Result<(), EngineError> {
+        let key = progress.key_hex();
+        if let Some(cached) = self.inner.store.find_build_step(&key).await? {
+            log.line(" ---> using cache");
+            progress.image.layers.insert(0, cached.layer);
+            return Ok(());
+        }
+        let runtime = self.runtime(SandboxClass::Container)?.clone();
+        let id = format!("build-{}", uuid::Uuid::new_v4().simple());
+        let capture_id = format!("build-{}", uuid::Uuid::new_v4().simple());
+        let config = &self.inner.config;
+        let spec = cove_runtime::SandboxSpec {
+            id: id.clone(),
+            hostname: "build".into(),
+            rootfs: progress.image.rootfs.clone().into(),
+            layers: progress.image.layers.iter().map(Into::into).collect(),
+            resources: cove_runtime::Resources {
+                cpu: config.ceilings.cpu as u32,
+                memory_mib: config.ceilings.memory_gib as u64 * 1024,
+                disk_gib: config.ceilings.disk_gib as u64,
+            },
+            env: progress.image.env.clone().into_iter().collect(),
+            network: None,
+            volumes: Vec::new(),
+            workdir: progress.image.image.workdir.clone(),
+            user,
+        };
+        let outcome = self
+            .run_build_sandbox(runtime.as_ref(), spec, &argv, &env, &capture_id)
+            .await;
+        if let Err(error) = runtime.destroy(&id).await {
+            tracing::error!(build = %id, %error, "removing a build sandbox");
+        }
+        if let Some(network) = self.network() {
+            if let Err(error) = network.release(&id).await {
+                tracing::error!(build = %id, %error, "releasing a build sandbox's address");
+            }
+        }
+        let (layer, executed) = outcome.map_err(|reason| failed(format!("{text}: {reason}")))?;
+        for line in executed.result.lines() {
+            log.line(line);
+        }
+        let Some(layer) = layer else {
+            let mut tail = executed.result.trim_end().to_owned();
+            if tail.len() > OUTPUT_TAIL_BYTES {
+                let mut cut = tail.len() - OUTPUT_TAIL_BYTES;
+                while !tail.is_char_boundary(cut) {
+                    cut += 1;
+                }
+                tail = format!("...{}", &tail[cut..]);
+            }
+            let how = if executed.timed_out {
+                format!("timed out after {} s", agent::RUN_TIMEOUT.as_secs())
+            } else {
+                format!("exited with code {}", executed.exit_code)
+            };
+            return Err(failed(format!("{text} {how}; output: {tail}")));
+        };
+        let layer = layer.display().to_string();
+        let step = BuildStepRecord {
+            cache_key: key,
+            capture_id: capture_id.clone(),
+            layer: layer.clone(),
+            created_at_ms: now_ms(),
+        };
+        if !self.inner.store.insert_build_step(&step).await? {
+            // Another build made this step meanwhile: use its layer.
+            let _ = runtime.discard_capture(&capture_id).await;
+            let theirs = self.inner.store.find_build_step(&step.cache_key).await?;
+            progress
+                .image
+                .layers
+                .insert(0, theirs.map(|s| s.layer).unwrap_or(layer));
+            return Ok(());
+        }
+        progress.image.layers.insert(0, layer);
+        Ok(())
+    }
+
+    /// Starts a build sandbox, runs the step, stops it and captures its layer
+    /// if the step succeeded.
+    async fn run_build_sandbox(
+        &self,
+        runtime: &dyn cove_runtime::Runtime,
+        mut spec: cove_runtime::SandboxSpec,
+        argv: &[String],
+        env: &BTreeMap<String, String>,
+        capture_id: &str,
+    ) -> Result<(Option<std::path::PathBuf>, agent::Executed), String> {
+        if let Some(network) = self.network() {
+            let policy =
+                crate::network::policy(&NetworkSettings::default()).map_err(|e| e.to_string())?;
+            let attachment = network
+                .attach(&spec.id, &policy)
+                .await
+                .map_err(|e| format!("attaching the build sandbox to the network: {e}"))?;
+            let cove_net::Link::Namespace(netns) = attachment.link else {
+                return Err("the build sandbox was not given a network namespace".into());
+            };
+            spec.network = Some(cove_runtime::SandboxNetwork {
+                link: cove_runtime::NetworkLink::Namespace(netns),
+                resolv_conf: attachment.resolv_conf,
+            });
+        }
+        runtime.prepare(&spec).await.map_err(|e| e.to_string())?;
+        let started = runtime.start(&spec).await.map_err(|e| e.to_string())?;
+        let cove_runtime::AgentEndpoint::Unix(socket) = &started.agent;
+        let executed = agent::execute(socket, argv, spec.workdir.as_deref(), env).await?;
+        runtime.stop(&spec.id).await.map_err(|e| e.to_string())?;
+        if executed.exit_code != 0 {
+            return Ok((None, executed));
+        }
+        let layer = runtime
+            .capture(&spec.id, capture_id)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok((Some(layer), executed))
+    }
+}

@@ -1,0 +1,195 @@
+//! Credentials for image registries (`/api/docker-registry`): kept in the
+//! store, and given to a pull whose image lives on the registry's host.
+
+use cove_store::DockerRegistryRecord;
+
+use crate::{now_ms, Engine, EngineError};
+
+/// What a user asked a registry to be; on update, a `None` password keeps
+/// the stored one.
+#[derive(Clone, Default)]
+pub struct RegistryRequest {
+    pub name: String,
+    pub url: String,
+    pub username: String,
+    pub password: Option<String>,
+    pub project: Option<String>,
+}
+
+/// The host (`host[:port]`, lower-case) a registry URL or image reference
+/// names; Docker Hub's several names are all `docker.io`.
+pub fn registry_host(url: &str) -> Result<String, String> {
+    let rest = url
+        .trim()
+        .strip_prefix("https://")
+        .or_else(|| url.trim().strip_prefix("http://"))
+        .unwrap_or(url.trim());
+    let host = rest
+        .split('/')
+        .next()
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    let valid = !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']'));
+    if !valid {
+        return Err(format!(
+            "{url:?} names no registry host; give host[:port], e.g. registry.example.com or 127.0.0.1:5000"
+        ));
+    }
+    Ok(match host.as_str() {
+        "index.docker.io"
+        | "registry-1.docker.io"
+        | "registry.hub.docker.com"
+        | "hub.docker.com" => "docker.io".into(),
+        _ => host,
+    })
+}
+
+fn invalid(field: &'static str, reason: impl Into<String>) -> EngineError {
+    EngineError::Invalid {
+        field,
+        reason: reason.into(),
+    }
+}
+
+impl Engine {
+    pub async fn create_registry(
+        &self,
+        request: RegistryRequest,
+    ) -> Result<DockerRegistryRecord, EngineError> {
+        let password = request
+            .password
+            .clone()
+            .filter(|p| !p.is_empty())
+            .ok_or_else(|| invalid("password", "a registry needs a password (or token)"))?;
+        let now = now_ms();
+        let record = DockerRegistryRecord {
+            id: uuid::Uuid::new_v4().to_string(),
+            password,
+            registry_type: "organization".into(),
+            created_at_ms: now,
+            updated_at_ms: now,
+            ..checked(request)?
+        };
+        self.inner.store.save_registry(&record).await?;
+        tracing::info!(registry = %record.name, url = %record.url, "docker registry added");
+        Ok(record)
+    }
+
+    pub async fn registries(&self) -> Result<Vec<DockerRegistryRecord>, EngineError> {
+        Ok(self.inner.store.list_registries().await?)
+    }
+
+    pub async fn get_registry(&self, id: &str) -> Result<DockerRegistryRecord, EngineError> {
+        self.inner
+            .store
+            .find_registry(id)
+            .await?
+            .ok_or_else(|| EngineError::RegistryNotFound { id: id.to_owned() })
+    }
+
+    pub async fn update_registry(
+        &self,
+        id: &str,
+        request: RegistryRequest,
+    ) -> Result<DockerRegistryRecord, EngineError> {
+        let current = self.get_registry(id).await?;
+        let password = request
+            .password
+            .clone()
+            .filter(|p| !p.is_empty())
+            .unwrap_or_else(|| current.password.clone());
+        let record = DockerRegistryRecord {
+            id: current.id,
+            password,
+            registry_type: current.registry_type,
+            created_at_ms: current.created_at_ms,
+            updated_at_ms: now_ms(),
+            ..checked(request)?
+        };
+        self.inner.store.save_registry(&record).await?;
+        Ok(record)
+    }
+
+    pub async fn delete_registry(&self, id: &str) -> Result<DockerRegistryRecord, EngineError> {
+        let record = self.get_registry(id).await?;
+        self.inner.store.delete_registry(&record.id).await?;
+        tracing::info!(registry = %record.name, "docker registry removed");
+        Ok(record)
+    }
+
+    /// The credentials for pulling `reference`: of a registry on its host,
+    /// preferring one whose project is the image's first path component.
+    pub(crate) async fn credentials_for(
+        &self,
+        reference: &str,
+    ) -> Result<Option<cove_oci::Credentials>, EngineError> {
+        let Ok(full) = cove_oci::normalize_reference(reference) else {
+            return Ok(None);
+        };
+        let (host, path) = full.split_once('/').unwrap_or((full.as_str(), ""));
+        let host = registry_host(host).unwrap_or_default();
+        let registries = self.inner.store.list_registries().await?;
+        let on_host: Vec<&DockerRegistryRecord> = registries
+            .iter()
+            .filter(|r| registry_host(&r.url).is_ok_and(|h| h == host))
+            .collect();
+        let in_project = |r: &&&DockerRegistryRecord| {
+            !r.project.is_empty() && path.starts_with(&format!("{}/", r.project))
+        };
+        let chosen = on_host
+            .iter()
+            .find(in_project)
+            .or_else(|| on_host.iter().find(|r| r.project.is_empty()))
+            .or_else(|| on_host.first());
+        Ok(chosen.map(|r| cove_oci::Credentials {
+            username: r.username.clone(),
+            password: r.password.clone(),
+        }))
+    }
+}
+
+/// The request's fields, checked (everything but the password).
+fn checked(request: RegistryRequest) -> Result<DockerRegistryRecord, EngineError> {
+    if request.name.trim().is_empty() {
+        return Err(invalid("name", "a registry needs a name"));
+    }
+    registry_host(&request.url).map_err(|reason| invalid("url", reason))?;
+    if request.username.is_empty() {
+        return Err(invalid("username", "a registry needs a username"));
+    }
+    Ok(DockerRegistryRecord {
+        id: String::new(),
+        name: request.name,
+        url: request.url.trim().to_owned(),
+        username: request.username,
+        password: String::new(),
+        project: request.project.unwrap_or_default(),
+        registry_type: String::new(),
+        created_at_ms: 0,
+        updated_at_ms: 0,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registry_hosts_are_compared_without_scheme_path_or_case() {
+        assert_eq!(registry_host("127.0.0.1:5000").unwrap(), "127.0.0.1:5000");
+        assert_eq!(
+            registry_host("https://Registry.Example.com/v2/").unwrap(),
+            "registry.example.com"
+        );
+        assert_eq!(
+            registry_host("https://registry.hub.docker.com").unwrap(),
+            "docker.io"
+        );
+        assert_eq!(registry_host("docker.io").unwrap(), "docker.io");
+        assert!(registry_host("").is_err());
+        assert!(registry_host("not a host").is_err());
+    }
+}
