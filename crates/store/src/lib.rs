@@ -68,6 +68,21 @@ fn write_row_sql(table: &str, columns: &str, upsert: bool) -> String {
     sql
 }
 
+/// The statement that finds the row whose id or, failing that, whose name is
+/// its one parameter.
+fn find_by_id_or_name_sql(table: &str, columns: &str) -> String {
+    format!(
+        "SELECT {columns} FROM {table} WHERE id = ?1 OR name = ?1 \
+         ORDER BY CASE WHEN id = ?1 THEN 0 ELSE 1 END LIMIT 1"
+    )
+}
+
+/// The statement that lists every row, oldest first (rowid orders rows made
+/// in the same millisecond).
+fn list_sql(table: &str, columns: &str) -> String {
+    format!("SELECT {columns} FROM {table} ORDER BY created_at_ms, rowid")
+}
+
 /// The database of one cove server.
 #[derive(Clone, Debug)]
 pub struct Store {

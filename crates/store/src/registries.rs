@@ -54,7 +54,7 @@ impl Store {
 
     /// Every registry, oldest first.
     pub async fn list_registries(&self) -> Result<Vec<DockerRegistryRecord>, StoreError> {
-        let sql = format!("SELECT {COLUMNS} FROM docker_registries ORDER BY created_at_ms, rowid");
+        let sql = crate::list_sql("docker_registries", COLUMNS);
         let rows = sqlx::query(&sql).fetch_all(&self.pool).await?;
         rows.iter().map(from_row).collect()
     }

@@ -125,10 +125,7 @@ impl Store {
         &self,
         id_or_name: &str,
     ) -> Result<Option<SandboxRecord>, StoreError> {
-        let sql = format!(
-            "SELECT {COLUMNS} FROM sandboxes WHERE id = ?1 OR name = ?1 \
-             ORDER BY CASE WHEN id = ?1 THEN 0 ELSE 1 END LIMIT 1"
-        );
+        let sql = crate::find_by_id_or_name_sql("sandboxes", COLUMNS);
         let row = sqlx::query(&sql)
             .bind(id_or_name)
             .fetch_optional(&self.pool)
@@ -138,7 +135,7 @@ impl Store {
 
     /// Every sandbox, oldest first.
     pub async fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
-        let sql = format!("SELECT {COLUMNS} FROM sandboxes ORDER BY created_at_ms, rowid");
+        let sql = crate::list_sql("sandboxes", COLUMNS);
         let rows = sqlx::query(&sql).fetch_all(&self.pool).await?;
         rows.iter().map(from_row).collect()
     }

@@ -125,7 +125,7 @@ impl Store {
     }
 
     pub async fn list_snapshots(&self) -> Result<Vec<SnapshotRecord>, StoreError> {
-        let sql = format!("SELECT {COLUMNS} FROM snapshots ORDER BY created_at_ms, rowid");
+        let sql = crate::list_sql("snapshots", COLUMNS);
         let rows = sqlx::query(&sql).fetch_all(&self.pool).await?;
         rows.iter().map(from_row).collect()
     }

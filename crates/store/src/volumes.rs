@@ -40,10 +40,7 @@ impl Store {
 
     /// The volume whose id or, failing that, whose name is `id_or_name`.
     pub async fn find_volume(&self, id_or_name: &str) -> Result<Option<VolumeRecord>, StoreError> {
-        let sql = format!(
-            "SELECT {COLUMNS} FROM volumes WHERE id = ?1 OR name = ?1 \
-             ORDER BY CASE WHEN id = ?1 THEN 0 ELSE 1 END LIMIT 1"
-        );
+        let sql = crate::find_by_id_or_name_sql("volumes", COLUMNS);
         let row = sqlx::query(&sql)
             .bind(id_or_name)
             .fetch_optional(&self.pool)
@@ -53,7 +50,7 @@ impl Store {
 
     /// Every volume, oldest first.
     pub async fn list_volumes(&self) -> Result<Vec<VolumeRecord>, StoreError> {
-        let sql = format!("SELECT {COLUMNS} FROM volumes ORDER BY created_at_ms, rowid");
+        let sql = crate::list_sql("volumes", COLUMNS);
         let rows = sqlx::query(&sql).fetch_all(&self.pool).await?;
         rows.iter().map(from_row).collect()
     }
