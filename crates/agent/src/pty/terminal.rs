@@ -125,14 +125,24 @@ impl Terminal {
     /// SIGKILLs every process of the terminal's session, the shell included.
     /// An interactive shell puts each job in its own process group, so killing
     /// the shell's group alone would leave background jobs running.
+    ///
+    /// The shell dies first, so it cannot fork while the session is swept; a
+    /// child it forked just before (or a member forking during a sweep) shows
+    /// up in the next sweep, and sweeping stops once no live member is left.
     pub fn kill_session(&self) {
         if self.leader.as_raw() <= 0 {
             return;
         }
-        for pid in session_members(self.leader) {
-            let _ = kill(pid, Signal::SIGKILL);
-        }
         let _ = kill(self.leader, Signal::SIGKILL);
+        for _ in 0..MAX_SWEEPS {
+            let members = live_session_members(self.leader);
+            if members.is_empty() {
+                return;
+            }
+            for pid in members {
+                let _ = kill(pid, Signal::SIGKILL);
+            }
+        }
     }
 }
 
@@ -151,8 +161,13 @@ fn set_window_size(fd: i32, cols: u16, rows: u16) -> io::Result<()> {
     Ok(())
 }
 
-/// Processes whose session id is `session`, from `/proc`.
-fn session_members(session: Pid) -> Vec<Pid> {
+/// Bounds the sweeps of [`Terminal::kill_session`]: each sweep kills every
+/// live member, so only a fork bomb outruns it.
+const MAX_SWEEPS: usize = 64;
+
+/// Processes whose session id is `session` and that have not exited yet
+/// (zombies are left to their parents), from `/proc`.
+fn live_session_members(session: Pid) -> Vec<Pid> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -161,29 +176,40 @@ fn session_members(session: Pid) -> Vec<Pid> {
         .filter(|&pid| {
             std::fs::read_to_string(format!("/proc/{pid}/stat"))
                 .ok()
-                .and_then(|stat| session_of(&stat))
+                .and_then(|stat| live_session_of(&stat))
                 == Some(session.as_raw())
         })
         .map(Pid::from_raw)
         .collect()
 }
 
-/// The session field of a `/proc/<pid>/stat` line. The command name may hold
-/// spaces and parentheses, so fields are counted after its last `)`.
-fn session_of(stat: &str) -> Option<i32> {
+/// The session field of a `/proc/<pid>/stat` line, or `None` for a zombie
+/// (or a dead process). The command name may hold spaces and parentheses, so
+/// fields are counted after its last `)`.
+fn live_session_of(stat: &str) -> Option<i32> {
     let rest = &stat[stat.rfind(')')? + 1..];
     // state ppid pgrp session
-    rest.split_whitespace().nth(3)?.parse().ok()
+    let mut fields = rest.split_whitespace();
+    if matches!(fields.next()?, "Z" | "X" | "x") {
+        return None;
+    }
+    fields.nth(2)?.parse().ok()
 }
 
 #[cfg(test)]
 mod tests {
-    use super::session_of;
+    use super::live_session_of;
 
     #[test]
     fn session_field_survives_odd_command_names() {
         let stat = "42 (we (ird) name) S 1 42 40 0 -1 4194560 100";
-        assert_eq!(session_of(stat), Some(40));
-        assert_eq!(session_of("garbage"), None);
+        assert_eq!(live_session_of(stat), Some(40));
+        assert_eq!(live_session_of("garbage"), None);
+    }
+
+    #[test]
+    fn zombies_are_not_live_members() {
+        let stat = "42 (sleep) Z 1 42 40 0 -1 4194560 100";
+        assert_eq!(live_session_of(stat), None);
     }
 }
