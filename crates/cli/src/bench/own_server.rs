@@ -36,6 +36,8 @@ impl OwnServer {
             .arg("--images-dir")
             .arg(images_dir)
             .args(["--api-key", KEY, "--storage-size-gib", "16"])
+            // Any free port: the net scenario runs two of these at once.
+            .args(["--ssh-listen", "127.0.0.1:0"])
             .args(extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -102,9 +104,23 @@ impl OwnServer {
         let storage = self.dir.path().join("data").join("storage");
         let mounted = std::fs::read_to_string("/proc/self/mountinfo")
             .is_ok_and(|m| m.lines().any(|l| l.split(' ').nth(4) == storage.to_str()));
-        if mounted {
-            let _ = std::process::Command::new("umount").arg(&storage).status();
+        if !mounted {
+            return;
         }
+        // The last sandbox's processes may still be exiting after a delete
+        // answered; they hold the mount for a moment.
+        for _ in 0..50 {
+            let unmounted = std::process::Command::new("umount")
+                .arg(&storage)
+                .stderr(Stdio::null())
+                .status()
+                .is_ok_and(|s| s.success());
+            if unmounted {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        eprintln!("warning: could not unmount {}", storage.display());
     }
 }
 
