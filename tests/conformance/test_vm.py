@@ -17,7 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from daytona import CreateSandboxFromSnapshotParams, SandboxState, SessionExecuteRequest
+from daytona import CreateSandboxFromSnapshotParams, SandboxState, SessionExecuteRequest, VolumeMount
 
 from conftest import CoveServer, new_data_dir, remove_data_dir, unique, vm_assets, wait_until
 
@@ -125,16 +125,6 @@ def test_pause_rules(cove, sandboxes):
     )
     assert reply.status_code == 400, reply.text
 
-    # Volumes in VMs (a shared filesystem device) are not built yet: said, not ignored.
-    volume = cove.request("POST", "/volumes", json={"name": unique("vmvol")}).json()
-    try:
-        reply = cove.request(
-            "POST", "/sandbox", json={"snapshot": VM, "volumes": [{"volumeId": volume["id"], "mountPath": "/data"}]}
-        )
-        assert reply.status_code == 501, reply.text
-        assert "volumes" in reply.json()["message"]
-    finally:
-        cove.request("DELETE", f"/volumes/{volume['id']}")
 
 
 def test_memory_snapshot_starts_with_processes_running(cove, sandboxes, daytona):
@@ -265,6 +255,62 @@ def test_vm_network_policy_forks_and_pause(cove, sandboxes, fake_internet):
     assert wait_until(lambda: tap_devices() <= taps_before, 30), tap_devices() - taps_before
     tables = subprocess.run(["nft", "list", "ruleset"], capture_output=True, text=True).stdout
     assert address not in tables
+
+
+def virtiofsd_processes(data_dir: Path) -> list[int]:
+    """virtiofsd processes serving sockets under `data_dir`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if args and args[0].endswith(b"virtiofsd") and any(str(data_dir).encode() in a for a in args):
+            found.append(int(entry.name))
+    return found
+
+
+def test_a_vm_shares_a_volume_with_a_container(cove, sandboxes, daytona):
+    volume = cove.request("POST", "/volumes", json={"name": unique("vmvol")}).json()
+    try:
+        container = sandboxes(
+            CreateSandboxFromSnapshotParams(volumes=[VolumeMount(volume_id=volume["id"], mount_path="/data")])
+        )
+        container.process.exec("echo from-container > /data/a.txt")
+        machine = vm(sandboxes, volumes=[VolumeMount(volume_id=volume["id"], mount_path="/mnt/vol")])
+        # (virtiofsd forks into its sandbox: a parent and a child per volume.)
+        assert virtiofsd_processes(cove.data_dir)
+        assert machine.process.exec("cat /mnt/vol/a.txt").result.strip() == "from-container"
+        assert machine.process.exec("grep ' /mnt/vol ' /proc/mounts").result.split()[2] == "virtiofs"
+        # Live both ways, with the modes the VM set.
+        machine.process.exec("echo from-vm > /mnt/vol/b.txt && chmod 640 /mnt/vol/b.txt")
+        assert container.process.exec("cat /data/b.txt").result.strip() == "from-vm"
+        assert container.process.exec("stat -c %a /data/b.txt").result.strip() == "640"
+        # The guest sees the volume and nothing beside it on the host.
+        assert machine.process.exec("ls /mnt/vol/..").exit_code == 0
+        assert sorted(machine.process.exec("ls /mnt/vol").result.split()) == ["a.txt", "b.txt"]
+
+        # A VM with volumes never saves its memory: pause, fork and memory
+        # snapshots say why instead.
+        for action, body in [
+            ("pause", None),
+            ("fork", {}),
+            ("snapshot", {"name": unique("mem"), "includeMemory": True}),
+        ]:
+            reply = cove.request("POST", f"/sandbox/{machine.id}/{action}", json=body)
+            assert reply.status_code == 409, (action, reply.text)
+            assert "volumes" in reply.json()["message"], action
+
+        # A stop and a start boot it again, volume mounted.
+        machine.stop(timeout=TIMEOUT)
+        assert wait_until(lambda: not virtiofsd_processes(cove.data_dir), 30)
+        machine.start(timeout=TIMEOUT)
+        assert machine.process.exec("cat /mnt/vol/b.txt").result.strip() == "from-vm"
+        daytona.delete(machine)
+        assert wait_until(lambda: not virtiofsd_processes(cove.data_dir), 30)
+    finally:
+        sandboxes.cleanup()
+        assert wait_until(lambda: cove.request("DELETE", f"/volumes/{volume['id']}").status_code in (200, 404), 60)
 
 
 def test_windows_snapshot_is_a_clear_error(cove):

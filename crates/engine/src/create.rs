@@ -219,9 +219,7 @@ impl Engine {
         let id = uuid::Uuid::new_v4().to_string();
         let name = request.name.clone().unwrap_or_else(|| id.clone());
         check_name(&name)?;
-        let volumes = self
-            .resolve_mounts(snapshot.class, &request.volumes)
-            .await?;
+        let volumes = self.resolve_mounts(&snapshot, &request.volumes).await?;
 
         let now = now_ms();
         let Transition::Run { during, .. } = Transition::create() else {

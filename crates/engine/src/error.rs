@@ -20,8 +20,12 @@ pub enum EngineError {
     VolumeNotFound { name: String },
     #[error("a volume named {name} already exists")]
     VolumeTaken { name: String },
-    #[error("sandbox {id} has volumes attached, so it cannot pause (their files are shared and live outside its memory); stop it instead")]
-    HasVolumes { id: String },
+    #[error("sandbox {id} has volumes attached, so it cannot {action}: their files are shared and live outside its memory ({instead})")]
+    HasVolumes {
+        id: String,
+        action: &'static str,
+        instead: &'static str,
+    },
     #[error("a snapshot named {name} already exists")]
     SnapshotTaken { name: String },
     #[error("{what} is in use by {}", users.join(", "))]

@@ -23,6 +23,13 @@ impl Engine {
         let lock = self.lock_for(&parent_id);
         let _guard = lock.lock().await;
         let mut parent = self.get(&parent_id).await?;
+        if !parent.volumes.is_empty() {
+            return Err(EngineError::HasVolumes {
+                id: parent.id,
+                action: "fork",
+                instead: "take a snapshot without memory and create from it",
+            });
+        }
         let transition = plan(Operation::Fork, parent.state, parent.class).map_err(|source| {
             EngineError::Transition {
                 id: parent.id.clone(),

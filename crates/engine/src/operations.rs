@@ -69,7 +69,11 @@ impl Engine {
             return Err(EngineError::NotPersistent { id: record.id });
         }
         if !record.volumes.is_empty() {
-            return Err(EngineError::HasVolumes { id: record.id });
+            return Err(EngineError::HasVolumes {
+                id: record.id,
+                action: "pause",
+                instead: "stop it instead",
+            });
         }
         self.run(&record.id, Operation::Pause).await
     }

@@ -122,9 +122,16 @@ impl Engine {
         };
         match runtime.reattach(&spec).await {
             // Its TAP device went with the old server's network (a new
-            // server clears every port it finds): a pause and a resume on a
-            // fresh one keeps every process and puts the machine back on
-            // the network.
+            // server clears every port it finds). A VM with volumes cannot
+            // pause (QEMU cannot save a virtio-fs device): it is stopped and
+            // booted again by the caller, on a fresh TAP device.
+            Ok(Some(started)) if self.network().is_some() && !record.volumes.is_empty() => {
+                drop(started);
+                tracing::info!(sandbox = %record.id, "its volumes keep it from pausing onto the new network; it is restarted");
+                false
+            }
+            // Any other: a pause and a resume on a fresh TAP device keeps
+            // every process and puts the machine back on the network.
             Ok(Some(started)) if self.network().is_some() && record.class.can_pause() => {
                 drop(started);
                 let replugged = async {

@@ -53,6 +53,13 @@ impl Engine {
                 ),
             });
         }
+        if include_memory && !record.volumes.is_empty() {
+            return Err(EngineError::HasVolumes {
+                id: record.id,
+                action: "take a memory snapshot",
+                instead: "take one without memory",
+            });
+        }
         if self.inner.store.find_snapshot(name).await?.is_some() {
             return Err(EngineError::SnapshotTaken {
                 name: name.to_owned(),

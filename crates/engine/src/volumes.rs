@@ -6,7 +6,7 @@
 use std::path::{Component, Path, PathBuf};
 
 use cove_lifecycle::SandboxClass;
-use cove_store::{SandboxRecord, StoreError, VolumeMount, VolumeRecord};
+use cove_store::{SandboxRecord, SnapshotRecord, StoreError, VolumeMount, VolumeRecord};
 
 use crate::create::check_name;
 use crate::{now_ms, Engine, EngineError};
@@ -154,16 +154,30 @@ impl Engine {
     /// Makes a subpath's directory if it is missing.
     pub(crate) async fn resolve_mounts(
         &self,
-        class: SandboxClass,
+        snapshot: &SnapshotRecord,
         mounts: &[VolumeMount],
     ) -> Result<Vec<VolumeMount>, EngineError> {
         if mounts.is_empty() {
             return Ok(Vec::new());
         }
-        if class != SandboxClass::Container {
-            return Err(EngineError::NotImplemented {
-                what: format!("volumes in {class} sandboxes"),
-            });
+        match snapshot.class {
+            SandboxClass::Container => {}
+            // A VM reaches its volumes over virtio-fs, which QEMU cannot
+            // save: such a VM always boots cold.
+            SandboxClass::LinuxVm if snapshot.has_memory => {
+                return Err(invalid(
+                    "volumes",
+                    format!(
+                        "snapshot {} holds a running machine's memory, and a VM with volumes \
+                         boots cold; create from a snapshot without memory, or without volumes",
+                        snapshot.name
+                    ),
+                ))
+            }
+            SandboxClass::LinuxVm => {}
+        }
+        if let Some(what) = self.runtime(snapshot.class)?.volumes_unavailable() {
+            return Err(EngineError::NotImplemented { what });
         }
         let mut resolved: Vec<VolumeMount> = Vec::with_capacity(mounts.len());
         for mount in mounts {

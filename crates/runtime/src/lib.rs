@@ -165,6 +165,11 @@ pub trait Runtime: Send + Sync + 'static {
     fn can_archive(&self) -> bool {
         false
     }
+    /// Why sandboxes of this runtime cannot have volumes here, if they
+    /// cannot (a missing host tool, named).
+    fn volumes_unavailable(&self) -> Option<String> {
+        None
+    }
 
     // What follows is for classes that keep memory (VMs). For them `start`
     // continues from saved memory when the sandbox's storage holds some (after

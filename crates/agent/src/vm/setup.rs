@@ -11,7 +11,8 @@
 //!   growing the root filesystem to its disk (once the disk is `diskBytes`
 //!   large) in the background. `"network"`: `{"mac", "address", "prefixLen",
 //!   "gateway", "resolvConf"}` configures the NIC (see [`super::network`]);
-//!   `null` takes it down. Answers `{}`.
+//!   `null` takes it down. `"volumes"`: `[{"tag", "path"}]` mounts each
+//!   virtio-fs device at its path (see [`super::volumes`]). Answers `{}`.
 //! - `POST /cove/vm/sync` before the host stops the VM: writes out every
 //!   filesystem, so files survive the stop.
 #![allow(unsafe_code)]
@@ -55,6 +56,8 @@ struct IdentityRequest {
     disk_bytes: Option<u64>,
     #[serde(default)]
     network: Option<super::network::GuestNetwork>,
+    #[serde(default)]
+    volumes: Vec<super::volumes::GuestVolume>,
 }
 
 /// The variables the last identity call set, with the values they replaced
@@ -81,6 +84,11 @@ async fn identity(body: Bytes) -> Result<Json<Value>, ApiError> {
         .await
         .map_err(|e| ApiError::internal("configure the network", io::Error::other(e)))?
         .map_err(|e| ApiError::internal("configure the network", e))?;
+    let volumes = request.volumes;
+    tokio::task::spawn_blocking(move || super::volumes::mount_all(&volumes))
+        .await
+        .map_err(|e| ApiError::internal("mount the volumes", io::Error::other(e)))?
+        .map_err(|e| ApiError::internal("mount the volumes", e))?;
     if request.grow_root {
         // In the background: growing ends with a journal flush that takes a
         // good part of a second under emulation, and nothing needs to wait

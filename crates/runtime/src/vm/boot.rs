@@ -13,10 +13,10 @@ use super::layout::VmLayout;
 use super::machine::{self, Boot, Machine};
 use super::saved::SavedMachine;
 use super::{
-    blocking, disk, io_error, qemu, reflink, remove_if_present, start_error, RuntimeError,
+    blocking, disk, io_error, qemu, reflink, remove_if_present, shares, start_error, RuntimeError,
     SandboxSpec, VmRuntime,
 };
-use crate::{NetworkLink, SandboxNetwork, TapLink};
+use crate::{NetworkLink, SandboxNetwork, TapLink, VolumeBind};
 
 /// How long a restored VM's agent may take to reopen its port.
 const RESTORE_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
@@ -53,6 +53,9 @@ pub(super) struct Identity {
     pub disk_bytes: u64,
     /// The guest's NIC settings and resolv.conf; `None`: no network.
     pub network: Option<(TapLink, String)>,
+    /// Volumes: each a virtio-fs share (see `shares`) the agent mounts at
+    /// its target.
+    pub volumes: Vec<VolumeBind>,
 }
 
 impl Identity {
@@ -78,6 +81,7 @@ impl Identity {
             memory_mib: spec.resources.memory_mib,
             disk_bytes: spec.resources.disk_gib << 30,
             network,
+            volumes: spec.volumes.clone(),
         })
     }
 
@@ -111,6 +115,10 @@ impl Identity {
                 "gateway": tap.gateway.to_string(),
                 "resolvConf": resolv_conf,
             })),
+            "volumes": self.volumes.iter().enumerate().map(|(index, volume)| serde_json::json!({
+                "tag": shares::tag(index),
+                "path": volume.target,
+            })).collect::<Vec<_>>(),
         });
         let (status, answer) = session
             .post("/cove/vm/identity", &body.to_string())
@@ -152,6 +160,7 @@ impl VmRuntime {
             qmp_socket: layout.qmp(),
             pid_file: layout.pid_file(),
             nic,
+            shares: Vec::new(),
             incoming,
         }
     }
@@ -172,6 +181,12 @@ impl VmRuntime {
                 return Err(start_error(
                     id,
                     format!("its saved memory cannot be restored: {why}"),
+                ));
+            }
+            if !identity.volumes.is_empty() {
+                return Err(start_error(
+                    id,
+                    "it has volumes, and a VM with volumes boots cold: its saved memory cannot be restored",
                 ));
             }
             Some(saved)
@@ -227,7 +242,20 @@ impl VmRuntime {
             let ram = layout.ram();
             tokio::task::spawn_blocking(move || reflink::read_ahead(&ram))
         });
-        let spec = self.machine_spec(
+        let volumes = if identity.volumes.is_empty() {
+            Vec::new()
+        } else {
+            let virtiofsd = self.config.virtiofsd.as_deref().ok_or_else(|| {
+                start_error(
+                    id,
+                    "it has volumes, and virtiofsd was not found (scripts/vm-setup installs it)",
+                )
+            })?;
+            shares::start(virtiofsd, layout, &identity.volumes)
+                .await
+                .map_err(|reason| start_error(id, reason))?
+        };
+        let mut spec = self.machine_spec(
             format!("cove-{id}"),
             layout,
             cpus,
@@ -235,12 +263,18 @@ impl VmRuntime {
             identity.nic(),
             saved.is_some(),
         );
+        spec.shares = volumes;
         let began = Instant::now();
-        let machine = Machine::launch(&self.config.qemu, &spec, &boot, exited)
-            .await
-            .map_err(|e| {
-                start_error(id, format!("{e}; console: {}", log_tail(&layout.console())))
-            })?;
+        let machine = match Machine::launch(&self.config.qemu, &spec, &boot, exited).await {
+            Ok(machine) => machine,
+            Err(e) => {
+                shares::end(layout).await;
+                return Err(start_error(
+                    id,
+                    format!("{e}; console: {}", log_tail(&layout.console())),
+                ));
+            }
+        };
         let launched = began.elapsed();
         if let Some(warmed) = warmed {
             if let Ok(Err(error)) = warmed.await {
@@ -273,6 +307,7 @@ impl VmRuntime {
             Ok(connected) => connected,
             Err(error) => {
                 machine.kill().await;
+                shares::end(layout).await;
                 return Err(start_error(
                     id,
                     format!("{error}; console: {}", log_tail(&layout.console())),
@@ -296,6 +331,7 @@ impl VmRuntime {
         if !own_memory || grow_root {
             if let Err(reason) = identity.apply(&running.session, grow_root).await {
                 running.machine.kill().await;
+                shares::end(layout).await;
                 return Err(start_error(id, reason));
             }
         }

@@ -7,7 +7,8 @@
 //!   running and its memory is kept), `machine.json` the machine it fits;
 //! - `qmp.sock`, `serial.sock` (QEMU's end of the agent port), `agent.sock`
 //!   (the runtime's: the server's toolbox proxy connects here), `qemu.pid`,
-//!   `console.log` (the guest's serial console) and `qemu.log` (QEMU's own).
+//!   `console.log` (the guest's serial console) and `qemu.log` (QEMU's own);
+//! - `fs{n}.sock`, `fs{n}.pid`, `fs{n}.log`: the virtiofsd of the n-th volume.
 //!
 //! A memory capture or a template holds the same `disk.qcow2`, `ram`,
 //! `state` and `machine.json`. Pure path arithmetic.
@@ -58,6 +59,16 @@ impl VmLayout {
     pub fn qemu_log(&self) -> PathBuf {
         self.dir.join("qemu.log")
     }
+    /// The vhost-user socket of the `index`th volume's virtiofsd.
+    pub fn share_socket(&self, index: usize) -> PathBuf {
+        self.dir.join(format!("fs{index}.sock"))
+    }
+    pub fn share_pid(&self, index: usize) -> PathBuf {
+        self.dir.join(format!("fs{index}.pid"))
+    }
+    pub fn share_log(&self, index: usize) -> PathBuf {
+        self.dir.join(format!("fs{index}.log"))
+    }
 
     /// Whether memory is saved here: `state` is written last and removed first.
     pub fn has_memory(&self) -> bool {
@@ -66,7 +77,13 @@ impl VmLayout {
 
     /// Rejects a directory whose sockets the kernel could not bind.
     pub fn check_socket_paths(&self) -> Result<(), String> {
-        for socket in [self.qmp(), self.chardev(), self.agent_socket()] {
+        // Volume sockets have at most two more digits than `fs0.sock`.
+        for socket in [
+            self.qmp(),
+            self.chardev(),
+            self.agent_socket(),
+            self.share_socket(99),
+        ] {
             let len = socket.as_os_str().as_bytes().len();
             if len > MAX_SOCKET_PATH {
                 return Err(format!(

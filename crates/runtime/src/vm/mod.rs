@@ -28,6 +28,7 @@ mod qemu;
 mod qmp;
 mod reflink;
 mod saved;
+mod shares;
 mod template;
 
 use std::collections::HashMap;
@@ -54,6 +55,7 @@ use saved::SavedMachine;
 
 pub use disk::AGENT_IN_GUEST;
 pub use qemu::{detect_accelerator, Accelerator, HostFacts};
+pub use shares::find_virtiofsd;
 
 /// How long the agent may take to flush its disks before a stop.
 const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
@@ -84,6 +86,9 @@ pub struct VmConfig {
     pub templates: bool,
     /// How long a cold boot may take until the agent answers.
     pub boot_timeout: Duration,
+    /// The virtio-fs daemon that serves volumes to VMs; without it a VM
+    /// cannot have volumes.
+    pub virtiofsd: Option<PathBuf>,
 }
 
 impl VmConfig {
@@ -99,6 +104,7 @@ impl VmConfig {
             accelerator: None,
             templates: true,
             boot_timeout: Duration::from_secs(180),
+            virtiofsd: shares::find_virtiofsd(),
         }
     }
 
@@ -299,10 +305,13 @@ impl Runtime for VmRuntime {
         if layout.disk().exists() {
             return Ok(());
         }
+        // QEMU cannot save a virtio-fs device, so a VM with volumes never
+        // continues from memory: it boots cold from the disk alone.
+        let cold = !spec.volumes.is_empty();
         if let Some(top) = spec.layers.first() {
             let from = VmLayout::new(top.clone());
             return blocking(id, move || {
-                if from.has_memory() {
+                if from.has_memory() && !cold {
                     clone_saved(&from, &layout)
                 } else {
                     reflink::clone_file(&from.disk(), &layout.disk())
@@ -311,7 +320,7 @@ impl Runtime for VmRuntime {
             })
             .await;
         }
-        if self.config.templates {
+        if self.config.templates && !cold {
             let template = self.template_for(spec).await?;
             return blocking(id, move || {
                 clone_saved(&template, &layout)
@@ -372,6 +381,14 @@ impl Runtime for VmRuntime {
         })
     }
 
+    fn volumes_unavailable(&self) -> Option<String> {
+        self.config.virtiofsd.is_none().then(|| {
+            "volumes in VM sandboxes on this host: virtiofsd was not found \
+             (scripts/vm-setup builds it; or set COVE_VIRTIOFSD)"
+                .to_owned()
+        })
+    }
+
     async fn stop(&self, id: &str) -> Result<(), RuntimeError> {
         check_id(id)?;
         let layout = self.layout(id);
@@ -391,6 +408,7 @@ impl Runtime for VmRuntime {
         } else if let Some(pid) = orphan_pid(&layout) {
             end_orphan(pid, true).await;
         }
+        shares::end(&layout).await;
         let _ = remove_if_present(&layout.agent_socket());
         if layout.dir.exists() {
             discard_memory_files(&layout).map_err(io_error(id, "discard its memory"))?;
@@ -408,6 +426,7 @@ impl Runtime for VmRuntime {
         if let Some(pid) = orphan_pid(&layout) {
             end_orphan(pid, false).await;
         }
+        shares::end(&layout).await;
         let storage = self.config.storage.clone();
         blocking(id, move || {
             if !layout.dir.exists() {

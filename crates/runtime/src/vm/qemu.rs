@@ -140,8 +140,25 @@ pub struct MachineSpec {
     pub qmp_socket: PathBuf,
     pub pid_file: PathBuf,
     pub nic: Nic,
+    /// Volumes: virtiofsd sockets the guest's virtio-fs devices are served
+    /// by. QEMU cannot save a machine with one, so only cold boots have them.
+    pub shares: Vec<Share>,
     /// Wait for `migrate-incoming` instead of booting.
     pub incoming: bool,
+}
+
+/// A host directory the guest mounts over virtio-fs, served by a virtiofsd.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Share {
+    /// The tag the guest mounts it by.
+    pub tag: String,
+    /// virtiofsd's vhost-user socket.
+    pub socket: PathBuf,
+}
+
+/// A value inside a QEMU option list, where a comma is written twice.
+fn option_value(text: &str) -> String {
+    text.replace(',', ",,")
 }
 
 /// The guest kernel's command line.
@@ -251,6 +268,22 @@ pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
         "-device",
         &format!("virtio-net-device,netdev=net0,mac={}", mac_text(&mac)),
     ]);
+    // vhost-user needs the guest's memory shared with virtiofsd, which the
+    // RAM file (share=on) already is.
+    for (index, share) in spec.shares.iter().enumerate() {
+        push(&[
+            "-chardev",
+            &format!(
+                "socket,id=share{index},path={}",
+                option_value(&path(&share.socket))
+            ),
+            "-device",
+            &format!(
+                "vhost-user-fs-device,chardev=share{index},tag={}",
+                option_value(&share.tag)
+            ),
+        ]);
+    }
     push(&["-qmp", &qmp_argument(&spec.qmp_socket)]);
     push(&["-pidfile", &path(&spec.pid_file)]);
     if spec.incoming {
@@ -322,6 +355,7 @@ mod tests {
             qmp_socket: p("qmp.sock"),
             pid_file: p("qemu.pid"),
             nic: Nic::Unplugged,
+            shares: Vec::new(),
             incoming,
         }
     }
@@ -375,6 +409,31 @@ mod tests {
             "{args}"
         );
         assert!(args.contains("mac=02:76:0a:4d:00:09"), "{args}");
+    }
+
+    #[test]
+    fn each_share_is_a_virtio_fs_device_with_commas_escaped() {
+        let mut machine = spec(Accelerator::Tcg, false);
+        assert!(!joined(&machine).contains("vhost-user-fs"));
+        machine.shares = vec![
+            Share {
+                tag: "cove-vol0".into(),
+                socket: "/s/fs0.sock".into(),
+            },
+            Share {
+                tag: "cove-vol1".into(),
+                socket: "/s/a,b/fs1.sock".into(),
+            },
+        ];
+        let args = joined(&machine);
+        assert!(
+            args.contains(
+                "-chardev socket,id=share0,path=/s/fs0.sock \
+                 -device vhost-user-fs-device,chardev=share0,tag=cove-vol0"
+            ),
+            "{args}"
+        );
+        assert!(args.contains("path=/s/a,,b/fs1.sock "), "{args}");
     }
 
     #[test]

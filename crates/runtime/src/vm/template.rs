@@ -162,6 +162,7 @@ async fn make(
         memory_mib,
         disk_bytes: base_bytes,
         network: None,
+        volumes: Vec::new(),
     };
     let (exited, _) = tokio::sync::oneshot::channel();
     let mut vm = runtime
