@@ -180,6 +180,19 @@ def local_registry(user: str | None = None, password: str | None = None):
             ],
             check=True,
         )
+        # The same image under a name no test pulls first, so one pull is seen whole.
+        subprocess.run(
+            [
+                "skopeo",
+                "copy",
+                "--quiet",
+                "--dest-tls-verify=false",
+                *creds,
+                f"oci:{layout}:v1",
+                f"docker://{host}/cove/pulled:v1",
+            ],
+            check=True,
+        )
         yield host, layout
     finally:
         proc.terminate()
@@ -373,6 +386,44 @@ def test_unknown_image_is_a_clear_404_and_leaves_nothing(registry, sandboxes, co
         sandboxes(CreateSandboxFromImageParams(image=f"{host}/cove/busy:nope"))
     assert "busy:nope" in str(info.value)
     assert cove.sandbox_ids() == before
+
+
+def cove_cli(cove, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [str(cove_binary()), *args, "--url", cove.api_url, "--api-key", cove.api_key],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cove_image_pull_follows_the_pull_in_its_build_log(registry, sandboxes, cove):
+    host, _ = registry
+    name = unique("pulled")
+    result = cove_cli(cove, "image", "pull", f"{host}/cove/pulled:v1", "--name", name)
+    try:
+        assert result.returncode == 0, result.stderr
+        assert f"snapshot {name}" in result.stdout and "active" in result.stdout, result.stdout
+        # Not a terminal here: the log's lines without the byte counts.
+        assert f"resolving {host}/cove/pulled:v1" in result.stderr, result.stderr
+        assert "1 layers" in result.stderr and "ready" in result.stderr, result.stderr
+        # The same log through the API, byte counts included.
+        logs = cove.request("GET", f"/snapshots/{name}/build-logs").text
+        assert "resolving" in logs and "ready" in logs, logs
+        sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot=name))
+        assert sandbox.process.exec("cat /etc/image-marker").result.strip() == "made by test_images"
+        cove.request("DELETE", f"/sandbox/{sandbox.id}")
+    finally:
+        cove.request("DELETE", f"/snapshots/{name}")
+
+    # An unknown image: a 404 naming it, at once, and nothing registered.
+    missing = unique("missing")
+    reply = cove.request("POST", "/snapshots", json={"name": missing, "imageName": f"{host}/cove/pulled:nope"})
+    assert reply.status_code == 404, reply.text
+    assert "pulled:nope" in reply.json()["message"]
+    assert cove.request("GET", f"/snapshots/{missing}").status_code == 404
+    result = cove_cli(cove, "image", "pull", f"{host}/cove/pulled:nope", "--name", missing)
+    assert result.returncode != 0 and "pulled:nope" in result.stderr, result.stderr
 
 
 def test_cove_image_import_registers_an_oci_layout(registry, sandboxes, cove):

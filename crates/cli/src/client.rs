@@ -75,6 +75,11 @@ impl Client {
         self.send(request).await
     }
 
+    /// The API URL (`http://host:port/api`).
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
     /// A request with the key set, for callers that handle the body themselves.
     pub fn raw(&self, method: reqwest::Method, url: &str) -> reqwest::RequestBuilder {
         self.http.request(method, url).bearer_auth(&self.key)

@@ -8,6 +8,17 @@ use cove_runtime::image::ImageStore;
 
 #[derive(clap::Subcommand, Debug)]
 pub enum ImageCommand {
+    /// Pull a registry image on the server into a snapshot, showing the
+    /// download of each layer as a progress bar.
+    Pull {
+        #[command(flatten)]
+        connection: crate::client::Connection,
+        /// The image reference (`python:3.12-slim`, `registry:5000/team/app:v2`).
+        image: String,
+        /// The snapshot's name, used as `snapshot=` at create.
+        #[arg(long)]
+        name: String,
+    },
     /// Register an OCI layout directory or a `docker save` tarball on the
     /// server's host as a snapshot (for hosts without a registry).
     Import {
@@ -28,6 +39,14 @@ pub enum ImageCommand {
 
 pub async fn run(command: ImageCommand) -> anyhow::Result<()> {
     match command {
+        ImageCommand::Pull {
+            connection,
+            image,
+            name,
+        } => {
+            let client = crate::client::Client::from_connection(&connection)?;
+            crate::pull_progress::pull(&client, &image, &name).await?;
+        }
         ImageCommand::Import {
             connection,
             path,

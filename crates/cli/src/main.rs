@@ -6,6 +6,7 @@ mod agent_binary;
 mod bench;
 mod client;
 mod image_cmd;
+mod pull_progress;
 mod sandbox_cmd;
 mod serve;
 

@@ -8,7 +8,9 @@
 //! `build`.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+
+use cove_oci::Progress;
 
 use cove_lifecycle::SandboxClass;
 use cove_store::{SnapshotRecord, SnapshotState};
@@ -22,6 +24,20 @@ impl Engine {
     /// The snapshot of a registry image, pulled on first use. Its name is the
     /// normalized reference (`docker.io/library/python:3.12-slim`).
     pub async fn image_snapshot(&self, reference: &str) -> Result<SnapshotRecord, EngineError> {
+        let label = reference.to_owned();
+        self.pull_image(reference, move |progress| {
+            tracing::info!(image = %label, "{progress}");
+        })
+        .await
+    }
+
+    /// [`Engine::image_snapshot`], telling `progress` each step of a pull (an
+    /// image pulled before reports nothing).
+    async fn pull_image(
+        &self,
+        reference: &str,
+        progress: impl Fn(&Progress) + Send + Sync + 'static,
+    ) -> Result<SnapshotRecord, EngineError> {
         let name =
             cove_oci::normalize_reference(reference).map_err(|e| image_error(reference, e))?;
         if let Some(found) = self.inner.store.find_snapshot(&name).await? {
@@ -38,11 +54,8 @@ impl Engine {
         }
         let images = self.image_store()?;
         let credentials = self.credentials_for(reference).await?;
-        let label = name.clone();
         let pulled = images
-            .pull(reference, credentials.as_ref(), move |progress| {
-                tracing::info!(image = %label, "{progress}");
-            })
+            .pull(reference, credentials.as_ref(), progress)
             .await
             .map_err(|e| image_error(reference, e))?;
         let snapshot = snapshot_of(self, &name, &pulled);
@@ -108,7 +121,7 @@ impl Engine {
         }
         let lines = match (snapshot.state, snapshot.error_reason) {
             (SnapshotState::Error, Some(reason)) => vec![format!("error: {reason}")],
-            (SnapshotState::Building | SnapshotState::Pending, _) => {
+            (SnapshotState::Building | SnapshotState::Pending | SnapshotState::Pulling, _) => {
                 vec!["the build log was lost when the server restarted".into()]
             }
             _ => Vec::new(),
@@ -193,6 +206,26 @@ impl Engine {
     }
 }
 
+/// `named` (a user's snapshot) made `active` on the image snapshot `source`:
+/// its files, layers, environment and size, with `named`'s name, class and
+/// resources.
+fn from_image(named: SnapshotRecord, source: SnapshotRecord) -> SnapshotRecord {
+    SnapshotRecord {
+        id: named.id,
+        name: named.name,
+        class: named.class,
+        cpu: named.cpu,
+        memory_gib: named.memory_gib,
+        disk_gib: named.disk_gib,
+        general: false,
+        created_at_ms: named.created_at_ms,
+        updated_at_ms: now_ms(),
+        state: SnapshotState::Active,
+        error_reason: None,
+        ..source
+    }
+}
+
 /// `snapshot` made `active` on what a build made.
 fn built_snapshot(snapshot: SnapshotRecord, built: BuiltImage) -> SnapshotRecord {
     SnapshotRecord {
@@ -241,69 +274,155 @@ impl Engine {
         }
         let class = request.class.unwrap_or(SandboxClass::Container);
         self.runtime(class)?;
-        let source = match (&request.image, &request.dockerfile) {
-            (Some(image), None) => self.image_snapshot(image).await?,
+        match (&request.image, &request.dockerfile) {
+            (Some(image), None) => self.start_pull(&request, class, image).await,
             (None, Some(text)) => {
-                let config = &self.inner.config;
-                let defaults = SnapshotRecord {
-                    cpu: config.default_cpu,
-                    memory_gib: config.default_memory_gib,
-                    disk_gib: config.default_disk_gib,
-                    ..SnapshotRecord::for_image("", "", class, 0)
-                };
-                let (cpu, memory_gib, disk_gib) = sized(
-                    config.ceilings,
-                    (request.cpu, request.memory_gib, request.disk_gib),
-                    &defaults,
-                )?;
-                let now = now_ms();
-                let snapshot = SnapshotRecord {
-                    id: uuid::Uuid::new_v4().to_string(),
-                    name: request.name.clone(),
-                    cpu,
-                    memory_gib,
-                    disk_gib,
-                    general: false,
-                    created_at_ms: now,
-                    updated_at_ms: now,
-                    ..defaults
-                };
-                return self.start_build(snapshot, text).await;
+                let snapshot = self.new_named_snapshot(&request, class)?;
+                self.start_build(snapshot, text).await
             }
-            _ => {
-                return Err(EngineError::Invalid {
-                    field: "imageName",
-                    reason: "give exactly one of imageName and buildInfo.dockerfileContent".into(),
-                })
-            }
+            _ => Err(EngineError::Invalid {
+                field: "imageName",
+                reason: "give exactly one of imageName and buildInfo.dockerfileContent".into(),
+            }),
+        }
+    }
+
+    /// The record of a snapshot a user asked for, sized within the ceilings,
+    /// before its files exist.
+    fn new_named_snapshot(
+        &self,
+        request: &ImageSnapshotRequest,
+        class: SandboxClass,
+    ) -> Result<SnapshotRecord, EngineError> {
+        let config = &self.inner.config;
+        let defaults = SnapshotRecord {
+            cpu: config.default_cpu,
+            memory_gib: config.default_memory_gib,
+            disk_gib: config.default_disk_gib,
+            ..SnapshotRecord::for_image("", "", class, 0)
         };
         let (cpu, memory_gib, disk_gib) = sized(
-            self.inner.config.ceilings,
+            config.ceilings,
             (request.cpu, request.memory_gib, request.disk_gib),
-            &source,
+            &defaults,
         )?;
         let now = now_ms();
-        let snapshot = SnapshotRecord {
+        Ok(SnapshotRecord {
             id: uuid::Uuid::new_v4().to_string(),
             name: request.name.clone(),
-            class,
             cpu,
             memory_gib,
             disk_gib,
             general: false,
             created_at_ms: now,
             updated_at_ms: now,
-            ..source
+            ..defaults
+        })
+    }
+
+    /// Registers snapshot `request.name` made from registry image `image`.
+    /// The pull runs in the background and writes its progress to the
+    /// snapshot's build log; this waits only until the registry has answered
+    /// for the image, so an unknown image is an error (404 naming it) and
+    /// nothing is registered. An image pulled before makes the snapshot
+    /// `active` at once; else it is `pulling`, then `active` or `error`.
+    async fn start_pull(
+        &self,
+        request: &ImageSnapshotRequest,
+        class: SandboxClass,
+        image: &str,
+    ) -> Result<SnapshotRecord, EngineError> {
+        let mut snapshot = SnapshotRecord {
+            state: SnapshotState::Pulling,
+            ..self.new_named_snapshot(request, class)?
         };
+        let log = self.new_build_log(&snapshot.id);
+        let (resolved_tx, mut resolved) = tokio::sync::oneshot::channel::<()>();
+        let resolved_tx = Mutex::new(Some(resolved_tx));
+        let (engine, reference, pull_log) = (self.clone(), image.to_owned(), log.clone());
+        let mut pull = tokio::spawn(async move {
+            engine
+                .pull_image(&reference, move |progress| {
+                    if matches!(progress, Progress::Resolved { .. }) {
+                        if let Some(tx) = resolved_tx.lock().unwrap().take() {
+                            let _ = tx.send(());
+                        }
+                    }
+                    pull_log.line(progress.to_string());
+                })
+                .await
+        });
+        let finished = tokio::select! {
+            joined = &mut pull => Some(joined),
+            Ok(()) = &mut resolved => None,
+        };
+        if let Some(joined) = finished {
+            let pulled = joined
+                .map_err(|e| EngineError::Runtime {
+                    id: request.name.clone(),
+                    operation: "pull its image",
+                    reason: e.to_string(),
+                })
+                .and_then(|pulled| pulled);
+            let source = match pulled {
+                Ok(source) => source,
+                Err(error) => {
+                    self.inner.builds.lock().unwrap().remove(&snapshot.id);
+                    return Err(error);
+                }
+            };
+            log.finish();
+            let snapshot = from_image(snapshot, source);
+            self.insert_new_snapshot(&snapshot).await?;
+            return Ok(snapshot);
+        }
+        self.insert_new_snapshot(&snapshot).await?;
+        let engine = self.clone();
+        let record = snapshot.clone();
+        tokio::spawn(async move {
+            let record = match pull.await {
+                Ok(Ok(source)) => from_image(record, source),
+                failed => {
+                    let reason = match failed {
+                        Ok(Err(error)) => error.to_string(),
+                        Err(error) => format!("the pull stopped: {error}"),
+                        Ok(Ok(_)) => unreachable!("matched above"),
+                    };
+                    log.line(format!("error: {reason}"));
+                    tracing::warn!(snapshot = %record.name, %reason, "image pull failed");
+                    SnapshotRecord {
+                        state: SnapshotState::Error,
+                        error_reason: Some(reason),
+                        updated_at_ms: now_ms(),
+                        ..record
+                    }
+                }
+            };
+            // Deleted while it pulled: nothing to record.
+            let still_there = matches!(
+                engine.inner.store.find_snapshot(&record.id).await,
+                Ok(Some(_))
+            );
+            if still_there {
+                if let Err(error) = engine.inner.store.save_snapshot(&record).await {
+                    tracing::error!(snapshot = %record.name, %error, "recording a pull");
+                }
+            }
+            log.finish();
+        });
+        snapshot.updated_at_ms = now_ms();
+        Ok(snapshot)
+    }
+
+    async fn insert_new_snapshot(&self, snapshot: &SnapshotRecord) -> Result<(), EngineError> {
         self.inner
             .store
-            .insert_snapshot(&snapshot)
+            .insert_snapshot(snapshot)
             .await
             .map_err(|e| match e {
                 cove_store::StoreError::Duplicate { name } => EngineError::SnapshotTaken { name },
                 other => other.into(),
-            })?;
-        Ok(snapshot)
+            })
     }
 
     /// Registers snapshot `name` from an OCI layout directory or a `docker save`

@@ -19,11 +19,13 @@ impl Engine {
         for mut snapshot in self.inner.store.list_snapshots().await? {
             if matches!(
                 snapshot.state,
-                cove_store::SnapshotState::Building | cove_store::SnapshotState::Pending
+                cove_store::SnapshotState::Building
+                    | cove_store::SnapshotState::Pending
+                    | cove_store::SnapshotState::Pulling
             ) {
                 snapshot.state = cove_store::SnapshotState::Error;
                 snapshot.error_reason = Some(
-                    "the server restarted while the image was being built; delete the snapshot and create it again"
+                    "the server restarted while the image was being pulled or built; delete the snapshot and create it again"
                         .into(),
                 );
                 snapshot.updated_at_ms = crate::now_ms();

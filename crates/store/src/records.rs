@@ -81,6 +81,8 @@ pub struct NetworkSettings {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum SnapshotState {
     Pending,
+    /// An image is being pulled from its registry.
+    Pulling,
     Building,
     Active,
     Inactive,
@@ -91,6 +93,7 @@ impl SnapshotState {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Pending => "pending",
+            Self::Pulling => "pulling",
             Self::Building => "building",
             Self::Active => "active",
             Self::Inactive => "inactive",
@@ -101,6 +104,7 @@ impl SnapshotState {
     pub fn parse(s: &str) -> Option<SnapshotState> {
         [
             Self::Pending,
+            Self::Pulling,
             Self::Building,
             Self::Active,
             Self::Inactive,
