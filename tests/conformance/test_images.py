@@ -35,7 +35,7 @@ from daytona import (
     Image,
 )
 
-from conftest import cove_binary, free_port, unique
+from conftest import wait_until, cove_binary, free_port, unique
 
 BUSYBOX = Path("/bin/busybox")
 APPLETS = ["sh", "echo", "cat", "ls", "env", "sleep", "test", "mkdir", "rm", "id", "pwd"]
@@ -264,8 +264,8 @@ def test_run_steps_build_layers_and_the_image_settings_reach_sandboxes(daytona, 
         .dockerfile_commands(["ENV WHERE=${BUILT}-two", "USER nobody"])
         .workdir("/srv/work")
         .run_commands("id -un > who.txt")
-        .entrypoint(["/bin/sleep"])
-        .cmd(["infinity"])
+        .entrypoint(["/bin/sh", "-c"])
+        .cmd(["echo entry-$((40+2)) > /tmp/entry.txt; exec sleep infinity"])
     )
     logs: list[str] = []
     snap = daytona.snapshot.create(CreateSnapshotParams(name=name, image=image), on_logs=logs.append)
@@ -273,7 +273,11 @@ def test_run_steps_build_layers_and_the_image_settings_reach_sandboxes(daytona, 
         assert snap.state == "active"
         text = "\n".join(logs)
         assert "RUN echo hi > /built.txt" in text and "build complete" in text, text
-        assert daytona.snapshot.get(name).entrypoint == ["/bin/sleep", "infinity"]
+        assert daytona.snapshot.get(name).entrypoint == [
+            "/bin/sh",
+            "-c",
+            "echo entry-$((40+2)) > /tmp/entry.txt; exec sleep infinity",
+        ]
 
         sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot=name))
         r = sandbox.process.exec("cat /built.txt /argv.txt; pwd; echo $BUILT $WHERE; id -un; cat who.txt")
@@ -282,6 +286,17 @@ def test_run_steps_build_layers_and_the_image_settings_reach_sandboxes(daytona, 
         assert sandbox.get_work_dir() == "/srv/work"
         # The sandbox runs as the image's user: root's files stay root's.
         assert sandbox.process.exec("touch /etc/nope").exit_code != 0
+        # ENTRYPOINT and CMD run at start, as that user, in the "entrypoint" session.
+        assert wait_until(lambda: sandbox.process.exec("cat /tmp/entry.txt").result.strip() == "entry-42", 30)
+        assert sandbox.process.exec("stat -c %U /tmp/entry.txt").result.strip() == "nobody"
+        entry = sandbox.process.get_session("entrypoint")
+        assert len(entry.commands) == 1 and "sleep infinity" in entry.commands[0].command
+        assert entry.commands[0].exit_code is None
+        # Again after a stop and a start.
+        sandbox.process.exec("rm /tmp/entry.txt")
+        sandbox.stop()
+        sandbox.start()
+        assert wait_until(lambda: sandbox.process.exec("cat /tmp/entry.txt").result.strip() == "entry-42", 30)
 
         # The same Dockerfile with one more step reuses the layers built above.
         again: list[str] = []

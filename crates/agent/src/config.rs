@@ -35,6 +35,9 @@ pub struct Settings {
     /// disk (`COVE_DISK_QGROUP`, set by the container runtime); without it the
     /// disk is the root filesystem's (a VM's own disk).
     pub disk_qgroup: Option<PathBuf>,
+    /// The image's ENTRYPOINT and CMD (`COVE_ENTRYPOINT`, a JSON array),
+    /// started at start-up (see `entrypoint`); empty: nothing.
+    pub entrypoint: Vec<String>,
 }
 
 impl Settings {
@@ -62,8 +65,11 @@ impl Settings {
             .unwrap_or_else(|| first_shell(&["bash", "sh"]));
         let state_dir = var("COVE_AGENT_STATE_DIR")
             .map(PathBuf::from)
+            // New for every agent start: a name that repeats (the pid of
+            // PID 1 always does) would find the directory a snapshot or an
+            // image build captured, owned by whoever ran then.
             .unwrap_or_else(|| {
-                std::env::temp_dir().join(format!(".cove-agent-{}", std::process::id()))
+                std::env::temp_dir().join(format!(".cove-agent-{}", uuid::Uuid::new_v4().simple()))
             });
         Self {
             work_dir,
@@ -76,6 +82,10 @@ impl Settings {
             max_log_bytes: number("COVE_AGENT_MAX_LOG_BYTES", 32 << 20) as usize,
             state_dir,
             disk_qgroup: var("COVE_DISK_QGROUP").map(PathBuf::from),
+            entrypoint: std::env::var("COVE_ENTRYPOINT")
+                .ok()
+                .and_then(|json| serde_json::from_str(&json).ok())
+                .unwrap_or_default(),
         }
     }
 

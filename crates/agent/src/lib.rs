@@ -6,6 +6,7 @@
 //! knows nothing about sandboxes, containers or the server.
 
 pub mod config;
+pub mod entrypoint;
 pub mod error;
 pub mod execute;
 pub mod files;

@@ -67,6 +67,7 @@ fn main() -> anyhow::Result<()> {
     runtime.block_on(async {
         let state = AppState::new(settings).context("preparing the agent state")?;
         let sessions = state.sessions.clone();
+        cove_agent::entrypoint::start(&sessions, &state.settings.entrypoint).await;
         tracing::info!(?endpoint, "cove-agent serving");
         let served = listen::serve(listener, cove_agent::app(state)).await;
         sessions.shutdown();

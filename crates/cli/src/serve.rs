@@ -320,6 +320,7 @@ fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64) {
         volumes: Vec::new(),
         workdir: None,
         user: None,
+        command: Vec::new(),
     };
     tokio::spawn(async move {
         let began = std::time::Instant::now();

@@ -328,6 +328,7 @@ impl Engine {
             volumes: self.volume_binds(record),
             workdir: snapshot.image.workdir.clone(),
             user: (record.os_user != self.inner.config.os_user).then(|| record.os_user.clone()),
+            command: snapshot.image.command(),
         }
     }
 }

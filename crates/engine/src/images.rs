@@ -513,6 +513,14 @@ fn snapshot_of(engine: &Engine, name: &str, pulled: &cove_oci::PulledImage) -> S
         disk_gib: config.default_disk_gib,
         size_bytes: i64::try_from(pulled.size_bytes).ok(),
         env,
+        // What its containers run. Its USER is not taken over: the sandbox
+        // user is the server's unless a Dockerfile build sets one.
+        image: cove_store::ImageSettings {
+            workdir: pulled.config.working_dir.clone().filter(|d| !d.is_empty()),
+            user: None,
+            entrypoint: pulled.config.entrypoint.clone(),
+            cmd: pulled.config.cmd.clone(),
+        },
         general: false,
         ..SnapshotRecord::for_image(
             name,

@@ -310,6 +310,7 @@ async fn a_restart_brings_sandboxes_back_once() {
             volumes: Vec::new(),
             workdir: None,
             user: None,
+            command: Vec::new(),
         };
         fake.prepare(&spec).await.unwrap();
     }

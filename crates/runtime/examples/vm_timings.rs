@@ -220,6 +220,7 @@ async fn main() {
         volumes: Vec::new(),
         workdir: None,
         user: None,
+        command: Vec::new(),
     };
     let mut rows = Vec::new();
     for &memory_mib in &sizes {

@@ -48,6 +48,9 @@ pub struct SandboxSpec {
     /// The user every sandbox process runs as (the image's USER, a name or
     /// uid, optionally `:group`); `None` is root.
     pub user: Option<String>,
+    /// The image's ENTRYPOINT followed by its CMD, which the agent starts in
+    /// its `entrypoint` session at every start; empty: nothing.
+    pub command: Vec<String>,
 }
 
 /// A host directory mounted read-write at `target` inside a sandbox.

@@ -98,6 +98,7 @@ impl Harness {
             volumes: Vec::new(),
             workdir: None,
             user: None,
+            command: Vec::new(),
         }
     }
 

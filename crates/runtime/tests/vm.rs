@@ -94,6 +94,7 @@ impl Harness {
             volumes: Vec::new(),
             workdir: None,
             user: None,
+            command: Vec::new(),
         }
     }
 

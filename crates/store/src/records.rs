@@ -159,6 +159,14 @@ pub struct ImageSettings {
     pub cmd: Vec<String>,
 }
 
+impl ImageSettings {
+    /// What a container of the image runs: the ENTRYPOINT with the CMD as
+    /// its arguments, or the CMD alone.
+    pub fn command(&self) -> Vec<String> {
+        self.entrypoint.iter().chain(&self.cmd).cloned().collect()
+    }
+}
+
 /// One cached step of an image build: the layer it made.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BuildStepRecord {

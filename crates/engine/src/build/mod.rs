@@ -228,6 +228,8 @@ impl Engine {
             volumes: Vec::new(),
             workdir: progress.image.image.workdir.clone(),
             user,
+            // A build step runs its RUN command, not the image's entrypoint.
+            command: Vec::new(),
         };
         let outcome = self
             .run_build_sandbox(runtime.as_ref(), spec, &argv, &env, &capture_id)

@@ -92,6 +92,10 @@ impl InitArgs {
     }
 }
 
+fn image_setting_names() -> impl Iterator<Item = &'static str> {
+    ["COVE_WORKDIR", "COVE_USER", "COVE_ENTRYPOINT"].into_iter()
+}
+
 /// The agent's environment: the base, then the spec's variables (which win), minus the
 /// listen fd variable, which only the container init may set.
 pub fn agent_env(spec: &crate::SandboxSpec) -> Vec<(String, String)> {
@@ -101,7 +105,13 @@ pub fn agent_env(spec: &crate::SandboxSpec) -> Vec<(String, String)> {
         .collect();
     // The image's settings are the agent's (`COVE_*` never reach a sandbox
     // process); a spec's own variables cannot override them.
-    let image = [("COVE_WORKDIR", &spec.workdir), ("COVE_USER", &spec.user)];
+    let command = (!spec.command.is_empty())
+        .then(|| serde_json::to_string(&spec.command).expect("strings serialize"));
+    let image = [
+        ("COVE_WORKDIR", &spec.workdir),
+        ("COVE_USER", &spec.user),
+        ("COVE_ENTRYPOINT", &command),
+    ];
     let image: Vec<(String, String)> = image
         .into_iter()
         .filter_map(|(key, value)| value.as_ref().map(|v| (key.to_owned(), v.clone())))
@@ -109,7 +119,7 @@ pub fn agent_env(spec: &crate::SandboxSpec) -> Vec<(String, String)> {
     for (key, value) in spec
         .env
         .iter()
-        .filter(|(k, _)| k != "COVE_WORKDIR" && k != "COVE_USER")
+        .filter(|(k, _)| image_setting_names().all(|name| k != name))
         .chain(&image)
     {
         if key == LISTEN_FD_ENV || key.is_empty() || key.contains('=') || key.contains('\0') {
@@ -220,19 +230,26 @@ mod tests {
                 (LISTEN_FD_ENV.into(), "9".into()),
                 ("A=B".into(), "x".into()),
                 ("COVE_USER".into(), "root".into()),
+                ("COVE_ENTRYPOINT".into(), "[\"evil\"]".into()),
             ],
             network: None,
             volumes: vec![],
             workdir: None,
             user: None,
+            command: Vec::new(),
         };
         let env = agent_env(&spec);
         assert!(env
             .iter()
-            .all(|(k, _)| k != "COVE_USER" && k != "COVE_WORKDIR"));
+            .all(|(k, _)| image_setting_names().all(|n| k != n)));
         spec.workdir = Some("/app".into());
         spec.user = Some("nobody".into());
+        spec.command = vec!["nginx".into(), "-g".into(), "daemon off;".into()];
         let env = agent_env(&spec);
+        assert!(env.contains(&(
+            "COVE_ENTRYPOINT".into(),
+            r#"["nginx","-g","daemon off;"]"#.into()
+        )));
         assert!(env.contains(&("COVE_WORKDIR".into(), "/app".into())));
         assert!(env.contains(&("COVE_USER".into(), "nobody".into())));
         assert!(env.contains(&("PATH".into(), "/bin".into())));
