@@ -35,7 +35,7 @@ from daytona import (
     Image,
 )
 
-from conftest import wait_until, cove_binary, free_port, unique
+from conftest import cove_binary, free_port, unique, vm_assets, wait_until
 
 BUSYBOX = Path("/bin/busybox")
 APPLETS = ["sh", "echo", "cat", "ls", "env", "sleep", "test", "mkdir", "rm", "id", "pwd"]
@@ -92,7 +92,12 @@ def write_oci_layout(dest: Path, tag: str) -> None:
         {
             "architecture": "amd64",
             "os": "linux",
-            "config": {"Env": ["PATH=/bin", "GREETING=from-image"]},
+            "config": {
+                "Env": ["PATH=/bin", "GREETING=from-image"],
+                # What every sandbox of the image starts (in its "entrypoint" session).
+                "Entrypoint": ["sh", "-c"],
+                "Cmd": ["echo started-$((6*7)) > /tmp/entry.txt; exec sleep 1000"],
+            },
             "rootfs": {"type": "layers", "diff_ids": [sha256(raw)]},
         }
     ).encode()
@@ -218,6 +223,9 @@ def test_create_from_a_registry_image_runs_commands_with_its_env(registry, dayto
     r = sandbox.process.exec("cat /etc/image-marker && echo $GREETING")
     assert r.exit_code == 0, r.result
     assert r.result.split() == ["made", "by", "test_images", "from-image"]
+    # The image's ENTRYPOINT and CMD run, in the "entrypoint" session.
+    assert wait_until(lambda: sandbox.process.exec("cat /tmp/entry.txt").result.strip() == "started-42", 30)
+    assert "sleep 1000" in sandbox.process.get_session("entrypoint").commands[0].command
     # Files move in and out as in any sandbox.
     sandbox.fs.upload_file(b"hello", "/tmp/x.txt")
     assert sandbox.fs.download_file("/tmp/x.txt") == b"hello"
@@ -233,6 +241,27 @@ def test_snapshot_create_from_an_image_then_create_by_name(registry, daytona, sa
         daytona.delete(sandbox)
     finally:
         cove.request("DELETE", "/snapshots/busy-snap")
+
+
+@pytest.mark.skipif(vm_assets() is None, reason="COVE_TEST_VM_ASSETS is not set (scripts/vm-assets)")
+def test_a_registry_image_makes_vm_sandboxes_too(registry, daytona, sandboxes, cove):
+    host, _ = registry
+    name = unique("busy-vm")
+    reply = cove.request(
+        "POST", "/snapshots", json={"name": name, "imageName": f"{host}/cove/busy:v1", "sandboxClass": "linux-vm"}
+    )
+    assert reply.status_code in (200, 201), reply.text
+    try:
+        assert wait_until(lambda: cove.request("GET", f"/snapshots/{name}").json()["state"] == "active", 60)
+        sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot=name), timeout=180)
+        # Its own kernel, the image's files and environment, and its entrypoint.
+        assert sandbox.process.exec("cat /proc/version").result.strip() != Path("/proc/version").read_text().strip()
+        r = sandbox.process.exec("cat /etc/image-marker && echo $GREETING")
+        assert r.result.split() == ["made", "by", "test_images", "from-image"], r.result
+        assert wait_until(lambda: sandbox.process.exec("cat /tmp/entry.txt").result.strip() == "started-42", 60)
+        daytona.delete(sandbox)
+    finally:
+        cove.request("DELETE", f"/snapshots/{name}")
 
 
 def test_image_builder_env_is_applied_and_unsupported_instructions_are_refused_by_name(

@@ -109,7 +109,7 @@ fn vm_main() -> anyhow::Result<()> {
         let sessions = state.sessions.clone();
         let incoming = cove_agent::vm::session::listen().context("opening the host port")?;
         tracing::info!("cove-agent serving over virtio-serial");
-        let app = cove_agent::app(state).merge(cove_agent::vm::setup::routes());
+        let app = cove_agent::app(state).merge(cove_agent::vm::setup::routes(sessions.clone()));
         let served = axum::serve(incoming, app).await;
         sessions.shutdown();
         served.context("serving")

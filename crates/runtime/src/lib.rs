@@ -49,7 +49,8 @@ pub struct SandboxSpec {
     /// uid, optionally `:group`); `None` is root.
     pub user: Option<String>,
     /// The image's ENTRYPOINT followed by its CMD, which the agent starts in
-    /// its `entrypoint` session at every start; empty: nothing.
+    /// its `entrypoint` session at every start (a VM's at every boot and at
+    /// the first start from another machine's memory); empty: nothing.
     pub command: Vec<String>,
 }
 

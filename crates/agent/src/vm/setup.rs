@@ -12,7 +12,9 @@
 //!   large) in the background. `"network"`: `{"mac", "address", "prefixLen",
 //!   "gateway", "resolvConf"}` configures the NIC (see [`super::network`]);
 //!   `null` takes it down. `"volumes"`: `[{"tag", "path"}]` mounts each
-//!   virtio-fs device at its path (see [`super::volumes`]). Answers `{}`.
+//!   virtio-fs device at its path (see [`super::volumes`]). `"entrypoint"`:
+//!   the image's ENTRYPOINT and CMD, started in the `entrypoint` session
+//!   unless that session exists (see [`crate::entrypoint`]). Answers `{}`.
 //! - `POST /cove/vm/sync` before the host stops the VM: writes out every
 //!   filesystem, so files survive the stop.
 #![allow(unsafe_code)]
@@ -21,20 +23,23 @@ use std::collections::BTreeMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
+use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
 use crate::error::{ApiError, Json};
+use crate::session::Registry;
 
-pub fn routes() -> Router {
+pub fn routes(sessions: Arc<Registry>) -> Router {
     Router::new()
         .route("/cove/vm/identity", post(identity))
         .route("/cove/vm/sync", post(sync))
+        .with_state(sessions)
 }
 
 #[derive(Debug, Deserialize)]
@@ -58,13 +63,20 @@ struct IdentityRequest {
     network: Option<super::network::GuestNetwork>,
     #[serde(default)]
     volumes: Vec<super::volumes::GuestVolume>,
+    /// The image's ENTRYPOINT and CMD; started unless already running (a
+    /// fork or a resume keeps the one in its memory).
+    #[serde(default)]
+    entrypoint: Vec<String>,
 }
 
 /// The variables the last identity call set, with the values they replaced
 /// (`None`: the variable did not exist), so the next call can undo them.
 static APPLIED_ENV: Mutex<Vec<(String, Option<String>)>> = Mutex::new(Vec::new());
 
-async fn identity(body: Bytes) -> Result<Json<Value>, ApiError> {
+async fn identity(
+    State(sessions): State<Arc<Registry>>,
+    body: Bytes,
+) -> Result<Json<Value>, ApiError> {
     let request: IdentityRequest =
         serde_json::from_slice(&body).map_err(|e| ApiError::InvalidBody(e.to_string()))?;
     check_env(&request.env)?;
@@ -89,6 +101,9 @@ async fn identity(body: Bytes) -> Result<Json<Value>, ApiError> {
         .await
         .map_err(|e| ApiError::internal("mount the volumes", io::Error::other(e)))?
         .map_err(|e| ApiError::internal("mount the volumes", e))?;
+    if sessions.get(crate::entrypoint::SESSION).is_err() {
+        crate::entrypoint::start(&sessions, &request.entrypoint).await;
+    }
     if request.grow_root {
         // In the background: growing ends with a journal flush that takes a
         // good part of a second under emulation, and nothing needs to wait

@@ -56,6 +56,8 @@ pub(super) struct Identity {
     /// Volumes: each a virtio-fs share (see `shares`) the agent mounts at
     /// its target.
     pub volumes: Vec<VolumeBind>,
+    /// The image's ENTRYPOINT and CMD, which the agent starts once.
+    pub command: Vec<String>,
 }
 
 impl Identity {
@@ -82,6 +84,7 @@ impl Identity {
             disk_bytes: spec.resources.disk_gib << 30,
             network,
             volumes: spec.volumes.clone(),
+            command: spec.command.clone(),
         })
     }
 
@@ -119,6 +122,7 @@ impl Identity {
                 "tag": shares::tag(index),
                 "path": volume.target,
             })).collect::<Vec<_>>(),
+            "entrypoint": self.command,
         });
         let (status, answer) = session
             .post("/cove/vm/identity", &body.to_string())

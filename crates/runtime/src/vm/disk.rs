@@ -180,8 +180,19 @@ fn build_base(rootfs: &Path, agent: &Path, dest: &Path) -> Result<(), DiskError>
     let agent = agent
         .canonicalize()
         .map_err(io_error(agent, "resolve the agent"))?;
+    // An image need not have the agent's directory (a busybox image has no
+    // /usr): each parent is made, which debugfs declines for one that exists.
+    let parents: String = Path::new(AGENT_IN_GUEST)
+        .ancestors()
+        .skip(1)
+        .filter(|dir| *dir != Path::new("/"))
+        .collect::<Vec<_>>()
+        .iter()
+        .rev()
+        .map(|dir| format!("mkdir {}\n", dir.display()))
+        .collect();
     let script = format!(
-        "rm {AGENT_IN_GUEST}\nwrite {} {AGENT_IN_GUEST}\nsif {AGENT_IN_GUEST} mode 0100755\n\
+        "{parents}rm {AGENT_IN_GUEST}\nwrite {} {AGENT_IN_GUEST}\nsif {AGENT_IN_GUEST} mode 0100755\n\
          sif {AGENT_IN_GUEST} uid 0\nsif {AGENT_IN_GUEST} gid 0\n",
         agent.display()
     );

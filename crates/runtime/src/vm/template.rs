@@ -163,6 +163,7 @@ async fn make(
         disk_bytes: base_bytes,
         network: None,
         volumes: Vec::new(),
+        command: Vec::new(),
     };
     let (exited, _) = tokio::sync::oneshot::channel();
     let mut vm = runtime
