@@ -313,6 +313,57 @@ def test_a_vm_shares_a_volume_with_a_container(cove, sandboxes, daytona):
         assert wait_until(lambda: cove.request("DELETE", f"/volumes/{volume['id']}").status_code in (200, 404), 60)
 
 
+def test_a_networked_vm_keeps_running_and_its_network_across_a_server_crash(cove, fake_internet):
+    # A second networked server beside the session's: its own bridge, range
+    # and routing table.
+    data_dir = new_data_dir()
+    args = (*fake_internet.server_args(), "--bridge", "covert", "--network-range", "10.78.0.0/16",
+            "--route-table", "7701")
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=args, vms=True)
+    server.start()
+    try:
+        client = server.client()
+        sandbox = client.create(
+            CreateSandboxFromSnapshotParams(snapshot=VM, network_allow_list=f"{fake_internet.ALLOWED}/32"),
+            timeout=TIMEOUT,
+        )
+        start_counter(sandbox)
+        address = address_of(sandbox)
+        assert address.startswith("10.78."), address
+        assert fetch(sandbox, f"http://{fake_internet.ALLOWED}/") == "200"
+        before = counter(sandbox)
+
+        server.proc.send_signal(signal.SIGKILL)
+        server.proc.wait(timeout=30)
+        server.proc = None
+        server.start()
+        client = server.client()
+
+        # Taken over, paused and resumed onto the new server's network: the
+        # same processes, the same address, the internet again.
+        again = client.get(sandbox.id)
+        assert again.state == SandboxState.STARTED, again.state
+        assert counting_on(again, before)
+        assert address_of(again) == address
+        assert fetch(again, f"http://{fake_internet.ALLOWED}/") == "200"
+        assert fetch(again, f"http://{fake_internet.DENIED}/") == "000"
+        client.delete(again, timeout=TIMEOUT, wait=True)
+        assert wait_until(lambda: not qemu_processes(data_dir), 30), qemu_processes(data_dir)
+    finally:
+        try:
+            if server.proc is not None:
+                server.delete_all()
+        finally:
+            server.stop()
+            for pid in qemu_processes(data_dir):
+                os.kill(pid, signal.SIGKILL)
+            remove_data_dir(data_dir)
+    # Its bridge and tables went with it; the session server's are untouched.
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+    assert "covert" not in links
+    assert "cove0" in links
+
+
 def test_windows_snapshot_is_a_clear_error(cove):
     reply = cove.request("POST", "/sandbox", json={"snapshot": "windows-11"})
     assert reply.status_code == 400, reply.text

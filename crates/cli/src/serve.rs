@@ -78,6 +78,12 @@ pub struct ServeArgs {
     /// The bridge sandboxes are attached to (at most 8 characters).
     #[arg(long, default_value = "cove0")]
     pub bridge: String,
+    /// The routing table sandbox traffic is routed by; also the priority of
+    /// the rules that select it and the firewall mark of the resolver's own
+    /// queries. Two servers on one host need their own (and their own
+    /// --bridge and --network-range).
+    #[arg(long, default_value_t = 7700)]
+    pub route_table: u32,
     /// The guest kernel and initramfs of VM sandboxes (made by `scripts/vm-assets`).
     /// Without them, or with `--no-vm`, VM snapshots answer 501.
     #[arg(long, env = "COVE_VM_ASSETS", default_value = "/var/tmp/cove/vm")]
@@ -357,6 +363,8 @@ async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_
     let mut config = cove_net::NetworkConfig::new(uplink, dns, data_dir.join("net"));
     config.range = args.network_range;
     config.bridge = args.bridge.clone();
+    config.route_table = args.route_table;
+    config.rule_priority = args.route_table;
     cove_net::Network::new(config)
         .await
         .context("setting up the sandbox network (needs nftables; or pass --no-network)")
