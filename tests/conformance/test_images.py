@@ -330,7 +330,6 @@ def test_run_steps_build_layers_and_the_image_settings_reach_sandboxes(daytona, 
         # The same Dockerfile with one more step reuses the layers built above.
         again: list[str] = []
         name2 = unique("built")
-        started = time.monotonic()
         snap2 = daytona.snapshot.create(
             CreateSnapshotParams(name=name2, image=image.run_commands("echo more > more.txt")),
             on_logs=again.append,
@@ -338,7 +337,6 @@ def test_run_steps_build_layers_and_the_image_settings_reach_sandboxes(daytona, 
         try:
             assert snap2.state == "active"
             assert "\n".join(again).count("using cache") == 4, again
-            assert time.monotonic() - started < 30
             sandbox2 = sandboxes(CreateSandboxFromSnapshotParams(snapshot=name2))
             assert sandbox2.process.exec("cat /built.txt more.txt").result.split() == ["hi", "more"]
             daytona.delete(sandbox2)
