@@ -145,6 +145,9 @@ struct PoolInner {
     state: Mutex<PoolState>,
 }
 
+/// How long `Pool::close` waits for a refill in flight.
+const REFILL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 #[derive(Default)]
 struct PoolState {
     ready: Vec<Namespace>,
@@ -192,11 +195,17 @@ impl Pool {
     }
 
     /// Stops refilling and deletes the ready namespaces' veths (the
-    /// namespaces end with their descriptors).
+    /// namespaces end with their descriptors). A refill in flight finishes
+    /// first, deleting what it made: the kernel would end that namespace's
+    /// veth only some time after its last descriptor closed.
     pub async fn close(&self) {
         let ready = self.inner.close();
         for namespace in ready {
             let _ = links::delete_index(&self.inner.host, namespace.host_link).await;
+        }
+        let began = std::time::Instant::now();
+        while self.inner.lock().refilling && began.elapsed() < REFILL_WAIT {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
         }
     }
 
@@ -214,16 +223,26 @@ impl Pool {
             loop {
                 // One at a time: a refill should not compete with attaches.
                 let made = inner.make().await;
-                let mut state = inner.lock();
-                match made {
-                    Ok(namespace) if !state.closed => state.ready.push(namespace),
-                    Ok(_) => {}
-                    Err(err) => {
-                        tracing::error!(error = %err, "cannot make a network namespace for the pool");
-                        state.refilling = false;
-                        return;
+                let unwanted = {
+                    let mut state = inner.lock();
+                    match made {
+                        Ok(namespace) if !state.closed => {
+                            state.ready.push(namespace);
+                            None
+                        }
+                        Ok(namespace) => Some(namespace),
+                        Err(err) => {
+                            tracing::error!(error = %err, "cannot make a network namespace for the pool");
+                            state.refilling = false;
+                            return;
+                        }
                     }
+                };
+                // Closed while it was made (see `close`).
+                if let Some(namespace) = unwanted {
+                    let _ = links::delete_index(&inner.host, namespace.host_link).await;
                 }
+                let mut state = inner.lock();
                 if state.closed || state.ready.len() >= inner.target {
                     state.refilling = false;
                     return;
