@@ -32,6 +32,7 @@ pub async fn serve(
     // message (its timeout handling misses httpx_ws' `queue.Empty`), and
     // spawning a shell can take longer than that in a VM under emulation. A
     // shell that then fails to start is reported by an `error` message.
+    session.mark_starting();
     let connected = json!({"type": "control", "status": "connected"});
     if socket
         .send(Message::Text(connected.to_string().into()))

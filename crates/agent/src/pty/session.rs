@@ -61,6 +61,9 @@ struct State {
     cols: u16,
     rows: u16,
     phase: Phase,
+    /// A client connected and the shell is being started for it: the
+    /// session counts as active from then on (see `mark_starting`).
+    starting: bool,
 }
 
 enum Phase {
@@ -80,6 +83,7 @@ impl PtySession {
                 cols: spec.cols,
                 rows: spec.rows,
                 phase: Phase::NotStarted,
+                starting: false,
             }),
             spec,
             created_at,
@@ -96,7 +100,11 @@ impl PtySession {
         let state = self.state.lock().unwrap();
         PtySessionInfo {
             id: self.spec.id.clone(),
-            active: matches!(state.phase, Phase::Running(_)),
+            active: match state.phase {
+                Phase::Running(_) => true,
+                Phase::NotStarted => state.starting,
+                Phase::Ended => false,
+            },
             cols: state.cols,
             rows: state.rows,
             cwd: self.spec.cwd.to_string_lossy().into_owned(),
@@ -106,10 +114,29 @@ impl PtySession {
         }
     }
 
+    /// Says a client is about to start the shell, which it does after it
+    /// has told the client it is connected: from then on the session is
+    /// active, as the client was told.
+    pub fn mark_starting(&self) {
+        self.state.lock().unwrap().starting = true;
+    }
+
     /// Starts the shell unless it already runs; `registry` forgets the
     /// session when the shell ends.
     pub fn start(self: &Arc<Self>, registry: Weak<Registry>) -> Result<Arc<Terminal>, ApiError> {
         let mut state = self.state.lock().unwrap();
+        let started = self.start_locked(&mut state, registry);
+        if started.is_err() {
+            state.starting = false;
+        }
+        started
+    }
+
+    fn start_locked(
+        self: &Arc<Self>,
+        state: &mut State,
+        registry: Weak<Registry>,
+    ) -> Result<Arc<Terminal>, ApiError> {
         match &state.phase {
             Phase::Running(terminal) => return Ok(terminal.clone()),
             Phase::Ended => return Err(ApiError::SessionEnded(self.spec.id.clone())),
