@@ -173,31 +173,21 @@ def local_registry(user: str | None = None, password: str | None = None):
         write_oci_layout(layout, "v1")
         host = f"127.0.0.1:{port}"
         creds = ["--dest-creds", f"{user}:{password}"] if user else []
-        subprocess.run(
-            [
-                "skopeo",
-                "copy",
-                "--quiet",
-                "--dest-tls-verify=false",
-                *creds,
-                f"oci:{layout}:v1",
-                f"docker://{host}/cove/busy:v1",
-            ],
-            check=True,
-        )
-        # The same image under a name no test pulls first, so one pull is seen whole.
-        subprocess.run(
-            [
-                "skopeo",
-                "copy",
-                "--quiet",
-                "--dest-tls-verify=false",
-                *creds,
-                f"oci:{layout}:v1",
-                f"docker://{host}/cove/pulled:v1",
-            ],
-            check=True,
-        )
+        # busy:v1 for most tests; the same image as pulled:v1, which no test
+        # pulls first, so one pull is seen whole.
+        for repository in ("busy", "pulled"):
+            subprocess.run(
+                [
+                    "skopeo",
+                    "copy",
+                    "--quiet",
+                    "--dest-tls-verify=false",
+                    *creds,
+                    f"oci:{layout}:v1",
+                    f"docker://{host}/cove/{repository}:v1",
+                ],
+                check=True,
+            )
         yield host, layout
     finally:
         proc.terminate()

@@ -14,7 +14,9 @@ import signal
 import subprocess
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 from daytona import CreateSandboxFromSnapshotParams, SandboxState, SessionExecuteRequest, VolumeMount
@@ -313,15 +315,40 @@ def test_a_vm_shares_a_volume_with_a_container(cove, sandboxes, daytona):
         assert wait_until(lambda: cove.request("DELETE", f"/volumes/{volume['id']}").status_code in (200, 404), 60)
 
 
+@contextmanager
+def own_vm_server(*extra_args: str) -> Iterator[tuple[CoveServer, Path]]:
+    """A server of the test's own that serves VMs; everything it made is
+    gone afterwards, QEMU processes included."""
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=extra_args, vms=True)
+    server.start()
+    try:
+        yield server, data_dir
+    finally:
+        try:
+            if server.proc is not None:
+                server.delete_all()
+        finally:
+            server.stop()
+            for pid in qemu_processes(data_dir):
+                os.kill(pid, signal.SIGKILL)
+            remove_data_dir(data_dir)
+
+
+def crash_and_restart(server: CoveServer) -> None:
+    """No goodbye: the server dies (its QEMU processes do not) and starts again."""
+    server.proc.send_signal(signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    server.proc = None
+    server.start()
+
+
 def test_a_networked_vm_keeps_running_and_its_network_across_a_server_crash(cove, fake_internet):
     # A second networked server beside the session's: its own bridge, range
     # and routing table.
-    data_dir = new_data_dir()
     args = (*fake_internet.server_args(), "--bridge", "covert", "--network-range", "10.78.0.0/16",
             "--route-table", "7701")
-    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=args, vms=True)
-    server.start()
-    try:
+    with own_vm_server(*args) as (server, data_dir):
         client = server.client()
         sandbox = client.create(
             CreateSandboxFromSnapshotParams(snapshot=VM, network_allow_list=f"{fake_internet.ALLOWED}/32"),
@@ -333,10 +360,7 @@ def test_a_networked_vm_keeps_running_and_its_network_across_a_server_crash(cove
         assert fetch(sandbox, f"http://{fake_internet.ALLOWED}/") == "200"
         before = counter(sandbox)
 
-        server.proc.send_signal(signal.SIGKILL)
-        server.proc.wait(timeout=30)
-        server.proc = None
-        server.start()
+        crash_and_restart(server)
         client = server.client()
 
         # Taken over, paused and resumed onto the new server's network: the
@@ -349,15 +373,6 @@ def test_a_networked_vm_keeps_running_and_its_network_across_a_server_crash(cove
         assert fetch(again, f"http://{fake_internet.DENIED}/") == "000"
         client.delete(again, timeout=TIMEOUT, wait=True)
         assert wait_until(lambda: not qemu_processes(data_dir), 30), qemu_processes(data_dir)
-    finally:
-        try:
-            if server.proc is not None:
-                server.delete_all()
-        finally:
-            server.stop()
-            for pid in qemu_processes(data_dir):
-                os.kill(pid, signal.SIGKILL)
-            remove_data_dir(data_dir)
     # Its bridge and tables went with it; the session server's are untouched.
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert "covert" not in links
@@ -385,10 +400,7 @@ def qemu_processes(data_dir: Path) -> list[int]:
 
 
 def test_killed_server_loses_no_vm_and_delete_leaves_no_qemu():
-    data_dir = new_data_dir()
-    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=("--no-network",), vms=True)
-    server.start()
-    try:
+    with own_vm_server("--no-network") as (server, data_dir):
         client = server.client()
         running = client.create(CreateSandboxFromSnapshotParams(snapshot=VM, name="vm-running"), timeout=TIMEOUT)
         paused = client.create(CreateSandboxFromSnapshotParams(snapshot=VM, name="vm-paused"), timeout=TIMEOUT)
@@ -400,11 +412,7 @@ def test_killed_server_loses_no_vm_and_delete_leaves_no_qemu():
         paused.pause()
         assert qemu_processes(data_dir), "a running VM has a QEMU process"
 
-        # No goodbye: the server dies; the QEMU processes do not.
-        server.proc.send_signal(signal.SIGKILL)
-        server.proc.wait(timeout=30)
-        server.proc = None
-        server.start()
+        crash_and_restart(server)
         client = server.client()
 
         again = client.get(running.id)
@@ -425,12 +433,3 @@ def test_killed_server_loses_no_vm_and_delete_leaves_no_qemu():
         for sandbox in (again, still):
             client.delete(sandbox, timeout=TIMEOUT, wait=True)
         assert wait_until(lambda: not qemu_processes(data_dir), 30), qemu_processes(data_dir)
-    finally:
-        try:
-            if server.proc is not None:
-                server.delete_all()
-        finally:
-            server.stop()
-            for pid in qemu_processes(data_dir):
-                os.kill(pid, signal.SIGKILL)
-            remove_data_dir(data_dir)

@@ -155,14 +155,7 @@ impl Engine {
             snapshot.state = SnapshotState::Error;
             snapshot.error_reason = Some(error.to_string());
         }
-        self.inner
-            .store
-            .insert_snapshot(&snapshot)
-            .await
-            .map_err(|e| match e {
-                cove_store::StoreError::Duplicate { name } => EngineError::SnapshotTaken { name },
-                other => other.into(),
-            })?;
+        self.insert_new_snapshot(&snapshot).await?;
         let log = self.new_build_log(&snapshot.id);
         let plan = match plan {
             Ok(plan) => plan,
@@ -187,16 +180,7 @@ impl Engine {
                     record.error_reason = Some(error.to_string());
                 }
             }
-            // Deleted while it built: nothing to record.
-            let still_there = matches!(
-                engine.inner.store.find_snapshot(&record.id).await,
-                Ok(Some(_))
-            );
-            if still_there {
-                if let Err(error) = engine.inner.store.save_snapshot(&record).await {
-                    tracing::error!(snapshot = %record.name, %error, "recording a build");
-                }
-            }
+            engine.record_finished(&record).await;
             if record.state == SnapshotState::Active {
                 tracing::info!(snapshot = %record.name, "image built");
             }
@@ -398,20 +382,25 @@ impl Engine {
                     }
                 }
             };
-            // Deleted while it pulled: nothing to record.
-            let still_there = matches!(
-                engine.inner.store.find_snapshot(&record.id).await,
-                Ok(Some(_))
-            );
-            if still_there {
-                if let Err(error) = engine.inner.store.save_snapshot(&record).await {
-                    tracing::error!(snapshot = %record.name, %error, "recording a pull");
-                }
-            }
+            engine.record_finished(&record).await;
             log.finish();
         });
         snapshot.updated_at_ms = now_ms();
         Ok(snapshot)
+    }
+
+    /// Saves what a background build or pull ended with, unless the
+    /// snapshot was deleted meanwhile.
+    async fn record_finished(&self, record: &SnapshotRecord) {
+        let still_there = matches!(
+            self.inner.store.find_snapshot(&record.id).await,
+            Ok(Some(_))
+        );
+        if still_there {
+            if let Err(error) = self.inner.store.save_snapshot(record).await {
+                tracing::error!(snapshot = %record.name, %error, "recording a build or pull");
+            }
+        }
     }
 
     async fn insert_new_snapshot(&self, snapshot: &SnapshotRecord) -> Result<(), EngineError> {
@@ -454,14 +443,7 @@ impl Engine {
         })?
         .map_err(|e| image_error(&path.display().to_string(), e))?;
         let snapshot = snapshot_of(self, name, &pulled);
-        self.inner
-            .store
-            .insert_snapshot(&snapshot)
-            .await
-            .map_err(|e| match e {
-                cove_store::StoreError::Duplicate { name } => EngineError::SnapshotTaken { name },
-                other => other.into(),
-            })?;
+        self.insert_new_snapshot(&snapshot).await?;
         tracing::info!(snapshot = %name, from = %path.display(), "image imported");
         Ok(snapshot)
     }
