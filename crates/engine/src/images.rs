@@ -316,7 +316,7 @@ impl Engine {
         class: SandboxClass,
         image: &str,
     ) -> Result<SnapshotRecord, EngineError> {
-        let mut snapshot = SnapshotRecord {
+        let snapshot = SnapshotRecord {
             state: SnapshotState::Pulling,
             ..self.new_named_snapshot(request, class)?
         };
@@ -385,7 +385,6 @@ impl Engine {
             engine.record_finished(&record).await;
             log.finish();
         });
-        snapshot.updated_at_ms = now_ms();
         Ok(snapshot)
     }
 
