@@ -59,6 +59,9 @@ pub enum ApiError {
         #[source]
         source: io::Error,
     },
+    /// A `/cove/unpack` stream that was refused or failed; its kind decides.
+    #[error(transparent)]
+    Unpack(#[from] crate::unpack::UnpackError),
 }
 
 impl ApiError {
@@ -96,6 +99,7 @@ impl ApiError {
             Self::Git(error) => error.failure.status(),
             Self::ContextNotFound(_) => StatusCode::NOT_FOUND,
             Self::PortUnreachable { .. } => StatusCode::BAD_GATEWAY,
+            Self::Unpack(error) => error.status(),
         }
     }
 
@@ -117,6 +121,7 @@ impl ApiError {
             Self::Git(error) => error.failure.code(),
             Self::ContextNotFound(_) => "NOT_FOUND",
             Self::PortUnreachable { .. } => "BAD_GATEWAY",
+            Self::Unpack(error) => error.code(),
         }
     }
 

@@ -19,6 +19,7 @@ pub mod pty;
 pub mod session;
 pub mod system;
 pub mod tunnel;
+pub mod unpack;
 pub mod user;
 pub mod vm;
 
@@ -56,6 +57,7 @@ pub fn app(state: AppState) -> Router {
         .merge(pty::routes())
         .merge(interpreter::routes())
         .merge(tunnel::routes())
+        .merge(unpack::routes())
         .fallback(|uri: axum::http::Uri| async move { ApiError::NoRoute(uri.path().to_string()) })
         .with_state(state)
 }
