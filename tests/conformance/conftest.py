@@ -301,6 +301,54 @@ class FakeInternet:
         shutil.rmtree(self.web, ignore_errors=True)
 
 
+class TlsFiles:
+    """A test certificate authority and a certificate it signed for 127.0.0.1,
+    for cove's HTTPS listener (`serve --tls-listen`), made with openssl. The
+    SDK's S3 client trusts only the system's bundle, so code that uploads build
+    contexts runs where ``bundle`` (the system's plus this CA) is bind-mounted
+    over it, in a mount namespace of its own (``sdk_with_test_ca``)."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="cove-tls-"))
+        self.cert = self.dir / "server.pem"
+        self.key = self.dir / "server.key"
+        self.bundle = self.dir / "bundle.pem"
+        ca_key, ca_cert = self.dir / "ca.key", self.dir / "ca.pem"
+        run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+            "-subj", "/CN=cove test CA", "-keyout", str(ca_key), "-out", str(ca_cert))
+        csr = self.dir / "server.csr"
+        run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
+            "-keyout", str(self.key), "-out", str(csr))
+        ext = self.dir / "ext.cnf"
+        ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        run("openssl", "x509", "-req", "-in", str(csr), "-CA", str(ca_cert), "-CAkey", str(ca_key),
+            "-CAcreateserial", "-days", "2", "-extfile", str(ext), "-out", str(self.cert))
+        system = Path("/etc/ssl/certs/ca-certificates.crt")
+        self.bundle.write_text((system.read_text() if system.exists() else "") + ca_cert.read_text())
+        self.port = 0
+
+    def server_args(self) -> tuple[str, ...]:
+        self.port = free_port()
+        return ("--tls-listen", f"127.0.0.1:{self.port}",
+                "--tls-cert", str(self.cert), "--tls-key", str(self.key))
+
+    def remove(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def sdk_with_test_ca(tls: TlsFiles, script: str, env: dict[str, str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """Runs a Python script (SDK code) where the system CA bundle includes the
+    test CA: in its own mount namespace, so nothing changes for the host."""
+    path = tls.dir / f"script-{uuid.uuid4().hex}.py"
+    path.write_text(script)
+    return subprocess.run(
+        ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+         'mount --bind "$0" /etc/ssl/certs/ca-certificates.crt && exec "$1" "$2"',
+         str(tls.bundle), sys.executable, str(path)],
+        capture_output=True, text=True, timeout=timeout, env={**os.environ, **env},
+    )
+
+
 def new_data_dir() -> Path:
     # Short: the agent's Unix socket lives under it and sun_path holds 107 bytes.
     return Path(tempfile.mkdtemp(prefix="cv", dir="/tmp"))
@@ -334,11 +382,23 @@ def fake_internet() -> Iterator[FakeInternet]:
 
 
 @pytest.fixture(scope="session")
-def cove(fake_internet: FakeInternet) -> Iterator[CoveServer]:
+def tls_files() -> Iterator[TlsFiles]:
+    files = TlsFiles()
+    try:
+        yield files
+    finally:
+        files.remove()
+
+
+@pytest.fixture(scope="session")
+def cove(fake_internet: FakeInternet, tls_files: TlsFiles) -> Iterator[CoveServer]:
     data_dir = new_data_dir()
     # Sandbox traffic leaves only into the fake internet, never off this machine.
     server = CoveServer(
-        data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=fake_internet.server_args(), vms=True
+        data_dir,
+        api_key="cv-" + uuid.uuid4().hex,
+        extra_args=(*fake_internet.server_args(), *tls_files.server_args()),
+        vms=True,
     )
     server.start()
     os.environ["DAYTONA_API_URL"] = server.api_url

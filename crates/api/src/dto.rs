@@ -170,13 +170,6 @@ impl CreateSandboxRequest {
         }) {
             return Some("buildInfo without dockerfileContent");
         }
-        if self.build_info.as_ref().is_some_and(|b| {
-            b.get("contextHashes")
-                .and_then(|h| h.as_array())
-                .is_some_and(|h| !h.is_empty())
-        }) {
-            return Some("image build contexts (COPY/ADD files)");
-        }
         if !self.secrets.is_empty() {
             return Some("secrets");
         }
@@ -233,9 +226,29 @@ impl CreateSandboxRequest {
                 .and_then(|b| b.get("dockerfileContent"))
                 .and_then(|d| d.as_str())
                 .map(str::to_owned),
+            build_contexts: self
+                .build_info
+                .as_ref()
+                .map(context_hashes)
+                .unwrap_or_default(),
             volumes: self.volumes,
         }
     }
+}
+
+/// `buildInfo.contextHashes`: the uploaded build contexts a Dockerfile's
+/// `COPY`s read.
+pub fn context_hashes(build_info: &serde_json::Value) -> Vec<String> {
+    build_info
+        .get("contextHashes")
+        .and_then(|h| h.as_array())
+        .map(|hashes| {
+            hashes
+                .iter()
+                .filter_map(|h| h.as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default()
 }
 
 /// Daytona's comma-separated lists; empty items are dropped.

@@ -12,6 +12,7 @@ mod dto;
 mod error;
 mod machines;
 mod not_implemented;
+mod object_storage;
 mod preview;
 mod sandbox;
 mod server_config;
@@ -43,6 +44,9 @@ pub struct ApiConfig {
     /// The port of the SSH gateway (`serve --ssh-listen`), for the `sshCommand`
     /// of issued SSH access; `None` when the server runs no gateway.
     pub ssh_port: Option<u16>,
+    /// The port of cove's own HTTPS listener (`serve --tls-listen`), where the
+    /// SDK uploads build contexts; `None` without one.
+    pub tls_port: Option<u16>,
 }
 
 #[derive(Clone)]
@@ -118,6 +122,10 @@ pub fn app(state: AppState) -> Router {
             get(not_implemented::fallback),
         )
         .route(
+            "/object-storage/push-access",
+            get(object_storage::push_access),
+        )
+        .route(
             "/docker-registry/{id}",
             get(docker_registry::get)
                 .patch(docker_registry::update)
@@ -173,8 +181,14 @@ pub fn app(state: AppState) -> Router {
     // Previews check their own credentials (a preview token, a signed URL, or
     // none for a public sandbox), so they sit outside the API key layer; the
     // host-based ones are taken before any routing by path.
+    // Object storage checks each request's SigV4 signature instead.
     Router::new()
         .route("/preview/{*path}", any(preview::by_path))
+        .route(
+            "/object-storage/{bucket}/{*key}",
+            any(object_storage::object),
+        )
+        .route("/object-storage/{bucket}", any(object_storage::bucket))
         .merge(with_key)
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),

@@ -228,21 +228,12 @@ pub async fn create(
     }
     let dockerfile = match &request.build_info {
         None => None,
-        Some(info) => {
-            let hashes = info.get("contextHashes").and_then(|h| h.as_array());
-            if hashes.is_some_and(|h| !h.is_empty()) {
-                return Err(ApiError::new(
-                    axum::http::StatusCode::NOT_IMPLEMENTED,
-                    "image build contexts (COPY/ADD files) are not implemented by cove yet",
-                ));
-            }
-            Some(
-                info.get("dockerfileContent")
-                    .and_then(|d| d.as_str())
-                    .ok_or_else(|| ApiError::bad_request("buildInfo needs dockerfileContent"))?
-                    .to_owned(),
-            )
-        }
+        Some(info) => Some(
+            info.get("dockerfileContent")
+                .and_then(|d| d.as_str())
+                .ok_or_else(|| ApiError::bad_request("buildInfo needs dockerfileContent"))?
+                .to_owned(),
+        ),
     };
     let class = match request.sandbox_class.as_deref() {
         None => None,
@@ -258,6 +249,11 @@ pub async fn create(
             name: request.name,
             image: request.image_name,
             dockerfile,
+            build_contexts: request
+                .build_info
+                .as_ref()
+                .map(crate::dto::context_hashes)
+                .unwrap_or_default(),
             class,
             cpu: request.cpu,
             memory_gib: request.memory,

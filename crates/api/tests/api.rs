@@ -24,6 +24,11 @@ struct Api {
 }
 
 async fn api() -> Api {
+    api_with_tls(None).await
+}
+
+/// An API whose HTTPS listener (for build-context uploads) is on `tls_port`.
+async fn api_with_tls(tls_port: Option<u16>) -> Api {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
     let fake = Arc::new(FakeRuntime::new());
@@ -31,7 +36,11 @@ async fn api() -> Api {
         (SandboxClass::Container, fake.clone() as Arc<dyn Runtime>),
         (SandboxClass::LinuxVm, fake.clone() as Arc<dyn Runtime>),
     ]);
-    let engine = Engine::new(EngineConfig::default(), store, runtimes);
+    let engine_config = EngineConfig {
+        build_contexts_dir: Some(dir.path().join("contexts")),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(engine_config, store, runtimes);
     for (name, class) in [
         ("cove-default", SandboxClass::Container),
         ("daytona-vm-small", SandboxClass::LinuxVm),
@@ -46,6 +55,7 @@ async fn api() -> Api {
         public_url: None,
         preview_domain: Some("preview.localhost".into()),
         ssh_port: Some(2222),
+        tls_port,
     };
     Api {
         router: app(AppState::new(engine, config)),
@@ -329,12 +339,12 @@ async fn unimplemented_operations_answer_501_by_name() {
     api.call("POST", "/api/sandbox", Some(json!({"name": "p"})))
         .await;
     let (status, body) = api
-        .call("GET", "/api/object-storage/push-access", None)
+        .call("GET", "/api/docker-registry/registry-push-access", None)
         .await;
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
     assert_eq!(
         body["message"],
-        "GET /object-storage/push-access is not implemented by cove yet"
+        "GET /docker-registry/registry-push-access is not implemented by cove yet"
     );
     // A container cannot pause: a clear 400, not a 501.
     let (status, body) = api.call("POST", "/api/sandbox/p/pause", None).await;
@@ -991,4 +1001,71 @@ async fn docker_registries_keep_their_password_to_themselves() {
         .await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     assert!(message(&body).contains("not found"));
+}
+
+#[tokio::test]
+async fn push_access_needs_https_and_uploads_need_its_signature() {
+    // Without an HTTPS listener the SDK's S3 client could not upload: say so.
+    let plain = api().await;
+    let (status, body) = plain
+        .call("GET", "/api/object-storage/push-access", None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_IMPLEMENTED);
+    assert!(
+        body["message"].as_str().unwrap().contains("--tls-listen"),
+        "{body}"
+    );
+
+    let api = api_with_tls(Some(3443)).await;
+    let (status, access) = api
+        .call("GET", "/api/object-storage/push-access", None)
+        .await;
+    assert_eq!(status, StatusCode::OK, "{access}");
+    assert_eq!(
+        access["storageUrl"],
+        "https://cove.test:3443/object-storage"
+    );
+    assert_eq!(access["bucket"], "cove-build-contexts");
+    assert_eq!(access["organizationId"], "cove");
+    for field in ["accessKey", "secret", "sessionToken", "region"] {
+        assert!(!access[field].as_str().unwrap().is_empty(), "{field}");
+    }
+    let (status, again) = api
+        .call("GET", "/api/object-storage/push-access", None)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_ne!(again["secret"], access["secret"]);
+
+    // An unsigned upload, or one signed with an unknown key, is refused
+    // with S3's error codes, and nothing is stored.
+    let key = "/object-storage/cove-build-contexts/cove/0123456789abcdef/context.tar";
+    for (authorization, code) in [
+        (None, "AccessDenied"),
+        (
+            Some(
+                "AWS4-HMAC-SHA256 Credential=NOPE/20261201/us-east-1/s3/aws4_request, \
+                 SignedHeaders=host;x-amz-date, Signature=00",
+            ),
+            "InvalidAccessKeyId",
+        ),
+    ] {
+        let mut request = Request::builder()
+            .method("PUT")
+            .uri(key)
+            .header("host", "cove.test:3443");
+        if let Some(authorization) = authorization {
+            request = request.header("authorization", authorization);
+        }
+        let response = api
+            .router
+            .clone()
+            .oneshot(request.body(Body::from("data")).unwrap())
+            .await
+            .unwrap();
+        assert_eq!(response.status(), StatusCode::FORBIDDEN);
+        let body = response.into_body().collect().await.unwrap().to_bytes();
+        let body = String::from_utf8_lossy(&body);
+        assert!(body.contains(&format!("<Code>{code}</Code>")), "{body}");
+    }
+    assert!(!api._dir.path().join("contexts/0123456789abcdef").exists());
 }

@@ -26,7 +26,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Run the server: API, toolbox proxy, timers.
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Manage sandboxes on a running server.
     #[command(subcommand)]
     Sandbox(sandbox_cmd::SandboxCommand),
@@ -63,7 +63,7 @@ fn main() -> std::process::ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
-            Command::Serve(args) => serve::run(args).await,
+            Command::Serve(args) => serve::run(*args).await,
             Command::Sandbox(command) => sandbox_cmd::run(command).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Admin(command) => admin_cmd::run(command).await,

@@ -91,6 +91,17 @@ pub struct ServeArgs {
     /// Serve no VM sandboxes (containers only).
     #[arg(long)]
     pub no_vm: bool,
+    /// Also serve the API over HTTPS on this address (with --tls-cert and
+    /// --tls-key). The SDK uploads build contexts (an `Image`'s local files
+    /// for COPY/ADD) over HTTPS only, to this listener.
+    #[arg(long, env = "COVE_TLS_LISTEN", requires_all = ["tls_cert", "tls_key"])]
+    pub tls_listen: Option<SocketAddr>,
+    /// The certificate chain of the HTTPS listener (PEM).
+    #[arg(long, env = "COVE_TLS_CERT", requires = "tls_listen")]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of the HTTPS listener (PEM).
+    #[arg(long, env = "COVE_TLS_KEY", requires = "tls_listen")]
+    pub tls_key: Option<PathBuf>,
     /// Address of the SSH gateway (`ssh TOKEN@host -p PORT`, tokens from
     /// `POST /api/sandbox/{id}/ssh-access`); its host key is kept in the data dir.
     #[arg(long, env = "COVE_SSH_LISTEN", default_value = "0.0.0.0:2222")]
@@ -201,6 +212,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         network: network.clone().map(cove_engine::NetworkHandle),
         // On the sandbox storage, so a volume is as durable as a sandbox's disk.
         volumes_dir: Some(storage.root().join("volumes")),
+        build_contexts_dir: Some(data_dir.join("build-contexts")),
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);
@@ -260,6 +272,20 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     )
     .await
     .context("starting the SSH gateway (or pass another --ssh-listen)")?;
+    let tls = match &args.tls_listen {
+        None => None,
+        Some(addr) => {
+            let config = tls_config(args.tls_cert.as_deref(), args.tls_key.as_deref())?;
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("listen on {addr} (--tls-listen)"))?;
+            Some((listener, config))
+        }
+    };
+    let tls_port = match &tls {
+        Some((listener, _)) => Some(listener.local_addr()?.port()),
+        None => None,
+    };
     let app = cove_api::app(cove_api::AppState::new(
         engine.clone(),
         cove_api::ApiConfig {
@@ -267,8 +293,13 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             public_url: args.public_url.clone(),
             preview_domain: args.preview_domain.clone(),
             ssh_port: Some(ssh.local_addr().port()),
+            tls_port,
         },
     ));
+    if let Some((listener, config)) = tls {
+        tracing::info!(addr = %listener.local_addr()?, "serving HTTPS");
+        tokio::spawn(serve_tls(listener, config, app.clone()));
+    }
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
         .with_context(|| format!("listen on {}", args.listen))?;
@@ -278,6 +309,75 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     let serve = tokio::spawn(async move { axum::serve(listener, app).await });
     tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
     Ok((serve, network, ssh))
+}
+
+/// The HTTPS listener's TLS settings from PEM files: HTTP/1.1 only, so the
+/// `Host` header S3 signatures cover is always there.
+fn tls_config(
+    cert: Option<&Path>,
+    key: Option<&Path>,
+) -> anyhow::Result<Arc<rustls::ServerConfig>> {
+    use rustls::pki_types::pem::PemObject as _;
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    let (Some(cert), Some(key)) = (cert, key) else {
+        bail!("--tls-listen needs --tls-cert and --tls-key");
+    };
+    let chain = CertificateDer::pem_file_iter(cert)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .with_context(|| format!("reading certificates from {}", cert.display()))?;
+    if chain.is_empty() {
+        bail!("{} holds no PEM certificate", cert.display());
+    }
+    let key = PrivateKeyDer::from_pem_file(key)
+        .with_context(|| format!("reading a private key from {}", key.display()))?;
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut config = rustls::ServerConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .context("the TLS certificate and key do not fit together")?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+/// Serves `app` over TLS: each connection is handshaken, then served by
+/// hyper like the plain listener's.
+async fn serve_tls(
+    listener: tokio::net::TcpListener,
+    config: Arc<rustls::ServerConfig>,
+    app: axum::Router,
+) {
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(error) => {
+                // Out of descriptors, for one: wait rather than spin.
+                tracing::warn!(%error, "accepting an HTTPS connection");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let acceptor = acceptor.clone();
+        let app = app.clone();
+        tokio::spawn(async move {
+            let stream = match acceptor.accept(stream).await {
+                Ok(stream) => stream,
+                Err(error) => {
+                    tracing::debug!(%error, "TLS handshake failed");
+                    return;
+                }
+            };
+            let service = hyper_util::service::TowerToHyperService::new(app);
+            let served =
+                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(stream), service)
+                    .await;
+            if let Err(error) = served {
+                tracing::debug!(%error, "HTTPS connection ended");
+            }
+        });
+    }
 }
 
 /// The VM backend, when this host can run it: QEMU installed (`scripts/vm-setup`)

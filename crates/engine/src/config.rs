@@ -33,6 +33,9 @@ pub struct EngineConfig {
     pub network: Option<crate::NetworkHandle>,
     /// Where volumes live (a directory each); without one, volumes are refused.
     pub volumes_dir: Option<std::path::PathBuf>,
+    /// Where uploaded build contexts (COPY/ADD files) are kept; without one,
+    /// push access and builds with contexts are refused.
+    pub build_contexts_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for EngineConfig {
@@ -53,6 +56,7 @@ impl Default for EngineConfig {
             images: None,
             network: None,
             volumes_dir: None,
+            build_contexts_dir: None,
         }
     }
 }

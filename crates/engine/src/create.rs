@@ -35,6 +35,8 @@ pub struct CreateSandbox {
     /// A Dockerfile to build the sandbox's image from (the SDK's `image=`),
     /// instead of a snapshot.
     pub dockerfile: Option<String>,
+    /// The uploaded build contexts its `COPY`s read (`buildInfo.contextHashes`).
+    pub build_contexts: Vec<String>,
     /// Egress policy (networkBlockAll, networkAllowList, domainAllowList).
     pub network: cove_store::NetworkSettings,
     /// Volumes to mount, by id or name.
@@ -115,7 +117,10 @@ impl Engine {
             });
         }
         let snapshot = match &request.dockerfile {
-            Some(text) => self.dockerfile_snapshot(text).await?,
+            Some(text) => {
+                self.dockerfile_snapshot(text, &request.build_contexts)
+                    .await?
+            }
             None => self
                 .inner
                 .store

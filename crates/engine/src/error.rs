@@ -75,6 +75,9 @@ pub enum EngineError {
     },
     #[error("internal storage error")]
     Store(#[from] cove_store::StoreError),
+    /// A file on this server could not be read or written.
+    #[error("{0}")]
+    Io(String),
 }
 
 /// What to do about an inactive snapshot.
@@ -134,7 +137,7 @@ impl EngineError {
                 502 => ErrorKind::BadGateway,
                 _ => ErrorKind::Internal,
             },
-            Self::Runtime { .. } | Self::Store(_) => ErrorKind::Internal,
+            Self::Runtime { .. } | Self::Store(_) | Self::Io(_) => ErrorKind::Internal,
         }
     }
 }

@@ -65,11 +65,21 @@ impl Engine {
     }
 
     /// The snapshot built from a Dockerfile, made once per Dockerfile text
-    /// (for a sandbox created from an `Image`); the build runs before this
-    /// returns.
-    pub async fn dockerfile_snapshot(&self, text: &str) -> Result<SnapshotRecord, EngineError> {
+    /// and build contexts (for a sandbox created from an `Image`); the build
+    /// runs before this returns.
+    pub async fn dockerfile_snapshot(
+        &self,
+        text: &str,
+        contexts: &[String],
+    ) -> Result<SnapshotRecord, EngineError> {
         let plan = parse_dockerfile(text)?;
-        let digest = Sha256::digest(text.as_bytes());
+        let mut hash = Sha256::new();
+        hash.update(text.as_bytes());
+        for context in contexts {
+            hash.update(b"\0");
+            hash.update(context.as_bytes());
+        }
+        let digest = hash.finalize();
         let name = format!(
             "cove-build-{}",
             digest[..8]
@@ -81,7 +91,7 @@ impl Engine {
             return Ok(found);
         }
         let log = self.new_build_log(&name);
-        let built = self.build_image(&plan, &log).await;
+        let built = self.build_image(&plan, contexts, &log).await;
         if let Err(error) = &built {
             log.line(format!("error: {error}"));
         }
@@ -137,6 +147,7 @@ impl Engine {
         &self,
         mut snapshot: SnapshotRecord,
         text: &str,
+        contexts: &[String],
     ) -> Result<SnapshotRecord, EngineError> {
         let plan = match parse_dockerfile(text) {
             Err(error @ EngineError::Invalid { .. }) => return Err(error),
@@ -167,8 +178,9 @@ impl Engine {
         };
         let engine = self.clone();
         let record = snapshot.clone();
+        let contexts = contexts.to_vec();
         tokio::spawn(async move {
-            let built = engine.build_image(&plan, &log).await;
+            let built = engine.build_image(&plan, &contexts, &log).await;
             let mut record = record;
             record.updated_at_ms = now_ms();
             match built {
@@ -230,8 +242,10 @@ pub struct ImageSnapshotRequest {
     pub name: String,
     /// A registry reference (`imageName`), or
     pub image: Option<String>,
-    /// a Dockerfile (`buildInfo.dockerfileContent`).
+    /// a Dockerfile (`buildInfo.dockerfileContent`),
     pub dockerfile: Option<String>,
+    /// with the uploaded build contexts its `COPY`s read (`buildInfo.contextHashes`).
+    pub build_contexts: Vec<String>,
     pub class: Option<SandboxClass>,
     pub cpu: Option<i64>,
     pub memory_gib: Option<i64>,
@@ -262,7 +276,8 @@ impl Engine {
             (Some(image), None) => self.start_pull(&request, class, image).await,
             (None, Some(text)) => {
                 let snapshot = self.new_named_snapshot(&request, class)?;
-                self.start_build(snapshot, text).await
+                self.start_build(snapshot, text, &request.build_contexts)
+                    .await
             }
             _ => Err(EngineError::Invalid {
                 field: "imageName",

@@ -11,6 +11,7 @@ mod archive;
 mod auth;
 mod build;
 mod config;
+mod contexts;
 mod create;
 mod error;
 mod forks;
@@ -37,6 +38,7 @@ pub use archive::Archive;
 pub use auth::hash_api_key;
 pub use build::{parse_dockerfile, BuildLog, DockerfilePlan};
 pub use config::{Ceilings, EngineConfig};
+pub use contexts::{ContextObject, DeclaredSha256, PushGrant};
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
     DockerRegistryRecord, NetworkSettings, SandboxRecord, SignedPreview, SnapshotRecord,
@@ -85,6 +87,8 @@ struct Inner {
     activity: activity::Activity,
     /// Build logs of image builds since the server started, by snapshot id.
     builds: Mutex<HashMap<String, Arc<build::BuildLog>>>,
+    /// Uploaded build contexts and the grants to upload them.
+    contexts: Option<contexts::ContextStore>,
     /// Stored key hashes, read once: checking a key must not cost a query per request.
     api_keys: std::sync::RwLock<Option<Vec<String>>>,
 }
@@ -95,6 +99,10 @@ impl Engine {
         store: Store,
         runtimes: HashMap<SandboxClass, Arc<dyn Runtime>>,
     ) -> Engine {
+        let contexts = config
+            .build_contexts_dir
+            .clone()
+            .map(contexts::ContextStore::new);
         Engine {
             inner: Arc::new(Inner {
                 config,
@@ -105,6 +113,7 @@ impl Engine {
                 generation: Default::default(),
                 activity: activity::Activity::default(),
                 builds: Mutex::default(),
+                contexts,
                 api_keys: Default::default(),
             }),
         }

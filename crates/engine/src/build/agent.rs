@@ -1,11 +1,13 @@
-//! The one agent call the image builder makes: `POST /process/execute` (the
-//! agent's toolbox API, its whole contract with the server) on a build
-//! sandbox's agent socket.
+//! The agent calls the image builder makes on a build sandbox's agent
+//! socket, all of them the agent's own contract with the server: `POST
+//! /process/execute` for `RUN`; `GET /files/info` and cove's `POST
+//! /cove/unpack` for `COPY`/`ADD`.
 
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use futures_util::TryStreamExt as _;
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::Bytes;
 use hyper_util::rt::TokioIo;
@@ -52,6 +54,31 @@ pub async fn execute(
         timeout: RUN_TIMEOUT.as_secs(),
     })
     .map_err(|e| e.to_string())?;
+    let request = hyper::Request::post("/process/execute")
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(
+            Full::new(Bytes::from(body))
+                .map_err(|e| match e {})
+                .boxed_unsync(),
+        )
+        .map_err(|e| e.to_string())?;
+    let (status, body) = send(socket, request).await?;
+    if !status.is_success() {
+        return Err(format!(
+            "the build sandbox's agent refused the step: {status} {}",
+            String::from_utf8_lossy(&body)
+        ));
+    }
+    serde_json::from_slice(&body).map_err(|e| format!("the build sandbox's agent answered {e}"))
+}
+
+type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
+
+/// Sends one request over a new connection to the agent at `socket`.
+async fn send(
+    socket: &Path,
+    mut request: hyper::Request<Body>,
+) -> Result<(hyper::StatusCode, Bytes), String> {
     let stream = tokio::net::UnixStream::connect(socket)
         .await
         .map_err(|e| format!("connecting to the build sandbox's agent: {e}"))?;
@@ -63,29 +90,85 @@ pub async fn execute(
             tracing::debug!(%error, "build agent connection ended");
         }
     });
-    let request = hyper::Request::post("/process/execute")
-        .header(hyper::header::HOST, "sandbox")
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(Full::new(Bytes::from(body)))
-        .map_err(|e| e.to_string())?;
+    request.headers_mut().insert(
+        hyper::header::HOST,
+        hyper::header::HeaderValue::from_static("sandbox"),
+    );
     let response = sender
         .send_request(request)
         .await
-        .map_err(|e| format!("running the step in the build sandbox: {e}"))?;
+        .map_err(|e| format!("sending the step to the build sandbox: {e}"))?;
     let status = response.status();
     let body = response
         .into_body()
         .collect()
         .await
-        .map_err(|e| format!("reading the step's output: {e}"))?
+        .map_err(|e| format!("reading the build sandbox's answer: {e}"))?
         .to_bytes();
+    Ok((status, body))
+}
+
+/// Whether `path` (absolute, in the build sandbox) is a directory; a path
+/// that does not exist is not.
+pub async fn is_dir(socket: &Path, path: &str) -> Result<bool, String> {
+    let query: String = url::form_urlencoded::Serializer::new(String::new())
+        .append_pair("path", path)
+        .finish();
+    let request = hyper::Request::get(format!("/files/info?{query}"))
+        .body(
+            Full::new(Bytes::new())
+                .map_err(|e| match e {})
+                .boxed_unsync(),
+        )
+        .map_err(|e| e.to_string())?;
+    let (status, body) = send(socket, request).await?;
+    if status == hyper::StatusCode::NOT_FOUND {
+        return Ok(false);
+    }
     if !status.is_success() {
         return Err(format!(
-            "the build sandbox's agent refused the step: {status} {}",
+            "looking up {path} in the build sandbox: {status} {}",
             String::from_utf8_lossy(&body)
         ));
     }
-    serde_json::from_slice(&body).map_err(|e| format!("the build sandbox's agent answered {e}"))
+    let info: serde_json::Value =
+        serde_json::from_slice(&body).map_err(|e| format!("the agent answered {e}"))?;
+    Ok(info.get("isDir").and_then(|d| d.as_bool()).unwrap_or(false))
+}
+
+/// Unpacks the tar archive `archive` at the build sandbox's root, every
+/// entry owned by `owner` (Docker's `--chown` form) when given.
+pub async fn unpack(socket: &Path, archive: &Path, owner: Option<&str>) -> Result<(), String> {
+    let file = tokio::fs::File::open(archive)
+        .await
+        .map_err(|e| format!("{}: {e}", archive.display()))?;
+    let frames = tokio_util::io::ReaderStream::new(file).map_ok(hyper::body::Frame::data);
+    let mut uri = "/cove/unpack".to_owned();
+    if let Some(owner) = owner {
+        uri.push('?');
+        uri.push_str(
+            &url::form_urlencoded::Serializer::new(String::new())
+                .append_pair("owner", owner)
+                .finish(),
+        );
+    }
+    let request = hyper::Request::post(uri)
+        .header(hyper::header::CONTENT_TYPE, "application/x-tar")
+        .body(http_body_util::StreamBody::new(frames).boxed_unsync())
+        .map_err(|e| e.to_string())?;
+    let (status, body) = send(socket, request).await?;
+    if !status.is_success() {
+        return Err(format!("copying into the image: {}", agent_message(&body)));
+    }
+    Ok(())
+}
+
+/// The message of an agent's JSON error, else its body.
+fn agent_message(body: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v.get("message").and_then(|m| m.as_str()).map(str::to_owned))
+        .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned())
 }
 
 /// One word for a POSIX shell.

@@ -1,7 +1,7 @@
 //! Reading a Dockerfile into the steps cove builds: one `FROM`, then `RUN`,
-//! `ENV`, `ARG`, `WORKDIR`, `USER`, `ENTRYPOINT`, `CMD` and metadata that does
-//! not change the image (`LABEL`, `EXPOSE`, ...). Anything else is named in
-//! the error.
+//! `COPY`, `ADD`, `ENV`, `ARG`, `WORKDIR`, `USER`, `ENTRYPOINT`, `CMD` and
+//! metadata that does not change the image (`LABEL`, `EXPOSE`, ...).
+//! Anything else is named in the error.
 
 use std::collections::BTreeMap;
 
@@ -36,12 +36,29 @@ pub enum StepKind {
         name: String,
         default: Option<String>,
     },
+    /// Copies files from the build context into the image.
+    Copy(Copy),
     Workdir(String),
     User(String),
     Entrypoint(Command),
     Cmd(Command),
     /// Changes nothing a sandbox sees (`LABEL`, `EXPOSE`, ...).
     Metadata,
+}
+
+/// `COPY` or `ADD` from the build context: sources and destination as
+/// written (`$VAR`s expand when built).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Copy {
+    pub sources: Vec<String>,
+    pub dest: String,
+    /// `--chown=user[:group]`, resolved inside the image.
+    pub chown: Option<String>,
+    /// `--chmod=0755`: the mode of everything copied.
+    pub chmod: Option<u32>,
+    /// `ADD`: a local tar archive (plain or gzip) is unpacked at the
+    /// destination instead of copied.
+    pub unpack_archives: bool,
 }
 
 /// The shell form (`RUN echo hi`) or the exec form (`RUN ["echo", "hi"]`).
@@ -136,16 +153,15 @@ pub fn parse_dockerfile(text: &str) -> Result<DockerfilePlan, EngineError> {
             "ENTRYPOINT" => needs_argument(StepKind::Entrypoint(command(rest)?))?,
             "CMD" => needs_argument(StepKind::Cmd(command(rest)?))?,
             "LABEL" | "EXPOSE" | "STOPSIGNAL" | "MAINTAINER" => StepKind::Metadata,
-            "COPY" | "ADD" => {
-                return Err(unsupported(&format!(
-                    "{keyword} ({instruction}): files from a build context come through \
-                     Daytona's object storage (/api/object-storage/push-access), which cove does not serve yet"
-                )))
-            }
+            "COPY" | "ADD" => needs_argument(StepKind::Copy(copy(&keyword, rest)?))?,
             "VOLUME" | "SHELL" | "ONBUILD" | "HEALTHCHECK" => {
                 return Err(unsupported(&format!("the {keyword} instruction")));
             }
-            other => return Err(invalid(format!("{other:?} is not a Dockerfile instruction"))),
+            other => {
+                return Err(invalid(format!(
+                    "{other:?} is not a Dockerfile instruction"
+                )))
+            }
         };
         plan.steps.push(Step {
             text: instruction.clone(),
@@ -180,6 +196,85 @@ fn logical_lines(text: &str) -> Vec<String> {
         joined.push(current.trim().to_owned());
     }
     joined
+}
+
+/// `COPY`/`ADD` `[--chown=..] [--chmod=..] [--link] src... dest`, or the
+/// JSON form `["src", ..., "dest"]` after the options.
+fn copy(keyword: &str, rest: &str) -> Result<Copy, EngineError> {
+    let mut rest = rest.trim();
+    let mut copy = Copy {
+        sources: Vec::new(),
+        dest: String::new(),
+        chown: None,
+        chmod: None,
+        unpack_archives: keyword == "ADD",
+    };
+    while let Some(option) = rest.strip_prefix("--") {
+        let (word, after) = option
+            .split_once(char::is_whitespace)
+            .unwrap_or((option, ""));
+        let (name, value) = word.split_once('=').unwrap_or((word, ""));
+        match name {
+            "chown" if !value.is_empty() => copy.chown = Some(value.to_owned()),
+            "chmod" if !value.is_empty() => {
+                let mode = u32::from_str_radix(value, 8)
+                    .ok()
+                    .filter(|m| *m <= 0o7777)
+                    .ok_or_else(|| {
+                        unsupported(&format!(
+                            "{keyword} --chmod={value} (only octal modes such as 0755)"
+                        ))
+                    })?;
+                copy.chmod = Some(mode);
+            }
+            // Only how Docker stores the layer; the files are the same.
+            "link" if value.is_empty() || value == "true" => {}
+            "from" => {
+                return Err(unsupported(&format!(
+                    "{keyword} --from (multi-stage builds)"
+                )))
+            }
+            _ => return Err(unsupported(&format!("{keyword} --{word}"))),
+        }
+        rest = after.trim_start();
+    }
+    if rest.starts_with("<<") {
+        return Err(unsupported(&format!("{keyword} with a here-document")));
+    }
+    let words: Vec<String> = if rest.starts_with('[') {
+        serde_json::from_str(rest).map_err(|_| {
+            invalid(format!(
+                "cannot read {keyword} {rest}: not a JSON array of strings"
+            ))
+        })?
+    } else {
+        rest.split_whitespace().map(str::to_owned).collect()
+    };
+    let Some((dest, sources)) = words.split_last() else {
+        return Err(invalid(format!(
+            "{keyword} needs a source and a destination"
+        )));
+    };
+    if sources.is_empty() {
+        return Err(invalid(format!(
+            "{keyword} needs a source and a destination"
+        )));
+    }
+    for source in sources {
+        if source.contains("://") || source.starts_with("git@") {
+            return Err(unsupported(&format!(
+                "{keyword} from a URL ({source}); download it in a RUN step"
+            )));
+        }
+    }
+    if sources.len() > 1 && !dest.ends_with('/') {
+        return Err(invalid(format!(
+            "{keyword} with several sources needs a destination directory ending in /, not {dest}"
+        )));
+    }
+    copy.sources = sources.to_vec();
+    copy.dest = dest.clone();
+    Ok(copy)
 }
 
 /// The exec form is a JSON array of strings; anything else is the shell form.
@@ -351,6 +446,29 @@ mod tests {
     }
 
     #[test]
+    fn copy_and_add_read_options_and_both_forms() {
+        assert_eq!(
+            kinds("FROM a\nCOPY --chown=app:app --chmod=0750 --link a b /dst/\nADD [\"my file\", \"/x\"]\n"),
+            [
+                StepKind::Copy(Copy {
+                    sources: vec!["a".into(), "b".into()],
+                    dest: "/dst/".into(),
+                    chown: Some("app:app".into()),
+                    chmod: Some(0o750),
+                    unpack_archives: false,
+                }),
+                StepKind::Copy(Copy {
+                    sources: vec!["my file".into()],
+                    dest: "/x".into(),
+                    chown: None,
+                    chmod: None,
+                    unpack_archives: true,
+                }),
+            ]
+        );
+    }
+
+    #[test]
     fn env_reads_both_forms_and_expands_variables() {
         let vars = BTreeMap::from([("PATH".to_owned(), "/bin".to_owned())]);
         assert_eq!(
@@ -384,8 +502,10 @@ mod tests {
     #[test]
     fn dockerfiles_cove_cannot_build_are_refused_by_name() {
         for (text, named) in [
-            ("FROM a\nCOPY x /x\n", "COPY"),
-            ("FROM a\nADD x /x\n", "ADD"),
+            ("FROM a\nCOPY --from=b x /x\n", "COPY --from"),
+            ("FROM a\nADD https://example.com/x /x\n", "URL"),
+            ("FROM a\nCOPY --chmod=u+x x /x\n", "octal"),
+            ("FROM a\nCOPY <<EOF /x\n", "here-document"),
             ("FROM a\nVOLUME /data\n", "VOLUME"),
             ("FROM a\nRUN --mount=type=cache echo\n", "RUN options"),
             ("FROM a AS b\n", "FROM a AS b"),
@@ -399,6 +519,8 @@ mod tests {
             ("ENV A=1\n", "must start with FROM"),
             ("FROM a\nFROBNICATE\n", "not a Dockerfile instruction"),
             ("FROM a\nRUN\n", "RUN needs an argument"),
+            ("FROM a\nCOPY x\n", "a source and a destination"),
+            ("FROM a\nCOPY x y /z\n", "ending in /"),
             ("", "no FROM"),
         ] {
             let err = parse_dockerfile(text).unwrap_err();

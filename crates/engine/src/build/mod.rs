@@ -6,7 +6,10 @@
 //! as a sandbox. When the command exits 0 the sandbox is stopped, its writable
 //! layer captured read-only (as a snapshot of a sandbox is) and stacked as the
 //! next layer, and the sandbox removed. `WORKDIR` also makes a layer (the
-//! directory). `ENV`, `ARG`, `USER`, `ENTRYPOINT` and `CMD` change only the
+//! directory), and so do `COPY` and `ADD`: the files they name in the build
+//! context (the archives the SDK uploaded, unpacked on this host) are
+//! written as one tar archive that the build sandbox's agent unpacks at its
+//! root (`copy.rs`). `ENV`, `ARG`, `USER`, `ENTRYPOINT` and `CMD` change only the
 //! image's settings, which later steps and the sandboxes made from the image
 //! see.
 //!
@@ -16,10 +19,12 @@
 //! kept: snapshots stand on them without owning them.
 
 mod agent;
+mod copy;
 mod dockerfile;
 mod logs;
 
 use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
 
 use cove_lifecycle::SandboxClass;
 use cove_store::{BuildStepRecord, ImageSettings, NetworkSettings, SnapshotRecord};
@@ -77,19 +82,85 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
+/// What a build step that makes a layer does in its build sandbox.
+enum Action<'a> {
+    /// Runs a command, as the image's user.
+    Run {
+        argv: Vec<String>,
+        env: BTreeMap<String, String>,
+        user: Option<String>,
+    },
+    /// Copies from the unpacked build context, as root.
+    Copy {
+        copy: &'a dockerfile::Copy,
+        /// The destination, an image path (`copy::image_path`).
+        dest: String,
+        context: &'a Path,
+        /// Where the archive of the files is written.
+        scratch: &'a Path,
+    },
+}
+
+/// The build context of one build, unpacked on this host when the first
+/// `COPY` needs it and removed with the build.
+struct Context {
+    archives: Vec<PathBuf>,
+    dir: PathBuf,
+    unpacked: bool,
+}
+
+impl Context {
+    async fn unpacked(&mut self) -> Result<&Path, EngineError> {
+        if !self.unpacked {
+            let archives = self.archives.clone();
+            let dir = self.dir.join("context");
+            tokio::task::spawn_blocking(move || copy::unpack_contexts(&archives, &dir))
+                .await
+                .map_err(|e| EngineError::Io(e.to_string()))?
+                .map_err(failed)?;
+            self.unpacked = true;
+        }
+        Ok(self.dir.as_path())
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        if self.dir.exists() {
+            if let Err(error) = std::fs::remove_dir_all(&self.dir) {
+                tracing::warn!(dir = %self.dir.display(), %error, "removing a build's context");
+            }
+        }
+    }
+}
+
 /// A build that failed: the message says which instruction and why.
 fn failed(reason: String) -> EngineError {
     EngineError::BuildFailed { reason }
 }
 
 impl Engine {
-    /// Builds `plan`, writing what happens to `log`.
+    /// Builds `plan`, whose `COPY`s and `ADD`s read the uploaded build
+    /// contexts `contexts`, writing what happens to `log`.
     pub(crate) async fn build_image(
         &self,
         plan: &DockerfilePlan,
+        contexts: &[String],
         log: &BuildLog,
     ) -> Result<BuiltImage, EngineError> {
         log.line(format!("FROM {}", plan.base));
+        let copies = plan
+            .steps
+            .iter()
+            .any(|s| matches!(s.kind, StepKind::Copy(_)));
+        let mut context = match copies {
+            false => None,
+            true => Some(Context {
+                archives: self.context_archives(contexts)?,
+                dir: self.build_scratch()?,
+                unpacked: false,
+            }),
+        };
         let base = self.build_base(&plan.base).await?;
         let mut seed = Sha256::new();
         seed.update(b"cove-build-1\0");
@@ -111,9 +182,32 @@ impl Engine {
             let vars = progress.vars();
             match &step.kind {
                 StepKind::Run(command) => {
-                    let env = progress.vars();
-                    let user = progress.image.image.user.clone();
-                    self.layer_step(&mut progress, log, &step.text, command.argv(), env, user)
+                    let action = Action::Run {
+                        argv: command.argv(),
+                        env: progress.vars(),
+                        user: progress.image.image.user.clone(),
+                    };
+                    self.layer_step(&mut progress, log, &step.text, action)
+                        .await?;
+                }
+                StepKind::Copy(copy) => {
+                    // What is copied is named by the contexts' hashes.
+                    progress.advance(&contexts.join(","));
+                    let context = context.as_mut().expect("made for builds that copy");
+                    let dir = context.unpacked().await?.to_path_buf();
+                    let dest = dockerfile::expand(&copy.dest, &vars);
+                    let mut dest_path =
+                        copy::image_path(&dest, progress.image.image.workdir.as_deref());
+                    if dest.ends_with('/') {
+                        dest_path.push('/');
+                    }
+                    let action = Action::Copy {
+                        copy,
+                        dest: dest_path,
+                        context: &dir.join("context"),
+                        scratch: &dir,
+                    };
+                    self.layer_step(&mut progress, log, &step.text, action)
                         .await?;
                 }
                 StepKind::Workdir(dir) => {
@@ -132,8 +226,12 @@ impl Engine {
                             agent::shell_quote(&dir)
                         ));
                     }
-                    let argv = vec!["/bin/sh".into(), "-c".into(), script];
-                    self.layer_step(&mut progress, log, &step.text, argv, BTreeMap::new(), None)
+                    let action = Action::Run {
+                        argv: vec!["/bin/sh".into(), "-c".into(), script],
+                        env: BTreeMap::new(),
+                        user: None,
+                    };
+                    self.layer_step(&mut progress, log, &step.text, action)
                         .await?;
                     progress.image.image.workdir = Some(dir);
                 }
@@ -192,16 +290,25 @@ impl Engine {
         Ok(base)
     }
 
-    /// Runs `argv` in a build sandbox on the layers so far and stacks what it
-    /// changed as a new layer, or reuses the layer cached for this step.
+    /// Scratch space for one build, beside the uploaded contexts.
+    fn build_scratch(&self) -> Result<PathBuf, EngineError> {
+        let dir = self
+            .contexts_dir()?
+            .join(".builds")
+            .join(uuid::Uuid::new_v4().simple().to_string());
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| EngineError::Io(format!("{}: {e}", dir.display())))?;
+        Ok(dir)
+    }
+
+    /// Does `action` in a build sandbox on the layers so far and stacks what
+    /// it changed as a new layer, or reuses the layer cached for this step.
     async fn layer_step(
         &self,
         progress: &mut Progress,
         log: &BuildLog,
         text: &str,
-        argv: Vec<String>,
-        env: BTreeMap<String, String>,
-        user: Option<String>,
+        action: Action<'_>,
     ) -> Result<(), EngineError> {
         let key = progress.key_hex();
         if let Some(cached) = self.inner.store.find_build_step(&key).await? {
@@ -227,12 +334,15 @@ impl Engine {
             network: None,
             volumes: Vec::new(),
             workdir: progress.image.image.workdir.clone(),
-            user,
+            user: match &action {
+                Action::Run { user, .. } => user.clone(),
+                Action::Copy { .. } => None,
+            },
             // A build step runs its RUN command, not the image's entrypoint.
             command: Vec::new(),
         };
         let outcome = self
-            .run_build_sandbox(runtime.as_ref(), spec, &argv, &env, &capture_id)
+            .run_build_sandbox(runtime.as_ref(), spec, &action, &capture_id)
             .await;
         if let Err(error) = runtime.destroy(&id).await {
             tracing::error!(build = %id, %error, "removing a build sandbox");
@@ -283,14 +393,13 @@ impl Engine {
         Ok(())
     }
 
-    /// Starts a build sandbox, runs the step, stops it and captures its layer
+    /// Starts a build sandbox, does the step, stops it and captures its layer
     /// if the step succeeded.
     async fn run_build_sandbox(
         &self,
         runtime: &dyn cove_runtime::Runtime,
         mut spec: cove_runtime::SandboxSpec,
-        argv: &[String],
-        env: &BTreeMap<String, String>,
+        action: &Action<'_>,
         capture_id: &str,
     ) -> Result<(Option<std::path::PathBuf>, agent::Executed), String> {
         if let Some(network) = self.network() {
@@ -311,7 +420,17 @@ impl Engine {
         runtime.prepare(&spec).await.map_err(|e| e.to_string())?;
         let started = runtime.start(&spec).await.map_err(|e| e.to_string())?;
         let cove_runtime::AgentEndpoint::Unix(socket) = &started.agent;
-        let executed = agent::execute(socket, argv, spec.workdir.as_deref(), env).await?;
+        let executed = match action {
+            Action::Run { argv, env, .. } => {
+                agent::execute(socket, argv, spec.workdir.as_deref(), env).await?
+            }
+            Action::Copy {
+                copy,
+                dest,
+                context,
+                scratch,
+            } => copy_into(socket, copy, dest, context, scratch).await?,
+        };
         runtime.stop(&spec.id).await.map_err(|e| e.to_string())?;
         if executed.exit_code != 0 {
             return Ok((None, executed));
@@ -322,4 +441,58 @@ impl Engine {
             .map_err(|e| e.to_string())?;
         Ok((Some(layer), executed))
     }
+}
+
+/// A `COPY`/`ADD` into the build sandbox whose agent listens on `socket`:
+/// the sources are written as one archive and unpacked at its root.
+async fn copy_into(
+    socket: &Path,
+    copy: &dockerfile::Copy,
+    dest: &str,
+    context: &Path,
+    scratch: &Path,
+) -> Result<agent::Executed, String> {
+    let context = context.to_path_buf();
+    let sources_text = copy.sources.clone();
+    let sources = {
+        let context = context.clone();
+        tokio::task::spawn_blocking(move || copy::resolve_sources(&context, &sources_text))
+            .await
+            .map_err(|e| e.to_string())??
+    };
+    let image_dest = dest.trim_end_matches('/').to_owned();
+    // As Docker: into a directory when the destination says so (a trailing
+    // `/`), when there are several sources, or when it is one already.
+    let dest_is_dir = dest.ends_with('/')
+        || image_dest.is_empty()
+        || sources.len() > 1
+        || agent::is_dir(socket, &format!("/{image_dest}")).await?;
+    let archive = scratch.join("copy.tar");
+    let options = copy::Options::from(copy);
+    let written = {
+        let archive = archive.clone();
+        tokio::task::spawn_blocking(move || {
+            copy::write_archive(
+                &context,
+                &sources,
+                &image_dest,
+                dest_is_dir,
+                options,
+                &archive,
+            )
+        })
+        .await
+        .map_err(|e| e.to_string())??
+    };
+    let unpacked = agent::unpack(socket, &archive, copy.chown.as_deref()).await;
+    let _ = tokio::fs::remove_file(&archive).await;
+    unpacked?;
+    Ok(agent::Executed {
+        exit_code: 0,
+        result: format!(
+            "copied {written} entries to /{}",
+            dest.trim_start_matches('/')
+        ),
+        timed_out: false,
+    })
 }

@@ -1,0 +1,398 @@
+//! Build contexts: the files a Dockerfile's `COPY` and `ADD` read.
+//!
+//! The SDK's `Image` builder does not send them with the Dockerfile: it asks
+//! for temporary object-storage credentials (`push-access`), uploads each
+//! context as `{organization}/{hash}/context.tar` to an S3 endpoint, and names
+//! the hashes in `buildInfo.contextHashes`. cove is that S3 endpoint (the API
+//! crate speaks the protocol); this module keeps the grants it hands out and
+//! the uploaded archives, one file per hash under the contexts directory.
+//! Archives are written to a temporary file and renamed into place, so a
+//! context is either whole or absent.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use futures_util::{Stream, StreamExt as _};
+use rand::distributions::{Alphanumeric, DistString as _};
+use sha2::{Digest as _, Sha256};
+use tokio::io::AsyncWriteExt as _;
+
+use crate::{now_ms, Engine, EngineError};
+
+/// How long push credentials are good for. The SDK retries an upload for at
+/// most four minutes with the credentials it was given.
+const GRANT_MS: i64 = 60 * 60 * 1000;
+
+/// Temporary credentials for uploading build contexts.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PushGrant {
+    pub organization_id: String,
+    pub access_key: String,
+    pub secret: String,
+    pub session_token: String,
+    pub expires_at_ms: i64,
+}
+
+/// An uploaded object, as a `HEAD` describes it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ContextObject {
+    pub size: u64,
+    pub modified_ms: i64,
+    pub etag: String,
+}
+
+/// The checksum a client declared for a body (`x-amz-content-sha256`).
+pub type DeclaredSha256 = Option<[u8; 32]>;
+
+/// The uploaded contexts and the grants to upload them.
+#[derive(Debug)]
+pub(crate) struct ContextStore {
+    dir: PathBuf,
+    grants: Mutex<HashMap<String, PushGrant>>,
+    /// Multipart uploads in progress: id -> the key they will complete.
+    uploads: Mutex<HashMap<String, String>>,
+}
+
+impl ContextStore {
+    pub(crate) fn new(dir: PathBuf) -> ContextStore {
+        ContextStore {
+            dir,
+            grants: Mutex::default(),
+            uploads: Mutex::default(),
+        }
+    }
+
+    /// The archive of context `hash`.
+    pub(crate) fn archive(&self, hash: &str) -> Option<PathBuf> {
+        if !is_hash(hash) {
+            return None;
+        }
+        let path = self.dir.join(hash).join("context.tar");
+        path.is_file().then_some(path)
+    }
+
+    fn scratch(&self) -> PathBuf {
+        self.dir.join(".uploads")
+    }
+}
+
+/// Context hashes are the SDK's MD5 in hex; anything path-like is refused.
+fn is_hash(text: &str) -> bool {
+    !text.is_empty() && text.len() <= 128 && text.chars().all(|c| c.is_ascii_alphanumeric())
+}
+
+fn invalid_key(key: &str) -> EngineError {
+    EngineError::Invalid {
+        field: "object key",
+        reason: format!(
+            "{key:?}: build contexts are stored as {{organizationId}}/{{hash}}/context.tar"
+        ),
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Writes `body` to `path`, checking it against `declared`; answers its
+/// size and SHA-256.
+async fn write_body<S, E>(
+    path: &Path,
+    mut body: S,
+    declared: DeclaredSha256,
+) -> Result<(u64, [u8; 32]), EngineError>
+where
+    S: Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    let io = |e: std::io::Error| EngineError::Io(format!("{}: {e}", path.display()));
+    let mut file = tokio::fs::File::create(path).await.map_err(io)?;
+    let mut hash = Sha256::new();
+    let mut size = 0u64;
+    while let Some(chunk) = body.next().await {
+        let chunk = match chunk {
+            Ok(chunk) => chunk,
+            Err(e) => {
+                drop(file);
+                let _ = tokio::fs::remove_file(path).await;
+                return Err(EngineError::Invalid {
+                    field: "body",
+                    reason: format!("the upload broke off: {e}"),
+                });
+            }
+        };
+        hash.update(&chunk);
+        size += chunk.len() as u64;
+        file.write_all(&chunk).await.map_err(io)?;
+    }
+    file.flush().await.map_err(io)?;
+    let digest: [u8; 32] = hash.finalize().into();
+    if declared.is_some_and(|d| d != digest) {
+        drop(file);
+        let _ = tokio::fs::remove_file(path).await;
+        return Err(EngineError::Invalid {
+            field: "body",
+            reason: "its SHA-256 is not the x-amz-content-sha256 it was signed with".into(),
+        });
+    }
+    Ok((size, digest))
+}
+
+impl Engine {
+    fn contexts(&self) -> Result<&ContextStore, EngineError> {
+        self.inner
+            .contexts
+            .as_ref()
+            .ok_or_else(|| EngineError::NotImplemented {
+                what: "build contexts (this server has no contexts directory)".into(),
+            })
+    }
+
+    /// The directory build contexts are kept in.
+    pub(crate) fn contexts_dir(&self) -> Result<&Path, EngineError> {
+        Ok(&self.contexts()?.dir)
+    }
+
+    /// New credentials for uploading build contexts of `organization_id`.
+    pub fn issue_push_grant(&self, organization_id: &str) -> Result<PushGrant, EngineError> {
+        let contexts = self.contexts()?;
+        let mut rng = rand::thread_rng();
+        let grant = PushGrant {
+            organization_id: organization_id.to_owned(),
+            access_key: format!("COVE{}", Alphanumeric.sample_string(&mut rng, 16)).to_uppercase(),
+            secret: Alphanumeric.sample_string(&mut rng, 40),
+            session_token: Alphanumeric.sample_string(&mut rng, 64),
+            expires_at_ms: now_ms() + GRANT_MS,
+        };
+        let mut grants = contexts.grants.lock().unwrap();
+        let now = now_ms();
+        grants.retain(|_, g| g.expires_at_ms > now);
+        grants.insert(grant.access_key.clone(), grant.clone());
+        Ok(grant)
+    }
+
+    /// The grant with this access key, unless it expired.
+    pub fn push_grant(&self, access_key: &str) -> Option<PushGrant> {
+        let contexts = self.contexts().ok()?;
+        let grants = contexts.grants.lock().unwrap();
+        grants
+            .get(access_key)
+            .filter(|g| g.expires_at_ms > now_ms())
+            .cloned()
+    }
+
+    /// The context hash `key` names, if `grant` may write it.
+    fn context_key(&self, grant: &PushGrant, key: &str) -> Result<String, EngineError> {
+        let parts: Vec<&str> = key.split('/').collect();
+        match parts.as_slice() {
+            [organization, hash, "context.tar"]
+                if *organization == grant.organization_id && is_hash(hash) =>
+            {
+                Ok((*hash).to_owned())
+            }
+            _ => Err(invalid_key(key)),
+        }
+    }
+
+    /// What is stored under `key`, if anything.
+    pub async fn head_context(
+        &self,
+        grant: &PushGrant,
+        key: &str,
+    ) -> Result<Option<ContextObject>, EngineError> {
+        let hash = self.context_key(grant, key)?;
+        let Some(path) = self.contexts()?.archive(&hash) else {
+            return Ok(None);
+        };
+        let meta = tokio::fs::metadata(&path)
+            .await
+            .map_err(|e| EngineError::Io(format!("{}: {e}", path.display())))?;
+        let modified_ms = meta
+            .modified()
+            .ok()
+            .and_then(|m| m.duration_since(std::time::UNIX_EPOCH).ok())
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or(0);
+        Ok(Some(ContextObject {
+            size: meta.len(),
+            modified_ms,
+            etag: format!("{:x}-{}", meta.len(), hash),
+        }))
+    }
+
+    /// Stores `body` as the object `key` (a whole upload); answers its ETag.
+    pub async fn put_context<S, E>(
+        &self,
+        grant: &PushGrant,
+        key: &str,
+        body: S,
+        declared: DeclaredSha256,
+    ) -> Result<String, EngineError>
+    where
+        S: Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+        E: std::fmt::Display,
+    {
+        let hash = self.context_key(grant, key)?;
+        let contexts = self.contexts()?;
+        let scratch = contexts.scratch();
+        make_dir(&scratch).await?;
+        let temp = scratch.join(format!("put-{}", uuid::Uuid::new_v4().simple()));
+        let (_, digest) = write_body(&temp, body, declared).await?;
+        self.install_context(&hash, &temp).await?;
+        Ok(hex(&digest[..16]))
+    }
+
+    /// Starts a multipart upload of `key`; answers its id.
+    pub async fn start_context_upload(
+        &self,
+        grant: &PushGrant,
+        key: &str,
+    ) -> Result<String, EngineError> {
+        self.context_key(grant, key)?;
+        let contexts = self.contexts()?;
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        make_dir(&contexts.scratch().join(&id)).await?;
+        contexts
+            .uploads
+            .lock()
+            .unwrap()
+            .insert(id.clone(), key.to_owned());
+        Ok(id)
+    }
+
+    fn upload_dir(&self, key: &str, upload_id: &str) -> Result<PathBuf, EngineError> {
+        let contexts = self.contexts()?;
+        let uploads = contexts.uploads.lock().unwrap();
+        match uploads.get(upload_id) {
+            Some(k) if k == key => Ok(contexts.scratch().join(upload_id)),
+            _ => Err(EngineError::Invalid {
+                field: "uploadId",
+                reason: format!("{upload_id:?} is no upload of {key} in progress"),
+            }),
+        }
+    }
+
+    /// Stores part `number` (1..=10000) of a multipart upload; answers its ETag.
+    pub async fn put_context_part<S, E>(
+        &self,
+        grant: &PushGrant,
+        key: &str,
+        upload_id: &str,
+        number: u32,
+        body: S,
+        declared: DeclaredSha256,
+    ) -> Result<String, EngineError>
+    where
+        S: Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+        E: std::fmt::Display,
+    {
+        self.context_key(grant, key)?;
+        if !(1..=10_000).contains(&number) {
+            return Err(EngineError::Invalid {
+                field: "partNumber",
+                reason: format!("{number} is not between 1 and 10000"),
+            });
+        }
+        let dir = self.upload_dir(key, upload_id)?;
+        let (_, digest) = write_body(&dir.join(format!("{number:05}")), body, declared).await?;
+        Ok(hex(&digest[..16]))
+    }
+
+    /// Joins the parts of a multipart upload, in the order given, into the
+    /// object; answers its ETag.
+    pub async fn complete_context_upload(
+        &self,
+        grant: &PushGrant,
+        key: &str,
+        upload_id: &str,
+        parts: &[u32],
+    ) -> Result<String, EngineError> {
+        let hash = self.context_key(grant, key)?;
+        let dir = self.upload_dir(key, upload_id)?;
+        if parts.is_empty() || parts.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(EngineError::Invalid {
+                field: "CompleteMultipartUpload",
+                reason: "name the parts once each, in ascending order".into(),
+            });
+        }
+        let joined = dir.join("joined");
+        let io = |e: std::io::Error| EngineError::Io(format!("joining {key}: {e}"));
+        let mut out = tokio::fs::File::create(&joined).await.map_err(io)?;
+        for number in parts {
+            let mut part = tokio::fs::File::open(dir.join(format!("{number:05}")))
+                .await
+                .map_err(|_| EngineError::Invalid {
+                    field: "CompleteMultipartUpload",
+                    reason: format!("part {number} of {key} was never uploaded"),
+                })?;
+            tokio::io::copy(&mut part, &mut out).await.map_err(io)?;
+        }
+        out.flush().await.map_err(io)?;
+        drop(out);
+        self.install_context(&hash, &joined).await?;
+        self.abort_context_upload(grant, key, upload_id).await?;
+        Ok(format!("{}-{}", &hash, parts.len()))
+    }
+
+    /// Drops a multipart upload and its parts.
+    pub async fn abort_context_upload(
+        &self,
+        grant: &PushGrant,
+        key: &str,
+        upload_id: &str,
+    ) -> Result<(), EngineError> {
+        self.context_key(grant, key)?;
+        let dir = self.upload_dir(key, upload_id)?;
+        self.contexts()?.uploads.lock().unwrap().remove(upload_id);
+        let _ = tokio::fs::remove_dir_all(&dir).await;
+        Ok(())
+    }
+
+    /// Moves a finished upload into place as context `hash`.
+    async fn install_context(&self, hash: &str, file: &Path) -> Result<(), EngineError> {
+        let dir = self.contexts()?.dir.join(hash);
+        make_dir(&dir).await?;
+        tokio::fs::rename(file, dir.join("context.tar"))
+            .await
+            .map_err(|e| EngineError::Io(format!("storing context {hash}: {e}")))
+    }
+
+    /// The archives of `hashes`, or which one was never uploaded.
+    pub(crate) fn context_archives(&self, hashes: &[String]) -> Result<Vec<PathBuf>, EngineError> {
+        if hashes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let contexts = self.contexts()?;
+        hashes
+            .iter()
+            .map(|hash| {
+                contexts.archive(hash).ok_or_else(|| EngineError::Invalid {
+                    field: "buildInfo.contextHashes",
+                    reason: format!(
+                        "no build context {hash} was uploaded to this server's object storage"
+                    ),
+                })
+            })
+            .collect()
+    }
+}
+
+async fn make_dir(dir: &Path) -> Result<(), EngineError> {
+    tokio::fs::create_dir_all(dir)
+        .await
+        .map_err(|e| EngineError::Io(format!("{}: {e}", dir.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_plain_hashes_name_contexts() {
+        assert!(is_hash("0123456789abcdef0123456789abcdef"));
+        assert!(!is_hash(""));
+        assert!(!is_hash(".."));
+        assert!(!is_hash("a/b"));
+    }
+}
