@@ -95,7 +95,7 @@ impl Engine {
         if let Err(error) = &built {
             log.line(format!("error: {error}"));
         }
-        log.finish();
+        self.finish_log(&name, &log).await;
         let config = &self.inner.config;
         let snapshot = built_snapshot(
             SnapshotRecord {
@@ -122,12 +122,26 @@ impl Engine {
         log
     }
 
-    /// The build log of a snapshot: the live one while it builds and after,
-    /// until the server restarts; else what its state says.
+    /// Ends a build's log and keeps its lines, so they outlive this server.
+    /// Kept first, so whoever sees the log end can also read it back.
+    async fn finish_log(&self, snapshot_id: &str, log: &BuildLog) {
+        let (lines, _) = log.read(0);
+        if let Err(error) = self.inner.store.save_build_log(snapshot_id, &lines).await {
+            tracing::error!(snapshot = %snapshot_id, %error, "keeping a build log");
+        }
+        log.finish();
+    }
+
+    /// The build log of a snapshot: the live one while it builds; the kept
+    /// one once its build has ended (under this server or an earlier one);
+    /// else what its state says.
     pub async fn build_log(&self, id_or_name: &str) -> Result<Arc<BuildLog>, EngineError> {
         let snapshot = self.get_snapshot(id_or_name).await?;
         if let Some(log) = self.inner.builds.lock().unwrap().get(&snapshot.id) {
             return Ok(log.clone());
+        }
+        if let Some(lines) = self.inner.store.find_build_log(&snapshot.id).await? {
+            return Ok(Arc::new(BuildLog::finished(lines)));
         }
         let lines = match (snapshot.state, snapshot.error_reason) {
             (SnapshotState::Error, Some(reason)) => vec![format!("error: {reason}")],
@@ -172,7 +186,7 @@ impl Engine {
             Ok(plan) => plan,
             Err(error) => {
                 log.line(format!("error: {error}"));
-                log.finish();
+                self.finish_log(&snapshot.id, &log).await;
                 return Ok(snapshot);
             }
         };
@@ -196,7 +210,7 @@ impl Engine {
             if record.state == SnapshotState::Active {
                 tracing::info!(snapshot = %record.name, "image built");
             }
-            log.finish();
+            engine.finish_log(&record.id, &log).await;
         });
         Ok(snapshot)
     }
@@ -370,7 +384,7 @@ impl Engine {
                     return Err(error);
                 }
             };
-            log.finish();
+            self.finish_log(&snapshot.id, &log).await;
             let snapshot = from_image(snapshot, source);
             self.insert_new_snapshot(&snapshot).await?;
             return Ok(snapshot);
@@ -398,7 +412,7 @@ impl Engine {
                 }
             };
             engine.record_finished(&record).await;
-            log.finish();
+            engine.finish_log(&record.id, &log).await;
         });
         Ok(snapshot)
     }

@@ -528,3 +528,34 @@ async fn ssh_access_refuses_bad_lifetimes_and_unknown_sandboxes() {
         );
     }
 }
+
+#[tokio::test]
+async fn a_finished_build_log_outlives_the_server() {
+    let h = harness().await;
+    let snapshot = h
+        .engine
+        .create_image_snapshot(cove_engine::ImageSnapshotRequest {
+            name: "logged".into(),
+            dockerfile: Some("FROM cove-default\nENV A=1\n".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let live = h.engine.build_log(&snapshot.id).await.unwrap();
+    loop {
+        let (_, done) = live.read(0);
+        if done {
+            break;
+        }
+        live.wait(0).await;
+    }
+    let (written, _) = live.read(0);
+    assert!(written.iter().any(|l| l == "build complete"), "{written:?}");
+    // A new server on the same store reads the same lines.
+    let restarted = engine_on(h.store.clone(), h.fake.clone()).await;
+    let kept = restarted.build_log("logged").await.unwrap();
+    assert_eq!(kept.read(0), (written, true));
+    // Deleting the snapshot deletes its log.
+    restarted.delete_snapshot("logged").await.unwrap();
+    assert_eq!(h.store.find_build_log(&snapshot.id).await.unwrap(), None);
+}

@@ -117,11 +117,40 @@ impl Store {
     }
 
     pub async fn delete_snapshot(&self, id: &str) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin().await?;
         sqlx::query("DELETE FROM snapshots WHERE id = ?")
             .bind(id)
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
+        sqlx::query("DELETE FROM build_logs WHERE snapshot_id = ?")
+            .bind(id)
+            .execute(&mut *tx)
+            .await?;
+        tx.commit().await?;
         Ok(())
+    }
+
+    /// Keeps the finished build log of snapshot `id`, replacing any earlier one.
+    pub async fn save_build_log(&self, id: &str, lines: &[String]) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO build_logs (snapshot_id, lines) VALUES (?, ?) \
+             ON CONFLICT (snapshot_id) DO UPDATE SET lines = excluded.lines",
+        )
+        .bind(id)
+        .bind(serde_json::to_string(lines).expect("strings serialize"))
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
+    /// The kept build log of snapshot `id`, if its build ended under some server.
+    pub async fn find_build_log(&self, id: &str) -> Result<Option<Vec<String>>, StoreError> {
+        let text: Option<String> =
+            sqlx::query_scalar("SELECT lines FROM build_logs WHERE snapshot_id = ?")
+                .bind(id)
+                .fetch_optional(&self.pool)
+                .await?;
+        Ok(text.map(|t| serde_json::from_str(&t).unwrap_or_default()))
     }
 
     pub async fn list_snapshots(&self) -> Result<Vec<SnapshotRecord>, StoreError> {
