@@ -149,6 +149,26 @@ impl Engine {
             })
     }
 
+    /// Removes what builds and uploads of an earlier server left: their
+    /// scratch directories (its builds ended with it, and its upload ids
+    /// were in its memory). Finished contexts stay.
+    pub(crate) fn clear_context_scratch(&self) {
+        let Ok(contexts) = self.contexts() else {
+            return;
+        };
+        for dir in [contexts.scratch(), contexts.dir.join(".builds")] {
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => {
+                    tracing::info!(dir = %dir.display(), "removed an earlier server's build scratch")
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    tracing::warn!(dir = %dir.display(), %error, "removing build scratch")
+                }
+            }
+        }
+    }
+
     /// The directory build contexts are kept in.
     pub(crate) fn contexts_dir(&self) -> Result<&Path, EngineError> {
         Ok(&self.contexts()?.dir)

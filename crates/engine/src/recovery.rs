@@ -33,6 +33,7 @@ impl Engine {
                 tracing::warn!(snapshot = %snapshot.name, "build interrupted by a restart");
             }
         }
+        self.clear_context_scratch();
         for mut record in self.inner.store.list_sandboxes().await? {
             let id = record.id.clone();
             let Ok(runtime) = self.runtime(record.class).cloned() else {

@@ -559,3 +559,32 @@ async fn a_finished_build_log_outlives_the_server() {
     restarted.delete_snapshot("logged").await.unwrap();
     assert_eq!(h.store.find_build_log(&snapshot.id).await.unwrap(), None);
 }
+
+#[tokio::test]
+async fn a_restart_clears_build_scratch_but_keeps_uploaded_contexts() {
+    let dir = tempfile::tempdir().unwrap();
+    let contexts = dir.path().join("contexts");
+    for leftover in [
+        ".uploads/u1/00001",
+        ".builds/b1/context/x",
+        "abc123/context.tar",
+    ] {
+        let path = contexts.join(leftover);
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, "x").unwrap();
+    }
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
+        SandboxClass::Container,
+        Arc::new(FakeRuntime::new()) as Arc<dyn Runtime>,
+    )]);
+    let config = EngineConfig {
+        build_contexts_dir: Some(contexts.clone()),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(config, store, runtimes);
+    engine.recover_after_restart().await.unwrap();
+    assert!(!contexts.join(".uploads").exists());
+    assert!(!contexts.join(".builds").exists());
+    assert!(contexts.join("abc123/context.tar").is_file());
+}
