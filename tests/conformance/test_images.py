@@ -254,6 +254,37 @@ def test_a_registry_image_makes_vm_sandboxes_too(registry, daytona, sandboxes, c
         cove.request("DELETE", f"/snapshots/{name}")
 
 
+@pytest.mark.skipif(vm_assets() is None, reason="COVE_TEST_VM_ASSETS is not set (scripts/vm-assets)")
+def test_a_dockerfile_image_makes_vm_sandboxes_too(daytona, sandboxes, cove):
+    # Built in containers, then flattened into one tree for the VM's disk:
+    # what RUN wrote is there, what it removed is gone (a whiteout applied).
+    name = unique("built-vm")
+    dockerfile = (
+        "FROM cove-default\n"
+        "RUN echo vm-built > /built.txt && rm /etc/issue\n"
+        "ENV BUILT=yes\n"
+    )
+    reply = cove.request(
+        "POST",
+        "/snapshots",
+        json={"name": name, "buildInfo": {"dockerfileContent": dockerfile}, "sandboxClass": "linux-vm"},
+    )
+    assert reply.status_code in (200, 201), reply.text
+    try:
+        assert wait_until(lambda: cove.request("GET", f"/snapshots/{name}").json()["state"] != "building", 120)
+        snapshot = cove.request("GET", f"/snapshots/{name}").json()
+        assert snapshot["state"] == "active", snapshot
+        logs = cove.request("GET", f"/snapshots/{name}/build-logs").text
+        assert "flattening the layers for a VM's disk" in logs, logs
+        sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot=name), timeout=180)
+        assert sandbox.process.exec("cat /proc/version").result.strip() != Path("/proc/version").read_text().strip()
+        r = sandbox.process.exec("cat /built.txt; test -e /etc/issue && echo issue-still-there; echo $BUILT")
+        assert r.result.split() == ["vm-built", "yes"], r.result
+        daytona.delete(sandbox)
+    finally:
+        cove.request("DELETE", f"/snapshots/{name}")
+
+
 def test_image_builder_env_is_applied_and_unsupported_instructions_are_refused_by_name(
     registry, sandboxes, cove
 ):

@@ -167,14 +167,6 @@ impl Engine {
             Err(error @ EngineError::Invalid { .. }) => return Err(error),
             other => other,
         };
-        if snapshot.class != SandboxClass::Container {
-            return Err(EngineError::NotImplemented {
-                what: format!(
-                    "building Dockerfile images for {} sandboxes",
-                    snapshot.class
-                ),
-            });
-        }
         snapshot.state = SnapshotState::Building;
         if let Err(error) = &plan {
             snapshot.state = SnapshotState::Error;
@@ -194,7 +186,13 @@ impl Engine {
         let record = snapshot.clone();
         let contexts = contexts.to_vec();
         tokio::spawn(async move {
-            let built = engine.build_image(&plan, &contexts, &log).await;
+            let mut built = engine.build_image(&plan, &contexts, &log).await;
+            if let (Ok(image), SandboxClass::LinuxVm) = (&mut built, record.class) {
+                log.line("flattening the layers for a VM's disk");
+                if let Err(error) = engine.flatten_for_vm(image).await {
+                    built = Err(error);
+                }
+            }
             let mut record = record;
             record.updated_at_ms = now_ms();
             match built {
@@ -236,7 +234,7 @@ fn from_image(named: SnapshotRecord, source: SnapshotRecord) -> SnapshotRecord {
     }
 }
 
-/// `snapshot` made `active` on what a build made.
+/// `snapshot` made `active` on what a build made (in its class).
 fn built_snapshot(snapshot: SnapshotRecord, built: BuiltImage) -> SnapshotRecord {
     SnapshotRecord {
         state: SnapshotState::Active,
@@ -245,7 +243,6 @@ fn built_snapshot(snapshot: SnapshotRecord, built: BuiltImage) -> SnapshotRecord
         layers: built.layers,
         env: built.env,
         image: built.image,
-        class: SandboxClass::Container,
         ..snapshot
     }
 }
@@ -474,6 +471,28 @@ impl Engine {
         self.insert_new_snapshot(&snapshot).await?;
         tracing::info!(snapshot = %name, from = %path.display(), "image imported");
         Ok(snapshot)
+    }
+
+    /// Makes a built image one directory, as a VM's base disk is made from:
+    /// the layers merged over the root filesystem (once per build, kept in
+    /// the image cache beside pulled images).
+    async fn flatten_for_vm(&self, image: &mut BuiltImage) -> Result<(), EngineError> {
+        if image.layers.is_empty() {
+            return Ok(());
+        }
+        let dest = self.image_store()?.dir().join("built").join(&image.key);
+        let rootfs = std::path::PathBuf::from(&image.rootfs);
+        let layers: Vec<std::path::PathBuf> = image.layers.iter().map(Into::into).collect();
+        let flat = dest.clone();
+        tokio::task::spawn_blocking(move || {
+            cove_runtime::flatten::flatten(&rootfs, &layers, &flat)
+        })
+        .await
+        .map_err(|e| EngineError::Io(e.to_string()))?
+        .map_err(|reason| EngineError::BuildFailed { reason })?;
+        image.rootfs = dest.display().to_string();
+        image.layers.clear();
+        Ok(())
     }
 
     fn image_store(&self) -> Result<cove_oci::ImageStore, EngineError> {

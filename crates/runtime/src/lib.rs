@@ -7,6 +7,7 @@
 
 pub mod container;
 pub mod fake;
+pub mod flatten;
 pub mod image;
 pub mod storage;
 pub mod vm;

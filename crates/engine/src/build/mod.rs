@@ -47,6 +47,8 @@ pub(crate) struct BuiltImage {
     pub layers: Vec<String>,
     pub env: BTreeMap<String, String>,
     pub image: ImageSettings,
+    /// A hash of the base and every instruction: the same for the same build.
+    pub key: String,
 }
 
 /// Where a build is between steps.
@@ -171,6 +173,7 @@ impl Engine {
                 layers: base.layers.clone(),
                 env: base.env.clone(),
                 image: base.image.clone(),
+                key: String::new(),
             },
             args: BTreeMap::new(),
             key: seed.finalize().into(),
@@ -261,6 +264,7 @@ impl Engine {
             }
         }
         log.line("build complete");
+        progress.image.key = progress.key_hex();
         Ok(progress.image)
     }
 
