@@ -58,9 +58,9 @@ static LAST_SAMPLE: Mutex<Option<CpuSample>> = Mutex::new(None);
 pub async fn metrics(State(state): State<AppState>) -> Result<Json<SystemMetrics>, ApiError> {
     let source = Source::detect();
     let previous = *LAST_SAMPLE.lock().unwrap_or_else(|e| e.into_inner());
-    let previous = match previous {
-        Some(sample) if (MIN_WINDOW..=MAX_WINDOW).contains(&sample.at.elapsed()) => sample,
-        _ => {
+    let previous = match previous.filter(|p| window_open(p.at.elapsed())) {
+        Some(sample) => sample,
+        None => {
             let first = source.cpu_sample()?;
             tokio::time::sleep(MIN_WINDOW).await;
             first
@@ -416,9 +416,23 @@ fn kernel_cpu_time(stat: &str) -> Duration {
     Duration::from_millis(ticks * 10)
 }
 
+/// Whether a sample taken `age` ago can start this request's window, so it
+/// answers at once instead of sampling twice.
+fn window_open(age: Duration) -> bool {
+    (MIN_WINDOW..=MAX_WINDOW).contains(&age)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_recent_sample_starts_the_window() {
+        assert!(!window_open(Duration::from_millis(10)));
+        assert!(window_open(MIN_WINDOW));
+        assert!(window_open(Duration::from_secs(5)));
+        assert!(!window_open(MAX_WINDOW + Duration::from_millis(1)));
+    }
 
     #[test]
     fn cgroup_paths_of_v1_and_v2() {
