@@ -142,9 +142,9 @@ def test_unimplemented_daytona_endpoints_are_501_naming_them(cove, sandbox):
     assert r.status_code in (400, 501), r.text
     assert "pause" in r.json()["message"]
 
-    r = cove.request("GET", "/object-storage/push-access")
+    r = cove.request("GET", "/docker-registry/registry-push-access")
     assert r.status_code == 501, r.text
-    assert "object-storage" in r.json()["message"]
+    assert "registry-push-access" in r.json()["message"]
 
     r = cove.request("POST", f"/sandbox/{sandbox.id}/archive")
     assert r.status_code in (409, 501), r.text
