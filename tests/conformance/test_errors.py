@@ -158,6 +158,22 @@ def test_unimplemented_daytona_endpoints_are_501_naming_them(cove, sandbox):
     assert cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "started"
 
 
+def test_toolbox_operations_cove_lacks_are_501_naming_them(sandbox):
+    # Computer use and LSP servers are Daytona toolbox operations cove's agent
+    # does not serve: the SDK gets a 501 that names the operation, not a 404.
+    for call, operation in [
+        (lambda: sandbox.computer_use.start(), "POST /computeruse/start"),
+        (lambda: sandbox.computer_use.screenshot.take_full_screen(), "GET /computeruse/screenshot"),
+        (lambda: sandbox.create_lsp_server("python", "/tmp").start(), "POST /lsp/start"),
+    ]:
+        with pytest.raises(DaytonaError) as info:
+            call()
+        assert info.value.status_code == 501, str(info.value)
+        assert f"{operation} is not implemented by cove yet" in str(info.value)
+    # The sandbox is untouched.
+    assert sandbox.process.exec("echo still-here").result.strip() == "still-here"
+
+
 def test_bogus_path_is_404(cove):
     r = cove.request("GET", "/definitely/not/an/endpoint")
     assert r.status_code == 404

@@ -41,6 +41,9 @@ pub enum ApiError {
     LimitReached { what: &'static str, limit: usize },
     #[error("no route for {0}")]
     NoRoute(String),
+    /// A Daytona toolbox operation cove does not serve, as "METHOD /template".
+    #[error("{0} is not implemented by cove yet")]
+    NotImplemented(String),
     #[error("{context}: {source}")]
     Internal {
         context: &'static str,
@@ -91,6 +94,7 @@ impl ApiError {
             | Self::CommandNotFound(_)
             | Self::NoRoute(_) => StatusCode::NOT_FOUND,
             Self::AccessDenied(_) => StatusCode::FORBIDDEN,
+            Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             Self::AlreadyExists(_) | Self::SessionExists(_) => StatusCode::CONFLICT,
             Self::SessionEnded(_) | Self::CommandCompleted(_) => StatusCode::GONE,
             Self::LimitReached { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -121,6 +125,7 @@ impl ApiError {
             Self::Git(error) => error.failure.code(),
             Self::ContextNotFound(_) => "NOT_FOUND",
             Self::PortUnreachable { .. } => "BAD_GATEWAY",
+            Self::NotImplemented(_) => "NOT_IMPLEMENTED",
             Self::Unpack(error) => error.code(),
         }
     }

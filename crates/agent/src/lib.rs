@@ -15,6 +15,7 @@ pub mod info;
 pub mod init;
 pub mod interpreter;
 pub mod listen;
+pub mod not_implemented;
 pub mod pty;
 pub mod session;
 pub mod system;
@@ -28,7 +29,6 @@ use std::sync::Arc;
 use axum::Router;
 
 pub use config::Settings;
-use error::ApiError;
 
 /// What every handler can reach.
 #[derive(Clone)]
@@ -58,6 +58,6 @@ pub fn app(state: AppState) -> Router {
         .merge(interpreter::routes())
         .merge(tunnel::routes())
         .merge(unpack::routes())
-        .fallback(|uri: axum::http::Uri| async move { ApiError::NoRoute(uri.path().to_string()) })
+        .fallback(not_implemented::fallback)
         .with_state(state)
 }
