@@ -113,6 +113,7 @@ def test_a_dockerfile_copies_with_chown_and_add_unpacks_archives(cove: CoveServe
             "COPY --chown=nobody:nogroup files/owned.txt data/\\n"
             "ADD files/bundle.tar.gz unpacked/\\n"
             "COPY files/bundle.tar.gz /srv/kept/\\n"
+            "COPY . /srv/all/\\n"
         )
         image = Image.from_dockerfile(work / "Dockerfile")
         name = "ctx-" + os.urandom(4).hex()
@@ -122,10 +123,13 @@ def test_a_dockerfile_copies_with_chown_and_add_unpacks_archives(cove: CoveServe
         out["owned"] = run(sandbox, "stat -c %U:%G /srv/data/owned.txt && cat /srv/data/owned.txt")
         out["unpacked"] = run(sandbox, "cat /srv/unpacked/pkg/readme.txt")
         out["kept"] = run(sandbox, "ls /srv/kept")
+        out["all"] = run(sandbox, "cd /srv/all && find . -type f | sort")
     """)
     assert out["owned"] == [0, "nobody:nogroup\nowned"]
     assert out["unpacked"] == [0, "inside the archive"]
     assert out["kept"] == [0, "bundle.tar.gz"]
+    # `COPY .` copies the whole context: the Dockerfile's directory.
+    assert out["all"] == [0, "./Dockerfile\n./files/bundle.tar.gz\n./files/owned.txt"]
 
 
 def test_a_copy_of_something_not_uploaded_fails_the_build_by_name(cove: CoveServer):

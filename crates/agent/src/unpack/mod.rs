@@ -83,9 +83,18 @@ async fn unpack_request(
     let stream = body.into_data_stream().map_err(io::Error::other);
     let reader = SyncIoBridge::new(StreamReader::new(stream));
     let entries = tokio::task::spawn_blocking(move || {
-        let owner = query.owner.as_deref().map(Owner::parse).transpose()?;
-        let body = BufReader::with_capacity(READ_BUFFER, reader);
-        unpack(body, Path::new("/"), owner)
+        let mut body = BufReader::with_capacity(READ_BUFFER, reader);
+        let unpacked = query
+            .owner
+            .as_deref()
+            .map(Owner::parse)
+            .transpose()
+            .and_then(|owner| unpack(&mut body, Path::new("/"), owner));
+        // Read what follows the archive's end (a writer's zero padding, or
+        // the rest after a refusal) before answering: a client still sending
+        // it would otherwise see its write fail instead of this answer.
+        let _ = io::copy(&mut body, &mut io::sink());
+        unpacked
     })
     .await
     .map_err(|e| ApiError::internal("unpacking a tar stream", io::Error::other(e)))??;
