@@ -359,8 +359,14 @@ def remove_data_dir(path: Path) -> None:
     # purpose; a throw-away server's goes with its data dir. Unmounting frees the
     # loop device.
     storage = path / "storage"
-    if any(m == str(storage) for m in mounts_under(path)):
-        subprocess.run(["umount", str(storage)], check=False)
+    # A VM the server just stopped may still hold a file on it for a moment
+    # (EBUSY): try again briefly rather than leave the mount behind.
+    for _ in range(50):
+        if not any(m == str(storage) for m in mounts_under(path)):
+            break
+        if subprocess.run(["umount", str(storage)], check=False, capture_output=True).returncode == 0:
+            break
+        time.sleep(0.1)
     if mounts_under(path):
         # Never rmtree through a live mount; leave it for a human to look at.
         return
