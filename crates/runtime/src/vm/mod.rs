@@ -579,6 +579,7 @@ impl Runtime for VmRuntime {
                 "the agent did not flush its disks before the pause"
             );
         }
+        let synced_ms = began.elapsed().as_secs_f64() * 1e3;
         let saved = async {
             guard.machine.pause_vcpus().await?;
             let partial = layout.dir.join("state.partial");
@@ -586,6 +587,7 @@ impl Runtime for VmRuntime {
             Ok::<_, machine::MachineError>(partial)
         }
         .await;
+        let saved_ms = began.elapsed().as_secs_f64() * 1e3;
         let partial = match saved {
             Ok(partial) => partial,
             Err(error) => {
@@ -602,6 +604,13 @@ impl Runtime for VmRuntime {
         guard.bridge.take();
         guard.machine.quit().await;
         drop(guard);
+        tracing::debug!(
+            sandbox = id,
+            synced_ms,
+            saved_ms,
+            quit_ms = began.elapsed().as_secs_f64() * 1e3,
+            "pause steps"
+        );
         let machine = SavedMachine::read(&layout.machine()).map(|machine| SavedMachine {
             owner: Some(id.to_owned()),
             ..machine
