@@ -170,3 +170,20 @@ def test_uploads_need_the_issued_secret(cove: CoveServer, tls_files: TlsFiles):
     assert "403 Forbidden" in out["wrong"], out["wrong"]
     assert len(out["right"]) == 32 and not out["right"].startswith("error"), out["right"]
     assert (cove.data_dir / "build-contexts" / out["right"] / "context.tar").is_file()
+
+
+def test_a_large_context_goes_up_in_parts_and_arrives_whole(cove: CoveServer, tls_files: TlsFiles):
+    # Above the SDK's 5 MiB part size, so the upload is a multipart one.
+    out = run_sdk(cove, tls_files, """
+        import hashlib
+        work = Path(tempfile.mkdtemp())
+        blob = os.urandom(13 * 1024 * 1024 + 12345)
+        (work / "blob.bin").write_bytes(blob)
+        out["sha"] = hashlib.sha256(blob).hexdigest()
+        sandbox = create(Image.base("cove-default").add_local_file(work / "blob.bin", "/data/blob.bin"))
+        out["inside"] = run(sandbox, "sha256sum /data/blob.bin | cut -d' ' -f1")
+    """)
+    assert out["inside"] == [0, out["sha"]]
+    assert "build context upload in parts started" in cove.log_path.read_text()
+    # The parts were joined and removed.
+    assert not list((cove.data_dir / "build-contexts" / ".uploads").glob("*/*"))

@@ -258,8 +258,9 @@ impl Engine {
         let scratch = contexts.scratch();
         make_dir(&scratch).await?;
         let temp = scratch.join(format!("put-{}", uuid::Uuid::new_v4().simple()));
-        let (_, digest) = write_body(&temp, body, declared).await?;
+        let (size, digest) = write_body(&temp, body, declared).await?;
         self.install_context(&hash, &temp).await?;
+        tracing::info!(key, size, "build context stored");
         Ok(hex(&digest[..16]))
     }
 
@@ -278,6 +279,7 @@ impl Engine {
             .lock()
             .unwrap()
             .insert(id.clone(), key.to_owned());
+        tracing::info!(key, upload = %id, "build context upload in parts started");
         Ok(id)
     }
 
@@ -352,6 +354,7 @@ impl Engine {
         drop(out);
         self.install_context(&hash, &joined).await?;
         self.abort_context_upload(grant, key, upload_id).await?;
+        tracing::info!(key, parts = parts.len(), "build context stored");
         Ok(format!("{}-{}", &hash, parts.len()))
     }
 
