@@ -20,7 +20,7 @@ from daytona import (
     SandboxState,
 )
 
-from conftest import unique, wait_until
+from conftest import CoveServer, unique, wait_until
 
 
 def test_unknown_snapshot_is_404_naming_it(cove, daytona):
@@ -172,6 +172,16 @@ def test_toolbox_operations_cove_lacks_are_501_naming_them(sandbox):
         assert f"{operation} is not implemented by cove yet" in str(info.value)
     # The sandbox is untouched.
     assert sandbox.process.exec("echo still-here").result.strip() == "still-here"
+
+
+def test_a_second_server_on_the_same_data_dir_is_refused(cove, sandbox, tmp_path):
+    # Same data dir (and, by default, the same bridge): it must stop before it
+    # touches anything the running server owns.
+    second = CoveServer(cove.data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=tuple(cove.extra_args))
+    second.log_path = tmp_path / "second.log"
+    with pytest.raises(RuntimeError, match="in use by another cove server"):
+        second.start()
+    assert sandbox.process.exec("echo still-served").result.strip() == "still-served"
 
 
 def test_bogus_path_is_404(cove):

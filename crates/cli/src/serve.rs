@@ -130,7 +130,30 @@ type Serving = (
     tokio::task::JoinHandle<std::io::Result<()>>,
     Option<Arc<cove_net::Network>>,
     cove_ssh::Gateway,
+    DataDirLock,
 );
+
+/// Held while the server runs: one server per data directory.
+type DataDirLock = nix::fcntl::Flock<std::fs::File>;
+
+/// Takes the data directory's lock, or says that another server has it.
+fn lock_data_dir(data_dir: &Path) -> anyhow::Result<DataDirLock> {
+    let path = data_dir.join("serve.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .with_context(|| format!("open {}", path.display()))?;
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => Ok(lock),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => bail!(
+            "data dir {} is in use by another cove server; give this one its own --data-dir",
+            data_dir.display()
+        ),
+        Err((_, error)) => bail!("locking {}: {error}", path.display()),
+    }
+}
 
 async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     // SAFETY: geteuid has no preconditions and cannot fail.
@@ -142,6 +165,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     let data_dir = &args.data_dir;
     std::fs::create_dir_all(data_dir).with_context(|| format!("create {}", data_dir.display()))?;
     let data_dir = data_dir.canonicalize()?;
+    let data_lock = lock_data_dir(&data_dir)?;
     let agent_binary = crate::agent_binary::locate(args.agent_bin.clone())?;
     let store = Store::open(&data_dir.join("cove.db")).await?;
 
@@ -308,7 +332,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     tokio::spawn(async move { timers.run_timers().await });
     let serve = tokio::spawn(async move { axum::serve(listener, app).await });
     tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
-    Ok((serve, network, ssh))
+    Ok((serve, network, ssh, data_lock))
 }
 
 /// The HTTPS listener's TLS settings from PEM files: HTTP/1.1 only, so the
@@ -471,7 +495,7 @@ async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let (serve, network, ssh) = start(args).await?;
+    let (serve, network, ssh, _data_lock) = start(args).await?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         result = serve => result??,

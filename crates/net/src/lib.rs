@@ -113,10 +113,40 @@ impl Attachment {
 
 /// The sandbox network of one server.
 pub struct Network {
+    /// Held while this network exists: one server per bridge on a host.
+    _bridge_lock: nix::fcntl::Flock<std::fs::File>,
     shared: Arc<Shared>,
     host: rtnetlink::Handle,
     pool: netns::Pool,
     resolver: Mutex<Option<Resolver>>,
+}
+
+/// Where bridge locks live: per boot, like the links they guard.
+const LOCK_DIR: &str = "/run/cove";
+
+/// Takes the host-wide lock of `bridge`, or says which server holds it. The
+/// kernel drops it when the holder exits, so a crashed server's successor
+/// gets it.
+fn lock_bridge(bridge: &str) -> Result<nix::fcntl::Flock<std::fs::File>, NetError> {
+    std::fs::create_dir_all(LOCK_DIR).map_err(NetError::io(format!("create {LOCK_DIR}")))?;
+    let path = Path::new(LOCK_DIR).join(format!("bridge-{bridge}.lock"));
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(NetError::io(format!("open {}", path.display())))?;
+    match nix::fcntl::Flock::lock(file, nix::fcntl::FlockArg::LockExclusiveNonblock) {
+        Ok(lock) => Ok(lock),
+        Err((_, nix::errno::Errno::EWOULDBLOCK)) => Err(NetError::Config(format!(
+            "bridge {bridge} is in use by another cove server on this host; give this one \
+             its own --bridge, --network-range and --route-table (or --no-network)"
+        ))),
+        Err((_, error)) => Err(NetError::Config(format!(
+            "locking {}: {error}",
+            path.display()
+        ))),
+    }
 }
 
 impl std::fmt::Debug for Network {
@@ -173,6 +203,10 @@ impl Network {
     /// set elements). Address allocations are kept.
     pub async fn new(config: NetworkConfig) -> Result<Self, NetError> {
         config.validate().map_err(NetError::Config)?;
+        // Before anything is touched: what follows removes the ports and
+        // namespaces a previous run on this bridge left, which would be a
+        // running server's if one still used it.
+        let bridge_lock = lock_bridge(&config.bridge)?;
         let netns_dir = config.netns_dir();
         std::fs::create_dir_all(&netns_dir)
             .map_err(NetError::io(format!("create {}", netns_dir.display())))?;
@@ -226,6 +260,7 @@ impl Network {
         )
         .await?;
         Ok(Self {
+            _bridge_lock: bridge_lock,
             pool: netns::Pool::new(
                 shared.config.netns_pool,
                 host.clone(),

@@ -489,6 +489,29 @@ async fn a_restart_removes_leftovers_and_keeps_addresses() {
     network.shutdown().await.unwrap();
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_network_on_the_same_bridge_is_refused_and_changes_nothing() {
+    if !common::can_run() {
+        return;
+    }
+    let world = World::new();
+    let network = world.network().await;
+    let kept = network.attach("kept", &Policy::default()).await.unwrap();
+    // A second server started with the same settings: refused before it
+    // clears anything as "left by a previous run".
+    let error = world.try_network().await.unwrap_err().to_string();
+    assert!(error.contains("in use by another cove server"), "{error}");
+    assert!(world.link_exists(&kept.host_link));
+    assert_eq!(world.netns_files(), vec!["kept".to_string()]);
+    let body = inside(kept.netns_path().unwrap(), || http_get(ALLOWED_IP, 80)).await;
+    assert_eq!(body.unwrap(), "allowed");
+    network.shutdown().await.unwrap();
+    // Once it is gone, the bridge is free again.
+    drop(network);
+    let again = world.network().await;
+    again.shutdown().await.unwrap();
+}
+
 /// Not a check: prints how long attach and detach take (median of 20).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn attach_latency() {

@@ -163,9 +163,11 @@ impl World {
     }
 
     pub async fn network(&self) -> Network {
-        Network::new(self.config.clone())
-            .await
-            .expect("set up the network")
+        self.try_network().await.expect("set up the network")
+    }
+
+    pub async fn try_network(&self) -> Result<Network, cove_net::NetError> {
+        Network::new(self.config.clone()).await
     }
 
     /// Elements of this world's nftables tables, as `nft` lists them.
@@ -258,6 +260,8 @@ impl Drop for World {
             let _ = nix::mount::umount2(&path, nix::mount::MntFlags::MNT_DETACH);
         }
         let _ = std::fs::remove_dir_all(&self.state);
+        // The bridge's lock file: nobody holds it once the world's networks are gone.
+        let _ = std::fs::remove_file(format!("/run/cove/bridge-{tag}.lock"));
         if let Some((thread, stop)) = self.servers.take() {
             let _ = stop.send(true);
             let _ = thread.join();
