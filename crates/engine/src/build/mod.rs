@@ -92,37 +92,39 @@ enum Action<'a> {
         env: BTreeMap<String, String>,
         user: Option<String>,
     },
-    /// Copies from the unpacked build context, as root.
+    /// Copies from the build context, as root.
     Copy {
         copy: &'a dockerfile::Copy,
         /// The destination, an image path (`copy::image_path`).
         dest: String,
-        context: &'a Path,
-        /// Where the archive of the files is written.
-        scratch: &'a Path,
+        context: &'a Context,
     },
 }
 
 /// The build context of one build, unpacked on this host when the first
-/// `COPY` needs it and removed with the build.
+/// `COPY` that is not cached runs, and removed with the build.
 struct Context {
     archives: Vec<PathBuf>,
+    /// Scratch of the build: the unpacked context in `context/`, and the
+    /// archive a step writes.
     dir: PathBuf,
-    unpacked: bool,
+    unpacked: tokio::sync::OnceCell<()>,
 }
 
 impl Context {
-    async fn unpacked(&mut self) -> Result<&Path, EngineError> {
-        if !self.unpacked {
-            let archives = self.archives.clone();
-            let dir = self.dir.join("context");
-            tokio::task::spawn_blocking(move || copy::unpack_contexts(&archives, &dir))
-                .await
-                .map_err(|e| EngineError::Io(e.to_string()))?
-                .map_err(failed)?;
-            self.unpacked = true;
-        }
-        Ok(self.dir.as_path())
+    /// The unpacked context's root, unpacking it the first time.
+    async fn root(&self) -> Result<PathBuf, String> {
+        let root = self.dir.join("context");
+        self.unpacked
+            .get_or_try_init(|| async {
+                let archives = self.archives.clone();
+                let into = root.clone();
+                tokio::task::spawn_blocking(move || copy::unpack_contexts(&archives, &into))
+                    .await
+                    .map_err(|e| e.to_string())?
+            })
+            .await?;
+        Ok(root)
     }
 }
 
@@ -155,12 +157,12 @@ impl Engine {
             .steps
             .iter()
             .any(|s| matches!(s.kind, StepKind::Copy(_)));
-        let mut context = match copies {
+        let context = match copies {
             false => None,
             true => Some(Context {
                 archives: self.context_archives(contexts)?,
                 dir: self.build_scratch()?,
-                unpacked: false,
+                unpacked: tokio::sync::OnceCell::new(),
             }),
         };
         let base = self.build_base(&plan.base).await?;
@@ -196,8 +198,7 @@ impl Engine {
                 StepKind::Copy(copy) => {
                     // What is copied is named by the contexts' hashes.
                     progress.advance(&contexts.join(","));
-                    let context = context.as_mut().expect("made for builds that copy");
-                    let dir = context.unpacked().await?.to_path_buf();
+                    let context = context.as_ref().expect("made for builds that copy");
                     let dest = dockerfile::expand(&copy.dest, &vars);
                     let mut dest_path =
                         copy::image_path(&dest, progress.image.image.workdir.as_deref());
@@ -207,8 +208,7 @@ impl Engine {
                     let action = Action::Copy {
                         copy,
                         dest: dest_path,
-                        context: &dir.join("context"),
-                        scratch: &dir,
+                        context,
                     };
                     self.layer_step(&mut progress, log, &step.text, action)
                         .await?;
@@ -432,8 +432,7 @@ impl Engine {
                 copy,
                 dest,
                 context,
-                scratch,
-            } => copy_into(socket, copy, dest, context, scratch).await?,
+            } => copy_into(socket, copy, dest, context).await?,
         };
         runtime.stop(&spec.id).await.map_err(|e| e.to_string())?;
         if executed.exit_code != 0 {
@@ -453,10 +452,9 @@ async fn copy_into(
     socket: &Path,
     copy: &dockerfile::Copy,
     dest: &str,
-    context: &Path,
-    scratch: &Path,
+    build: &Context,
 ) -> Result<agent::Executed, String> {
-    let context = context.to_path_buf();
+    let context = build.root().await?;
     let sources_text = copy.sources.clone();
     let sources = {
         let context = context.clone();
@@ -471,7 +469,7 @@ async fn copy_into(
         || image_dest.is_empty()
         || sources.len() > 1
         || agent::is_dir(socket, &format!("/{image_dest}")).await?;
-    let archive = scratch.join("copy.tar");
+    let archive = build.dir.join("copy.tar");
     let options = copy::Options::from(copy);
     let written = {
         let archive = archive.clone();
