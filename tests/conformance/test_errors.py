@@ -20,7 +20,7 @@ from daytona import (
     SandboxState,
 )
 
-from conftest import CoveServer, unique, wait_until
+from conftest import CoveServer, mounts_under, new_data_dir, remove_data_dir, unique, wait_until
 
 
 def test_unknown_snapshot_is_404_naming_it(cove, daytona):
@@ -182,6 +182,22 @@ def test_a_second_server_on_the_same_data_dir_is_refused(cove, sandbox, tmp_path
     with pytest.raises(RuntimeError, match="in use by another cove server"):
         second.start()
     assert sandbox.process.exec("echo still-served").result.strip() == "still-served"
+
+
+def test_a_second_server_on_the_same_bridge_is_refused_and_leaves_nothing(cove, fake_internet, sandbox):
+    # Its own data dir, but the running server's bridge: refused by the
+    # network before it removes anything, and its storage is unmounted again.
+    data_dir = new_data_dir()
+    second = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=fake_internet.server_args())
+    try:
+        with pytest.raises(RuntimeError, match="bridge cove0 is in use by another cove server"):
+            second.start()
+        assert mounts_under(data_dir) == []
+        # The running server's sandbox still has its network.
+        status = sandbox.process.exec("curl -s -o /dev/null -w '%{http_code}' --max-time 5 http://allowed.test/", timeout=15)
+        assert status.result.strip() == "200", status.result
+    finally:
+        remove_data_dir(data_dir)
 
 
 def test_bogus_path_is_404(cove):

@@ -136,6 +136,19 @@ type Serving = (
 /// Held while the server runs: one server per data directory.
 type DataDirLock = nix::fcntl::Flock<std::fs::File>;
 
+/// Unmounts the storage when dropped while armed, if this start mounted it.
+struct UnmountOnError(Option<Arc<Storage>>);
+
+impl Drop for UnmountOnError {
+    fn drop(&mut self) {
+        if let Some(storage) = self.0.take().filter(|s| s.mounted_here()) {
+            if let Err(error) = storage.unmount() {
+                tracing::warn!(%error, "unmounting the storage of a failed start");
+            }
+        }
+    }
+}
+
 /// Takes the data directory's lock, or says that another server has it.
 fn lock_data_dir(data_dir: &Path) -> anyhow::Result<DataDirLock> {
     let path = data_dir.join("serve.lock");
@@ -166,6 +179,20 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     std::fs::create_dir_all(data_dir).with_context(|| format!("create {}", data_dir.display()))?;
     let data_dir = data_dir.canonicalize()?;
     let data_lock = lock_data_dir(&data_dir)?;
+    // The addresses first: a port in use fails before anything is made.
+    let listener = tokio::net::TcpListener::bind(args.listen)
+        .await
+        .with_context(|| format!("listen on {}", args.listen))?;
+    let tls = match &args.tls_listen {
+        None => None,
+        Some(addr) => {
+            let config = tls_config(args.tls_cert.as_deref(), args.tls_key.as_deref())?;
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("listen on {addr} (--tls-listen)"))?;
+            Some((listener, config))
+        }
+    };
     let agent_binary = crate::agent_binary::locate(args.agent_bin.clone())?;
     let store = Store::open(&data_dir.join("cove.db")).await?;
 
@@ -193,6 +220,8 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     })
     .await??;
     let storage = Arc::new(storage);
+    // Until sandboxes may use it, a failed start unmounts what it mounted.
+    let mut unmount_on_error = UnmountOnError(Some(storage.clone()));
     let mut container_config = ContainerConfig::new(
         storage.root().join("sandboxes"),
         agent_binary,
@@ -276,6 +305,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             })
             .await?;
     }
+    unmount_on_error.0 = None;
     engine.recover_after_restart().await?;
     if let Some(vm) = vm {
         warm_vm_template(vm, &rootfs, config.default_disk_gib);
@@ -296,16 +326,6 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     )
     .await
     .context("starting the SSH gateway (or pass another --ssh-listen)")?;
-    let tls = match &args.tls_listen {
-        None => None,
-        Some(addr) => {
-            let config = tls_config(args.tls_cert.as_deref(), args.tls_key.as_deref())?;
-            let listener = tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("listen on {addr} (--tls-listen)"))?;
-            Some((listener, config))
-        }
-    };
     let tls_port = match &tls {
         Some((listener, _)) => Some(listener.local_addr()?.port()),
         None => None,
@@ -324,9 +344,6 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         tracing::info!(addr = %listener.local_addr()?, "serving HTTPS");
         tokio::spawn(serve_tls(listener, config, app.clone()));
     }
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .with_context(|| format!("listen on {}", args.listen))?;
     let addr = listener.local_addr()?;
     let timers = engine.clone();
     tokio::spawn(async move { timers.run_timers().await });

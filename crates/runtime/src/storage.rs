@@ -50,6 +50,8 @@ fn last_error(path: &Path, action: &'static str) -> StorageError {
 #[derive(Debug)]
 pub struct Storage {
     root: PathBuf,
+    /// Whether `open` mounted it (rather than finding it mounted).
+    mounted_here: bool,
     /// `/sys/fs/btrfs/{fsid}` of the mounted filesystem, where the kernel shows
     /// each qgroup's limit and usage; None when it cannot be found.
     sysfs: Option<PathBuf>,
@@ -143,6 +145,7 @@ impl Storage {
             .canonicalize()
             .map_err(io(mount_point, "resolve"))?;
         let btrfs = tool(BTRFS)?;
+        let mut mounted_here = false;
         match mount_type(&mount_point) {
             Some(kind) if kind == "btrfs" => {}
             Some(_) => return Err(StorageError::NotBtrfs { path: mount_point }),
@@ -167,6 +170,7 @@ impl Storage {
                     .args(["-t", "btrfs", "-o", "loop"])
                     .arg(image)
                     .arg(&mount_point))?;
+                mounted_here = true;
             }
         }
         // Idempotent: enabling quotas that are on already is a no-op.
@@ -176,8 +180,15 @@ impl Storage {
         let sysfs = btrfs_sysfs_dir(&mount_point);
         Ok(Storage {
             root: mount_point,
+            mounted_here,
             sysfs,
         })
+    }
+
+    /// Whether [`Storage::open`] mounted it, so nothing from an earlier run
+    /// can be using it yet.
+    pub fn mounted_here(&self) -> bool {
+        self.mounted_here
     }
 
     /// The kernel's view of the quota group of the subvolume `dir`
