@@ -20,6 +20,8 @@ use crate::{NetworkLink, SandboxNetwork, TapLink, VolumeBind};
 
 /// How long a restored VM's agent may take to reopen its port.
 const RESTORE_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
+/// The identity call takes well under a second even under emulation.
+const IDENTITY_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// A VM this runtime started and that runs.
 pub(super) struct RunningVm {
@@ -319,7 +321,7 @@ impl VmRuntime {
             }
         };
         let connected = began.elapsed();
-        let running = RunningVm {
+        let mut running = RunningVm {
             machine,
             session,
             bridge: None,
@@ -333,7 +335,10 @@ impl VmRuntime {
             .as_ref()
             .is_some_and(|saved| saved.owner.as_deref() == Some(id));
         if !own_memory || grow_root {
-            if let Err(reason) = identity.apply(&running.session, grow_root).await {
+            if let Err(reason) = self
+                .apply_identity(id, layout, &mut running, identity, grow_root)
+                .await
+            {
                 running.machine.kill().await;
                 shares::end(layout).await;
                 return Err(start_error(id, reason));
@@ -347,6 +352,51 @@ impl VmRuntime {
             "vm brought up"
         );
         Ok(running)
+    }
+
+    /// Tells a restored or booted guest who it is. Now and then (about one
+    /// fork child in several under emulation) the first session after a
+    /// restore answers its handshake and then nothing; the call would wait
+    /// forever. So it is bounded, and once it times out the runtime
+    /// connects to the agent again (the agent tells a new session from a
+    /// stale one by the handshake, as after a server restart) and repeats
+    /// it: every step of it can be done twice.
+    async fn apply_identity(
+        &self,
+        id: &str,
+        layout: &VmLayout,
+        running: &mut RunningVm,
+        identity: &Identity,
+        grow_root: bool,
+    ) -> Result<(), String> {
+        for attempt in 1..=2 {
+            match tokio::time::timeout(
+                IDENTITY_TIMEOUT,
+                identity.apply(&running.session, grow_root),
+            )
+            .await
+            {
+                Ok(result) => return result,
+                Err(_) if attempt == 1 => {
+                    tracing::warn!(
+                        sandbox = id,
+                        "the agent did not answer its identity call; connecting to it again"
+                    );
+                    running.driver.abort();
+                    let (session, driver) = running
+                        .machine
+                        .connect_agent(&layout.chardev(), RESTORE_AGENT_TIMEOUT)
+                        .await
+                        .map_err(|e| format!("reconnect to the agent: {e}"))?;
+                    running.session = session;
+                    running.driver = driver;
+                }
+                Err(_) => break,
+            }
+        }
+        Err(format!(
+            "the agent did not answer its identity call within {IDENTITY_TIMEOUT:?}, twice"
+        ))
     }
 
     /// Takes over a VM an earlier server process started, which still runs:
