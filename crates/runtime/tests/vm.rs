@@ -44,6 +44,10 @@ struct Harness {
 
 impl Harness {
     fn new() -> Option<Harness> {
+        Harness::with_config(|_| {})
+    }
+
+    fn with_config(adjust: impl FnOnce(&mut VmConfig)) -> Option<Harness> {
         let Some((assets, rootfs, agent)) = assets() else {
             eprintln!("COVE_TEST_VM_ASSETS is not set: skipping the VM test");
             return None;
@@ -68,7 +72,8 @@ impl Harness {
         )
         .unwrap();
         let storage = Arc::new(storage);
-        let config = VmConfig::new(storage.clone(), assets, agent);
+        let mut config = VmConfig::new(storage.clone(), assets, agent);
+        adjust(&mut config);
         let runtime = VmRuntime::new(config).unwrap();
         Some(Harness {
             runtime,
@@ -427,5 +432,71 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     rt.discard_capture("cap-2").await.unwrap();
     assert!(!capture.exists());
     assert!(!disk_capture.exists());
+    assert!(h.qemus().is_empty(), "left running: {:?}", h.qemus());
+}
+
+/// Waits until `path` in the guest has a line, then answers its lines.
+async fn lines_once_written(socket: &Path, path: &str) -> Vec<String> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let (code, out) = exec(socket, &format!("cat {path}")).await;
+        if code == 0 && !out.trim().is_empty() {
+            return out.lines().map(str::to_owned).collect();
+        }
+        assert!(Instant::now() < deadline, "{path} was never written");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unanswered_identity_call_is_repeated_on_a_new_session() {
+    let _serial = SERIAL.lock().await;
+    // No identity call is answered in no time: every boot and restore here
+    // gives up on its first session, connects to the agent again and
+    // repeats the call there.
+    let Some(h) = Harness::with_config(|config| config.identity_timeout = Duration::ZERO) else {
+        return;
+    };
+    let rt = &h.runtime;
+    let entrypoint = |spec: &mut SandboxSpec| {
+        spec.command = ["sh", "-c", "echo run >> /root/entry.log; exec sleep 100000"]
+            .map(String::from)
+            .to_vec();
+    };
+    // The template's boot and the sandbox's restore from it.
+    let mut a = h.spec("vm-r", 256);
+    entrypoint(&mut a);
+    rt.prepare(&a).await.unwrap();
+    rt.start(&a).await.unwrap();
+    let socket = h.socket("vm-r");
+    assert_eq!(
+        exec_ok(&socket, "echo $(hostname) $SANDBOX_TEST").await,
+        "host-vm-r env-vm-r"
+    );
+    assert_eq!(
+        lines_once_written(&socket, "/root/entry.log").await,
+        ["run"]
+    );
+
+    // A fork child: the repeated call gives it its own name, and the
+    // entrypoint it inherited running is not started a second time.
+    let mut b = h.spec("vm-s", 256);
+    entrypoint(&mut b);
+    rt.fork("vm-r", &b).await.unwrap();
+    rt.start(&b).await.unwrap();
+    let child = h.socket("vm-s");
+    assert_eq!(
+        exec_ok(&child, "echo $(hostname) $SANDBOX_TEST").await,
+        "host-vm-s env-vm-s"
+    );
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(lines_once_written(&child, "/root/entry.log").await, ["run"]);
+    assert_eq!(exec_ok(&child, "pgrep -c -x sleep").await, "1");
+    assert_eq!(exec_ok(&socket, "echo parent").await, "parent");
+
+    for id in ["vm-r", "vm-s"] {
+        rt.destroy(id).await.unwrap();
+        assert!(!h.storage.root().join("vms").join(id).exists(), "{id}");
+    }
     assert!(h.qemus().is_empty(), "left running: {:?}", h.qemus());
 }

@@ -73,12 +73,31 @@ struct IdentityRequest {
 /// (`None`: the variable did not exist), so the next call can undo them.
 static APPLIED_ENV: Mutex<Vec<(String, Option<String>)>> = Mutex::new(Vec::new());
 
+/// Held while an identity call is applied: the host repeats a call that
+/// went unanswered on a new session, and the repeat must not run beside the
+/// first (both would start the entrypoint, or configure the NIC at once).
+static APPLYING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn identity(
     State(sessions): State<Arc<Registry>>,
     body: Bytes,
 ) -> Result<Json<Value>, ApiError> {
     let request: IdentityRequest =
         serde_json::from_slice(&body).map_err(|e| ApiError::InvalidBody(e.to_string()))?;
+    // In a task of its own: a call whose session died is not cut short
+    // half-way, and the repeat waits for it to end.
+    tokio::spawn(async move {
+        let _applying = APPLYING.lock().await;
+        apply_identity(&sessions, request).await
+    })
+    .await
+    .map_err(|e| ApiError::internal("apply the identity", io::Error::other(e)))?
+}
+
+async fn apply_identity(
+    sessions: &Arc<Registry>,
+    request: IdentityRequest,
+) -> Result<Json<Value>, ApiError> {
     check_env(&request.env)?;
     let entropy = decode_hex(&request.entropy)
         .ok_or_else(|| ApiError::BadRequest("entropy must be hex digits".into()))?;
@@ -102,7 +121,7 @@ async fn identity(
         .map_err(|e| ApiError::internal("mount the volumes", io::Error::other(e)))?
         .map_err(|e| ApiError::internal("mount the volumes", e))?;
     if sessions.get(crate::entrypoint::SESSION).is_err() {
-        crate::entrypoint::start(&sessions, &request.entrypoint).await;
+        crate::entrypoint::start(sessions, &request.entrypoint).await;
     }
     if request.grow_root {
         // In the background: growing ends with a journal flush that takes a

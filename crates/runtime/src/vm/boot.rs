@@ -20,8 +20,8 @@ use crate::{NetworkLink, SandboxNetwork, TapLink, VolumeBind};
 
 /// How long a restored VM's agent may take to reopen its port.
 const RESTORE_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
-/// The identity call takes well under a second even under emulation.
-const IDENTITY_TIMEOUT: Duration = Duration::from_secs(20);
+/// How long the repeated identity call may take, on the second session.
+const IDENTITY_RETRY_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A VM this runtime started and that runs.
 pub(super) struct RunningVm {
@@ -354,13 +354,15 @@ impl VmRuntime {
         Ok(running)
     }
 
-    /// Tells a restored or booted guest who it is. Now and then (about one
-    /// fork child in several under emulation) the first session after a
-    /// restore answers its handshake and then nothing; the call would wait
-    /// forever. So it is bounded, and once it times out the runtime
-    /// connects to the agent again (the agent tells a new session from a
-    /// stale one by the handshake, as after a server restart) and repeats
-    /// it: every step of it can be done twice.
+    /// Tells a restored or booted guest who it is. Rarely (seen in fork
+    /// children under emulation with the CPU contended) the first session
+    /// after a restore answers its handshake and then nothing; the call
+    /// would wait forever. So it is bounded (`identity_timeout`), and once
+    /// it times out the runtime connects to the agent again (the agent
+    /// tells a new session from a stale one by the handshake, as after a
+    /// server restart) and repeats it: every step of it can be done twice,
+    /// and the agent runs one identity call at a time, so a first call that
+    /// did arrive finishes before the repeat begins.
     async fn apply_identity(
         &self,
         id: &str,
@@ -369,13 +371,11 @@ impl VmRuntime {
         identity: &Identity,
         grow_root: bool,
     ) -> Result<(), String> {
-        for attempt in 1..=2 {
-            match tokio::time::timeout(
-                IDENTITY_TIMEOUT,
-                identity.apply(&running.session, grow_root),
-            )
-            .await
-            {
+        for (attempt, bound) in [
+            (1, self.config.identity_timeout),
+            (2, IDENTITY_RETRY_TIMEOUT),
+        ] {
+            match tokio::time::timeout(bound, identity.apply(&running.session, grow_root)).await {
                 Ok(result) => return result,
                 Err(_) if attempt == 1 => {
                     tracing::warn!(
@@ -395,7 +395,7 @@ impl VmRuntime {
             }
         }
         Err(format!(
-            "the agent did not answer its identity call within {IDENTITY_TIMEOUT:?}, twice"
+            "the agent did not answer its identity call, on two sessions (the second waited {IDENTITY_RETRY_TIMEOUT:?})"
         ))
     }
 

@@ -86,6 +86,10 @@ pub struct VmConfig {
     pub templates: bool,
     /// How long a cold boot may take until the agent answers.
     pub boot_timeout: Duration,
+    /// How long the first identity call after a boot or restore may go
+    /// unanswered before the runtime connects to the agent again and
+    /// repeats it (see `boot`); it normally takes well under a second.
+    pub identity_timeout: Duration,
     /// The virtio-fs daemon that serves volumes to VMs; without it a VM
     /// cannot have volumes.
     pub virtiofsd: Option<PathBuf>,
@@ -104,6 +108,7 @@ impl VmConfig {
             accelerator: None,
             templates: true,
             boot_timeout: Duration::from_secs(180),
+            identity_timeout: Duration::from_secs(20),
             virtiofsd: shares::find_virtiofsd(),
         }
     }
