@@ -107,6 +107,11 @@ impl Harness {
         self.storage.root().join("vms").join(id).join("agent.sock")
     }
 
+    /// Pids of the QEMU processes of one sandbox.
+    fn qemus_of(&self, id: &str) -> Vec<i32> {
+        qemus_under(&self.storage.root().join("vms").join(id))
+    }
+
     /// Pids of the QEMU processes running on this test's directory.
     fn qemus(&self) -> Vec<i32> {
         qemus_under(self.dir.path())
@@ -449,7 +454,7 @@ async fn lines_once_written(socket: &Path, path: &str) -> Vec<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unanswered_identity_call_is_repeated_on_a_new_session() {
+async fn vms_repeat_unanswered_identity_calls_and_flush_paused_disks_late() {
     let _serial = SERIAL.lock().await;
     // No identity call is answered in no time: every boot and restore here
     // gives up on its first session, connects to the agent again and
@@ -494,6 +499,34 @@ async fn an_unanswered_identity_call_is_repeated_on_a_new_session() {
     assert_eq!(exec_ok(&child, "pgrep -c -x sleep").await, "1");
     assert_eq!(exec_ok(&socket, "echo parent").await, "parent");
 
+    // A pause does not flush the guest's page cache. A capture of the disk
+    // alone, and a stop that drops the memory, have the paused VM flush it
+    // first: a write the guest never synced is on the disk afterwards.
+    exec_ok(&child, "echo kept > /root/unflushed").await;
+    rt.pause("vm-s").await.unwrap();
+    let disk_only = rt.capture("vm-s", "cap-flushed").await.unwrap();
+    assert!(h.qemus_of("vm-s").is_empty(), "the flush left QEMU running");
+    let mut c = h.spec("vm-t", 256);
+    c.layers = vec![disk_only];
+    rt.prepare(&c).await.unwrap();
+    rt.start(&c).await.unwrap();
+    assert_eq!(
+        exec_ok(&h.socket("vm-t"), "cat /root/unflushed").await,
+        "kept"
+    );
+    // Still paused, with its memory: it continues where it was.
+    rt.start(&b).await.unwrap();
+    assert_eq!(exec_ok(&child, "pgrep -c -x sleep").await, "1");
+    exec_ok(&child, "echo again > /root/unflushed").await;
+    rt.pause("vm-s").await.unwrap();
+    rt.stop("vm-s").await.unwrap();
+    assert!(h.qemus_of("vm-s").is_empty(), "the flush left QEMU running");
+    rt.start(&b).await.unwrap();
+    // A cold boot: the entrypoint starts afresh, and the file is there.
+    assert_eq!(exec_ok(&child, "cat /root/unflushed").await, "again");
+
+    rt.destroy("vm-t").await.unwrap();
+    rt.discard_capture("cap-flushed").await.unwrap();
     for id in ["vm-r", "vm-s"] {
         rt.destroy(id).await.unwrap();
         assert!(!h.storage.root().join("vms").join(id).exists(), "{id}");

@@ -3,6 +3,7 @@
 
 use std::collections::BTreeMap;
 use std::fs;
+use std::io;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -60,6 +61,12 @@ pub(super) struct Identity {
     pub volumes: Vec<VolumeBind>,
     /// The image's ENTRYPOINT and CMD, which the agent starts once.
     pub command: Vec<String>,
+    /// Without a network: a TAP device that QEMU makes for itself and that
+    /// is on no bridge, instead of the hub port. A NIC saved on a TAP has
+    /// state that only loads on a TAP (QEMU: "saved image requires
+    /// vnet_hdr"); one saved on the hub port loads on either, and is saved
+    /// again as the kind it ran on.
+    pub detached_tap: Option<String>,
 }
 
 impl Identity {
@@ -87,6 +94,33 @@ impl Identity {
             network,
             volumes: spec.volumes.clone(),
             command: spec.command.clone(),
+            detached_tap: None,
+        })
+    }
+
+    /// Enough to continue a paused VM of this size for a moment, to flush
+    /// its disk: no network (its NIC on the hub port, or with `tap` on a TAP
+    /// of its own on no bridge), no volumes, nothing to start.
+    pub fn for_flush(
+        cpus: u32,
+        memory_mib: u64,
+        disk_bytes: u64,
+        tap: bool,
+    ) -> io::Result<Identity> {
+        let detached_tap = match tap {
+            true => Some(format!("cvflush{}", bridge::random_hex(4)?)),
+            false => None,
+        };
+        Ok(Identity {
+            hostname: String::new(),
+            env: BTreeMap::new(),
+            cpus,
+            memory_mib,
+            disk_bytes,
+            network: None,
+            volumes: Vec::new(),
+            command: Vec::new(),
+            detached_tap,
         })
     }
 
@@ -96,7 +130,13 @@ impl Identity {
                 device: tap.device.clone(),
                 mac: tap.mac,
             },
-            None => qemu::Nic::Unplugged,
+            None => match &self.detached_tap {
+                Some(device) => qemu::Nic::Tap {
+                    device: device.clone(),
+                    mac: qemu::UNPLUGGED_MAC,
+                },
+                None => qemu::Nic::Unplugged,
+            },
         }
     }
 

@@ -412,6 +412,8 @@ impl Runtime for VmRuntime {
             vm.machine.quit().await;
         } else if let Some(pid) = orphan_pid(&layout) {
             end_orphan(pid, true).await;
+        } else {
+            self.flush_paused_disk(id, false).await?;
         }
         shares::end(&layout).await;
         let _ = remove_if_present(&layout.agent_socket());
@@ -520,7 +522,10 @@ impl Runtime for VmRuntime {
                 }
                 self.with_vm_frozen(id, &vm, None, copy).await
             }
-            None => blocking(id, copy).await,
+            None => match self.flush_paused_disk(id, true).await {
+                Ok(()) => blocking(id, copy).await,
+                Err(error) => Err(error),
+            },
         };
         if let Err(error) = copied {
             let _ = fs::remove_dir_all(&dest.dir);
@@ -573,27 +578,10 @@ impl Runtime for VmRuntime {
         };
         let mut guard = vm.lock().await;
         let layout = self.layout(id);
-        // What the guest wrote but holds in its page cache is on its disk
-        // before the pause: a cold start from a paused sandbox (seed 001's
-        // `start`) drops the memory and must find the files on the disk.
-        let synced =
-            tokio::time::timeout(SYNC_TIMEOUT, guard.session.post("/cove/vm/sync", "{}")).await;
-        if !matches!(synced, Ok(Ok((200, _)))) {
-            tracing::warn!(
-                sandbox = id,
-                "the agent did not flush its disks before the pause"
-            );
-        }
-        let synced_ms = began.elapsed().as_secs_f64() * 1e3;
-        let saved = async {
-            guard.machine.pause_vcpus().await?;
-            let partial = layout.dir.join("state.partial");
-            guard.machine.save_state(&partial).await?;
-            Ok::<_, machine::MachineError>(partial)
-        }
-        .await;
-        let saved_ms = began.elapsed().as_secs_f64() * 1e3;
-        let partial = match saved {
+        // What the guest wrote but holds in its page cache is not flushed
+        // first (that was most of a pause): it is saved with the memory, and
+        // written out if that memory is ever dropped (`flush_paused_disk`).
+        let partial = match save_device_state(&guard, &layout).await {
             Ok(partial) => partial,
             Err(error) => {
                 // The VM keeps running as it was.
@@ -606,32 +594,20 @@ impl Runtime for VmRuntime {
                 return Err(other(id, format!("save its state: {error}")));
             }
         };
-        guard.bridge.take();
-        guard.machine.quit().await;
-        drop(guard);
-        tracing::debug!(
-            sandbox = id,
-            synced_ms,
-            saved_ms,
-            quit_ms = began.elapsed().as_secs_f64() * 1e3,
-            "pause steps"
-        );
-        let machine = SavedMachine::read(&layout.machine()).map(|machine| SavedMachine {
-            owner: Some(id.to_owned()),
-            ..machine
-        });
-        machine
-            .and_then(|machine| machine.write(&layout.machine()))
-            .map_err(io_error(
-                id,
-                format!("update {}", layout.machine().display()),
-            ))?;
-        fs::rename(&partial, layout.state()).map_err(io_error(
+        let saved_ms = began.elapsed().as_secs_f64() * 1e3;
+        keep_saved_memory(
             id,
-            format!("move {} in place", layout.state().display()),
-        ))?;
+            &mut guard,
+            &layout,
+            &partial,
+            Some(id.to_owned()),
+            false,
+        )
+        .await?;
+        drop(guard);
         tracing::info!(
             sandbox = id,
+            saved_ms,
             elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
             "vm paused"
         );
@@ -648,6 +624,7 @@ impl Runtime for VmRuntime {
         if !layout.dir.exists() {
             return Ok(());
         }
+        self.flush_paused_disk(id, false).await?;
         discard_memory_files(&layout).map_err(io_error(id, "discard its memory"))
     }
 
@@ -677,6 +654,131 @@ impl Runtime for VmRuntime {
             child = %child.id,
             elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
             "vm forked"
+        );
+        Ok(())
+    }
+}
+
+/// Stops the vCPUs and saves the device state to `state.partial`.
+async fn save_device_state(
+    vm: &RunningVm,
+    layout: &VmLayout,
+) -> Result<PathBuf, machine::MachineError> {
+    vm.machine.pause_vcpus().await?;
+    let partial = layout.dir.join("state.partial");
+    vm.machine.save_state(&partial).await?;
+    Ok(partial)
+}
+
+/// Ends the QEMU of a VM whose device state was saved to `partial`, and
+/// makes that the sandbox's saved memory, continued by `owner` alone
+/// without an identity call.
+async fn keep_saved_memory(
+    id: &str,
+    vm: &mut RunningVm,
+    layout: &VmLayout,
+    partial: &Path,
+    owner: Option<String>,
+    disk_current: bool,
+) -> Result<(), RuntimeError> {
+    vm.bridge.take();
+    vm.machine.quit().await;
+    let machine = SavedMachine::read(&layout.machine()).map(|machine| SavedMachine {
+        owner,
+        disk_current,
+        ..machine
+    });
+    machine
+        .and_then(|machine| machine.write(&layout.machine()))
+        .map_err(io_error(
+            id,
+            format!("update {}", layout.machine().display()),
+        ))?;
+    fs::rename(partial, layout.state()).map_err(io_error(
+        id,
+        format!("move {} in place", layout.state().display()),
+    ))
+}
+
+impl VmRuntime {
+    /// Brings the disk of a VM that paused without flushing up to date with
+    /// its memory: the VM continues from that memory for a moment (without
+    /// its network, and as itself: no identity call), its agent flushes,
+    /// and then it is saved again (`keep_memory`) or simply ends, its
+    /// memory about to be dropped. Nothing to do for any other VM.
+    async fn flush_paused_disk(&self, id: &str, keep_memory: bool) -> Result<(), RuntimeError> {
+        let layout = self.layout(id);
+        if !layout.has_memory() {
+            return Ok(());
+        }
+        let machine_file = layout.machine();
+        let saved = SavedMachine::read(&machine_file)
+            .map_err(io_error(id, format!("read {}", machine_file.display())))?;
+        if saved.disk_current {
+            return Ok(());
+        }
+        if let Some(why) = saved.incompatibility(self.accelerator) {
+            tracing::warn!(
+                sandbox = id,
+                %why,
+                "the disk of this paused VM cannot be flushed: its memory cannot be restored here"
+            );
+            return Ok(());
+        }
+        let began = Instant::now();
+        let owner = saved.owner.clone();
+        SavedMachine {
+            owner: Some(id.to_owned()),
+            ..saved.clone()
+        }
+        .write(&machine_file)
+        .map_err(io_error(id, format!("update {}", machine_file.display())))?;
+        let disk_bytes =
+            disk::qcow2_size(&layout.disk()).map_err(|e| start_error(id, e.to_string()))?;
+        // Which NIC backend the memory was saved on is not recorded: a hub
+        // port is tried first when the memory is to be saved again, so it
+        // stays loadable where it was; a TAP loads either kind.
+        let tries: &[bool] = if keep_memory { &[false, true] } else { &[true] };
+        let mut brought_up = Err(other(id, "no attempt to continue it"));
+        for &tap in tries {
+            let identity = Identity::for_flush(saved.cpus, saved.memory_mib, disk_bytes, tap)
+                .map_err(io_error(id, "name a TAP device for the flush"))?;
+            let (exited, _) = oneshot::channel();
+            brought_up = self.bring_up(id, &layout, &identity, exited).await;
+            if brought_up.is_ok() {
+                break;
+            }
+        }
+        let mut vm = brought_up?;
+        let synced =
+            tokio::time::timeout(SYNC_TIMEOUT, vm.session.post("/cove/vm/sync", "{}")).await;
+        if !matches!(synced, Ok(Ok((200, _)))) {
+            vm.machine.kill().await;
+            return Err(other(
+                id,
+                "its agent did not flush the disk it paused with unwritten changes",
+            ));
+        }
+        if keep_memory {
+            let partial = match save_device_state(&vm, &layout).await {
+                Ok(partial) => partial,
+                Err(error) => {
+                    vm.machine.kill().await;
+                    return Err(other(
+                        id,
+                        format!("save its memory again after flushing its disk: {error}"),
+                    ));
+                }
+            };
+            keep_saved_memory(id, &mut vm, &layout, &partial, owner, true).await?;
+        } else {
+            vm.machine.quit().await;
+        }
+        tracing::info!(
+            sandbox = id,
+            keep_memory,
+            elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
+            "flushed the disk of a paused vm"
         );
         Ok(())
     }

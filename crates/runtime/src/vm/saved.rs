@@ -22,6 +22,18 @@ pub struct SavedMachine {
     /// and environment, and random state that a sibling shares.
     #[serde(default)]
     pub owner: Option<String>,
+    /// Whether the disk holds everything the guest had written when its
+    /// memory was saved. A pause saves the memory without flushing the
+    /// guest's page cache first (that flush was most of a pause), so before
+    /// such memory is dropped, or the disk is copied without it, the VM
+    /// runs once more to flush (`VmRuntime::flush_paused_disk`). Memory
+    /// saved before this existed was flushed.
+    #[serde(default = "flushed")]
+    pub disk_current: bool,
+}
+
+fn flushed() -> bool {
+    true
 }
 
 impl SavedMachine {
@@ -32,6 +44,7 @@ impl SavedMachine {
             cpus,
             memory_mib,
             owner: None,
+            disk_current: true,
         }
     }
 
@@ -86,5 +99,14 @@ mod tests {
             ..saved
         };
         assert!(old.incompatibility(Accelerator::Tcg).is_some());
+    }
+
+    #[test]
+    fn memory_saved_before_the_flag_existed_had_its_disk_flushed() {
+        let old: SavedMachine = serde_json::from_str(
+            r#"{"layout":2,"accelerator":"tcg","cpus":1,"memory_mib":256,"owner":"a"}"#,
+        )
+        .unwrap();
+        assert!(old.disk_current);
     }
 }

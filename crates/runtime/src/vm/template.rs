@@ -164,6 +164,7 @@ async fn make(
         network: None,
         volumes: Vec::new(),
         command: Vec::new(),
+        detached_tap: None,
     };
     let (exited, _) = tokio::sync::oneshot::channel();
     let mut vm = runtime
