@@ -33,6 +33,19 @@ pub(super) struct RunningVm {
     pub driver: tokio::task::JoinHandle<()>,
 }
 
+/// How long the agent may take to flush its disks.
+const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
+
+impl RunningVm {
+    /// Has the agent write out what the guest holds in its page cache;
+    /// whether it did, within [`SYNC_TIMEOUT`].
+    pub async fn flush_guest_disks(&self) -> bool {
+        let synced =
+            tokio::time::timeout(SYNC_TIMEOUT, self.session.post("/cove/vm/sync", "{}")).await;
+        matches!(synced, Ok(Ok((200, _))))
+    }
+}
+
 impl Drop for RunningVm {
     fn drop(&mut self) {
         self.bridge.take();
@@ -98,21 +111,11 @@ impl Identity {
         })
     }
 
-    /// Enough to continue a paused VM of this size for a moment, to flush
-    /// its disk: no network (its NIC on the hub port, or with `tap` on a TAP
-    /// of its own on no bridge), no volumes, nothing to start.
-    pub fn for_flush(
-        cpus: u32,
-        memory_mib: u64,
-        disk_bytes: u64,
-        tap: bool,
-    ) -> io::Result<Identity> {
-        let detached_tap = match tap {
-            true => Some(format!("cvflush{}", bridge::random_hex(4)?)),
-            false => None,
-        };
-        Ok(Identity {
-            hostname: String::new(),
+    /// A machine of this size with no network, no volumes, no environment
+    /// and nothing to start.
+    pub fn bare(hostname: &str, cpus: u32, memory_mib: u64, disk_bytes: u64) -> Identity {
+        Identity {
+            hostname: hostname.to_owned(),
             env: BTreeMap::new(),
             cpus,
             memory_mib,
@@ -120,7 +123,27 @@ impl Identity {
             network: None,
             volumes: Vec::new(),
             command: Vec::new(),
+            detached_tap: None,
+        }
+    }
+
+    /// Enough to continue a paused VM of this size for a moment, to flush
+    /// its disk: bare, its NIC on the hub port or, with `tap`, on a TAP of
+    /// its own on no bridge.
+    pub fn for_flush(
+        cpus: u32,
+        memory_mib: u64,
+        disk_bytes: u64,
+        tap: bool,
+    ) -> io::Result<Identity> {
+        let detached_tap = if tap {
+            Some(format!("cvflush{}", bridge::random_hex(4)?))
+        } else {
+            None
+        };
+        Ok(Identity {
             detached_tap,
+            ..Identity::bare("", cpus, memory_mib, disk_bytes)
         })
     }
 

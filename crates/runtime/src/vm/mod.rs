@@ -57,8 +57,6 @@ pub use disk::AGENT_IN_GUEST;
 pub use qemu::{detect_accelerator, Accelerator, HostFacts};
 pub use shares::find_virtiofsd;
 
-/// How long the agent may take to flush its disks before a stop.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
 /// Room in a sandbox's subvolume beyond its disk and memory: device state,
 /// logs, qcow2 metadata, and blocks briefly counted twice while a RAM page
 /// shared with a copy is rewritten.
@@ -400,9 +398,7 @@ impl Runtime for VmRuntime {
         if let Some(vm) = self.take_running(id) {
             let mut vm = vm.lock().await;
             // Guest writes still in its page cache would be lost with the VM.
-            let synced =
-                tokio::time::timeout(SYNC_TIMEOUT, vm.session.post("/cove/vm/sync", "{}")).await;
-            if !matches!(synced, Ok(Ok((200, _)))) {
+            if !vm.flush_guest_disks().await {
                 tracing::warn!(
                     sandbox = id,
                     "the agent did not flush its disks before the stop"
@@ -511,10 +507,7 @@ impl Runtime for VmRuntime {
                 let vm = vm.lock().await;
                 // What the guest has written but holds in its page cache
                 // belongs in the capture too; flushed while it still runs.
-                let synced =
-                    tokio::time::timeout(SYNC_TIMEOUT, vm.session.post("/cove/vm/sync", "{}"))
-                        .await;
-                if !matches!(synced, Ok(Ok((200, _)))) {
+                if !vm.flush_guest_disks().await {
                     tracing::warn!(
                         sandbox = id,
                         "the agent did not flush its disks before a capture"
@@ -522,10 +515,13 @@ impl Runtime for VmRuntime {
                 }
                 self.with_vm_frozen(id, &vm, None, copy).await
             }
-            None => match self.flush_paused_disk(id, true).await {
-                Ok(()) => blocking(id, copy).await,
-                Err(error) => Err(error),
-            },
+            None => {
+                async {
+                    self.flush_paused_disk(id, true).await?;
+                    blocking(id, copy).await
+                }
+                .await
+            }
         };
         if let Err(error) = copied {
             let _ = fs::remove_dir_all(&dest.dir);
@@ -750,9 +746,7 @@ impl VmRuntime {
             }
         }
         let mut vm = brought_up?;
-        let synced =
-            tokio::time::timeout(SYNC_TIMEOUT, vm.session.post("/cove/vm/sync", "{}")).await;
-        if !matches!(synced, Ok(Ok((200, _)))) {
+        if !vm.flush_guest_disks().await {
             vm.machine.kill().await;
             return Err(other(
                 id,

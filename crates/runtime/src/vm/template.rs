@@ -155,17 +155,7 @@ async fn make(
             .map_err(|e| e.to_string())
     })
     .await?;
-    let identity = Identity {
-        hostname: "sandbox".into(),
-        env: Default::default(),
-        cpus,
-        memory_mib,
-        disk_bytes: base_bytes,
-        network: None,
-        volumes: Vec::new(),
-        command: Vec::new(),
-        detached_tap: None,
-    };
+    let identity = Identity::bare("sandbox", cpus, memory_mib, base_bytes);
     let (exited, _) = tokio::sync::oneshot::channel();
     let mut vm = runtime
         .bring_up(id, partial, &identity, exited)
