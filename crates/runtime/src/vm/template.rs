@@ -22,6 +22,10 @@ use super::{blocking, disk, other, Identity, RuntimeError, VmRuntime};
 
 const COMPLETE: &str = "complete";
 
+/// Run in a template before its memory is saved: a program run directly
+/// and one through the shell.
+const WARM_UP_COMMANDS: [&str; 3] = ["true", "echo warm", "ls / > /dev/null"];
+
 /// The template's directory name: a hash of everything its memory depends on.
 fn template_name(runtime: &VmRuntime, base: &Path, cpus: u32, memory_mib: u64) -> String {
     let config = &runtime.config;
@@ -161,6 +165,15 @@ async fn make(
         .bring_up(id, partial, &identity, exited)
         .await
         .map_err(|e| other(id, format!("boot a template: {e}")))?;
+    // Every sandbox continues from this memory: what a first command needs
+    // (the programs in the guest's page cache, the agent's paths to run
+    // them) is done once here rather than in each of them.
+    for command in WARM_UP_COMMANDS {
+        let body = serde_json::json!({ "command": command }).to_string();
+        if let Err(error) = vm.session.post("/process/execute", &body).await {
+            tracing::debug!(%error, command, "warming a template up");
+        }
+    }
     let saved = async {
         // What the boot wrote reaches the disk, not only the guest's cache.
         let _ = vm.session.post("/cove/vm/sync", "{}").await;
