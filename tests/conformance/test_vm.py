@@ -126,7 +126,7 @@ def test_an_idle_vm_leaves_its_host_core_idle(cove, sandboxes):
 
     def cpu_used_idling(sandbox) -> float:
         assert sandbox.process.exec("echo awake").result.strip() == "awake"
-        [pid] = [p for p in qemu_processes(cove.data_dir) if sandbox.id in Path(f"/proc/{p}/cmdline").read_text()]
+        pid = int((cove.data_dir / "storage" / "vms" / sandbox.id / "qemu.pid").read_text())
         before = cpu_seconds(pid)
         time.sleep(IDLE_WINDOW)
         return cpu_seconds(pid) - before
@@ -401,7 +401,7 @@ def test_a_networked_vm_keeps_running_and_its_network_across_a_server_crash(cove
         assert fetch(again, f"http://{fake_internet.ALLOWED}/") == "200"
         assert fetch(again, f"http://{fake_internet.DENIED}/") == "000"
         client.delete(again, timeout=TIMEOUT, wait=True)
-        assert wait_until(lambda: not qemu_processes(data_dir), 30), qemu_processes(data_dir)
+        assert wait_until(lambda: not sandbox_qemus(data_dir), 30), sandbox_qemus(data_dir)
     # Its bridge and tables went with it; the session server's are untouched.
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
     assert "covert" not in links
@@ -412,6 +412,76 @@ def test_windows_snapshot_is_a_clear_error(cove):
     reply = cove.request("POST", "/sandbox", json={"snapshot": "windows-11"})
     assert reply.status_code == 400, reply.text
     assert "windows" in reply.json()["message"].lower()
+
+
+def waiting_vms(data_dir: Path) -> list[int]:
+    """QEMU processes of the server's warm pool: still in a `warm-*`
+    directory of their own (a sandbox that took one leaves the old name
+    behind as a symbolic link to its own directory)."""
+    found = []
+    for pid in qemu_processes(data_dir):
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        [mem] = [a for a in args if a.startswith(b"memory-backend-file")]
+        ram = Path(mem.split(b"mem-path=")[1].split(b",")[0].decode())
+        if ram.parent.name.startswith("warm-") and not ram.parent.is_symlink():
+            found.append(pid)
+    return found
+
+
+def sandbox_qemus(data_dir: Path) -> list[int]:
+    """QEMU processes of sandboxes: all but the warm pool's."""
+    waiting = waiting_vms(data_dir)
+    return [pid for pid in qemu_processes(data_dir) if pid not in waiting]
+
+
+def test_a_create_takes_a_waiting_vm_of_the_warm_pool(fake_internet):
+    """The server keeps one VM of the small size running and waiting; a
+    create takes it (the same QEMU process becomes the sandbox, with its
+    identity and its network), a new one is made in its place, and the
+    server ends the waiting ones when it stops."""
+    with own_vm_server(*fake_internet.server_args(), "--bridge", "covepool", "--network-range",
+                       "10.76.0.0/16", "--route-table", "7703") as (server, data_dir):
+        def made() -> int:
+            """Warm VMs made ready so far (its QEMU runs before it is)."""
+            return server.log_path.read_text(errors="replace").count("a warm VM waits")
+
+        assert wait_until(lambda: made() == 1, TIMEOUT), server.log_tail()
+        [waiting] = waiting_vms(data_dir)
+        client = server.client()
+        sandbox = client.create(
+            CreateSandboxFromSnapshotParams(snapshot=VM, env_vars={"POOLED": "yes"},
+                                            network_allow_list=f"{fake_internet.ALLOWED}/32"),
+            timeout=TIMEOUT,
+        )
+        assert sandbox_qemus(data_dir) == [waiting]
+        assert sandbox.process.exec("hostname").result.strip() == sandbox.id
+        assert sandbox.process.exec("echo $POOLED").result.strip() == "yes"
+        assert address_of(sandbox).startswith("10.76."), address_of(sandbox)
+        assert fetch(sandbox, f"http://{fake_internet.ALLOWED}/") == "200"
+        assert fetch(sandbox, f"http://{fake_internet.DENIED}/") == "000"
+        # Another waits in its place.
+        assert wait_until(lambda: made() == 2, TIMEOUT), server.log_tail()
+        assert len(waiting_vms(data_dir)) == 1 and waiting not in waiting_vms(data_dir)
+
+        # The taken VM pauses, forks and resumes like any other; the old
+        # name it was launched under goes with its process.
+        start_counter(sandbox)
+        child = sandbox.fork(name=unique("pooled-child"), timeout=TIMEOUT)
+        assert counting_on(child, 1)
+        before = counter(sandbox)
+        sandbox.pause()
+        sandbox.start(timeout=TIMEOUT)
+        assert counting_on(sandbox, before)
+        assert fetch(sandbox, f"http://{fake_internet.ALLOWED}/") == "200"
+        vms = data_dir / "storage" / "vms"
+        assert not [p for p in vms.iterdir() if p.is_symlink()], list(vms.iterdir())
+        for machine in (child, sandbox):
+            client.delete(machine, timeout=TIMEOUT, wait=True)
+        assert wait_until(lambda: not sandbox_qemus(data_dir), 30), sandbox_qemus(data_dir)
+
+        server.stop()
+        assert wait_until(lambda: not qemu_processes(data_dir), 30), qemu_processes(data_dir)
+        assert not list(vms.glob("warm-*")), list(vms.iterdir())
 
 
 def qemu_processes(data_dir: Path) -> list[int]:
@@ -439,7 +509,7 @@ def test_killed_server_loses_no_vm_and_delete_leaves_no_qemu():
         start_counter(paused)
         before = counter(paused)
         paused.pause()
-        assert qemu_processes(data_dir), "a running VM has a QEMU process"
+        assert sandbox_qemus(data_dir), "a running VM has a QEMU process"
 
         crash_and_restart(server)
         client = server.client()
@@ -461,4 +531,4 @@ def test_killed_server_loses_no_vm_and_delete_leaves_no_qemu():
 
         for sandbox in (again, still):
             client.delete(sandbox, timeout=TIMEOUT, wait=True)
-        assert wait_until(lambda: not qemu_processes(data_dir), 30), qemu_processes(data_dir)
+        assert wait_until(lambda: not sandbox_qemus(data_dir), 30), sandbox_qemus(data_dir)

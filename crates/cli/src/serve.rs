@@ -91,6 +91,11 @@ pub struct ServeArgs {
     /// Serve no VM sandboxes (containers only).
     #[arg(long)]
     pub no_vm: bool,
+    /// How many VMs of `daytona-vm-small` wait, already running, for the
+    /// creates to come (each costs an idle QEMU process and the memory its
+    /// guest has touched); 0: every create starts its own QEMU.
+    #[arg(long, env = "COVE_VM_WARM_POOL", default_value_t = 1)]
+    pub vm_warm_pool: usize,
     /// Also serve the API over HTTPS on this address (with --tls-cert and
     /// --tls-key). The SDK uploads build contexts (an `Image`'s local files
     /// for COPY/ADD) over HTTPS only, to this listener.
@@ -131,6 +136,7 @@ type Serving = (
     Option<Arc<cove_net::Network>>,
     cove_ssh::Gateway,
     DataDirLock,
+    Option<Arc<VmRuntime>>,
 );
 
 /// Held while the server runs: one server per data directory.
@@ -307,8 +313,13 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     }
     unmount_on_error.0 = None;
     engine.recover_after_restart().await?;
-    if let Some(vm) = vm {
-        warm_vm_template(vm, &rootfs, config.default_disk_gib);
+    if let Some(vm) = &vm {
+        warm_vm_template(
+            vm.clone(),
+            &rootfs,
+            config.default_disk_gib,
+            args.vm_warm_pool,
+        );
     }
 
     let env_api_key = args.api_key.clone().filter(|k| !k.is_empty());
@@ -349,7 +360,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     tokio::spawn(async move { timers.run_timers().await });
     let serve = tokio::spawn(async move { axum::serve(listener, app).await });
     tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
-    Ok((serve, network, ssh, data_lock))
+    Ok((serve, network, ssh, data_lock, vm))
 }
 
 /// The HTTPS listener's TLS settings from PEM files: HTTP/1.1 only, so the
@@ -451,7 +462,8 @@ fn open_vm_runtime(
 /// Boots the template of `daytona-vm-small` in the background, so the first VM
 /// create continues from it instead of waiting for a boot (seconds under TCG).
 /// A create that comes first waits for the same template, never makes a second.
-fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64) {
+/// Then keeps `pool` VMs of it waiting (see the runtime's `pool`).
+fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64, pool: usize) {
     let spec = cove_runtime::SandboxSpec {
         id: "template-warmup".into(),
         hostname: "template".into(),
@@ -478,6 +490,7 @@ fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64) {
             ),
             Err(error) => tracing::warn!(%error, "making the VM template"),
         }
+        vm.keep_warm(spec, pool);
     });
 }
 
@@ -512,7 +525,7 @@ async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let (serve, network, ssh, _data_lock) = start(args).await?;
+    let (serve, network, ssh, _data_lock, vm) = start(args).await?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         result = serve => result??,
@@ -520,6 +533,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         _ = terminate.recv() => tracing::info!("terminated; sandboxes are brought back on the next start"),
     }
     ssh.shutdown().await;
+    if let Some(vm) = vm {
+        // Sandboxes outlive the server; the VMs waiting for a create do not.
+        vm.end_pool().await;
+    }
     if let Some(network) = network {
         // The bridge, firewall tables and routes go; addresses stay on disk.
         if let Err(error) = network.shutdown().await {

@@ -333,6 +333,11 @@ impl VmRuntime {
             saved.is_some(),
         );
         spec.shares = volumes;
+        // A QEMU launched here is found by this directory from now on.
+        super::pool::forget_launch(layout).map_err(io_error(
+            id,
+            format!("remove {}", layout.launched_in().display()),
+        ))?;
         let began = Instant::now();
         let machine = match Machine::launch(&self.config.qemu, &spec, &boot, exited).await {
             Ok(machine) => machine,
@@ -426,7 +431,7 @@ impl VmRuntime {
     /// server restart) and repeats it: every step of it can be done twice,
     /// and the agent runs one identity call at a time, so a first call that
     /// did arrive finishes before the repeat begins.
-    async fn apply_identity(
+    pub(super) async fn apply_identity(
         &self,
         id: &str,
         layout: &VmLayout,

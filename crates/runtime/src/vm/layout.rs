@@ -56,6 +56,11 @@ impl VmLayout {
     pub fn console(&self) -> PathBuf {
         self.dir.join("console.log")
     }
+    /// Where the QEMU running on these files was launched, when that was
+    /// another directory (a warm VM taken by a sandbox: see `pool`).
+    pub fn launched_in(&self) -> PathBuf {
+        self.dir.join("launched-in")
+    }
     pub fn qemu_log(&self) -> PathBuf {
         self.dir.join("qemu.log")
     }

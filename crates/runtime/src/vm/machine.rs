@@ -216,6 +216,27 @@ impl Machine {
         }
     }
 
+    /// Connects the NIC, launched on a hub port that leads nowhere, to the
+    /// TAP device `device`: the TAP becomes a second port of that hub.
+    pub async fn plug_tap(&self, device: &str) -> Result<(), MachineError> {
+        self.qmp
+            .execute(
+                "netdev_add",
+                json!({
+                    "type": "tap", "id": "uplink", "ifname": device,
+                    "script": "no", "downscript": "no", "vhost": false,
+                }),
+            )
+            .await?;
+        self.qmp
+            .execute(
+                "netdev_add",
+                json!({ "type": "hubport", "id": "uplink-port", "hubid": 0, "netdev": "uplink" }),
+            )
+            .await?;
+        Ok(())
+    }
+
     /// Grows the root disk while the machine runs; the guest sees the change.
     pub async fn resize_disk(&self, bytes: u64) -> Result<(), MachineError> {
         self.qmp

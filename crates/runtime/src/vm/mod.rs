@@ -8,7 +8,9 @@
 //! `copy` (freezing a VM while its files are cloned), `disk` (base images,
 //! qcow2), `reflink` (block sharing copies), `layout` (a sandbox's files),
 //! `saved` (`machine.json`), `template` (pre-booted machines that new
-//! sandboxes continue from), `orphan` (QEMU processes of an earlier server).
+//! sandboxes continue from), `pool` (template machines already running,
+//! waiting to be taken by a create), `orphan` (QEMU processes of an
+//! earlier server).
 //!
 //! Everything of a sandbox lives in `{storage}/vms/{id}/` on the btrfs
 //! storage, where a copy of a RAM file or a disk is a reflink: pause writes
@@ -24,6 +26,7 @@ mod disk;
 mod layout;
 mod machine;
 mod orphan;
+mod pool;
 mod qemu;
 mod qmp;
 mod reflink;
@@ -127,6 +130,7 @@ pub struct VmRuntime {
     running: Mutex<HashMap<String, Arc<tokio::sync::Mutex<RunningVm>>>>,
     /// Base disks by image, with the agent file stamp they were made for.
     bases: Mutex<HashMap<PathBuf, (String, PathBuf)>>,
+    pool: pool::Pool,
 }
 
 impl std::fmt::Debug for VmRuntime {
@@ -190,6 +194,7 @@ impl VmRuntime {
             tsc_khz,
             running: Mutex::default(),
             bases: Mutex::default(),
+            pool: pool::Pool::default(),
         })
     }
 
@@ -304,6 +309,10 @@ impl VmRuntime {
 impl Runtime for VmRuntime {
     async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
         let id = spec.id.as_str();
+        check_id(id)?;
+        if self.claim_warm(spec).await {
+            return Ok(());
+        }
         let layout = self.make_dir(spec)?;
         if layout.disk().exists() {
             return Ok(());
@@ -344,17 +353,28 @@ impl Runtime for VmRuntime {
         let began = Instant::now();
         let id = spec.id.as_str();
         check_id(id)?;
-        if self.is_running(id).await {
-            return Err(start_error(id, "already running"));
-        }
-        let identity = Identity::of(spec)?;
         let layout = self.layout(id);
-        if !layout.disk().exists() {
-            self.prepare(spec).await?;
+        let mut claimed = self.pool.claimed(id);
+        if claimed.is_none() {
+            if self.is_running(id).await {
+                return Err(start_error(id, "already running"));
+            }
+            if !layout.disk().exists() {
+                self.prepare(spec).await?;
+                claimed = self.pool.claimed(id);
+            }
         }
-        let restoring = layout.has_memory();
-        let (exited_tx, exited_rx) = oneshot::channel();
-        let mut vm = self.bring_up(id, &layout, &identity, exited_tx).await?;
+        let warm = claimed.is_some();
+        let restoring = warm || layout.has_memory();
+        let (mut vm, exited_rx) = match claimed {
+            Some(claimed) => self.start_warm(spec, claimed).await?,
+            None => {
+                let identity = Identity::of(spec)?;
+                let (exited_tx, exited_rx) = oneshot::channel();
+                let vm = self.bring_up(id, &layout, &identity, exited_tx).await?;
+                (vm, exited_rx)
+            }
+        };
         let bridge = Bridge::serve(&layout.agent_socket(), vm.session.clone());
         match bridge {
             Ok(bridge) => vm.bridge = Some(bridge),
@@ -374,6 +394,7 @@ impl Runtime for VmRuntime {
             sandbox = id,
             accelerator = self.accelerator.name(),
             from_memory = restoring,
+            warm,
             elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
             "vm started"
         );
@@ -422,6 +443,9 @@ impl Runtime for VmRuntime {
     async fn destroy(&self, id: &str) -> Result<(), RuntimeError> {
         check_id(id)?;
         let layout = self.layout(id);
+        if let Some(warm) = self.pool.claimed(id) {
+            warm.vm.machine.kill().await;
+        }
         if let Some(vm) = self.take_running(id) {
             let vm = vm.lock().await;
             vm.machine.kill().await;
@@ -430,6 +454,9 @@ impl Runtime for VmRuntime {
             end_orphan(pid, false).await;
         }
         shares::end(&layout).await;
+        if let Err(error) = pool::forget_launch(&layout) {
+            tracing::warn!(sandbox = id, %error, "removing the old name of a warm VM");
+        }
         let storage = self.config.storage.clone();
         blocking(id, move || {
             if !layout.dir.exists() {

@@ -1,7 +1,9 @@
 //! QEMU processes another server process started: after a restart they
 //! still run (in their own process groups) and are found by their pid files.
 
+use std::ffi::OsString;
 use std::fs;
+use std::os::unix::ffi::OsStringExt;
 use std::time::{Duration, Instant};
 
 use super::layout::VmLayout;
@@ -11,7 +13,8 @@ use super::qemu;
 const TERM_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The live process of a sandbox that another server process started, from
-/// its pid file: alive and running QEMU on this sandbox's files.
+/// its pid file: alive and running QEMU on this sandbox's files (launched
+/// on them here, or in the directory `launched-in` names).
 pub(super) fn orphan_pid(layout: &VmLayout) -> Option<i32> {
     let pid: i32 = fs::read_to_string(layout.pid_file())
         .ok()?
@@ -19,10 +22,14 @@ pub(super) fn orphan_pid(layout: &VmLayout) -> Option<i32> {
         .parse()
         .ok()?;
     let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    let wanted = qemu::qmp_argument(&layout.qmp());
+    let mut wanted = vec![qemu::qmp_argument(&layout.qmp())];
+    if let Ok(launched_in) = fs::read(layout.launched_in()) {
+        let launched_in = VmLayout::new(OsString::from_vec(launched_in).into());
+        wanted.push(qemu::qmp_argument(&launched_in.qmp()));
+    }
     let ours = cmdline
         .split(|b| *b == 0)
-        .any(|arg| arg == wanted.as_bytes());
+        .any(|arg| wanted.iter().any(|w| arg == w.as_bytes()));
     ours.then_some(pid)
 }
 

@@ -16,6 +16,7 @@ use std::path::Path;
 use nix::fcntl::{Flock, FlockArg};
 use sha2::{Digest, Sha256};
 
+use super::boot::RunningVm;
 use super::layout::VmLayout;
 use super::saved::SavedMachine;
 use super::{blocking, disk, other, Identity, RuntimeError, VmRuntime};
@@ -168,12 +169,7 @@ async fn make(
     // Every sandbox continues from this memory: what a first command needs
     // (the programs in the guest's page cache, the agent's paths to run
     // them) is done once here rather than in each of them.
-    for command in WARM_UP_COMMANDS {
-        let body = serde_json::json!({ "command": command }).to_string();
-        if let Err(error) = vm.session.post("/process/execute", &body).await {
-            tracing::debug!(%error, command, "warming a template up");
-        }
-    }
+    warm_up(&vm).await;
     let saved = async {
         // What the boot wrote reaches the disk, not only the guest's cache.
         let _ = vm.session.post("/cove/vm/sync", "{}").await;
@@ -187,6 +183,16 @@ async fn make(
     SavedMachine::read(&partial.machine())
         .map_err(|e| other(id, format!("read {}: {e}", partial.machine().display())))?;
     Ok(())
+}
+
+/// Runs [`WARM_UP_COMMANDS`] in a machine; one that fails is only logged.
+pub(super) async fn warm_up(vm: &RunningVm) {
+    for command in WARM_UP_COMMANDS {
+        let body = serde_json::json!({ "command": command }).to_string();
+        if let Err(error) = vm.session.post("/process/execute", &body).await {
+            tracing::debug!(%error, command, "warming a machine up");
+        }
+    }
 }
 
 /// Keeps only the files a copy needs and moves the template in place.

@@ -1,0 +1,375 @@
+//! The warm pool: machines of the template already continued from its
+//! memory, warmed up and waiting, so that a create from an image takes one
+//! instead of starting a QEMU process. Under TCG a new process translates
+//! every piece of guest code afresh, which made a create's launch,
+//! handshake, identity call and first command cost most of a second; a
+//! waiting machine has done all of that once.
+//!
+//! A waiting machine runs in `{storage}/vms/warm-{random}/`, a subvolume
+//! sized like the sandbox it will become, its NIC on the hub port with
+//! nothing behind it. A create whose image and resources match takes one
+//! (`prepare`): its directory is renamed to the sandbox's, and its QEMU
+//! process, which holds its files open and its sockets bound, goes on
+//! unaware. Almost: QEMU reopens the disk by its file name when it changes
+//! the access it needs (read-only while it saves its state, as for a pause
+//! or a fork), so the old name stays behind as a symbolic link to the new
+//! one for as long as that process lives. Its pid file now sits in the
+//! sandbox's directory, but its command line still names the old one, so
+//! `launched-in` records that for `orphan_pid` (and for `forget_launch`,
+//! which removes both once the process is gone). The `start` that follows puts the NIC on the sandbox's TAP
+//! device (a second port of the same hub) and makes the identity call, as
+//! after any restore. The pool is then filled again in the background.
+//!
+//! Waiting machines belong to the server process: it ends them when it
+//! stops (`end_pool`), and one starting up removes those a crash left
+//! (`sweep`).
+
+use std::collections::HashMap;
+use std::fs;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::{oneshot, Notify};
+
+use super::boot::{Identity, RunningVm};
+use super::bridge;
+use super::layout::VmLayout;
+use super::orphan::{end_orphan, orphan_pid};
+use super::{blocking, clone_saved, template, RuntimeError, VmRuntime};
+use crate::SandboxSpec;
+
+/// What names a waiting machine's directory.
+const PREFIX: &str = "warm-";
+/// How long a failed fill waits before it tries again.
+const RETRY_AFTER: Duration = Duration::from_secs(30);
+
+/// A machine that waits to become a sandbox.
+pub(super) struct WarmVm {
+    /// Where it runs until it is taken.
+    pub dir: PathBuf,
+    pub vm: RunningVm,
+    pub exited: oneshot::Receiver<String>,
+}
+
+/// What a waiting machine fits: sandboxes of this image and these resources.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+struct Fit {
+    rootfs: PathBuf,
+    cpu: u32,
+    memory_mib: u64,
+    disk_gib: u64,
+}
+
+impl Fit {
+    fn of(spec: &SandboxSpec) -> Fit {
+        Fit {
+            rootfs: spec.rootfs.clone(),
+            cpu: spec.resources.cpu,
+            memory_mib: spec.resources.memory_mib,
+            disk_gib: spec.resources.disk_gib,
+        }
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Pool {
+    waiting: Mutex<HashMap<Fit, Vec<WarmVm>>>,
+    /// Taken when a machine left the pool.
+    taken: Notify,
+    filler: Mutex<Option<tokio::task::JoinHandle<()>>>,
+    /// Machines taken by `prepare` whose `start` has not come yet.
+    claimed: Mutex<HashMap<String, WarmVm>>,
+}
+
+impl Pool {
+    fn waiting_for(&self, fit: &Fit) -> usize {
+        self.waiting
+            .lock()
+            .expect("pool lock")
+            .get(fit)
+            .map_or(0, Vec::len)
+    }
+
+    fn take(&self, fit: &Fit) -> Option<WarmVm> {
+        let warm = self
+            .waiting
+            .lock()
+            .expect("pool lock")
+            .get_mut(fit)
+            .and_then(Vec::pop);
+        if warm.is_some() {
+            self.taken.notify_one();
+        }
+        warm
+    }
+
+    /// The machine `prepare` took for sandbox `id`.
+    pub fn claimed(&self, id: &str) -> Option<WarmVm> {
+        self.claimed.lock().expect("pool lock").remove(id)
+    }
+}
+
+/// Forgets where the QEMU process of `layout` was launched, once it is gone
+/// (or another is about to be launched there): the `launched-in` record and
+/// the symbolic link that kept the old name.
+pub(super) fn forget_launch(layout: &VmLayout) -> std::io::Result<()> {
+    let record = layout.launched_in();
+    let launched = match fs::read(&record) {
+        Ok(launched) => PathBuf::from(std::ffi::OsString::from_vec(launched)),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => return Err(error),
+    };
+    if launched.is_symlink() {
+        fs::remove_file(&launched)?;
+    }
+    fs::remove_file(record)
+}
+
+impl VmRuntime {
+    /// Keeps `size` machines that fit sandboxes like `spec` (its image and
+    /// resources) waiting, from now until [`VmRuntime::end_pool`]. First
+    /// removes what an earlier server process left.
+    pub fn keep_warm(self: &Arc<Self>, spec: SandboxSpec, size: usize) {
+        let runtime = Arc::clone(self);
+        let task = tokio::spawn(async move {
+            runtime.sweep().await;
+            if size == 0 {
+                return;
+            }
+            let fit = Fit::of(&spec);
+            loop {
+                if runtime.pool.waiting_for(&fit) >= size {
+                    runtime.pool.taken.notified().await;
+                    continue;
+                }
+                match runtime.make_warm(&spec).await {
+                    Ok(warm) => {
+                        tracing::info!(machine = %warm.dir.display(), "a warm VM waits");
+                        runtime
+                            .pool
+                            .waiting
+                            .lock()
+                            .expect("pool lock")
+                            .entry(fit.clone())
+                            .or_default()
+                            .push(warm);
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "could not make a warm VM; trying again later");
+                        tokio::time::sleep(RETRY_AFTER).await;
+                    }
+                }
+            }
+        });
+        if let Some(old) = self.pool.filler.lock().expect("pool lock").replace(task) {
+            old.abort();
+        }
+    }
+
+    /// Ends every waiting machine (and one being made) and removes it.
+    pub async fn end_pool(&self) {
+        let filler = self.pool.filler.lock().expect("pool lock").take();
+        if let Some(filler) = filler {
+            filler.abort();
+            let _ = filler.await;
+        }
+        let waiting: Vec<WarmVm> = self
+            .pool
+            .waiting
+            .lock()
+            .expect("pool lock")
+            .drain()
+            .flat_map(|(_, machines)| machines)
+            .collect();
+        for warm in waiting {
+            warm.vm.machine.kill().await;
+        }
+        self.sweep().await;
+    }
+
+    /// Removes the directories of waiting machines, ending their QEMU
+    /// processes: a crashed server's, or one this server gave up.
+    async fn sweep(&self) {
+        let vms = self.config.storage.root().join("vms");
+        let Ok(entries) = fs::read_dir(&vms) else {
+            return;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name();
+            if !name.as_bytes().starts_with(PREFIX.as_bytes()) {
+                continue;
+            }
+            let path = entry.path();
+            if path.is_symlink() {
+                // The old name of a warm VM a sandbox took: kept while that
+                // process runs (its sandbox's `launched-in` names it).
+                let target = VmLayout::new(path.clone());
+                let in_use = fs::read(target.launched_in())
+                    .is_ok_and(|launched| launched == path.as_os_str().as_bytes());
+                if !in_use {
+                    let _ = fs::remove_file(&path);
+                }
+                continue;
+            }
+            let layout = VmLayout::new(path);
+            if let Some(pid) = orphan_pid(&layout) {
+                end_orphan(pid, false).await;
+            }
+            if let Err(error) = self.remove_dir(&layout).await {
+                tracing::warn!(dir = %layout.dir.display(), %error, "removing a warm VM");
+            }
+        }
+    }
+
+    async fn remove_dir(&self, layout: &VmLayout) -> Result<(), RuntimeError> {
+        let storage = self.config.storage.clone();
+        let dir = layout.dir.clone();
+        blocking("-", move || {
+            if dir.exists() && storage.delete_subvolume(&dir).is_err() {
+                fs::remove_dir_all(&dir).map_err(|e| format!("remove {}: {e}", dir.display()))?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    /// A machine continued from the template, told a bare identity and run
+    /// through the template's warm-up commands again, in this process.
+    async fn make_warm(&self, spec: &SandboxSpec) -> Result<WarmVm, RuntimeError> {
+        let id = format!(
+            "{PREFIX}{}",
+            bridge::random_hex(6).map_err(|e| super::other("-", e.to_string()))?
+        );
+        let spec = SandboxSpec {
+            id: id.clone(),
+            network: None,
+            volumes: Vec::new(),
+            command: Vec::new(),
+            ..spec.clone()
+        };
+        let made = async {
+            let layout = self.make_dir(&spec)?;
+            let template = self.template_for(&spec).await?;
+            let to = layout.clone();
+            blocking(&id, move || {
+                clone_saved(&template, &to)
+                    .map_err(|e| format!("copy the template {}: {e}", template.dir.display()))
+            })
+            .await?;
+            let identity = Identity::bare(
+                "sandbox",
+                spec.resources.cpu.max(1),
+                spec.resources.memory_mib,
+                spec.resources.disk_gib << 30,
+            );
+            let (exited_tx, exited) = oneshot::channel();
+            let vm = self.bring_up(&id, &layout, &identity, exited_tx).await?;
+            template::warm_up(&vm).await;
+            Ok(WarmVm {
+                dir: layout.dir,
+                vm,
+                exited,
+            })
+        }
+        .await;
+        if made.is_err() {
+            let layout = self.layout(&id);
+            if let Some(pid) = orphan_pid(&layout) {
+                end_orphan(pid, false).await;
+            }
+            let _ = self.remove_dir(&layout).await;
+        }
+        made
+    }
+
+    /// Takes a waiting machine for the sandbox of `spec`, if one fits: its
+    /// directory becomes the sandbox's. Whether one did.
+    pub(super) async fn claim_warm(&self, spec: &SandboxSpec) -> bool {
+        let id = spec.id.as_str();
+        let layout = self.layout(id);
+        if !self.config.templates
+            || !spec.layers.is_empty()
+            || !spec.volumes.is_empty()
+            || layout.dir.exists()
+            || layout.check_socket_paths().is_err()
+        {
+            return false;
+        }
+        let fit = Fit::of(spec);
+        while let Some(warm) = self.pool.take(&fit) {
+            if warm.vm.machine.exited().is_some() {
+                let _ = self.remove_dir(&VmLayout::new(warm.dir.clone())).await;
+                continue;
+            }
+            let (from, to, name) = (warm.dir.clone(), layout.dir.clone(), id.to_owned());
+            let moved = blocking(id, move || {
+                // Written first: from the rename on, the process is found by it.
+                fs::write(
+                    VmLayout::new(from.clone()).launched_in(),
+                    from.as_os_str().as_bytes(),
+                )
+                .and_then(|()| fs::rename(&from, &to))
+                .map_err(|e| format!("move {} to {}: {e}", from.display(), to.display()))?;
+                std::os::unix::fs::symlink(&name, &from)
+                    .map_err(|e| format!("link {} to {}: {e}", from.display(), to.display()))
+            })
+            .await;
+            match moved {
+                Ok(()) => {
+                    self.pool
+                        .claimed
+                        .lock()
+                        .expect("pool lock")
+                        .insert(id.to_owned(), warm);
+                    return true;
+                }
+                Err(error) => {
+                    tracing::warn!(sandbox = id, %error, "could not take a warm VM");
+                    warm.vm.machine.kill().await;
+                    for dir in [&warm.dir, &layout.dir] {
+                        if dir.is_symlink() {
+                            let _ = fs::remove_file(dir);
+                        }
+                        let _ = self.remove_dir(&VmLayout::new(dir.clone())).await;
+                    }
+                    return false;
+                }
+            }
+        }
+        false
+    }
+
+    /// Makes the machine `claim_warm` took the sandbox of `spec`: its NIC on
+    /// the sandbox's TAP device, its identity told. On failure it is ended.
+    pub(super) async fn start_warm(
+        &self,
+        spec: &SandboxSpec,
+        warm: WarmVm,
+    ) -> Result<(RunningVm, oneshot::Receiver<String>), RuntimeError> {
+        let id = spec.id.as_str();
+        let layout = self.layout(id);
+        let WarmVm { mut vm, exited, .. } = warm;
+        let started = async {
+            let identity = Identity::of(spec)?;
+            if let Some((tap, _)) = &identity.network {
+                vm.machine
+                    .plug_tap(&tap.device)
+                    .await
+                    .map_err(|e| super::start_error(id, format!("plug its NIC in: {e}")))?;
+            }
+            self.apply_identity(id, &layout, &mut vm, &identity, false)
+                .await
+                .map_err(|reason| super::start_error(id, reason))
+        }
+        .await;
+        match started {
+            Ok(()) => Ok((vm, exited)),
+            Err(error) => {
+                vm.machine.kill().await;
+                Err(error)
+            }
+        }
+    }
+}
