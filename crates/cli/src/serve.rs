@@ -92,9 +92,10 @@ pub struct ServeArgs {
     #[arg(long)]
     pub no_vm: bool,
     /// How many VMs of `daytona-vm-small` wait, already running, for the
-    /// creates to come (each costs an idle QEMU process and the memory its
-    /// guest has touched); 0: every create starts its own QEMU.
-    #[arg(long, env = "COVE_VM_WARM_POOL", default_value_t = 1)]
+    /// creates to come; 0: every create starts its own QEMU. Off by default:
+    /// a VM continued from saved memory keeps its agent busy (a known bug),
+    /// so under TCG each waiting VM costs a host core.
+    #[arg(long, env = "COVE_VM_WARM_POOL", default_value_t = 0)]
     pub vm_warm_pool: usize,
     /// Also serve the API over HTTPS on this address (with --tls-cert and
     /// --tls-key). The SDK uploads build contexts (an `Image`'s local files
@@ -527,11 +528,21 @@ async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let (serve, network, ssh, _data_lock, vm) = start(args).await?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        result = serve => result??,
-        _ = tokio::signal::ctrl_c() => tracing::info!("interrupted; sandboxes are brought back on the next start"),
-        _ = terminate.recv() => tracing::info!("terminated; sandboxes are brought back on the next start"),
-    }
+    // A server that fails cleans up as one that is told to stop does.
+    let served: anyhow::Result<()> = tokio::select! {
+        result = serve => match result {
+            Ok(served) => served.map_err(Into::into),
+            Err(panicked) => Err(panicked.into()),
+        },
+        _ = tokio::signal::ctrl_c() => {
+            tracing::info!("interrupted; sandboxes are brought back on the next start");
+            Ok(())
+        }
+        _ = terminate.recv() => {
+            tracing::info!("terminated; sandboxes are brought back on the next start");
+            Ok(())
+        }
+    };
     ssh.shutdown().await;
     if let Some(vm) = vm {
         // Sandboxes outlive the server; the VMs waiting for a create do not.
@@ -543,5 +554,5 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             tracing::error!(%error, "removing the sandbox network");
         }
     }
-    Ok(())
+    served
 }

@@ -6,17 +6,6 @@
 //! buffered), and `poll` reports `POLLHUP` for as long as nobody is
 //! connected. Only one open of the port at a time is allowed in the guest.
 //! What a restored guest sees is in `session`.
-//!
-//! tokio keeps a hang-up it once saw as readiness for good (a closed state
-//! is final to it), but this port's hang-up ends when a host connects
-//! again: a registration that saw one would report the port readable and
-//! writable forever, and every read or write that would block would spin
-//! (an idle VM then kept its vCPU, and the host core under it, 100% busy).
-//! So a session registers the port afresh once its host is there
-//! ([`Port::register_again`]), and a read or write that would block on a
-//! registration that saw a hang-up ends the session instead of spinning:
-//! its host went away and came back, and a host that comes back starts a
-//! session of its own anyway.
 #![allow(unsafe_code)]
 
 use std::fs;
@@ -56,22 +45,7 @@ pub fn find(sys_class: &Path, dev: &Path, name: &str) -> io::Result<PathBuf> {
 
 /// An open port.
 pub struct Port {
-    fd: Option<AsyncFd<OwnedFd>>,
-}
-
-/// What one try at reading or writing came to.
-enum Try<T> {
-    Done(io::Result<T>),
-    WouldBlock,
-    /// Would block, on a registration that saw a hang-up.
-    Stale,
-}
-
-fn gone() -> io::Error {
-    io::Error::new(
-        io::ErrorKind::NotFound,
-        "the agent's port could not be registered again",
-    )
+    fd: AsyncFd<OwnedFd>,
 }
 
 impl Port {
@@ -84,26 +58,13 @@ impl Port {
         // SAFETY: the OwnedFd moves into the AsyncFd, which alone owns it and
         // keeps it open until it is dropped.
         let fd = unsafe { AsyncFd::register(OwnedFd::from(file)) }?;
-        Ok(Port { fd: Some(fd) })
-    }
-
-    fn registered(&self) -> io::Result<&AsyncFd<OwnedFd>> {
-        self.fd.as_ref().ok_or_else(gone)
-    }
-
-    /// Registers the port with the reactor afresh, forgetting a hang-up the
-    /// old registration saw.
-    pub fn register_again(&mut self) -> io::Result<()> {
-        let fd = self.fd.take().ok_or_else(gone)?.into_inner();
-        // SAFETY: as in `open`: the AsyncFd alone owns the descriptor.
-        self.fd = Some(unsafe { AsyncFd::register(fd) }?);
-        Ok(())
+        Ok(Port { fd })
     }
 
     /// Whether a host process is connected to the other end right now.
     pub fn host_connected(&self) -> io::Result<bool> {
         let mut poll = libc::pollfd {
-            fd: self.registered()?.as_raw_fd(),
+            fd: self.fd.as_raw_fd(),
             events: libc::POLLIN | libc::POLLOUT,
             revents: 0,
         };
@@ -130,9 +91,7 @@ impl AsyncRead for Port {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         loop {
-            let fd = self.registered()?;
-            let mut guard = ready!(fd.poll_read_ready(cx))?;
-            let stale = guard.ready().is_read_closed();
+            let mut guard = ready!(self.fd.poll_read_ready(cx))?;
             let unfilled = buf.initialize_unfilled();
             let read = guard.try_io(|fd| {
                 // SAFETY: reads into the initialised, unfilled part of `buf`.
@@ -140,20 +99,13 @@ impl AsyncRead for Port {
                     libc::read(fd.as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len())
                 })
             });
-            let outcome = match read {
-                Ok(done) => Try::Done(done),
-                Err(_would_block) if stale => Try::Stale,
-                Err(_would_block) => Try::WouldBlock,
-            };
-            match outcome {
-                Try::Done(Ok(n)) => {
+            match read {
+                Ok(Ok(n)) => {
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
                 }
-                Try::Done(Err(error)) => return Poll::Ready(Err(error)),
-                // End of file: the session is over.
-                Try::Stale => return Poll::Ready(Ok(())),
-                Try::WouldBlock => continue,
+                Ok(Err(error)) => return Poll::Ready(Err(error)),
+                Err(_would_block) => continue,
             }
         }
     }
@@ -166,27 +118,14 @@ impl AsyncWrite for Port {
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
         loop {
-            let fd = self.registered()?;
-            let mut guard = ready!(fd.poll_write_ready(cx))?;
-            let stale = guard.ready().is_write_closed();
+            let mut guard = ready!(self.fd.poll_write_ready(cx))?;
             // SAFETY: writes from a valid slice.
             let written = guard.try_io(|fd| {
                 result(unsafe { libc::write(fd.as_raw_fd(), data.as_ptr().cast(), data.len()) })
             });
-            let outcome = match written {
-                Ok(done) => Try::Done(done),
-                Err(_would_block) if stale => Try::Stale,
-                Err(_would_block) => Try::WouldBlock,
-            };
-            match outcome {
-                Try::Done(result) => return Poll::Ready(result),
-                Try::Stale => {
-                    return Poll::Ready(Err(io::Error::new(
-                        io::ErrorKind::BrokenPipe,
-                        "the host went away and came back: the session is over",
-                    )))
-                }
-                Try::WouldBlock => continue,
+            match written {
+                Ok(result) => return Poll::Ready(result),
+                Err(_would_block) => continue,
             }
         }
     }

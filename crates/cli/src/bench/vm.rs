@@ -59,12 +59,11 @@ async fn with_vm<T>(
     result
 }
 
-/// How long the create scenario waits between creates: a server keeps VMs
-/// of the small size waiting (`serve --vm-warm-pool`), and making the next
-/// one takes a second or so under TCG. Creates that come faster than that
-/// find none waiting and each continue from the template in a QEMU process
-/// of their own (measure that with a server started with
-/// `--vm-warm-pool 0`).
+/// How long the create scenario waits between creates: a server may keep
+/// VMs of the small size waiting (`serve --vm-warm-pool`), and making the
+/// next one takes a second or so under TCG. Creates that come faster than
+/// that find none waiting and each continue from the template in a QEMU
+/// process of their own, as every create does without a pool.
 const CREATE_SPACING: Duration = Duration::from_secs(3);
 
 /// Create -> first command answered, each in a new VM (from the template),

@@ -409,7 +409,10 @@ impl VmRuntime {
             {
                 running.machine.kill().await;
                 shares::end(layout).await;
-                return Err(start_error(id, reason));
+                return Err(start_error(
+                    id,
+                    format!("{reason}; console: {}", log_tail(&layout.console())),
+                ));
             }
         }
         tracing::debug!(
