@@ -254,6 +254,20 @@ impl VmRuntime {
         Ok(layout)
     }
 
+    /// Removes a directory `make_dir` made (a subvolume, or a plain
+    /// directory where it is none), if it is there.
+    async fn remove_dir(&self, id: &str, dir: &Path) -> Result<(), RuntimeError> {
+        let storage = self.config.storage.clone();
+        let dir = dir.to_owned();
+        blocking(id, move || {
+            if dir.exists() && storage.delete_subvolume(&dir).is_err() {
+                fs::remove_dir_all(&dir).map_err(|e| format!("remove {}: {e}", dir.display()))?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
     fn make_capture_dir(&self, id: &str, capture: &VmLayout) -> Result<(), RuntimeError> {
         fs::create_dir_all(&capture.dir)
             .map_err(io_error(id, format!("create {}", capture.dir.display())))?;
@@ -457,18 +471,7 @@ impl Runtime for VmRuntime {
         if let Err(error) = pool::forget_launch(&layout) {
             tracing::warn!(sandbox = id, %error, "removing the old name of a warm VM");
         }
-        let storage = self.config.storage.clone();
-        blocking(id, move || {
-            if !layout.dir.exists() {
-                return Ok(());
-            }
-            if storage.delete_subvolume(&layout.dir).is_err() {
-                fs::remove_dir_all(&layout.dir)
-                    .map_err(|e| format!("remove {}: {e}", layout.dir.display()))?;
-            }
-            Ok(())
-        })
-        .await
+        self.remove_dir(id, &layout.dir).await
     }
 
     async fn is_running(&self, id: &str) -> bool {

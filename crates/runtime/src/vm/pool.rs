@@ -217,22 +217,10 @@ impl VmRuntime {
             if let Some(pid) = orphan_pid(&layout) {
                 end_orphan(pid, false).await;
             }
-            if let Err(error) = self.remove_dir(&layout).await {
+            if let Err(error) = self.remove_dir("-", &layout.dir).await {
                 tracing::warn!(dir = %layout.dir.display(), %error, "removing a warm VM");
             }
         }
-    }
-
-    async fn remove_dir(&self, layout: &VmLayout) -> Result<(), RuntimeError> {
-        let storage = self.config.storage.clone();
-        let dir = layout.dir.clone();
-        blocking("-", move || {
-            if dir.exists() && storage.delete_subvolume(&dir).is_err() {
-                fs::remove_dir_all(&dir).map_err(|e| format!("remove {}: {e}", dir.display()))?;
-            }
-            Ok(())
-        })
-        .await
     }
 
     /// A machine continued from the template, told a bare identity and run
@@ -279,7 +267,7 @@ impl VmRuntime {
             if let Some(pid) = orphan_pid(&layout) {
                 end_orphan(pid, false).await;
             }
-            let _ = self.remove_dir(&layout).await;
+            let _ = self.remove_dir(&id, &layout.dir).await;
         }
         made
     }
@@ -300,7 +288,7 @@ impl VmRuntime {
         let fit = Fit::of(spec);
         while let Some(warm) = self.pool.take(&fit) {
             if warm.vm.machine.exited().is_some() {
-                let _ = self.remove_dir(&VmLayout::new(warm.dir.clone())).await;
+                let _ = self.remove_dir(id, &warm.dir).await;
                 continue;
             }
             let (from, to, name) = (warm.dir.clone(), layout.dir.clone(), id.to_owned());
@@ -332,7 +320,7 @@ impl VmRuntime {
                         if dir.is_symlink() {
                             let _ = fs::remove_file(dir);
                         }
-                        let _ = self.remove_dir(&VmLayout::new(dir.clone())).await;
+                        let _ = self.remove_dir(id, dir).await;
                     }
                     return false;
                 }
