@@ -7,6 +7,15 @@
 //! guest restored from a template, a snapshot or a fork parent starts with
 //! that machine's settings, MAC included, and two guests with one MAC on the
 //! bridge would take each other's frames.
+//!
+//! The link is never taken down here. Right after a restore QEMU announces
+//! the restored NIC (a config change), and the guest kernel (6.12's
+//! virtio_net) handles that in a work item that takes RTNL; taking the link
+//! down holds RTNL and waits for that same work item, so a down at that
+//! moment hangs the guest's networking for good (seen in fork children: the
+//! agent's identity call never answered). The MAC changes while the link is
+//! up instead (virtio-net allows that), and a sandbox without a network
+//! loses its address and default route rather than its link.
 #![allow(unsafe_code)]
 
 use std::ffi::CString;
@@ -146,14 +155,17 @@ impl Interface {
         Ok(())
     }
 
-    fn set_up(&self, up: bool) -> io::Result<()> {
+    /// Sets the link up, unless it is already.
+    fn bring_up(&self) -> io::Result<()> {
         let mut request = self.request();
         self.ioctl("read the flags", libc::SIOCGIFFLAGS, &mut request)?;
         // SAFETY: SIOCGIFFLAGS filled the flags member.
-        let mut flags = unsafe { request.ifr_ifru.ifru_flags };
-        let bits = libc::IFF_UP as libc::c_short;
-        flags = if up { flags | bits } else { flags & !bits };
-        request.ifr_ifru.ifru_flags = flags;
+        let flags = unsafe { request.ifr_ifru.ifru_flags };
+        let up = libc::IFF_UP as libc::c_short;
+        if flags & up != 0 {
+            return Ok(());
+        }
+        request.ifr_ifru.ifru_flags = flags | up;
         self.ioctl("set the flags", libc::SIOCSIFFLAGS, &mut request)
     }
 
@@ -178,15 +190,20 @@ impl Interface {
         self.ioctl("set the netmask", libc::SIOCSIFNETMASK, &mut request)
     }
 
-    fn add_default_route(&self, gateway: Ipv4Addr) -> io::Result<()> {
-        let device = CString::new(self.name.clone())
-            .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
-        let mut route = RouteEntry {
+    fn remove_address(&self) -> io::Result<()> {
+        let mut request = self.request();
+        // Setting 0.0.0.0 removes the address (there may be none).
+        request.ifr_ifru.ifru_addr = sockaddr_of(Ipv4Addr::UNSPECIFIED);
+        self.ioctl("remove the address", libc::SIOCSIFADDR, &mut request)
+    }
+
+    fn default_route(&self, gateway: Ipv4Addr, flags: u16, device: &CString) -> RouteEntry {
+        RouteEntry {
             rt_pad1: 0,
             rt_dst: sockaddr_of(Ipv4Addr::UNSPECIFIED),
             rt_gateway: sockaddr_of(gateway),
             rt_genmask: sockaddr_of(Ipv4Addr::UNSPECIFIED),
-            rt_flags: RTF_UP | RTF_GATEWAY,
+            rt_flags: flags,
             rt_pad2: 0,
             rt_pad3: 0,
             rt_pad4: std::ptr::null_mut(),
@@ -195,25 +212,57 @@ impl Interface {
             rt_mtu: 0,
             rt_window: 0,
             rt_irtt: 0,
-        };
-        // SAFETY: SIOCADDRT reads one rtentry; `device` outlives the call.
+        }
+    }
+
+    /// `SIOCADDRT` or `SIOCDELRT` of the default route; `Ok(false)` when
+    /// there is nothing to do (it exists already, or there is none).
+    fn route(&self, op: libc::c_ulong, route: &mut RouteEntry) -> io::Result<bool> {
+        // SAFETY: both ops read one rtentry, whose device name outlives the call.
         let result = unsafe {
             libc::ioctl(
                 self.socket.as_raw_fd(),
-                libc::SIOCADDRT as libc::Ioctl,
-                &mut route as *mut RouteEntry,
+                op as libc::Ioctl,
+                route as *mut RouteEntry,
             )
         };
-        if result < 0 {
-            let error = io::Error::last_os_error();
-            if error.raw_os_error() != Some(libc::EEXIST) {
-                return Err(io::Error::new(
-                    error.kind(),
-                    format!("add the default route via {gateway}: {error}"),
-                ));
-            }
+        if result == 0 {
+            return Ok(true);
+        }
+        let error = io::Error::last_os_error();
+        match error.raw_os_error() {
+            Some(libc::EEXIST) | Some(libc::ESRCH) => Ok(false),
+            _ => Err(error),
+        }
+    }
+
+    /// Removes every default route of this interface (a restored guest
+    /// keeps the one its memory had).
+    fn remove_default_routes(&self) -> io::Result<()> {
+        let device = self.device_name()?;
+        let mut route = self.default_route(Ipv4Addr::UNSPECIFIED, RTF_UP, &device);
+        while self
+            .route(libc::SIOCDELRT, &mut route)
+            .map_err(|e| io::Error::new(e.kind(), format!("remove the default route: {e}")))?
+        {
         }
         Ok(())
+    }
+
+    fn add_default_route(&self, gateway: Ipv4Addr) -> io::Result<()> {
+        let device = self.device_name()?;
+        let mut route = self.default_route(gateway, RTF_UP | RTF_GATEWAY, &device);
+        self.route(libc::SIOCADDRT, &mut route).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("add the default route via {gateway}: {e}"),
+            )
+        })?;
+        Ok(())
+    }
+
+    fn device_name(&self) -> io::Result<CString> {
+        CString::new(self.name.clone()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
     }
 }
 
@@ -233,16 +282,18 @@ fn write_resolv_conf(root: &Path, content: &str) -> io::Result<()> {
     fs::rename(&partial, etc.join("resolv.conf"))
 }
 
-/// Gives the NIC the host's settings, or takes it down when `network` is
-/// `None` (a sandbox without a network restored from one that had it).
+/// Gives the NIC the host's settings, or takes its address and default
+/// route away when `network` is `None` (a sandbox without a network
+/// restored from one that had it). The link is left up either way (see the
+/// module's documentation).
 pub fn configure(network: Option<&GuestNetwork>) -> io::Result<()> {
     let interface = Interface::open(nic_name()?)?;
     let name = interface.name.clone();
     // cove polices IPv4 only: the guest must have no IPv6 path at all.
     write_sysctl(&format!("/proc/sys/net/ipv6/conf/{name}/disable_ipv6"), "1");
-    interface.set_up(false)?;
     let Some(network) = network else {
-        return Ok(());
+        interface.remove_default_routes()?;
+        return interface.remove_address();
     };
     let mac = parse_mac(&network.mac).ok_or_else(|| {
         io::Error::new(
@@ -256,13 +307,14 @@ pub fn configure(network: Option<&GuestNetwork>) -> io::Result<()> {
             format!("prefix length {} is out of range", network.prefix_len),
         ));
     }
-    // Announce the (possibly new) MAC when the link comes up, so the
-    // gateway's ARP cache follows at once.
+    // Announce the new MAC and address (when the MAC changes, or the link
+    // comes up), so the gateway's ARP cache follows at once. The address
+    // goes first, so the announcement carries the new one.
     write_sysctl(&format!("/proc/sys/net/ipv4/conf/{name}/arp_notify"), "1");
-    interface.set_mac(mac)?;
+    interface.remove_default_routes()?;
     interface.set_address(network.address, netmask(network.prefix_len))?;
-    interface.set_up(true)?;
-    // Taking the link down dropped its routes.
+    interface.set_mac(mac)?;
+    interface.bring_up()?;
     interface.add_default_route(network.gateway)?;
     write_resolv_conf(Path::new("/"), &network.resolv_conf)
 }
