@@ -29,6 +29,7 @@ VM = "daytona-vm-small"
 # Written aside and renamed, so a reader never sees the file empty.
 COUNTER = "i=0; while true; do i=$((i+1)); echo $i > /tmp/c.new; mv /tmp/c.new /tmp/counter; sleep 0.2; done"
 TIMEOUT = 180
+IDLE_WINDOW = 6.0
 
 
 def vm(sandboxes, **kw):
@@ -110,6 +111,34 @@ def test_vms_surface_pause_resume_and_cold_start(cove, sandboxes):
 
     assert cove.request("POST", f"/vms/{sandbox.id}/stop").status_code == 200
     assert cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "stopped"
+
+
+def cpu_seconds(pid: int) -> float:
+    """User and system time a process has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_an_idle_vm_leaves_its_host_core_idle(cove, sandboxes):
+    """A VM with nothing to do costs the host next to no CPU: made from the
+    template, and again after a pause (restored from memory both times, when
+    the agent's port sees its host go away and come back)."""
+
+    def cpu_used_idling(sandbox) -> float:
+        assert sandbox.process.exec("echo awake").result.strip() == "awake"
+        [pid] = [p for p in qemu_processes(cove.data_dir) if sandbox.id in Path(f"/proc/{p}/cmdline").read_text()]
+        before = cpu_seconds(pid)
+        time.sleep(IDLE_WINDOW)
+        return cpu_seconds(pid) - before
+
+    sandbox = vm(sandboxes)
+    # A guest that spins keeps its vCPU thread busy the whole window.
+    used = cpu_used_idling(sandbox)
+    assert used < IDLE_WINDOW / 3, f"qemu used {used:.1f} s of CPU in {IDLE_WINDOW} s of idling"
+    sandbox.pause()
+    sandbox.start(timeout=TIMEOUT)
+    used = cpu_used_idling(sandbox)
+    assert used < IDLE_WINDOW / 3, f"after a resume, qemu used {used:.1f} s of CPU in {IDLE_WINDOW} s of idling"
 
 
 def test_pause_rules(cove, sandboxes):

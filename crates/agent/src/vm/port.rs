@@ -6,18 +6,35 @@
 //! buffered), and `poll` reports `POLLHUP` for as long as nobody is
 //! connected. Only one open of the port at a time is allowed in the guest.
 //! What a restored guest sees is in `session`.
+//!
+//! tokio keeps a hang-up it once saw as readiness for good (a closed state
+//! is final to it), but this port's hang-up ends when a host connects
+//! again: a registration that saw one would report the port readable and
+//! writable forever, and every read or write that would block would spin
+//! (an idle VM then kept its vCPU, and the host core under it, 100% busy).
+//! So a read or write that would block on a registration that saw a
+//! hang-up registers the port afresh, and the new registration reports only
+//! what holds now. A session must not end there: the guest learns of the
+//! host's comings and goings late (control messages, handled by a kernel
+//! worker), so a hang-up seen mid-session may be an old one, from before
+//! this session's host connected; a session that ended silently would
+//! leave its host waiting for answers. When the host has really gone,
+//! reads return end of file, and that ends the session.
 #![allow(unsafe_code)]
 
 use std::fs;
+use std::future::Future;
 use std::io;
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 
 use tokio::io::unix::AsyncFd;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::time::Sleep;
 
 /// The name the host gives the port (`-device virtserialport,name=...`).
 pub const PORT_NAME: &str = "cove.agent";
@@ -43,9 +60,30 @@ pub fn find(sys_class: &Path, dev: &Path, name: &str) -> io::Result<PathBuf> {
     ))
 }
 
+/// How long a write waits for a host to come back before it tries again;
+/// meanwhile a fresh registration would report the hang-up at once.
+const HOST_GONE_RETRY: Duration = Duration::from_millis(10);
+
 /// An open port.
 pub struct Port {
-    fd: AsyncFd<OwnedFd>,
+    fd: Option<AsyncFd<OwnedFd>>,
+    /// A write waiting for the host to come back.
+    host_gone: Option<Pin<Box<Sleep>>>,
+}
+
+/// What one try at reading or writing came to.
+enum Try<T> {
+    Done(io::Result<T>),
+    WouldBlock,
+    /// Would block, on a registration that saw a hang-up.
+    Stale,
+}
+
+fn gone() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::NotFound,
+        "the agent's port could not be registered again",
+    )
 }
 
 impl Port {
@@ -58,13 +96,29 @@ impl Port {
         // SAFETY: the OwnedFd moves into the AsyncFd, which alone owns it and
         // keeps it open until it is dropped.
         let fd = unsafe { AsyncFd::register(OwnedFd::from(file)) }?;
-        Ok(Port { fd })
+        Ok(Port {
+            fd: Some(fd),
+            host_gone: None,
+        })
+    }
+
+    fn registered(&self) -> io::Result<&AsyncFd<OwnedFd>> {
+        self.fd.as_ref().ok_or_else(gone)
+    }
+
+    /// Registers the port with the reactor afresh, forgetting a hang-up the
+    /// old registration saw.
+    pub fn register_again(&mut self) -> io::Result<()> {
+        let fd = self.fd.take().ok_or_else(gone)?.into_inner();
+        // SAFETY: as in `open`: the AsyncFd alone owns the descriptor.
+        self.fd = Some(unsafe { AsyncFd::register(fd) }?);
+        Ok(())
     }
 
     /// Whether a host process is connected to the other end right now.
     pub fn host_connected(&self) -> io::Result<bool> {
         let mut poll = libc::pollfd {
-            fd: self.fd.as_raw_fd(),
+            fd: self.registered()?.as_raw_fd(),
             events: libc::POLLIN | libc::POLLOUT,
             revents: 0,
         };
@@ -86,12 +140,14 @@ fn result(n: isize) -> io::Result<usize> {
 
 impl AsyncRead for Port {
     fn poll_read(
-        self: Pin<&mut Self>,
+        mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         loop {
-            let mut guard = ready!(self.fd.poll_read_ready(cx))?;
+            let fd = self.registered()?;
+            let mut guard = ready!(fd.poll_read_ready(cx))?;
+            let stale = guard.ready().is_read_closed();
             let unfilled = buf.initialize_unfilled();
             let read = guard.try_io(|fd| {
                 // SAFETY: reads into the initialised, unfilled part of `buf`.
@@ -99,13 +155,24 @@ impl AsyncRead for Port {
                     libc::read(fd.as_raw_fd(), unfilled.as_mut_ptr().cast(), unfilled.len())
                 })
             });
-            match read {
-                Ok(Ok(n)) => {
+            let outcome = match read {
+                Ok(done) => Try::Done(done),
+                Err(_would_block) if stale => Try::Stale,
+                Err(_would_block) => Try::WouldBlock,
+            };
+            match outcome {
+                Try::Done(Ok(n)) => {
                     buf.advance(n);
                     return Poll::Ready(Ok(()));
                 }
-                Ok(Err(error)) => return Poll::Ready(Err(error)),
-                Err(_would_block) => continue,
+                Try::Done(Err(error)) => return Poll::Ready(Err(error)),
+                // A fresh registration that finds the host gone reports it
+                // again, and the read then returns end of file: no spin.
+                Try::Stale => {
+                    tracing::debug!("the port saw a hang-up that is over; registered afresh");
+                    self.register_again()?
+                }
+                Try::WouldBlock => continue,
             }
         }
     }
@@ -113,19 +180,35 @@ impl AsyncRead for Port {
 
 impl AsyncWrite for Port {
     fn poll_write(
-        self: Pin<&mut Self>,
+        mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         data: &[u8],
     ) -> Poll<io::Result<usize>> {
         loop {
-            let mut guard = ready!(self.fd.poll_write_ready(cx))?;
+            if let Some(sleep) = self.host_gone.as_mut() {
+                ready!(sleep.as_mut().poll(cx));
+                self.host_gone = None;
+                self.register_again()?;
+            }
+            let fd = self.registered()?;
+            let mut guard = ready!(fd.poll_write_ready(cx))?;
+            let stale = guard.ready().is_write_closed();
             // SAFETY: writes from a valid slice.
             let written = guard.try_io(|fd| {
                 result(unsafe { libc::write(fd.as_raw_fd(), data.as_ptr().cast(), data.len()) })
             });
-            match written {
-                Ok(result) => return Poll::Ready(result),
-                Err(_would_block) => continue,
+            let outcome = match written {
+                Ok(done) => Try::Done(done),
+                Err(_would_block) if stale => Try::Stale,
+                Err(_would_block) => Try::WouldBlock,
+            };
+            match outcome {
+                Try::Done(result) => return Poll::Ready(result),
+                Try::Stale if self.host_connected()? => self.register_again()?,
+                // A write blocks for as long as no host is connected, and a
+                // fresh registration would say so at once: wait a little.
+                Try::Stale => self.host_gone = Some(Box::pin(tokio::time::sleep(HOST_GONE_RETRY))),
+                Try::WouldBlock => continue,
             }
         }
     }

@@ -274,6 +274,9 @@ async fn serve_sessions(path: PathBuf, streams: mpsc::UnboundedSender<Connection
 async fn session(path: &Path, streams: &mpsc::UnboundedSender<Connection>) -> io::Result<()> {
     let mut port = Port::open(path)?;
     wait_for_host(&port).await?;
+    // Opened while no host was there, the registration saw a hang-up; one
+    // made now starts clean (see `port`).
+    port.register_again()?;
     let (nonce, unix_ns, rest) = await_host_hello(&mut port).await?;
     if let Some(unix_ns) = unix_ns {
         // Before anything answers: a restored guest's clock is as old as
