@@ -92,10 +92,9 @@ pub struct ServeArgs {
     #[arg(long)]
     pub no_vm: bool,
     /// How many VMs of `daytona-vm-small` wait, already running, for the
-    /// creates to come; 0: every create starts its own QEMU. Off by default:
-    /// a VM continued from saved memory keeps its agent busy (a known bug),
-    /// so under TCG each waiting VM costs a host core.
-    #[arg(long, env = "COVE_VM_WARM_POOL", default_value_t = 0)]
+    /// creates to come; 0: every create starts its own QEMU. A waiting VM
+    /// idles (its memory file and a QEMU process are what it costs).
+    #[arg(long, env = "COVE_VM_WARM_POOL", default_value_t = 1)]
     pub vm_warm_pool: usize,
     /// Also serve the API over HTTPS on this address (with --tls-cert and
     /// --tls-key). The SDK uploads build contexts (an `Image`'s local files
