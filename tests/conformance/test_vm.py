@@ -436,8 +436,7 @@ def sandbox_qemus(data_dir: Path) -> list[int]:
 
 def test_a_create_takes_a_waiting_vm_of_the_warm_pool(fake_internet):
     """A server asked to keep one VM of the small size running and waiting
-    does; a
-    create takes it (the same QEMU process becomes the sandbox, with its
+    does; a create takes it (the same QEMU process becomes the sandbox, with its
     identity and its network), a new one is made in its place, and the
     server ends the waiting ones when it stops."""
     with own_vm_server(*fake_internet.server_args(), "--bridge", "covepool", "--network-range",

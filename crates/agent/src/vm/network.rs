@@ -197,24 +197,6 @@ impl Interface {
         self.ioctl("remove the address", libc::SIOCSIFADDR, &mut request)
     }
 
-    fn default_route(&self, gateway: Ipv4Addr, flags: u16, device: &CString) -> RouteEntry {
-        RouteEntry {
-            rt_pad1: 0,
-            rt_dst: sockaddr_of(Ipv4Addr::UNSPECIFIED),
-            rt_gateway: sockaddr_of(gateway),
-            rt_genmask: sockaddr_of(Ipv4Addr::UNSPECIFIED),
-            rt_flags: flags,
-            rt_pad2: 0,
-            rt_pad3: 0,
-            rt_pad4: std::ptr::null_mut(),
-            rt_metric: 0,
-            rt_dev: device.as_ptr() as *mut libc::c_char,
-            rt_mtu: 0,
-            rt_window: 0,
-            rt_irtt: 0,
-        }
-    }
-
     /// `SIOCADDRT` or `SIOCDELRT` of the default route; `Ok(false)` when
     /// there is nothing to do (it exists already, or there is none).
     fn route(&self, op: libc::c_ulong, route: &mut RouteEntry) -> io::Result<bool> {
@@ -240,7 +222,7 @@ impl Interface {
     /// keeps the one its memory had).
     fn remove_default_routes(&self) -> io::Result<()> {
         let device = self.device_name()?;
-        let mut route = self.default_route(Ipv4Addr::UNSPECIFIED, RTF_UP, &device);
+        let mut route = default_route(Ipv4Addr::UNSPECIFIED, RTF_UP, &device);
         while self
             .route(libc::SIOCDELRT, &mut route)
             .map_err(|e| io::Error::new(e.kind(), format!("remove the default route: {e}")))?
@@ -251,7 +233,7 @@ impl Interface {
 
     fn add_default_route(&self, gateway: Ipv4Addr) -> io::Result<()> {
         let device = self.device_name()?;
-        let mut route = self.default_route(gateway, RTF_UP | RTF_GATEWAY, &device);
+        let mut route = default_route(gateway, RTF_UP | RTF_GATEWAY, &device);
         self.route(libc::SIOCADDRT, &mut route).map_err(|e| {
             io::Error::new(
                 e.kind(),
@@ -263,6 +245,25 @@ impl Interface {
 
     fn device_name(&self) -> io::Result<CString> {
         CString::new(self.name.clone()).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+    }
+}
+
+/// A default route of `device` via `gateway` (`0.0.0.0`: any gateway).
+fn default_route(gateway: Ipv4Addr, flags: u16, device: &CString) -> RouteEntry {
+    RouteEntry {
+        rt_pad1: 0,
+        rt_dst: sockaddr_of(Ipv4Addr::UNSPECIFIED),
+        rt_gateway: sockaddr_of(gateway),
+        rt_genmask: sockaddr_of(Ipv4Addr::UNSPECIFIED),
+        rt_flags: flags,
+        rt_pad2: 0,
+        rt_pad3: 0,
+        rt_pad4: std::ptr::null_mut(),
+        rt_metric: 0,
+        rt_dev: device.as_ptr() as *mut libc::c_char,
+        rt_mtu: 0,
+        rt_window: 0,
+        rt_irtt: 0,
     }
 }
 
