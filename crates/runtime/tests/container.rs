@@ -148,11 +148,20 @@ impl Harness {
             "{:?}",
             self.cgroup_dirs(id)
         );
-        let left: Vec<_> = pids
-            .iter()
-            .filter(|p| alive(**p))
-            .map(|p| describe(*p))
-            .collect();
+        // A killed process stays a zombie until its parent (the shim, or init once
+        // the shim is gone) reaps it; give the reaping a few seconds.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let left = loop {
+            let left: Vec<_> = pids
+                .iter()
+                .filter(|p| alive(**p))
+                .map(|p| describe(*p))
+                .collect();
+            if left.is_empty() || Instant::now() > deadline {
+                break left;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        };
         assert!(left.is_empty(), "still alive: {left:?}");
         assert!(!self.state.path().join(id).exists());
     }
