@@ -69,6 +69,22 @@ def test_vm_class_and_accelerator(cove, sandboxes):
     assert sandbox.process.exec("echo hello from a vm").result.strip() == "hello from a vm"
 
 
+def test_a_tiny_vm_has_256_mib_and_keeps_it_across_pause(cove, sandboxes, daytona):
+    snapshot = daytona.snapshot.get("daytona-vm-tiny")
+    assert (snapshot.cpu, snapshot.mem) == (1, 0.25)
+    sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot="daytona-vm-tiny"), timeout=TIMEOUT)
+    # Whole GiB in the sandbox, as the SDK reads it.
+    assert sandbox.memory == 1
+    total_kib = int(sandbox.process.exec("awk '/MemTotal/ {print $2}' /proc/meminfo").result)
+    # The kernel keeps some for itself: what is left is most of 256 MiB, and no more.
+    assert 160 * 1024 < total_kib <= 256 * 1024, total_kib
+    start_counter(sandbox)
+    before = counter(sandbox)
+    sandbox.pause()
+    sandbox.start(timeout=TIMEOUT)
+    assert counting_on(sandbox, before)
+
+
 def test_seed_000_pause_and_resume_keep_running_processes(sandboxes):
     sandbox = vm(sandboxes)
     command = start_counter(sandbox)

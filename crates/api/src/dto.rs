@@ -39,6 +39,8 @@ pub struct Sandbox {
     pub target: &'static str,
     pub cpu: i64,
     pub gpu: i64,
+    /// Whole GiB, as the SDK reads it: a 256 MiB VM says 1 (its snapshot's
+    /// `mem` says 0.25).
     pub memory: i64,
     pub disk: i64,
     pub state: &'static str,
@@ -89,7 +91,7 @@ impl Sandbox {
             target: TARGET,
             cpu: record.cpu,
             gpu: record.gpu,
-            memory: record.memory_gib,
+            memory: (record.memory_mib + 1023) / 1024,
             disk: record.disk_gib,
             state: record.state.as_str(),
             desired_state: record.desired_state.as_str(),

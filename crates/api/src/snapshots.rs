@@ -22,7 +22,8 @@ pub struct Snapshot {
     size: Option<f64>,
     cpu: i64,
     gpu: i64,
-    mem: i64,
+    /// GiB, fractional for a guest of less than one.
+    mem: f64,
     disk: i64,
     error_reason: Option<String>,
     created_at: String,
@@ -53,7 +54,7 @@ impl From<SnapshotRecord> for Snapshot {
             size: s.size_bytes.map(|b| b as f64 / f64::from(1u32 << 30)),
             cpu: s.cpu,
             gpu: s.gpu,
-            mem: s.memory_gib,
+            mem: s.memory_mib as f64 / 1024.0,
             disk: s.disk_gib,
             error_reason: s.error_reason,
             created_at: rfc3339(s.created_at_ms),

@@ -280,7 +280,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         .register_snapshot(&SnapshotRecord {
             id: "cove-default".into(),
             cpu: config.default_cpu,
-            memory_gib: config.default_memory_gib,
+            memory_mib: config.default_memory_gib * 1024,
             disk_gib: config.default_disk_gib,
             ..SnapshotRecord::for_image(
                 &config.default_snapshot,
@@ -292,15 +292,17 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         .await?;
     // VM snapshots by size, as Daytona names them. Without a VM runtime on this
     // server a create from them answers 501 saying so.
-    for (name, cpu, memory_gib) in [
-        ("daytona-vm-small", 1, 1),
-        ("daytona-vm-medium", 2, 2),
-        ("daytona-vm-large", 2, 4),
+    // `tiny` is cove's: a 256 MiB guest.
+    for (name, cpu, memory_mib) in [
+        ("daytona-vm-tiny", 1, 256),
+        ("daytona-vm-small", 1, 1024),
+        ("daytona-vm-medium", 2, 2048),
+        ("daytona-vm-large", 2, 4096),
     ] {
         engine
             .register_snapshot(&SnapshotRecord {
                 cpu,
-                memory_gib,
+                memory_mib,
                 disk_gib: config.default_disk_gib,
                 ..SnapshotRecord::for_image(
                     name,

@@ -60,21 +60,29 @@ pub(crate) fn check_name(name: &str) -> Result<(), EngineError> {
     }
 }
 
-/// The vCPUs, memory and disk (GiB) asked for, each defaulting to `base`'s, at
+/// The vCPUs, memory (MiB) and disk (GiB) of a sandbox, from a request that
+/// gives memory in GiB as Daytona's does; each defaults to `base`'s, is at
 /// least 1 and within the ceilings.
 pub(crate) fn sized(
     ceilings: crate::Ceilings,
     (cpu, memory_gib, disk_gib): (Option<i64>, Option<i64>, Option<i64>),
     base: &cove_store::SnapshotRecord,
 ) -> Result<(i64, i64, i64), EngineError> {
+    let memory_mib = match memory_gib {
+        Some(gib) => resource("memory", Some(gib), 1, ceilings.memory_gib)? * 1024,
+        // A snapshot may hold less than a GiB (a 256 MiB VM).
+        None if base.memory_mib > ceilings.memory_gib * 1024 => {
+            return Err(EngineError::AboveCeiling {
+                field: "memory",
+                requested: (base.memory_mib + 1023) / 1024,
+                ceiling: ceilings.memory_gib,
+            })
+        }
+        None => base.memory_mib.max(1),
+    };
     Ok((
         resource("cpu", cpu, base.cpu.max(1), ceilings.cpu)?,
-        resource(
-            "memory",
-            memory_gib,
-            base.memory_gib.max(1),
-            ceilings.memory_gib,
-        )?,
+        memory_mib,
         resource("disk", disk_gib, base.disk_gib.max(1), ceilings.disk_gib)?,
     ))
 }
@@ -153,7 +161,7 @@ impl Engine {
                     .into(),
             });
         }
-        let (cpu, memory_gib, disk_gib) = sized(
+        let (cpu, memory_mib, disk_gib) = sized(
             config.ceilings,
             (request.cpu, request.memory_gib, request.disk_gib),
             &snapshot,
@@ -241,7 +249,7 @@ impl Engine {
             os_user: user,
             cpu,
             gpu: 0,
-            memory_gib,
+            memory_mib,
             disk_gib,
             env: request.env,
             labels: request.labels,
@@ -318,7 +326,7 @@ impl Engine {
             layers: snapshot.layers.iter().map(Into::into).collect(),
             resources: cove_runtime::Resources {
                 cpu: record.cpu as u32,
-                memory_mib: record.memory_gib as u64 * 1024,
+                memory_mib: record.memory_mib as u64,
                 disk_gib: record.disk_gib as u64,
             },
             // The image's variables first, the sandbox's own over them.

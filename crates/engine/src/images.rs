@@ -100,7 +100,7 @@ impl Engine {
         let snapshot = built_snapshot(
             SnapshotRecord {
                 cpu: config.default_cpu,
-                memory_gib: config.default_memory_gib,
+                memory_mib: config.default_memory_gib * 1024,
                 disk_gib: config.default_disk_gib,
                 general: false,
                 ..SnapshotRecord::for_image(&name, "", SandboxClass::Container, now_ms())
@@ -223,7 +223,7 @@ fn from_image(named: SnapshotRecord, source: SnapshotRecord) -> SnapshotRecord {
         name: named.name,
         class: named.class,
         cpu: named.cpu,
-        memory_gib: named.memory_gib,
+        memory_mib: named.memory_mib,
         disk_gib: named.disk_gib,
         general: false,
         created_at_ms: named.created_at_ms,
@@ -307,11 +307,11 @@ impl Engine {
         let config = &self.inner.config;
         let defaults = SnapshotRecord {
             cpu: config.default_cpu,
-            memory_gib: config.default_memory_gib,
+            memory_mib: config.default_memory_gib * 1024,
             disk_gib: config.default_disk_gib,
             ..SnapshotRecord::for_image("", "", class, 0)
         };
-        let (cpu, memory_gib, disk_gib) = sized(
+        let (cpu, memory_mib, disk_gib) = sized(
             config.ceilings,
             (request.cpu, request.memory_gib, request.disk_gib),
             &defaults,
@@ -321,7 +321,7 @@ impl Engine {
             id: uuid::Uuid::new_v4().to_string(),
             name: request.name.clone(),
             cpu,
-            memory_gib,
+            memory_mib,
             disk_gib,
             general: false,
             created_at_ms: now,
@@ -538,7 +538,7 @@ fn snapshot_of(engine: &Engine, name: &str, pulled: &cove_oci::PulledImage) -> S
     SnapshotRecord {
         id: format!("{name}@{}", pulled.id),
         cpu: config.default_cpu,
-        memory_gib: config.default_memory_gib,
+        memory_mib: config.default_memory_gib * 1024,
         disk_gib: config.default_disk_gib,
         size_bytes: i64::try_from(pulled.size_bytes).ok(),
         env,

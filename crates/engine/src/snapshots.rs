@@ -266,7 +266,7 @@ impl Engine {
             source_sandbox: Some(record.id.clone()),
             cpu: record.cpu,
             gpu: record.gpu,
-            memory_gib: record.memory_gib,
+            memory_mib: record.memory_mib,
             disk_gib: record.disk_gib,
             size_bytes: None,
             has_memory: request.memory,

@@ -59,7 +59,7 @@ async fn create_stop_start_delete() {
     let h = harness().await;
     let s = h.engine.create(named("one")).await.unwrap();
     assert_eq!(s.state, SandboxState::Started);
-    assert_eq!((s.cpu, s.memory_gib, s.disk_gib), (1, 1, 3));
+    assert_eq!((s.cpu, s.memory_mib, s.disk_gib), (1, 1024, 3));
     assert!(h.fake.is_running(&s.id).await);
     assert_eq!(h.engine.get("one").await.unwrap().id, s.id);
 

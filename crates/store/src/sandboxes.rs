@@ -7,7 +7,7 @@ use sqlx::Row;
 use crate::{SandboxRecord, Store, StoreError};
 
 const COLUMNS: &str = "id, name, snapshot, class, state, desired_state, error_reason, os_user, \
-    cpu, gpu, memory_gib, disk_gib, env, labels, public, auto_stop, auto_pause, auto_archive, \
+    cpu, gpu, memory_mib, disk_gib, env, labels, public, auto_stop, auto_pause, auto_archive, \
     auto_delete, ttl_minutes, ttl_deadline_ms, created_at_ms, updated_at_ms, state_since_ms, \
     last_activity_ms, persistent, spot, parent_id, network, volumes";
 
@@ -36,7 +36,7 @@ fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
         os_user: text("os_user")?,
         cpu: row.try_get("cpu")?,
         gpu: row.try_get("gpu")?,
-        memory_gib: row.try_get("memory_gib")?,
+        memory_mib: row.try_get("memory_mib")?,
         disk_gib: row.try_get("disk_gib")?,
         env: json("env")?,
         labels: json("labels")?,
@@ -95,7 +95,7 @@ impl Store {
             .bind(&s.os_user)
             .bind(s.cpu)
             .bind(s.gpu)
-            .bind(s.memory_gib)
+            .bind(s.memory_mib)
             .bind(s.disk_gib)
             .bind(serde_json::to_string(&s.env).expect("a string map serializes"))
             .bind(serde_json::to_string(&s.labels).expect("a string map serializes"))

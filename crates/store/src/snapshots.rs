@@ -5,7 +5,7 @@ use sqlx::Row;
 
 use crate::{BuildStepRecord, ImageSettings, SnapshotRecord, SnapshotState, Store, StoreError};
 
-const COLUMNS: &str = "id, name, class, state, error_reason, rootfs, cpu, gpu, memory_gib, \
+const COLUMNS: &str = "id, name, class, state, error_reason, rootfs, cpu, gpu, memory_mib, \
     disk_gib, size_bytes, general, created_at_ms, updated_at_ms, layers, capture_id, source_sandbox, has_memory, env, workdir, image_user, \
     entrypoint, cmd";
 
@@ -29,7 +29,7 @@ fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
         source_sandbox: row.try_get("source_sandbox")?,
         cpu: row.try_get("cpu")?,
         gpu: row.try_get("gpu")?,
-        memory_gib: row.try_get("memory_gib")?,
+        memory_mib: row.try_get("memory_mib")?,
         disk_gib: row.try_get("disk_gib")?,
         size_bytes: row.try_get("size_bytes")?,
         general: row.try_get::<i64, _>("general")? != 0,
@@ -83,7 +83,7 @@ impl Store {
             .bind(&s.rootfs)
             .bind(s.cpu)
             .bind(s.gpu)
-            .bind(s.memory_gib)
+            .bind(s.memory_mib)
             .bind(s.disk_gib)
             .bind(s.size_bytes)
             .bind(i64::from(s.general))

@@ -17,7 +17,7 @@ fn sandbox(id: &str, name: &str) -> SandboxRecord {
         os_user: "root".into(),
         cpu: 1,
         gpu: 0,
-        memory_gib: 1,
+        memory_mib: 1024,
         disk_gib: 3,
         env: BTreeMap::from([("A".into(), "1".into())]),
         labels: BTreeMap::from([("env".into(), "dev".into())]),
@@ -102,7 +102,7 @@ async fn snapshots_and_keys() {
         source_sandbox: None,
         cpu: 1,
         gpu: 0,
-        memory_gib: 1,
+        memory_mib: 1024,
         disk_gib: 3,
         size_bytes: Some(5),
         has_memory: true,
@@ -233,4 +233,37 @@ async fn docker_registries() {
     assert_eq!(store.find_registry("r1").await.unwrap(), Some(registry));
     store.delete_registry("r1").await.unwrap();
     assert_eq!(store.find_registry("r1").await.unwrap(), None);
+}
+
+#[tokio::test]
+async fn memory_kept_in_gib_before_is_read_in_mib_after_migrating() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cove.db");
+    // The database as a server before migration 0010 left it.
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&path)
+        .create_if_missing(true);
+    let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+    let mut before = sqlx::migrate!("./migrations");
+    let earlier: Vec<_> = before
+        .migrations
+        .iter()
+        .filter(|m| m.version < 10)
+        .cloned()
+        .collect();
+    before.migrations = earlier.into();
+    before.run(&pool).await.unwrap();
+    sqlx::query(
+        "INSERT INTO snapshots (id, name, class, state, rootfs, cpu, gpu, memory_gib, \
+         disk_gib, general, created_at_ms, updated_at_ms) \
+         VALUES ('s1', 'big', 'linux-vm', 'active', '/r', 2, 0, 4, 3, 0, 1, 1)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
+    pool.close().await;
+
+    let store = Store::open(&path).await.unwrap();
+    let snapshot = store.find_snapshot("big").await.unwrap().unwrap();
+    assert_eq!((snapshot.cpu, snapshot.memory_mib), (2, 4096));
 }
