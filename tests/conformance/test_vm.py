@@ -453,8 +453,9 @@ def sandbox_qemus(data_dir: Path) -> list[int]:
 def test_a_create_takes_a_waiting_vm_of_the_warm_pool(fake_internet):
     """A server asked to keep one VM of the small size running and waiting
     does; a create takes it (the same QEMU process becomes the sandbox, with its
-    identity and its network), a new one is made in its place, and the
-    server ends the waiting ones when it stops."""
+    identity and its network), a new one is made in its place; a size first
+    created later is kept waiting from then on; and the server ends the
+    waiting ones when it stops."""
     with own_vm_server(*fake_internet.server_args(), "--bridge", "covepool", "--network-range",
                        "10.76.0.0/16", "--route-table", "7703", "--vm-warm-pool", "1") as (server, data_dir):
         def made() -> int:
@@ -494,6 +495,19 @@ def test_a_create_takes_a_waiting_vm_of_the_warm_pool(fake_internet):
         for machine in (child, sandbox):
             client.delete(machine, timeout=TIMEOUT, wait=True)
         assert wait_until(lambda: not sandbox_qemus(data_dir), 30), sandbox_qemus(data_dir)
+
+        # Another size finds none waiting; from its first create on, one of it waits too.
+        tiny = CreateSandboxFromSnapshotParams(snapshot="daytona-vm-tiny")
+        first = client.create(tiny, timeout=TIMEOUT)
+        assert wait_until(lambda: made() == 3, TIMEOUT), server.log_tail()
+        both = waiting_vms(data_dir)
+        assert len(both) == 2, both
+        second = client.create(tiny, timeout=TIMEOUT)
+        assert len(set(sandbox_qemus(data_dir)) & set(both)) == 1, (sandbox_qemus(data_dir), both)
+        assert int(second.process.exec("awk '/MemTotal/ {print $2}' /proc/meminfo").result) <= 256 * 1024
+        assert wait_until(lambda: made() == 4, TIMEOUT), server.log_tail()
+        for machine in (first, second):
+            client.delete(machine, timeout=TIMEOUT, wait=True)
 
         server.stop()
         assert wait_until(lambda: not qemu_processes(data_dir), 30), qemu_processes(data_dir)

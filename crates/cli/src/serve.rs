@@ -91,9 +91,11 @@ pub struct ServeArgs {
     /// Serve no VM sandboxes (containers only).
     #[arg(long)]
     pub no_vm: bool,
-    /// How many VMs of `daytona-vm-small` wait, already running, for the
-    /// creates to come; 0: every create starts its own QEMU. A waiting VM
-    /// idles (its memory file and a QEMU process are what it costs).
+    /// How many VMs of each size wait, already running, for the creates to
+    /// come: of `daytona-vm-small` from the start, of another size from its
+    /// first create on (four sizes at most); 0: every create starts its own
+    /// QEMU. A waiting VM idles (its memory file and a QEMU process are what
+    /// it costs).
     #[arg(long, env = "COVE_VM_WARM_POOL", default_value_t = 1)]
     pub vm_warm_pool: usize,
     /// Also serve the API over HTTPS on this address (with --tls-cert and

@@ -20,6 +20,11 @@
 //! device (a second port of the same hub) and makes the identity call, as
 //! after any restore. The pool is then filled again in the background.
 //!
+//! The pool keeps its size of machines for each fit it was asked for:
+//! the one given to `keep_warm` (the server's default VM size) and, from
+//! the first create that found none waiting, each other fit a create asked
+//! for, up to [`MAX_FITS`] in all. A size nobody creates costs nothing.
+//!
 //! Waiting machines belong to the server process: it ends them when it
 //! stops (`end_pool`), and one starting up removes those a crash left
 //! (`sweep`).
@@ -44,6 +49,9 @@ use crate::SandboxSpec;
 const PREFIX: &str = "warm-";
 /// How long a failed fill waits before it tries again.
 const RETRY_AFTER: Duration = Duration::from_secs(30);
+/// How many fits (image and resources) the pool keeps machines for: each
+/// waiting machine holds its memory file and a QEMU process.
+const MAX_FITS: usize = 4;
 
 /// A machine that waits to become a sandbox.
 pub(super) struct WarmVm {
@@ -76,7 +84,10 @@ impl Fit {
 #[derive(Default)]
 pub(super) struct Pool {
     waiting: Mutex<HashMap<Fit, Vec<WarmVm>>>,
-    /// Taken when a machine left the pool.
+    /// What the pool makes machines of, one spec per fit, in the order they
+    /// were asked for; empty while the pool is off (size 0).
+    wanted: Mutex<Vec<SandboxSpec>>,
+    /// Taken when a machine left the pool, or a fit was added.
     taken: Notify,
     filler: Mutex<Option<tokio::task::JoinHandle<()>>>,
     /// Machines taken by `prepare` whose `start` has not come yet.
@@ -105,6 +116,28 @@ impl Pool {
         warm
     }
 
+    /// The first fit with fewer than `size` machines waiting.
+    fn short_of(&self, size: usize) -> Option<SandboxSpec> {
+        let wanted = self.wanted.lock().expect("pool lock").clone();
+        wanted
+            .into_iter()
+            .find(|spec| self.waiting_for(&Fit::of(spec)) < size)
+    }
+
+    /// Asks for machines like `spec` from now on, unless the pool is off,
+    /// has them already, or keeps [`MAX_FITS`] fits.
+    fn want(&self, spec: &SandboxSpec) {
+        let mut wanted = self.wanted.lock().expect("pool lock");
+        let fit = Fit::of(spec);
+        if wanted.is_empty() || wanted.len() >= MAX_FITS || wanted.iter().any(|w| Fit::of(w) == fit)
+        {
+            return;
+        }
+        wanted.push(neutral(spec));
+        drop(wanted);
+        self.taken.notify_one();
+    }
+
     /// The machine `prepare` took for sandbox `id`.
     pub fn claimed(&self, id: &str) -> Option<WarmVm> {
         self.claimed.lock().expect("pool lock").remove(id)
@@ -127,10 +160,29 @@ pub(super) fn forget_launch(layout: &VmLayout) -> std::io::Result<()> {
     fs::remove_file(record)
 }
 
+/// What a waiting machine is made from: `spec`'s image and resources, and
+/// nothing of the sandbox that asked (its identity comes when one is taken).
+fn neutral(spec: &SandboxSpec) -> SandboxSpec {
+    SandboxSpec {
+        id: "warm".into(),
+        hostname: "sandbox".into(),
+        rootfs: spec.rootfs.clone(),
+        layers: Vec::new(),
+        resources: spec.resources,
+        env: Vec::new(),
+        network: None,
+        volumes: Vec::new(),
+        workdir: None,
+        user: None,
+        command: Vec::new(),
+    }
+}
+
 impl VmRuntime {
     /// Keeps `size` machines that fit sandboxes like `spec` (its image and
-    /// resources) waiting, from now until [`VmRuntime::end_pool`]. First
-    /// removes what an earlier server process left.
+    /// resources) waiting, and as many of each other fit a create asks for
+    /// (see the module's text), from now until [`VmRuntime::end_pool`].
+    /// First removes what an earlier server process left.
     pub fn keep_warm(self: &Arc<Self>, spec: SandboxSpec, size: usize) {
         let runtime = Arc::clone(self);
         let task = tokio::spawn(async move {
@@ -138,21 +190,27 @@ impl VmRuntime {
             if size == 0 {
                 return;
             }
-            let fit = Fit::of(&spec);
+            *runtime.pool.wanted.lock().expect("pool lock") = vec![neutral(&spec)];
             loop {
-                if runtime.pool.waiting_for(&fit) >= size {
+                let Some(spec) = runtime.pool.short_of(size) else {
                     runtime.pool.taken.notified().await;
                     continue;
-                }
+                };
+                let fit = Fit::of(&spec);
                 match runtime.make_warm(&spec).await {
                     Ok(warm) => {
-                        tracing::info!(machine = %warm.dir.display(), "a warm VM waits");
+                        tracing::info!(
+                            machine = %warm.dir.display(),
+                            cpu = fit.cpu,
+                            memory_mib = fit.memory_mib,
+                            "a warm VM waits"
+                        );
                         runtime
                             .pool
                             .waiting
                             .lock()
                             .expect("pool lock")
-                            .entry(fit.clone())
+                            .entry(fit)
                             .or_default()
                             .push(warm);
                     }
@@ -170,6 +228,7 @@ impl VmRuntime {
 
     /// Ends every waiting machine (and one being made) and removes it.
     pub async fn end_pool(&self) {
+        self.pool.wanted.lock().expect("pool lock").clear();
         let filler = self.pool.filler.lock().expect("pool lock").take();
         if let Some(filler) = filler {
             filler.abort();
@@ -326,6 +385,7 @@ impl VmRuntime {
                 }
             }
         }
+        self.pool.want(spec);
         false
     }
 
