@@ -23,7 +23,9 @@
 //! The pool keeps its size of machines for each fit it was asked for:
 //! the one given to `keep_warm` (the server's default VM size) and, from
 //! the first create that found none waiting, each other fit a create asked
-//! for, up to [`MAX_FITS`] in all. A size nobody creates costs nothing.
+//! for, up to [`MAX_FITS`] in all. A size nobody creates costs nothing; an
+//! added fit whose machine cannot be made is dropped again, so that it
+//! cannot hold up the refilling of the others.
 //!
 //! Waiting machines belong to the server process: it ends them when it
 //! stops (`end_pool`), and one starting up removes those a crash left
@@ -138,6 +140,19 @@ impl Pool {
         self.taken.notify_one();
     }
 
+    /// Stops keeping machines of `fit`, unless it is the first fit (the one
+    /// the pool was started with). Whether it did.
+    fn give_up(&self, fit: &Fit) -> bool {
+        let mut wanted = self.wanted.lock().expect("pool lock");
+        match wanted.iter().position(|spec| Fit::of(spec) == *fit) {
+            Some(at) if at > 0 => {
+                wanted.remove(at);
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// The machine `prepare` took for sandbox `id`.
     pub fn claimed(&self, id: &str) -> Option<WarmVm> {
         self.claimed.lock().expect("pool lock").remove(id)
@@ -213,6 +228,11 @@ impl VmRuntime {
                             .entry(fit)
                             .or_default()
                             .push(warm);
+                    }
+                    // A fit a create added is given up, so that it cannot keep
+                    // the others waiting; a later create that misses adds it again.
+                    Err(error) if runtime.pool.give_up(&fit) => {
+                        tracing::warn!(%error, "could not make a warm VM; no longer keeping its size");
                     }
                     Err(error) => {
                         tracing::warn!(%error, "could not make a warm VM; trying again later");
@@ -419,5 +439,62 @@ impl VmRuntime {
                 Err(error)
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sized(memory_mib: u64) -> SandboxSpec {
+        SandboxSpec {
+            id: format!("sandbox-{memory_mib}"),
+            hostname: "someone".into(),
+            env: vec![("A".into(), "1".into())],
+            ..neutral(&SandboxSpec {
+                id: String::new(),
+                hostname: String::new(),
+                rootfs: "/images/debian".into(),
+                layers: Vec::new(),
+                resources: crate::Resources {
+                    cpu: 1,
+                    memory_mib,
+                    disk_gib: 3,
+                },
+                env: Vec::new(),
+                network: None,
+                volumes: Vec::new(),
+                workdir: None,
+                user: None,
+                command: Vec::new(),
+            })
+        }
+    }
+
+    fn wanted(pool: &Pool) -> Vec<u64> {
+        let wanted = pool.wanted.lock().unwrap();
+        wanted.iter().map(|s| s.resources.memory_mib).collect()
+    }
+
+    #[test]
+    fn fits_are_added_by_misses_and_given_up_on_failure_except_the_first() {
+        let pool = Pool::default();
+        // Off (size 0): a miss adds nothing.
+        pool.want(&sized(256));
+        assert!(wanted(&pool).is_empty());
+
+        *pool.wanted.lock().unwrap() = vec![neutral(&sized(1024))];
+        for memory_mib in [256, 256, 1024, 2048, 4096, 8192] {
+            pool.want(&sized(memory_mib));
+        }
+        assert_eq!(wanted(&pool), [1024, 256, 2048, 4096]);
+        // What waits is made of no sandbox's identity.
+        assert!(pool.wanted.lock().unwrap()[1].env.is_empty());
+        assert_eq!(pool.short_of(1).unwrap().resources.memory_mib, 1024);
+
+        assert!(pool.give_up(&Fit::of(&sized(2048))));
+        assert!(!pool.give_up(&Fit::of(&sized(1024))));
+        assert!(!pool.give_up(&Fit::of(&sized(8192))));
+        assert_eq!(wanted(&pool), [1024, 256, 4096]);
     }
 }
