@@ -468,23 +468,17 @@ fn open_vm_runtime(
 /// A create that comes first waits for the same template, never makes a second.
 /// Then keeps `pool` VMs of it waiting (see the runtime's `pool`).
 fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64, pool: usize) {
-    let spec = cove_runtime::SandboxSpec {
-        id: "template-warmup".into(),
-        hostname: "template".into(),
-        rootfs: rootfs.to_path_buf(),
-        layers: Vec::new(),
-        resources: cove_runtime::Resources {
-            cpu: 1,
-            memory_mib: 1024,
-            disk_gib: disk_gib as u64,
-        },
-        env: Vec::new(),
-        network: None,
-        volumes: Vec::new(),
-        workdir: None,
-        user: None,
-        command: Vec::new(),
+    let resources = cove_runtime::Resources {
+        cpu: 1,
+        memory_mib: 1024,
+        disk_gib: disk_gib as u64,
     };
+    let spec = cove_runtime::SandboxSpec::bare(
+        "template-warmup",
+        "template",
+        rootfs.to_path_buf(),
+        resources,
+    );
     tokio::spawn(async move {
         let began = std::time::Instant::now();
         match vm.warm_template(&spec).await {

@@ -205,22 +205,13 @@ async fn main() {
         .expect("storage"),
     );
     let runtime = VmRuntime::new(VmConfig::new(storage.clone(), assets, agent)).expect("runtime");
-    let spec = |id: &str, memory_mib: u64| SandboxSpec {
-        id: id.to_owned(),
-        hostname: id.to_owned(),
-        rootfs: rootfs.clone(),
-        layers: Vec::new(),
-        resources: Resources {
+    let spec = |id: &str, memory_mib: u64| {
+        let resources = Resources {
             cpu: 1,
             memory_mib,
             disk_gib: 2,
-        },
-        env: Vec::new(),
-        network: None,
-        volumes: Vec::new(),
-        workdir: None,
-        user: None,
-        command: Vec::new(),
+        };
+        SandboxSpec::bare(id, id, rootfs.clone(), resources)
     };
     let mut rows = Vec::new();
     for &memory_mib in &sizes {

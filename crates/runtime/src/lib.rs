@@ -55,6 +55,26 @@ pub struct SandboxSpec {
     pub command: Vec<String>,
 }
 
+impl SandboxSpec {
+    /// A sandbox of `rootfs` with `resources` and nothing else: no layers,
+    /// environment, network, volumes, user, workdir or command.
+    pub fn bare(id: &str, hostname: &str, rootfs: PathBuf, resources: Resources) -> SandboxSpec {
+        SandboxSpec {
+            id: id.to_owned(),
+            hostname: hostname.to_owned(),
+            rootfs,
+            layers: Vec::new(),
+            resources,
+            env: Vec::new(),
+            network: None,
+            volumes: Vec::new(),
+            workdir: None,
+            user: None,
+            command: Vec::new(),
+        }
+    }
+}
+
 /// A host directory mounted read-write at `target` inside a sandbox.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct VolumeBind {

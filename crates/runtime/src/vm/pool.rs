@@ -178,19 +178,7 @@ pub(super) fn forget_launch(layout: &VmLayout) -> std::io::Result<()> {
 /// What a waiting machine is made from: `spec`'s image and resources, and
 /// nothing of the sandbox that asked (its identity comes when one is taken).
 fn neutral(spec: &SandboxSpec) -> SandboxSpec {
-    SandboxSpec {
-        id: "warm".into(),
-        hostname: "sandbox".into(),
-        rootfs: spec.rootfs.clone(),
-        layers: Vec::new(),
-        resources: spec.resources,
-        env: Vec::new(),
-        network: None,
-        volumes: Vec::new(),
-        workdir: None,
-        user: None,
-        command: Vec::new(),
-    }
+    SandboxSpec::bare("warm", "sandbox", spec.rootfs.clone(), spec.resources)
 }
 
 impl VmRuntime {
@@ -447,27 +435,14 @@ mod tests {
     use super::*;
 
     fn sized(memory_mib: u64) -> SandboxSpec {
+        let resources = crate::Resources {
+            cpu: 1,
+            memory_mib,
+            disk_gib: 3,
+        };
         SandboxSpec {
-            id: format!("sandbox-{memory_mib}"),
-            hostname: "someone".into(),
             env: vec![("A".into(), "1".into())],
-            ..neutral(&SandboxSpec {
-                id: String::new(),
-                hostname: String::new(),
-                rootfs: "/images/debian".into(),
-                layers: Vec::new(),
-                resources: crate::Resources {
-                    cpu: 1,
-                    memory_mib,
-                    disk_gib: 3,
-                },
-                env: Vec::new(),
-                network: None,
-                volumes: Vec::new(),
-                workdir: None,
-                user: None,
-                command: Vec::new(),
-            })
+            ..SandboxSpec::bare("s", "someone", "/images/debian".into(), resources)
         }
     }
 
