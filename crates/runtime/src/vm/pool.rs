@@ -290,18 +290,17 @@ impl VmRuntime {
         }
     }
 
-    /// A machine continued from the template, told a bare identity and run
-    /// through the template's warm-up commands again, in this process.
+    /// A machine of `spec` (one of `wanted`) continued from the template,
+    /// told a bare identity and run through the template's warm-up commands
+    /// again, in this process.
     async fn make_warm(&self, spec: &SandboxSpec) -> Result<WarmVm, RuntimeError> {
         let id = format!(
             "{PREFIX}{}",
             bridge::random_hex(6).map_err(|e| super::other("-", e.to_string()))?
         );
+        // `spec` is already `neutral`: no network, volumes or command.
         let spec = SandboxSpec {
             id: id.clone(),
-            network: None,
-            volumes: Vec::new(),
-            command: Vec::new(),
             ..spec.clone()
         };
         let made = async {
