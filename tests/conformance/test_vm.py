@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
-from daytona import CreateSandboxFromSnapshotParams, SandboxState, SessionExecuteRequest, VolumeMount
+from daytona import CreateSandboxFromSnapshotParams, DaytonaError, SandboxState, SessionExecuteRequest, VolumeMount
 
 from conftest import CoveServer, new_data_dir, remove_data_dir, unique, vm_assets, wait_until
 
@@ -323,8 +323,14 @@ def test_a_vm_shares_a_volume_with_a_container(cove, sandboxes, daytona):
         container = sandboxes(
             CreateSandboxFromSnapshotParams(volumes=[VolumeMount(volume_id=volume["id"], mount_path="/data")])
         )
-        container.process.exec("echo from-container > /data/a.txt")
-        machine = vm(sandboxes, volumes=[VolumeMount(volume_id=volume["id"], mount_path="/mnt/vol")])
+        container.process.exec("echo from-container > /data/a.txt && mkdir /data/sub")
+        machine = vm(
+            sandboxes,
+            volumes=[
+                VolumeMount(volume_id=volume["id"], mount_path="/mnt/vol"),
+                VolumeMount(volume_id=volume["id"], mount_path="/mnt/sub", subpath="sub"),
+            ],
+        )
         # (virtiofsd forks into its sandbox: a parent and a child per volume.)
         assert virtiofsd_processes(cove.data_dir)
         assert machine.process.exec("cat /mnt/vol/a.txt").result.strip() == "from-container"
@@ -335,7 +341,7 @@ def test_a_vm_shares_a_volume_with_a_container(cove, sandboxes, daytona):
         assert container.process.exec("stat -c %a /data/b.txt").result.strip() == "640"
         # The guest sees the volume and nothing beside it on the host.
         assert machine.process.exec("ls /mnt/vol/..").exit_code == 0
-        assert sorted(machine.process.exec("ls /mnt/vol").result.split()) == ["a.txt", "b.txt"]
+        assert sorted(machine.process.exec("ls /mnt/vol").result.split()) == ["a.txt", "b.txt", "sub"]
 
         # A VM with volumes never saves its memory: pause, fork and memory
         # snapshots say why instead.
@@ -348,11 +354,21 @@ def test_a_vm_shares_a_volume_with_a_container(cove, sandboxes, daytona):
             assert reply.status_code == 409, (action, reply.text)
             assert "volumes" in reply.json()["message"], action
 
-        # A stop and a start boot it again, volume mounted.
+        # A stop and a start boot it again, volume mounted; but not while the
+        # subpath is a symlink out of the volume (issue 16: virtiofsd was
+        # given the path, and served the host's root).
         machine.stop(timeout=TIMEOUT)
         assert wait_until(lambda: not virtiofsd_processes(cove.data_dir), 30)
-        machine.start(timeout=TIMEOUT)
+        container.process.exec("rmdir /data/sub && ln -s / /data/sub")
+        with pytest.raises(DaytonaError) as refused:
+            machine.start(timeout=TIMEOUT)
+        assert "symlink" in str(refused.value), str(refused.value)
+        assert wait_until(lambda: not virtiofsd_processes(cove.data_dir), 30)
+        container.process.exec("rm /data/sub && mkdir /data/sub && echo inside > /data/sub/c.txt")
+        assert cove.request("POST", f"/sandbox/{machine.id}/recover").status_code == 200
+        assert wait_until(lambda: daytona.get(machine.id).state == SandboxState.STARTED, TIMEOUT)
         assert machine.process.exec("cat /mnt/vol/b.txt").result.strip() == "from-vm"
+        assert machine.process.exec("ls /mnt/sub").result.split() == ["c.txt"]
         daytona.delete(machine)
         assert wait_until(lambda: not virtiofsd_processes(cove.data_dir), 30)
     finally:

@@ -4,7 +4,7 @@ shared between them (issue 5)."""
 from __future__ import annotations
 
 import pytest
-from daytona import CreateSandboxFromSnapshotParams, DaytonaError, VolumeMount
+from daytona import CreateSandboxFromSnapshotParams, DaytonaError, SandboxState, VolumeMount
 
 from conftest import unique
 
@@ -111,3 +111,42 @@ def test_a_symlink_in_the_sandbox_cannot_redirect_a_mount(cove, sandboxes, volum
     finally:
         cove.request("DELETE", f"/sandbox/{source.id}")
         cove.request("DELETE", f"/snapshots/{name}")
+
+
+def test_a_subpath_that_is_a_symlink_never_reaches_the_host(cove, sandboxes, volume):
+    """The attack of issue 16: a sandbox makes `x -> /` in a shared volume, and a
+    second sandbox asks for subpath `x`; cove once bound the host's root."""
+    attacker = with_volume(sandboxes, volume.id)
+    attacker.process.exec("ln -s / /data/x && mkdir -p /data/real && ln -s /etc /data/real/etc")
+    before = cove.sandbox_ids()
+    for subpath in ["x", "x/var/lib", "real/etc"]:
+        reply = cove.request(
+            "POST", "/sandbox", json={"volumes": [{"volumeId": volume.id, "mountPath": "/mnt", "subpath": subpath}]}
+        )
+        assert reply.status_code == 400, (subpath, reply.text)
+        message = reply.json()["message"]
+        assert "symlink" in message and volume.name in message and subpath.split("/")[0] in message, message
+    # Nothing half-made, and nothing was created through the link on the host.
+    assert cove.sandbox_ids() == before
+    assert not (cove.data_dir / "storage" / "volumes" / volume.id / "x" / "var" / "lib" / "cove").exists()
+
+
+def test_a_subpath_swapped_for_a_symlink_is_refused_at_the_next_start(cove, sandboxes, volume):
+    """The same attack after the fact: the victim's subpath becomes a symlink to
+    `/` while it is stopped; its next start must not mount the host's root."""
+    attacker = with_volume(sandboxes, volume.id)
+    victim = with_volume(sandboxes, volume.id, mount_path="/mnt", subpath="y")
+    victim.process.exec("echo mine > /mnt/file")
+    victim.stop()
+    attacker.process.exec("rm -rf /data/y && ln -s / /data/y")
+    with pytest.raises(DaytonaError) as refused:
+        victim.start(timeout=60)
+    assert "symlink" in str(refused.value), str(refused.value)
+    # Put the directory back: the victim recovers, seeing the volume only.
+    attacker.process.exec("rm /data/y && mkdir /data/y && echo back > /data/y/file")
+    reply = cove.request("POST", f"/sandbox/{victim.id}/recover")
+    assert reply.status_code == 200, reply.text
+    victim.refresh_data()
+    assert victim.state == SandboxState.STARTED, victim.state
+    assert victim.process.exec("cat /mnt/file").result.strip() == "back"
+    assert victim.process.exec("ls /mnt").result.split() == ["file"]

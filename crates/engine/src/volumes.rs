@@ -88,15 +88,15 @@ impl Engine {
             last_used_at_ms: None,
         };
         let dir = self.volume_dir(&record.id)?;
-        tokio::fs::create_dir_all(&dir)
+        self.make_volume_dir(&dir)
             .await
-            .map_err(|e| EngineError::Runtime {
+            .map_err(|reason| EngineError::Runtime {
                 id: record.id.clone(),
                 operation: "create the volume",
-                reason: format!("create {}: {e}", dir.display()),
+                reason,
             })?;
         if let Err(error) = self.inner.store.insert_volume(&record).await {
-            let _ = tokio::fs::remove_dir_all(&dir).await;
+            self.remove_volume_dir(&dir).await;
             return Err(match error {
                 StoreError::Duplicate { name } => EngineError::VolumeTaken { name },
                 other => other.into(),
@@ -141,13 +141,48 @@ impl Engine {
         }
         self.inner.store.delete_volume(&volume.id).await?;
         let dir = self.volume_dir(&volume.id)?;
-        if let Err(error) = tokio::fs::remove_dir_all(&dir).await {
-            if error.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(volume = %volume.id, %error, "removing the volume's files");
-            }
-        }
+        self.remove_volume_dir(&dir).await;
         tracing::info!(volume = %volume.id, name = %volume.name, "volume deleted");
         Ok(())
+    }
+
+    /// A new volume's directory: with a quota, a subvolume capped at its size.
+    async fn make_volume_dir(&self, dir: &Path) -> Result<(), String> {
+        let parent = dir.parent().unwrap_or(dir).to_owned();
+        tokio::fs::create_dir_all(&parent)
+            .await
+            .map_err(|e| format!("create {}: {e}", parent.display()))?;
+        let Some(quota) = self.inner.config.volume_quota.clone() else {
+            return tokio::fs::create_dir(dir)
+                .await
+                .map_err(|e| format!("create {}: {e}", dir.display()));
+        };
+        let dir = dir.to_owned();
+        tokio::task::spawn_blocking(move || quota.storage.create_limited(&dir, quota.bytes))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|e| e.to_string())
+    }
+
+    /// Removes a volume's files: its subvolume, or a plain directory (a
+    /// volume made without a quota).
+    async fn remove_volume_dir(&self, dir: &Path) {
+        let owned = dir.to_owned();
+        let storage = self.inner.config.volume_quota.clone().map(|q| q.storage);
+        let removed = tokio::task::spawn_blocking(move || {
+            let subvolume = storage.as_ref().map(|s| s.delete_subvolume(&owned));
+            match subvolume {
+                Some(Ok(())) if !owned.exists() => Ok(()),
+                _ => match std::fs::remove_dir_all(&owned) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.to_string()),
+                    _ => Ok(()),
+                },
+            }
+        })
+        .await;
+        if let Ok(Err(error)) | Err(error) = removed.map_err(|e| e.to_string()) {
+            tracing::warn!(dir = %dir.display(), %error, "removing a volume's files");
+        }
     }
 
     /// Checks the mounts a create asks for and names each volume by its id.
@@ -193,14 +228,7 @@ impl Engine {
             }
             let volume = self.volume(&mount.volume_id).await?;
             if let Some(subpath) = &mount.subpath {
-                let dir = self.volume_dir(&volume.id)?.join(subpath);
-                tokio::fs::create_dir_all(&dir)
-                    .await
-                    .map_err(|e| EngineError::Runtime {
-                        id: volume.id.clone(),
-                        operation: "prepare the volume",
-                        reason: format!("create {}: {e}", dir.display()),
-                    })?;
+                self.make_subpath(&volume, subpath).await?;
             }
             self.inner.store.touch_volume(&volume.id, now_ms()).await?;
             resolved.push(VolumeMount {
@@ -212,7 +240,41 @@ impl Engine {
         Ok(resolved)
     }
 
-    /// The host directories a sandbox's runtime binds.
+    /// Makes a subpath's directory in a volume if it is missing. Sandboxes
+    /// write the volume, so the path is walked from the volume's own
+    /// directory without following a single symlink: a subpath that passes
+    /// through one is refused, naming the volume and where.
+    async fn make_subpath(&self, volume: &VolumeRecord, subpath: &str) -> Result<(), EngineError> {
+        let root = self.volume_dir(&volume.id)?;
+        let relative = PathBuf::from(subpath);
+        let made = tokio::task::spawn_blocking(move || {
+            cove_runtime::beneath::open_dir(&root, &relative, true).map(drop)
+        })
+        .await
+        .map_err(|e| EngineError::Runtime {
+            id: volume.id.clone(),
+            operation: "prepare the volume",
+            reason: e.to_string(),
+        })?;
+        made.map_err(|error| match error {
+            cove_runtime::beneath::BeneathError::Io { path, source } => EngineError::Runtime {
+                id: volume.id.clone(),
+                operation: "prepare the volume",
+                reason: format!(
+                    "create {} in volume {}: {source}",
+                    path.display(),
+                    volume.name
+                ),
+            },
+            refused => invalid(
+                "volumes.subpath",
+                format!("subpath {subpath:?} of volume {}: {refused}", volume.name),
+            ),
+        })
+    }
+
+    /// The volumes a sandbox's runtime mounts: each volume's directory and
+    /// the subpath in it, which the runtime opens without following links.
     pub(crate) fn volume_binds(&self, record: &SandboxRecord) -> Vec<cove_runtime::VolumeBind> {
         let Some(dir) = self.inner.config.volumes_dir.as_deref() else {
             return Vec::new();
@@ -220,15 +282,10 @@ impl Engine {
         record
             .volumes
             .iter()
-            .map(|m| {
-                let root = dir.join(&m.volume_id);
-                cove_runtime::VolumeBind {
-                    source: match &m.subpath {
-                        Some(subpath) => root.join(subpath),
-                        None => root,
-                    },
-                    target: PathBuf::from(&m.mount_path),
-                }
+            .map(|m| cove_runtime::VolumeBind {
+                root: dir.join(&m.volume_id),
+                subpath: m.subpath.as_ref().map(PathBuf::from),
+                target: PathBuf::from(&m.mount_path),
             })
             .collect()
     }

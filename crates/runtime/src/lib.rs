@@ -5,6 +5,7 @@
 //! stands in for them in tests of everything above. [`image`] owns root
 //! filesystems on disk. This crate knows nothing of HTTP, JSON APIs or the database.
 
+pub mod beneath;
 pub mod container;
 pub mod fake;
 pub mod flatten;
@@ -78,7 +79,14 @@ impl SandboxSpec {
 /// A host directory mounted read-write at `target` inside a sandbox.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct VolumeBind {
-    pub source: PathBuf,
+    /// The volume's own directory on the host (`{volumes}/{id}`), which no
+    /// sandbox can replace.
+    pub root: PathBuf,
+    /// The directory inside the volume that is mounted (relative, checked by
+    /// the engine); sandboxes write this tree, so it is opened with
+    /// [`beneath::open_dir`], never as a host path.
+    #[serde(default)]
+    pub subpath: Option<PathBuf>,
     /// Absolute and normal (no `..`), checked by the engine.
     pub target: PathBuf,
 }

@@ -1,6 +1,8 @@
-//! The one message from the server to the container shim: everything the shim needs,
-//! encoded as a single JSON argument of `<cove> __container-init <json>`, plus the lines
-//! the shim answers on its stdout. Both ends are our own binary, so the format is private.
+//! The one message from the server to the container shim: everything the shim needs, as
+//! one JSON document written to the shim's stdin (`<cove> __container-init`; never in
+//! its argv, which every host user can read in `ps`, and which holds the sandbox's
+//! environment), plus the lines the shim answers on its stdout. Both ends are our own
+//! binary, so the format is private.
 
 use std::path::PathBuf;
 
@@ -52,6 +54,8 @@ pub struct InitArgs {
     /// Volumes bind-mounted into the root.
     #[serde(default)]
     pub volumes: Vec<crate::VolumeBind>,
+    /// The first host id of the sandbox's user namespace range (its uid and gid 0).
+    pub id_base: u32,
 }
 
 /// One cgroup directory of the sandbox and where it appears inside.
@@ -76,19 +80,9 @@ impl InitArgs {
         serde_json::to_string(self).expect("init args are plain data")
     }
 
-    /// Accepts the arguments after the subcommand, or a whole argv that contains it.
-    pub fn decode(args: &[String]) -> Result<Self, String> {
-        let rest = match args.iter().position(|a| a == SUBCOMMAND) {
-            Some(at) => &args[at + 1..],
-            None => args,
-        };
-        let [json] = rest else {
-            return Err(format!(
-                "expected one json argument after {SUBCOMMAND}, got {}",
-                rest.len()
-            ));
-        };
-        serde_json::from_str(json).map_err(|err| format!("bad init arguments: {err}"))
+    /// Reads the document the server wrote to the shim's stdin.
+    pub fn decode(json: &[u8]) -> Result<Self, String> {
+        serde_json::from_slice(json).map_err(|err| format!("bad init arguments: {err}"))
     }
 }
 
@@ -191,23 +185,20 @@ mod tests {
                 resolv_conf: "nameserver 10.77.0.1\n".into(),
             }),
             volumes: vec![crate::VolumeBind {
-                source: "/var/lib/cove/storage/volumes/v1".into(),
+                root: "/var/lib/cove/storage/volumes/v1".into(),
+                subpath: Some("work/a".into()),
                 target: "/data".into(),
             }],
+            id_base: 2_000_065_536,
         }
     }
 
     #[test]
-    fn args_round_trip_alone_or_in_argv() {
+    fn args_round_trip() {
         let args = sample();
         let json = args.encode();
-        assert_eq!(InitArgs::decode(std::slice::from_ref(&json)).unwrap(), args);
-        let argv = vec!["cove".to_string(), SUBCOMMAND.to_string(), json];
-        assert_eq!(InitArgs::decode(&argv).unwrap(), args);
-        assert!(InitArgs::decode(&[])
-            .unwrap_err()
-            .contains("one json argument"));
-        assert!(InitArgs::decode(&["{".into()])
+        assert_eq!(InitArgs::decode(json.as_bytes()).unwrap(), args);
+        assert!(InitArgs::decode(b"{")
             .unwrap_err()
             .contains("bad init arguments"));
     }

@@ -5,6 +5,7 @@
 //! is visible on the host, so nothing needs unmounting: the mounts die with the namespace.
 
 use std::fs;
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::{symlink, PermissionsExt};
 use std::path::Path;
 
@@ -14,6 +15,9 @@ use nix::unistd::{chdir, pivot_root};
 
 use super::init_args::{CgroupView, InitArgs};
 use super::layout::SandboxLayout;
+
+/// The group that owns terminals in Debian-like images.
+const TTY_GID: u32 = 5;
 
 /// Where the agent binary appears inside every container.
 pub const AGENT_PATH: &str = "/run/cove/cove-agent";
@@ -119,7 +123,10 @@ fn mkdir(path: &Path) -> Result<(), String> {
 }
 
 /// Builds the root, pivots into it and detaches the host's. Returns with `/` as cwd.
-pub fn build(args: &InitArgs) -> Result<(), String> {
+/// `userns` is the sandbox's user namespace (ids 0.. are host ids `args.id_base`..):
+/// layers and volumes are mounted idmapped through it, and what the kernel makes
+/// (tmpfs roots, device nodes, ptys) is owned by the sandbox's root, not the host's.
+pub fn build(args: &InitArgs, userns: &OwnedFd) -> Result<(), String> {
     let layout = SandboxLayout {
         dir: args.sandbox_dir.clone(),
     };
@@ -135,6 +142,13 @@ pub fn build(args: &InitArgs) -> Result<(), String> {
         ),
         || "make / private".to_string(),
     )?;
+    // Every layer, and the sandbox's directory (its writable layer and the
+    // overlay's work directory), is covered by an idmapped copy of itself, in
+    // this mount namespace only: on disk owner 0 stays 0 and reads as the
+    // sandbox's root.
+    for layer in args.layers.iter().chain([&args.rootfs, &layout.dir]) {
+        idmap_in_place(layer, userns)?;
+    }
     let lower = args
         .layers
         .iter()
@@ -142,14 +156,17 @@ pub fn build(args: &InitArgs) -> Result<(), String> {
         .map(|p| p.display().to_string());
     let lower = lower.collect::<Vec<_>>().join(":");
     let options = overlay_options(Path::new(&lower), &layout.upper(), &layout.work());
-    mount_fs("overlay", &root, MsFlags::empty(), Some(&options))?;
+    as_sandbox_root(args.id_base, || {
+        mount_fs("overlay", &root, MsFlags::empty(), Some(&options))
+    })?;
 
+    let owner = Owner::of_sandbox_root(args.id_base);
     let nosuid_nodev_noexec = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
     let proc_dir = root.join("proc");
-    mkdir(&proc_dir)?;
+    owner.mkdir_in_root(&proc_dir)?;
     mount_fs("proc", &proc_dir, nosuid_nodev_noexec, None)?;
     let sys = root.join("sys");
-    mkdir(&sys)?;
+    owner.mkdir_in_root(&sys)?;
     mount_fs(
         "sysfs",
         &sys,
@@ -157,10 +174,10 @@ pub fn build(args: &InitArgs) -> Result<(), String> {
         None,
     )?;
     build_cgroup(&sys.join("fs/cgroup"), &args.cgroup_views)?;
-    build_dev(&root.join("dev"))?;
-    build_run(&root.join("run"), &args.agent_binary)?;
+    build_dev(&root.join("dev"), owner)?;
+    build_run(&root.join("run"), &args.agent_binary, owner)?;
     for volume in &args.volumes {
-        mount_volume(&root, volume)?;
+        mount_volume(&root, volume, userns, owner)?;
     }
 
     step(nix::unistd::sethostname(&args.hostname), || {
@@ -181,9 +198,79 @@ pub fn build(args: &InitArgs) -> Result<(), String> {
     })?;
     step(chdir("/"), || "enter /".to_string())?;
     if let Some(network) = &args.network {
-        resolv_conf(&network.resolv_conf)?;
+        resolv_conf(&network.resolv_conf, owner)?;
     }
     mask_paths()
+}
+
+/// The host ids of the sandbox's root, which owns what the kernel makes for it.
+#[derive(Clone, Copy, Debug)]
+struct Owner {
+    uid: u32,
+    gid: u32,
+}
+
+impl Owner {
+    fn of_sandbox_root(id_base: u32) -> Self {
+        Owner {
+            uid: id_base,
+            gid: id_base,
+        }
+    }
+
+    /// tmpfs options that make its root directory the sandbox root's.
+    fn tmpfs(self, options: &str) -> String {
+        format!("{options},uid={},gid={}", self.uid, self.gid)
+    }
+
+    /// Runs `make`, which creates files in the sandbox's root filesystem,
+    /// as the sandbox's root: through its idmapped layers host root has no
+    /// id, and what it makes is owned by 0 on disk.
+    fn in_root<T>(self, make: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+        as_sandbox_root(self.uid, make)
+    }
+
+    fn mkdir_in_root(self, path: &Path) -> Result<(), String> {
+        self.in_root(|| mkdir(path))
+    }
+
+    fn chown(self, path: &Path) -> Result<(), String> {
+        io_step(
+            std::os::unix::fs::lchown(path, Some(self.uid), Some(self.gid)),
+            || format!("chown {}", path.display()),
+        )
+    }
+}
+
+/// Mounts an idmapped copy of the directory `path` over it.
+fn idmap_in_place(path: &Path, userns: &OwnedFd) -> Result<(), String> {
+    use std::os::fd::AsFd;
+    let dir = io_step(crate::beneath::open_root(path), || {
+        format!("open {}", path.display())
+    })?;
+    let tree = io_step(
+        crate::beneath::clone_tree_mapped(dir.as_fd(), 0, Some(userns.as_fd())),
+        || format!("make an idmapped mount of {}", path.display()),
+    )?;
+    io_step(crate::beneath::attach(tree.as_fd(), dir.as_fd()), || {
+        format!("mount the idmapped copy of {}", path.display())
+    })
+}
+
+/// Runs `work` with the file-system ids of the sandbox's root (and every
+/// capability still in effect). overlayfs keeps the credentials of whoever
+/// mounted it and makes its work directory, whiteouts and copied-up files
+/// with them, through the idmapped layers: host root has no id there, the
+/// sandbox's root is 0 on disk.
+fn as_sandbox_root<T>(id_base: u32, work: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    nix::unistd::setfsgid(nix::unistd::Gid::from_raw(id_base));
+    nix::unistd::setfsuid(nix::unistd::Uid::from_raw(id_base));
+    // A non-zero fsuid drops the file-system capabilities from the effective set.
+    let done = super::harden::raise_effective().and_then(|()| work());
+    nix::unistd::setfsuid(nix::unistd::Uid::from_raw(0));
+    nix::unistd::setfsgid(nix::unistd::Gid::from_raw(0));
+    let raised = super::harden::raise_effective();
+    done.and_then(|value| raised.map(|()| value))
 }
 
 /// A read-only tmpfs at `/sys/fs/cgroup` holding read-only binds of the
@@ -217,41 +304,55 @@ fn build_cgroup(dir: &Path, views: &[CgroupView]) -> Result<(), String> {
 }
 
 /// Binds a volume's directory at its path under `root`. Runs before
-/// pivot_root, so a symlink on the way (the sandbox's own files can hold
-/// any) would resolve on the host: the path is made, or walked, one plain
-/// directory at a time and refused at the first symlink.
-fn mount_volume(root: &Path, volume: &crate::VolumeBind) -> Result<(), String> {
-    let mut target = root.to_path_buf();
-    for part in volume.target.components() {
-        let std::path::Component::Normal(part) = part else {
-            continue;
-        };
-        target.push(part);
-        match fs::symlink_metadata(&target) {
-            Ok(meta) if meta.file_type().is_symlink() => {
-                return Err(format!(
-                    "volume mount path {} passes through a symlink in the sandbox",
-                    volume.target.display()
-                ))
-            }
-            Ok(meta) if !meta.is_dir() => {
-                return Err(format!(
-                    "volume mount path {}: {} is not a directory",
-                    volume.target.display(),
-                    target.strip_prefix(root).unwrap_or(&target).display()
-                ))
-            }
-            Ok(_) => {}
-            Err(_) => io_step(fs::create_dir(&target), || {
-                format!("create {}", target.display())
-            })?,
-        }
-    }
-    bind(
-        &volume.source,
-        &target,
-        MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
+/// pivot_root, so a symlink anywhere on either side (the sandbox's own files
+/// and every volume can hold any, and a sandbox sharing the volume can swap a
+/// directory for one at any moment) would resolve on the host: both paths
+/// are opened with [`crate::beneath`], refused at the first symlink, and the
+/// mount is made between the two descriptors.
+fn mount_volume(
+    root: &Path,
+    volume: &crate::VolumeBind,
+    userns: &OwnedFd,
+    owner: Owner,
+) -> Result<(), String> {
+    use crate::beneath::{self, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOSUID};
+    use std::os::fd::AsFd;
+
+    let subpath = volume.subpath.as_deref().unwrap_or(Path::new(""));
+    let source = beneath::open_dir(&volume.root, subpath, true).map_err(|error| {
+        format!(
+            "volume {} mounted at {}: subpath {}: {error}",
+            volume
+                .root
+                .file_name()
+                .unwrap_or_default()
+                .to_string_lossy(),
+            volume.target.display(),
+            subpath.display()
+        )
+    })?;
+    let relative = volume.target.strip_prefix("/").unwrap_or(&volume.target);
+    let target = owner.in_root(|| {
+        beneath::open_dir(root, relative, true).map_err(|error| {
+            format!(
+                "volume mount path {} in the sandbox: {error}",
+                volume.target.display()
+            )
+        })
+    })?;
+    let tree = beneath::clone_tree_mapped(
+        source.as_fd(),
+        MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+        Some(userns.as_fd()),
     )
+    .map_err(|error| {
+        format!(
+            "copy the mount of the volume for {}: {error}",
+            volume.target.display()
+        )
+    })?;
+    beneath::attach(tree.as_fd(), target.as_fd())
+        .map_err(|error| format!("mount the volume at {}: {error}", volume.target.display()))
 }
 
 /// Where the sandbox's resolv.conf lives, on the /run tmpfs.
@@ -262,11 +363,12 @@ const RESOLV_CONF_SOURCE: &str = "/run/cove/resolv.conf";
 /// is never used: debootstrap copies the host's, and queries to the host's
 /// resolvers would bypass cove's. Runs after pivot_root, so a symlink there
 /// resolves inside the container, never on the host.
-fn resolv_conf(content: &str) -> Result<(), String> {
+fn resolv_conf(content: &str, owner: Owner) -> Result<(), String> {
     let source = Path::new(RESOLV_CONF_SOURCE);
     io_step(fs::write(source, content), || {
         format!("write {}", source.display())
     })?;
+    owner.chown(source)?;
     let target = Path::new("/etc/resolv.conf");
     mkdir(Path::new("/etc"))?;
     let is_file = fs::symlink_metadata(target).is_ok_and(|m| m.file_type().is_file());
@@ -279,20 +381,22 @@ fn resolv_conf(content: &str) -> Result<(), String> {
             }
             _ => {}
         }
-        io_step(fs::File::create(target), || {
-            format!("create {}", target.display())
+        owner.in_root(|| {
+            io_step(fs::File::create(target), || {
+                format!("create {}", target.display())
+            })
         })?;
     }
     bind(source, target, MsFlags::empty())
 }
 
-fn build_dev(dev: &Path) -> Result<(), String> {
-    mkdir(dev)?;
+fn build_dev(dev: &Path, owner: Owner) -> Result<(), String> {
+    owner.mkdir_in_root(dev)?;
     mount_fs(
         "tmpfs",
         dev,
         MsFlags::MS_NOSUID | MsFlags::MS_STRICTATIME,
-        Some("mode=755,size=65536k"),
+        Some(&owner.tmpfs("mode=755,size=65536k")),
     )?;
     for (name, major, minor) in DEVICES {
         let path = dev.join(name);
@@ -310,6 +414,7 @@ fn build_dev(dev: &Path) -> Result<(), String> {
             fs::set_permissions(&path, fs::Permissions::from_mode(0o666)),
             || format!("chmod {}", path.display()),
         )?;
+        owner.chown(&path)?;
     }
     let pts = dev.join("pts");
     mkdir(&pts)?;
@@ -317,7 +422,11 @@ fn build_dev(dev: &Path) -> Result<(), String> {
         "devpts",
         &pts,
         MsFlags::MS_NOSUID | MsFlags::MS_NOEXEC,
-        Some("newinstance,ptmxmode=0666,mode=0620,gid=5"),
+        // Terminals belong to the sandbox's group 5 (tty), as in any image.
+        Some(&format!(
+            "newinstance,ptmxmode=0666,mode=0620,gid={}",
+            owner.gid + TTY_GID
+        )),
     )?;
     let shm = dev.join("shm");
     mkdir(&shm)?;
@@ -325,7 +434,7 @@ fn build_dev(dev: &Path) -> Result<(), String> {
         "tmpfs",
         &shm,
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
-        Some("mode=1777,size=65536k"),
+        Some(&owner.tmpfs("mode=1777,size=65536k")),
     )?;
     for (name, target) in DEV_LINKS {
         let link = dev.join(name);
@@ -336,16 +445,17 @@ fn build_dev(dev: &Path) -> Result<(), String> {
     Ok(())
 }
 
-fn build_run(run: &Path, agent_binary: &Path) -> Result<(), String> {
-    mkdir(run)?;
+fn build_run(run: &Path, agent_binary: &Path, owner: Owner) -> Result<(), String> {
+    owner.mkdir_in_root(run)?;
     mount_fs(
         "tmpfs",
         run,
         MsFlags::MS_NOSUID | MsFlags::MS_NODEV,
-        Some("mode=755"),
+        Some(&owner.tmpfs("mode=755")),
     )?;
     let agent = run.join(AGENT_PATH.trim_start_matches("/run/"));
     mkdir(agent.parent().unwrap_or(run))?;
+    owner.chown(agent.parent().unwrap_or(run))?;
     io_step(fs::File::create(&agent), || {
         format!("create {}", agent.display())
     })?;

@@ -74,6 +74,11 @@ impl VmLayout {
     pub fn share_log(&self, index: usize) -> PathBuf {
         self.dir.join(format!("fs{index}.log"))
     }
+    /// The empty directory the `index`th volume is mounted on in its
+    /// virtiofsd's own mount namespace (never on the host's).
+    pub fn share_mount(&self, index: usize) -> PathBuf {
+        self.dir.join(format!("fs{index}.dir"))
+    }
 
     /// Whether memory is saved here: `state` is written last and removed first.
     pub fn has_memory(&self) -> bool {
