@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 from daytona import SessionExecuteRequest
@@ -68,8 +69,68 @@ def test_pid_1_is_the_sandbox_init(sandbox):
     assert "cove" in inside or "init" in inside, inside
 
 
-@pytest.mark.parametrize("ns", ["pid", "mnt", "uts", "ipc", "net"])
+@pytest.mark.parametrize("ns", ["pid", "mnt", "uts", "ipc", "net", "user", "cgroup"])
 def test_own_namespaces(sandbox, ns):
     inside = sandbox.process.exec(f"readlink /proc/self/ns/{ns}").result.strip()
     assert inside.startswith(f"{ns}:["), inside
     assert inside != os.readlink(f"/proc/self/ns/{ns}")
+
+
+def host_pids(sandbox_id: str) -> list[int]:
+    pids: list[int] = []
+    for procs in Path("/sys/fs/cgroup").glob(f"*/cove/{sandbox_id}/cgroup.procs"):
+        pids += [int(p) for p in procs.read_text().split()]
+    return sorted(set(pids))
+
+
+def host_ids(pid: int) -> tuple[list[int], list[int]]:
+    status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    field = lambda name: [int(v) for v in next(l for l in status if l.startswith(name)).split()[1:]]
+    return field("Uid:"), field("Gid:")
+
+
+def test_sandbox_root_is_not_host_root(cove, pair):
+    """Issue 16: /proc/self/uid_map was `0 0 4294967295`; root inside was uid 0 outside."""
+    a, b = pair
+    maps = []
+    for sandbox in (a, b):
+        assert sandbox.process.exec("id -u; id -g").result.split() == ["0", "0"]
+        inside, outside, count = sandbox.process.exec("cat /proc/self/uid_map").result.split()
+        assert (inside, count) == ("0", "65536"), (inside, outside, count)
+        assert int(outside) >= 65536, outside
+        assert sandbox.process.exec("cat /proc/self/gid_map").result.split() == [inside, outside, count]
+        maps.append(int(outside))
+        # Seen from the host, every process of the sandbox runs as its range, never as root.
+        pids = host_pids(sandbox.id)
+        assert pids, "no process of the sandbox found"
+        for pid in pids:
+            uids, gids = host_ids(pid)
+            assert all(int(outside) <= i < int(outside) + 65536 for i in uids + gids), (pid, uids, gids)
+    # Each sandbox has a range of its own.
+    assert abs(maps[0] - maps[1]) >= 65536, maps
+
+
+def test_files_keep_the_ids_the_sandbox_sees(cove, sandbox):
+    sandbox.process.exec(
+        "mkdir -p /srv/own && echo x > /srv/own/root-file && echo y > /srv/own/user-file "
+        "&& chown 1000:1000 /srv/own/user-file"
+    )
+    listed = sandbox.process.exec("stat -c '%u:%g %n' /srv/own/root-file /srv/own/user-file /etc/passwd").result
+    assert listed.split("\n") == ["0:0 /srv/own/root-file", "1000:1000 /srv/own/user-file", "0:0 /etc/passwd"], listed
+    # On disk the sandbox's layer holds the same ids: layers stay portable.
+    upper = cove.data_dir / "storage" / "sandboxes" / sandbox.id / "upper" / "srv" / "own"
+    assert (upper / "root-file").stat().st_uid == 0
+    assert (upper / "user-file").stat().st_uid == 1000
+    # Root inside still does what root does inside: packages, users, ownership.
+    assert sandbox.process.exec("useradd -m someone && su someone -c 'id -un'").result.strip() == "someone"
+    assert sandbox.process.exec("python3 -m http.server 80 >/dev/null 2>&1 & sleep 1; "
+                                "curl -s -o /dev/null -w '%{http_code}' http://127.0.0.1:80/").result.strip() == "200"
+
+
+def test_root_inside_cannot_use_host_privileges(sandbox):
+    # Host-only operations fail even for root inside.
+    denied = sandbox.process.exec(
+        "python3 -c 'import os; os.setgroups([]); os.setuid(0); "
+        "import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW)' 2>&1; echo rc=$?"
+    ).result
+    assert "rc=1" in denied, denied

@@ -27,13 +27,7 @@ fn become_the_shim_when_asked() {
         .map(|a| String::from_utf8_lossy(a).into_owned())
         .collect();
     if args.get(1).map(String::as_str) == Some("__container-init") {
-        container_init_main(
-            args[2..]
-                .iter()
-                .filter(|a| !a.is_empty())
-                .cloned()
-                .collect(),
-        );
+        container_init_main();
     }
 }
 

@@ -190,8 +190,50 @@ struct CapData {
     inheritable: u32,
 }
 
+/// Makes every permitted capability effective again (after `setfsuid` cleared
+/// the file-system ones).
+pub fn raise_effective() -> Result<(), String> {
+    let mut header = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
+    let mut data = [CapData {
+        effective: 0,
+        permitted: 0,
+        inheritable: 0,
+    }; 2];
+    // SAFETY: header and a two-element data array in the layout of capability v3,
+    // both live across the call; the kernel fills `data`.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_capget,
+            &mut header as *mut CapHeader,
+            data.as_mut_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(os_err("read capabilities"));
+    }
+    for half in &mut data {
+        half.effective = half.permitted;
+    }
+    // SAFETY: as above; the kernel only reads them.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_capset,
+            &mut header as *mut CapHeader,
+            data.as_ptr(),
+        )
+    };
+    if rc != 0 {
+        return Err(os_err("raise capabilities"));
+    }
+    Ok(())
+}
+
+const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
+
 fn capset(keep: u64) -> Result<(), String> {
-    const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
     let mut header = CapHeader {
         version: LINUX_CAPABILITY_VERSION_3,
         pid: 0,

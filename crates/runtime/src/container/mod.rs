@@ -19,6 +19,7 @@ mod layout;
 mod loopback;
 mod rootfs;
 mod shim;
+mod userns;
 
 use std::collections::HashMap;
 use std::fs;
@@ -43,6 +44,7 @@ use init_args::{InitArgs, ShimReport, SUBCOMMAND};
 use layout::SandboxLayout;
 
 pub use shim::container_init_main;
+pub use userns::IdPool;
 
 /// How long the shim may take to build a container before `start` gives up.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -68,6 +70,8 @@ pub struct ContainerConfig {
     /// Enforces each sandbox's disk size with a project quota on its directory;
     /// `state_dir` must then be on this storage. Without it disk is not limited.
     pub storage: Option<Arc<crate::storage::Storage>>,
+    /// The host ids sandboxes' user namespaces map to, a range of 65536 each.
+    pub userns_pool: IdPool,
 }
 
 impl ContainerConfig {
@@ -80,6 +84,7 @@ impl ContainerConfig {
             cgroup_parent: "cove".into(),
             pids_max: 4096,
             storage: None,
+            userns_pool: IdPool::default(),
         }
     }
 }
@@ -89,6 +94,8 @@ pub struct ContainerRuntime {
     cgroups: Arc<dyn CgroupBackend>,
     /// Shims this process started, by sandbox id; the flag turns true when one exits.
     shims: Arc<Mutex<HashMap<String, watch::Receiver<bool>>>>,
+    /// The user-namespace id ranges of the sandboxes this process started.
+    ids: userns::IdRanges,
 }
 
 impl std::fmt::Debug for ContainerRuntime {
@@ -151,6 +158,7 @@ impl ContainerRuntime {
             &config.cgroup_parent,
         ));
         Ok(Self {
+            ids: userns::IdRanges::new(config.userns_pool),
             config,
             cgroups,
             shims: Arc::default(),
@@ -242,6 +250,8 @@ impl ContainerRuntime {
             // The shim was in the cgroup, so it is dead; this waits only for its reaping.
             let _ = tokio::time::timeout(SHIM_EXIT_TIMEOUT, exited.wait_for(|done| *done)).await;
         }
+        // No process of the sandbox is left to hold its ids.
+        self.ids.release(id);
         Ok(())
     }
 
@@ -281,6 +291,14 @@ impl ContainerRuntime {
         let _ = self.kill_all(id).await;
         Err(start_error(id, failure))
     }
+}
+
+/// Writes the shim's settings to its stdin and closes it: the shim reads to the end.
+async fn send_args(child: &mut Child, args: &InitArgs) -> io::Result<()> {
+    use tokio::io::AsyncWriteExt;
+    let mut stdin = child.stdin.take().expect("stdin is piped");
+    stdin.write_all(args.encode().as_bytes()).await?;
+    stdin.shutdown().await
 }
 
 /// The end of the console log, for start errors.
@@ -337,10 +355,15 @@ impl Runtime for ContainerRuntime {
         if self.is_running(id).await {
             return Err(start_error(id, "already running"));
         }
+        let id_base = self
+            .ids
+            .take(id)
+            .map_err(|reason| start_error(id, reason))?;
         let limits = CgroupLimits::new(&spec.resources, self.config.pids_max);
-        self.cgroups
-            .create(id, &limits)
-            .map_err(|err| cgroup_error(id, err))?;
+        self.cgroups.create(id, &limits).map_err(|err| {
+            self.ids.release(id);
+            cgroup_error(id, err)
+        })?;
 
         let console_path = layout.console();
         let console = fs::OpenOptions::new()
@@ -368,20 +391,33 @@ impl Runtime for ContainerRuntime {
             keep_mknod: self.cgroups.confines_devices(),
             network,
             volumes: spec.volumes.clone(),
+            id_base,
         };
-        let spawned = Command::new(&self.config.init_exe)
+        let mut command = Command::new(&self.config.init_exe);
+        command
             .arg(SUBCOMMAND)
-            .arg(args.encode())
             .env_clear()
-            .stdin(Stdio::null())
+            .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(console)
-            .spawn();
+            .stderr(console);
+        shim::die_with_parent(&mut command);
+        let spawned = command.spawn();
+        let spawned = match spawned {
+            Ok(mut child) => {
+                let sent = send_args(&mut child, &args).await;
+                sent.map(|()| child).map_err(|source| {
+                    (
+                        source,
+                        format!("send the settings to {}", self.config.init_exe.display()),
+                    )
+                })
+            }
+            Err(source) => Err((source, format!("spawn {}", self.config.init_exe.display()))),
+        };
         let mut child = match spawned {
             Ok(child) => child,
-            Err(source) => {
+            Err((source, action)) => {
                 let _ = self.kill_all(id).await;
-                let action = format!("spawn {}", self.config.init_exe.display());
                 return Err(RuntimeError::Io {
                     id: id.to_string(),
                     action,

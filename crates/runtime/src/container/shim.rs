@@ -1,5 +1,6 @@
-//! The container shim: `cove __container-init <json>`, a fresh single-threaded process the
-//! server spawns per start. It unshares the namespaces (or joins the network
+//! The container shim: `cove __container-init`, a fresh single-threaded process the
+//! server spawns per start, with its settings on stdin and a parent-death signal, so it
+//! (and with it the container) never outlives the server that supervises it. It unshares the namespaces (or joins the network
 //! namespace the network side prepared), binds
 //! the agent's listening socket, forks the container init (PID 1 of the new pid namespace),
 //! reports `ready <pid>` or `error <message>` on stdout and then supervises: it exits with
@@ -28,14 +29,18 @@ use super::init_args::{InitArgs, ShimReport, LISTEN_FD_ENV};
 use super::layout::SandboxLayout;
 use super::rootfs::{self, AGENT_PATH};
 
+/// The most the server writes to a shim's stdin (the settings, env included).
+const MAX_ARGS_BYTES: u64 = 16 << 20;
+
 /// Entry point of the shim; the `cove` binary calls it first thing when `argv[1]` is
-/// `__container-init`. Takes the arguments after the subcommand (a whole argv works too).
-pub fn container_init_main(args: Vec<String>) -> ! {
+/// `__container-init`. The settings come on stdin (see `init_args`); stdin is then
+/// `/dev/null` for everything after.
+pub fn container_init_main() -> ! {
     // A dead init or server must show as EPIPE, not kill the shim; a constructor-run
     // shim (tests) gets here before Rust's runtime has set this.
     // SAFETY: ignoring a signal installs no handler code.
     let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigIgn) };
-    let code = match InitArgs::decode(&args) {
+    let code = match read_args().and_then(|json| InitArgs::decode(&json)) {
         Ok(args) => match launch(&args) {
             Ok(init) => {
                 report(&ShimReport::Ready {
@@ -59,12 +64,52 @@ pub fn container_init_main(args: Vec<String>) -> ! {
     std::process::exit(code)
 }
 
+/// The settings document, read to the end of stdin, which then becomes `/dev/null`.
+fn read_args() -> Result<Vec<u8>, String> {
+    let mut json = Vec::new();
+    std::io::stdin()
+        .lock()
+        .take(MAX_ARGS_BYTES + 1)
+        .read_to_end(&mut json)
+        .map_err(|err| format!("read the settings on stdin: {err}"))?;
+    if json.len() as u64 > MAX_ARGS_BYTES {
+        return Err(format!("settings on stdin exceed {MAX_ARGS_BYTES} bytes"));
+    }
+    let null = fs::File::open("/dev/null").map_err(|err| format!("open /dev/null: {err}"))?;
+    dup2(null.as_raw_fd(), 0).map_err(|errno| format!("stdin from /dev/null: {}", errno.desc()))?;
+    Ok(json)
+}
+
 fn report(report: &ShimReport) {
     let mut out = std::io::stdout().lock();
     // The server may be gone; there is nobody else to tell.
     let _ = out
         .write_all(report.to_line().as_bytes())
         .and_then(|()| out.flush());
+}
+
+/// Makes the shim `command` will spawn get SIGKILL when the thread that spawns it
+/// (a runtime worker, living as long as the server) ends: a server that crashes or
+/// stops takes its containers with it, and restart recovery brings them back, so no
+/// container runs unsupervised. The container init has the same signal for the shim.
+pub fn die_with_parent(command: &mut tokio::process::Command) {
+    // SAFETY: runs in the child between fork and exec, where only async-signal-safe
+    // calls are allowed: prctl is one system call with integer arguments.
+    unsafe {
+        command.pre_exec(|| {
+            if libc::prctl(
+                libc::PR_SET_PDEATHSIG,
+                libc::SIGKILL as libc::c_ulong,
+                0,
+                0,
+                0,
+            ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
 }
 
 fn supervised_signals() -> SigSet {
@@ -89,7 +134,14 @@ fn launch(args: &InitArgs) -> Result<Pid, String> {
         Some(network) => join_network(&network.netns)?,
         None => flags |= CloneFlags::CLONE_NEWNET,
     }
+    // Before the PID namespace: the first child forked after that becomes its
+    // init, and the namespace dies with it.
+    let userns = super::userns::make(args.id_base)
+        .map_err(|reason| format!("make the user namespace: {reason}"))?;
     unshare(flags).map_err(|errno| format!("unshare namespaces: {}", errno.desc()))?;
+    // The network namespace belongs to the host's user namespace, where the
+    // sandbox's root has no capability: ports below 1024 must need none.
+    write_sysctl("net/ipv4/ip_unprivileged_port_start", "0")?;
 
     let socket = SandboxLayout {
         dir: args.sandbox_dir.clone(),
@@ -129,7 +181,9 @@ fn launch(args: &InitArgs) -> Result<Pid, String> {
         ForkResult::Child => {
             drop(error_read);
             drop(go_write);
-            let message = container_init(args, &listener, &filters, keep, &env, &old_mask, go_read);
+            let message = container_init(
+                args, &listener, &userns, &filters, keep, &env, &old_mask, go_read,
+            );
             let mut pipe = fs::File::from(error_write);
             let _ = pipe.write_all(message.as_bytes());
             // SAFETY: _exit skips the parent's atexit handlers and buffered stdout, which
@@ -215,10 +269,18 @@ fn exec_env(args: &InitArgs, listen_fd: RawFd) -> Result<Vec<CString>, String> {
         .collect()
 }
 
+/// A sysctl of the namespaces the shim is in (`/proc/sys/{name}`).
+fn write_sysctl(name: &str, value: &str) -> Result<(), String> {
+    let path = format!("/proc/sys/{name}");
+    fs::write(&path, value).map_err(|err| format!("write {path}: {err}"))
+}
+
 /// The forked container init: returns only with the reason it could not exec the agent.
+#[allow(clippy::too_many_arguments)]
 fn container_init(
     args: &InitArgs,
     listener: &UnixListener,
+    userns: &OwnedFd,
     filters: &[BpfProgram],
     keep_caps: u64,
     env: &[CString],
@@ -245,7 +307,7 @@ fn container_init(
         unshare(CloneFlags::CLONE_NEWNS)
             .map_err(|errno| format!("unshare mount namespace: {}", errno.desc()))?;
         umask(Mode::from_bits_truncate(0o022));
-        rootfs::build(args)?;
+        rootfs::build(args, userns)?;
 
         // stderr is the console log the server opened; stdout joins it.
         dup2(2, 1).map_err(|errno| format!("redirect stdout: {}", errno.desc()))?;
@@ -261,6 +323,11 @@ fn container_init(
             .map_err(|errno| format!("restore signal mask: {}", errno.desc()))?;
 
         wait_for_cgroups(go)?;
+        // Its own cgroup is the root of what it sees; then it becomes the
+        // sandbox's root, which is no one on the host.
+        unshare(CloneFlags::CLONE_NEWCGROUP)
+            .map_err(|errno| format!("unshare cgroup namespace: {}", errno.desc()))?;
+        enter_user_namespace(userns)?;
         let path = CString::new(AGENT_PATH).expect("constant has no NUL");
         let argv = [
             CString::new("cove-agent").expect("no NUL"),
@@ -274,6 +341,20 @@ fn container_init(
         Err(message) => message,
         Ok(never) => match never {},
     }
+}
+
+/// Joins the sandbox's user namespace as its root (host ids `id_base`): the
+/// capabilities kept from here on are the namespace's, over its own ids only.
+fn enter_user_namespace(userns: &OwnedFd) -> Result<(), String> {
+    use nix::unistd::{setgroups, setresgid, setresuid, Gid, Uid};
+    setns(userns.as_fd(), CloneFlags::CLONE_NEWUSER)
+        .map_err(|errno| format!("join the user namespace: {}", errno.desc()))?;
+    setgroups(&[]).map_err(|errno| format!("clear groups: {}", errno.desc()))?;
+    let root = (Gid::from_raw(0), Uid::from_raw(0));
+    setresgid(root.0, root.0, root.0)
+        .map_err(|errno| format!("become the sandbox's root group: {}", errno.desc()))?;
+    setresuid(root.1, root.1, root.1)
+        .map_err(|errno| format!("become the sandbox's root: {}", errno.desc()))
 }
 
 /// Descriptors the shim inherited or opened must not reach the agent.

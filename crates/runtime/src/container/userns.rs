@@ -1,0 +1,219 @@
+//! User namespaces of containers: root in a sandbox is not root on the host.
+//!
+//! Each running container gets a range of 65536 host ids of its own from a
+//! configured pool ([`IdPool`]): its uid and gid 0 are host id `base`, its
+//! 1000 is `base + 1000`, and nothing of it maps to a host id outside its
+//! range (in particular not to 0). Files on disk keep the ids the sandbox
+//! sees (0 for its root): image layers, the sandbox's own layer and volumes
+//! are mounted through idmapped mounts (`rootfs`), so layers stay shared and
+//! unchowned, snapshots and archives move between sandboxes, and a volume is
+//! shared live whatever range each sandbox has. Ranges are kept in memory:
+//! a container never outlives the server that started it (the shim has a
+//! parent-death signal), so a new server starts with none in use.
+//!
+//! This module owns the allocation (server side) and the making of the
+//! namespace (shim side); the mounts are `rootfs`'s.
+#![allow(unsafe_code)]
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::sync::Mutex;
+
+use nix::sched::{unshare, CloneFlags};
+use nix::sys::wait::waitpid;
+use nix::unistd::{fork, pipe2, ForkResult};
+
+/// Ids one sandbox maps: every 16-bit uid and gid an image can hold.
+pub const RANGE_SIZE: u32 = 65536;
+
+/// The host ids containers are given, in ranges of [`RANGE_SIZE`]:
+/// `start`, `start + 65536`, ... (`count` of them).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IdPool {
+    pub start: u32,
+    pub count: u32,
+}
+
+impl Default for IdPool {
+    /// Above the ranges `/etc/subuid` and systemd hand out (systemd-nspawn's
+    /// end at 1879048191), 32768 ranges below the largest 32-bit id.
+    fn default() -> Self {
+        IdPool {
+            start: 2_000_000_000,
+            count: 32_768,
+        }
+    }
+}
+
+impl IdPool {
+    /// Parses `START:COUNT`; the pool must fit below 2^32 - 1 (the invalid id).
+    pub fn parse(text: &str) -> Result<IdPool, String> {
+        let (start, count) = text
+            .split_once(':')
+            .ok_or_else(|| format!("{text:?}: expected START:COUNT, e.g. 2000000000:32768"))?;
+        let start: u32 = start
+            .parse()
+            .map_err(|_| format!("{text:?}: START must be a host id (a 32-bit number)"))?;
+        let count: u32 = count
+            .parse()
+            .map_err(|_| format!("{text:?}: COUNT must be a number of ranges"))?;
+        let end = u64::from(start) + u64::from(count) * u64::from(RANGE_SIZE);
+        if start == 0 || count == 0 || end > u64::from(u32::MAX) {
+            return Err(format!(
+                "{text:?}: the pool must start above 0, hold at least one range, and end below {}",
+                u32::MAX
+            ));
+        }
+        Ok(IdPool { start, count })
+    }
+}
+
+/// The ranges of the running containers, by sandbox id.
+#[derive(Debug)]
+pub(crate) struct IdRanges {
+    pool: IdPool,
+    taken: Mutex<HashMap<String, u32>>,
+}
+
+impl IdRanges {
+    pub(crate) fn new(pool: IdPool) -> Self {
+        Self {
+            pool,
+            taken: Mutex::default(),
+        }
+    }
+
+    /// The first host id of `id`'s range: the one it has, or the lowest free one.
+    pub(crate) fn take(&self, id: &str) -> Result<u32, String> {
+        let mut taken = self.taken.lock().expect("id range lock");
+        if let Some(slot) = taken.get(id) {
+            return Ok(self.base(*slot));
+        }
+        let used: std::collections::HashSet<u32> = taken.values().copied().collect();
+        let slot = (0..self.pool.count)
+            .find(|slot| !used.contains(slot))
+            .ok_or_else(|| {
+                format!(
+                    "all {} user-namespace id ranges are in use by running sandboxes; \
+                     stop some, or give the server a larger --userns-pool",
+                    self.pool.count
+                )
+            })?;
+        taken.insert(id.to_owned(), slot);
+        Ok(self.base(slot))
+    }
+
+    pub(crate) fn release(&self, id: &str) {
+        self.taken.lock().expect("id range lock").remove(id);
+    }
+
+    fn base(&self, slot: u32) -> u32 {
+        self.pool.start + slot * RANGE_SIZE
+    }
+}
+
+/// The map line of a range: its ids 0..65536 are host ids `base`...
+pub fn id_map(base: u32) -> String {
+    format!("0 {base} {RANGE_SIZE}\n")
+}
+
+/// Makes a user namespace whose ids 0..65536 are host ids `base`...: a child
+/// unshares one and waits while this process (root in the host's namespace)
+/// writes its maps, and the namespace is kept by a descriptor once the child
+/// exits. Only for a single-threaded process (the shim): it forks.
+pub(super) fn make(base: u32) -> Result<OwnedFd, String> {
+    let (ready_read, ready_write) =
+        pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {}", e.desc()))?;
+    let (done_read, done_write) =
+        pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {}", e.desc()))?;
+    // SAFETY: the caller is single-threaded, so the child may do anything; it
+    // only unshares, writes a byte, reads one and exits.
+    match unsafe { fork() }.map_err(|e| format!("fork: {}", e.desc()))? {
+        ForkResult::Child => {
+            drop(ready_read);
+            drop(done_write);
+            let code = match unshare(CloneFlags::CLONE_NEWUSER) {
+                Ok(()) => {
+                    let _ = fs::File::from(ready_write).write_all(b"u");
+                    let _ = fs::File::from(done_read).read(&mut [0u8; 1]);
+                    0
+                }
+                Err(_) => 1,
+            };
+            // SAFETY: _exit ends the forked copy without running the parent's
+            // exit handlers or flushing its buffers.
+            unsafe { libc::_exit(code) }
+        }
+        ForkResult::Parent { child } => {
+            drop(ready_write);
+            drop(done_read);
+            let made = fs::File::from(ready_read)
+                .read(&mut [0u8; 1])
+                .ok()
+                .filter(|n| *n == 1)
+                .ok_or_else(|| "the child could not make a user namespace".to_owned())
+                .and_then(|_| {
+                    let map = id_map(base);
+                    for file in ["uid_map", "gid_map"] {
+                        let path = format!("/proc/{child}/{file}");
+                        fs::write(&path, &map).map_err(|e| format!("write {path}: {e}"))?;
+                    }
+                    let path = format!("/proc/{child}/ns/user");
+                    fs::File::open(&path)
+                        .map(OwnedFd::from)
+                        .map_err(|e| format!("open {path}: {e}"))
+                });
+            drop(done_write);
+            let _ = waitpid(child, None);
+            made
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pools_parse_and_must_fit_below_the_invalid_id() {
+        assert_eq!(
+            IdPool::parse("100000:10").unwrap(),
+            IdPool {
+                start: 100000,
+                count: 10
+            }
+        );
+        let default = IdPool::default();
+        assert!(
+            u64::from(default.start) + u64::from(default.count) * u64::from(RANGE_SIZE)
+                <= u64::from(u32::MAX)
+        );
+        for bad in ["", "1", "0:5", "5:0", "x:1", "4294000000:100", "100000:-1"] {
+            assert!(IdPool::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn ranges_are_distinct_stable_per_sandbox_and_reused_once_released() {
+        let ranges = IdRanges::new(IdPool {
+            start: 1 << 20,
+            count: 2,
+        });
+        let a = ranges.take("a").unwrap();
+        assert_eq!(a, 1 << 20);
+        assert_eq!(ranges.take("a").unwrap(), a);
+        let b = ranges.take("b").unwrap();
+        assert_eq!(b, a + RANGE_SIZE);
+        let full = ranges.take("c").unwrap_err();
+        assert!(full.contains("--userns-pool"), "{full}");
+        ranges.release("a");
+        assert_eq!(ranges.take("c").unwrap(), a);
+    }
+
+    #[test]
+    fn a_map_never_reaches_host_root() {
+        assert_eq!(id_map(2_000_000_000), "0 2000000000 65536\n");
+    }
+}
