@@ -42,9 +42,8 @@ enum Command {
 
 fn main() -> std::process::ExitCode {
     // A container's setup runs in this same binary, before any thread exists.
-    let args: Vec<String> = std::env::args().collect();
-    if args.get(1).map(String::as_str) == Some("__container-init") {
-        cove_runtime::container::container_init_main(args);
+    if std::env::args().nth(1).as_deref() == Some("__container-init") {
+        cove_runtime::container::container_init_main();
     }
     let cli = Cli::parse();
     tracing_subscriber::fmt()

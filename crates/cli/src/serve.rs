@@ -54,6 +54,15 @@ pub struct ServeArgs {
     /// Size of the sandbox storage filesystem (a sparse btrfs image in the data dir), GiB.
     #[arg(long, default_value_t = 64)]
     pub storage_size_gib: u64,
+    /// Host ids for containers' user namespaces, `START:COUNT`: each running
+    /// container maps its ids 0-65535 to a range of 65536 of its own from
+    /// here, so its root is no one on the host.
+    #[arg(long, env = "COVE_USERNS_POOL", default_value = "2000000000:32768", value_parser = cove_runtime::container::IdPool::parse)]
+    pub userns_pool: cove_runtime::container::IdPool,
+    /// The most one volume may hold, GiB (a quota on its subvolume of the
+    /// storage), so that no sandbox can fill the storage through a volume.
+    #[arg(long, env = "COVE_VOLUME_SIZE_GIB", default_value_t = 20)]
+    pub volume_size_gib: u64,
     /// Where archived sandboxes go: a directory, or `s3://bucket/prefix` with the
     /// usual AWS_* variables (AWS_ENDPOINT for an S3-compatible service).
     /// Default: `<data-dir>/archive`.
@@ -139,6 +148,7 @@ type Serving = (
     cove_ssh::Gateway,
     DataDirLock,
     Option<Arc<VmRuntime>>,
+    (Engine, Arc<Storage>),
 );
 
 /// Held while the server runs: one server per data directory.
@@ -185,6 +195,13 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     }
     let data_dir = &args.data_dir;
     std::fs::create_dir_all(data_dir).with_context(|| format!("create {}", data_dir.display()))?;
+    // The database (keys' hashes, environments, registry passwords) and the
+    // SSH host key are in it: only root may even look.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(data_dir, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("chmod 0700 {}", data_dir.display()))?;
+    }
     let data_dir = data_dir.canonicalize()?;
     let data_lock = lock_data_dir(&data_dir)?;
     // The addresses first: a port in use fails before anything is made.
@@ -236,6 +253,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         std::env::current_exe()?,
     );
     container_config.storage = Some(storage.clone());
+    container_config.userns_pool = args.userns_pool;
     let agent_for_vms = container_config.agent_binary.clone();
     let container = ContainerRuntime::new(container_config)?;
     let mut runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
@@ -273,6 +291,10 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         network: network.clone().map(cove_engine::NetworkHandle),
         // On the sandbox storage, so a volume is as durable as a sandbox's disk.
         volumes_dir: Some(storage.root().join("volumes")),
+        volume_quota: Some(cove_engine::VolumeQuota {
+            storage: storage.clone(),
+            bytes: args.volume_size_gib << 30,
+        }),
         build_contexts_dir: Some(data_dir.join("build-contexts")),
         ..EngineConfig::default()
     };
@@ -364,7 +386,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     tokio::spawn(async move { timers.run_timers().await });
     let serve = tokio::spawn(async move { axum::serve(listener, app).await });
     tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
-    Ok((serve, network, ssh, data_lock, vm))
+    Ok((serve, network, ssh, data_lock, vm, (engine, storage)))
 }
 
 /// The HTTPS listener's TLS settings from PEM files: HTTP/1.1 only, so the
@@ -523,7 +545,7 @@ async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_
 }
 
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let (serve, network, ssh, _data_lock, vm) = start(args).await?;
+    let (serve, network, ssh, _data_lock, vm, (engine, storage)) = start(args).await?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     // A server that fails cleans up as one that is told to stop does.
     let served: anyhow::Result<()> = tokio::select! {
@@ -551,5 +573,22 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             tracing::error!(%error, "removing the sandbox network");
         }
     }
+    release_storage(&engine, &storage).await;
     served
+}
+
+/// With no sandbox left, nothing needs the sandbox storage until the next
+/// start: unmounting it lets its loop device go, rather than leaving both
+/// behind a server that is gone.
+async fn release_storage(engine: &Engine, storage: &Storage) {
+    match engine.list().await {
+        Ok(sandboxes) if sandboxes.is_empty() => match storage.unmount() {
+            Ok(()) => {
+                tracing::info!(storage = %storage.root().display(), "no sandbox left; storage unmounted")
+            }
+            Err(error) => tracing::warn!(%error, "unmounting the storage, with no sandbox left"),
+        },
+        Ok(_) => {}
+        Err(error) => tracing::warn!(%error, "listing sandboxes before unmounting the storage"),
+    }
 }

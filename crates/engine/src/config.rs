@@ -33,6 +33,10 @@ pub struct EngineConfig {
     pub network: Option<crate::NetworkHandle>,
     /// Where volumes live (a directory each); without one, volumes are refused.
     pub volumes_dir: Option<std::path::PathBuf>,
+    /// Caps each new volume (a subvolume of this storage, `volumes_dir` on it)
+    /// so that no sandbox writing a volume can fill the storage every sandbox
+    /// shares; without it a volume is a plain directory.
+    pub volume_quota: Option<VolumeQuota>,
     /// Where uploaded build contexts (COPY/ADD files) are kept; without one,
     /// push access and builds with contexts are refused.
     pub build_contexts_dir: Option<std::path::PathBuf>,
@@ -56,7 +60,15 @@ impl Default for EngineConfig {
             images: None,
             network: None,
             volumes_dir: None,
+            volume_quota: None,
             build_contexts_dir: None,
         }
     }
+}
+
+/// The storage volumes are made on, and the size each may reach.
+#[derive(Clone, Debug)]
+pub struct VolumeQuota {
+    pub storage: std::sync::Arc<cove_runtime::storage::Storage>,
+    pub bytes: u64,
 }

@@ -147,7 +147,11 @@ impl Storage {
         let btrfs = tool(BTRFS)?;
         let mut mounted_here = false;
         match mount_type(&mount_point) {
-            Some(kind) if kind == "btrfs" => {}
+            // Taken as found, but never with set-user-id files or device
+            // nodes honoured: sandboxes write everything on it.
+            Some(kind) if kind == "btrfs" => run(Command::new("mount")
+                .args(["-o", "remount,nosuid,nodev"])
+                .arg(&mount_point))?,
             Some(_) => return Err(StorageError::NotBtrfs { path: mount_point }),
             None => {
                 if !image.exists() {
@@ -166,8 +170,11 @@ impl Storage {
                     }
                 }
                 // `mount -o loop` attaches the loop device with autoclear: unmounting frees it.
+                // nosuid, nodev: sandboxes write every file on it (layers,
+                // volumes), and a set-user-id file or a device node one made
+                // must mean nothing to the host.
                 run(Command::new("mount")
-                    .args(["-t", "btrfs", "-o", "loop"])
+                    .args(["-t", "btrfs", "-o", "loop,nosuid,nodev"])
                     .arg(image)
                     .arg(&mount_point))?;
                 mounted_here = true;

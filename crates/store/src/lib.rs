@@ -104,6 +104,10 @@ impl Store {
             // the last transactions, and the reconciler repairs that on start.
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(std::time::Duration::from_secs(5));
+        restrict_to_owner(path).map_err(|source| StoreError::Open {
+            path: path.display().to_string(),
+            source: sqlx::Error::Io(source),
+        })?;
         let pool = SqlitePoolOptions::new()
             .max_connections(4)
             .connect_with(options)
@@ -115,4 +119,28 @@ impl Store {
             .map_err(StoreError::Migrate)?;
         Ok(Store { pool })
     }
+}
+
+/// The database holds environments, registry passwords and preview tokens:
+/// made (or kept) readable by its owner only, before SQLite opens it, so the
+/// WAL and shared-memory files SQLite makes beside it get the same mode.
+fn restrict_to_owner(path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)?;
+    let beside = |suffix: &str| {
+        let mut name = path.as_os_str().to_owned();
+        name.push(suffix);
+        std::path::PathBuf::from(name)
+    };
+    for file in [path.to_owned(), beside("-wal"), beside("-shm")] {
+        match std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)) {
+            Err(error) if error.kind() != std::io::ErrorKind::NotFound => return Err(error),
+            _ => {}
+        }
+    }
+    Ok(())
 }
