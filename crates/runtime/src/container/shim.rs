@@ -23,10 +23,10 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{dup2, execve, fork, pipe2, ForkResult, Pid};
 use seccompiler::BpfProgram;
 
-use super::harden;
 use super::init_args::{InitArgs, ShimReport, LISTEN_FD_ENV};
 use super::layout::SandboxLayout;
 use super::rootfs::{self, AGENT_PATH};
+use super::{harden, seccomp};
 
 /// Entry point of the shim; the `cove` binary calls it first thing when `argv[1]` is
 /// `__container-init`. Takes the arguments after the subcommand (a whole argv works too).
@@ -107,7 +107,7 @@ fn launch(args: &InitArgs) -> Result<Pid, String> {
         UnixListener::bind(&socket).map_err(|err| format!("bind {}: {err}", socket.display()))?;
 
     // Prepared before fork so the init only applies them.
-    let filters = harden::seccomp_filters()?;
+    let filters = seccomp::seccomp_filters()?;
     let keep = harden::kept_caps(args.keep_mknod);
     let env = exec_env(args, listener.as_raw_fd())?;
 
