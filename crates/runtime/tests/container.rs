@@ -327,8 +327,8 @@ async fn agent_answers_in_its_own_namespaces() {
         "grep -E '^(CapEff|CapBnd|Seccomp|NoNewPrivs):' /proc/self/status",
     )
     .await;
-    assert!(status.contains("CapBnd:\t00000000a80425fb"), "{status}");
-    assert!(status.contains("CapEff:\t00000000a80425fb"), "{status}");
+    assert!(status.contains("CapBnd:\t00000000a80405fb"), "{status}");
+    assert!(status.contains("CapEff:\t00000000a80405fb"), "{status}");
     assert!(status.contains("Seccomp:\t2"), "{status}");
     assert!(status.contains("NoNewPrivs:\t1"), "{status}");
     assert_eq!(

@@ -1,12 +1,15 @@
 //! The last steps of the container init before it becomes the agent: capabilities cut to
-//! Docker's default set, no_new_privs, and the seccomp programs of `seccomp`. Runs in the
-//! forked container init only; owns no files.
+//! Docker's default set less NET_RAW, no_new_privs, and the seccomp programs of
+//! `seccomp`; and, in the shim, the network namespace setting that lets ping work without
+//! NET_RAW. Owns no files.
 #![allow(unsafe_code)]
 
 use seccompiler::BpfProgram;
 
-/// Docker's default capabilities, by number (linux/capability.h).
-pub const DEFAULT_CAPS: [(u32, &str); 14] = [
+/// The capabilities a container keeps, by number (linux/capability.h): Docker's default
+/// set without NET_RAW (13), which would let the sandbox forge packets; ping uses ICMP
+/// datagram sockets instead (`allow_unprivileged_ping`).
+pub const KEPT_CAPS: [(u32, &str); 13] = [
     (0, "CHOWN"),
     (1, "DAC_OVERRIDE"),
     (3, "FOWNER"),
@@ -16,7 +19,6 @@ pub const DEFAULT_CAPS: [(u32, &str); 14] = [
     (7, "SETUID"),
     (8, "SETPCAP"),
     (10, "NET_BIND_SERVICE"),
-    (13, "NET_RAW"),
     (18, "SYS_CHROOT"),
     (27, "MKNOD"),
     (29, "AUDIT_WRITE"),
@@ -26,7 +28,7 @@ const CAP_MKNOD: u32 = 27;
 
 /// The capability bits to keep; MKNOD only where a device cgroup confines the nodes made.
 pub fn kept_caps(keep_mknod: bool) -> u64 {
-    DEFAULT_CAPS
+    KEPT_CAPS
         .iter()
         .filter(|(cap, _)| keep_mknod || *cap != CAP_MKNOD)
         .fold(0, |mask, (cap, _)| mask | (1 << cap))
@@ -34,6 +36,16 @@ pub fn kept_caps(keep_mknod: bool) -> u64 {
 
 fn os_err(step: &str) -> String {
     format!("{step}: {}", std::io::Error::last_os_error())
+}
+
+/// Every group may open ICMP echo sockets (`SOCK_DGRAM`, `IPPROTO_ICMP`), which is how
+/// ping works without CAP_NET_RAW; a new network namespace allows none ("1 0"). Called in
+/// the sandbox's network namespace: /proc/sys/net shows the namespace of the caller, and
+/// the shim is root in the user namespace that owns it.
+pub fn allow_unprivileged_ping() -> Result<(), String> {
+    const PING_GROUP_RANGE: &str = "/proc/sys/net/ipv4/ping_group_range";
+    std::fs::write(PING_GROUP_RANGE, "0 2147483647")
+        .map_err(|err| format!("allow unprivileged ping ({PING_GROUP_RANGE}): {err}"))
 }
 
 /// Cuts the bounding set, clears the ambient set and sets effective = permitted =
@@ -129,11 +141,12 @@ mod tests {
     use super::*;
 
     #[test]
-    fn default_caps_match_docker() {
+    fn kept_caps_are_docker_s_without_net_raw() {
         let mask = kept_caps(true);
-        assert_eq!(mask.count_ones(), 14);
+        assert_eq!(mask, 0xa804_05fb);
         assert_ne!(mask & (1 << 27), 0);
+        assert_eq!(mask & (1 << 13), 0, "CAP_NET_RAW must go");
         assert_eq!(mask & (1 << 21), 0, "CAP_SYS_ADMIN must go");
-        assert_eq!(kept_caps(false).count_ones(), 13);
+        assert_eq!(kept_caps(false).count_ones(), 12);
     }
 }

@@ -90,6 +90,8 @@ fn launch(args: &InitArgs) -> Result<Pid, String> {
         None => flags |= CloneFlags::CLONE_NEWNET,
     }
     unshare(flags).map_err(|errno| format!("unshare namespaces: {}", errno.desc()))?;
+    // In the sandbox's network namespace now, joined or new; repeated on every start.
+    harden::allow_unprivileged_ping()?;
 
     let socket = SandboxLayout {
         dir: args.sandbox_dir.clone(),
