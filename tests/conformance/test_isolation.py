@@ -1,7 +1,9 @@
-"""Two sandboxes see neither each other nor the host."""
+"""Two sandboxes see neither each other nor the host, and a sandbox's syscalls and
+capabilities are confined (seccomp allow-list, no CAP_NET_RAW)."""
 
 from __future__ import annotations
 
+import base64
 import os
 import uuid
 from pathlib import Path
@@ -134,3 +136,73 @@ def test_root_inside_cannot_use_host_privileges(sandbox):
         "import socket; socket.socket(socket.AF_PACKET, socket.SOCK_RAW)' 2>&1; echo rc=$?"
     ).result
     assert "rc=1" in denied, denied
+
+def run_python(sandbox, script: str) -> str:
+    """Runs a Python script in the sandbox; fails the test unless it exits 0."""
+    encoded = base64.b64encode(script.encode()).decode()
+    response = sandbox.process.exec(f"python3 -c \"import base64; exec(base64.b64decode('{encoded}'))\"", timeout=60)
+    assert response.exit_code == 0, response.result
+    return response.result.strip()
+
+
+SYSCALL_PROBES = """
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(nr, *args):
+    ctypes.set_errno(0)
+    rc = libc.syscall(*[ctypes.c_long(a) for a in (nr,) + args])
+    return "ok" if rc != -1 else errno.errorcode[ctypes.get_errno()]
+for name, *args in %r:
+    print(name, call(*args))
+"""
+
+# name, x86_64 syscall number and arguments, the answer expected under cove's filter.
+PROBES = [
+    ("keyctl", (250, 0, -3, 0), "EPERM"),
+    ("add_key", (248, 0, 0, 0, 0, 0), "EPERM"),
+    ("bpf", (321, 0, 0, 0), "EPERM"),
+    ("syslog", (103, 10, 0, 0), "EPERM"),
+    ("userfaultfd", (323, 0), "EPERM"),
+    ("open_by_handle_at", (304, -100, 0, 0), "EPERM"),
+    ("fsopen", (430, 0, 0), "EPERM"),
+    ("io_uring_setup", (425, 1, 0), "EPERM"),
+    ("unshare_user", (272, 0x10000000), "EPERM"),
+    ("clone3", (435, 0, 0), "ENOSYS"),
+    ("x32_getpid", (0x40000000 | 39,), "EPERM"),
+    ("syscall_500", (500,), "EPERM"),
+    ("vsock_socket", (41, 40, 1, 0), "EPERM"),
+    ("raw_socket", (41, 2, 3, 1), "EPERM"),
+    ("getpid", (39,), "ok"),
+]
+
+
+def test_syscalls_outside_the_allow_list_answer_eperm(sandbox):
+    """keyctl, bpf, the new mount API, x32 and not-yet-existing syscall numbers: EPERM
+    (clone3 ENOSYS so that libc falls back to clone)."""
+    script = SYSCALL_PROBES % [(name, *args) for name, args, _ in PROBES]
+    results = dict(line.split(" ", 1) for line in run_python(sandbox, script).splitlines())
+    assert results == {name: expected for name, _, expected in PROBES}
+
+
+ICMP_ECHO = """
+import os, socket, struct
+if os.environ.get("AS_NOBODY"):
+    os.setgroups([]); os.setgid(65534); os.setuid(65534)
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
+s.settimeout(5)
+s.sendto(struct.pack("!BBHHH", 8, 0, 0, 0, 1) + b"cove", ("127.0.0.1", 0))
+print("reply type", s.recvfrom(64)[0][0])
+"""
+
+
+def test_no_cap_net_raw_but_unprivileged_ping(sandbox):
+    status = sandbox.process.exec("grep -E '^Cap(Eff|Bnd):' /proc/self/status").result
+    for line in status.strip().splitlines():
+        assert int(line.split()[1], 16) & (1 << 13) == 0, f"CAP_NET_RAW kept: {status}"
+    raw = sandbox.process.exec(
+        "python3 -c 'import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)'"
+    )
+    assert raw.exit_code != 0 and "PermissionError" in raw.result, raw.result
+    assert run_python(sandbox, ICMP_ECHO) == "reply type 0"
+    assert run_python(sandbox, "import os; os.environ['AS_NOBODY'] = '1'\n" + ICMP_ECHO) == "reply type 0"

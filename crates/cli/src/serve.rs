@@ -57,7 +57,7 @@ pub struct ServeArgs {
     /// Host ids for containers' user namespaces, `START:COUNT`: each running
     /// container maps its ids 0-65535 to a range of 65536 of its own from
     /// here, so its root is no one on the host.
-    #[arg(long, env = "COVE_USERNS_POOL", default_value = "2000000000:32768", value_parser = cove_runtime::container::IdPool::parse)]
+    #[arg(long, env = "COVE_USERNS_POOL", default_value = "1879048192:4096", value_parser = cove_runtime::container::IdPool::parse)]
     pub userns_pool: cove_runtime::container::IdPool,
     /// The most one volume may hold, GiB (a quota on its subvolume of the
     /// storage), so that no sandbox can fill the storage through a volume.

@@ -321,8 +321,8 @@ async fn agent_answers_in_its_own_namespaces() {
         "grep -E '^(CapEff|CapBnd|Seccomp|NoNewPrivs):' /proc/self/status",
     )
     .await;
-    assert!(status.contains("CapBnd:\t00000000a80425fb"), "{status}");
-    assert!(status.contains("CapEff:\t00000000a80425fb"), "{status}");
+    assert!(status.contains("CapBnd:\t00000000a80405fb"), "{status}");
+    assert!(status.contains("CapEff:\t00000000a80405fb"), "{status}");
     assert!(status.contains("Seccomp:\t2"), "{status}");
     assert!(status.contains("NoNewPrivs:\t1"), "{status}");
     assert_eq!(
@@ -623,4 +623,335 @@ async fn a_sandbox_joins_the_network_prepared_for_it() {
     h.runtime.destroy("n2").await.unwrap();
     assert!(netns.path().exists());
     h.assert_nothing_left("n1", &BTreeSet::new());
+}
+
+/// The host pid of a sandbox's init (the agent): the process of its cgroup that is PID 1
+/// of its own pid namespace.
+fn container_init_pid(h: &Harness, id: &str) -> i32 {
+    let procs: Vec<PathBuf> = h
+        .cgroup_dirs(id)
+        .iter()
+        .map(|dir| dir.join("cgroup.procs"))
+        .collect();
+    pids_in(&procs)
+        .into_iter()
+        .find(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .unwrap_or_default()
+                .lines()
+                .any(|l| l.starts_with("NSpid:") && l.split_whitespace().last() == Some("1"))
+        })
+        .expect("the container init is in its cgroups")
+}
+
+/// The seccomp programs installed on `pid`, in the order installed, as the kernel holds them:
+/// PTRACE_SECCOMP_GET_FILTER needs CAP_SYS_ADMIN and a tracee in a ptrace stop. All
+/// ptrace calls come from this thread, the tracer.
+fn installed_filters(pid: i32) -> Vec<Vec<libc::sock_filter>> {
+    const PTRACE_SECCOMP_GET_FILTER: libc::c_uint = 0x420c;
+    let no_data = std::ptr::null_mut::<libc::c_void>();
+    // SAFETY: ptrace requests with integer arguments only.
+    let rc = unsafe { libc::ptrace(libc::PTRACE_ATTACH, pid, no_data, no_data) };
+    assert_eq!(
+        rc,
+        0,
+        "attach to {pid}: {}",
+        std::io::Error::last_os_error()
+    );
+    let mut status = 0;
+    // SAFETY: writes one int, which lives across the call.
+    let waited = unsafe { libc::waitpid(pid, &mut status, libc::__WALL) };
+    assert_eq!(waited, pid, "wait for {pid} to stop");
+    let mut filters = Vec::new();
+    for index in 0..16usize {
+        // SAFETY: with a null buffer the kernel only answers the program's length.
+        let len = unsafe { libc::ptrace(PTRACE_SECCOMP_GET_FILTER, pid, index, no_data) };
+        if len < 0 {
+            let err = std::io::Error::last_os_error();
+            assert_eq!(
+                err.raw_os_error(),
+                Some(libc::ENOENT),
+                "filter {index}: {err}"
+            );
+            break;
+        }
+        let empty = libc::sock_filter {
+            code: 0,
+            jt: 0,
+            jf: 0,
+            k: 0,
+        };
+        let mut program = vec![empty; len as usize];
+        // SAFETY: the buffer holds the `len` instructions the kernel said it would copy.
+        let copied =
+            unsafe { libc::ptrace(PTRACE_SECCOMP_GET_FILTER, pid, index, program.as_mut_ptr()) };
+        assert_eq!(copied, len);
+        filters.push(program);
+    }
+    // SAFETY: integer arguments only; the tracee continues with no signal.
+    let rc = unsafe { libc::ptrace(libc::PTRACE_DETACH, pid, no_data, no_data) };
+    assert_eq!(
+        rc,
+        0,
+        "detach from {pid}: {}",
+        std::io::Error::last_os_error()
+    );
+    filters
+}
+
+const AUDIT_ARCH_X86_64: u32 = 0xc000_003e;
+const SECCOMP_RET_ALLOW: u32 = 0x7fff_0000;
+const SECCOMP_RET_ERRNO: u32 = 0x0005_0000;
+
+/// Runs a classic BPF program (the subset seccompiler emits) over one `struct
+/// seccomp_data` for an x86_64 syscall `nr` with all arguments 0.
+fn run_bpf(program: &[libc::sock_filter], nr: u32) -> u32 {
+    let data = [nr, AUDIT_ARCH_X86_64];
+    let word = |offset: u32| data.get(offset as usize / 4).copied().unwrap_or(0);
+    let (mut acc, mut pc) = (0u32, 0usize);
+    loop {
+        let insn = program[pc];
+        pc += 1;
+        let jump = |taken: bool| usize::from(if taken { insn.jt } else { insn.jf });
+        match insn.code {
+            0x20 => acc = word(insn.k),
+            0x54 => acc &= insn.k,
+            0x05 => pc += insn.k as usize,
+            0x15 => pc += jump(acc == insn.k),
+            0x25 => pc += jump(acc > insn.k),
+            0x35 => pc += jump(acc >= insn.k),
+            0x45 => pc += jump(acc & insn.k != 0),
+            0x06 => return insn.k,
+            code => panic!("unexpected BPF opcode {code:#x} at {}", pc - 1),
+        }
+    }
+}
+
+/// What the kernel answers `nr` with: of all filters' actions the most restrictive, of
+/// equals the most recent filter's.
+fn seccomp_verdict(filters: &[Vec<libc::sock_filter>], nr: u32) -> u32 {
+    filters
+        .iter()
+        .rev()
+        .map(|program| run_bpf(program, nr))
+        .min_by_key(|&ret| (ret & 0xffff_0000) as i32)
+        .expect("at least one filter")
+}
+
+#[tokio::test]
+async fn the_agent_runs_under_an_allow_list_that_answers_eperm() {
+    let h = Harness::new("filter");
+    let (_started, socket) = h.start("f1").await;
+    let pid = container_init_pid(&h, "f1");
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    assert!(status.contains("Seccomp:\t2"), "{status}");
+    let filters = installed_filters(pid);
+    assert_eq!(filters.len(), 2, "{status}");
+
+    // The allow-list (installed first) ends in its default: EPERM.
+    let eperm = SECCOMP_RET_ERRNO | libc::EPERM as u32;
+    let allow_list = &filters[0];
+    let default = allow_list.last().unwrap();
+    assert_eq!(
+        (default.code, default.k),
+        (0x06, eperm),
+        "RET EPERM; lengths {:?}",
+        filters.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    let getpid = libc::SYS_getpid as u32;
+    for (nr, expected, what) in [
+        (getpid, SECCOMP_RET_ALLOW, "getpid"),
+        (libc::SYS_read as u32, SECCOMP_RET_ALLOW, "read"),
+        (libc::SYS_keyctl as u32, eperm, "keyctl"),
+        (libc::SYS_syslog as u32, eperm, "syslog"),
+        (libc::SYS_fsopen as u32, eperm, "fsopen"),
+        (libc::SYS_io_uring_setup as u32, eperm, "io_uring_setup"),
+        (0x4000_0000 | getpid, eperm, "x32 getpid"),
+        (500, eperm, "syscall 500, none yet"),
+        (u32::MAX, eperm, "syscall 2^32-1"),
+        (
+            libc::SYS_clone3 as u32,
+            SECCOMP_RET_ERRNO | libc::ENOSYS as u32,
+            "clone3",
+        ),
+    ] {
+        assert_eq!(seccomp_verdict(&filters, nr), expected, "{what}");
+    }
+    // The agent still answers after the stop and detach.
+    assert_eq!(exec_ok(&socket, "echo alive").await, "alive");
+    h.runtime.destroy("f1").await.unwrap();
+}
+
+/// A shell command running a Python script given on stdin.
+fn python(script: &str) -> String {
+    format!("python3 - <<'PYTHON'\n{script}\nPYTHON")
+}
+
+/// Calls each syscall with ctypes and prints `name result` per line: `ok` or the errno.
+const SYSCALL_PROBES: &str = r#"
+import ctypes, errno
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def call(nr, *args):
+    ctypes.set_errno(0)
+    rc = libc.syscall(*[ctypes.c_long(a) for a in (nr,) + args])
+    return "ok" if rc != -1 else errno.errorcode[ctypes.get_errno()]
+probes = [
+    ("keyctl", 250, 0, -3, 0),
+    ("add_key", 248, 0, 0, 0, 0, 0),
+    ("request_key", 249, 0, 0, 0, 0),
+    ("bpf", 321, 0, 0, 0),
+    ("syslog", 103, 10, 0, 0),
+    ("userfaultfd", 323, 0),
+    ("open_by_handle_at", 304, -100, 0, 0),
+    ("fsopen", 430, 0, 0),
+    ("io_uring_setup", 425, 1, 0),
+    ("perf_event_open", 298, 0, 0, -1, -1, 0),
+    ("kexec_load", 246, 0, 0, 0, 0),
+    ("mount", 165, 0, 0, 0, 0, 0),
+    ("clone3", 435, 0, 0),
+    ("x32_getpid", 0x40000000 | 39),
+    ("syscall_500", 500),
+    ("personality_no_aslr", 135, 0x0040000),
+    ("vsock", 41, 40, 1, 0),
+    ("vsock_high_bits", 41, 0x100000028, 1, 0),
+    ("raw_socket", 41, 2, 3, 1),
+    ("getpid", 39),
+    ("personality_query", 135, 0xffffffff),
+    ("udp_socket", 41, 2, 2, 0),
+]
+for name, *args in probes:
+    print(name, call(*args))
+"#;
+
+#[tokio::test]
+async fn refused_syscalls_answer_eperm_inside_the_sandbox() {
+    let h = Harness::new("probe");
+    let (_started, socket) = h.start("p1").await;
+    let output = exec_ok(&socket, &python(SYSCALL_PROBES)).await;
+    let results: std::collections::BTreeMap<&str, &str> = output
+        .lines()
+        .filter_map(|line| line.split_once(' '))
+        .collect();
+    let expected = [
+        ("keyctl", "EPERM"),
+        ("add_key", "EPERM"),
+        ("request_key", "EPERM"),
+        ("bpf", "EPERM"),
+        ("syslog", "EPERM"),
+        ("userfaultfd", "EPERM"),
+        ("open_by_handle_at", "EPERM"),
+        ("fsopen", "EPERM"),
+        ("io_uring_setup", "EPERM"),
+        ("perf_event_open", "EPERM"),
+        ("kexec_load", "EPERM"),
+        ("mount", "EPERM"),
+        ("clone3", "ENOSYS"),
+        ("x32_getpid", "EPERM"),
+        ("syscall_500", "EPERM"),
+        ("personality_no_aslr", "EPERM"),
+        ("vsock", "EPERM"),
+        ("vsock_high_bits", "EPERM"),
+        ("raw_socket", "EPERM"),
+        ("getpid", "ok"),
+        ("personality_query", "ok"),
+        ("udp_socket", "ok"),
+    ];
+    for (name, result) in expected {
+        assert_eq!(results.get(name), Some(&result), "{name}: {output}");
+    }
+    h.runtime.destroy("p1").await.unwrap();
+}
+
+/// One echo request to 127.0.0.1 over an ICMP datagram socket (unprivileged ping);
+/// prints the type of the answer, 0 for an echo reply.
+const ICMP_ECHO: &str = r#"
+import socket, struct
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM, socket.IPPROTO_ICMP)
+s.settimeout(5)
+s.sendto(struct.pack("!BBHHH", 8, 0, 0, 0, 1) + b"cove", ("127.0.0.1", 0))
+print("reply type", s.recvfrom(64)[0][0])
+"#;
+
+#[tokio::test]
+async fn no_raw_sockets_but_ping_works() {
+    let h = Harness::new("ping");
+    let netns = TestNetns::new("ping");
+    let mut joined = h.spec("i1");
+    joined.network = Some(SandboxNetwork {
+        link: NetworkLink::Namespace(netns.path()),
+        resolv_conf: "nameserver 10.123.0.1\n".into(),
+    });
+    let (_joined, joined) = h.start_spec(joined).await;
+    let (_own, own) = h.start("i2").await;
+    for socket in [&joined, &own] {
+        let caps = exec_ok(socket, "grep -E '^Cap(Eff|Bnd):' /proc/self/status").await;
+        for line in caps.lines() {
+            let mask = u64::from_str_radix(line.split_whitespace().last().unwrap(), 16).unwrap();
+            assert_eq!(mask & (1 << 13), 0, "CAP_NET_RAW kept: {caps}");
+        }
+        let (code, out) = exec(
+            socket,
+            "python3 -c 'import socket; socket.socket(socket.AF_INET, socket.SOCK_RAW, socket.IPPROTO_ICMP)'",
+        )
+        .await;
+        assert_ne!(code, 0, "a raw socket was opened: {out}");
+        assert!(out.contains("PermissionError"), "{out}");
+        assert_eq!(
+            exec_ok(socket, "cat /proc/sys/net/ipv4/ping_group_range").await,
+            "0\t2147483647"
+        );
+        assert_eq!(exec_ok(socket, &python(ICMP_ECHO)).await, "reply type 0");
+        // Every group may ping, not only root's.
+        let as_nobody =
+            format!("import os\nos.setgroups([]); os.setgid(65534); os.setuid(65534)\n{ICMP_ECHO}");
+        assert_eq!(exec_ok(socket, &python(&as_nobody)).await, "reply type 0");
+    }
+    h.runtime.destroy("i1").await.unwrap();
+    h.runtime.destroy("i2").await.unwrap();
+}
+
+#[tokio::test]
+async fn ordinary_work_runs_under_the_filter() {
+    let h = Harness::new("work");
+    let (_started, socket) = h.start("w1").await;
+    let script = r#"
+import mmap, os, subprocess, threading
+results = []
+threads = [threading.Thread(target=lambda i=i: results.append(i * i)) for i in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+with mmap.mmap(-1, 1 << 20) as m:
+    m[:5] = b"cove!"
+    assert m[:5] == b"cove!"
+child = subprocess.run(["sh", "-c", "echo from-child"], capture_output=True, text=True)
+pid = os.fork()
+if pid == 0:
+    os._exit(7)
+_, status = os.waitpid(pid, 0)
+print(sorted(results)[-1], child.stdout.strip(), os.waitstatus_to_exitcode(status))
+"#;
+    assert_eq!(exec_ok(&socket, &python(script)).await, "49 from-child 7");
+    exec_ok(
+        &socket,
+        "cd /tmp && git init -q repo && cd repo && echo hi > f && git add f \
+         && git -c user.name=t -c user.email=t@e commit -qm first && git log --oneline | grep -q first",
+    )
+    .await;
+    exec_ok(&socket, "apt-get --version | head -1").await;
+    exec_ok(&socket, "python3 -m pip --version").await;
+    // A PTY, a new session, a pipeline and a background job in a shell.
+    assert_eq!(
+        exec_ok(
+            &socket,
+            "script -qec 'tty | grep -c /dev/pts' /dev/null | tr -d '\\r'"
+        )
+        .await,
+        "1"
+    );
+    assert_eq!(
+        exec_ok(&socket, "setsid sh -c 'sleep 0.1 & wait; echo done' | cat").await,
+        "done"
+    );
+    h.runtime.destroy("w1").await.unwrap();
 }

@@ -8,8 +8,9 @@
 //!   bridge to the host itself is dropped except DNS to the gateway; nothing may
 //!   open a connection into a sandbox through the host.
 //! - `bridge` table: a frame from a sandbox's port must carry that sandbox's
-//!   IPv4 address (`ports`), since sandboxes keep CAP_NET_RAW and could
-//!   otherwise borrow another sandbox's policy by spoofing its address.
+//!   IPv4 address (`ports`), since a sandbox that can send raw packets (a VM's
+//!   root can; containers no longer keep CAP_NET_RAW) could otherwise borrow
+//!   another sandbox's policy by spoofing its address.
 
 pub(crate) mod elements;
 

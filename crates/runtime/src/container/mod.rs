@@ -6,8 +6,9 @@
 //! `shim`), which builds the container and answers with one line. Module map:
 //! `layout` (host paths of a sandbox), `cgroup` (limits, membership, kill),
 //! `init_args` (server to shim message), `shim` (the shim and container init),
-//! `rootfs` (mounts and pivot_root), `harden` (capabilities, seccomp), `loopback`
-//! (the only interface of a sandbox without a network).
+//! `rootfs` (mounts and pivot_root), `harden` (capabilities, no_new_privs, installing
+//! the seccomp programs, unprivileged ping), `seccomp` (the syscall allow-list),
+//! `loopback` (the only interface of a sandbox without a network).
 //!
 //! Everything a container mounts lives in its own mount namespace, so the host is clean
 //! once its processes are gone; the host objects are the cgroup and `{state_dir}/{id}`.
@@ -18,6 +19,7 @@ mod init_args;
 mod layout;
 mod loopback;
 mod rootfs;
+mod seccomp;
 mod shim;
 mod userns;
 

@@ -24,10 +24,10 @@ use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{dup2, execve, fork, pipe2, ForkResult, Pid};
 use seccompiler::BpfProgram;
 
-use super::harden;
 use super::init_args::{InitArgs, ShimReport, LISTEN_FD_ENV};
 use super::layout::SandboxLayout;
 use super::rootfs::{self, AGENT_PATH};
+use super::{harden, seccomp};
 
 /// The most the server writes to a shim's stdin (the settings, env included).
 const MAX_ARGS_BYTES: u64 = 16 << 20;
@@ -139,9 +139,12 @@ fn launch(args: &InitArgs) -> Result<Pid, String> {
     let userns = super::userns::make(args.id_base)
         .map_err(|reason| format!("make the user namespace: {reason}"))?;
     unshare(flags).map_err(|errno| format!("unshare namespaces: {}", errno.desc()))?;
-    // The network namespace belongs to the host's user namespace, where the
-    // sandbox's root has no capability: ports below 1024 must need none.
+    // In the sandbox's network namespace now, joined or new; repeated on every
+    // start. It belongs to the host's user namespace, where the sandbox's root
+    // has no capability: ports below 1024 must need none, and ping uses ICMP
+    // datagram sockets.
     write_sysctl("net/ipv4/ip_unprivileged_port_start", "0")?;
+    harden::allow_unprivileged_ping()?;
 
     let socket = SandboxLayout {
         dir: args.sandbox_dir.clone(),
@@ -159,7 +162,7 @@ fn launch(args: &InitArgs) -> Result<Pid, String> {
         UnixListener::bind(&socket).map_err(|err| format!("bind {}: {err}", socket.display()))?;
 
     // Prepared before fork so the init only applies them.
-    let filters = harden::seccomp_filters()?;
+    let filters = seccomp::seccomp_filters()?;
     let keep = harden::kept_caps(args.keep_mknod);
     let env = exec_env(args, listener.as_raw_fd())?;
 

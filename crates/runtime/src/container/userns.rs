@@ -38,11 +38,12 @@ pub struct IdPool {
 
 impl Default for IdPool {
     /// Above the ranges `/etc/subuid` and systemd hand out (systemd-nspawn's
-    /// end at 1879048191), 32768 ranges below the largest 32-bit id.
+    /// end at 1879048191), up to 2^31 - 1: `net.ipv4.ping_group_range` takes
+    /// no group above that, and ping in a sandbox needs its groups in it.
     fn default() -> Self {
         IdPool {
-            start: 2_000_000_000,
-            count: 32_768,
+            start: 1_879_048_192,
+            count: 4_096,
         }
     }
 }
@@ -52,7 +53,7 @@ impl IdPool {
     pub fn parse(text: &str) -> Result<IdPool, String> {
         let (start, count) = text
             .split_once(':')
-            .ok_or_else(|| format!("{text:?}: expected START:COUNT, e.g. 2000000000:32768"))?;
+            .ok_or_else(|| format!("{text:?}: expected START:COUNT, e.g. 1879048192:4096"))?;
         let start: u32 = start
             .parse()
             .map_err(|_| format!("{text:?}: START must be a host id (a 32-bit number)"))?;
@@ -187,8 +188,7 @@ mod tests {
         );
         let default = IdPool::default();
         assert!(
-            u64::from(default.start) + u64::from(default.count) * u64::from(RANGE_SIZE)
-                <= u64::from(u32::MAX)
+            u64::from(default.start) + u64::from(default.count) * u64::from(RANGE_SIZE) <= 1 << 31
         );
         for bad in ["", "1", "0:5", "5:0", "x:1", "4294000000:100", "100000:-1"] {
             assert!(IdPool::parse(bad).is_err(), "{bad}");
