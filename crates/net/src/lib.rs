@@ -11,7 +11,8 @@
 //! shutdown to load and delete the ruleset.
 //!
 //! Module map: `config` (what the server sets), `policy` (what a sandbox may
-//! reach), `addresses` (persistent allocation), `netns` (namespace files and
+//! reach), `closed` (what no sandbox reaches: the host's world),
+//! `addresses` (persistent allocation), `netns` (namespace files and
 //! a pool of ready namespaces with their veths),
 //! `links` (rtnetlink: bridge, veth, routes, rules), `nft` (ruleset and set
 //! elements), `resolver` (DNS).
@@ -20,6 +21,7 @@
 //! runtime only sees the namespace path and the resolv.conf text.
 
 mod addresses;
+mod closed;
 mod config;
 mod error;
 mod links;
@@ -42,6 +44,7 @@ pub use nft::elements::BatchError;
 pub use policy::{Policy, PolicyError};
 
 use addresses::AddressBook;
+use closed::ClosedRanges;
 use nft::elements::{Change, Element};
 use nft::Firewall;
 use policy::{CompiledPolicy, Resolution};
@@ -160,6 +163,8 @@ impl std::fmt::Debug for Network {
 /// What the resolver shares with the network.
 struct Shared {
     config: NetworkConfig,
+    /// What no sandbox reaches; the resolver admits none of it either.
+    closed: ClosedRanges,
     firewall: Firewall,
     state: Mutex<State>,
 }
@@ -231,12 +236,22 @@ impl Network {
                     config.uplink.interface
                 ))
             })?;
+        // The uplink's LAN as it is now: an address it gets later (DHCP on
+        // another subnet) is not closed until the next start.
+        let uplink_subnets = links::ipv4_subnets(&host, uplink_index).await?;
+        let closed = ClosedRanges::new(&uplink_subnets, &config.allow_private_egress);
+        tracing::info!(
+            uplink_subnets = ?uplink_subnets,
+            opened = ?config.allow_private_egress,
+            "sandboxes reach no private, link-local or uplink address except those opened"
+        );
         let bridge_index = links::create_bridge(&host, &config).await?;
         links::enable_forwarding(&config)?;
         links::install_routing(&host, &config, uplink_index).await?;
-        nft::run_nft(&nft::ruleset(&config)).await?;
+        nft::run_nft(&nft::ruleset(&config, &closed)).await?;
 
         let shared = Arc::new(Shared {
+            closed,
             firewall: Firewall::open(&config)?,
             state: Mutex::new(State {
                 book: AddressBook::load(&config)?,
@@ -636,6 +651,15 @@ impl resolver::Policies for Shared {
         let mut added = Vec::new();
         let mut expiries = Vec::new();
         for (destination, ttl) in answers {
+            // The answer still goes to the sandbox as upstream gave it: the
+            // firewall's fixed deny is what keeps the address closed, for an
+            // open sandbox (which may ask any resolver) as for this one, so
+            // rewriting it would hide nothing, and an unchanged record shows
+            // why a connection to the name fails. It is only not admitted.
+            if self.closed.contains(*destination) {
+                tracing::debug!(sandbox = %source, name, %destination, "resolver: not admitting a closed address");
+                continue;
+            }
             if sandbox.learned.len() + added.len() >= MAX_LEARNED
                 && !sandbox.learned.contains_key(destination)
             {

@@ -91,6 +91,38 @@ pub(crate) async fn default_route(handle: &Handle) -> Result<Option<(Ipv4Addr, u
     }))
 }
 
+/// The IPv4 subnets of the link at `index` (its addresses' networks).
+pub(crate) async fn ipv4_subnets(
+    handle: &Handle,
+    index: u32,
+) -> Result<Vec<ipnet::Ipv4Net>, NetError> {
+    use rtnetlink::packet_route::address::AddressAttribute;
+    let addresses: Vec<_> = handle
+        .address()
+        .get()
+        .set_link_index_filter(index)
+        .execute()
+        .try_collect()
+        .await
+        .map_err(NetError::netlink(format!(
+            "list the addresses of link {index}"
+        )))?;
+    Ok(addresses
+        .iter()
+        .filter_map(|message| {
+            let prefix = message.header.prefix_len;
+            message.attributes.iter().find_map(|a| match a {
+                AddressAttribute::Address(IpAddr::V4(address)) => {
+                    ipnet::Ipv4Net::new(*address, prefix)
+                        .ok()
+                        .map(|n| n.trunc())
+                }
+                _ => None,
+            })
+        })
+        .collect())
+}
+
 /// The name of the link at `index`.
 pub(crate) async fn name_of(handle: &Handle, index: u32) -> Result<Option<String>, NetError> {
     let mut links = handle.link().get().match_index(index).execute();

@@ -8,7 +8,9 @@ mod common;
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
-use common::{http_get, inside, resolve, resolve_tcp, World, ALLOWED_IP, DENIED_IP};
+use common::{
+    http_get, inside, resolve, resolve_tcp, World, ALLOWED_IP, DENIED_IP, METADATA_IP, PRIVATE_IP,
+};
 use cove_net::{Link, LinkKind, NetError, Policy, PolicyError};
 use hickory_proto::op::ResponseCode;
 
@@ -651,4 +653,167 @@ async fn a_vm_gets_an_isolated_tap_port_that_detach_removes() {
         "{tables}"
     );
     assert!(world.netns_files().is_empty());
+}
+
+/// The attack: a sandbox asks for the cloud host's credentials at
+/// 169.254.169.254, or for a host on its private network or its LAN, and the
+/// host's NAT would carry it there as the host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_sandbox_reaches_the_metadata_service_or_the_hosts_private_world() {
+    if !common::can_run() {
+        return;
+    }
+    let world = World::new();
+    let network = world.network().await;
+    let open = network.attach("open", &Policy::default()).await.unwrap();
+    let lan = world.uplink_neighbour();
+    let (metadata, private, neighbour, public) = inside(open.netns_path().unwrap(), move || {
+        (
+            http_get(METADATA_IP, 80),
+            http_get(PRIVATE_IP, 80),
+            http_get(lan, 80),
+            http_get(ALLOWED_IP, 80),
+        )
+    })
+    .await;
+    assert!(
+        metadata.is_err(),
+        "reached the metadata service: {metadata:?}"
+    );
+    assert!(private.is_err(), "reached a private host: {private:?}");
+    assert!(
+        neighbour.is_err(),
+        "reached the uplink's LAN: {neighbour:?}"
+    );
+    assert_eq!(public.unwrap(), "allowed", "the internet stays reachable");
+
+    // A policy naming them opens nothing: the fixed deny comes first.
+    let policy = Policy {
+        allow_cidrs: vec![
+            cidr("169.254.169.254/32"),
+            cidr("192.168.0.0/16"),
+            cidr("198.51.100.0/24"),
+        ],
+        ..Policy::default()
+    };
+    let listed = network.attach("listed", &policy).await.unwrap();
+    let (metadata, private, public) = inside(listed.netns_path().unwrap(), || {
+        (
+            http_get(METADATA_IP, 80),
+            http_get(PRIVATE_IP, 80),
+            http_get(ALLOWED_IP, 80),
+        )
+    })
+    .await;
+    assert!(
+        metadata.is_err(),
+        "an allow list opened the metadata service: {metadata:?}"
+    );
+    assert!(
+        private.is_err(),
+        "an allow list opened a private host: {private:?}"
+    );
+    assert_eq!(public.unwrap(), "allowed");
+    // The server itself still answers from there: the fake is up.
+    assert_eq!(
+        inside(
+            std::path::Path::new(&format!("/run/netns/fakenet-{}", world.tag)),
+            || { http_get(METADATA_IP, 80) }
+        )
+        .await
+        .unwrap(),
+        "metadata"
+    );
+    network.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_opened_private_range_is_reachable_by_each_sandboxs_policy() {
+    if !common::can_run() {
+        return;
+    }
+    let mut world = World::new();
+    world.config.allow_private_egress = vec![cidr("192.168.77.0/24")];
+    let network = world.network().await;
+    let open = network.attach("open", &Policy::default()).await.unwrap();
+    let (private, metadata) = inside(open.netns_path().unwrap(), || {
+        (http_get(PRIVATE_IP, 80), http_get(METADATA_IP, 80))
+    })
+    .await;
+    assert_eq!(private.unwrap(), "private", "the operator opened it");
+    assert!(metadata.is_err(), "only what was opened: {metadata:?}");
+
+    // The sandbox's own policy still applies to an opened range.
+    let policy = Policy {
+        allow_cidrs: vec![cidr("198.51.100.0/24")],
+        ..Policy::default()
+    };
+    let restricted = network.attach("restricted", &policy).await.unwrap();
+    let private = inside(restricted.netns_path().unwrap(), || {
+        http_get(PRIVATE_IP, 80)
+    })
+    .await;
+    assert!(private.is_err(), "not on its allow list: {private:?}");
+    let policy = Policy {
+        allow_cidrs: vec![cidr("192.168.77.5")],
+        ..Policy::default()
+    };
+    network.set_policy("restricted", &policy).await.unwrap();
+    let private = inside(restricted.netns_path().unwrap(), || {
+        http_get(PRIVATE_IP, 80)
+    })
+    .await;
+    assert_eq!(private.unwrap(), "private");
+    network.shutdown().await.unwrap();
+}
+
+/// The attack: an allowed name whose records point at the host's world
+/// (DNS rebinding, or a name the sandbox's owner controls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowed_name_resolving_to_a_closed_address_opens_nothing() {
+    if !common::can_run() {
+        return;
+    }
+    let world = World::new();
+    let network = world.network().await;
+    let policy = Policy {
+        allow_domains: vec![
+            "metadata.test".into(),
+            "private.test".into(),
+            "allowed.test".into(),
+        ],
+        ..Policy::default()
+    };
+    let attachment = network.attach("rebind", &policy).await.unwrap();
+    let gateway = attachment.gateway;
+    let (metadata_name, private_name, metadata, private, allowed_name, allowed) =
+        inside(attachment.netns_path().unwrap(), move || {
+            (
+                resolve(gateway, "metadata.test"),
+                resolve(gateway, "private.test"),
+                http_get(METADATA_IP, 80),
+                http_get(PRIVATE_IP, 80),
+                resolve(gateway, "allowed.test"),
+                http_get(ALLOWED_IP, 80),
+            )
+        })
+        .await;
+    // The records are answered as upstream gave them ...
+    assert_eq!(
+        metadata_name.unwrap(),
+        (ResponseCode::NoError, vec![METADATA_IP])
+    );
+    assert_eq!(
+        private_name.unwrap(),
+        (ResponseCode::NoError, vec![PRIVATE_IP])
+    );
+    // ... but nothing is admitted, and nothing is reachable.
+    assert!(metadata.is_err(), "{metadata:?}");
+    assert!(private.is_err(), "{private:?}");
+    let tables = world.nft_tables();
+    assert!(!tables.contains(&METADATA_IP.to_string()), "{tables}");
+    assert!(!tables.contains(&format!(". {PRIVATE_IP}")), "{tables}");
+    assert_eq!(allowed_name.unwrap().1, vec![ALLOWED_IP]);
+    assert_eq!(allowed.unwrap(), "allowed");
+    network.shutdown().await.unwrap();
 }

@@ -3,8 +3,10 @@
 //! every per-sandbox rule, changed over netlink (`elements`) in microseconds.
 //!
 //! - `inet` table: NAT to the uplink; the sandboxes' forwarded traffic goes only
-//!   to the uplink, never to the sandbox range, and passes the policy sets
-//!   (`blocked`, `denied`, `allowed`, `learned`, `restricted`); traffic from the
+//!   to the uplink, never to the sandbox range nor to the host's world (the
+//!   fixed `closed` set, see `closed.rs`, before any allow set), and passes
+//!   the policy sets (`blocked`, `denied`, `allowed`, `learned`,
+//!   `restricted`); traffic from the
 //!   bridge to the host itself is dropped except DNS to the gateway; nothing may
 //!   open a connection into a sandbox through the host.
 //! - `bridge` table: a frame from a sandbox's port must carry that sandbox's
@@ -20,6 +22,7 @@ use std::sync::Mutex;
 use ipnet::Ipv4Net;
 use tokio::io::AsyncWriteExt;
 
+use crate::closed::ClosedRanges;
 use crate::config::NetworkConfig;
 use crate::policy::CompiledPolicy;
 use crate::NetError;
@@ -31,17 +34,25 @@ pub(crate) const ALLOWED: &str = "allowed";
 pub(crate) const DENIED: &str = "denied";
 pub(crate) const LEARNED: &str = "learned";
 pub(crate) const PORTS: &str = "ports";
+pub(crate) const CLOSED: &str = "closed";
 
 /// The whole ruleset of one network. Deleting the tables first (after making
 /// sure they exist, so the delete cannot fail) makes loading it idempotent and
-/// clears the elements of a previous run in the same transaction.
-pub(crate) fn ruleset(config: &NetworkConfig) -> String {
+/// clears the elements of a previous run in the same transaction. `closed`
+/// is fixed for the network's life, so it is written here, not over netlink.
+pub(crate) fn ruleset(config: &NetworkConfig, closed: &ClosedRanges) -> String {
     let table = config.table();
     let bridge = &config.bridge;
     let uplink = &config.uplink.interface;
     let range = config.range;
     let gateway = config.gateway();
     let ports = config.port_pattern();
+    let closed_elements = if closed.nets().is_empty() {
+        String::new()
+    } else {
+        let nets: Vec<String> = closed.nets().iter().map(|n| n.to_string()).collect();
+        format!(" elements = {{ {} }};", nets.join(", "))
+    };
     format!(
         r#"table inet {table} {{}}
 delete table inet {table}
@@ -53,6 +64,7 @@ table inet {table} {{
     set {ALLOWED} {{ type ipv4_addr . ipv4_addr; flags interval; }}
     set {DENIED} {{ type ipv4_addr . ipv4_addr; flags interval; }}
     set {LEARNED} {{ type ipv4_addr . ipv4_addr; flags timeout; }}
+    set {CLOSED} {{ type ipv4_addr; flags interval;{closed_elements} }}
     chain forward {{
         type filter hook forward priority filter; policy accept;
         iifname "{bridge}" jump egress
@@ -63,6 +75,7 @@ table inet {table} {{
         meta nfproto ipv6 drop
         oifname != "{uplink}" drop
         ip daddr {range} drop
+        ip daddr @{CLOSED} drop
         ip saddr @{BLOCKED} drop
         ip saddr . ip daddr @{DENIED} drop
         ip saddr . ip daddr @{ALLOWED} accept
@@ -390,10 +403,17 @@ mod tests {
             vec![Ipv4Addr::new(198, 51, 100, 53)],
             "/tmp/x".into(),
         );
-        let text = ruleset(&config);
+        let closed = ClosedRanges::new(&["198.18.0.0/30".parse().unwrap()], &[]);
+        let text = ruleset(&config, &closed);
         assert!(text.contains("ip saddr 10.77.0.0/16 oifname \"up0\" masquerade"));
         assert!(text.contains("iifname != \"cove0v*\" accept"));
         assert!(text.contains("ip daddr 10.77.0.1 udp dport 53 accept"));
         assert!(text.starts_with("table inet cove0 {}\ndelete table inet cove0\n"));
+        assert!(text.contains("169.254.0.0/16, 172.16.0.0/12"), "{text}");
+        assert!(text.contains("198.18.0.0/30"), "{text}");
+        // The fixed deny comes before any allow set.
+        let closed_at = text.find("ip daddr @closed drop").unwrap();
+        assert!(closed_at < text.find("@allowed accept").unwrap());
+        assert!(closed_at < text.find("@learned accept").unwrap());
     }
 }
