@@ -91,6 +91,9 @@ pub struct Attachment {
     pub gateway: Ipv4Addr,
     /// The host end of the sandbox's veth, a port of the bridge.
     pub host_link: String,
+    /// The sandbox's NIC's MAC (`eth0` of a container, a VM's virtio NIC),
+    /// pinned to its port on the bridge.
+    pub mac: [u8; 6],
     /// The sandbox's `/etc/resolv.conf`: cove's resolver, never the host's.
     pub resolv_conf: String,
 }
@@ -104,13 +107,13 @@ impl Attachment {
         }
     }
 
-    /// The MAC a VM's NIC must use: locally administered and derived from the
-    /// address, so it is unique on the bridge. A VM restored from another's
-    /// memory (a template, a snapshot, a fork) starts with that one's MAC, and
-    /// two sandboxes sharing one would steal each other's frames.
+    /// The MAC a VM's NIC must use: random (locally administered, unicast)
+    /// and kept with the address, so it is unique on the bridge and the same
+    /// across pause, resume and restart. A VM restored from another's memory
+    /// (a template, a snapshot, a fork) starts with that one's MAC, which the
+    /// bridge drops until the guest takes this one.
     pub fn guest_mac(&self) -> [u8; 6] {
-        let [a, b, c, d] = self.address.octets();
-        [0x02, 0x76, a, b, c, d]
+        self.mac
     }
 }
 
@@ -179,6 +182,7 @@ struct State {
 
 struct Sandbox {
     address: Ipv4Addr,
+    mac: [u8; 6],
     kind: LinkKind,
     port: String,
     policy: CompiledPolicy,
@@ -314,17 +318,17 @@ impl Network {
     ) -> Result<Attachment, NetError> {
         check_id(id)?;
         let compiled = policy.compile()?;
-        let offset = match self.shared.reserve(id)? {
+        let (offset, mac) = match self.shared.reserve(id)? {
             Reserved::Attached => {
                 self.set_policy(id, policy).await?;
-                let (address, kind, port) = self.shared.address_of(id)?;
-                return Ok(self.attachment(id, address, kind, port));
+                let (address, mac, kind, port) = self.shared.address_of(id)?;
+                return Ok(self.attachment(id, address, mac, kind, port));
             }
-            Reserved::Offset(offset) => offset,
+            Reserved::Offset(offset, mac) => (offset, mac),
         };
         let config = &self.shared.config;
         let address = config.sandbox_address(offset);
-        let built = self.build(id, address, kind, &compiled).await;
+        let built = self.build(id, address, mac, kind, &compiled).await;
         if kind == LinkKind::Namespace {
             self.pool.refill();
         }
@@ -336,6 +340,7 @@ impl Network {
             id.to_owned(),
             Sandbox {
                 address,
+                mac,
                 kind,
                 port: port.clone(),
                 policy: compiled,
@@ -343,13 +348,14 @@ impl Network {
             },
         );
         drop(state);
-        Ok(self.attachment(id, address, kind, port))
+        Ok(self.attachment(id, address, mac, kind, port))
     }
 
     fn attachment(
         &self,
         id: &str,
         address: Ipv4Addr,
+        mac: [u8; 6],
         kind: LinkKind,
         host_link: String,
     ) -> Attachment {
@@ -363,6 +369,7 @@ impl Network {
             prefix_len: config.range.prefix_len(),
             gateway: config.gateway(),
             host_link,
+            mac,
             resolv_conf: self.resolv_conf(),
         }
     }
@@ -374,6 +381,7 @@ impl Network {
         &self,
         id: &str,
         address: Ipv4Addr,
+        mac: [u8; 6],
         kind: LinkKind,
         policy: &CompiledPolicy,
     ) -> Result<String, NetError> {
@@ -388,13 +396,16 @@ impl Network {
                     made_link = Some(namespace.host_link);
                     port = namespace.port.clone();
                     namespace.pin(&path)?;
-                    links::configure_inside(
+                    let inside = links::configure_inside(
                         &namespace.handle,
                         address,
+                        mac,
                         config.range.prefix_len(),
                         config.gateway(),
-                    )
-                    .await?;
+                    );
+                    let pinned = links::pin_mac(&self.host, namespace.host_link, mac);
+                    let (inside, pinned) = tokio::join!(inside, pinned);
+                    inside.and(pinned)?;
                 }
                 LinkKind::Tap => {
                     let (name, bridge_index) = self.pool.next_port();
@@ -407,11 +418,20 @@ impl Network {
                             return Err(err);
                         }
                     }
+                    if let Some(index) = made_link {
+                        links::pin_mac(&self.host, index, mac).await?;
+                    }
                 }
             }
             self.shared
                 .firewall
-                .apply(&nft::sandbox_changes(Change::Add, &port, address, policy))
+                .apply(&nft::sandbox_changes(
+                    Change::Add,
+                    &port,
+                    mac,
+                    address,
+                    policy,
+                ))
                 .map_err(NetError::firewall(format!(
                     "add the firewall elements of sandbox {id}"
                 )))
@@ -422,7 +442,7 @@ impl Network {
             Err(err) => {
                 // Deleting what may not exist fails on the first missing
                 // element, so each set is tried alone.
-                for change in nft::sandbox_changes(Change::Delete, &port, address, policy) {
+                for change in nft::sandbox_changes(Change::Delete, &port, mac, address, policy) {
                     let _ = self.shared.firewall.apply(&[change]);
                 }
                 if let Some(index) = made_link {
@@ -504,6 +524,7 @@ impl Network {
                 .apply(&nft::sandbox_changes(
                     Change::Delete,
                     &sandbox.port,
+                    sandbox.mac,
                     sandbox.address,
                     &sandbox.policy,
                 ))
@@ -549,8 +570,8 @@ impl Network {
 /// What `attach` found for an id.
 enum Reserved {
     Attached,
-    /// Not attached: marked busy, with this address offset (saved).
-    Offset(u32),
+    /// Not attached: marked busy, with this address offset and MAC (saved).
+    Offset(u32, [u8; 6]),
 }
 
 impl Shared {
@@ -566,7 +587,14 @@ impl Shared {
         if !state.busy.insert(id.to_owned()) {
             return Err(NetError::Busy { id: id.to_owned() });
         }
-        let Some((offset, changed)) = state.book.reserve(id) else {
+        let reserved = match state.book.reserve(id) {
+            Ok(reserved) => reserved,
+            Err(err) => {
+                state.busy.remove(id);
+                return Err(err);
+            }
+        };
+        let Some((offset, mac, changed)) = reserved else {
             state.busy.remove(id);
             return Err(NetError::RangeFull {
                 range: self.config.range,
@@ -579,14 +607,14 @@ impl Shared {
                 return Err(err);
             }
         }
-        Ok(Reserved::Offset(offset))
+        Ok(Reserved::Offset(offset, mac))
     }
 
-    fn address_of(&self, id: &str) -> Result<(Ipv4Addr, LinkKind, String), NetError> {
+    fn address_of(&self, id: &str) -> Result<(Ipv4Addr, [u8; 6], LinkKind, String), NetError> {
         self.lock()
             .attached
             .get(id)
-            .map(|s| (s.address, s.kind, s.port.clone()))
+            .map(|s| (s.address, s.mac, s.kind, s.port.clone()))
             .ok_or_else(|| NetError::NotAttached { id: id.to_owned() })
     }
 

@@ -10,8 +10,9 @@
 //!   bridge to the host itself is dropped except DNS to the gateway; nothing may
 //!   open a connection into a sandbox through the host.
 //! - `bridge` table: a frame from a sandbox's port must carry that sandbox's
-//!   IPv4 address (`ports`), since sandboxes keep CAP_NET_RAW and could
-//!   otherwise borrow another sandbox's policy by spoofing its address.
+//!   MAC and IPv4 address (`ports`; in ARP, as sender too), since sandboxes
+//!   keep CAP_NET_RAW and could otherwise borrow another sandbox's policy by
+//!   spoofing its address, or its traffic by spoofing its MAC.
 
 pub(crate) mod elements;
 
@@ -98,12 +99,12 @@ table inet {table} {{
     }}
 }}
 table bridge {table} {{
-    set {PORTS} {{ type ifname . ipv4_addr; }}
+    set {PORTS} {{ type ifname . ether_addr . ipv4_addr; }}
     chain prerouting {{
         type filter hook prerouting priority filter; policy accept;
         iifname != "{ports}" accept
-        iifname . ip saddr @{PORTS} accept
-        iifname . arp saddr ip @{PORTS} accept
+        iifname . ether saddr . ip saddr @{PORTS} accept
+        iifname . ether saddr . arp saddr ip @{PORTS} iifname . arp saddr ether . arp saddr ip @{PORTS} accept
         drop
     }}
 }}
@@ -243,11 +244,14 @@ pub(crate) fn learned(
     }
 }
 
-/// `port . address` in the bridge table; an ifname key is 16 bytes, NUL-padded.
-fn port(port: &str, address: Ipv4Addr) -> Element {
-    let mut key = [0u8; 20];
+/// `port . mac . address` in the bridge table. An ifname key is 16 bytes,
+/// NUL-padded; each part of a concatenation takes whole 32-bit registers, so
+/// the 6-byte MAC is padded to 8.
+fn port(port: &str, mac: [u8; 6], address: Ipv4Addr) -> Element {
+    let mut key = [0u8; 28];
     key[..port.len()].copy_from_slice(port.as_bytes());
-    key[16..].copy_from_slice(&address.octets());
+    key[16..22].copy_from_slice(&mac);
+    key[24..].copy_from_slice(&address.octets());
     Element {
         key: key.to_vec(),
         key_end: None,
@@ -280,6 +284,7 @@ fn policy_elements(
 pub(crate) fn sandbox_changes(
     change: Change,
     port_name: &str,
+    mac: [u8; 6],
     address: Ipv4Addr,
     policy: &CompiledPolicy,
 ) -> Vec<Changes> {
@@ -287,7 +292,7 @@ pub(crate) fn sandbox_changes(
         change,
         family: Family::Bridge,
         set: PORTS,
-        elements: vec![port(port_name, address)],
+        elements: vec![port(port_name, mac, address)],
     }];
     for (set, elements) in policy_elements(address, policy) {
         changes.push(Changes::inet(change, set, elements));
@@ -339,17 +344,26 @@ mod tests {
     }
 
     const SANDBOX: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);
+    const MAC: [u8; 6] = [0x02, 0xaa, 0xbb, 0xcc, 0xdd, 0xee];
 
     #[test]
     fn an_open_sandbox_has_only_its_port_binding() {
-        let changes = sandbox_changes(Change::Add, "cove0v2", SANDBOX, &compile(Policy::default()));
+        let changes = sandbox_changes(
+            Change::Add,
+            "cove0v2",
+            MAC,
+            SANDBOX,
+            &compile(Policy::default()),
+        );
         let non_empty: Vec<_> = changes.iter().filter(|c| !c.elements.is_empty()).collect();
         assert_eq!(non_empty.len(), 1);
         assert_eq!(non_empty[0].set, PORTS);
         let key = &non_empty[0].elements[0].key;
         assert_eq!(&key[..7], b"cove0v2");
         assert!(key[7..16].iter().all(|b| *b == 0));
-        assert_eq!(&key[16..], &[10, 77, 0, 2]);
+        assert_eq!(&key[16..22], &MAC);
+        assert_eq!(&key[22..24], &[0, 0]);
+        assert_eq!(&key[24..], &[10, 77, 0, 2]);
     }
 
     #[test]
@@ -358,7 +372,7 @@ mod tests {
             allow_cidrs: vec!["198.51.100.0/24".parse().unwrap()],
             ..Policy::default()
         });
-        let changes = sandbox_changes(Change::Add, "cove0v2", SANDBOX, &policy);
+        let changes = sandbox_changes(Change::Add, "cove0v2", MAC, SANDBOX, &policy);
         let set = |name| changes.iter().find(|c| c.set == name).unwrap();
         assert_eq!(set(RESTRICTED).elements, vec![single(SANDBOX)]);
         assert!(set(BLOCKED).elements.is_empty());
