@@ -235,13 +235,19 @@ def run(*args: str) -> None:
 class FakeInternet:
     """The sandboxes' "internet" for a test session, all on this machine: a
     network namespace joined to the host by a veth (cove's uplink), with a DNS
-    server (allowed.test, denied.test) and an HTTP server on each name's address.
+    server (allowed.test, denied.test) and an HTTP server on each name's address,
+    and what a cloud host has beside it: a metadata service (its credentials)
+    at 169.254.169.254 and a host on its private network. Their addresses are
+    on the namespace's lo only; sandbox traffic gets there through the uplink
+    gateway, as it would get to the real ones.
     """
 
     HOST_ADDR = "198.18.77.1"
     GATEWAY = "198.18.77.2"
     ALLOWED = "198.51.100.10"
     DENIED = "203.0.113.10"
+    METADATA = "169.254.169.254"
+    PRIVATE = "192.168.77.5"
 
     def __init__(self) -> None:
         tag = uuid.uuid4().hex[:6]
@@ -261,7 +267,7 @@ class FakeInternet:
         run(*ns, "ip", "addr", "add", f"{self.GATEWAY}/30", "dev", self.peer)
         run(*ns, "ip", "link", "set", self.peer, "up")
         run(*ns, "ip", "link", "set", "lo", "up")
-        for address in (self.ALLOWED, self.DENIED):
+        for address in (self.ALLOWED, self.DENIED, self.METADATA, self.PRIVATE):
             run(*ns, "ip", "addr", "add", f"{address}/32", "dev", "lo")
         dns = Path(__file__).with_name("fakenet_dns.py")
         self.procs.append(
@@ -271,7 +277,9 @@ class FakeInternet:
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             )
         )
-        for name, address in (("allowed", self.ALLOWED), ("denied", self.DENIED)):
+        servers = (("allowed", self.ALLOWED), ("denied", self.DENIED),
+                   ("metadata", self.METADATA), ("private", self.PRIVATE))
+        for name, address in servers:
             root = self.web / name
             root.mkdir()
             (root / "index.html").write_text(f"{name} server\n")

@@ -1,10 +1,12 @@
 """Sandbox networking (issue 6) through the SDK: each sandbox has its own
 network, egress goes only where its policy allows (CIDRs, domains, block all),
+never to the host's world (its metadata service, private ranges, its LAN),
 changes apply to a running sandbox, sandboxes cannot reach each other, and a
 deleted sandbox leaves nothing on the host.
 
 The internet here is the session's fake one (conftest.FakeInternet):
-allowed.test and denied.test, each with a web server, behind cove's uplink.
+allowed.test and denied.test, each with a web server, behind cove's uplink,
+beside a fake metadata service (169.254.169.254) and a private host.
 """
 
 from __future__ import annotations
@@ -40,6 +42,26 @@ def test_open_sandbox_reaches_the_internet_through_cove(sandbox, fake_internet):
     # DNS is cove's resolver, never the host's.
     resolv = sandbox.process.exec("cat /etc/resolv.conf").result
     assert "nameserver 10.77.0.1" in resolv, resolv
+
+
+def test_the_metadata_service_and_private_hosts_are_closed(sandbox, sandboxes, fake_internet):
+    """The attack: a sandbox asks for the cloud host's credentials, or a host
+    on its private network, through the host's NAT."""
+    # The fake servers answer where they are, so a refusal below is cove's.
+    for address, body in ((fake_internet.METADATA, "metadata"), (fake_internet.PRIVATE, "private")):
+        there = subprocess.run(["ip", "netns", "exec", fake_internet.netns, "curl", "-s", "-m", "3",
+                                f"http://{address}/"], capture_output=True, text=True)
+        assert there.stdout == f"{body} server\n", there
+    assert fetch(sandbox, f"http://{fake_internet.ALLOWED}/") == "200"
+    result = sandbox.process.exec(f"curl -m 3 http://{fake_internet.METADATA}/", timeout=15)
+    assert result.exit_code != 0, result.result
+    assert fetch(sandbox, f"http://{fake_internet.PRIVATE}/") == "000"
+    # Naming them in an allow list opens nothing.
+    listed = sandboxes(CreateSandboxFromSnapshotParams(
+        network_allow_list=f"{fake_internet.METADATA}/32,192.168.0.0/16,198.51.100.0/24"))
+    assert fetch(listed, f"http://{fake_internet.METADATA}/") == "000"
+    assert fetch(listed, f"http://{fake_internet.PRIVATE}/") == "000"
+    assert fetch(listed, f"http://{fake_internet.ALLOWED}/") == "200"
 
 
 def test_block_all(sandboxes):

@@ -84,6 +84,13 @@ pub struct ServeArgs {
     /// The private range sandbox addresses come from.
     #[arg(long, default_value = "10.77.0.0/16")]
     pub network_range: cove_net::Ipv4Net,
+    /// Private, link-local or uplink-LAN ranges to open to sandboxes,
+    /// comma-separated CIDRs (by default the host's world is closed: no
+    /// sandbox reaches 169.254/16, 10/8, 172.16/12, 192.168/16, 100.64/10,
+    /// loopback, multicast, reserved, or the uplink's subnet). Each sandbox's
+    /// own policy still applies to an opened range.
+    #[arg(long, env = "COVE_ALLOW_PRIVATE_EGRESS", value_delimiter = ',', value_parser = parse_cidr)]
+    pub allow_private_egress: Vec<cove_net::Ipv4Net>,
     /// The bridge sandboxes are attached to (at most 8 characters).
     #[arg(long, default_value = "cove0")]
     pub bridge: String,
@@ -514,6 +521,11 @@ fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64, pool: usiz
     });
 }
 
+/// A CIDR as `--allow-private-egress` takes it: `a.b.c.d/n` or a bare address.
+fn parse_cidr(text: &str) -> Result<cove_net::Ipv4Net, cove_net::PolicyError> {
+    cove_net::Policy::parse_cidr(text)
+}
+
 /// cove's sandbox network over the configured (or the host's default) uplink.
 async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_net::Network> {
     let uplink = match (&args.uplink_interface, args.uplink_gateway) {
@@ -539,6 +551,7 @@ async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_
     config.bridge = args.bridge.clone();
     config.route_table = args.route_table;
     config.rule_priority = args.route_table;
+    config.allow_private_egress = args.allow_private_egress.clone();
     cove_net::Network::new(config)
         .await
         .context("setting up the sandbox network (needs nftables; or pass --no-network)")

@@ -79,6 +79,10 @@ pub struct NetworkConfig {
     /// Network namespaces kept ready for the next attaches (making one is
     /// most of the cost of an attach); 0 makes each on demand.
     pub netns_pool: usize,
+    /// Ranges of the host's world (private, link-local, the uplink's LAN, ...)
+    /// the operator opens to sandboxes; each sandbox's policy still applies
+    /// to them. Empty: all of it is closed (see `closed`).
+    pub allow_private_egress: Vec<Ipv4Net>,
 }
 
 impl NetworkConfig {
@@ -94,6 +98,7 @@ impl NetworkConfig {
             route_table: 7700,
             rule_priority: 7700,
             netns_pool: 4,
+            allow_private_egress: Vec::new(),
         }
     }
 
@@ -127,6 +132,12 @@ impl NetworkConfig {
             return Err(format!(
                 "DNS upstream {inside} is inside the sandbox range {}",
                 self.range
+            ));
+        }
+        if let Some(net) = self.allow_private_egress.iter().find(|n| n.trunc() != **n) {
+            return Err(format!(
+                "private egress range {net} has host bits set; did you mean {}?",
+                net.trunc()
             ));
         }
         // Tables 253-255 are the kernel's default, main and local tables.
@@ -282,5 +293,9 @@ mod tests {
         check(|c| c.dns_upstreams.clear(), "DNS upstream");
         check(|c| c.route_table = 254, "reserved");
         check(|c| c.rule_priority = 32766, "rule_priority");
+        check(
+            |c| c.allow_private_egress = vec!["10.1.2.3/8".parse().unwrap()],
+            "private egress",
+        );
     }
 }

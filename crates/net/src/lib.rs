@@ -11,7 +11,8 @@
 //! shutdown to load and delete the ruleset.
 //!
 //! Module map: `config` (what the server sets), `policy` (what a sandbox may
-//! reach), `addresses` (persistent allocation), `netns` (namespace files and
+//! reach), `closed` (what no sandbox reaches: the host's world),
+//! `addresses` (persistent allocation), `netns` (namespace files and
 //! a pool of ready namespaces with their veths),
 //! `links` (rtnetlink: bridge, veth, routes, rules), `nft` (ruleset and set
 //! elements), `resolver` (DNS).
@@ -20,6 +21,7 @@
 //! runtime only sees the namespace path and the resolv.conf text.
 
 mod addresses;
+mod closed;
 mod config;
 mod error;
 mod links;
@@ -42,6 +44,7 @@ pub use nft::elements::BatchError;
 pub use policy::{Policy, PolicyError};
 
 use addresses::AddressBook;
+use closed::ClosedRanges;
 use nft::elements::{Change, Element};
 use nft::Firewall;
 use policy::{CompiledPolicy, Resolution};
@@ -88,6 +91,9 @@ pub struct Attachment {
     pub gateway: Ipv4Addr,
     /// The host end of the sandbox's veth, a port of the bridge.
     pub host_link: String,
+    /// The sandbox's NIC's MAC (`eth0` of a container, a VM's virtio NIC),
+    /// pinned to its port on the bridge.
+    pub mac: [u8; 6],
     /// The sandbox's `/etc/resolv.conf`: cove's resolver, never the host's.
     pub resolv_conf: String,
 }
@@ -101,13 +107,13 @@ impl Attachment {
         }
     }
 
-    /// The MAC a VM's NIC must use: locally administered and derived from the
-    /// address, so it is unique on the bridge. A VM restored from another's
-    /// memory (a template, a snapshot, a fork) starts with that one's MAC, and
-    /// two sandboxes sharing one would steal each other's frames.
+    /// The MAC a VM's NIC must use: random (locally administered, unicast)
+    /// and kept with the address, so it is unique on the bridge and the same
+    /// across pause, resume and restart. A VM restored from another's memory
+    /// (a template, a snapshot, a fork) starts with that one's MAC, which the
+    /// bridge drops until the guest takes this one.
     pub fn guest_mac(&self) -> [u8; 6] {
-        let [a, b, c, d] = self.address.octets();
-        [0x02, 0x76, a, b, c, d]
+        self.mac
     }
 }
 
@@ -160,6 +166,8 @@ impl std::fmt::Debug for Network {
 /// What the resolver shares with the network.
 struct Shared {
     config: NetworkConfig,
+    /// What no sandbox reaches; the resolver admits none of it either.
+    closed: ClosedRanges,
     firewall: Firewall,
     state: Mutex<State>,
 }
@@ -174,6 +182,7 @@ struct State {
 
 struct Sandbox {
     address: Ipv4Addr,
+    mac: [u8; 6],
     kind: LinkKind,
     port: String,
     policy: CompiledPolicy,
@@ -231,12 +240,22 @@ impl Network {
                     config.uplink.interface
                 ))
             })?;
+        // The uplink's LAN as it is now: an address it gets later (DHCP on
+        // another subnet) is not closed until the next start.
+        let uplink_subnets = links::ipv4_subnets(&host, uplink_index).await?;
+        let closed = ClosedRanges::new(&uplink_subnets, &config.allow_private_egress);
+        tracing::info!(
+            uplink_subnets = ?uplink_subnets,
+            opened = ?config.allow_private_egress,
+            "sandboxes reach no private, link-local or uplink address except those opened"
+        );
         let bridge_index = links::create_bridge(&host, &config).await?;
         links::enable_forwarding(&config)?;
         links::install_routing(&host, &config, uplink_index).await?;
-        nft::run_nft(&nft::ruleset(&config)).await?;
+        nft::run_nft(&nft::ruleset(&config, &closed)).await?;
 
         let shared = Arc::new(Shared {
+            closed,
             firewall: Firewall::open(&config)?,
             state: Mutex::new(State {
                 book: AddressBook::load(&config)?,
@@ -299,17 +318,17 @@ impl Network {
     ) -> Result<Attachment, NetError> {
         check_id(id)?;
         let compiled = policy.compile()?;
-        let offset = match self.shared.reserve(id)? {
+        let (offset, mac) = match self.shared.reserve(id)? {
             Reserved::Attached => {
                 self.set_policy(id, policy).await?;
-                let (address, kind, port) = self.shared.address_of(id)?;
-                return Ok(self.attachment(id, address, kind, port));
+                let (address, mac, kind, port) = self.shared.address_of(id)?;
+                return Ok(self.attachment(id, address, mac, kind, port));
             }
-            Reserved::Offset(offset) => offset,
+            Reserved::Offset(offset, mac) => (offset, mac),
         };
         let config = &self.shared.config;
         let address = config.sandbox_address(offset);
-        let built = self.build(id, address, kind, &compiled).await;
+        let built = self.build(id, address, mac, kind, &compiled).await;
         if kind == LinkKind::Namespace {
             self.pool.refill();
         }
@@ -321,6 +340,7 @@ impl Network {
             id.to_owned(),
             Sandbox {
                 address,
+                mac,
                 kind,
                 port: port.clone(),
                 policy: compiled,
@@ -328,13 +348,14 @@ impl Network {
             },
         );
         drop(state);
-        Ok(self.attachment(id, address, kind, port))
+        Ok(self.attachment(id, address, mac, kind, port))
     }
 
     fn attachment(
         &self,
         id: &str,
         address: Ipv4Addr,
+        mac: [u8; 6],
         kind: LinkKind,
         host_link: String,
     ) -> Attachment {
@@ -348,6 +369,7 @@ impl Network {
             prefix_len: config.range.prefix_len(),
             gateway: config.gateway(),
             host_link,
+            mac,
             resolv_conf: self.resolv_conf(),
         }
     }
@@ -359,6 +381,7 @@ impl Network {
         &self,
         id: &str,
         address: Ipv4Addr,
+        mac: [u8; 6],
         kind: LinkKind,
         policy: &CompiledPolicy,
     ) -> Result<String, NetError> {
@@ -373,13 +396,16 @@ impl Network {
                     made_link = Some(namespace.host_link);
                     port = namespace.port.clone();
                     namespace.pin(&path)?;
-                    links::configure_inside(
+                    let inside = links::configure_inside(
                         &namespace.handle,
                         address,
+                        mac,
                         config.range.prefix_len(),
                         config.gateway(),
-                    )
-                    .await?;
+                    );
+                    let pinned = links::pin_mac(&self.host, namespace.host_link, mac);
+                    let (inside, pinned) = tokio::join!(inside, pinned);
+                    inside.and(pinned)?;
                 }
                 LinkKind::Tap => {
                     let (name, bridge_index) = self.pool.next_port();
@@ -392,11 +418,20 @@ impl Network {
                             return Err(err);
                         }
                     }
+                    if let Some(index) = made_link {
+                        links::pin_mac(&self.host, index, mac).await?;
+                    }
                 }
             }
             self.shared
                 .firewall
-                .apply(&nft::sandbox_changes(Change::Add, &port, address, policy))
+                .apply(&nft::sandbox_changes(
+                    Change::Add,
+                    &port,
+                    mac,
+                    address,
+                    policy,
+                ))
                 .map_err(NetError::firewall(format!(
                     "add the firewall elements of sandbox {id}"
                 )))
@@ -407,7 +442,7 @@ impl Network {
             Err(err) => {
                 // Deleting what may not exist fails on the first missing
                 // element, so each set is tried alone.
-                for change in nft::sandbox_changes(Change::Delete, &port, address, policy) {
+                for change in nft::sandbox_changes(Change::Delete, &port, mac, address, policy) {
                     let _ = self.shared.firewall.apply(&[change]);
                 }
                 if let Some(index) = made_link {
@@ -489,6 +524,7 @@ impl Network {
                 .apply(&nft::sandbox_changes(
                     Change::Delete,
                     &sandbox.port,
+                    sandbox.mac,
                     sandbox.address,
                     &sandbox.policy,
                 ))
@@ -534,8 +570,8 @@ impl Network {
 /// What `attach` found for an id.
 enum Reserved {
     Attached,
-    /// Not attached: marked busy, with this address offset (saved).
-    Offset(u32),
+    /// Not attached: marked busy, with this address offset and MAC (saved).
+    Offset(u32, [u8; 6]),
 }
 
 impl Shared {
@@ -551,7 +587,14 @@ impl Shared {
         if !state.busy.insert(id.to_owned()) {
             return Err(NetError::Busy { id: id.to_owned() });
         }
-        let Some((offset, changed)) = state.book.reserve(id) else {
+        let reserved = match state.book.reserve(id) {
+            Ok(reserved) => reserved,
+            Err(err) => {
+                state.busy.remove(id);
+                return Err(err);
+            }
+        };
+        let Some((offset, mac, changed)) = reserved else {
             state.busy.remove(id);
             return Err(NetError::RangeFull {
                 range: self.config.range,
@@ -564,14 +607,14 @@ impl Shared {
                 return Err(err);
             }
         }
-        Ok(Reserved::Offset(offset))
+        Ok(Reserved::Offset(offset, mac))
     }
 
-    fn address_of(&self, id: &str) -> Result<(Ipv4Addr, LinkKind, String), NetError> {
+    fn address_of(&self, id: &str) -> Result<(Ipv4Addr, [u8; 6], LinkKind, String), NetError> {
         self.lock()
             .attached
             .get(id)
-            .map(|s| (s.address, s.kind, s.port.clone()))
+            .map(|s| (s.address, s.mac, s.kind, s.port.clone()))
             .ok_or_else(|| NetError::NotAttached { id: id.to_owned() })
     }
 
@@ -636,6 +679,15 @@ impl resolver::Policies for Shared {
         let mut added = Vec::new();
         let mut expiries = Vec::new();
         for (destination, ttl) in answers {
+            // The answer still goes to the sandbox as upstream gave it: the
+            // firewall's fixed deny is what keeps the address closed, for an
+            // open sandbox (which may ask any resolver) as for this one, so
+            // rewriting it would hide nothing, and an unchanged record shows
+            // why a connection to the name fails. It is only not admitted.
+            if self.closed.contains(*destination) {
+                tracing::debug!(sandbox = %source, name, %destination, "resolver: not admitting a closed address");
+                continue;
+            }
             if sandbox.learned.len() + added.len() >= MAX_LEARNED
                 && !sandbox.learned.contains_key(destination)
             {

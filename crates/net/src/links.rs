@@ -7,6 +7,12 @@
 //! policy routing: sandbox traffic (by input interface and source) and the
 //! resolver's upstream queries (by firewall mark) use a table of their own whose
 //! default route is the uplink, so the host's main table is never touched.
+//!
+//! Every sandbox port is isolated, learns nothing and gets no flooded
+//! unicast; the sandbox's MAC is a static, sticky entry of the bridge's
+//! forwarding table on its port. So a sandbox that sends frames from another
+//! sandbox's MAC moves nothing, and the gateway's frames for a sandbox go to
+//! its port only.
 
 use std::net::{IpAddr, Ipv4Addr};
 use std::os::fd::RawFd;
@@ -89,6 +95,38 @@ pub(crate) async fn default_route(handle: &Handle) -> Result<Option<(Ipv4Addr, u
             _ => None,
         }
     }))
+}
+
+/// The IPv4 subnets of the link at `index` (its addresses' networks).
+pub(crate) async fn ipv4_subnets(
+    handle: &Handle,
+    index: u32,
+) -> Result<Vec<ipnet::Ipv4Net>, NetError> {
+    use rtnetlink::packet_route::address::AddressAttribute;
+    let addresses: Vec<_> = handle
+        .address()
+        .get()
+        .set_link_index_filter(index)
+        .execute()
+        .try_collect()
+        .await
+        .map_err(NetError::netlink(format!(
+            "list the addresses of link {index}"
+        )))?;
+    Ok(addresses
+        .iter()
+        .filter_map(|message| {
+            let prefix = message.header.prefix_len;
+            message.attributes.iter().find_map(|a| match a {
+                AddressAttribute::Address(IpAddr::V4(address)) => {
+                    ipnet::Ipv4Net::new(*address, prefix)
+                        .ok()
+                        .map(|n| n.trunc())
+                }
+                _ => None,
+            })
+        })
+        .collect())
 }
 
 /// The name of the link at `index`.
@@ -397,11 +435,17 @@ pub(crate) async fn enslave_tap(
 }
 
 /// Bridge-port isolation: frames from an isolated port reach only
-/// non-isolated ports (the bridge itself), never another sandbox.
+/// non-isolated ports (the bridge itself), never another sandbox. The port
+/// does not learn (a frame from it cannot move any MAC to it) and gets no
+/// unicast flood (a frame for a MAC the bridge does not know, another
+/// sandbox's included, never reaches it); its sandbox's MAC is pinned to it
+/// (`pin_mac`).
 pub(crate) async fn isolate_port(handle: &Handle, port: &str) -> Result<(), NetError> {
     let message = LinkBridgePort::new(0)
         .name(port)
         .append_info_data(InfoBridgePort::Isolated(true))
+        .append_info_data(InfoBridgePort::Learning(false))
+        .append_info_data(InfoBridgePort::UnicastFlood(false))
         .build();
     handle
         .link()
@@ -411,22 +455,61 @@ pub(crate) async fn isolate_port(handle: &Handle, port: &str) -> Result<(), NetE
         .map_err(NetError::netlink(format!("isolate bridge port {port}")))
 }
 
-/// Inside a sandbox's namespace (`lo` and `eth0` are up already): the
-/// address on `eth0`, the default route via the gateway.
+/// A static, sticky entry of the bridge's forwarding table: frames for `mac`
+/// go to the port at `port_index`, and no frame seen elsewhere moves it.
+/// It goes with the port.
+pub(crate) async fn pin_mac(
+    handle: &Handle,
+    port_index: u32,
+    mac: [u8; 6],
+) -> Result<(), NetError> {
+    use rtnetlink::packet_route::neighbour::{NeighbourFlags, NeighbourState};
+    let mut request = handle.neighbours().add_bridge(port_index, &mac).replace();
+    let header = &mut request.message_mut().header;
+    // NOARP without PERMANENT is `bridge fdb add .. master static`:
+    // PERMANENT would make it the bridge's own address, delivered locally.
+    header.state = NeighbourState::Noarp;
+    header.flags = NeighbourFlags::Controller | NeighbourFlags::Sticky;
+    request.execute().await.map_err(NetError::netlink(format!(
+        "pin MAC {} to bridge port {port_index}",
+        crate::addresses::mac_text(&mac)
+    )))
+}
+
+/// Inside a sandbox's namespace (`lo` and `eth0` are up already): the MAC
+/// and address of `eth0`, the default route via the gateway.
 pub(crate) async fn configure_inside(
     handle: &Handle,
     address: Ipv4Addr,
+    mac: [u8; 6],
     prefix_len: u8,
     gateway: Ipv4Addr,
 ) -> Result<(), NetError> {
-    handle
-        .address()
-        .add(SANDBOX_LINK_INDEX, IpAddr::V4(address), prefix_len)
-        .execute()
-        .await
-        .map_err(NetError::netlink(format!(
-            "add {address} to the sandbox's eth0"
-        )))?;
+    // A veth's MAC may change while it is up.
+    let set_mac = async {
+        handle
+            .link()
+            .set(
+                LinkUnspec::new_with_index(SANDBOX_LINK_INDEX)
+                    .address(mac.to_vec())
+                    .build(),
+            )
+            .execute()
+            .await
+            .map_err(NetError::netlink("set the MAC of the sandbox's eth0"))
+    };
+    let add_address = async {
+        handle
+            .address()
+            .add(SANDBOX_LINK_INDEX, IpAddr::V4(address), prefix_len)
+            .execute()
+            .await
+            .map_err(NetError::netlink(format!(
+                "add {address} to the sandbox's eth0"
+            )))
+    };
+    let (set_mac, add_address) = tokio::join!(set_mac, add_address);
+    set_mac.and(add_address)?;
     // The gateway is reachable once eth0 has its address (and so the subnet
     // route); a missing carrier (the host end not up yet) does not matter.
     let route = RouteMessageBuilder::<Ipv4Addr>::new()

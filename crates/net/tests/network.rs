@@ -8,7 +8,9 @@ mod common;
 use std::net::{Ipv4Addr, TcpListener};
 use std::time::{Duration, Instant};
 
-use common::{http_get, inside, resolve, resolve_tcp, World, ALLOWED_IP, DENIED_IP};
+use common::{
+    http_get, inside, resolve, resolve_tcp, World, ALLOWED_IP, DENIED_IP, METADATA_IP, PRIVATE_IP,
+};
 use cove_net::{Link, LinkKind, NetError, Policy, PolicyError};
 use hickory_proto::op::ResponseCode;
 
@@ -613,8 +615,9 @@ async fn a_vm_gets_an_isolated_tap_port_that_detach_removes() {
     assert_eq!(device, &attachment.host_link);
     assert!(attachment.netns_path().is_none());
     assert!(world.config.range.contains(&attachment.address));
-    let [a, b, c, d] = attachment.address.octets();
-    assert_eq!(attachment.guest_mac(), [0x02, 0x76, a, b, c, d]);
+    let mac = attachment.guest_mac();
+    assert_eq!(mac, attachment.mac);
+    assert_eq!(mac[0] & 0x03, 0x02, "locally administered, unicast");
     let sys = std::path::Path::new("/sys/class/net").join(device);
     // A TAP device (tun_flags: IFF_TAP | IFF_NO_PI | IFF_VNET_HDR, persistent),
     // an isolated port of this world's bridge, up.
@@ -632,6 +635,7 @@ async fn a_vm_gets_an_isolated_tap_port_that_detach_removes() {
             .trim(),
         "1"
     );
+    assert_port_pinned(&world, device, mac);
     let tables = world.nft_tables();
     assert!(tables.contains(device.as_str()), "{tables}");
     assert!(tables.contains(&attachment.address.to_string()), "{tables}");
@@ -644,6 +648,15 @@ async fn a_vm_gets_an_isolated_tap_port_that_detach_removes() {
 
     network.detach("vm").await.unwrap();
     assert!(!world.link_exists(device));
+    // A paused VM is detached; its saved memory holds the NIC's MAC, so it
+    // gets the same one when it resumes.
+    let resumed = network
+        .attach_as("vm", &policy, LinkKind::Tap)
+        .await
+        .unwrap();
+    assert_eq!(resumed.guest_mac(), mac);
+    assert_eq!(resumed.address, attachment.address);
+    network.detach("vm").await.unwrap();
     let tables = world.nft_tables();
     assert!(!tables.contains(device.as_str()), "{tables}");
     assert!(
@@ -651,4 +664,256 @@ async fn a_vm_gets_an_isolated_tap_port_that_detach_removes() {
         "{tables}"
     );
     assert!(world.netns_files().is_empty());
+}
+
+/// The port learns nothing, floods no unicast to it, and has `mac` as a
+/// static, sticky forwarding entry.
+fn assert_port_pinned(world: &World, port: &str, mac: [u8; 6]) {
+    let brport = std::path::Path::new("/sys/class/net")
+        .join(port)
+        .join("brport");
+    for (flag, expected) in [("isolated", "1"), ("learning", "0"), ("unicast_flood", "0")] {
+        let value = std::fs::read_to_string(brport.join(flag)).unwrap();
+        assert_eq!(value.trim(), expected, "{port}: {flag}");
+    }
+    let text = mac_text(mac);
+    let entries = world.fdb_entries(&text);
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    let entry = &entries[0];
+    assert!(entry.contains(&format!("dev {port} ")), "{entry}");
+    assert!(entry.contains("static"), "{entry}");
+    assert!(entry.contains("sticky"), "{entry}");
+}
+
+fn mac_text(mac: [u8; 6]) -> String {
+    mac.iter()
+        .map(|b| format!("{b:02x}"))
+        .collect::<Vec<_>>()
+        .join(":")
+}
+
+/// The attack: a sandbox asks for the cloud host's credentials at
+/// 169.254.169.254, or for a host on its private network or its LAN, and the
+/// host's NAT would carry it there as the host.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_sandbox_reaches_the_metadata_service_or_the_hosts_private_world() {
+    if !common::can_run() {
+        return;
+    }
+    let world = World::new();
+    let network = world.network().await;
+    let open = network.attach("open", &Policy::default()).await.unwrap();
+    let lan = world.uplink_neighbour();
+    let (metadata, private, neighbour, public) = inside(open.netns_path().unwrap(), move || {
+        (
+            http_get(METADATA_IP, 80),
+            http_get(PRIVATE_IP, 80),
+            http_get(lan, 80),
+            http_get(ALLOWED_IP, 80),
+        )
+    })
+    .await;
+    assert!(
+        metadata.is_err(),
+        "reached the metadata service: {metadata:?}"
+    );
+    assert!(private.is_err(), "reached a private host: {private:?}");
+    assert!(
+        neighbour.is_err(),
+        "reached the uplink's LAN: {neighbour:?}"
+    );
+    assert_eq!(public.unwrap(), "allowed", "the internet stays reachable");
+
+    // A policy naming them opens nothing: the fixed deny comes first.
+    let policy = Policy {
+        allow_cidrs: vec![
+            cidr("169.254.169.254/32"),
+            cidr("192.168.0.0/16"),
+            cidr("198.51.100.0/24"),
+        ],
+        ..Policy::default()
+    };
+    let listed = network.attach("listed", &policy).await.unwrap();
+    let (metadata, private, public) = inside(listed.netns_path().unwrap(), || {
+        (
+            http_get(METADATA_IP, 80),
+            http_get(PRIVATE_IP, 80),
+            http_get(ALLOWED_IP, 80),
+        )
+    })
+    .await;
+    assert!(
+        metadata.is_err(),
+        "an allow list opened the metadata service: {metadata:?}"
+    );
+    assert!(
+        private.is_err(),
+        "an allow list opened a private host: {private:?}"
+    );
+    assert_eq!(public.unwrap(), "allowed");
+    // The server itself still answers from there: the fake is up.
+    assert_eq!(
+        inside(
+            std::path::Path::new(&format!("/run/netns/fakenet-{}", world.tag)),
+            || { http_get(METADATA_IP, 80) }
+        )
+        .await
+        .unwrap(),
+        "metadata"
+    );
+    network.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_opened_private_range_is_reachable_by_each_sandboxs_policy() {
+    if !common::can_run() {
+        return;
+    }
+    let mut world = World::new();
+    world.config.allow_private_egress = vec![cidr("192.168.77.0/24")];
+    let network = world.network().await;
+    let open = network.attach("open", &Policy::default()).await.unwrap();
+    let (private, metadata) = inside(open.netns_path().unwrap(), || {
+        (http_get(PRIVATE_IP, 80), http_get(METADATA_IP, 80))
+    })
+    .await;
+    assert_eq!(private.unwrap(), "private", "the operator opened it");
+    assert!(metadata.is_err(), "only what was opened: {metadata:?}");
+
+    // The sandbox's own policy still applies to an opened range.
+    let policy = Policy {
+        allow_cidrs: vec![cidr("198.51.100.0/24")],
+        ..Policy::default()
+    };
+    let restricted = network.attach("restricted", &policy).await.unwrap();
+    let private = inside(restricted.netns_path().unwrap(), || {
+        http_get(PRIVATE_IP, 80)
+    })
+    .await;
+    assert!(private.is_err(), "not on its allow list: {private:?}");
+    let policy = Policy {
+        allow_cidrs: vec![cidr("192.168.77.5")],
+        ..Policy::default()
+    };
+    network.set_policy("restricted", &policy).await.unwrap();
+    let private = inside(restricted.netns_path().unwrap(), || {
+        http_get(PRIVATE_IP, 80)
+    })
+    .await;
+    assert_eq!(private.unwrap(), "private");
+    network.shutdown().await.unwrap();
+}
+
+/// The attack: an allowed name whose records point at the host's world
+/// (DNS rebinding, or a name the sandbox's owner controls).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_allowed_name_resolving_to_a_closed_address_opens_nothing() {
+    if !common::can_run() {
+        return;
+    }
+    let world = World::new();
+    let network = world.network().await;
+    let policy = Policy {
+        allow_domains: vec![
+            "metadata.test".into(),
+            "private.test".into(),
+            "allowed.test".into(),
+        ],
+        ..Policy::default()
+    };
+    let attachment = network.attach("rebind", &policy).await.unwrap();
+    let gateway = attachment.gateway;
+    let (metadata_name, private_name, metadata, private, allowed_name, allowed) =
+        inside(attachment.netns_path().unwrap(), move || {
+            (
+                resolve(gateway, "metadata.test"),
+                resolve(gateway, "private.test"),
+                http_get(METADATA_IP, 80),
+                http_get(PRIVATE_IP, 80),
+                resolve(gateway, "allowed.test"),
+                http_get(ALLOWED_IP, 80),
+            )
+        })
+        .await;
+    // The records are answered as upstream gave them ...
+    assert_eq!(
+        metadata_name.unwrap(),
+        (ResponseCode::NoError, vec![METADATA_IP])
+    );
+    assert_eq!(
+        private_name.unwrap(),
+        (ResponseCode::NoError, vec![PRIVATE_IP])
+    );
+    // ... but nothing is admitted, and nothing is reachable.
+    assert!(metadata.is_err(), "{metadata:?}");
+    assert!(private.is_err(), "{private:?}");
+    let tables = world.nft_tables();
+    assert!(!tables.contains(&METADATA_IP.to_string()), "{tables}");
+    assert!(!tables.contains(&format!(". {PRIVATE_IP}")), "{tables}");
+    assert_eq!(allowed_name.unwrap().1, vec![ALLOWED_IP]);
+    assert_eq!(allowed.unwrap(), "allowed");
+    network.shutdown().await.unwrap();
+}
+
+/// The attack: a sandbox (it keeps CAP_NET_RAW) sends frames from another
+/// sandbox's MAC, so that a learning bridge sends that sandbox's traffic to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spoofed_mac_moves_no_traffic_on_the_bridge() {
+    if !common::can_run() {
+        return;
+    }
+    let world = World::new();
+    let network = world.network().await;
+    let a = network.attach("a", &Policy::default()).await.unwrap();
+    let b = network.attach("b", &Policy::default()).await.unwrap();
+    let a_mac = common::parse_mac(&common::eth0_mac(a.netns_path().unwrap()));
+    assert_eq!(a_mac, a.mac, "eth0 has the MAC the network chose");
+    assert_port_pinned(&world, &a.host_link, a.mac);
+    assert_port_pinned(&world, &b.host_link, b.mac);
+
+    // A server in a that the host talks to before and after: the host's
+    // neighbour entry for a stays fresh, so after the spoofing its frames go
+    // wherever the bridge says a's MAC is, with no new ARP to correct it.
+    let a_address = a.address;
+    let listener = inside(a.netns_path().unwrap(), move || {
+        TcpListener::bind((a_address, 8080)).unwrap()
+    })
+    .await;
+    let serve = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        for _ in 0..2 {
+            let (mut stream, _) = listener.accept().unwrap();
+            let mut request = [0u8; 1024];
+            let _ = stream.read(&mut request);
+            let _ = stream.write_all(b"HTTP/1.0 200 OK\r\n\r\nfrom a");
+        }
+    });
+    assert_eq!(http_get(a_address, 8080).unwrap(), "from a");
+
+    // b sends from a's MAC, with its own address (which an address check
+    // alone lets through) and with a's.
+    let bridge_mac = common::parse_mac(
+        &std::fs::read_to_string(format!("/sys/class/net/{}/address", world.tag)).unwrap(),
+    );
+    let (gateway, b_address) = (a.gateway, b.address);
+    inside(b.netns_path().unwrap(), move || {
+        for source in [b_address, a_address] {
+            for _ in 0..5 {
+                common::send_frame(&common::udp_frame(a_mac, bridge_mac, source, gateway))
+                    .expect("send a raw frame");
+            }
+        }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let entries = world.fdb_entries(&mac_text(a.mac));
+    assert_eq!(entries.len(), 1, "{entries:?}");
+    assert!(
+        entries[0].contains(&format!("dev {} ", a.host_link)),
+        "a's MAC moved: {entries:?}"
+    );
+    // The host's traffic for a still reaches a.
+    assert_eq!(http_get(a_address, 8080).unwrap(), "from a");
+    serve.join().unwrap();
+    network.shutdown().await.unwrap();
 }

@@ -3,14 +3,17 @@
 //! every per-sandbox rule, changed over netlink (`elements`) in microseconds.
 //!
 //! - `inet` table: NAT to the uplink; the sandboxes' forwarded traffic goes only
-//!   to the uplink, never to the sandbox range, and passes the policy sets
-//!   (`blocked`, `denied`, `allowed`, `learned`, `restricted`); traffic from the
+//!   to the uplink, never to the sandbox range nor to the host's world (the
+//!   fixed `closed` set, see `closed.rs`, before any allow set), and passes
+//!   the policy sets (`blocked`, `denied`, `allowed`, `learned`,
+//!   `restricted`); traffic from the
 //!   bridge to the host itself is dropped except DNS to the gateway; nothing may
 //!   open a connection into a sandbox through the host.
 //! - `bridge` table: a frame from a sandbox's port must carry that sandbox's
-//!   IPv4 address (`ports`), since a sandbox that can send raw packets (a VM's
-//!   root can; containers no longer keep CAP_NET_RAW) could otherwise borrow
-//!   another sandbox's policy by spoofing its address.
+//!   MAC and IPv4 address (`ports`; in ARP, as sender too), since a sandbox
+//!   that can send raw packets (a VM's root can; containers no longer keep
+//!   CAP_NET_RAW) could otherwise borrow another sandbox's policy by spoofing
+//!   its address, or its traffic by spoofing its MAC.
 
 pub(crate) mod elements;
 
@@ -21,6 +24,7 @@ use std::sync::Mutex;
 use ipnet::Ipv4Net;
 use tokio::io::AsyncWriteExt;
 
+use crate::closed::ClosedRanges;
 use crate::config::NetworkConfig;
 use crate::policy::CompiledPolicy;
 use crate::NetError;
@@ -32,17 +36,25 @@ pub(crate) const ALLOWED: &str = "allowed";
 pub(crate) const DENIED: &str = "denied";
 pub(crate) const LEARNED: &str = "learned";
 pub(crate) const PORTS: &str = "ports";
+pub(crate) const CLOSED: &str = "closed";
 
 /// The whole ruleset of one network. Deleting the tables first (after making
 /// sure they exist, so the delete cannot fail) makes loading it idempotent and
-/// clears the elements of a previous run in the same transaction.
-pub(crate) fn ruleset(config: &NetworkConfig) -> String {
+/// clears the elements of a previous run in the same transaction. `closed`
+/// is fixed for the network's life, so it is written here, not over netlink.
+pub(crate) fn ruleset(config: &NetworkConfig, closed: &ClosedRanges) -> String {
     let table = config.table();
     let bridge = &config.bridge;
     let uplink = &config.uplink.interface;
     let range = config.range;
     let gateway = config.gateway();
     let ports = config.port_pattern();
+    let closed_elements = if closed.nets().is_empty() {
+        String::new()
+    } else {
+        let nets: Vec<String> = closed.nets().iter().map(|n| n.to_string()).collect();
+        format!(" elements = {{ {} }};", nets.join(", "))
+    };
     format!(
         r#"table inet {table} {{}}
 delete table inet {table}
@@ -54,6 +66,7 @@ table inet {table} {{
     set {ALLOWED} {{ type ipv4_addr . ipv4_addr; flags interval; }}
     set {DENIED} {{ type ipv4_addr . ipv4_addr; flags interval; }}
     set {LEARNED} {{ type ipv4_addr . ipv4_addr; flags timeout; }}
+    set {CLOSED} {{ type ipv4_addr; flags interval;{closed_elements} }}
     chain forward {{
         type filter hook forward priority filter; policy accept;
         iifname "{bridge}" jump egress
@@ -64,6 +77,7 @@ table inet {table} {{
         meta nfproto ipv6 drop
         oifname != "{uplink}" drop
         ip daddr {range} drop
+        ip daddr @{CLOSED} drop
         ip saddr @{BLOCKED} drop
         ip saddr . ip daddr @{DENIED} drop
         ip saddr . ip daddr @{ALLOWED} accept
@@ -86,12 +100,12 @@ table inet {table} {{
     }}
 }}
 table bridge {table} {{
-    set {PORTS} {{ type ifname . ipv4_addr; }}
+    set {PORTS} {{ type ifname . ether_addr . ipv4_addr; }}
     chain prerouting {{
         type filter hook prerouting priority filter; policy accept;
         iifname != "{ports}" accept
-        iifname . ip saddr @{PORTS} accept
-        iifname . arp saddr ip @{PORTS} accept
+        iifname . ether saddr . ip saddr @{PORTS} accept
+        iifname . ether saddr . arp saddr ip @{PORTS} iifname . arp saddr ether . arp saddr ip @{PORTS} accept
         drop
     }}
 }}
@@ -231,11 +245,14 @@ pub(crate) fn learned(
     }
 }
 
-/// `port . address` in the bridge table; an ifname key is 16 bytes, NUL-padded.
-fn port(port: &str, address: Ipv4Addr) -> Element {
-    let mut key = [0u8; 20];
+/// `port . mac . address` in the bridge table. An ifname key is 16 bytes,
+/// NUL-padded; each part of a concatenation takes whole 32-bit registers, so
+/// the 6-byte MAC is padded to 8.
+fn port(port: &str, mac: [u8; 6], address: Ipv4Addr) -> Element {
+    let mut key = [0u8; 28];
     key[..port.len()].copy_from_slice(port.as_bytes());
-    key[16..].copy_from_slice(&address.octets());
+    key[16..22].copy_from_slice(&mac);
+    key[24..].copy_from_slice(&address.octets());
     Element {
         key: key.to_vec(),
         key_end: None,
@@ -268,6 +285,7 @@ fn policy_elements(
 pub(crate) fn sandbox_changes(
     change: Change,
     port_name: &str,
+    mac: [u8; 6],
     address: Ipv4Addr,
     policy: &CompiledPolicy,
 ) -> Vec<Changes> {
@@ -275,7 +293,7 @@ pub(crate) fn sandbox_changes(
         change,
         family: Family::Bridge,
         set: PORTS,
-        elements: vec![port(port_name, address)],
+        elements: vec![port(port_name, mac, address)],
     }];
     for (set, elements) in policy_elements(address, policy) {
         changes.push(Changes::inet(change, set, elements));
@@ -327,17 +345,26 @@ mod tests {
     }
 
     const SANDBOX: Ipv4Addr = Ipv4Addr::new(10, 77, 0, 2);
+    const MAC: [u8; 6] = [0x02, 0xaa, 0xbb, 0xcc, 0xdd, 0xee];
 
     #[test]
     fn an_open_sandbox_has_only_its_port_binding() {
-        let changes = sandbox_changes(Change::Add, "cove0v2", SANDBOX, &compile(Policy::default()));
+        let changes = sandbox_changes(
+            Change::Add,
+            "cove0v2",
+            MAC,
+            SANDBOX,
+            &compile(Policy::default()),
+        );
         let non_empty: Vec<_> = changes.iter().filter(|c| !c.elements.is_empty()).collect();
         assert_eq!(non_empty.len(), 1);
         assert_eq!(non_empty[0].set, PORTS);
         let key = &non_empty[0].elements[0].key;
         assert_eq!(&key[..7], b"cove0v2");
         assert!(key[7..16].iter().all(|b| *b == 0));
-        assert_eq!(&key[16..], &[10, 77, 0, 2]);
+        assert_eq!(&key[16..22], &MAC);
+        assert_eq!(&key[22..24], &[0, 0]);
+        assert_eq!(&key[24..], &[10, 77, 0, 2]);
     }
 
     #[test]
@@ -346,7 +373,7 @@ mod tests {
             allow_cidrs: vec!["198.51.100.0/24".parse().unwrap()],
             ..Policy::default()
         });
-        let changes = sandbox_changes(Change::Add, "cove0v2", SANDBOX, &policy);
+        let changes = sandbox_changes(Change::Add, "cove0v2", MAC, SANDBOX, &policy);
         let set = |name| changes.iter().find(|c| c.set == name).unwrap();
         assert_eq!(set(RESTRICTED).elements, vec![single(SANDBOX)]);
         assert!(set(BLOCKED).elements.is_empty());
@@ -391,10 +418,17 @@ mod tests {
             vec![Ipv4Addr::new(198, 51, 100, 53)],
             "/tmp/x".into(),
         );
-        let text = ruleset(&config);
+        let closed = ClosedRanges::new(&["198.18.0.0/30".parse().unwrap()], &[]);
+        let text = ruleset(&config, &closed);
         assert!(text.contains("ip saddr 10.77.0.0/16 oifname \"up0\" masquerade"));
         assert!(text.contains("iifname != \"cove0v*\" accept"));
         assert!(text.contains("ip daddr 10.77.0.1 udp dport 53 accept"));
         assert!(text.starts_with("table inet cove0 {}\ndelete table inet cove0\n"));
+        assert!(text.contains("169.254.0.0/16, 172.16.0.0/12"), "{text}");
+        assert!(text.contains("198.18.0.0/30"), "{text}");
+        // The fixed deny comes before any allow set.
+        let closed_at = text.find("ip daddr @closed drop").unwrap();
+        assert!(closed_at < text.find("@allowed accept").unwrap());
+        assert!(closed_at < text.find("@learned accept").unwrap());
     }
 }

@@ -1,10 +1,14 @@
 //! A fake internet for the network tests, all on this machine: a namespace
 //! `fakenet-<tag>` joined to the host by a veth (the uplink cove is given), with
-//! a DNS server (allowed.test -> 198.51.100.10, denied.test -> 203.0.113.10) and
-//! an HTTP server on each of those two addresses. Sandbox traffic reaches it
-//! only through cove's routing table, whose default route is this veth, so
-//! nothing a test does leaves the machine. Everything is removed on drop, also
-//! when the test failed.
+//! a DNS server (allowed.test -> 198.51.100.10, denied.test -> 203.0.113.10,
+//! metadata.test -> 169.254.169.254, private.test -> 192.168.77.5) and an HTTP
+//! server on each of those addresses and on the uplink's far end (a neighbour
+//! on the host's LAN). The metadata and private servers are what a cloud host
+//! has next to it: its credentials service and its private network. Their
+//! addresses exist only in this namespace. Sandbox traffic reaches it only
+//! through cove's routing table, whose default route is this veth, so nothing
+//! a test does leaves the machine. Everything is removed on drop, also when
+//! the test failed.
 #![allow(dead_code)]
 
 use std::io::{Read, Write};
@@ -24,6 +28,10 @@ use hickory_proto::rr::{rdata::A, Name, RData, Record, RecordType};
 pub const ALLOWED_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
 pub const DENIED_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
 pub const DNS_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 53);
+/// A cloud host's metadata service (its credentials), faked.
+pub const METADATA_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
+/// A host on the cloud host's private network, faked.
+pub const PRIVATE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 5);
 pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// Whether the tests can run here; says why not when they cannot.
@@ -101,6 +109,7 @@ impl World {
             route_table: 20000 + (pid % 1000) * 16 + n,
             rule_priority: 7000 + n,
             netns_pool: 2,
+            allow_private_egress: Vec::new(),
         };
         let mut world = Self {
             tag,
@@ -150,6 +159,8 @@ impl World {
             vec!["addr", "add", "198.51.100.10/32", "dev", "lo"],
             vec!["addr", "add", "198.51.100.53/32", "dev", "lo"],
             vec!["addr", "add", "203.0.113.10/32", "dev", "lo"],
+            vec!["addr", "add", "169.254.169.254/32", "dev", "lo"],
+            vec!["addr", "add", "192.168.77.5/32", "dev", "lo"],
         ] {
             let mut full = vec!["ip", "-n", ns.as_str()];
             full.extend(args);
@@ -157,9 +168,25 @@ impl World {
         }
         self.servers = Some(start_servers(
             Path::new("/run/netns").join(&ns),
+            self.uplink_neighbour(),
             Arc::clone(&self.dns_log),
         ));
         Ok(())
+    }
+
+    /// The uplink's far end, on the host's LAN (its subnet is the uplink's).
+    pub fn uplink_neighbour(&self) -> Ipv4Addr {
+        self.config.uplink.gateway
+    }
+
+    /// This world's bridge forwarding entries for `mac`, as `bridge fdb`
+    /// shows them (`MAC dev PORT master BRIDGE static sticky`).
+    pub fn fdb_entries(&self, mac: &str) -> Vec<String> {
+        output(&["bridge", "fdb", "show", "br", &self.tag])
+            .lines()
+            .filter(|line| line.starts_with(mac))
+            .map(str::to_owned)
+            .collect()
     }
 
     pub async fn network(&self) -> Network {
@@ -296,6 +323,117 @@ pub async fn inside<T: Send + 'static>(
     .expect("join the sandbox thread")
 }
 
+/// The MAC of `eth0` in the namespace at `netns`, as `ip` prints it (not
+/// from /sys, which stays the host's after entering only a network namespace).
+pub fn eth0_mac(netns: &Path) -> String {
+    let shown = output(&[
+        "nsenter",
+        &format!("--net={}", netns.display()),
+        "ip",
+        "-o",
+        "link",
+        "show",
+        "eth0",
+    ]);
+    shown
+        .split_whitespace()
+        .skip_while(|w| *w != "link/ether")
+        .nth(1)
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// `aa:bb:cc:dd:ee:ff` as bytes.
+pub fn parse_mac(text: &str) -> [u8; 6] {
+    let mut mac = [0u8; 6];
+    for (byte, part) in mac.iter_mut().zip(text.trim().split(':')) {
+        *byte = u8::from_str_radix(part, 16).unwrap();
+    }
+    mac
+}
+
+/// Sends one raw Ethernet frame out of `eth0` (index 2) of this thread's
+/// namespace, as a sandbox with CAP_NET_RAW can.
+#[allow(unsafe_code)]
+pub fn send_frame(frame: &[u8]) -> std::io::Result<()> {
+    // SAFETY: a plain socket call; the descriptor is owned right after.
+    let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a new descriptor nothing else owns.
+    let socket = unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) };
+    // SAFETY: sockaddr_ll is plain old data; all-zero is a valid value.
+    let mut address: libc::sockaddr_ll = unsafe { std::mem::zeroed() };
+    address.sll_family = libc::AF_PACKET as u16;
+    address.sll_ifindex = 2;
+    address.sll_halen = 6;
+    address.sll_addr[..6].copy_from_slice(&frame[..6]);
+    // SAFETY: the frame and the address outlive the call; the length is
+    // the address's size.
+    let sent = unsafe {
+        libc::sendto(
+            std::os::fd::AsRawFd::as_raw_fd(&socket),
+            frame.as_ptr().cast(),
+            frame.len(),
+            0,
+            (&address as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as libc::socklen_t,
+        )
+    };
+    if sent < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// An Ethernet frame carrying a UDP datagram (to port 9, "discard") from
+/// `source` to `destination`, sent from `from_mac` to `to_mac`.
+pub fn udp_frame(
+    from_mac: [u8; 6],
+    to_mac: [u8; 6],
+    source: Ipv4Addr,
+    destination: Ipv4Addr,
+) -> Vec<u8> {
+    let payload = b"spoofed";
+    let udp_len = 8 + payload.len();
+    let total = 20 + udp_len;
+    let mut ip = vec![
+        0x45,
+        0,
+        (total >> 8) as u8,
+        total as u8,
+        0,
+        0,
+        0x40,
+        0,
+        64,
+        17,
+        0,
+        0,
+    ];
+    ip.extend_from_slice(&source.octets());
+    ip.extend_from_slice(&destination.octets());
+    let sum = ip
+        .chunks(2)
+        .map(|pair| u32::from(u16::from_be_bytes([pair[0], pair[1]])))
+        .sum::<u32>();
+    let sum = (sum & 0xffff) + (sum >> 16);
+    let folded = !(((sum & 0xffff) + (sum >> 16)) as u16);
+    ip[10..12].copy_from_slice(&folded.to_be_bytes());
+    let mut frame = Vec::new();
+    frame.extend_from_slice(&to_mac);
+    frame.extend_from_slice(&from_mac);
+    frame.extend_from_slice(&[0x08, 0x00]);
+    frame.extend_from_slice(&ip);
+    frame.extend_from_slice(&40000u16.to_be_bytes());
+    frame.extend_from_slice(&9u16.to_be_bytes());
+    frame.extend_from_slice(&(udp_len as u16).to_be_bytes());
+    frame.extend_from_slice(&[0, 0]); // no checksum
+    frame.extend_from_slice(payload);
+    frame
+}
+
 /// GET / from `address:port`: the body, or why it failed.
 pub fn http_get(address: Ipv4Addr, port: u16) -> Result<String, String> {
     let target = SocketAddr::from((address, port));
@@ -379,6 +517,7 @@ fn parse_answer(bytes: &[u8]) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
 /// The fake internet's servers, on a thread inside its namespace.
 fn start_servers(
     netns: PathBuf,
+    neighbour: Ipv4Addr,
     dns_log: Arc<Mutex<Vec<String>>>,
 ) -> (
     std::thread::JoinHandle<()>,
@@ -405,12 +544,24 @@ fn start_servers(
             let denied = tokio::net::TcpListener::bind((DENIED_IP, 80))
                 .await
                 .unwrap();
+            let metadata = tokio::net::TcpListener::bind((METADATA_IP, 80))
+                .await
+                .unwrap();
+            let private = tokio::net::TcpListener::bind((PRIVATE_IP, 80))
+                .await
+                .unwrap();
+            let lan = tokio::net::TcpListener::bind((neighbour, 80))
+                .await
+                .unwrap();
             ready_tx.send(()).unwrap();
             tokio::select! {
                 _ = serve_dns(dns, Arc::clone(&dns_log)) => {}
                 _ = serve_dns_tcp(dns_tcp, dns_log) => {}
                 _ = serve_http(allowed, "allowed") => {}
                 _ = serve_http(denied, "denied") => {}
+                _ = serve_http(metadata, "metadata") => {}
+                _ = serve_http(private, "private") => {}
+                _ = serve_http(lan, "lan") => {}
                 _ = stop_rx.wait_for(|stop| *stop) => {}
             }
         });
@@ -493,6 +644,8 @@ fn dns_answer(query: &[u8], log: &Mutex<Vec<String>>) -> Option<Vec<u8>> {
     let address = match name.as_str() {
         "allowed.test" => Some(ALLOWED_IP),
         "denied.test" => Some(DENIED_IP),
+        "metadata.test" => Some(METADATA_IP),
+        "private.test" => Some(PRIVATE_IP),
         _ => None,
     };
     match (address, question.query_type()) {

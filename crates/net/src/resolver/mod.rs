@@ -6,7 +6,11 @@
 //! allow set before the answer leaves, so the connection that follows passes.
 //!
 //! Names that are not allowed are never forwarded, so a restricted sandbox
-//! cannot tunnel data out through DNS queries either.
+//! cannot tunnel data out through DNS queries either. Each sandbox gets a
+//! share of the resolver (`limit`): a few TCP connections and queries in
+//! flight; over it, a UDP query is dropped and a TCP connection closed.
+
+mod limit;
 
 use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::AsFd;
@@ -22,6 +26,7 @@ use tokio::task::JoinSet;
 
 use crate::policy::Resolution;
 use crate::NetError;
+use limit::PerSource;
 
 /// How long one upstream may take to answer before the next is tried.
 const UPSTREAM_TIMEOUT: Duration = Duration::from_secs(3);
@@ -30,6 +35,14 @@ const TCP_IDLE: Duration = Duration::from_secs(10);
 /// Queries in flight at once, over all sandboxes; more are dropped (UDP) or
 /// wait (TCP), so a flood costs bounded memory.
 const MAX_IN_FLIGHT: usize = 512;
+/// Queries in flight at once from one sandbox (UDP and TCP): a sixteenth of
+/// the whole, so one sandbox whose queries upstream never answers (each held
+/// up to `UPSTREAM_TIMEOUT` per upstream) leaves the rest to the others.
+/// Resolvers in C libraries send at most a few queries per lookup.
+const MAX_IN_FLIGHT_PER_SANDBOX: usize = 32;
+/// Open TCP connections from one sandbox. Each is a task held up to
+/// `TCP_IDLE`; clients fall back to TCP only for truncated answers.
+const MAX_CONNECTIONS_PER_SANDBOX: usize = 8;
 
 /// What the resolver needs from the network: the policy of whoever asks, and a
 /// way to admit answered addresses.
@@ -56,6 +69,8 @@ struct Context {
     upstreams: Vec<SocketAddrV4>,
     mark: u32,
     in_flight: Arc<Semaphore>,
+    queries: Arc<PerSource>,
+    connections: Arc<PerSource>,
 }
 
 impl Resolver {
@@ -78,6 +93,8 @@ impl Resolver {
             upstreams,
             mark,
             in_flight: Arc::new(Semaphore::new(MAX_IN_FLIGHT)),
+            queries: PerSource::new("queries in flight", MAX_IN_FLIGHT_PER_SANDBOX),
+            connections: PerSource::new("TCP connections", MAX_CONNECTIONS_PER_SANDBOX),
         });
         let mut tasks = JoinSet::new();
         tasks.spawn(serve_udp(Arc::new(udp), Arc::clone(&context)));
@@ -103,8 +120,15 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>) {
                 continue;
             }
         };
+        let SocketAddr::V4(source) = peer else {
+            continue; // bound to an IPv4 address: never
+        };
+        // The client retries; dropping is what an overloaded server does.
+        let Ok(slot) = context.queries.try_take(*source.ip()) else {
+            continue;
+        };
         let Ok(permit) = Arc::clone(&context.in_flight).try_acquire_owned() else {
-            continue; // the client retries; dropping is what an overloaded server does
+            continue;
         };
         let query = buffer[..len].to_vec();
         let socket = Arc::clone(&socket);
@@ -113,7 +137,7 @@ async fn serve_udp(socket: Arc<UdpSocket>, context: Arc<Context>) {
             if let Some(reply) = answer(&context, peer, &query, Transport::Udp).await {
                 let _ = socket.send_to(&reply, peer).await;
             }
-            drop(permit);
+            drop((permit, slot));
         });
     }
 }
@@ -128,16 +152,25 @@ async fn serve_tcp(listener: TcpListener, context: Arc<Context>) {
                 continue;
             }
         };
+        let SocketAddr::V4(source) = peer else {
+            continue;
+        };
+        // Closing at once refuses the connection; the client tries UDP or
+        // again later.
+        let Ok(connection) = context.connections.try_take(*source.ip()) else {
+            continue;
+        };
         let context = Arc::clone(&context);
         tokio::spawn(async move {
-            let _ = serve_tcp_client(stream, peer, &context).await;
+            let _ = serve_tcp_client(stream, source, &context).await;
+            drop(connection);
         });
     }
 }
 
 async fn serve_tcp_client(
     mut stream: TcpStream,
-    peer: SocketAddr,
+    peer: SocketAddrV4,
     context: &Context,
 ) -> std::io::Result<()> {
     loop {
@@ -145,11 +178,14 @@ async fn serve_tcp_client(
             return Ok(());
         };
         let query = query?;
+        let Ok(slot) = context.queries.try_take(*peer.ip()) else {
+            return Ok(());
+        };
         let Ok(permit) = context.in_flight.acquire().await else {
             return Ok(());
         };
-        let reply = answer(context, peer, &query, Transport::Tcp).await;
-        drop(permit);
+        let reply = answer(context, peer.into(), &query, Transport::Tcp).await;
+        drop((permit, slot));
         match reply {
             Some(reply) => write_framed(&mut stream, &reply).await?,
             None => return Ok(()),
