@@ -588,3 +588,42 @@ async fn a_restart_clears_build_scratch_but_keeps_uploaded_contexts() {
     assert!(!contexts.join(".builds").exists());
     assert!(contexts.join("abc123/context.tar").is_file());
 }
+
+/// Attack: a hostile Dockerfile's `RUN` (a fork bomb, a miner) outlives the
+/// server when it crashes mid-build: its build sandbox is no sandbox
+/// record, so before, nothing ever ended its processes or removed its
+/// cgroup and directory. Restart recovery now destroys every build sandbox
+/// it finds through the runtime, and nothing else.
+#[tokio::test]
+async fn a_restart_destroys_the_build_sandboxes_a_crash_left() {
+    let h = harness().await;
+    let kept = h.engine.create(named("kept")).await.unwrap();
+    let fake = Arc::new(FakeRuntime::new());
+    let spec = |id: &str| {
+        cove_runtime::SandboxSpec::bare(
+            id,
+            "x",
+            "/rootfs".into(),
+            cove_runtime::Resources {
+                cpu: 1,
+                memory_mib: 1024,
+                disk_gib: 3,
+            },
+        )
+    };
+    let leftover = "build-0123456789abcdef0123456789abcdef";
+    for id in [kept.id.as_str(), leftover] {
+        fake.prepare(&spec(id)).await.unwrap();
+    }
+    fake.start(&spec(leftover)).await.unwrap();
+    assert!(fake.is_running(leftover).await);
+
+    let engine = engine_on(h.store.clone(), fake.clone()).await;
+    engine.recover_after_restart().await.unwrap();
+    assert_eq!(fake.machines(), [kept.id.clone()]);
+    assert!(fake.calls().contains(&format!("destroy {leftover}")));
+    assert_eq!(
+        engine.get(&kept.id).await.unwrap().state,
+        SandboxState::Started
+    );
+}
