@@ -156,7 +156,7 @@ pub async fn build_logs(
         "text/plain; charset=utf-8",
     )];
     if !query.follow {
-        let (lines, _) = log.read(0);
+        let (lines, _) = log.read_all();
         let body: String = lines.iter().map(|l| format!("{l}\n")).collect();
         return Ok(axum::response::IntoResponse::into_response((
             text_plain, body,
@@ -168,11 +168,10 @@ pub async fn build_logs(
                 return None;
             }
             loop {
-                let (lines, done) = log.read(seen);
+                let (lines, next, done) = log.read(seen);
                 if !lines.is_empty() || done {
                     let chunk: String = lines.iter().map(|l| format!("{l}\n")).collect();
-                    let seen = seen + lines.len();
-                    return Some((Ok::<_, std::convert::Infallible>(chunk), (log, seen, done)));
+                    return Some((Ok::<_, std::convert::Infallible>(chunk), (log, next, done)));
                 }
                 log.wait(seen).await;
             }

@@ -125,7 +125,7 @@ impl Engine {
     /// Ends a build's log and keeps its lines, so they outlive this server.
     /// Kept first, so whoever sees the log end can also read it back.
     async fn finish_log(&self, snapshot_id: &str, log: &BuildLog) {
-        let (lines, _) = log.read(0);
+        let (lines, _) = log.read_all();
         if let Err(error) = self.inner.store.save_build_log(snapshot_id, &lines).await {
             tracing::error!(snapshot = %snapshot_id, %error, "keeping a build log");
         }

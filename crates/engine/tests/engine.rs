@@ -543,18 +543,18 @@ async fn a_finished_build_log_outlives_the_server() {
         .unwrap();
     let live = h.engine.build_log(&snapshot.id).await.unwrap();
     loop {
-        let (_, done) = live.read(0);
+        let (_, done) = live.read_all();
         if done {
             break;
         }
         live.wait(0).await;
     }
-    let (written, _) = live.read(0);
+    let (written, _) = live.read_all();
     assert!(written.iter().any(|l| l == "build complete"), "{written:?}");
     // A new server on the same store reads the same lines.
     let restarted = engine_on(h.store.clone(), h.fake.clone()).await;
     let kept = restarted.build_log("logged").await.unwrap();
-    assert_eq!(kept.read(0), (written, true));
+    assert_eq!(kept.read_all(), (written, true));
     // Deleting the snapshot deletes its log.
     restarted.delete_snapshot("logged").await.unwrap();
     assert_eq!(h.store.find_build_log(&snapshot.id).await.unwrap(), None);
