@@ -113,6 +113,14 @@ pub struct ServeArgs {
     /// `POST /api/sandbox/{id}/ssh-access`); its host key is kept in the data dir.
     #[arg(long, env = "COVE_SSH_LISTEN", default_value = "0.0.0.0:2222")]
     pub ssh_listen: SocketAddr,
+    /// The largest build context (an `Image`'s local files) a client may
+    /// upload, GiB.
+    #[arg(long, env = "COVE_MAX_BUILD_CONTEXT_GIB", default_value_t = 10)]
+    pub max_build_context_gib: u64,
+    /// How many build-context uploads in parts one set of push credentials
+    /// may have in progress at once.
+    #[arg(long, default_value_t = 16)]
+    pub max_context_uploads: usize,
     /// How often timers are checked, in milliseconds.
     #[arg(long, default_value_t = 1000, hide = true)]
     pub timer_tick_ms: u64,
@@ -274,6 +282,10 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         // On the sandbox storage, so a volume is as durable as a sandbox's disk.
         volumes_dir: Some(storage.root().join("volumes")),
         build_contexts_dir: Some(data_dir.join("build-contexts")),
+        context_limits: cove_engine::ContextLimits {
+            max_bytes: args.max_build_context_gib << 30,
+            max_uploads_per_grant: args.max_context_uploads,
+        },
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);

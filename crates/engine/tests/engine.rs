@@ -627,3 +627,144 @@ async fn a_restart_destroys_the_build_sandboxes_a_crash_left() {
         SandboxState::Started
     );
 }
+
+/// An engine whose build contexts may be at most `max_bytes`, two uploads
+/// in parts per grant.
+fn context_engine(dir: &std::path::Path, store: Store) -> Engine {
+    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
+        SandboxClass::Container,
+        Arc::new(FakeRuntime::new()) as Arc<dyn Runtime>,
+    )]);
+    let config = EngineConfig {
+        build_contexts_dir: Some(dir.join("contexts")),
+        context_limits: cove_engine::ContextLimits {
+            max_bytes: 1000,
+            max_uploads_per_grant: 2,
+        },
+        ..EngineConfig::default()
+    };
+    Engine::new(config, store, runtimes)
+}
+
+fn body(
+    chunks: &[usize],
+) -> impl futures_util::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Unpin {
+    let chunks: Vec<_> = chunks
+        .iter()
+        .map(|&n| Ok(bytes::Bytes::from(vec![b'x'; n])))
+        .collect();
+    futures_util::stream::iter(chunks)
+}
+
+/// Every file under `dir`, relative.
+fn files_under(dir: &std::path::Path) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(next) = pending.pop() {
+        for entry in std::fs::read_dir(&next).into_iter().flatten().flatten() {
+            if entry.file_type().unwrap().is_dir() {
+                pending.push(entry.path());
+            } else {
+                found.push(
+                    entry
+                        .path()
+                        .strip_prefix(dir)
+                        .unwrap()
+                        .display()
+                        .to_string(),
+                );
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Attack: a client with push credentials streams an endless build context
+/// (one PUT, or parts that each fit but together do not) to fill the
+/// server's disk, or opens uploads in parts without end. Each is refused
+/// at the limit with `ContextTooLarge` (S3's EntityTooLarge) and nothing
+/// of it stays on disk; a context within the limit is stored.
+#[tokio::test]
+async fn build_context_uploads_are_bounded_and_leave_nothing_when_refused() {
+    use cove_engine::ErrorKind;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let engine = context_engine(dir.path(), store);
+    let contexts = dir.path().join("contexts");
+    let grant = engine.issue_push_grant("cove").unwrap();
+    let key = "cove/0123abcd/context.tar";
+
+    let error = engine
+        .put_context(&grant, key, body(&[600, 600, 600]), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            EngineError::ContextTooLarge {
+                limit_bytes: 1000,
+                ..
+            }
+        ),
+        "{error}"
+    );
+    assert_eq!(error.kind(), ErrorKind::BadRequest);
+    assert_eq!(files_under(&contexts), Vec::<String>::new());
+
+    // Parts that fit one by one but not together: the whole upload goes.
+    let upload = engine.start_context_upload(&grant, key).await.unwrap();
+    engine
+        .put_context_part(&grant, key, &upload, 1, body(&[600]), None)
+        .await
+        .unwrap();
+    // The same part sent again counts once.
+    engine
+        .put_context_part(&grant, key, &upload, 1, body(&[600]), None)
+        .await
+        .unwrap();
+    let error = engine
+        .put_context_part(&grant, key, &upload, 2, body(&[300, 300]), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, EngineError::ContextTooLarge { .. }),
+        "{error}"
+    );
+    assert_eq!(files_under(&contexts), Vec::<String>::new());
+    let gone = engine
+        .put_context_part(&grant, key, &upload, 3, body(&[1]), None)
+        .await
+        .unwrap_err();
+    assert_eq!(gone.kind(), ErrorKind::BadRequest, "{gone}");
+
+    // At most two uploads in parts per grant.
+    let first = engine.start_context_upload(&grant, key).await.unwrap();
+    engine.start_context_upload(&grant, key).await.unwrap();
+    let error = engine.start_context_upload(&grant, key).await.unwrap_err();
+    assert!(
+        matches!(error, EngineError::TooManyUploads { limit: 2 }),
+        "{error}"
+    );
+    engine
+        .abort_context_upload(&grant, key, &first)
+        .await
+        .unwrap();
+    let upload = engine.start_context_upload(&grant, key).await.unwrap();
+
+    // Within the limit: stored.
+    engine
+        .put_context_part(&grant, key, &upload, 1, body(&[500]), None)
+        .await
+        .unwrap();
+    engine
+        .put_context_part(&grant, key, &upload, 2, body(&[500]), None)
+        .await
+        .unwrap();
+    engine
+        .complete_context_upload(&grant, key, &upload, &[1, 2])
+        .await
+        .unwrap();
+    let stored = engine.head_context(&grant, key).await.unwrap().unwrap();
+    assert_eq!(stored.size, 1000);
+}
