@@ -270,8 +270,11 @@ pub struct ImportRequest {
 }
 
 /// `POST /snapshots/import` (a cove extension, used by `cove image import`):
-/// registers an OCI layout directory or `docker save` tarball on the server's
-/// host as a snapshot.
+/// registers an OCI layout directory or `docker save` tarball as a
+/// snapshot. `path` names it inside the server's import directory (`serve
+/// --import-dir`; relative to it, or absolute under it); anything else,
+/// and a symbolic link on the way, is refused with 400 naming that
+/// directory.
 pub async fn import(
     State(state): State<AppState>,
     body: Result<Json<ImportRequest>, axum::extract::rejection::JsonRejection>,

@@ -38,6 +38,10 @@ pub struct EngineConfig {
     pub build_contexts_dir: Option<std::path::PathBuf>,
     /// What one client may upload as build contexts.
     pub context_limits: ContextLimits,
+    /// Where `POST /api/snapshots/import` may read image archives and
+    /// layouts from (a client names a path inside it); without one,
+    /// imports are refused.
+    pub import_dir: Option<std::path::PathBuf>,
 }
 
 /// Bounds on build-context uploads: a client with push credentials must
@@ -79,6 +83,7 @@ impl Default for EngineConfig {
             volumes_dir: None,
             build_contexts_dir: None,
             context_limits: ContextLimits::default(),
+            import_dir: None,
         }
     }
 }

@@ -768,3 +768,60 @@ async fn build_context_uploads_are_bounded_and_leave_nothing_when_refused() {
     let stored = engine.head_context(&grant, key).await.unwrap().unwrap();
     assert_eq!(stored.size, 1000);
 }
+
+/// Attack: anyone with the API key named any host path for
+/// `POST /api/snapshots/import`, making the server read `/etc`, another
+/// data dir, or follow a symlink planted in the import directory. The
+/// engine now reads only inside its import directory and answers 400
+/// naming it for anything else; a path inside is read.
+#[tokio::test]
+async fn imports_read_nothing_outside_the_import_directory() {
+    use cove_engine::ErrorKind;
+    let dir = tempfile::tempdir().unwrap();
+    let import = dir.path().join("import");
+    std::fs::create_dir_all(&import).unwrap();
+    let import = import.canonicalize().unwrap();
+    std::fs::write(import.join("junk.tar"), "not an image").unwrap();
+    std::fs::write(dir.path().join("secret.tar"), "not yours").unwrap();
+    std::os::unix::fs::symlink(dir.path(), import.join("escape")).unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
+        SandboxClass::Container,
+        Arc::new(FakeRuntime::new()) as Arc<dyn Runtime>,
+    )]);
+    let config = EngineConfig {
+        images: Some(cove_oci::ImageStore::new(dir.path().join("images"))),
+        import_dir: Some(import.clone()),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(config, store, runtimes);
+    for path in [
+        dir.path().join("secret.tar"),
+        "../secret.tar".into(),
+        "escape/secret.tar".into(),
+        import.join("escape/secret.tar"),
+        "/etc/passwd".into(),
+    ] {
+        let error = engine
+            .import_image_snapshot("stolen", &path)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(error, EngineError::OutsideImportDir { .. }),
+            "{}: {error}",
+            path.display()
+        );
+        assert_eq!(error.kind(), ErrorKind::BadRequest);
+        assert!(
+            error.to_string().contains(&import.display().to_string()),
+            "{error}"
+        );
+    }
+    // Inside: read, and refused only for not being an image.
+    let error = engine
+        .import_image_snapshot("junk", std::path::Path::new("junk.tar"))
+        .await
+        .unwrap_err();
+    assert!(matches!(error, EngineError::Image { .. }), "{error}");
+    assert!(error.to_string().contains("junk.tar"), "{error}");
+}
