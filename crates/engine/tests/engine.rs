@@ -620,7 +620,7 @@ async fn a_restart_destroys_the_build_sandboxes_a_crash_left() {
 
     let engine = engine_on(h.store.clone(), fake.clone()).await;
     engine.recover_after_restart().await.unwrap();
-    assert_eq!(fake.machines(), [kept.id.clone()]);
+    assert_eq!(fake.machines(), [kept.id.as_str()]);
     assert!(fake.calls().contains(&format!("destroy {leftover}")));
     assert_eq!(
         engine.get(&kept.id).await.unwrap().state,
