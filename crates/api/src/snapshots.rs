@@ -156,7 +156,7 @@ pub async fn build_logs(
         "text/plain; charset=utf-8",
     )];
     if !query.follow {
-        let (lines, _) = log.read(0);
+        let (lines, _) = log.read_all();
         let body: String = lines.iter().map(|l| format!("{l}\n")).collect();
         return Ok(axum::response::IntoResponse::into_response((
             text_plain, body,
@@ -168,11 +168,10 @@ pub async fn build_logs(
                 return None;
             }
             loop {
-                let (lines, done) = log.read(seen);
+                let (lines, next, done) = log.read(seen);
                 if !lines.is_empty() || done {
                     let chunk: String = lines.iter().map(|l| format!("{l}\n")).collect();
-                    let seen = seen + lines.len();
-                    return Some((Ok::<_, std::convert::Infallible>(chunk), (log, seen, done)));
+                    return Some((Ok::<_, std::convert::Infallible>(chunk), (log, next, done)));
                 }
                 log.wait(seen).await;
             }
@@ -271,8 +270,11 @@ pub struct ImportRequest {
 }
 
 /// `POST /snapshots/import` (a cove extension, used by `cove image import`):
-/// registers an OCI layout directory or `docker save` tarball on the server's
-/// host as a snapshot.
+/// registers an OCI layout directory or `docker save` tarball as a
+/// snapshot. `path` names it inside the server's import directory (`serve
+/// --import-dir`; relative to it, or absolute under it); anything else,
+/// and a symbolic link on the way, is refused with 400 naming that
+/// directory.
 pub async fn import(
     State(state): State<AppState>,
     body: Result<Json<ImportRequest>, axum::extract::rejection::JsonRejection>,

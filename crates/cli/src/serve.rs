@@ -129,6 +129,19 @@ pub struct ServeArgs {
     /// `POST /api/sandbox/{id}/ssh-access`); its host key is kept in the data dir.
     #[arg(long, env = "COVE_SSH_LISTEN", default_value = "0.0.0.0:2222")]
     pub ssh_listen: SocketAddr,
+    /// The only directory `POST /api/snapshots/import` (`cove image
+    /// import`) reads image archives and layouts from; made owner-only if
+    /// missing. Default: `<data-dir>/import`.
+    #[arg(long, env = "COVE_IMPORT_DIR")]
+    pub import_dir: Option<PathBuf>,
+    /// The largest build context (an `Image`'s local files) a client may
+    /// upload, GiB.
+    #[arg(long, env = "COVE_MAX_BUILD_CONTEXT_GIB", default_value_t = 10)]
+    pub max_build_context_gib: u64,
+    /// How many build-context uploads in parts one set of push credentials
+    /// may have in progress at once.
+    #[arg(long, default_value_t = 16)]
+    pub max_context_uploads: usize,
     /// How often timers are checked, in milliseconds.
     #[arg(long, default_value_t = 1000, hide = true)]
     pub timer_tick_ms: u64,
@@ -175,6 +188,25 @@ impl Drop for UnmountOnError {
 }
 
 /// Takes the data directory's lock, or says that another server has it.
+/// The import directory, made owner-only if missing and canonical, so a
+/// client's absolute path can be compared with it.
+fn import_dir(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<PathBuf> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    let dir = args
+        .import_dir
+        .clone()
+        .unwrap_or_else(|| data_dir.join("import"));
+    if !dir.exists() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&dir)
+            .with_context(|| format!("create the import directory {}", dir.display()))?;
+    }
+    dir.canonicalize()
+        .with_context(|| format!("the import directory {}", dir.display()))
+}
+
 fn lock_data_dir(data_dir: &Path) -> anyhow::Result<DataDirLock> {
     let path = data_dir.join("serve.lock");
     let file = std::fs::OpenOptions::new()
@@ -303,6 +335,11 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             bytes: args.volume_size_gib << 30,
         }),
         build_contexts_dir: Some(data_dir.join("build-contexts")),
+        context_limits: cove_engine::ContextLimits {
+            max_bytes: args.max_build_context_gib << 30,
+            max_uploads_per_grant: args.max_context_uploads,
+        },
+        import_dir: Some(import_dir(&args, &data_dir)?),
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);

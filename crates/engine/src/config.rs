@@ -40,6 +40,31 @@ pub struct EngineConfig {
     /// Where uploaded build contexts (COPY/ADD files) are kept; without one,
     /// push access and builds with contexts are refused.
     pub build_contexts_dir: Option<std::path::PathBuf>,
+    /// What one client may upload as build contexts.
+    pub context_limits: ContextLimits,
+    /// Where `POST /api/snapshots/import` may read image archives and
+    /// layouts from (a client names a path inside it); without one,
+    /// imports are refused.
+    pub import_dir: Option<std::path::PathBuf>,
+}
+
+/// Bounds on build-context uploads: a client with push credentials must
+/// not be able to fill the server's disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ContextLimits {
+    /// The largest context (one object, all its parts together), bytes.
+    pub max_bytes: u64,
+    /// How many uploads in parts one grant may have in progress at once.
+    pub max_uploads_per_grant: usize,
+}
+
+impl Default for ContextLimits {
+    fn default() -> Self {
+        ContextLimits {
+            max_bytes: 10 << 30,
+            max_uploads_per_grant: 16,
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -62,6 +87,8 @@ impl Default for EngineConfig {
             volumes_dir: None,
             volume_quota: None,
             build_contexts_dir: None,
+            context_limits: ContextLimits::default(),
+            import_dir: None,
         }
     }
 }

@@ -8,16 +8,24 @@
 //! the uploaded archives, one file per hash under the contexts directory.
 //! Archives are written to a temporary file and renamed into place, so a
 //! context is either whole or absent.
+//!
+//! Uploads are bounded (`ContextLimits`): a context larger than the limit
+//! (a single `PUT`, or all the parts of a multipart upload together) is
+//! refused as it streams in, and whatever of it was written is removed,
+//! the whole multipart upload with it; one grant may have only so many
+//! multipart uploads in progress.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 use futures_util::{Stream, StreamExt as _};
 use rand::distributions::{Alphanumeric, DistString as _};
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt as _;
 
+use crate::config::ContextLimits;
 use crate::{now_ms, Engine, EngineError};
 
 /// How long push credentials are good for. The SDK retries an upload for at
@@ -49,15 +57,47 @@ pub type DeclaredSha256 = Option<[u8; 32]>;
 #[derive(Debug)]
 pub(crate) struct ContextStore {
     dir: PathBuf,
+    limits: ContextLimits,
     grants: Mutex<HashMap<String, PushGrant>>,
-    /// Multipart uploads in progress: id -> the key they will complete.
-    uploads: Mutex<HashMap<String, String>>,
+    /// Multipart uploads in progress, by id.
+    uploads: Mutex<HashMap<String, Upload>>,
+}
+
+/// A multipart upload in progress.
+#[derive(Debug)]
+struct Upload {
+    /// The key it will complete.
+    key: String,
+    /// The grant that started it.
+    access_key: String,
+    budget: Arc<Budget>,
+}
+
+/// The bytes an upload has written so far, across parts written at once.
+#[derive(Debug, Default)]
+struct Budget {
+    used: AtomicU64,
+    /// Set once the upload went over the limit: every part still being
+    /// written stops too.
+    refused: AtomicBool,
+}
+
+impl Budget {
+    /// No longer counts `bytes` (of a part replaced or refused).
+    fn release(&self, bytes: u64) {
+        let _ = self
+            .used
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |used| {
+                Some(used.saturating_sub(bytes))
+            });
+    }
 }
 
 impl ContextStore {
-    pub(crate) fn new(dir: PathBuf) -> ContextStore {
+    pub(crate) fn new(dir: PathBuf, limits: ContextLimits) -> ContextStore {
         ContextStore {
             dir,
+            limits,
             grants: Mutex::default(),
             uploads: Mutex::default(),
         }
@@ -95,48 +135,75 @@ fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-/// Writes `body` to `path`, checking it against `declared`; answers its
-/// size and SHA-256.
+/// Writes `body` to `path`, checking it against `declared` and counting
+/// it in `budget`, which may hold at most `limit` bytes; answers its size
+/// and SHA-256. On any failure the file is removed and the body's bytes no
+/// longer count.
 async fn write_body<S, E>(
     path: &Path,
-    mut body: S,
+    body: S,
     declared: DeclaredSha256,
+    budget: &Budget,
+    limit: u64,
+    key: &str,
 ) -> Result<(u64, [u8; 32]), EngineError>
 where
     S: Stream<Item = Result<bytes::Bytes, E>> + Unpin,
     E: std::fmt::Display,
 {
+    let mut size = 0u64;
+    let written = write_counted(path, body, declared, budget, limit, key, &mut size).await;
+    if written.is_err() {
+        budget.release(size);
+        let _ = tokio::fs::remove_file(path).await;
+    }
+    written
+}
+
+async fn write_counted<S, E>(
+    path: &Path,
+    mut body: S,
+    declared: DeclaredSha256,
+    budget: &Budget,
+    limit: u64,
+    key: &str,
+    size: &mut u64,
+) -> Result<(u64, [u8; 32]), EngineError>
+where
+    S: Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+    E: std::fmt::Display,
+{
+    let too_large = || EngineError::ContextTooLarge {
+        key: key.to_owned(),
+        limit_bytes: limit,
+    };
     let io = |e: std::io::Error| EngineError::Io(format!("{}: {e}", path.display()));
     let mut file = tokio::fs::File::create(path).await.map_err(io)?;
     let mut hash = Sha256::new();
-    let mut size = 0u64;
     while let Some(chunk) = body.next().await {
-        let chunk = match chunk {
-            Ok(chunk) => chunk,
-            Err(e) => {
-                drop(file);
-                let _ = tokio::fs::remove_file(path).await;
-                return Err(EngineError::Invalid {
-                    field: "body",
-                    reason: format!("the upload broke off: {e}"),
-                });
-            }
-        };
+        let chunk = chunk.map_err(|e| EngineError::Invalid {
+            field: "body",
+            reason: format!("the upload broke off: {e}"),
+        })?;
+        let len = chunk.len() as u64;
+        *size += len;
+        let total = budget.used.fetch_add(len, Ordering::SeqCst) + len;
+        if total > limit || budget.refused.load(Ordering::SeqCst) {
+            budget.refused.store(true, Ordering::SeqCst);
+            return Err(too_large());
+        }
         hash.update(&chunk);
-        size += chunk.len() as u64;
         file.write_all(&chunk).await.map_err(io)?;
     }
     file.flush().await.map_err(io)?;
     let digest: [u8; 32] = hash.finalize().into();
     if declared.is_some_and(|d| d != digest) {
-        drop(file);
-        let _ = tokio::fs::remove_file(path).await;
         return Err(EngineError::Invalid {
             field: "body",
             reason: "its SHA-256 is not the x-amz-content-sha256 it was signed with".into(),
         });
     }
-    Ok((size, digest))
+    Ok((*size, digest))
 }
 
 impl Engine {
@@ -258,7 +325,16 @@ impl Engine {
         let scratch = contexts.scratch();
         make_dir(&scratch).await?;
         let temp = scratch.join(format!("put-{}", uuid::Uuid::new_v4().simple()));
-        let (size, digest) = write_body(&temp, body, declared).await?;
+        let budget = Budget::default();
+        let (size, digest) = write_body(
+            &temp,
+            body,
+            declared,
+            &budget,
+            contexts.limits.max_bytes,
+            key,
+        )
+        .await?;
         self.install_context(&hash, &temp).await?;
         tracing::info!(key, size, "build context stored");
         Ok(hex(&digest[..16]))
@@ -273,21 +349,41 @@ impl Engine {
         self.context_key(grant, key)?;
         let contexts = self.contexts()?;
         let id = uuid::Uuid::new_v4().simple().to_string();
-        make_dir(&contexts.scratch().join(&id)).await?;
-        contexts
-            .uploads
-            .lock()
-            .unwrap()
-            .insert(id.clone(), key.to_owned());
+        {
+            let mut uploads = contexts.uploads.lock().unwrap();
+            let limit = contexts.limits.max_uploads_per_grant;
+            let in_progress = uploads
+                .values()
+                .filter(|u| u.access_key == grant.access_key)
+                .count();
+            if in_progress >= limit {
+                return Err(EngineError::TooManyUploads { limit });
+            }
+            uploads.insert(
+                id.clone(),
+                Upload {
+                    key: key.to_owned(),
+                    access_key: grant.access_key.clone(),
+                    budget: Arc::default(),
+                },
+            );
+        }
+        if let Err(error) = make_dir(&contexts.scratch().join(&id)).await {
+            contexts.uploads.lock().unwrap().remove(&id);
+            return Err(error);
+        }
         tracing::info!(key, upload = %id, "build context upload in parts started");
         Ok(id)
     }
 
-    fn upload_dir(&self, key: &str, upload_id: &str) -> Result<PathBuf, EngineError> {
+    /// The scratch directory and byte budget of an upload in progress.
+    fn upload(&self, key: &str, upload_id: &str) -> Result<(PathBuf, Arc<Budget>), EngineError> {
         let contexts = self.contexts()?;
         let uploads = contexts.uploads.lock().unwrap();
         match uploads.get(upload_id) {
-            Some(k) if k == key => Ok(contexts.scratch().join(upload_id)),
+            Some(upload) if upload.key == key => {
+                Ok((contexts.scratch().join(upload_id), upload.budget.clone()))
+            }
             _ => Err(EngineError::Invalid {
                 field: "uploadId",
                 reason: format!("{upload_id:?} is no upload of {key} in progress"),
@@ -316,8 +412,36 @@ impl Engine {
                 reason: format!("{number} is not between 1 and 10000"),
             });
         }
-        let dir = self.upload_dir(key, upload_id)?;
-        let (_, digest) = write_body(&dir.join(format!("{number:05}")), body, declared).await?;
+        let (dir, budget) = self.upload(key, upload_id)?;
+        let limit = self.contexts()?.limits.max_bytes;
+        // Written beside the part it may replace, so a part sent again
+        // counts once.
+        let part = dir.join(format!("{number:05}"));
+        let temp = dir.join(format!("{number:05}.{}", uuid::Uuid::new_v4().simple()));
+        let replaced = tokio::fs::metadata(&part).await.map_or(0, |m| m.len());
+        budget.release(replaced);
+        let written = write_body(&temp, body, declared, &budget, limit, key).await;
+        if budget.refused.load(Ordering::SeqCst) {
+            // It can never complete: drop all of it, not just this part.
+            self.drop_upload(upload_id, &dir).await;
+            return Err(EngineError::ContextTooLarge {
+                key: key.to_owned(),
+                limit_bytes: limit,
+            });
+        }
+        let (size, digest) = match written {
+            Ok(written) => written,
+            Err(error) => {
+                // The part it would have replaced stays, and counts again.
+                budget.used.fetch_add(replaced, Ordering::SeqCst);
+                return Err(error);
+            }
+        };
+        if let Err(e) = tokio::fs::rename(&temp, &part).await {
+            budget.release(size);
+            let _ = tokio::fs::remove_file(&temp).await;
+            return Err(EngineError::Io(format!("{}: {e}", part.display())));
+        }
         Ok(hex(&digest[..16]))
     }
 
@@ -331,7 +455,7 @@ impl Engine {
         parts: &[u32],
     ) -> Result<String, EngineError> {
         let hash = self.context_key(grant, key)?;
-        let dir = self.upload_dir(key, upload_id)?;
+        let (dir, _) = self.upload(key, upload_id)?;
         if parts.is_empty() || parts.windows(2).any(|w| w[0] >= w[1]) {
             return Err(EngineError::Invalid {
                 field: "CompleteMultipartUpload",
@@ -366,10 +490,17 @@ impl Engine {
         upload_id: &str,
     ) -> Result<(), EngineError> {
         self.context_key(grant, key)?;
-        let dir = self.upload_dir(key, upload_id)?;
-        self.contexts()?.uploads.lock().unwrap().remove(upload_id);
-        let _ = tokio::fs::remove_dir_all(&dir).await;
+        let (dir, _) = self.upload(key, upload_id)?;
+        self.drop_upload(upload_id, &dir).await;
         Ok(())
+    }
+
+    /// Forgets a multipart upload and removes its parts.
+    async fn drop_upload(&self, upload_id: &str, dir: &Path) {
+        if let Ok(contexts) = self.contexts() {
+            contexts.uploads.lock().unwrap().remove(upload_id);
+        }
+        let _ = tokio::fs::remove_dir_all(dir).await;
     }
 
     /// Moves a finished upload into place as context `hash`.

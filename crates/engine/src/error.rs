@@ -75,6 +75,16 @@ pub enum EngineError {
     },
     #[error("internal storage error")]
     Store(#[from] cove_store::StoreError),
+    #[error("build context {key} is larger than this server's limit of {limit_bytes} bytes (serve --max-build-context-gib); nothing of it was kept")]
+    ContextTooLarge { key: String, limit_bytes: u64 },
+    #[error("{limit} uploads in parts are already in progress with these credentials; complete or abort one first")]
+    TooManyUploads { limit: usize },
+    #[error("import path {path:?} is refused: {reason}; images are imported only from inside this server's import directory {} (serve --import-dir), which `cove image import` copies a file into", import_dir.display())]
+    OutsideImportDir {
+        path: String,
+        import_dir: std::path::PathBuf,
+        reason: String,
+    },
     /// A file on this server could not be read or written.
     #[error("{0}")]
     Io(String),
@@ -114,6 +124,9 @@ impl EngineError {
             | Self::Timers(_)
             | Self::NoWindows { .. }
             | Self::BuildFailed { .. }
+            | Self::ContextTooLarge { .. }
+            | Self::TooManyUploads { .. }
+            | Self::OutsideImportDir { .. }
             | Self::SnapshotNotActive { .. } => ErrorKind::BadRequest,
             Self::Transition {
                 source: TransitionError::NotSupported { .. },

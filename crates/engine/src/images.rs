@@ -125,7 +125,7 @@ impl Engine {
     /// Ends a build's log and keeps its lines, so they outlive this server.
     /// Kept first, so whoever sees the log end can also read it back.
     async fn finish_log(&self, snapshot_id: &str, log: &BuildLog) {
-        let (lines, _) = log.read(0);
+        let (lines, _) = log.read_all();
         if let Err(error) = self.inner.store.save_build_log(snapshot_id, &lines).await {
             tracing::error!(snapshot = %snapshot_id, %error, "keeping a build log");
         }
@@ -440,13 +440,25 @@ impl Engine {
     }
 
     /// Registers snapshot `name` from an OCI layout directory or a `docker save`
-    /// tarball on this host (for hosts without a registry).
+    /// tarball at `path` inside this server's import directory (relative to
+    /// it, or absolute under it). An API client names the path, so nothing
+    /// outside that directory is ever read: not through `..`, not through a
+    /// symbolic link (cove-oci opens it with `openat2(RESOLVE_BENEATH |
+    /// RESOLVE_NO_SYMLINKS)`).
     pub async fn import_image_snapshot(
         &self,
         name: &str,
         path: &std::path::Path,
     ) -> Result<SnapshotRecord, EngineError> {
         check_snapshot_name(name)?;
+        let import_dir =
+            self.inner
+                .config
+                .import_dir
+                .clone()
+                .ok_or_else(|| EngineError::NotImplemented {
+                    what: "image imports without an import directory (serve --import-dir)".into(),
+                })?;
         if self.inner.store.find_snapshot(name).await?.is_some() {
             return Err(EngineError::SnapshotTaken {
                 name: name.to_owned(),
@@ -455,8 +467,9 @@ impl Engine {
         let images = self.image_store()?;
         let label = path.display().to_string();
         let source = path.to_owned();
+        let root = import_dir.clone();
         let pulled = tokio::task::spawn_blocking(move || {
-            images.import(&source, None, move |progress| {
+            images.import_beneath(&root, &source, None, move |progress| {
                 tracing::info!(image = %label, "{progress}");
             })
         })
@@ -466,7 +479,14 @@ impl Engine {
             operation: "import its image",
             reason: e.to_string(),
         })?
-        .map_err(|e| image_error(&path.display().to_string(), e))?;
+        .map_err(|e| match e {
+            cove_oci::OciError::OutsideRoot { reason, .. } => EngineError::OutsideImportDir {
+                path: path.display().to_string(),
+                import_dir,
+                reason: reason.to_owned(),
+            },
+            other => image_error(&path.display().to_string(), other),
+        })?;
         let snapshot = snapshot_of(self, name, &pulled);
         self.insert_new_snapshot(&snapshot).await?;
         tracing::info!(snapshot = %name, from = %path.display(), "image imported");

@@ -37,7 +37,7 @@ use cove_store::Store;
 pub use archive::Archive;
 pub use auth::hash_api_key;
 pub use build::{parse_dockerfile, BuildLog, DockerfilePlan};
-pub use config::{Ceilings, EngineConfig, VolumeQuota};
+pub use config::{Ceilings, ContextLimits, EngineConfig, VolumeQuota};
 pub use contexts::{ContextObject, DeclaredSha256, PushGrant};
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
@@ -102,7 +102,7 @@ impl Engine {
         let contexts = config
             .build_contexts_dir
             .clone()
-            .map(contexts::ContextStore::new);
+            .map(|dir| contexts::ContextStore::new(dir, config.context_limits));
         Engine {
             inner: Arc::new(Inner {
                 config,

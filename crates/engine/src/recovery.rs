@@ -5,6 +5,8 @@
 //! runs. Nothing else a runtime made is trusted across a restart: whatever a
 //! sandbox was doing, its leftover processes are ended, and it is brought to
 //! the state the user last asked for. No sandbox is lost and none is made twice.
+//! Build sandboxes (never sandbox records) are all destroyed: their builds
+//! ended with the server that ran them.
 
 use cove_lifecycle::{DesiredState, SandboxState};
 use cove_store::SandboxRecord;
@@ -34,6 +36,7 @@ impl Engine {
             }
         }
         self.clear_context_scratch();
+        self.remove_leftover_build_sandboxes().await?;
         for mut record in self.inner.store.list_sandboxes().await? {
             let id = record.id.clone();
             let Ok(runtime) = self.runtime(record.class).cloned() else {

@@ -543,18 +543,18 @@ async fn a_finished_build_log_outlives_the_server() {
         .unwrap();
     let live = h.engine.build_log(&snapshot.id).await.unwrap();
     loop {
-        let (_, done) = live.read(0);
+        let (_, done) = live.read_all();
         if done {
             break;
         }
         live.wait(0).await;
     }
-    let (written, _) = live.read(0);
+    let (written, _) = live.read_all();
     assert!(written.iter().any(|l| l == "build complete"), "{written:?}");
     // A new server on the same store reads the same lines.
     let restarted = engine_on(h.store.clone(), h.fake.clone()).await;
     let kept = restarted.build_log("logged").await.unwrap();
-    assert_eq!(kept.read(0), (written, true));
+    assert_eq!(kept.read_all(), (written, true));
     // Deleting the snapshot deletes its log.
     restarted.delete_snapshot("logged").await.unwrap();
     assert_eq!(h.store.find_build_log(&snapshot.id).await.unwrap(), None);
@@ -587,4 +587,241 @@ async fn a_restart_clears_build_scratch_but_keeps_uploaded_contexts() {
     assert!(!contexts.join(".uploads").exists());
     assert!(!contexts.join(".builds").exists());
     assert!(contexts.join("abc123/context.tar").is_file());
+}
+
+/// Attack: a hostile Dockerfile's `RUN` (a fork bomb, a miner) outlives the
+/// server when it crashes mid-build: its build sandbox is no sandbox
+/// record, so before, nothing ever ended its processes or removed its
+/// cgroup and directory. Restart recovery now destroys every build sandbox
+/// it finds through the runtime, and nothing else.
+#[tokio::test]
+async fn a_restart_destroys_the_build_sandboxes_a_crash_left() {
+    let h = harness().await;
+    let kept = h.engine.create(named("kept")).await.unwrap();
+    let fake = Arc::new(FakeRuntime::new());
+    let spec = |id: &str| {
+        cove_runtime::SandboxSpec::bare(
+            id,
+            "x",
+            "/rootfs".into(),
+            cove_runtime::Resources {
+                cpu: 1,
+                memory_mib: 1024,
+                disk_gib: 3,
+            },
+        )
+    };
+    let leftover = "build-0123456789abcdef0123456789abcdef";
+    for id in [kept.id.as_str(), leftover] {
+        fake.prepare(&spec(id)).await.unwrap();
+    }
+    fake.start(&spec(leftover)).await.unwrap();
+    assert!(fake.is_running(leftover).await);
+
+    let engine = engine_on(h.store.clone(), fake.clone()).await;
+    engine.recover_after_restart().await.unwrap();
+    assert_eq!(fake.machines(), [kept.id.as_str()]);
+    assert!(fake.calls().contains(&format!("destroy {leftover}")));
+    assert_eq!(
+        engine.get(&kept.id).await.unwrap().state,
+        SandboxState::Started
+    );
+}
+
+/// An engine whose build contexts may be at most `max_bytes`, two uploads
+/// in parts per grant.
+fn context_engine(dir: &std::path::Path, store: Store) -> Engine {
+    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
+        SandboxClass::Container,
+        Arc::new(FakeRuntime::new()) as Arc<dyn Runtime>,
+    )]);
+    let config = EngineConfig {
+        build_contexts_dir: Some(dir.join("contexts")),
+        context_limits: cove_engine::ContextLimits {
+            max_bytes: 1000,
+            max_uploads_per_grant: 2,
+        },
+        ..EngineConfig::default()
+    };
+    Engine::new(config, store, runtimes)
+}
+
+fn body(
+    chunks: &[usize],
+) -> impl futures_util::Stream<Item = Result<bytes::Bytes, std::io::Error>> + Unpin {
+    let chunks: Vec<_> = chunks
+        .iter()
+        .map(|&n| Ok(bytes::Bytes::from(vec![b'x'; n])))
+        .collect();
+    futures_util::stream::iter(chunks)
+}
+
+/// Every file under `dir`, relative.
+fn files_under(dir: &std::path::Path) -> Vec<String> {
+    let mut found = Vec::new();
+    let mut pending = vec![dir.to_path_buf()];
+    while let Some(next) = pending.pop() {
+        for entry in std::fs::read_dir(&next).into_iter().flatten().flatten() {
+            if entry.file_type().unwrap().is_dir() {
+                pending.push(entry.path());
+            } else {
+                found.push(
+                    entry
+                        .path()
+                        .strip_prefix(dir)
+                        .unwrap()
+                        .display()
+                        .to_string(),
+                );
+            }
+        }
+    }
+    found.sort();
+    found
+}
+
+/// Attack: a client with push credentials streams an endless build context
+/// (one PUT, or parts that each fit but together do not) to fill the
+/// server's disk, or opens uploads in parts without end. Each is refused
+/// at the limit with `ContextTooLarge` (S3's EntityTooLarge) and nothing
+/// of it stays on disk; a context within the limit is stored.
+#[tokio::test]
+async fn build_context_uploads_are_bounded_and_leave_nothing_when_refused() {
+    use cove_engine::ErrorKind;
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let engine = context_engine(dir.path(), store);
+    let contexts = dir.path().join("contexts");
+    let grant = engine.issue_push_grant("cove").unwrap();
+    let key = "cove/0123abcd/context.tar";
+
+    let error = engine
+        .put_context(&grant, key, body(&[600, 600, 600]), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            EngineError::ContextTooLarge {
+                limit_bytes: 1000,
+                ..
+            }
+        ),
+        "{error}"
+    );
+    assert_eq!(error.kind(), ErrorKind::BadRequest);
+    assert_eq!(files_under(&contexts), Vec::<String>::new());
+
+    // Parts that fit one by one but not together: the whole upload goes.
+    let upload = engine.start_context_upload(&grant, key).await.unwrap();
+    engine
+        .put_context_part(&grant, key, &upload, 1, body(&[600]), None)
+        .await
+        .unwrap();
+    // The same part sent again counts once.
+    engine
+        .put_context_part(&grant, key, &upload, 1, body(&[600]), None)
+        .await
+        .unwrap();
+    let error = engine
+        .put_context_part(&grant, key, &upload, 2, body(&[300, 300]), None)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(error, EngineError::ContextTooLarge { .. }),
+        "{error}"
+    );
+    assert_eq!(files_under(&contexts), Vec::<String>::new());
+    let gone = engine
+        .put_context_part(&grant, key, &upload, 3, body(&[1]), None)
+        .await
+        .unwrap_err();
+    assert_eq!(gone.kind(), ErrorKind::BadRequest, "{gone}");
+
+    // At most two uploads in parts per grant.
+    let first = engine.start_context_upload(&grant, key).await.unwrap();
+    engine.start_context_upload(&grant, key).await.unwrap();
+    let error = engine.start_context_upload(&grant, key).await.unwrap_err();
+    assert!(
+        matches!(error, EngineError::TooManyUploads { limit: 2 }),
+        "{error}"
+    );
+    engine
+        .abort_context_upload(&grant, key, &first)
+        .await
+        .unwrap();
+    let upload = engine.start_context_upload(&grant, key).await.unwrap();
+
+    // Within the limit: stored.
+    engine
+        .put_context_part(&grant, key, &upload, 1, body(&[500]), None)
+        .await
+        .unwrap();
+    engine
+        .put_context_part(&grant, key, &upload, 2, body(&[500]), None)
+        .await
+        .unwrap();
+    engine
+        .complete_context_upload(&grant, key, &upload, &[1, 2])
+        .await
+        .unwrap();
+    let stored = engine.head_context(&grant, key).await.unwrap().unwrap();
+    assert_eq!(stored.size, 1000);
+}
+
+/// Attack: anyone with the API key named any host path for
+/// `POST /api/snapshots/import`, making the server read `/etc`, another
+/// data dir, or follow a symlink planted in the import directory. The
+/// engine now reads only inside its import directory and answers 400
+/// naming it for anything else; a path inside is read.
+#[tokio::test]
+async fn imports_read_nothing_outside_the_import_directory() {
+    use cove_engine::ErrorKind;
+    let dir = tempfile::tempdir().unwrap();
+    let import = dir.path().join("import");
+    std::fs::create_dir_all(&import).unwrap();
+    let import = import.canonicalize().unwrap();
+    std::fs::write(import.join("junk.tar"), "not an image").unwrap();
+    std::fs::write(dir.path().join("secret.tar"), "not yours").unwrap();
+    std::os::unix::fs::symlink(dir.path(), import.join("escape")).unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
+        SandboxClass::Container,
+        Arc::new(FakeRuntime::new()) as Arc<dyn Runtime>,
+    )]);
+    let config = EngineConfig {
+        images: Some(cove_oci::ImageStore::new(dir.path().join("images"))),
+        import_dir: Some(import.clone()),
+        ..EngineConfig::default()
+    };
+    let engine = Engine::new(config, store, runtimes);
+    for path in [
+        dir.path().join("secret.tar"),
+        "../secret.tar".into(),
+        "escape/secret.tar".into(),
+        import.join("escape/secret.tar"),
+        "/etc/passwd".into(),
+    ] {
+        let error = engine
+            .import_image_snapshot("stolen", &path)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(error, EngineError::OutsideImportDir { .. }),
+            "{}: {error}",
+            path.display()
+        );
+        assert_eq!(error.kind(), ErrorKind::BadRequest);
+        assert!(
+            error.to_string().contains(&import.display().to_string()),
+            "{error}"
+        );
+    }
+    // Inside: read, and refused only for not being an image.
+    let error = engine
+        .import_image_snapshot("junk", std::path::Path::new("junk.tar"))
+        .await
+        .unwrap_err();
+    assert!(matches!(error, EngineError::Image { .. }), "{error}");
+    assert!(error.to_string().contains("junk.tar"), "{error}");
 }

@@ -70,6 +70,14 @@ pub enum OciError {
         entry: String,
         reason: &'static str,
     },
+    /// HTTP 400: an import path that would read outside the directory
+    /// imports are confined to. Nothing was read.
+    #[error("{} is refused: {reason}; imports are read only from inside {}", path.display(), root.display())]
+    OutsideRoot {
+        path: PathBuf,
+        root: PathBuf,
+        reason: &'static str,
+    },
     /// HTTP 500.
     #[error("{action} {path}")]
     Io {
@@ -83,7 +91,7 @@ pub enum OciError {
 impl OciError {
     pub fn kind(&self) -> ErrorKind {
         match self {
-            OciError::BadReference { .. } => ErrorKind::BadReference,
+            OciError::BadReference { .. } | OciError::OutsideRoot { .. } => ErrorKind::BadReference,
             OciError::NotFound { .. } => ErrorKind::NotFound,
             OciError::Unauthorized { .. } => ErrorKind::Unauthorized,
             OciError::Unreachable { .. } => ErrorKind::Unreachable,

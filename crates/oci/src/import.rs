@@ -3,13 +3,24 @@
 //! unpacked directory, read through `manifest.json`).
 //!
 //! A tarball is read in place: one pass indexes where each member's bytes lie,
-//! then each blob is read by seeking, so nothing is extracted twice.
+//! then each blob is read at its offset, so nothing is extracted twice.
+//!
+//! `import_beneath` reads only beneath a directory (the server's import
+//! directory, where API clients name a path): the path and every name
+//! inside a layout directory are opened with `openat2(RESOLVE_BENEATH |
+//! RESOLVE_NO_SYMLINKS)`, so neither `..` nor a symbolic link anywhere on
+//! the way leads out of it, and what was checked is what is read (one open
+//! file, no second lookup by name).
 
 use std::collections::HashMap;
 use std::fs::File;
-use std::io::{self, BufReader, Read, Seek, SeekFrom};
+use std::io::{self, BufReader, Read};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+
+use rustix::fs::{Mode, OFlags, ResolveFlags};
 
 use oci_client::manifest::{ImageIndexEntry, OciImageIndex, OciImageManifest};
 use serde::Deserialize;
@@ -40,12 +51,66 @@ impl ImageStore {
         tag: Option<&str>,
         progress: impl Fn(&Progress) + Send + Sync + 'static,
     ) -> Result<PulledImage> {
+        let source = Source::open(path)?;
+        self.import_from(source, path, tag, progress)
+    }
+
+    /// Imports, like [`ImageStore::import`], from `path` inside the
+    /// directory `root`: relative to it, or absolute and under it. Nothing
+    /// outside `root` is read: a path that leaves it (`..`, a symbolic link
+    /// anywhere, also inside a layout directory) is refused with
+    /// [`OciError::OutsideRoot`]. Blocking: call it from a blocking thread.
+    pub fn import_beneath(
+        &self,
+        root: &Path,
+        path: &Path,
+        tag: Option<&str>,
+        progress: impl Fn(&Progress) + Send + Sync + 'static,
+    ) -> Result<PulledImage> {
+        let relative = if path.is_absolute() {
+            path.strip_prefix(root).map_err(|_| OciError::OutsideRoot {
+                path: path.to_owned(),
+                root: root.to_owned(),
+                reason: "it is not under that directory",
+            })?
+        } else {
+            path
+        };
+        let root_dir: OwnedFd = rustix::fs::open(
+            root,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| io_err(root, "open the import directory")(e.into()))?;
+        let relative = if relative.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            relative
+        };
+        let file = open_beneath(&root_dir, relative).map_err(|e| match e.raw_os_error() {
+            Some(errno) if is_escape(errno) => OciError::OutsideRoot {
+                path: path.to_owned(),
+                root: root.to_owned(),
+                reason: "it leads out of that directory or through a symbolic link",
+            },
+            _ => open_error(path, e),
+        })?;
+        let source = Source::from_file(file, path, Some(root))?;
+        self.import_from(source, path, tag, progress)
+    }
+
+    fn import_from(
+        &self,
+        source: Source,
+        path: &Path,
+        tag: Option<&str>,
+        progress: impl Fn(&Progress) + Send + Sync + 'static,
+    ) -> Result<PulledImage> {
         let progress: Sink = Arc::new(progress);
         let label = path.display().to_string();
         progress(&Progress::Resolving {
             reference: label.clone(),
         });
-        let source = Source::open(path)?;
         if source.size("oci-layout").is_some() && source.size("index.json").is_some() {
             self.import_layout(&source, &label, tag, &progress)
         } else if source.size("manifest.json").is_some() {
@@ -351,29 +416,97 @@ enum Member {
     Link(String),
 }
 
+/// Opens `name` beneath the directory `dir`: never through a symbolic link,
+/// never out of `dir`. Non-blocking, so a FIFO planted there cannot hang
+/// the open (it is then refused as neither a file nor a directory).
+fn open_beneath(dir: &impl AsFd, name: &Path) -> io::Result<File> {
+    let fd = rustix::fs::openat2(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::CLOEXEC | OFlags::NOCTTY | OFlags::NONBLOCK,
+        Mode::empty(),
+        ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS,
+    )?;
+    Ok(File::from(fd))
+}
+
+/// Whether `openat2` refused a path for leaving its directory (EXDEV) or
+/// for a symbolic link (ELOOP).
+fn is_escape(errno: i32) -> bool {
+    errno == rustix::io::Errno::XDEV.raw_os_error()
+        || errno == rustix::io::Errno::LOOP.raw_os_error()
+}
+
+fn open_error(path: &Path, e: io::Error) -> OciError {
+    match e.kind() {
+        io::ErrorKind::NotFound => OciError::NotFound {
+            reference: path.display().to_string(),
+            detail: "no such file or directory".into(),
+        },
+        _ => io_err(path, "open")(e),
+    }
+}
+
+/// Reads `len` bytes of a file from `offset` on, without moving a shared
+/// file position (several layers may be read at once).
+struct ReadAt<'a> {
+    file: &'a File,
+    offset: u64,
+    end: u64,
+}
+
+impl Read for ReadAt<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let left = self.end.saturating_sub(self.offset);
+        let want = buf.len().min(usize::try_from(left).unwrap_or(usize::MAX));
+        if want == 0 {
+            return Ok(0);
+        }
+        let read = self.file.read_at(&mut buf[..want], self.offset)?;
+        self.offset += read as u64;
+        Ok(read)
+    }
+}
+
 /// Where an import reads from.
 enum Source {
-    Dir(PathBuf),
-    Tar {
+    /// A directory; with `beneath`, its members are opened as
+    /// `open_beneath` does.
+    Dir {
+        dir: File,
         path: PathBuf,
+        beneath: bool,
+    },
+    Tar {
+        file: File,
         members: HashMap<String, Member>,
     },
 }
 
 impl Source {
+    /// The file or directory at `path`, trusted (a path the operator gave).
     fn open(path: &Path) -> Result<Source> {
-        let meta = std::fs::metadata(path).map_err(|e| match e.kind() {
-            io::ErrorKind::NotFound => OciError::NotFound {
-                reference: path.display().to_string(),
-                detail: "no such file or directory".into(),
-            },
-            _ => io_err(path, "inspect")(e),
-        })?;
+        let file = File::open(path).map_err(|e| open_error(path, e))?;
+        Source::from_file(file, path, None)
+    }
+
+    /// The source an open file is; `root` when it was opened beneath it.
+    fn from_file(file: File, path: &Path, root: Option<&Path>) -> Result<Source> {
+        let meta = file.metadata().map_err(io_err(path, "inspect"))?;
         if meta.is_dir() {
-            return Ok(Source::Dir(path.to_owned()));
+            return Ok(Source::Dir {
+                dir: file,
+                path: path.to_owned(),
+                beneath: root.is_some(),
+            });
         }
-        let file = File::open(path).map_err(io_err(path, "open"))?;
-        let mut archive = tar::Archive::new(BufReader::new(file));
+        if !meta.is_file() {
+            return Err(OciError::unsupported(
+                &path.display().to_string(),
+                "it is neither a regular file nor a directory",
+            ));
+        }
+        let mut archive = tar::Archive::new(BufReader::new(&file));
         let label = path.display().to_string();
         let corrupt =
             |e: io::Error| OciError::invalid(&label, format!("not a readable tar archive: {e}"));
@@ -403,10 +536,17 @@ impl Source {
             };
             members.insert(name, member);
         }
-        Ok(Source::Tar {
-            path: path.to_owned(),
-            members,
-        })
+        drop(archive);
+        Ok(Source::Tar { file, members })
+    }
+
+    /// A member of a directory source, opened.
+    fn open_member(dir: &File, path: &Path, beneath: bool, name: &str) -> io::Result<File> {
+        if beneath {
+            open_beneath(dir, Path::new(name))
+        } else {
+            File::open(path.join(name))
+        }
     }
 
     /// The (offset, size) of a tar member, following links.
@@ -423,7 +563,8 @@ impl Source {
 
     fn size(&self, name: &str) -> Option<u64> {
         match self {
-            Source::Dir(dir) => std::fs::metadata(dir.join(name))
+            Source::Dir { dir, path, beneath } => Self::open_member(dir, path, *beneath, name)
+                .and_then(|f| f.metadata())
                 .ok()
                 .filter(|m| m.is_file())
                 .map(|m| m.len()),
@@ -433,18 +574,19 @@ impl Source {
 
     fn reader(&self, label: &str, name: &str) -> Result<Box<dyn Read + '_>> {
         match self {
-            Source::Dir(dir) => {
-                let path = dir.join(name);
-                let file = File::open(&path).map_err(io_err(&path, "open"))?;
+            Source::Dir { dir, path, beneath } => {
+                let file = Self::open_member(dir, path, *beneath, name)
+                    .map_err(io_err(path.join(name), "open"))?;
                 Ok(Box::new(file))
             }
-            Source::Tar { path, members } => {
+            Source::Tar { file, members } => {
                 let (offset, size) =
                     Self::locate(members, name).ok_or_else(|| missing(label, name))?;
-                let mut file = File::open(path).map_err(io_err(path, "open"))?;
-                file.seek(SeekFrom::Start(offset))
-                    .map_err(io_err(path, "seek in"))?;
-                Ok(Box::new(file.take(size)))
+                Ok(Box::new(ReadAt {
+                    file,
+                    offset,
+                    end: offset + size,
+                }))
             }
         }
     }

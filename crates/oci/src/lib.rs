@@ -33,5 +33,5 @@ mod store;
 pub use config::ImageConfig;
 pub use error::{ErrorKind, OciError, Result};
 pub use progress::Progress;
-pub use registry::{normalize_reference, Credentials};
+pub use registry::{normalize_reference, Credentials, MAX_CONFIG_BYTES};
 pub use store::{ImageStore, PulledImage};

@@ -1,6 +1,12 @@
 //! Pulling from a registry with `oci-client`: references, credentials, the
 //! platform choice in multi-arch indexes, verified downloads into the blob cache.
 //!
+//! A registry is not trusted to send what it declared: a layer or
+//! configuration download stops at the size its descriptor gives (a
+//! configuration, parsed in memory, also at `MAX_CONFIG_BYTES`), so a
+//! hostile registry cannot fill the cache's disk or the server's memory.
+//! Manifests are read whole by `oci-client`, which has no cap of its own.
+//!
 //! Registries on loopback are spoken to over plain HTTP (tests run one); every
 //! other registry over HTTPS unless the store lists it as an HTTP registry.
 
@@ -26,6 +32,9 @@ use crate::store::{ImageStore, LayerSource, PulledImage};
 const PARALLEL_DOWNLOADS: usize = 3;
 /// Download progress is reported at most once per this many bytes.
 const PROGRESS_STEP: u64 = 1 << 20;
+/// Largest image configuration read: it is parsed in memory. Real ones are
+/// a few KiB (a long history makes tens).
+pub const MAX_CONFIG_BYTES: u64 = 4 << 20;
 
 /// A username and password (or token) for one registry's basic authentication.
 #[derive(Clone, PartialEq, Eq)]
@@ -315,11 +324,29 @@ impl Puller {
                 format!("config digest {} is not sha256", manifest.config.digest),
             )
         })?;
-        let mut bytes = Vec::new();
-        self.client
-            .pull_blob(&self.reference, &manifest.config, &mut bytes)
+        let limit = self.declared_size(&manifest.config, "configuration", &expected)?;
+        if limit > MAX_CONFIG_BYTES {
+            return Err(OciError::invalid(
+                &self.label,
+                format!(
+                    "its configuration {expected} declares {limit} bytes, more than the \
+                     {MAX_CONFIG_BYTES} cove reads into memory"
+                ),
+            ));
+        }
+        let mut stream = self
+            .client
+            .pull_blob_stream(&self.reference, &manifest.config)
             .await
             .map_err(|e| self.error(e))?;
+        let mut bytes = Vec::new();
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(|e| self.stream_error(&expected, e))?;
+            if bytes.len() as u64 + chunk.len() as u64 > limit {
+                return Err(self.oversized("configuration", &expected, limit));
+            }
+            bytes.extend_from_slice(&chunk);
+        }
         if Digest::of_bytes(&bytes) != expected {
             return Err(OciError::invalid(
                 &self.label,
@@ -327,6 +354,37 @@ impl Puller {
             ));
         }
         Ok(bytes)
+    }
+
+    /// The size a descriptor declares: the most a download of it may bring.
+    fn declared_size(
+        &self,
+        descriptor: &OciDescriptor,
+        what: &str,
+        digest: &Digest,
+    ) -> Result<u64> {
+        u64::try_from(descriptor.size).map_err(|_| {
+            OciError::invalid(
+                &self.label,
+                format!(
+                    "its {what} {digest} declares a negative size ({})",
+                    descriptor.size
+                ),
+            )
+        })
+    }
+
+    /// A blob whose registry sent more than its descriptor declared: a
+    /// broken or hostile registry, stopped before it fills memory or disk.
+    fn oversized(&self, what: &str, digest: &Digest, expected: u64) -> OciError {
+        OciError::invalid(
+            &self.label,
+            format!(
+                "registry {} sent more than the {expected} bytes the descriptor of {what} \
+                 {digest} declares; the download was stopped",
+                self.registry
+            ),
+        )
     }
 
     /// Downloads one blob into the cache: under its lock, into a `.partial`
@@ -383,7 +441,7 @@ impl Puller {
             .pull_blob_stream(&self.reference, descriptor)
             .await
             .map_err(|e| self.error(e))?;
-        let total = u64::try_from(descriptor.size).unwrap_or(0);
+        let total = self.declared_size(descriptor, "layer", digest)?;
         let mut file = tokio::fs::File::create(partial)
             .await
             .map_err(io_err(partial, "create"))?;
@@ -402,6 +460,9 @@ impl Puller {
         report(0);
         while let Some(chunk) = stream.next().await {
             let chunk = chunk.map_err(|e| self.stream_error(digest, e))?;
+            if downloaded + chunk.len() as u64 > total {
+                return Err(self.oversized("layer", digest, total));
+            }
             hasher.update(&chunk);
             file.write_all(&chunk)
                 .await
@@ -418,7 +479,7 @@ impl Puller {
         // On disk before the rename: a blob in place must be whole after a crash.
         file.sync_all().await.map_err(io_err(partial, "sync"))?;
         let actual = hasher.finish();
-        if actual != *digest || (total > 0 && downloaded != total) {
+        if actual != *digest || downloaded != total {
             return Err(OciError::invalid(
                 &self.label,
                 format!("layer {digest} arrived as {downloaded} bytes with digest {actual}"),

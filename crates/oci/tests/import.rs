@@ -500,3 +500,79 @@ fn a_later_entry_replaces_a_cross_layer_hard_link() {
         "/ dir 755 0:0\n/a file 644 0:0 \"A\" #1\n/b file 600 0:0 \"B\"\n/c file 644 0:0 \"A\" #1\n"
     );
 }
+
+/// Copies a layout directory (plain files only).
+fn copy_layout(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        if entry.file_type().unwrap().is_dir() {
+            copy_layout(&entry.path(), &to.join(entry.file_name()));
+        } else {
+            std::fs::copy(entry.path(), to.join(entry.file_name())).unwrap();
+        }
+    }
+}
+
+/// Attack: an API client names a host path for the server to import
+/// (`/etc`, `../..`, or a symlink planted in the import directory, even one
+/// inside a layout directory) to make the server read what it should not.
+/// `import_beneath` reads only inside its directory: the same layout is
+/// imported when it lies there, and refused by any way out.
+#[test]
+fn imports_beneath_a_directory_never_leave_it() {
+    if !root() {
+        return;
+    }
+    let scratch = scratch();
+    let import = scratch.path().join("import");
+    let (layout, _, id) = layout_of(&import, &sample_layers(Compression::Gzip));
+    let store = ImageStore::new(scratch.path().join("cache"));
+    let image = store
+        .import_beneath(&import, Path::new("layout"), None, |_| {})
+        .unwrap();
+    assert_eq!(image.id, id);
+    let again = store
+        .import_beneath(&import, &layout, None, |_| {})
+        .unwrap();
+    assert_eq!(again.id, id);
+
+    let outside = scratch.path().join("outside");
+    copy_layout(&layout, &outside.join("layout"));
+    std::os::unix::fs::symlink(outside.join("layout"), import.join("link")).unwrap();
+    std::fs::create_dir_all(import.join("dir")).unwrap();
+    std::os::unix::fs::symlink(&outside, import.join("dir/up")).unwrap();
+    for path in [
+        PathBuf::from("link"),
+        PathBuf::from("../outside/layout"),
+        PathBuf::from("dir/up/layout"),
+        outside.join("layout"),
+        import.join("link"),
+        PathBuf::from("/etc"),
+    ] {
+        let error = store
+            .import_beneath(&import, &path, None, |_| {})
+            .unwrap_err();
+        assert!(
+            matches!(error, OciError::OutsideRoot { .. }),
+            "{}: {error}",
+            path.display()
+        );
+        assert_eq!(error.kind(), ErrorKind::BadReference);
+        assert!(
+            error.to_string().contains(&import.display().to_string()),
+            "{error}"
+        );
+    }
+
+    // A layout inside whose index is a link to one outside: its members
+    // are opened beneath the directory too, so the link is not followed.
+    let trap = import.join("trap");
+    copy_layout(&layout, &trap);
+    std::fs::remove_file(trap.join("index.json")).unwrap();
+    std::os::unix::fs::symlink(outside.join("layout/index.json"), trap.join("index.json")).unwrap();
+    let error = store
+        .import_beneath(&import, Path::new("trap"), None, |_| {})
+        .unwrap_err();
+    assert_eq!(error.kind(), ErrorKind::Unsupported, "{error}");
+}

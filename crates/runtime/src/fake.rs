@@ -136,6 +136,10 @@ impl Runtime for FakeRuntime {
             .is_some_and(|m| m.running)
     }
 
+    async fn sandbox_ids(&self) -> Result<Vec<String>, RuntimeError> {
+        Ok(self.machines())
+    }
+
     async fn capture(&self, id: &str, capture_id: &str) -> Result<PathBuf, RuntimeError> {
         self.record("capture", &format!("{id} {capture_id}"));
         Ok(PathBuf::from(format!("/captures/{capture_id}")))

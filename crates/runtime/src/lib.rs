@@ -166,6 +166,12 @@ pub trait Runtime: Send + Sync + 'static {
     async fn destroy(&self, id: &str) -> Result<(), RuntimeError>;
     /// Whether any process of the sandbox is alive.
     async fn is_running(&self, id: &str) -> bool;
+    /// The ids of every sandbox this runtime holds storage for, whether the
+    /// engine knows it or not (restart recovery destroys the build
+    /// sandboxes a crashed server left). Backends that keep none say none.
+    async fn sandbox_ids(&self) -> Result<Vec<String>, RuntimeError> {
+        Ok(Vec::new())
+    }
     /// Takes over a machine that outlived an earlier server process, as it
     /// runs (a server restart then loses none of its processes). `None` when
     /// nothing of the sandbox runs or this backend cannot take a machine

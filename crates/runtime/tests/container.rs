@@ -523,6 +523,23 @@ async fn a_fresh_runtime_finds_and_destroys_a_running_sandbox() {
     assert!(exited.contains("signal 9"), "{exited}");
 }
 
+/// A build sandbox a crashed server left (no sandbox record knows it): a
+/// fresh runtime lists it among what it holds, so restart recovery can
+/// destroy it, and after that nothing of it is left.
+#[tokio::test]
+async fn a_fresh_runtime_lists_what_a_crash_left_so_it_can_be_destroyed() {
+    let h = Harness::new("leftover");
+    let id = "build-0123456789abcdef";
+    let (_started, socket) = h.start(id).await;
+    exec_ok(&socket, "sleep 1000 > /dev/null 2>&1 &").await;
+    let pids = pids_in(&h.runtime.cgroup_procs_files(id));
+    let fresh = ContainerRuntime::new(h.config.clone()).unwrap();
+    assert_eq!(fresh.sandbox_ids().await.unwrap(), [id]);
+    fresh.destroy(id).await.unwrap();
+    h.assert_nothing_left(id, &pids);
+    assert_eq!(fresh.sandbox_ids().await.unwrap(), Vec::<String>::new());
+}
+
 /// Logs medians of prepare + start and of the whole path to a first command answered;
 /// figures for the log, not thresholds (the machine is shared and noisy).
 #[tokio::test]

@@ -6,7 +6,9 @@
 //! multipart upload (`POST ?uploads`, `PUT ?partNumber&uploadId`, `POST
 //! ?uploadId`) for large ones. cove serves that subset of S3 itself under
 //! `/object-storage/{bucket}/{key}`, checking each request's SigV4
-//! signature against the issued secret; the engine keeps the objects.
+//! signature against the issued secret; the engine keeps the objects and
+//! bounds them: a context over the size limit answers S3's
+//! `EntityTooLarge` (400), and nothing of it stays on disk.
 //!
 //! The SDK's S3 client refuses plain HTTP, so the storage URL must be
 //! HTTPS: cove's own TLS listener (`serve --tls-listen`), or a public URL
@@ -110,11 +112,17 @@ impl S3Error {
 
 impl From<EngineError> for S3Error {
     fn from(error: EngineError) -> S3Error {
-        let (status, code) = match error.kind() {
-            ErrorKind::BadRequest => (StatusCode::BAD_REQUEST, "InvalidArgument"),
-            ErrorKind::NotFound => (StatusCode::NOT_FOUND, "NoSuchKey"),
-            ErrorKind::NotImplemented => (StatusCode::NOT_IMPLEMENTED, "NotImplemented"),
-            _ => (StatusCode::INTERNAL_SERVER_ERROR, "InternalError"),
+        let (status, code) = match (&error, error.kind()) {
+            // S3's own answer to an object over its size limit, which S3
+            // clients report as such rather than retry.
+            (EngineError::ContextTooLarge { .. }, _) => (StatusCode::BAD_REQUEST, "EntityTooLarge"),
+            (EngineError::TooManyUploads { .. }, _) => (StatusCode::BAD_REQUEST, "TooManyUploads"),
+            (_, kind) => match kind {
+                ErrorKind::BadRequest => (StatusCode::BAD_REQUEST, "InvalidArgument"),
+                ErrorKind::NotFound => (StatusCode::NOT_FOUND, "NoSuchKey"),
+                ErrorKind::NotImplemented => (StatusCode::NOT_IMPLEMENTED, "NotImplemented"),
+                _ => (StatusCode::INTERNAL_SERVER_ERROR, "InternalError"),
+            },
         };
         if status == StatusCode::INTERNAL_SERVER_ERROR {
             tracing::error!(%error, "object storage request failed");
@@ -400,4 +408,20 @@ pub async fn bucket(method: Method, uri: Uri) -> S3Error {
             uri.path()
         ),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_oversized_context_is_s3s_entity_too_large() {
+        let error = S3Error::from(EngineError::ContextTooLarge {
+            key: "cove/abc/context.tar".into(),
+            limit_bytes: 10,
+        });
+        assert_eq!(error.status, StatusCode::BAD_REQUEST);
+        assert_eq!(error.code, "EntityTooLarge");
+        assert!(error.message.contains("10 bytes"), "{}", error.message);
+    }
 }

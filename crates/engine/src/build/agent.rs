@@ -15,6 +15,11 @@ use serde::{Deserialize, Serialize};
 
 /// A `RUN` may install a toolchain; it still ends some day.
 pub const RUN_TIMEOUT: Duration = Duration::from_secs(60 * 60);
+/// The largest answer read from a build sandbox's agent. A `RUN`'s whole
+/// output comes back in one JSON answer, and what it prints is the
+/// Dockerfile author's choice: past this the step fails rather than the
+/// server holding it all in memory.
+pub const MAX_ANSWER_BYTES: usize = 32 << 20;
 
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -99,13 +104,25 @@ async fn send(
         .await
         .map_err(|e| format!("sending the step to the build sandbox: {e}"))?;
     let status = response.status();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| format!("reading the build sandbox's answer: {e}"))?
-        .to_bytes();
+    let body = read_bounded(response.into_body(), MAX_ANSWER_BYTES).await?;
     Ok((status, body))
+}
+
+/// Reads a whole body of at most `limit` bytes.
+async fn read_bounded<B>(body: B, limit: usize) -> Result<Bytes, String>
+where
+    B: hyper::body::Body,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
+    match http_body_util::Limited::new(body, limit).collect().await {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(format!(
+            "the build sandbox's answer (a RUN step's output) is larger than {} MiB; \
+             print less, or send the output to a file",
+            limit >> 20
+        )),
+        Err(e) => Err(format!("reading the build sandbox's answer: {e}")),
+    }
 }
 
 /// Whether `path` (absolute, in the build sandbox) is a directory; a path
@@ -179,6 +196,18 @@ pub fn shell_quote(word: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Attack: a `RUN` that prints gigabytes made the server read the
+    /// agent's whole answer into memory. Now reading stops at the limit
+    /// and the step fails saying why.
+    #[tokio::test]
+    async fn an_answer_over_the_limit_is_refused() {
+        let small = Full::new(Bytes::from(vec![b'x'; 1000]));
+        assert_eq!(read_bounded(small, 1000).await.unwrap().len(), 1000);
+        let large = Full::new(Bytes::from(vec![b'x'; 3 << 20]));
+        let error = read_bounded(large, 2 << 20).await.unwrap_err();
+        assert!(error.contains("larger than 2 MiB"), "{error}");
+    }
 
     #[test]
     fn words_are_quoted_for_a_posix_shell() {

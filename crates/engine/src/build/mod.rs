@@ -38,6 +38,9 @@ use crate::{now_ms, Engine, EngineError};
 
 /// How much of a failed step's output goes into the snapshot's error reason.
 const OUTPUT_TAIL_BYTES: usize = 2000;
+/// Every build sandbox's id starts so (a sandbox's id is a UUID, which
+/// never does): restart recovery destroys the ones a crashed server left.
+pub(crate) const BUILD_SANDBOX_PREFIX: &str = "build-";
 
 /// What a build makes: the layers and settings of the finished image.
 #[derive(Clone, Debug)]
@@ -294,6 +297,49 @@ impl Engine {
         Ok(base)
     }
 
+    /// Destroys, through the runtime, every build sandbox an earlier server
+    /// left: a build does not survive its server, and such a sandbox is no
+    /// sandbox record, so nothing else would ever end its processes or
+    /// remove its cgroup and directory. Call at start, before any build.
+    pub(crate) async fn remove_leftover_build_sandboxes(&self) -> Result<(), EngineError> {
+        let Ok(runtime) = self.runtime(SandboxClass::Container).cloned() else {
+            return Ok(());
+        };
+        let ids = match runtime.sandbox_ids().await {
+            Ok(ids) => ids,
+            Err(error) => {
+                tracing::error!(%error, "listing the build sandboxes an earlier server left");
+                return Ok(());
+            }
+        };
+        for id in ids {
+            if !id.starts_with(BUILD_SANDBOX_PREFIX)
+                || self
+                    .inner
+                    .store
+                    .find_sandbox(&id)
+                    .await?
+                    .is_some_and(|record| record.id == id)
+            {
+                continue;
+            }
+            match runtime.destroy(&id).await {
+                Ok(()) => {
+                    tracing::info!(build = %id, "removed a build sandbox an earlier server left")
+                }
+                Err(error) => {
+                    tracing::error!(build = %id, %error, "removing a build sandbox an earlier server left")
+                }
+            }
+            if let Some(network) = self.network() {
+                if let Err(error) = network.release(&id).await {
+                    tracing::error!(build = %id, %error, "releasing a leftover build sandbox's address");
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Scratch space for one build, beside the uploaded contexts.
     fn build_scratch(&self) -> Result<PathBuf, EngineError> {
         let dir = self
@@ -321,7 +367,7 @@ impl Engine {
             return Ok(());
         }
         let runtime = self.runtime(SandboxClass::Container)?.clone();
-        let id = format!("build-{}", uuid::Uuid::new_v4().simple());
+        let id = format!("{BUILD_SANDBOX_PREFIX}{}", uuid::Uuid::new_v4().simple());
         let capture_id = format!("build-{}", uuid::Uuid::new_v4().simple());
         let config = &self.inner.config;
         let spec = cove_runtime::SandboxSpec {

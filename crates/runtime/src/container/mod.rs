@@ -555,6 +555,30 @@ impl Runtime for ContainerRuntime {
         check_id(id).is_ok() && self.cgroups.pids(id).is_ok_and(|pids| !pids.is_empty())
     }
 
+    async fn sandbox_ids(&self) -> Result<Vec<String>, RuntimeError> {
+        let dir = self.config.state_dir.clone();
+        blocking("-", move || {
+            let entries = match fs::read_dir(&dir) {
+                Ok(entries) => entries,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+                Err(e) => return Err(format!("list {}: {e}", dir.display())),
+            };
+            let mut ids = Vec::new();
+            for entry in entries {
+                let entry = entry.map_err(|e| format!("list {}: {e}", dir.display()))?;
+                let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
+                if let (true, Some(name)) = (is_dir, entry.file_name().to_str()) {
+                    if check_id(name).is_ok() {
+                        ids.push(name.to_owned());
+                    }
+                }
+            }
+            ids.sort();
+            Ok(ids)
+        })
+        .await
+    }
+
     fn can_archive(&self) -> bool {
         self.config.storage.is_some()
     }
