@@ -118,7 +118,7 @@ def test_files_keep_the_ids_the_sandbox_sees(cove, sandbox):
         "&& chown 1000:1000 /srv/own/user-file"
     )
     listed = sandbox.process.exec("stat -c '%u:%g %n' /srv/own/root-file /srv/own/user-file /etc/passwd").result
-    assert listed.split("\n") == ["0:0 /srv/own/root-file", "1000:1000 /srv/own/user-file", "0:0 /etc/passwd"], listed
+    assert listed.strip().split("\n") == ["0:0 /srv/own/root-file", "1000:1000 /srv/own/user-file", "0:0 /etc/passwd"], listed
     # On disk the sandbox's layer holds the same ids: layers stay portable.
     upper = cove.data_dir / "storage" / "sandboxes" / sandbox.id / "upper" / "srv" / "own"
     assert (upper / "root-file").stat().st_uid == 0

@@ -914,10 +914,8 @@ async fn no_raw_sockets_but_ping_works() {
         .await;
         assert_ne!(code, 0, "a raw socket was opened: {out}");
         assert!(out.contains("PermissionError"), "{out}");
-        assert_eq!(
-            exec_ok(socket, "cat /proc/sys/net/ipv4/ping_group_range").await,
-            "0\t2147483647"
-        );
+        // (The range itself reads as 65534 inside: it is written in host
+        // group ids, of which the sandbox's user namespace maps only its own.)
         assert_eq!(exec_ok(socket, &python(ICMP_ECHO)).await, "reply type 0");
         // Every group may ping, not only root's.
         let as_nobody =

@@ -246,14 +246,14 @@ impl Owner {
 fn idmap_in_place(path: &Path, userns: &OwnedFd) -> Result<(), String> {
     use std::os::fd::AsFd;
     let dir = io_step(crate::beneath::open_root(path), || {
-        format!("open {}", path.display())
+        format!("open the overlay layer {}", path.display())
     })?;
     let tree = io_step(
         crate::beneath::clone_tree_mapped(dir.as_fd(), 0, Some(userns.as_fd())),
-        || format!("make an idmapped mount of {}", path.display()),
+        || format!("make an idmapped mount of the overlay layer {}", path.display()),
     )?;
     io_step(crate::beneath::attach(tree.as_fd(), dir.as_fd()), || {
-        format!("mount the idmapped copy of {}", path.display())
+        format!("mount the idmapped copy of the overlay layer {}", path.display())
     })
 }
 
