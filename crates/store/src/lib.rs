@@ -104,10 +104,6 @@ impl Store {
             // the last transactions, and the reconciler repairs that on start.
             .synchronous(SqliteSynchronous::Normal)
             .busy_timeout(std::time::Duration::from_secs(5));
-        restrict_to_owner(path).map_err(|source| StoreError::Open {
-            path: path.display().to_string(),
-            source: sqlx::Error::Io(source),
-        })?;
         let pool = SqlitePoolOptions::new()
             .max_connections(4)
             .connect_with(options)
@@ -117,20 +113,21 @@ impl Store {
             .run(&pool)
             .await
             .map_err(StoreError::Migrate)?;
+        restrict_to_owner(path).map_err(|source| StoreError::Open {
+            path: path.display().to_string(),
+            source: sqlx::Error::Io(source),
+        })?;
         Ok(Store { pool })
     }
 }
 
 /// The database holds environments, registry passwords and preview tokens:
-/// made (or kept) readable by its owner only, before SQLite opens it, so the
-/// WAL and shared-memory files SQLite makes beside it get the same mode.
+/// it and the WAL and shared-memory files beside it are made readable by
+/// their owner only once SQLite has them (SQLite sets an empty database file
+/// to 0644 when it opens it, and makes the others with the database's mode,
+/// so later ones are 0600 too).
 fn restrict_to_owner(path: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o600)
-        .open(path)?;
+    use std::os::unix::fs::PermissionsExt;
     let beside = |suffix: &str| {
         let mut name = path.as_os_str().to_owned();
         name.push(suffix);

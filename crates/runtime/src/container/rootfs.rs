@@ -250,10 +250,18 @@ fn idmap_in_place(path: &Path, userns: &OwnedFd) -> Result<(), String> {
     })?;
     let tree = io_step(
         crate::beneath::clone_tree_mapped(dir.as_fd(), 0, Some(userns.as_fd())),
-        || format!("make an idmapped mount of the overlay layer {}", path.display()),
+        || {
+            format!(
+                "make an idmapped mount of the overlay layer {}",
+                path.display()
+            )
+        },
     )?;
     io_step(crate::beneath::attach(tree.as_fd(), dir.as_fd()), || {
-        format!("mount the idmapped copy of the overlay layer {}", path.display())
+        format!(
+            "mount the idmapped copy of the overlay layer {}",
+            path.display()
+        )
     })
 }
 

@@ -291,22 +291,7 @@ fn container_init(
     go: OwnedFd,
 ) -> String {
     let result = (|| -> Result<std::convert::Infallible, String> {
-        // SAFETY: prctl with integer arguments only.
-        if unsafe {
-            libc::prctl(
-                libc::PR_SET_PDEATHSIG,
-                libc::SIGKILL as libc::c_ulong,
-                0,
-                0,
-                0,
-            )
-        } != 0
-        {
-            return Err(format!(
-                "set parent death signal: {}",
-                std::io::Error::last_os_error()
-            ));
-        }
+        die_with_the_shim()?;
         unshare(CloneFlags::CLONE_NEWNS)
             .map_err(|errno| format!("unshare mount namespace: {}", errno.desc()))?;
         umask(Mode::from_bits_truncate(0o022));
@@ -331,6 +316,8 @@ fn container_init(
         unshare(CloneFlags::CLONE_NEWCGROUP)
             .map_err(|errno| format!("unshare cgroup namespace: {}", errno.desc()))?;
         enter_user_namespace(userns)?;
+        // Changing its ids cleared the death signal set above; set it again.
+        die_with_the_shim()?;
         let path = CString::new(AGENT_PATH).expect("constant has no NUL");
         let argv = [
             CString::new("cove-agent").expect("no NUL"),
@@ -344,6 +331,28 @@ fn container_init(
         Err(message) => message,
         Ok(never) => match never {},
     }
+}
+
+/// SIGKILL for the container init when the shim dies. The kernel clears it at
+/// every change of the process's user, group or file-system ids.
+fn die_with_the_shim() -> Result<(), String> {
+    // SAFETY: prctl with integer arguments only.
+    if unsafe {
+        libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    } != 0
+    {
+        return Err(format!(
+            "set parent death signal: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    Ok(())
 }
 
 /// Joins the sandbox's user namespace as its root (host ids `id_base`): the
