@@ -244,6 +244,15 @@ impl Client {
         handler: connection::Connection,
     ) {
         let peer = self.peer;
+        // russh runs the session in a task of its own, which dropping its
+        // future does not end: a second descriptor of the socket lets the
+        // gateway shut the connection down itself.
+        let Some((socket, closer)) = with_closer(socket) else {
+            return;
+        };
+        let close = || {
+            let _ = closer.shutdown(std::net::Shutdown::Both);
+        };
         // Subscribed before the token is first checked: no revocation is missed.
         let mut revocations = self.engine.ssh_access_revocations();
         let started = tokio::time::timeout_at(
@@ -280,12 +289,15 @@ impl Client {
                 }
                 return;
             }
-            // Dropping the session closes the socket.
             Authentication::TimedOut => {
                 tracing::debug!(%peer, "ssh client did not authenticate in time; dropped");
+                close();
                 return;
             }
-            Authentication::Stopped => return,
+            Authentication::Stopped => {
+                close();
+                return;
+            }
             Authentication::HandlerGone => {
                 let _ = (&mut session).await;
                 return;
@@ -323,6 +335,21 @@ impl Client {
         let _ = handle
             .disconnect(russh::Disconnect::ByApplication, reason.into(), "en".into())
             .await;
-        let _ = tokio::time::timeout(DISCONNECT_GRACE, &mut session).await;
+        if tokio::time::timeout(DISCONNECT_GRACE, &mut session)
+            .await
+            .is_err()
+        {
+            close();
+        }
     }
+}
+
+/// The socket, and a second descriptor of it to shut it down with.
+fn with_closer(
+    socket: tokio::net::TcpStream,
+) -> Option<(tokio::net::TcpStream, std::net::TcpStream)> {
+    let socket = socket.into_std().ok()?;
+    let closer = socket.try_clone().ok()?;
+    let socket = tokio::net::TcpStream::from_std(socket).ok()?;
+    Some((socket, closer))
 }
