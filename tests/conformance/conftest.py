@@ -100,7 +100,7 @@ class CoveServer:
         self.extra_env = dict(extra_env or {})
         self.port = 0
         # The SSH gateway's port (`--ssh-listen`); every server gets its own
-        # on loopback, so servers never clash over the default 0.0.0.0:2222.
+        # on loopback, so servers never clash over the default 127.0.0.1:2222.
         self.ssh_port = 0
         self.proc: subprocess.Popen | None = None
         self.log_path = data_dir.parent / f"{data_dir.name}.log"

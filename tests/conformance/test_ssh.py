@@ -187,3 +187,36 @@ def test_local_forwarding_reaches_a_port_on_the_sandbox_loopback(sandbox, cove):
             forward.terminate()
             forward.wait(timeout=10)
         sandbox.process.delete_session(session)
+
+
+def test_revoking_a_token_ends_its_live_session(sandbox, cove):
+    token = sandbox.create_ssh_access(expires_in_minutes=5).token
+    # A shell on a terminal, kept open by its stdin: a live connection.
+    live = subprocess.Popen(
+        [SSH, "-tt", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+         "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", "-p", str(cove.ssh_port),
+         f"{token}@127.0.0.1"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    try:
+        live.stdin.write(b"echo live-$((40+2))\n")
+        live.stdin.flush()
+        seen = b""
+        while b"live-42" not in seen:
+            chunk = live.stdout.read1(4096)
+            assert chunk, (seen, live.stderr.read())
+            seen += chunk
+        other = sandbox.create_ssh_access(expires_in_minutes=5).token
+        sandbox.revoke_ssh_access(token)
+        # The gateway closes the connection that came in with the token...
+        live.wait(timeout=30)
+        assert live.returncode == 255, live.returncode
+        assert b"revoked" in live.stderr.read()
+    finally:
+        if live.poll() is None:
+            live.kill()
+            live.wait()
+    # ...which opens nothing more; another token of the sandbox still works.
+    assert "unknown, expired or revoked" in refused(ssh(cove, token, "true"))
+    done = ssh(cove, other, "echo", "still")
+    assert (done.returncode, done.stdout) == (0, b"still\n"), done.stderr

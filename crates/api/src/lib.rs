@@ -10,6 +10,7 @@ mod auth;
 mod docker_registry;
 mod dto;
 mod error;
+pub mod listener;
 mod machines;
 mod not_implemented;
 mod object_storage;

@@ -5,6 +5,7 @@ mod admin_cmd;
 mod agent_binary;
 mod bench;
 mod client;
+mod descriptors;
 mod image_cmd;
 mod pull_progress;
 mod sandbox_cmd;

@@ -127,7 +127,8 @@ pub struct ServeArgs {
     pub tls_key: Option<PathBuf>,
     /// Address of the SSH gateway (`ssh TOKEN@host -p PORT`, tokens from
     /// `POST /api/sandbox/{id}/ssh-access`); its host key is kept in the data dir.
-    #[arg(long, env = "COVE_SSH_LISTEN", default_value = "0.0.0.0:2222")]
+    /// Loopback by default: pass e.g. `0.0.0.0:2222` to let other hosts in.
+    #[arg(long, env = "COVE_SSH_LISTEN", default_value = "127.0.0.1:2222")]
     pub ssh_listen: SocketAddr,
     /// The only directory `POST /api/snapshots/import` (`cove image
     /// import`) reads image archives and layouts from; made owner-only if
@@ -142,6 +143,14 @@ pub struct ServeArgs {
     /// may have in progress at once.
     #[arg(long, default_value_t = 16)]
     pub max_context_uploads: usize,
+    /// Seconds an HTTP client has to send a request's headers (also the
+    /// longest a kept-alive connection idles, and the time a TLS client has
+    /// for its handshake); then the connection is closed.
+    #[arg(long, env = "COVE_HEADER_READ_TIMEOUT", default_value_t = 20)]
+    pub header_read_timeout: u64,
+    /// Seconds an SSH client has to authenticate; then it is disconnected.
+    #[arg(long, env = "COVE_SSH_AUTH_TIMEOUT", default_value_t = 20)]
+    pub ssh_auth_timeout: u64,
     /// How often timers are checked, in milliseconds.
     #[arg(long, default_value_t = 1000, hide = true)]
     pub timer_tick_ms: u64,
@@ -163,7 +172,7 @@ pub fn progress_printer() -> impl FnMut(&ImageProgress) {
 /// socket listens.
 /// The running server and the network it made (to be removed at shutdown).
 type Serving = (
-    tokio::task::JoinHandle<std::io::Result<()>>,
+    tokio::task::JoinHandle<()>,
     Option<Arc<cove_net::Network>>,
     cove_ssh::Gateway,
     DataDirLock,
@@ -243,6 +252,18 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     }
     let data_dir = data_dir.canonicalize()?;
     let data_lock = lock_data_dir(&data_dir)?;
+    let descriptors = crate::descriptors::raise_limit();
+    let caps = crate::descriptors::ConnectionCaps::for_limit(descriptors);
+    tracing::info!(
+        descriptors,
+        reserved = crate::descriptors::ConnectionCaps::reserve(descriptors),
+        http = caps.http,
+        https = caps.https,
+        ssh = caps.ssh,
+        ssh_unauthenticated = caps.ssh_unauthenticated,
+        "file descriptor limit and connection caps"
+    );
+    let header_read_timeout = Duration::from_secs(args.header_read_timeout.max(1));
     // The addresses first: a port in use fails before anything is made.
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
@@ -403,6 +424,9 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         cove_ssh::GatewayConfig {
             listen: args.ssh_listen,
             host_key: data_dir.join("ssh_host_ed25519_key"),
+            auth_timeout: Duration::from_secs(args.ssh_auth_timeout.max(1)),
+            max_connections: caps.ssh,
+            max_unauthenticated: caps.ssh_unauthenticated,
         },
     )
     .await
@@ -421,14 +445,29 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             tls_port,
         },
     ));
+    let limits = |max_connections| cove_api::listener::ListenerLimits {
+        header_read_timeout,
+        tls_handshake_timeout: header_read_timeout,
+        max_connections,
+    };
     if let Some((listener, config)) = tls {
         tracing::info!(addr = %listener.local_addr()?, "serving HTTPS");
-        tokio::spawn(serve_tls(listener, config, app.clone()));
+        tokio::spawn(cove_api::listener::serve(
+            listener,
+            Some(cove_api::listener::TlsAcceptor::from(config)),
+            app.clone(),
+            limits(caps.https),
+        ));
     }
     let addr = listener.local_addr()?;
     let timers = engine.clone();
     tokio::spawn(async move { timers.run_timers().await });
-    let serve = tokio::spawn(async move { axum::serve(listener, app).await });
+    let serve = tokio::spawn(cove_api::listener::serve(
+        listener,
+        None,
+        app,
+        limits(caps.http),
+    ));
     tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
     Ok((serve, network, ssh, data_lock, vm, (engine, storage)))
 }
@@ -460,46 +499,6 @@ fn tls_config(
         .context("the TLS certificate and key do not fit together")?;
     config.alpn_protocols = vec![b"http/1.1".to_vec()];
     Ok(Arc::new(config))
-}
-
-/// Serves `app` over TLS: each connection is handshaken, then served by
-/// hyper like the plain listener's.
-async fn serve_tls(
-    listener: tokio::net::TcpListener,
-    config: Arc<rustls::ServerConfig>,
-    app: axum::Router,
-) {
-    let acceptor = tokio_rustls::TlsAcceptor::from(config);
-    loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(error) => {
-                // Out of descriptors, for one: wait rather than spin.
-                tracing::warn!(%error, "accepting an HTTPS connection");
-                tokio::time::sleep(Duration::from_millis(100)).await;
-                continue;
-            }
-        };
-        let acceptor = acceptor.clone();
-        let app = app.clone();
-        tokio::spawn(async move {
-            let stream = match acceptor.accept(stream).await {
-                Ok(stream) => stream,
-                Err(error) => {
-                    tracing::debug!(%error, "TLS handshake failed");
-                    return;
-                }
-            };
-            let service = hyper_util::service::TowerToHyperService::new(app);
-            let served =
-                hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
-                    .serve_connection_with_upgrades(hyper_util::rt::TokioIo::new(stream), service)
-                    .await;
-            if let Err(error) = served {
-                tracing::debug!(%error, "HTTPS connection ended");
-            }
-        });
-    }
 }
 
 /// The VM backend, when this host can run it: QEMU installed (`scripts/vm-setup`)
@@ -600,7 +599,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     // A server that fails cleans up as one that is told to stop does.
     let served: anyhow::Result<()> = tokio::select! {
         result = serve => match result {
-            Ok(served) => served.map_err(Into::into),
+            Ok(()) => Ok(()),
             Err(panicked) => Err(panicked.into()),
         },
         _ = tokio::signal::ctrl_c() => {

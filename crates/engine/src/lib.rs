@@ -91,6 +91,9 @@ struct Inner {
     contexts: Option<contexts::ContextStore>,
     /// Stored key hashes, read once: checking a key must not cost a query per request.
     api_keys: std::sync::RwLock<Option<Vec<String>>>,
+    /// Bumped whenever SSH access tokens go away (revoked, or with their
+    /// sandbox): live SSH connections re-check their token when it changes.
+    ssh_revocations: tokio::sync::watch::Sender<u64>,
 }
 
 impl Engine {
@@ -115,6 +118,7 @@ impl Engine {
                 builds: Mutex::default(),
                 contexts,
                 api_keys: Default::default(),
+                ssh_revocations: tokio::sync::watch::Sender::new(0),
             }),
         }
     }

@@ -168,6 +168,8 @@ impl Engine {
                 if success == SandboxState::Destroyed {
                     self.inner.store.delete_sandbox(&id).await?;
                     self.inner.activity.forget(&id);
+                    // Its SSH access went with it.
+                    self.ssh_access_revoked();
                     self.inner.locks.lock().unwrap().remove(&id);
                     tracing::info!(sandbox = %id, "deleted");
                     return Ok(record);

@@ -76,7 +76,23 @@ impl Engine {
             .revoke_ssh_access(&sandbox.id, hash.as_deref())
             .await?;
         tracing::info!(sandbox = %sandbox.id, revoked, "ssh access revoked");
+        if revoked > 0 {
+            self.ssh_access_revoked();
+        }
         Ok(sandbox)
+    }
+
+    /// Changes whenever tokens may have gone away (revoked, or deleted with
+    /// their sandbox); a holder of a token re-validates it then. The SSH
+    /// gateway closes a live connection whose token no longer validates.
+    pub fn ssh_access_revocations(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.inner.ssh_revocations.subscribe()
+    }
+
+    pub(crate) fn ssh_access_revoked(&self) {
+        self.inner
+            .ssh_revocations
+            .send_modify(|n| *n = n.wrapping_add(1));
     }
 
     /// The id of the sandbox `token` opens, if it is known, unexpired and its

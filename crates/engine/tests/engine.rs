@@ -416,6 +416,30 @@ async fn snapshots_capture_stack_revert_and_refuse_what_would_break() {
 }
 
 #[tokio::test]
+async fn revoking_ssh_access_tells_its_holders() {
+    let h = harness().await;
+    let s = h.engine.create(named("ssh-watch")).await.unwrap();
+    let issued = h.engine.create_ssh_access(&s.id, None).await.unwrap();
+    let mut revocations = h.engine.ssh_access_revocations();
+    // Revoking nothing is no news.
+    h.engine
+        .revoke_ssh_access(&s.id, Some("not-a-token"))
+        .await
+        .unwrap();
+    assert!(!revocations.has_changed().unwrap());
+    h.engine
+        .revoke_ssh_access(&s.id, Some(&issued.token))
+        .await
+        .unwrap();
+    assert!(revocations.has_changed().unwrap());
+    revocations.borrow_and_update();
+    // Deleting a sandbox takes its tokens with it.
+    h.engine.create_ssh_access(&s.id, None).await.unwrap();
+    h.engine.delete(&s.id).await.unwrap();
+    assert!(revocations.has_changed().unwrap());
+}
+
+#[tokio::test]
 async fn ssh_access_is_issued_validated_expires_and_is_revoked() {
     let h = harness().await;
     let s = h.engine.create(named("ssh")).await.unwrap();

@@ -4,7 +4,7 @@
 //! Works the same for containers and VMs: both expose the agent as a Unix socket.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 use base64::Engine as _;
 use bytes::Bytes;
@@ -26,6 +26,14 @@ const TUNNEL_PROTOCOL: &str = "cove-tcp";
 /// Deadline of an SSH `exec`: the agent's default (10 minutes) is meant for
 /// API calls; an SSH command may run as long as a day.
 const EXEC_TIMEOUT_SECS: u64 = 24 * 60 * 60;
+/// The most of an agent's answer that is read. An `exec`'s whole output
+/// comes back in one `/process/execute` answer; the sandbox, which writes
+/// it, is not trusted to stop.
+pub const ANSWER_LIMIT: usize = 8 << 20;
+/// The most of a response head (status line and headers) that is read.
+const HEAD_LIMIT: usize = 64 << 10;
+/// The largest WebSocket message of a PTY session that is read.
+const PTY_MESSAGE_LIMIT: usize = 1 << 20;
 
 #[derive(Debug, thiserror::Error)]
 pub enum AgentError {
@@ -51,6 +59,12 @@ pub enum AgentError {
     NothingListens { port: u16 },
     #[error("the sandbox's agent answered {what} with {reason}")]
     BadAnswer { what: String, reason: String },
+    #[error("the agent of sandbox {sandbox} answered {what} with more than {limit} bytes; cove reads no more")]
+    TooLarge {
+        sandbox: String,
+        what: String,
+        limit: usize,
+    },
     #[error("the sandbox's agent did not open the terminal")]
     WebSocket(#[source] Box<tokio_tungstenite::tungstenite::Error>),
 }
@@ -58,6 +72,7 @@ pub enum AgentError {
 /// The agent of one sandbox.
 #[derive(Clone, Debug)]
 pub struct Agent {
+    sandbox: String,
     socket: PathBuf,
 }
 
@@ -86,8 +101,54 @@ pub struct Pty {
 }
 
 impl Agent {
-    pub fn new(socket: PathBuf) -> Agent {
-        Agent { socket }
+    pub fn new(sandbox: String, socket: PathBuf) -> Agent {
+        Agent { sandbox, socket }
+    }
+
+    /// An HTTP/1 connection to the agent whose response heads are bounded.
+    async fn handshake(
+        &self,
+        what: &str,
+    ) -> Result<
+        (
+            hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+            hyper::client::conn::http1::Connection<TokioIo<UnixStream>, Full<Bytes>>,
+        ),
+        AgentError,
+    > {
+        hyper::client::conn::http1::Builder::new()
+            .max_buf_size(HEAD_LIMIT.max(8192))
+            .handshake(TokioIo::new(self.connect().await?))
+            .await
+            .map_err(|source| AgentError::Http {
+                what: what.to_owned(),
+                source,
+            })
+    }
+
+    /// A response body, read up to [`ANSWER_LIMIT`] and no further.
+    async fn read_body(
+        &self,
+        what: &str,
+        body: hyper::body::Incoming,
+    ) -> Result<Bytes, AgentError> {
+        match http_body_util::Limited::new(body, ANSWER_LIMIT)
+            .collect()
+            .await
+        {
+            Ok(collected) => Ok(collected.to_bytes()),
+            Err(error) => match error.downcast::<hyper::Error>() {
+                Ok(source) => Err(AgentError::Http {
+                    what: what.to_owned(),
+                    source: *source,
+                }),
+                Err(_) => Err(AgentError::TooLarge {
+                    sandbox: self.sandbox.clone(),
+                    what: what.to_owned(),
+                    limit: ANSWER_LIMIT,
+                }),
+            },
+        }
     }
 
     async fn connect(&self) -> Result<UnixStream, AgentError> {
@@ -111,10 +172,7 @@ impl Agent {
             what: what.clone(),
             source,
         };
-        let (mut sender, connection) =
-            hyper::client::conn::http1::handshake(TokioIo::new(self.connect().await?))
-                .await
-                .map_err(http_error)?;
+        let (mut sender, connection) = self.handshake(&what).await?;
         tokio::spawn(async move {
             if let Err(error) = connection.await {
                 tracing::debug!(%error, "agent connection ended");
@@ -135,12 +193,7 @@ impl Agent {
             })?;
         let response = sender.send_request(request).await.map_err(http_error)?;
         let status = response.status();
-        let body = response
-            .into_body()
-            .collect()
-            .await
-            .map_err(http_error)?
-            .to_bytes();
+        let body = self.read_body(&what, response.into_body()).await?;
         Ok((status, body))
     }
 
@@ -211,9 +264,18 @@ impl Agent {
                     reason: e.to_string(),
                 })?,
         );
-        let (socket, _) = tokio_tungstenite::client_async(request, self.connect().await?)
-            .await
-            .map_err(|e| AgentError::WebSocket(Box::new(e)))?;
+        // A PTY's messages are terminal output in small chunks; a message
+        // past the limit ends the session rather than filling memory.
+        let config = tokio_tungstenite::tungstenite::protocol::WebSocketConfig::default()
+            .max_message_size(Some(PTY_MESSAGE_LIMIT))
+            .max_frame_size(Some(PTY_MESSAGE_LIMIT));
+        let (socket, _) = tokio_tungstenite::client_async_with_config(
+            request,
+            self.connect().await?,
+            Some(config),
+        )
+        .await
+        .map_err(|e| AgentError::WebSocket(Box::new(e)))?;
         Ok(Pty { id, socket })
     }
 
@@ -252,10 +314,7 @@ impl Agent {
             what: what.clone(),
             source,
         };
-        let (mut sender, connection) =
-            hyper::client::conn::http1::handshake(TokioIo::new(self.connect().await?))
-                .await
-                .map_err(http_error)?;
+        let (mut sender, connection) = self.handshake(&what).await?;
         tokio::spawn(async move {
             if let Err(error) = connection.with_upgrades().await {
                 tracing::debug!(%error, "agent tunnel connection ended");
@@ -277,12 +336,8 @@ impl Agent {
             StatusCode::SWITCHING_PROTOCOLS => {}
             StatusCode::BAD_GATEWAY => return Err(AgentError::NothingListens { port }),
             status => {
-                let body = response
-                    .into_body()
-                    .collect()
-                    .await
-                    .map(|b| String::from_utf8_lossy(&b.to_bytes()).into_owned())
-                    .unwrap_or_default();
+                let body = self.read_body(&what, response.into_body()).await?;
+                let body = String::from_utf8_lossy(&body).into_owned();
                 return Err(AgentError::Refused { what, status, body });
             }
         }
@@ -291,8 +346,55 @@ impl Agent {
     }
 }
 
-impl From<&Path> for Agent {
-    fn from(socket: &Path) -> Agent {
-        Agent::new(socket.to_owned())
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    /// An agent that answers every connection with `head` and then bytes
+    /// that never stop.
+    fn hostile_agent(head: &'static [u8]) -> (tempfile::TempDir, Agent) {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut request = [0u8; 4096];
+                    let _ = stream.read(&mut request).await;
+                    let chunk = vec![b'x'; 64 << 10];
+                    let mut written = stream.write_all(head).await;
+                    while written.is_ok() {
+                        written = stream.write_all(&chunk).await;
+                    }
+                });
+            }
+        });
+        (dir, Agent::new("sbx-1".into(), socket))
+    }
+
+    #[tokio::test]
+    async fn an_endless_exec_answer_is_cut_at_the_limit() {
+        let (_dir, agent) = hostile_agent(b"HTTP/1.1 200 OK\r\n\r\n");
+        let error = agent.execute("yes", &BTreeMap::new()).await.unwrap_err();
+        assert!(
+            matches!(&error, AgentError::TooLarge { sandbox, limit, .. } if sandbox == "sbx-1" && *limit == ANSWER_LIMIT),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains("sandbox sbx-1"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn an_endless_tunnel_refusal_is_cut_at_the_limit() {
+        let (_dir, agent) = hostile_agent(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        let error = agent.tunnel(8080).await.err().unwrap();
+        assert!(matches!(error, AgentError::TooLarge { .. }), "{error:?}");
+    }
+
+    #[tokio::test]
+    async fn an_endless_header_is_refused() {
+        let (_dir, agent) = hostile_agent(b"HTTP/1.1 200 OK\r\nX-Endless: ");
+        let error = agent.execute("true", &BTreeMap::new()).await.unwrap_err();
+        assert!(matches!(error, AgentError::Http { .. }), "{error:?}");
     }
 }

@@ -1,5 +1,8 @@
-//! One client connection: the SSH access token is the user name, checked once
-//! at authentication; the sandbox it opens is then fixed for the connection.
+//! One client connection: the SSH access token is the user name, checked at
+//! authentication and again at every channel the client opens, so a token
+//! that was revoked or has expired opens nothing more; the sandbox it opened
+//! stays fixed for the connection. (The gateway's connection task also
+//! closes a live connection as soon as its token is revoked.)
 //!
 //! Like Daytona's gateway, the `none` method is what admits a client (OpenSSH
 //! always tries it first, so `ssh TOKEN@host` needs no key or password);
@@ -14,25 +17,48 @@ use std::net::SocketAddr;
 use cove_engine::{Engine, ErrorKind, SandboxState};
 use russh::server::{Auth, ChannelOpenHandle, Msg, Session};
 use russh::{Channel, ChannelOpenFailure, Disconnect};
+use tokio::sync::{watch, OwnedSemaphorePermit};
 
 use crate::session::{self, error_chain, Target};
+
+/// What a client that authenticated holds: its token and the sandbox it opens.
+#[derive(Clone, Debug)]
+pub struct Admitted {
+    pub token: String,
+    pub sandbox_id: String,
+}
+
+/// Told to a client whose token no longer opens its sandbox.
+pub const TOKEN_GONE: &str = "the SSH access token was revoked or has expired; issue a new one \
+     (POST /api/sandbox/{id}/ssh-access)";
 
 pub struct Connection {
     engine: Engine,
     peer: Option<SocketAddr>,
-    /// The sandbox a valid token opens.
-    sandbox_id: Option<String>,
+    /// The token and sandbox of a client that was admitted.
+    admitted: Option<Admitted>,
     /// Why the token was refused, told to the client at disconnect.
     refusal: Option<String>,
+    /// Tells the connection's task once the client is in.
+    on_admitted: watch::Sender<Option<Admitted>>,
+    /// The client's place among the unauthenticated; given up once it is in.
+    unauthenticated: Option<OwnedSemaphorePermit>,
 }
 
 impl Connection {
-    pub fn new(engine: Engine, peer: Option<SocketAddr>) -> Connection {
+    pub fn new(
+        engine: Engine,
+        peer: Option<SocketAddr>,
+        on_admitted: watch::Sender<Option<Admitted>>,
+        unauthenticated: OwnedSemaphorePermit,
+    ) -> Connection {
         Connection {
             engine,
             peer,
-            sandbox_id: None,
+            admitted: None,
             refusal: None,
+            on_admitted,
+            unauthenticated: Some(unauthenticated),
         }
     }
 
@@ -68,12 +94,47 @@ impl Connection {
         Ok(sandbox.id)
     }
 
-    fn target(&self, session: &Session) -> Option<Target> {
-        Some(Target {
+    /// Where a new channel goes, if the token still opens the sandbox: it is
+    /// checked again for every channel, so a revoked or expired token opens
+    /// nothing more. `Err` is the reason told to the client.
+    async fn target(&self, handle: russh::server::Handle) -> Result<Target, String> {
+        let Some(admitted) = &self.admitted else {
+            return Err("not admitted".to_owned());
+        };
+        match self.engine.validate_ssh_access(&admitted.token).await {
+            Ok(Some(sandbox_id)) if sandbox_id == admitted.sandbox_id => {}
+            Ok(_) => return Err(TOKEN_GONE.to_owned()),
+            Err(error) => {
+                tracing::error!(error = %error_chain(&error), "checking an ssh access token");
+                return Err("cove could not check the SSH access token; try again".to_owned());
+            }
+        }
+        Ok(Target {
             engine: self.engine.clone(),
-            sandbox_id: self.sandbox_id.clone()?,
-            handle: session.handle(),
+            sandbox_id: admitted.sandbox_id.clone(),
+            handle,
         })
+    }
+
+    /// Refuses a channel; a token that is gone also ends the connection.
+    async fn refuse_channel(
+        &self,
+        reply: ChannelOpenHandle,
+        reason: String,
+        session: &mut Session,
+    ) -> Result<(), russh::Error> {
+        tracing::info!(peer = ?self.peer, %reason, "ssh channel refused");
+        let gone = reason == TOKEN_GONE;
+        reply
+            .reject(ChannelOpenFailure::Other {
+                code: 1, // SSH_OPEN_ADMINISTRATIVELY_PROHIBITED
+                reason: reason.clone(),
+            })
+            .await;
+        if gone {
+            session.disconnect(Disconnect::ByApplication, &reason, "en")?;
+        }
+        Ok(())
     }
 }
 
@@ -93,7 +154,10 @@ impl russh::server::Handler for Connection {
         match self.admit(user).await {
             Ok(sandbox_id) => {
                 tracing::info!(sandbox = %sandbox_id, peer = ?self.peer, "ssh connection admitted");
-                self.sandbox_id = Some(sandbox_id);
+                self.admitted = Some(Admitted {
+                    token: user.to_owned(),
+                    sandbox_id,
+                });
             }
             Err(reason) => {
                 tracing::debug!(peer = ?self.peer, %reason, "ssh connection refused");
@@ -106,7 +170,10 @@ impl russh::server::Handler for Connection {
     async fn auth_succeeded(&mut self, session: &mut Session) -> Result<(), Self::Error> {
         if let Some(reason) = &self.refusal {
             session.disconnect(Disconnect::NoMoreAuthMethodsAvailable, reason, "en")?;
+            return Ok(());
         }
+        self.unauthenticated = None;
+        self.on_admitted.send_replace(self.admitted.clone());
         Ok(())
     }
 
@@ -116,11 +183,9 @@ impl russh::server::Handler for Connection {
         reply: ChannelOpenHandle,
         session: &mut Session,
     ) -> Result<(), Self::Error> {
-        let Some(target) = self.target(session) else {
-            reply
-                .reject(ChannelOpenFailure::AdministrativelyProhibited)
-                .await;
-            return Ok(());
+        let target = match self.target(session.handle()).await {
+            Ok(target) => target,
+            Err(reason) => return self.refuse_channel(reply, reason, session).await,
         };
         reply.accept().await;
         tokio::spawn(session::serve(channel, target));
@@ -137,11 +202,9 @@ impl russh::server::Handler for Connection {
         reply: ChannelOpenHandle,
         session: &mut Session,
     ) -> Result<(), Self::Error> {
-        let Some(target) = self.target(session) else {
-            reply
-                .reject(ChannelOpenFailure::AdministrativelyProhibited)
-                .await;
-            return Ok(());
+        let target = match self.target(session.handle()).await {
+            Ok(target) => target,
+            Err(reason) => return self.refuse_channel(reply, reason, session).await,
         };
         let refuse = |reason: String| ChannelOpenFailure::Other {
             code: 2, // SSH_OPEN_CONNECT_FAILED
@@ -166,7 +229,7 @@ impl russh::server::Handler for Connection {
         tokio::spawn(async move {
             let agent = match target.engine.toolbox(&target.sandbox_id).await {
                 Ok((_, cove_runtime::AgentEndpoint::Unix(socket))) => {
-                    crate::agent::Agent::new(socket)
+                    crate::agent::Agent::new(target.sandbox_id.clone(), socket)
                 }
                 Err(error) => return reply.reject(refuse(error.to_string())).await,
             };

@@ -124,7 +124,7 @@ async fn finish(channel: &Channel<Msg>, status: u32) {
 /// The sandbox's agent, if the sandbox still runs (and counts as activity).
 async fn agent(target: &Target) -> Result<Agent, String> {
     match target.engine.toolbox(&target.sandbox_id).await {
-        Ok((_, cove_runtime::AgentEndpoint::Unix(socket))) => Ok(Agent::new(socket)),
+        Ok((id, cove_runtime::AgentEndpoint::Unix(socket))) => Ok(Agent::new(id, socket)),
         Err(error) => Err(error.to_string()),
     }
 }

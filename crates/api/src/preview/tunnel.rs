@@ -13,12 +13,18 @@ use std::task::{Context, Poll};
 
 use axum::body::Body;
 use axum::http::{header, Request, StatusCode, Uri};
-use http_body_util::BodyExt;
+use http_body_util::BodyExt as _;
 use hyper::upgrade::Upgraded;
 use hyper_util::client::legacy::connect::{Connected, Connection};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use tokio::net::UnixStream;
+
+/// The most of a response head (status line and headers) read from an
+/// agent, and from an app behind a tunnel (the pooled client's buffer).
+pub const HEAD_LIMIT: usize = 64 << 10;
+/// The most of an agent's refusal of a tunnel that is read: a JSON message.
+pub const REFUSAL_LIMIT: usize = 64 << 10;
 
 /// Why a tunnel could not be opened, with the status the preview answers.
 #[derive(Debug, thiserror::Error)]
@@ -47,8 +53,11 @@ pub struct TunnelClient {
 impl TunnelClient {
     pub fn new() -> TunnelClient {
         let sockets: Arc<Mutex<HashMap<String, PathBuf>>> = Arc::default();
+        // Bodies stream both ways untouched; only heads are parsed, and
+        // they are bounded.
         let client = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(std::time::Duration::from_secs(30))
+            .http1_max_buf_size(HEAD_LIMIT.max(8192))
             .build(TunnelConnector {
                 sockets: sockets.clone(),
             });
@@ -108,7 +117,9 @@ async fn open(id: &str, port: u16, socket: PathBuf) -> Result<TunnelStream, Tunn
     let stream = UnixStream::connect(&socket)
         .await
         .map_err(|e| agent_gone(&e))?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+    let (mut sender, connection) = hyper::client::conn::http1::Builder::new()
+        .max_buf_size(HEAD_LIMIT.max(8192))
+        .handshake(TokioIo::new(stream))
         .await
         .map_err(|e| agent_gone(&e))?;
     tokio::spawn(async move {
@@ -134,12 +145,19 @@ async fn open(id: &str, port: u16, socket: PathBuf) -> Result<TunnelStream, Tunn
     }
     // The agent says why (nothing listening, most often) in a JSON message.
     let status = response.status();
-    let body = response
-        .into_body()
+    let body = match http_body_util::Limited::new(response.into_body(), REFUSAL_LIMIT)
         .collect()
         .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
+    {
+        Ok(body) => body.to_bytes(),
+        Err(error) if error.is::<http_body_util::LengthLimitError>() => {
+            return Err(TunnelError::bad_gateway(format!(
+                "the agent of sandbox {id} refused a tunnel to port {port} ({status}) \
+                 with more than {REFUSAL_LIMIT} bytes; cove reads no more"
+            )))
+        }
+        Err(_) => Default::default(),
+    };
     let reason = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
         .and_then(|v| v["message"].as_str().map(str::to_owned))
@@ -194,5 +212,48 @@ impl hyper::rt::Write for TunnelStream {
     }
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.0).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    /// An agent that answers with `head` and then bytes that never stop.
+    fn hostile_agent(head: &'static [u8]) -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut request = [0u8; 4096];
+                    let _ = stream.read(&mut request).await;
+                    let chunk = vec![b'x'; 64 << 10];
+                    let mut written = stream.write_all(head).await;
+                    while written.is_ok() {
+                        written = stream.write_all(&chunk).await;
+                    }
+                });
+            }
+        });
+        (dir, socket)
+    }
+
+    #[tokio::test]
+    async fn an_endless_refusal_is_cut_at_the_limit() {
+        let (_dir, socket) = hostile_agent(b"HTTP/1.1 502 Bad Gateway\r\n\r\n");
+        let error = open("sbx-1", 3000, socket).await.err().unwrap();
+        assert_eq!(error.status, StatusCode::BAD_GATEWAY);
+        assert!(error.message.contains("sandbox sbx-1"), "{}", error.message);
+        assert!(error.message.contains("more than"), "{}", error.message);
+    }
+
+    #[tokio::test]
+    async fn an_endless_header_is_refused() {
+        let (_dir, socket) = hostile_agent(b"HTTP/1.1 101 Switching Protocols\r\nX-Endless: ");
+        let error = open("sbx-2", 3000, socket).await.err().unwrap();
+        assert!(error.message.contains("sandbox sbx-2"), "{}", error.message);
     }
 }

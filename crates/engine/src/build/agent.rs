@@ -15,11 +15,12 @@ use serde::{Deserialize, Serialize};
 
 /// A `RUN` may install a toolchain; it still ends some day.
 pub const RUN_TIMEOUT: Duration = Duration::from_secs(60 * 60);
-/// The largest answer read from a build sandbox's agent. A `RUN`'s whole
-/// output comes back in one JSON answer, and what it prints is the
-/// Dockerfile author's choice: past this the step fails rather than the
-/// server holding it all in memory.
-pub const MAX_ANSWER_BYTES: usize = 32 << 20;
+/// The most of an answer of a build sandbox's agent that is read: a `RUN`'s
+/// whole output comes back in `/process/execute`'s JSON. The sandbox runs
+/// the Dockerfile's commands, so its answers are not trusted to end.
+pub const ANSWER_LIMIT: usize = 8 << 20;
+/// The most of a response head (status line and headers) that is read.
+const HEAD_LIMIT: usize = 64 << 10;
 
 #[derive(Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -40,8 +41,10 @@ pub struct Executed {
     pub timed_out: bool,
 }
 
-/// Runs `argv` (quoted for the agent's shell) in `cwd` with `envs` added.
+/// Runs `argv` (quoted for the agent's shell) in `cwd` with `envs` added,
+/// in build sandbox `sandbox` whose agent listens on `socket`.
 pub async fn execute(
+    sandbox: &str,
     socket: &Path,
     argv: &[String],
     cwd: Option<&str>,
@@ -67,7 +70,7 @@ pub async fn execute(
                 .boxed_unsync(),
         )
         .map_err(|e| e.to_string())?;
-    let (status, body) = send(socket, request).await?;
+    let (status, body) = send(sandbox, socket, request).await?;
     if !status.is_success() {
         return Err(format!(
             "the build sandbox's agent refused the step: {status} {}",
@@ -79,17 +82,21 @@ pub async fn execute(
 
 type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
 
-/// Sends one request over a new connection to the agent at `socket`.
+/// Sends one request over a new connection to the agent at `socket`; the
+/// answer's head and body are read up to their limits, never further.
 async fn send(
+    sandbox: &str,
     socket: &Path,
     mut request: hyper::Request<Body>,
 ) -> Result<(hyper::StatusCode, Bytes), String> {
     let stream = tokio::net::UnixStream::connect(socket)
         .await
-        .map_err(|e| format!("connecting to the build sandbox's agent: {e}"))?;
-    let (mut sender, connection) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .map_err(|e| format!("connecting to the agent of build sandbox {sandbox}: {e}"))?;
+    let (mut sender, connection) = hyper::client::conn::http1::Builder::new()
+        .max_buf_size(HEAD_LIMIT.max(8192))
+        .handshake(TokioIo::new(stream))
         .await
-        .map_err(|e| format!("talking to the build sandbox's agent: {e}"))?;
+        .map_err(|e| format!("talking to the agent of build sandbox {sandbox}: {e}"))?;
     tokio::spawn(async move {
         if let Err(error) = connection.await {
             tracing::debug!(%error, "build agent connection ended");
@@ -102,14 +109,14 @@ async fn send(
     let response = sender
         .send_request(request)
         .await
-        .map_err(|e| format!("sending the step to the build sandbox: {e}"))?;
+        .map_err(|e| format!("sending the step to build sandbox {sandbox}: {e}"))?;
     let status = response.status();
-    let body = read_bounded(response.into_body(), MAX_ANSWER_BYTES).await?;
+    let body = read_bounded(sandbox, response.into_body(), ANSWER_LIMIT).await?;
     Ok((status, body))
 }
 
-/// Reads a whole body of at most `limit` bytes.
-async fn read_bounded<B>(body: B, limit: usize) -> Result<Bytes, String>
+/// Reads a whole body of at most `limit` bytes from build sandbox `sandbox`.
+async fn read_bounded<B>(sandbox: &str, body: B, limit: usize) -> Result<Bytes, String>
 where
     B: hyper::body::Body,
     B::Error: std::error::Error + Send + Sync + 'static,
@@ -117,17 +124,17 @@ where
     match http_body_util::Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(format!(
-            "the build sandbox's answer (a RUN step's output) is larger than {} MiB; \
-             print less, or send the output to a file",
+            "the agent of build sandbox {sandbox} answered more than {} MiB; \
+             a RUN step's output must stay under that (send it to a file)",
             limit >> 20
         )),
-        Err(e) => Err(format!("reading the build sandbox's answer: {e}")),
+        Err(e) => Err(format!("reading the answer of build sandbox {sandbox}: {e}")),
     }
 }
 
 /// Whether `path` (absolute, in the build sandbox) is a directory; a path
 /// that does not exist is not.
-pub async fn is_dir(socket: &Path, path: &str) -> Result<bool, String> {
+pub async fn is_dir(sandbox: &str, socket: &Path, path: &str) -> Result<bool, String> {
     let query: String = url::form_urlencoded::Serializer::new(String::new())
         .append_pair("path", path)
         .finish();
@@ -138,7 +145,7 @@ pub async fn is_dir(socket: &Path, path: &str) -> Result<bool, String> {
                 .boxed_unsync(),
         )
         .map_err(|e| e.to_string())?;
-    let (status, body) = send(socket, request).await?;
+    let (status, body) = send(sandbox, socket, request).await?;
     if status == hyper::StatusCode::NOT_FOUND {
         return Ok(false);
     }
@@ -155,7 +162,12 @@ pub async fn is_dir(socket: &Path, path: &str) -> Result<bool, String> {
 
 /// Unpacks the tar archive `archive` at the build sandbox's root, every
 /// entry owned by `owner` (Docker's `--chown` form) when given.
-pub async fn unpack(socket: &Path, archive: &Path, owner: Option<&str>) -> Result<(), String> {
+pub async fn unpack(
+    sandbox: &str,
+    socket: &Path,
+    archive: &Path,
+    owner: Option<&str>,
+) -> Result<(), String> {
     let file = tokio::fs::File::open(archive)
         .await
         .map_err(|e| format!("{}: {e}", archive.display()))?;
@@ -173,7 +185,7 @@ pub async fn unpack(socket: &Path, archive: &Path, owner: Option<&str>) -> Resul
         .header(hyper::header::CONTENT_TYPE, "application/x-tar")
         .body(http_body_util::StreamBody::new(frames).boxed_unsync())
         .map_err(|e| e.to_string())?;
-    let (status, body) = send(socket, request).await?;
+    let (status, body) = send(sandbox, socket, request).await?;
     if !status.is_success() {
         return Err(format!("copying into the image: {}", agent_message(&body)));
     }
@@ -196,6 +208,54 @@ pub fn shell_quote(word: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    /// An agent that answers every connection with `head` and then bytes that
+    /// never stop: an endless body after a whole head, an endless header
+    /// after a partial one.
+    fn hostile_agent(head: &'static [u8]) -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut stream, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut request = [0u8; 4096];
+                    let _ = stream.read(&mut request).await;
+                    let chunk = vec![b'x'; 64 << 10];
+                    let mut written = stream.write_all(head).await;
+                    while written.is_ok() {
+                        written = stream.write_all(&chunk).await;
+                    }
+                });
+            }
+        });
+        (dir, socket)
+    }
+
+    #[tokio::test]
+    async fn an_endless_answer_is_cut_at_the_limit() {
+        let (_dir, socket) =
+            hostile_agent(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n");
+        let error = execute(
+            "build-1",
+            &socket,
+            &["true".to_owned()],
+            None,
+            &BTreeMap::new(),
+        )
+        .await
+        .unwrap_err();
+        assert!(error.contains("build sandbox build-1"), "{error}");
+        assert!(error.contains("8 MiB"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn an_endless_header_is_refused() {
+        let (_dir, socket) = hostile_agent(b"HTTP/1.1 200 OK\r\nX-Endless: ");
+        let error = is_dir("build-2", &socket, "/").await.unwrap_err();
+        assert!(error.contains("build sandbox build-2"), "{error}");
+    }
 
     /// Attack: a `RUN` that prints gigabytes made the server read the
     /// agent's whole answer into memory. Now reading stops at the limit
@@ -203,10 +263,10 @@ mod tests {
     #[tokio::test]
     async fn an_answer_over_the_limit_is_refused() {
         let small = Full::new(Bytes::from(vec![b'x'; 1000]));
-        assert_eq!(read_bounded(small, 1000).await.unwrap().len(), 1000);
+        assert_eq!(read_bounded("b", small, 1000).await.unwrap().len(), 1000);
         let large = Full::new(Bytes::from(vec![b'x'; 3 << 20]));
-        let error = read_bounded(large, 2 << 20).await.unwrap_err();
-        assert!(error.contains("larger than 2 MiB"), "{error}");
+        let error = read_bounded("b", large, 2 << 20).await.unwrap_err();
+        assert!(error.contains("more than 2 MiB"), "{error}");
     }
 
     #[test]

@@ -472,13 +472,13 @@ impl Engine {
         let cove_runtime::AgentEndpoint::Unix(socket) = &started.agent;
         let executed = match action {
             Action::Run { argv, env, .. } => {
-                agent::execute(socket, argv, spec.workdir.as_deref(), env).await?
+                agent::execute(&spec.id, socket, argv, spec.workdir.as_deref(), env).await?
             }
             Action::Copy {
                 copy,
                 dest,
                 context,
-            } => copy_into(socket, copy, dest, context).await?,
+            } => copy_into(&spec.id, socket, copy, dest, context).await?,
         };
         runtime.stop(&spec.id).await.map_err(|e| e.to_string())?;
         if executed.exit_code != 0 {
@@ -492,9 +492,10 @@ impl Engine {
     }
 }
 
-/// A `COPY`/`ADD` into the build sandbox whose agent listens on `socket`:
+/// A `COPY`/`ADD` into build sandbox `sandbox`, whose agent listens on `socket`:
 /// the sources are written as one archive and unpacked at its root.
 async fn copy_into(
+    sandbox: &str,
     socket: &Path,
     copy: &dockerfile::Copy,
     dest: &str,
@@ -514,7 +515,7 @@ async fn copy_into(
     let dest_is_dir = dest.ends_with('/')
         || image_dest.is_empty()
         || sources.len() > 1
-        || agent::is_dir(socket, &format!("/{image_dest}")).await?;
+        || agent::is_dir(sandbox, socket, &format!("/{image_dest}")).await?;
     let archive = build.dir.join("copy.tar");
     let options = copy::Options::from(copy);
     let written = {
@@ -532,7 +533,7 @@ async fn copy_into(
         .await
         .map_err(|e| e.to_string())??
     };
-    let unpacked = agent::unpack(socket, &archive, copy.chown.as_deref()).await;
+    let unpacked = agent::unpack(sandbox, socket, &archive, copy.chown.as_deref()).await;
     let _ = tokio::fs::remove_file(&archive).await;
     unpacked?;
     Ok(agent::Executed {

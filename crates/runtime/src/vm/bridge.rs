@@ -44,6 +44,11 @@ const HELLO_REPEAT_FAST: Duration = Duration::from_millis(5);
 const HELLO_REPEAT_SLOW: Duration = Duration::from_millis(250);
 const FAST_REPEATS: u32 = 100;
 
+/// The most of an answer to [`Session::post`] that is read (head and body):
+/// the runtime's own calls answer small JSON, and the guest is not trusted
+/// to stop.
+pub const ANSWER_LIMIT: u64 = 1 << 20;
+
 /// One yamux stream to the agent.
 pub type AgentStream = Compat<yamux::Stream>;
 
@@ -98,20 +103,39 @@ impl Session {
         }
     }
 
-    /// One HTTP/1.1 POST of a JSON body to the agent; answers the status and body.
+    /// One HTTP/1.1 POST of a JSON body to the agent; answers the status and
+    /// body, or an error once the answer passes [`ANSWER_LIMIT`].
     pub async fn post(&self, path: &str, body: &str) -> io::Result<(u16, String)> {
-        let mut stream = self.open().await?;
-        let request = format!(
-            "POST {path} HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n\
-             Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-            body.len()
-        );
-        stream.write_all(request.as_bytes()).await?;
-        stream.flush().await?;
-        let mut response = Vec::new();
-        stream.read_to_end(&mut response).await?;
-        parse_response(&response)
+        post_on(self.open().await?, path, body).await
     }
+}
+
+/// [`Session::post`] on one stream.
+async fn post_on<S>(mut stream: S, path: &str, body: &str) -> io::Result<(u16, String)>
+where
+    S: AsyncRead + AsyncWrite + Unpin,
+{
+    let request = format!(
+        "POST {path} HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await?;
+    stream.flush().await?;
+    let mut response = Vec::new();
+    (&mut stream)
+        .take(ANSWER_LIMIT + 1)
+        .read_to_end(&mut response)
+        .await?;
+    if response.len() as u64 > ANSWER_LIMIT {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "the agent's answer to POST {path} is longer than {ANSWER_LIMIT} bytes; cove reads no more"
+            ),
+        ));
+    }
+    parse_response(&response)
 }
 
 /// The status and body of a complete `Connection: close` response.
@@ -359,6 +383,35 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Prefixed<T> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn an_endless_answer_is_cut_at_the_limit() {
+        let (host, mut guest) = tokio::io::duplex(64 << 10);
+        tokio::spawn(async move {
+            let chunk = vec![b'x'; 64 << 10];
+            let mut written = guest.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await;
+            while written.is_ok() {
+                written = guest.write_all(&chunk).await;
+            }
+        });
+        let error = post_on(host, "/cove/vm/identity", "{}").await.unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+        assert!(error.to_string().contains("longer than"), "{error}");
+    }
+
+    #[tokio::test]
+    async fn an_endless_header_is_cut_at_the_limit() {
+        let (host, mut guest) = tokio::io::duplex(64 << 10);
+        tokio::spawn(async move {
+            let chunk = vec![b'x'; 64 << 10];
+            let mut written = guest.write_all(b"HTTP/1.1 200 OK\r\nX-Endless: ").await;
+            while written.is_ok() {
+                written = guest.write_all(&chunk).await;
+            }
+        });
+        let error = post_on(host, "/cove/vm/sync", "{}").await.unwrap_err();
+        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
+    }
 
     #[test]
     fn responses_parse_plain_and_chunked() {
