@@ -128,7 +128,9 @@ where
              a RUN step's output must stay under that (send it to a file)",
             limit >> 20
         )),
-        Err(e) => Err(format!("reading the answer of build sandbox {sandbox}: {e}")),
+        Err(e) => Err(format!(
+            "reading the answer of build sandbox {sandbox}: {e}"
+        )),
     }
 }
 
