@@ -22,7 +22,17 @@ ATTACKERS = 20
 
 
 @pytest.fixture(scope="module")
-def guarded(tls_files: TlsFiles) -> Iterator[CoveServer]:
+def own_tls() -> Iterator[TlsFiles]:
+    # Its own: the session's TlsFiles names the session server's port.
+    files = TlsFiles()
+    try:
+        yield files
+    finally:
+        files.remove()
+
+
+@pytest.fixture(scope="module")
+def guarded(own_tls: TlsFiles) -> Iterator[CoveServer]:
     data_dir = new_data_dir()
     server = CoveServer(
         data_dir,
@@ -31,10 +41,10 @@ def guarded(tls_files: TlsFiles) -> Iterator[CoveServer]:
             "--no-network",
             "--header-read-timeout", str(TIMEOUT_S),
             "--ssh-auth-timeout", str(TIMEOUT_S),
-            *tls_files.server_args(),
+            *own_tls.server_args(),
         ),
     )
-    server.tls_port = tls_files.port
+    server.tls_port = own_tls.port
     server.start()
     try:
         yield server
@@ -79,11 +89,11 @@ def test_clients_that_never_finish_their_headers_are_closed(guarded):
     assert guarded.request("GET", "/sandbox").status_code == 200
 
 
-def test_tls_clients_that_never_send_a_client_hello_are_closed(guarded, tls_files):
+def test_tls_clients_that_never_send_a_client_hello_are_closed(guarded, own_tls):
     attackers = open_connections(guarded.tls_port, b"")
     assert_all_closed(attackers)
     # A real TLS client still gets an answer.
-    context = ssl.create_default_context(cafile=str(tls_files.dir / "ca.pem"))
+    context = ssl.create_default_context(cafile=str(own_tls.dir / "ca.pem"))
     with socket.create_connection(("127.0.0.1", guarded.tls_port), timeout=10) as raw:
         with context.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
             tls.sendall(b"GET /api/config HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
