@@ -503,6 +503,10 @@ def test_cove_image_import_registers_an_oci_layout(registry, sandboxes, cove):
             cove.api_url,
             "--api-key",
             cove.api_key,
+            # The server reads imports only from its import directory, where
+            # the CLI puts the file.
+            "--import-dir",
+            str(cove.data_dir / "import"),
         ],
         capture_output=True,
         text=True,
