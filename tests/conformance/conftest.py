@@ -436,6 +436,30 @@ def cove(fake_internet: FakeInternet, tls_files: TlsFiles) -> Iterator[CoveServe
                 print(f"\ncove exited with {code}; data dir and log kept at {data_dir}")
 
 
+@pytest.fixture
+def own_server() -> Iterator[CoveServer]:
+    """A server of the test's own, without a network (its own would clash with
+    the session server's bridge and routes), over a throw-away data dir; a
+    test may stop and start it, and whatever it left is deleted."""
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=("--no-network",))
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.proc is None:
+            try:
+                server.start()
+            except Exception:
+                pass
+        try:
+            if server.proc is not None:
+                server.delete_all()
+        finally:
+            server.stop()
+            remove_data_dir(data_dir)
+
+
 @pytest.fixture(scope="session")
 def daytona(cove: CoveServer) -> Daytona:
     return cove.client()

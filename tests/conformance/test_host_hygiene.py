@@ -12,7 +12,6 @@ import subprocess
 import uuid
 from pathlib import Path
 
-import pytest
 from daytona import CreateSandboxFromSnapshotParams, SandboxState, VolumeMount
 
 from conftest import CoveServer, mounts_under, new_data_dir, remove_data_dir, wait_until
@@ -67,27 +66,6 @@ def test_a_sandboxs_environment_is_in_no_command_line(sandboxes):
     assert sandbox.process.exec("echo $TOKEN").result.strip() == secret
     leaks = [line for line in command_lines() if secret in line]
     assert not leaks, leaks
-
-
-@pytest.fixture
-def own_server():
-    data_dir = new_data_dir()
-    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=("--no-network",))
-    server.start()
-    try:
-        yield server
-    finally:
-        if server.proc is None:
-            try:
-                server.start()
-            except Exception:
-                pass
-        try:
-            if server.proc is not None:
-                server.delete_all()
-        finally:
-            server.stop()
-            remove_data_dir(data_dir)
 
 
 def test_containers_die_with_a_crashed_server_and_come_back(own_server):

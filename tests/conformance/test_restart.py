@@ -2,34 +2,7 @@
 
 from __future__ import annotations
 
-import uuid
-
-import pytest
 from daytona import CreateSandboxFromSnapshotParams, SandboxState
-
-from conftest import CoveServer, new_data_dir, remove_data_dir
-
-
-@pytest.fixture
-def own_server():
-    data_dir = new_data_dir()
-    # Its own network would clash with the session server's bridge and routes.
-    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=("--no-network",))
-    server.start()
-    try:
-        yield server
-    finally:
-        if server.proc is None:
-            try:
-                server.start()
-            except Exception:
-                pass
-        try:
-            if server.proc is not None:
-                server.delete_all()
-        finally:
-            server.stop()
-            remove_data_dir(data_dir)
 
 
 def test_restart_keeps_sandboxes_and_files(own_server):
