@@ -123,33 +123,29 @@ pub fn raise_effective() -> Result<(), String> {
     for half in &mut data {
         half.effective = half.permitted;
     }
-    // SAFETY: as above; the kernel only reads them.
-    let rc = unsafe {
-        libc::syscall(
-            libc::SYS_capset,
-            &mut header as *mut CapHeader,
-            data.as_ptr(),
-        )
-    };
-    if rc != 0 {
-        return Err(os_err("raise capabilities"));
-    }
-    Ok(())
+    write_caps(&data, "raise capabilities")
 }
 
 const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
 
 fn capset(keep: u64) -> Result<(), String> {
-    let mut header = CapHeader {
-        version: LINUX_CAPABILITY_VERSION_3,
-        pid: 0,
-    };
     let half = |bits: u32| CapData {
         effective: bits,
         permitted: bits,
         inheritable: bits,
     };
-    let data = [half(keep as u32), half((keep >> 32) as u32)];
+    write_caps(
+        &[half(keep as u32), half((keep >> 32) as u32)],
+        "set capabilities",
+    )
+}
+
+/// `capset` of this process's capabilities, both 32-bit halves.
+fn write_caps(data: &[CapData; 2], step: &str) -> Result<(), String> {
+    let mut header = CapHeader {
+        version: LINUX_CAPABILITY_VERSION_3,
+        pid: 0,
+    };
     // SAFETY: header and a two-element data array in the layout of capability v3, both
     // live across the call; the kernel only reads them.
     let rc = unsafe {
@@ -160,7 +156,7 @@ fn capset(keep: u64) -> Result<(), String> {
         )
     };
     if rc != 0 {
-        return Err(os_err("set capabilities"));
+        return Err(os_err(step));
     }
     Ok(())
 }
