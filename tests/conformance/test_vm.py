@@ -305,16 +305,105 @@ def test_vm_network_policy_forks_and_pause(cove, sandboxes, fake_internet):
 
 
 def virtiofsd_processes(data_dir: Path) -> list[int]:
-    """virtiofsd processes serving sockets under `data_dir`."""
+    """virtiofsd processes of a server with `data_dir`: they have nothing of
+    it in their arguments (a listening socket, a volume mounted in a mount
+    namespace of their own), but they log to a file of a sandbox there."""
     found = []
     for entry in Path("/proc").iterdir():
         try:
             args = (entry / "cmdline").read_bytes().split(b"\0")
+            log = os.readlink(entry / "fd" / "2")
         except OSError:
             continue
-        if args and args[0].endswith(b"virtiofsd") and any(str(data_dir).encode() in a for a in args):
+        if args and args[0].endswith(b"virtiofsd") and log.startswith(str(data_dir)):
             found.append(int(entry.name))
     return found
+
+
+def status_of(pid: int) -> dict[str, str]:
+    """/proc/PID/status as a dict."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        fields[key] = value.strip()
+    return fields
+
+
+def vm_cgroup(pid: int) -> str:
+    """The name of the VM cgroup a process is in (cgroup v1 or v2)."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        path = line.split(":", 2)[2]
+        if path.startswith("/cove-vm/vm-"):
+            return path.removeprefix("/cove-vm/")
+    raise AssertionError(f"process {pid} is in no VM cgroup: {Path(f'/proc/{pid}/cgroup').read_text()}")
+
+
+def memory_limit(cgroup: str) -> int:
+    v1 = Path("/sys/fs/cgroup/memory/cove-vm") / cgroup / "memory.limit_in_bytes"
+    v2 = Path("/sys/fs/cgroup/cove-vm") / cgroup / "memory.max"
+    return int((v1 if v1.exists() else v2).read_text())
+
+
+def can_open_as(uid: int, path: Path) -> bool:
+    """Whether a process with `uid` (and gid) opens `path` for reading."""
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            open(path, "rb").close()
+            os._exit(0)
+        except BaseException:
+            os._exit(1)
+    _, status = os.waitpid(child, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def test_a_vms_host_processes_are_unprivileged_and_confined(cove, sandboxes, daytona):
+    """Issue 16: QEMU and virtiofsd ran as host root, with no seccomp and no
+    cgroup, and under TCG QEMU is no security boundary. Now both run as the
+    first id of a range of their own (nothing of it is root), QEMU without
+    capabilities, under its seccomp sandbox, and both in one cgroup with a
+    memory limit over the guest's RAM; that user cannot read the server's
+    database; the cgroup is gone with the VM."""
+    volume = cove.request("POST", "/volumes", json={"name": unique("jail")}).json()
+    try:
+        machine = vm(sandboxes, volumes=[VolumeMount(volume_id=volume["id"], mount_path="/mnt/vol")])
+        machine.process.exec("echo guest > /mnt/vol/g.txt && chown 1000:1000 /mnt/vol/g.txt")
+        sandbox_dir = cove.data_dir / "storage" / "vms" / machine.id
+        qemu = int((sandbox_dir / "qemu.pid").read_text())
+        status = status_of(qemu)
+        uid = int(status["Uid"].split()[0])
+        assert uid > 0 and set(status["Uid"].split()) == {str(uid)}, status["Uid"]
+        assert set(status["Gid"].split()) == {str(uid)}, status["Gid"]
+        assert int(status["CapEff"], 16) == 0 and int(status["CapPrm"], 16) == 0, status
+        assert status["NoNewPrivs"] == "1" and status["Seccomp"] == "2", status
+        cgroup = vm_cgroup(qemu)
+        assert 1024 << 20 < memory_limit(cgroup) < 64 << 30, memory_limit(cgroup)
+
+        [daemon, *forks] = virtiofsd_processes(cove.data_dir)
+        for pid in [daemon, *forks]:
+            assert set(status_of(pid)["Uid"].split()) == {str(uid)}, status_of(pid)
+            assert vm_cgroup(pid) == cgroup
+        # Root of a namespace that maps only the VM's range.
+        assert Path(f"/proc/{daemon}/uid_map").read_text().split() == ["0", str(uid), "65536"]
+        # The guest's ids reach the disk as the guest sees them (idmapped).
+        on_disk = cove.data_dir / "storage" / "volumes" / volume["id"] / "g.txt"
+        assert on_disk.stat().st_uid == 1000, on_disk.stat()
+
+        # What QEMU's user can reach of the host: not the server's files.
+        assert can_open_as(uid, Path("/etc/hostname"))
+        for secret in (cove.data_dir / "cove.db", sandbox_dir / "ram", sandbox_dir / "disk.qcow2"):
+            assert not can_open_as(uid, secret), secret
+
+        daytona.delete(machine)
+        assert wait_until(lambda: not (Path("/sys/fs/cgroup/pids/cove-vm") / cgroup).exists()
+                          and not (Path("/sys/fs/cgroup/cove-vm") / cgroup).exists(), 30), cgroup
+        assert wait_until(lambda: not virtiofsd_processes(cove.data_dir), 30)
+    finally:
+        sandboxes.cleanup()
+        assert wait_until(lambda: cove.request("DELETE", f"/volumes/{volume['id']}").status_code in (200, 404), 60)
 
 
 def test_a_vm_shares_a_volume_with_a_container(cove, sandboxes, daytona):

@@ -316,11 +316,12 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     container_config.userns_pool = args.userns_pool;
     let agent_for_vms = container_config.agent_binary.clone();
     let container = ContainerRuntime::new(container_config)?;
+    let ids = container.id_ranges();
     let mut runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
         SandboxClass::Container,
         Arc::new(container) as Arc<dyn Runtime>,
     )]);
-    let vm = open_vm_runtime(&args, storage.clone(), agent_for_vms);
+    let vm = open_vm_runtime(&args, storage.clone(), agent_for_vms, ids);
     if let Some(vm) = &vm {
         runtimes.insert(SandboxClass::LinuxVm, vm.clone() as Arc<dyn Runtime>);
     }
@@ -508,11 +509,14 @@ fn open_vm_runtime(
     args: &ServeArgs,
     storage: Arc<Storage>,
     agent_binary: PathBuf,
+    ids: Arc<cove_runtime::container::IdRanges>,
 ) -> Option<Arc<VmRuntime>> {
     if args.no_vm {
         return None;
     }
-    let config = VmConfig::new(storage, args.vm_assets.clone(), agent_binary);
+    let mut config = VmConfig::new(storage, args.vm_assets.clone(), agent_binary);
+    // QEMU and virtiofsd take their host ids from the containers' pool.
+    config.ids = ids;
     match VmRuntime::new(config) {
         Ok(vm) => {
             tracing::info!(

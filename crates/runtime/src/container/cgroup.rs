@@ -113,6 +113,10 @@ pub trait CgroupBackend: Send + Sync {
     fn remove(&self, id: &str) -> Result<(), CgroupError>;
     /// Whether device access is confined by the cgroup, so CAP_MKNOD is safe to keep.
     fn confines_devices(&self) -> bool;
+    /// Opens one more device to the cgroup's processes (a v1 `devices.allow`
+    /// rule such as `c 10:232 rwm`); nothing to do where devices are not
+    /// confined.
+    fn allow_device(&self, id: &str, rule: &str) -> Result<(), CgroupError>;
     /// Where the cgroup lives, for messages.
     fn describe(&self, id: &str) -> PathBuf;
     /// The sandbox's cgroup directories as the container sees them, read-only,
@@ -327,6 +331,13 @@ impl CgroupBackend for CgroupV1 {
         self.root.join("devices").is_dir()
     }
 
+    fn allow_device(&self, id: &str, rule: &str) -> Result<(), CgroupError> {
+        if !self.confines_devices() {
+            return Ok(());
+        }
+        write(&self.dir("devices", id).join("devices.allow"), rule)
+    }
+
     fn describe(&self, id: &str) -> PathBuf {
         self.dir("pids", id)
     }
@@ -425,6 +436,10 @@ impl CgroupBackend for CgroupV2 {
     fn confines_devices(&self) -> bool {
         // v2 confines devices only with a BPF program, which cove does not load.
         false
+    }
+
+    fn allow_device(&self, _id: &str, _rule: &str) -> Result<(), CgroupError> {
+        Ok(())
     }
 
     fn describe(&self, id: &str) -> PathBuf {

@@ -13,7 +13,7 @@
 //! Everything a container mounts lives in its own mount namespace, so the host is clean
 //! once its processes are gone; the host objects are the cgroup and `{state_dir}/{id}`.
 
-mod cgroup;
+pub(crate) mod cgroup;
 mod harden;
 mod init_args;
 mod layout;
@@ -46,7 +46,8 @@ use init_args::{InitArgs, ShimReport, SUBCOMMAND};
 use layout::SandboxLayout;
 
 pub use shim::container_init_main;
-pub use userns::IdPool;
+pub(crate) use userns::make as make_userns;
+pub use userns::{IdPool, IdRanges};
 
 /// How long the shim may take to build a container before `start` gives up.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -96,8 +97,9 @@ pub struct ContainerRuntime {
     cgroups: Arc<dyn CgroupBackend>,
     /// Shims this process started, by sandbox id; the flag turns true when one exits.
     shims: Arc<Mutex<HashMap<String, watch::Receiver<bool>>>>,
-    /// The user-namespace id ranges of the sandboxes this process started.
-    ids: userns::IdRanges,
+    /// The user-namespace id ranges of the sandboxes this process started
+    /// (shared with the VM runtime: see [`ContainerRuntime::id_ranges`]).
+    ids: Arc<userns::IdRanges>,
 }
 
 impl std::fmt::Debug for ContainerRuntime {
@@ -160,7 +162,7 @@ impl ContainerRuntime {
             &config.cgroup_parent,
         ));
         Ok(Self {
-            ids: userns::IdRanges::new(config.userns_pool),
+            ids: Arc::new(userns::IdRanges::new(config.userns_pool)),
             config,
             cgroups,
             shims: Arc::default(),
@@ -169,6 +171,13 @@ impl ContainerRuntime {
 
     fn layout(&self, id: &str) -> SandboxLayout {
         SandboxLayout::new(&self.config.state_dir, id)
+    }
+
+    /// The host id ranges of this runtime's pool, for the VM runtime: its
+    /// QEMU and virtiofsd processes take their ids from the same pool, so
+    /// no VM process ever shares a host id with a container.
+    pub fn id_ranges(&self) -> Arc<userns::IdRanges> {
+        self.ids.clone()
     }
 
     /// The cgroup `cgroup.procs` files of a sandbox (for tests and diagnostics).

@@ -71,15 +71,17 @@ impl IdPool {
     }
 }
 
-/// The ranges of the running containers, by sandbox id.
+/// The ranges in use, by holder: running containers (by sandbox id) and
+/// the host processes of running VMs (see `vm::confine`), from one pool so
+/// that no two of them share a host id.
 #[derive(Debug)]
-pub(crate) struct IdRanges {
+pub struct IdRanges {
     pool: IdPool,
     taken: Mutex<HashMap<String, u32>>,
 }
 
 impl IdRanges {
-    pub(crate) fn new(pool: IdPool) -> Self {
+    pub fn new(pool: IdPool) -> Self {
         Self {
             pool,
             taken: Mutex::default(),
@@ -110,6 +112,27 @@ impl IdRanges {
         self.taken.lock().expect("id range lock").remove(id);
     }
 
+    /// Records that `id` holds the range starting at `base`, as a process
+    /// an earlier server started still does. False when `base` is not the
+    /// start of a range of the pool, or another holder has it.
+    pub(crate) fn claim(&self, id: &str, base: u32) -> bool {
+        let Some(offset) = base.checked_sub(self.pool.start) else {
+            return false;
+        };
+        let slot = offset / RANGE_SIZE;
+        if offset % RANGE_SIZE != 0 || slot >= self.pool.count {
+            return false;
+        }
+        let mut taken = self.taken.lock().expect("id range lock");
+        match taken.iter().find(|(_, s)| **s == slot) {
+            Some((holder, _)) => holder == id,
+            None => {
+                taken.insert(id.to_owned(), slot);
+                true
+            }
+        }
+    }
+
     fn base(&self, slot: u32) -> u32 {
         self.pool.start + slot * RANGE_SIZE
     }
@@ -123,14 +146,17 @@ pub fn id_map(base: u32) -> String {
 /// Makes a user namespace whose ids 0..65536 are host ids `base`...: a child
 /// unshares one and waits while this process (root in the host's namespace)
 /// writes its maps, and the namespace is kept by a descriptor once the child
-/// exits. Only for a single-threaded process (the shim): it forks.
-pub(super) fn make(base: u32) -> Result<OwnedFd, String> {
+/// exits. The child makes only system calls and allocates nothing, so a
+/// multithreaded process (the server, for a VM's virtiofsd) may call this
+/// too; it blocks until the child is gone.
+pub(crate) fn make(base: u32) -> Result<OwnedFd, String> {
     let (ready_read, ready_write) =
         pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {}", e.desc()))?;
     let (done_read, done_write) =
         pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {}", e.desc()))?;
-    // SAFETY: the caller is single-threaded, so the child may do anything; it
-    // only unshares, writes a byte, reads one and exits.
+    // SAFETY: the child of a multithreaded process may only make
+    // async-signal-safe calls: it unshares, writes a byte, reads one and
+    // exits, all plain system calls on descriptors opened before the fork.
     match unsafe { fork() }.map_err(|e| format!("fork: {}", e.desc()))? {
         ForkResult::Child => {
             drop(ready_read);
@@ -210,6 +236,22 @@ mod tests {
         assert!(full.contains("--userns-pool"), "{full}");
         ranges.release("a");
         assert_eq!(ranges.take("c").unwrap(), a);
+    }
+
+    #[test]
+    fn a_claim_takes_a_free_range_of_the_pool_only() {
+        let ranges = IdRanges::new(IdPool {
+            start: 1 << 20,
+            count: 2,
+        });
+        let a = ranges.take("a").unwrap();
+        assert!(!ranges.claim("b", a), "taken by a");
+        assert!(ranges.claim("a", a), "a's own");
+        assert!(!ranges.claim("b", a + 1), "not a range start");
+        assert!(!ranges.claim("b", a + 2 * RANGE_SIZE), "beyond the pool");
+        assert!(!ranges.claim("b", 5), "below the pool");
+        assert!(ranges.claim("b", a + RANGE_SIZE));
+        assert!(ranges.take("c").is_err(), "the claim holds its range");
     }
 
     #[test]

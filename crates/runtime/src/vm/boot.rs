@@ -55,9 +55,7 @@ impl Drop for RunningVm {
 
 /// The end of a log, for errors.
 fn log_tail(path: &Path) -> String {
-    let text = fs::read(path).unwrap_or_default();
-    let tail = &text[text.len().saturating_sub(600)..];
-    String::from_utf8_lossy(tail).trim().replace('\n', " | ")
+    machine::log_tail(path, 600)
 }
 
 /// Who a VM is, told to its agent after every boot and restore.
@@ -205,7 +203,6 @@ impl Identity {
 impl VmRuntime {
     fn machine_spec(
         &self,
-        name: String,
         layout: &VmLayout,
         cpus: u32,
         memory_mib: u64,
@@ -213,7 +210,6 @@ impl VmRuntime {
         incoming: bool,
     ) -> qemu::MachineSpec {
         qemu::MachineSpec {
-            name,
             accelerator: self.accelerator,
             tsc_khz: self.tsc_khz,
             cpus,
@@ -311,41 +307,51 @@ impl VmRuntime {
             let ram = layout.ram();
             tokio::task::spawn_blocking(move || reflink::read_ahead(&ram))
         });
-        let volumes = if identity.volumes.is_empty() {
-            Vec::new()
-        } else {
-            let virtiofsd = self.config.virtiofsd.as_deref().ok_or_else(|| {
-                start_error(
-                    id,
-                    "it has volumes, and virtiofsd was not found (scripts/vm-setup installs it)",
-                )
-            })?;
-            shares::start(virtiofsd, layout, &identity.volumes)
-                .await
-                .map_err(|reason| start_error(id, reason))?
-        };
-        let mut spec = self.machine_spec(
-            format!("cove-{id}"),
-            layout,
-            cpus,
-            memory_mib,
-            identity.nic(),
-            saved.is_some(),
-        );
-        spec.shares = volumes;
         // A QEMU launched here is found by this directory from now on.
         super::pool::forget_launch(layout).map_err(io_error(
             id,
             format!("remove {}", layout.launched_in().display()),
         ))?;
+        let jail = self
+            .jails
+            .make(cpus, memory_mib)
+            .map_err(|reason| start_error(id, reason))?;
+        let shares = if identity.volumes.is_empty() {
+            Vec::new()
+        } else {
+            let started = match self.config.virtiofsd.as_deref() {
+                None => Err(
+                    "it has volumes, and virtiofsd was not found (scripts/vm-setup installs it)"
+                        .to_owned(),
+                ),
+                Some(virtiofsd) => shares::start(virtiofsd, layout, &identity.volumes, &jail).await,
+            };
+            match started {
+                Ok(shares) => shares,
+                Err(reason) => {
+                    let _ = tokio::task::spawn_blocking(move || jail.release()).await;
+                    shares::end(layout);
+                    return Err(start_error(id, reason));
+                }
+            }
+        };
+        let share_count = shares.len();
+        let mut spec = self.machine_spec(layout, cpus, memory_mib, identity.nic(), saved.is_some());
+        spec.shares = (0..share_count).map(shares::tag).collect();
         let began = Instant::now();
-        let machine = match Machine::launch(&self.config.qemu, &spec, &boot, exited).await {
+        let launched = Machine::launch(&self.config.qemu, &spec, &boot, jail, shares, exited).await;
+        let machine = match launched {
             Ok(machine) => machine,
             Err(e) => {
-                shares::end(layout).await;
+                let volumes = if share_count > 0 {
+                    format!("; {}", shares::logs(layout, share_count))
+                } else {
+                    String::new()
+                };
+                shares::end(layout);
                 return Err(start_error(
                     id,
-                    format!("{e}; console: {}", log_tail(&layout.console())),
+                    format!("{e}; console: {}{volumes}", log_tail(&layout.console())),
                 ));
             }
         };
@@ -381,7 +387,7 @@ impl VmRuntime {
             Ok(connected) => connected,
             Err(error) => {
                 machine.kill().await;
-                shares::end(layout).await;
+                shares::end(layout);
                 return Err(start_error(
                     id,
                     format!("{error}; console: {}", log_tail(&layout.console())),
@@ -408,7 +414,7 @@ impl VmRuntime {
                 .await
             {
                 running.machine.kill().await;
-                shares::end(layout).await;
+                shares::end(layout);
                 return Err(start_error(
                     id,
                     format!("{reason}; console: {}", log_tail(&layout.console())),
@@ -481,7 +487,8 @@ impl VmRuntime {
         pid: u32,
         exited: oneshot::Sender<String>,
     ) -> Result<RunningVm, RuntimeError> {
-        let machine = Machine::adopt(pid, &layout.qmp(), exited)
+        let jail = self.jails.adopt(pid as i32);
+        let machine = Machine::adopt(pid, &layout.qmp(), jail, exited)
             .await
             .map_err(|e| start_error(id, format!("take over qemu (pid {pid}): {e}")))?;
         let (session, driver) = machine

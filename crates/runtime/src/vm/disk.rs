@@ -12,7 +12,7 @@
 
 use std::fs::{self, File};
 use std::io::{self, Read};
-use std::os::unix::fs::MetadataExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::UNIX_EPOCH;
@@ -151,6 +151,9 @@ pub fn ensure_base(cache: &Path, rootfs: &Path, agent: &Path) -> Result<PathBuf,
         let _ = fs::remove_file(&partial);
         return Err(error);
     }
+    // QEMU, which reads it as the backing file of every disk, runs unprivileged.
+    fs::set_permissions(&partial, fs::Permissions::from_mode(0o644))
+        .map_err(io_error(&partial, "make readable"))?;
     fs::rename(&partial, &base).map_err(io_error(&base, "move the finished base in place"))?;
     tracing::info!(base = %base.display(), rootfs = %rootfs.display(), "built a VM base disk");
     Ok(base)

@@ -8,7 +8,11 @@
 //! - `qmp.sock`, `serial.sock` (QEMU's end of the agent port), `agent.sock`
 //!   (the runtime's: the server's toolbox proxy connects here), `qemu.pid`,
 //!   `console.log` (the guest's serial console) and `qemu.log` (QEMU's own);
-//! - `fs{n}.sock`, `fs{n}.pid`, `fs{n}.log`: the virtiofsd of the n-th volume.
+//! - `fs{n}.sock`, `fs{n}.log`: the virtiofsd of the n-th volume.
+//!
+//! The directory and everything in it is root's, mode 0700 (QEMU, which
+//! runs unprivileged, gets descriptors: see `qemu`); the files QEMU writes
+//! through them (`ram`, `disk.qcow2`, `console.log`) belong to its user.
 //!
 //! A memory capture or a template holds the same `disk.qcow2`, `ram`,
 //! `state` and `machine.json`. Pure path arithmetic.
@@ -68,16 +72,8 @@ impl VmLayout {
     pub fn share_socket(&self, index: usize) -> PathBuf {
         self.dir.join(format!("fs{index}.sock"))
     }
-    pub fn share_pid(&self, index: usize) -> PathBuf {
-        self.dir.join(format!("fs{index}.pid"))
-    }
     pub fn share_log(&self, index: usize) -> PathBuf {
         self.dir.join(format!("fs{index}.log"))
-    }
-    /// The empty directory the `index`th volume is mounted on in its
-    /// virtiofsd's own mount namespace (never on the host's).
-    pub fn share_mount(&self, index: usize) -> PathBuf {
-        self.dir.join(format!("fs{index}.dir"))
     }
 
     /// Whether memory is saved here: `state` is written last and removed first.

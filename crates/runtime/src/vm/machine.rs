@@ -1,8 +1,19 @@
 //! One QEMU process: started from the runtime's [`MachineSpec`], driven over
 //! QMP, connected to its agent (see `bridge` for how a restored guest's stale
 //! session is told apart). Knows nothing of sandboxes or storage.
+//!
+//! QEMU is started in its [`Jail`] (an unprivileged user, a cgroup): the
+//! files and sockets it uses are opened or bound here and inherited (see
+//! `qemu`), and files it writes later (saved device state) are handed to it
+//! over QMP. The jail is released once the process is gone, before its end
+//! is reported.
+#![allow(unsafe_code)]
 
-use std::io;
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read, Seek, SeekFrom};
+use std::os::fd::{AsFd, AsRawFd, OwnedFd};
+use std::os::unix::fs::OpenOptionsExt;
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
@@ -11,8 +22,10 @@ use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
 
 use super::bridge::Session;
-use super::qemu::{self, MachineSpec};
+use super::confine::Jail;
+use super::qemu::{self, Descriptors, MachineSpec, Nic};
 use super::qmp::{Qmp, QmpError};
+use super::tap;
 
 /// How long QEMU may take to open its QMP socket.
 const QMP_TIMEOUT: Duration = Duration::from_secs(10);
@@ -63,29 +76,41 @@ pub struct Machine {
 }
 
 impl Machine {
-    /// Starts QEMU and, for a restore, loads the device state; the machine
-    /// is then paused (call [`Machine::resume`]). A cold boot runs at once.
-    /// `exited` learns how the process ended, whenever it does.
+    /// Starts QEMU in `jail` and, for a restore, loads the device state;
+    /// the machine is then paused (call [`Machine::resume`]). A cold boot
+    /// runs at once. `shares` are sockets connected to the virtiofsd of each
+    /// of `spec.shares`. `exited` learns how the process ended, whenever it
+    /// does. On failure nothing is left running and the jail is released.
     pub async fn launch(
         program: &Path,
         spec: &MachineSpec,
         boot: &Boot,
+        jail: Jail,
+        shares: Vec<OwnedFd>,
         exited: oneshot::Sender<String>,
     ) -> Result<Machine, MachineError> {
-        for stale in [&spec.qmp_socket, &spec.agent_chardev, &spec.pid_file] {
-            match std::fs::remove_file(stale) {
-                Err(error) if error.kind() != io::ErrorKind::NotFound => {
-                    return Err(io_error(format!("remove {}", stale.display()))(error))
-                }
-                _ => {}
+        let opened = Inherited::open(spec, &jail, shares);
+        let (inherited, entry) = match opened.and_then(|inherited| {
+            let entry = jail.entry().map_err(MachineError::Failed)?;
+            Ok((inherited, entry))
+        }) {
+            Ok(ready) => ready,
+            Err(error) => {
+                release(jail).await;
+                return Err(error);
             }
-        }
+        };
         let log_path = spec.qemu_log.clone();
-        let log = std::fs::File::create(&log_path)
-            .map_err(io_error(format!("create {}", log_path.display())))?;
+        let log = match File::create(&log_path) {
+            Ok(log) => log,
+            Err(error) => {
+                release(jail).await;
+                return Err(io_error(format!("create {}", log_path.display()))(error));
+            }
+        };
         let mut command = tokio::process::Command::new(program);
         command
-            .args(qemu::arguments(spec))
+            .args(qemu::arguments(spec, &inherited.numbers))
             .env_clear()
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -93,29 +118,63 @@ impl Machine {
             // Its own process group: a signal to the server's group (a
             // terminal's Ctrl-C) must not end the VMs, which outlive it.
             .process_group(0);
-        let mut child = command
-            .spawn()
-            .map_err(io_error(format!("start {}", program.display())))?;
+        let keep = inherited.raw();
+        // SAFETY: the closure runs in the child between fork and exec, where
+        // only async-signal-safe calls are allowed: `Entry` and the list of
+        // descriptor numbers were prepared before the fork, and joining the
+        // cgroup, clearing close-on-exec and changing ids are plain system
+        // calls that allocate nothing.
+        unsafe {
+            command.pre_exec(move || {
+                entry.join_cgroup()?;
+                for fd in &keep {
+                    if libc::fcntl(*fd, libc::F_SETFD, 0) != 0 {
+                        return Err(io::Error::last_os_error());
+                    }
+                }
+                entry.become_user()
+            });
+        }
+        let mut child = match command.spawn() {
+            Ok(child) => child,
+            Err(error) => {
+                release(jail).await;
+                return Err(io_error(format!("start {}", program.display()))(error));
+            }
+        };
+        // QEMU has its copies; the runtime keeps none.
+        drop(inherited);
         let pid = child.id().unwrap_or_default();
         let (exit_tx, exit) = watch::channel(None);
         let log_for_exit = log_path.clone();
         tokio::spawn(async move {
             let status = child.wait().await;
             let description = describe_exit(status, &log_for_exit);
+            release(jail).await;
             let _ = exit_tx.send(Some(description.clone()));
             let _ = exited.send(description);
         });
-
-        let qmp = connect_qmp(&spec.qmp_socket, &exit).await?;
-        let mut machine = Machine { pid, qmp, exit };
-        if let Boot::Restore { state } = boot {
-            let loaded = machine.load_state(state).await;
-            if let Err(error) = loaded {
-                machine.kill().await;
-                return Err(error);
+        let machine = async {
+            std::fs::write(&spec.pid_file, pid.to_string())
+                .map_err(io_error(format!("write {}", spec.pid_file.display())))?;
+            let qmp = connect_qmp(&spec.qmp_socket, &exit).await?;
+            let machine = Machine {
+                pid,
+                qmp,
+                exit: exit.clone(),
+            };
+            if let Boot::Restore { state } = boot {
+                machine.load_state(state).await?;
             }
+            Ok(machine)
         }
-        Ok(machine)
+        .await;
+        if machine.is_err() {
+            kill_pid(pid);
+            let mut exit = exit.clone();
+            let _ = tokio::time::timeout(QUIT_TIMEOUT, exit.wait_for(Option::is_some)).await;
+        }
+        machine
     }
 
     /// Takes over a QEMU process an earlier server started (`pid`, found
@@ -125,6 +184,7 @@ impl Machine {
     pub async fn adopt(
         pid: u32,
         qmp_socket: &Path,
+        jail: Option<Jail>,
         exited: oneshot::Sender<String>,
     ) -> Result<Machine, MachineError> {
         let (exit_tx, exit) = watch::channel(None);
@@ -132,6 +192,9 @@ impl Machine {
         tokio::spawn(async move {
             while process_alive(pid) {
                 tokio::time::sleep(ADOPTED_POLL).await;
+            }
+            if let Some(jail) = jail {
+                release(jail).await;
             }
             let description = format!("qemu (pid {pid}, adopted after a server restart) exited");
             let _ = exit_tx.send(Some(description.clone()));
@@ -145,11 +208,12 @@ impl Machine {
         self.exit.borrow().clone()
     }
 
-    async fn load_state(&mut self, state: &Path) -> Result<(), MachineError> {
+    async fn load_state(&self, state: &Path) -> Result<(), MachineError> {
+        let file = File::open(state).map_err(io_error(format!("open {}", state.display())))?;
         self.set_migration_capabilities().await?;
-        let uri = format!("file:{}", state.display());
+        self.qmp.pass_fd("state", file.as_fd()).await?;
         self.qmp
-            .execute("migrate-incoming", json!({ "uri": uri }))
+            .execute("migrate-incoming", json!({ "uri": "fd:state" }))
             .await?;
         self.await_migration().await
     }
@@ -169,9 +233,18 @@ impl Machine {
     /// Saves the device state of a paused machine to `path`; the RAM stays in
     /// its file (`x-ignore-shared`). The machine may be resumed afterwards.
     pub async fn save_state(&self, path: &Path) -> Result<(), MachineError> {
+        let file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(path)
+            .map_err(io_error(format!("create {}", path.display())))?;
         self.set_migration_capabilities().await?;
-        let uri = format!("file:{}", path.display());
-        self.qmp.execute("migrate", json!({ "uri": uri })).await?;
+        self.qmp.pass_fd("state", file.as_fd()).await?;
+        self.qmp
+            .execute("migrate", json!({ "uri": "fd:state" }))
+            .await?;
         self.await_migration().await
     }
 
@@ -219,13 +292,12 @@ impl Machine {
     /// Connects the NIC, launched on a hub port that leads nowhere, to the
     /// TAP device `device`: the TAP becomes a second port of that hub.
     pub async fn plug_tap(&self, device: &str) -> Result<(), MachineError> {
+        let tap = tap::open(device).map_err(io_error(format!("open TAP device {device}")))?;
+        self.qmp.pass_fd("uplink", tap.as_fd()).await?;
         self.qmp
             .execute(
                 "netdev_add",
-                json!({
-                    "type": "tap", "id": "uplink", "ifname": device,
-                    "script": "no", "downscript": "no", "vhost": false,
-                }),
+                json!({ "type": "tap", "id": "uplink", "fd": "uplink", "vhost": false }),
             )
             .await?;
         self.qmp
@@ -280,16 +352,103 @@ impl Machine {
 
     /// Kills QEMU and waits until it is gone.
     pub async fn kill(&self) {
-        if self.exited().is_none() && self.pid > 0 {
-            let _ = nix::sys::signal::kill(
-                nix::unistd::Pid::from_raw(self.pid as i32),
-                nix::sys::signal::Signal::SIGKILL,
-            );
+        if self.exited().is_none() {
+            kill_pid(self.pid);
         }
         let mut exit = self.exit.clone();
         let _gone = tokio::time::timeout(QUIT_TIMEOUT, exit.wait_for(Option::is_some))
             .await
             .is_ok();
+    }
+}
+
+/// The descriptors a QEMU process inherits, open until it has them.
+struct Inherited {
+    numbers: Descriptors,
+    held: Vec<OwnedFd>,
+}
+
+impl Inherited {
+    /// Opens what `spec` names for QEMU: the files it writes made its
+    /// jail's user's, the sockets bound afresh, the TAP device attached.
+    fn open(
+        spec: &MachineSpec,
+        jail: &Jail,
+        shares: Vec<OwnedFd>,
+    ) -> Result<Inherited, MachineError> {
+        let mut held = Vec::new();
+        let mut hold = |fd: OwnedFd| {
+            let number = fd.as_raw_fd();
+            held.push(fd);
+            number
+        };
+        let owned_file = |path: &Path, append: bool| -> Result<OwnedFd, MachineError> {
+            let file = OpenOptions::new()
+                .read(!append)
+                .write(true)
+                .append(append)
+                .create(append)
+                .custom_flags(libc::O_NOFOLLOW)
+                .open(path)
+                .map_err(io_error(format!("open {}", path.display())))?;
+            std::os::unix::fs::fchown(&file, Some(jail.uid()), Some(jail.uid())).map_err(
+                io_error(format!("give {} to the VM's user", path.display())),
+            )?;
+            Ok(file.into())
+        };
+        let listener = |path: &Path| -> Result<OwnedFd, MachineError> {
+            match std::fs::remove_file(path) {
+                Err(error) if error.kind() != io::ErrorKind::NotFound => {
+                    return Err(io_error(format!("remove {}", path.display()))(error))
+                }
+                _ => {}
+            }
+            UnixListener::bind(path)
+                .map(OwnedFd::from)
+                .map_err(io_error(format!("listen on {}", path.display())))
+        };
+        let ram = hold(owned_file(&spec.ram_file, false)?);
+        let disk = hold(owned_file(&spec.disk, false)?);
+        let console = hold(owned_file(&spec.console_log, true)?);
+        let qmp = hold(listener(&spec.qmp_socket)?);
+        let agent = hold(listener(&spec.agent_chardev)?);
+        let tap = match &spec.nic {
+            Nic::Unplugged => None,
+            Nic::Tap { device, .. } => Some(hold(
+                tap::open(device).map_err(io_error(format!("open TAP device {device}")))?,
+            )),
+        };
+        let shares = shares.into_iter().map(&mut hold).collect();
+        Ok(Inherited {
+            numbers: Descriptors {
+                ram,
+                disk,
+                console,
+                qmp,
+                agent,
+                tap,
+                shares,
+            },
+            held,
+        })
+    }
+
+    fn raw(&self) -> Vec<i32> {
+        self.held.iter().map(AsRawFd::as_raw_fd).collect()
+    }
+}
+
+/// Releases a jail off the async threads (it waits for processes to die).
+async fn release(jail: Jail) {
+    let _ = tokio::task::spawn_blocking(move || jail.release()).await;
+}
+
+fn kill_pid(pid: u32) {
+    if pid > 0 {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
     }
 }
 
@@ -325,14 +484,24 @@ fn process_alive(pid: u32) -> bool {
             .is_ok_and(|stat| stat.split_whitespace().nth(2) == Some("Z"))
 }
 
+/// The last `bytes` of a log (which QEMU or the guest writes, so it may be
+/// of any size), on one line.
+pub(super) fn log_tail(path: &Path, bytes: u64) -> String {
+    let mut tail = Vec::new();
+    let read = File::open(path).and_then(|mut file| {
+        let len = file.metadata()?.len();
+        file.seek(SeekFrom::Start(len.saturating_sub(bytes)))?;
+        file.take(bytes).read_to_end(&mut tail)
+    });
+    if read.is_err() {
+        return String::new();
+    }
+    String::from_utf8_lossy(&tail).trim().replace('\n', " | ")
+}
+
 fn describe_exit(status: io::Result<std::process::ExitStatus>, log: &Path) -> String {
     use std::os::unix::process::ExitStatusExt;
-    let tail = std::fs::read(log)
-        .map(|text| {
-            let tail = &text[text.len().saturating_sub(400)..];
-            String::from_utf8_lossy(tail).trim().replace('\n', " | ")
-        })
-        .unwrap_or_default();
+    let tail = log_tail(log, 400);
     let what = match status {
         Ok(status) => match (status.code(), status.signal()) {
             (Some(0), _) => "qemu exited".to_owned(),

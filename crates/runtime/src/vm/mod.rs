@@ -21,6 +21,7 @@
 
 mod boot;
 mod bridge;
+mod confine;
 mod copy;
 mod disk;
 mod layout;
@@ -32,6 +33,7 @@ mod qmp;
 mod reflink;
 mod saved;
 mod shares;
+mod tap;
 mod template;
 
 use std::collections::HashMap;
@@ -94,6 +96,9 @@ pub struct VmConfig {
     /// The virtio-fs daemon that serves volumes to VMs; without it a VM
     /// cannot have volumes.
     pub virtiofsd: Option<PathBuf>,
+    /// The host id ranges QEMU and virtiofsd run as (see `confine`): the
+    /// container runtime's, so that no two sandboxes share a host id.
+    pub ids: Arc<crate::container::IdRanges>,
 }
 
 impl VmConfig {
@@ -111,6 +116,9 @@ impl VmConfig {
             boot_timeout: Duration::from_secs(180),
             identity_timeout: Duration::from_secs(20),
             virtiofsd: shares::find_virtiofsd(),
+            ids: Arc::new(crate::container::IdRanges::new(
+                crate::container::IdPool::default(),
+            )),
         }
     }
 
@@ -131,6 +139,7 @@ pub struct VmRuntime {
     /// Base disks by image, with the agent file stamp they were made for.
     bases: Mutex<HashMap<PathBuf, (String, PathBuf)>>,
     pool: pool::Pool,
+    jails: confine::Jails,
 }
 
 impl std::fmt::Debug for VmRuntime {
@@ -182,6 +191,17 @@ impl VmRuntime {
             .accelerator
             .unwrap_or_else(|| detect_accelerator(&facts));
         let tsc_khz = facts.tsc_khz();
+        let jails = confine::Jails::new(config.ids.clone(), accelerator)
+            .map_err(|reason| other(id, reason))?;
+        jails.sweep();
+        for (what, path) in [
+            ("guest kernel", config.kernel()),
+            ("initramfs", config.initramfs()),
+            ("firmware", config.firmware.clone()),
+        ] {
+            confine::check_public(&path)
+                .map_err(|reason| other(id, format!("the {what} {}: {reason}", path.display())))?;
+        }
         for dir in ["vms", "captures", "vm-templates"] {
             let path = config.storage.root().join(dir);
             fs::create_dir_all(&path)
@@ -195,6 +215,7 @@ impl VmRuntime {
             running: Mutex::default(),
             bases: Mutex::default(),
             pool: pool::Pool::default(),
+            jails,
         })
     }
 
@@ -442,11 +463,11 @@ impl Runtime for VmRuntime {
             vm.bridge.take();
             vm.machine.quit().await;
         } else if let Some(pid) = orphan_pid(&layout) {
-            end_orphan(pid, true).await;
+            end_orphan(&self.jails, pid, true).await;
         } else {
             self.flush_paused_disk(id, false).await?;
         }
-        shares::end(&layout).await;
+        shares::end(&layout);
         let _ = remove_if_present(&layout.agent_socket());
         if layout.dir.exists() {
             discard_memory_files(&layout).map_err(io_error(id, "discard its memory"))?;
@@ -465,9 +486,9 @@ impl Runtime for VmRuntime {
             vm.machine.kill().await;
         }
         if let Some(pid) = orphan_pid(&layout) {
-            end_orphan(pid, false).await;
+            end_orphan(&self.jails, pid, false).await;
         }
-        shares::end(&layout).await;
+        shares::end(&layout);
         if let Err(error) = pool::forget_launch(&layout) {
             tracing::warn!(sandbox = id, %error, "removing the old name of a warm VM");
         }

@@ -6,6 +6,7 @@ use std::fs;
 use std::os::unix::ffi::OsStringExt;
 use std::time::{Duration, Instant};
 
+use super::confine::Jails;
 use super::layout::VmLayout;
 use super::qemu;
 
@@ -22,10 +23,10 @@ pub(super) fn orphan_pid(layout: &VmLayout) -> Option<i32> {
         .parse()
         .ok()?;
     let cmdline = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
-    let mut wanted = vec![qemu::qmp_argument(&layout.qmp())];
+    let mut wanted = vec![qemu::name_argument(&layout.qmp())];
     if let Ok(launched_in) = fs::read(layout.launched_in()) {
         let launched_in = VmLayout::new(OsString::from_vec(launched_in).into());
-        wanted.push(qemu::qmp_argument(&launched_in.qmp()));
+        wanted.push(qemu::name_argument(&launched_in.qmp()));
     }
     let ours = cmdline
         .split(|b| *b == 0)
@@ -35,8 +36,16 @@ pub(super) fn orphan_pid(layout: &VmLayout) -> Option<i32> {
 
 /// Ends a QEMU process this runtime did not start and waits until it is
 /// gone: gracefully with SIGTERM (QEMU flushes its disks and exits), SIGKILL
-/// if it lingers; or at once with SIGKILL.
-pub(super) async fn end_orphan(pid: i32, graceful: bool) {
+/// if it lingers; or at once with SIGKILL. Its jail is released after.
+pub(super) async fn end_orphan(jails: &Jails, pid: i32, graceful: bool) {
+    let jail = jails.adopt(pid);
+    end_process(pid, graceful).await;
+    if let Some(jail) = jail {
+        let _ = tokio::task::spawn_blocking(move || jail.release()).await;
+    }
+}
+
+async fn end_process(pid: i32, graceful: bool) {
     use nix::sys::signal::{kill, Signal};
     let pid = nix::unistd::Pid::from_raw(pid);
     let first = if graceful {

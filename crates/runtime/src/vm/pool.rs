@@ -282,7 +282,7 @@ impl VmRuntime {
             }
             let layout = VmLayout::new(path);
             if let Some(pid) = orphan_pid(&layout) {
-                end_orphan(pid, false).await;
+                end_orphan(&self.jails, pid, false).await;
             }
             if let Err(error) = self.remove_dir("-", &layout.dir).await {
                 tracing::warn!(dir = %layout.dir.display(), %error, "removing a warm VM");
@@ -331,7 +331,7 @@ impl VmRuntime {
         if made.is_err() {
             let layout = self.layout(&id);
             if let Some(pid) = orphan_pid(&layout) {
-                end_orphan(pid, false).await;
+                end_orphan(&self.jails, pid, false).await;
             }
             let _ = self.remove_dir(&id, &layout.dir).await;
         }

@@ -11,6 +11,14 @@
 //! its device state (`x-ignore-shared`) and the RAM file is its memory. A
 //! restore must see exactly the devices the save saw: [`LAYOUT_VERSION`]
 //! names this set and is recorded with every saved memory.
+//!
+//! QEMU runs as an unprivileged user (see `confine`) and cannot reach the
+//! sandbox's directory, which is root's: everything of it (RAM file, disk,
+//! console log, QMP and agent sockets, the TAP device, virtiofsd
+//! connections) comes as an inherited descriptor ([`Descriptors`]), files by
+//! `/proc/self/fd/N`. It is started with `-sandbox`, QEMU's seccomp filter,
+//! refusing obsolete calls, privilege changes, spawning and resource
+//! control.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
@@ -121,7 +129,6 @@ pub fn detect_accelerator(facts: &HostFacts) -> Accelerator {
 /// Everything one QEMU process is started with.
 #[derive(Clone, Debug)]
 pub struct MachineSpec {
-    pub name: String,
     pub accelerator: Accelerator,
     /// For TCG: the host's TSC frequency, which the guest must be told or it
     /// may hang calibrating its timer.
@@ -140,21 +147,35 @@ pub struct MachineSpec {
     pub qmp_socket: PathBuf,
     pub pid_file: PathBuf,
     pub nic: Nic,
-    /// Volumes: virtiofsd sockets the guest's virtio-fs devices are served
-    /// by. QEMU cannot save a machine with one, so only cold boots have them.
-    pub shares: Vec<Share>,
+    /// Volumes: the tags of the virtio-fs devices the guest mounts them by,
+    /// each served by a virtiofsd. QEMU cannot save a machine with one, so
+    /// only cold boots have them.
+    pub shares: Vec<String>,
     /// Wait for `migrate-incoming` instead of booting.
     pub incoming: bool,
 }
 
-/// A host directory the guest mounts over virtio-fs, served by a virtiofsd.
+/// The numbers of the descriptors QEMU inherits (see the module's text).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Share {
-    /// The tag the guest mounts it by.
-    pub tag: String,
-    /// virtiofsd's vhost-user socket.
-    pub socket: PathBuf,
+pub struct Descriptors {
+    /// The RAM file, read and write.
+    pub ram: i32,
+    /// The root disk (qcow2), read and write.
+    pub disk: i32,
+    /// The console log, for appending.
+    pub console: i32,
+    /// A listening socket, bound at `qmp_socket`.
+    pub qmp: i32,
+    /// A listening socket, bound at `agent_chardev`.
+    pub agent: i32,
+    /// The TAP device, when the NIC is on one.
+    pub tap: Option<i32>,
+    /// A socket connected to each share's virtiofsd, in `shares`' order.
+    pub shares: Vec<i32>,
 }
+
+/// The `-sandbox` argument: QEMU's own seccomp filter.
+pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 
 /// A value inside a QEMU option list, where a comma is written twice.
 fn option_value(text: &str) -> String {
@@ -191,14 +212,20 @@ pub fn kernel_cmdline(spec: &MachineSpec) -> String {
     words.join(" ")
 }
 
-/// The `-qmp` argument; also how a QEMU process is recognised as the one of
-/// a sandbox from its command line.
-pub fn qmp_argument(socket: &Path) -> String {
-    format!("unix:{},server=on,wait=off", socket.display())
+/// The `-name` argument, which names the QMP socket the process serves:
+/// how a QEMU process is recognised as the one of a sandbox from its
+/// command line.
+pub fn name_argument(qmp_socket: &Path) -> String {
+    option_value(&format!("cove:{}", qmp_socket.display()))
+}
+
+/// A descriptor as a path QEMU opens.
+fn fd_path(fd: i32) -> String {
+    format!("/proc/self/fd/{fd}")
 }
 
 /// QEMU's arguments (without the program).
-pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
+pub fn arguments(spec: &MachineSpec, fds: &Descriptors) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
     let mut push = |parts: &[&str]| args.extend(parts.iter().map(OsString::from));
     let path = |p: &Path| p.to_string_lossy().into_owned();
@@ -206,7 +233,8 @@ pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
         Accelerator::Kvm => ("kvm", "host"),
         Accelerator::Tcg => ("tcg,thread=multi", "max"),
     };
-    push(&["-name", &spec.name]);
+    push(&["-name", &name_argument(&spec.qmp_socket)]);
+    push(&["-sandbox", SANDBOX]);
     push(&[
         "-machine",
         "microvm,pit=off,pic=off,rtc=on,isa-serial=on,acpi=on,memory-backend=microvm.ram",
@@ -219,7 +247,7 @@ pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
         &format!(
             "memory-backend-file,id=microvm.ram,size={}M,mem-path={},share=on",
             spec.memory_mib,
-            path(&spec.ram_file)
+            fd_path(fds.ram)
         ),
     ]);
     push(&["-nodefaults", "-no-user-config", "-nographic", "-no-reboot"]);
@@ -229,7 +257,7 @@ pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
     push(&["-append", &kernel_cmdline(spec)]);
     push(&[
         "-chardev",
-        &format!("file,id=console,path={},append=on", path(&spec.console_log)),
+        &format!("file,id=console,path={},append=on", fd_path(fds.console)),
         "-serial",
         "chardev:console",
     ]);
@@ -237,7 +265,7 @@ pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
         "-drive",
         &format!(
             "id={ROOT_DRIVE},file={},format=qcow2,if=none,discard=unmap",
-            path(&spec.disk)
+            fd_path(fds.disk)
         ),
         "-device",
         &format!("virtio-blk-device,drive={ROOT_DRIVE}"),
@@ -245,20 +273,17 @@ pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
     push(&["-device", "virtio-serial-device,max_ports=2"]);
     push(&[
         "-chardev",
-        &format!(
-            "socket,id=agent,path={},server=on,wait=off",
-            path(&spec.agent_chardev)
-        ),
+        &format!("socket,id=agent,fd={},server=on,wait=off", fds.agent),
         "-device",
         &format!("virtserialport,id={AGENT_PORT_ID},chardev=agent,name={AGENT_PORT_NAME}"),
     ]);
     push(&["-device", "virtio-rng-device"]);
     let (netdev, mac) = match &spec.nic {
         Nic::Unplugged => ("hubport,id=net0,hubid=0".to_owned(), UNPLUGGED_MAC),
-        // No vhost: it would need /dev/vhost-net and adds nothing under TCG;
-        // QEMU opens the persistent TAP device cove-net made, by name.
-        Nic::Tap { device, mac } => (
-            format!("tap,id=net0,ifname={device},script=no,downscript=no,vhost=off"),
+        // No vhost: it would need /dev/vhost-net and adds nothing under TCG.
+        // The runtime opened the TAP device; `fds.tap` is it.
+        Nic::Tap { mac, .. } => (
+            format!("tap,id=net0,fd={},vhost=off", fds.tap.unwrap_or(-1)),
             *mac,
         ),
     };
@@ -270,22 +295,23 @@ pub fn arguments(spec: &MachineSpec) -> Vec<OsString> {
     ]);
     // vhost-user needs the guest's memory shared with virtiofsd, which the
     // RAM file (share=on) already is.
-    for (index, share) in spec.shares.iter().enumerate() {
+    for (index, (tag, fd)) in spec.shares.iter().zip(&fds.shares).enumerate() {
         push(&[
             "-chardev",
-            &format!(
-                "socket,id=share{index},path={}",
-                option_value(&path(&share.socket))
-            ),
+            &format!("socket,id=share{index},fd={fd}"),
             "-device",
             &format!(
                 "vhost-user-fs-device,chardev=share{index},tag={}",
-                option_value(&share.tag)
+                option_value(tag)
             ),
         ]);
     }
-    push(&["-qmp", &qmp_argument(&spec.qmp_socket)]);
-    push(&["-pidfile", &path(&spec.pid_file)]);
+    push(&[
+        "-chardev",
+        &format!("socket,id=qmp,fd={},server=on,wait=off", fds.qmp),
+        "-mon",
+        "chardev=qmp,mode=control",
+    ]);
     if spec.incoming {
         // Paused after the state loads, so the runtime can adjust the disk
         // and connect before the guest runs.
@@ -339,14 +365,13 @@ mod tests {
     fn spec(accelerator: Accelerator, incoming: bool) -> MachineSpec {
         let p = |s: &str| PathBuf::from(format!("/s/{s}"));
         MachineSpec {
-            name: "cove-sb1".into(),
             accelerator,
             tsc_khz: Some(2_000_000),
             cpus: 2,
             memory_mib: 512,
-            firmware: p("qboot.rom"),
-            kernel: p("vmlinux"),
-            initramfs: p("initramfs.cpio"),
+            firmware: "/usr/share/qemu/qboot.rom".into(),
+            kernel: "/assets/vmlinux".into(),
+            initramfs: "/assets/initramfs.cpio".into(),
             ram_file: p("ram"),
             disk: p("disk.qcow2"),
             console_log: p("console.log"),
@@ -360,8 +385,20 @@ mod tests {
         }
     }
 
+    fn fds() -> Descriptors {
+        Descriptors {
+            ram: 11,
+            disk: 12,
+            console: 13,
+            qmp: 14,
+            agent: 15,
+            tap: Some(16),
+            shares: vec![20, 21],
+        }
+    }
+
     fn joined(spec: &MachineSpec) -> String {
-        arguments(spec)
+        arguments(spec, &fds())
             .iter()
             .map(|a| a.to_string_lossy().into_owned())
             .collect::<Vec<_>>()
@@ -382,12 +419,53 @@ mod tests {
         let args = joined(&spec(Accelerator::Tcg, false));
         assert!(args.contains("memory-backend=microvm.ram"), "{args}");
         assert!(
-            args.contains("memory-backend-file,id=microvm.ram,size=512M,mem-path=/s/ram,share=on"),
+            args.contains(
+                "memory-backend-file,id=microvm.ram,size=512M,mem-path=/proc/self/fd/11,share=on"
+            ),
             "{args}"
         );
         assert!(args.contains("-accel tcg,thread=multi -cpu max"), "{args}");
         assert!(args.contains("-smp 2 -m 512M"), "{args}");
         assert!(!args.contains("-incoming"), "{args}");
+    }
+
+    #[test]
+    fn the_sandbox_directory_is_reached_only_through_descriptors() {
+        let args = arguments(&spec(Accelerator::Tcg, false), &fds());
+        let text: Vec<String> = args
+            .iter()
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect();
+        let name = text.iter().position(|a| a == "-name").unwrap();
+        assert_eq!(text[name + 1], "cove:/s/qmp.sock");
+        for (at, arg) in text.iter().enumerate() {
+            assert!(at == name + 1 || !arg.contains("/s/"), "{arg}");
+        }
+        let joined = text.join(" ");
+        assert!(joined.contains(&format!("-sandbox {SANDBOX}")), "{joined}");
+        assert!(
+            joined.contains("file=/proc/self/fd/12,format=qcow2"),
+            "{joined}"
+        );
+        assert!(
+            joined.contains("file,id=console,path=/proc/self/fd/13,append=on"),
+            "{joined}"
+        );
+        assert!(
+            joined.contains(
+                "-chardev socket,id=qmp,fd=14,server=on,wait=off -mon chardev=qmp,mode=control"
+            ),
+            "{joined}"
+        );
+        assert!(
+            joined.contains("socket,id=agent,fd=15,server=on,wait=off"),
+            "{joined}"
+        );
+        assert!(!joined.contains("-pidfile"), "{joined}");
+        assert_eq!(
+            name_argument(Path::new("/a,b/qmp.sock")),
+            "cove:/a,,b/qmp.sock"
+        );
     }
 
     #[test]
@@ -405,9 +483,10 @@ mod tests {
         };
         let args = joined(&machine);
         assert!(
-            args.contains("-netdev tap,id=net0,ifname=cove0v1f,script=no,downscript=no"),
+            args.contains("-netdev tap,id=net0,fd=16,vhost=off"),
             "{args}"
         );
+        assert!(!args.contains("cove0v1f"), "{args}");
         assert!(args.contains("mac=02:76:0a:4d:00:09"), "{args}");
     }
 
@@ -415,31 +494,22 @@ mod tests {
     fn each_share_is_a_virtio_fs_device_with_commas_escaped() {
         let mut machine = spec(Accelerator::Tcg, false);
         assert!(!joined(&machine).contains("vhost-user-fs"));
-        machine.shares = vec![
-            Share {
-                tag: "cove-vol0".into(),
-                socket: "/s/fs0.sock".into(),
-            },
-            Share {
-                tag: "cove-vol1".into(),
-                socket: "/s/a,b/fs1.sock".into(),
-            },
-        ];
+        machine.shares = vec!["cove-vol0".into(), "a,b".into()];
         let args = joined(&machine);
         assert!(
             args.contains(
-                "-chardev socket,id=share0,path=/s/fs0.sock \
+                "-chardev socket,id=share0,fd=20 \
                  -device vhost-user-fs-device,chardev=share0,tag=cove-vol0"
             ),
             "{args}"
         );
-        assert!(args.contains("path=/s/a,,b/fs1.sock "), "{args}");
+        assert!(args.contains("chardev=share1,tag=a,,b "), "{args}");
     }
 
     #[test]
     fn a_restore_waits_for_its_state_and_keeps_the_devices() {
-        let boot = arguments(&spec(Accelerator::Kvm, false));
-        let restore = arguments(&spec(Accelerator::Kvm, true));
+        let boot = arguments(&spec(Accelerator::Kvm, false), &fds());
+        let restore = arguments(&spec(Accelerator::Kvm, true), &fds());
         assert_eq!(&restore[..boot.len()], &boot[..]);
         assert_eq!(&restore[boot.len()..], ["-incoming", "defer", "-S"]);
         assert!(joined(&spec(Accelerator::Kvm, true)).contains("-accel kvm -cpu host"));

@@ -3,36 +3,44 @@
 //! connects to; the guest mounts it as `virtiofs` by its tag.
 //!
 //! virtiofsd runs in its own process group, like QEMU, so it outlives a
-//! server restart with the VM it serves. The directory it serves is never
-//! given to it as a path inside the volume, which sandboxes write (a subpath
-//! swapped for a symlink to `/` would serve the host's root): the runtime
-//! opens it with [`crate::beneath`], clones its mount from that descriptor,
-//! and the child, between fork and exec, enters a mount namespace of its own
-//! and mounts the clone on an empty host-owned directory, which is what
-//! virtiofsd serves. virtiofsd then sandboxes itself into it (mount namespace
-//! and pivot_root), so nothing the guest asks for resolves outside it. It exits once QEMU, its only client, has
-//! gone; [`end`] is for a VM that never got that far.
+//! server restart with the VM it serves, and in the VM's jail (`confine`):
+//! its cgroup, and as root of a user namespace that maps the jail's id
+//! range (the same map as a container's: guest uid 0 is on-disk uid 0 is
+//! host uid `base`), so on the host it is an unprivileged user.
+//!
+//! The directory it serves is never given to it as a path inside the
+//! volume, which sandboxes write (a subpath swapped for a symlink to `/`
+//! would serve the host's root): the runtime opens it with
+//! [`crate::beneath`] and clones its mount from that descriptor, idmapped
+//! through the jail's user namespace; the child, between fork and exec,
+//! enters a mount namespace of its own, mounts the clone on `/tmp` there
+//! (never on the host's), and enters the user namespace. virtiofsd then
+//! sandboxes itself into it (mount namespace and pivot_root), so nothing
+//! the guest asks for resolves outside it. Its listening socket is bound
+//! here and inherited (`--fd`), and the runtime connects QEMU's end of it
+//! before either starts, so neither needs to reach the sandbox's directory.
+//! It exits once QEMU, its only client, has gone; the jail's release ends
+//! one that did not.
 //!
 //! QEMU cannot save a machine with a vhost-user-fs device, so a VM with
 //! volumes always boots cold and never pauses.
 
 #![allow(unsafe_code)]
 
-use std::ffi::{CStr, CString};
 use std::fs;
 use std::os::fd::{AsFd, AsRawFd, OwnedFd};
-use std::os::unix::ffi::OsStrExt;
+use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::time::{Duration, Instant};
 
+use super::confine::{self, Entry, Jail};
 use super::layout::VmLayout;
-use super::qemu::Share;
 use crate::beneath::{self, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOSUID};
 use crate::VolumeBind;
 
-/// How long virtiofsd may take to make its socket.
-const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// Where the volume is mounted in virtiofsd's own mount namespace: a
+/// directory every host has and an unprivileged user can reach.
+const SERVED_AT: &std::ffi::CStr = c"/tmp";
 
 /// The mount tag of the `index`th volume, which the guest mounts it by.
 pub(super) fn tag(index: usize) -> String {
@@ -55,91 +63,80 @@ pub fn find_virtiofsd() -> Option<PathBuf> {
     candidates.into_iter().find(|p| p.is_file())
 }
 
-/// Starts a virtiofsd for each volume and returns the shares QEMU gets,
-/// once every socket is there. On failure none of them is left running.
+/// Starts a virtiofsd for each volume, in `jail`, and returns for each a
+/// socket connected to it, for QEMU. On failure none of them is left
+/// running (the caller releases the jail).
 pub(super) async fn start(
     virtiofsd: &Path,
     layout: &VmLayout,
     volumes: &[VolumeBind],
-) -> Result<Vec<Share>, String> {
-    let mut shares = Vec::with_capacity(volumes.len());
+    jail: &Jail,
+) -> Result<Vec<OwnedFd>, String> {
+    let base = jail.uid();
+    let userns = tokio::task::spawn_blocking(move || crate::container::make_userns(base))
+        .await
+        .map_err(|e| format!("make the volumes' user namespace: {e}"))??;
+    let entry = jail.entry()?;
+    let mut connections = Vec::with_capacity(volumes.len());
     for (index, volume) in volumes.iter().enumerate() {
-        match start_one(virtiofsd, layout, index, volume).await {
-            Ok(share) => shares.push(share),
-            Err(reason) => {
-                end(layout).await;
-                return Err(reason);
-            }
-        }
+        let started = start_one(virtiofsd, layout, index, volume, &userns, &entry);
+        connections.push(started?);
     }
-    Ok(shares)
+    Ok(connections)
 }
 
-async fn start_one(
+fn start_one(
     virtiofsd: &Path,
     layout: &VmLayout,
     index: usize,
     volume: &VolumeBind,
-) -> Result<Share, String> {
+    userns: &OwnedFd,
+    entry: &Entry,
+) -> Result<OwnedFd, String> {
     let socket = layout.share_socket(index);
     let _ = fs::remove_file(&socket);
+    let listener =
+        UnixListener::bind(&socket).map_err(|e| format!("listen on {}: {e}", socket.display()))?;
+    // Waits in the listener's queue until virtiofsd accepts it.
+    let connection = UnixStream::connect(&socket)
+        .map_err(|e| format!("connect to {}: {e}", socket.display()))?;
     let log_path = layout.share_log(index);
     let log =
         fs::File::create(&log_path).map_err(|e| format!("create {}: {e}", log_path.display()))?;
-    let shared = SharedDir::prepare(layout, index, volume)?;
+    let shared = SharedDir::prepare(volume, userns)?;
+    let listening = listener.as_raw_fd();
     let mut command = tokio::process::Command::new(virtiofsd);
     command
-        .arg("--socket-path")
-        .arg(&socket)
+        .arg("--fd")
+        .arg(listening.to_string())
         .arg("--shared-dir")
-        .arg(&shared.mount_point)
+        .arg(SERVED_AT.to_str().unwrap_or("/tmp"))
         // Another sandbox (a container through a bind mount, or another
         // VM) may change the files at any time: the guest caches nothing.
         .args(["--cache", "never", "--sandbox", "namespace"])
+        // Raising the limit needs a capability of the host's namespace.
+        .args(["--rlimit-nofile", "0"])
         .args(["--log-level", "error"])
+        .env_clear()
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(log)
         .process_group(0);
     let tree = shared.tree.as_raw_fd();
-    let target = shared.mount_point_c.clone();
+    let userns = userns.as_raw_fd();
+    let entry = entry.clone();
     // SAFETY: the closure runs in the child between fork and exec, where only
-    // async-signal-safe calls are allowed: it makes system calls on a
-    // descriptor and C strings prepared before the fork, and allocates nothing.
+    // async-signal-safe calls are allowed: it makes system calls on
+    // descriptors and data prepared before the fork, and allocates nothing.
     unsafe {
-        command.pre_exec(move || enter_shared_dir(tree, &target));
+        command.pre_exec(move || enter(&entry, tree, listening, userns));
     }
-    let mut child = command
+    let child = command
         .spawn()
         .map_err(|e| format!("start {} for {}: {e}", virtiofsd.display(), shared.name))?;
-    drop(shared);
-    let pid = child.id().unwrap_or_default();
-    fs::write(layout.share_pid(index), pid.to_string())
-        .map_err(|e| format!("write {}: {e}", layout.share_pid(index).display()))?;
-    let began = Instant::now();
-    while !socket.exists() {
-        if let Ok(Some(status)) = child.try_wait() {
-            let log = fs::read_to_string(&log_path).unwrap_or_default();
-            return Err(format!(
-                "virtiofsd for {} exited ({status}): {}",
-                volume_name(volume),
-                log.trim()
-            ));
-        }
-        if began.elapsed() > READY_TIMEOUT {
-            return Err(format!(
-                "virtiofsd for {} made no socket within {READY_TIMEOUT:?}",
-                volume_name(volume)
-            ));
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
     // Dropped without a kill: it lives as long as QEMU (tokio reaps it).
     drop(child);
-    Ok(Share {
-        tag: tag(index),
-        socket,
-    })
+    Ok(connection.into())
 }
 
 fn volume_name(volume: &VolumeBind) -> String {
@@ -155,43 +152,39 @@ fn volume_name(volume: &VolumeBind) -> String {
 }
 
 /// What a virtiofsd's child needs to mount its volume: a detached clone of
-/// the volume directory's mount, and the empty directory to put it on.
+/// the volume directory's mount, idmapped through the jail's namespace.
 struct SharedDir {
     name: String,
     tree: OwnedFd,
-    mount_point: PathBuf,
-    mount_point_c: CString,
 }
 
 impl SharedDir {
-    fn prepare(layout: &VmLayout, index: usize, volume: &VolumeBind) -> Result<Self, String> {
+    fn prepare(volume: &VolumeBind, userns: &OwnedFd) -> Result<Self, String> {
         let name = volume_name(volume);
         let subpath = volume.subpath.as_deref().unwrap_or(Path::new(""));
         let dir = beneath::open_dir(&volume.root, subpath, true)
             .map_err(|error| format!("{name}: {error}"))?;
-        let tree = beneath::clone_tree(dir.as_fd(), MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV)
-            .map_err(|error| format!("{name}: copy its mount: {error}"))?;
-        let mount_point = layout.share_mount(index);
-        match fs::create_dir(&mount_point) {
-            Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => {
-                return Err(format!("create {}: {e}", mount_point.display()))
-            }
-            _ => {}
-        }
-        let mount_point_c = CString::new(mount_point.as_os_str().as_bytes())
-            .map_err(|_| format!("{} contains a NUL byte", mount_point.display()))?;
-        Ok(Self {
-            name,
-            tree,
-            mount_point,
-            mount_point_c,
-        })
+        let tree = beneath::clone_tree_mapped(
+            dir.as_fd(),
+            MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
+            Some(userns.as_fd()),
+        )
+        .map_err(|error| format!("{name}: copy its mount: {error}"))?;
+        Ok(Self { name, tree })
     }
 }
 
-/// In the virtiofsd child before exec: a private mount namespace, the
-/// volume's clone mounted on `target`. Allocation-free (see the caller).
-fn enter_shared_dir(tree: libc::c_int, target: &CStr) -> std::io::Result<()> {
+/// In the virtiofsd child before exec: the jail's cgroup, a private mount
+/// namespace with the volume's clone on [`SERVED_AT`], the listening socket
+/// kept open, then root of the jail's user namespace. Allocation-free (see
+/// the caller).
+fn enter(
+    entry: &Entry,
+    tree: libc::c_int,
+    listening: libc::c_int,
+    userns: libc::c_int,
+) -> std::io::Result<()> {
+    entry.join_cgroup()?;
     nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)?;
     nix::mount::mount(
         None::<&str>,
@@ -200,35 +193,48 @@ fn enter_shared_dir(tree: libc::c_int, target: &CStr) -> std::io::Result<()> {
         nix::mount::MsFlags::MS_REC | nix::mount::MsFlags::MS_PRIVATE,
         None::<&str>,
     )?;
-    beneath::attach_at_path(tree, target)
+    beneath::attach_at_path(tree, SERVED_AT)?;
+    // SAFETY: plain system calls on descriptors opened before the fork.
+    unsafe {
+        if libc::fcntl(listening, libc::F_SETFD, 0) != 0
+            || libc::setns(userns, libc::CLONE_NEWUSER) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    confine::no_new_privileges()?;
+    // SAFETY: id changes inside the new namespace, where 0 is the jail's
+    // first host id; root there keeps the capabilities virtiofsd needs
+    // over the files of its (idmapped) volume only.
+    unsafe {
+        if libc::setgroups(0, std::ptr::null()) != 0
+            || libc::setresgid(0, 0, 0) != 0
+            || libc::setresuid(0, 0, 0) != 0
+        {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
-/// Ends the virtiofsd processes of `layout` that still run, found by their
-/// pid files (and recognised by their socket argument, so a reused pid is
-/// left alone).
-pub(super) async fn end(layout: &VmLayout) {
+/// Removes the sockets of a VM's virtiofsds (the processes end with QEMU,
+/// or with the release of its jail).
+pub(super) fn end(layout: &VmLayout) {
     for index in 0.. {
-        let pid_file = layout.share_pid(index);
-        let Ok(text) = fs::read_to_string(&pid_file) else {
+        let socket = layout.share_socket(index);
+        if fs::remove_file(&socket).is_err() && !layout.share_log(index).exists() {
             break;
-        };
-        if let Ok(pid) = text.trim().parse::<i32>() {
-            if serves(pid, &layout.share_socket(index)) {
-                super::orphan::end_orphan(pid, false).await;
-            }
         }
-        let _ = fs::remove_file(&pid_file);
-        let _ = fs::remove_file(layout.share_socket(index));
-        let _ = fs::remove_dir(layout.share_mount(index));
     }
 }
 
-/// Whether process `pid` is a virtiofsd serving `socket`.
-fn serves(pid: i32, socket: &Path) -> bool {
-    let Ok(cmdline) = fs::read(format!("/proc/{pid}/cmdline")) else {
-        return false;
-    };
-    cmdline
-        .split(|b| *b == 0)
-        .any(|arg| arg == socket.as_os_str().as_bytes())
+/// The end of each virtiofsd's log, for an error.
+pub(super) fn logs(layout: &VmLayout, count: usize) -> String {
+    (0..count)
+        .map(|index| {
+            let tail = super::machine::log_tail(&layout.share_log(index), 300);
+            format!("virtiofsd {index}: {tail}")
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
 }
