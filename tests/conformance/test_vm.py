@@ -541,12 +541,18 @@ def waiting_vms(data_dir: Path) -> list[int]:
     behind as a symbolic link to its own directory)."""
     found = []
     for pid in qemu_processes(data_dir):
-        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        [mem] = [a for a in args if a.startswith(b"memory-backend-file")]
-        ram = Path(mem.split(b"mem-path=")[1].split(b",")[0].decode())
-        if ram.parent.name.startswith("warm-") and not ram.parent.is_symlink():
+        launched_in = launch_dir(pid)
+        if launched_in.name.startswith("warm-") and not launched_in.is_symlink():
             found.append(pid)
     return found
+
+
+def launch_dir(pid: int) -> Path:
+    """The directory a QEMU process was launched in, from its `-name`
+    (`cove:{dir}/qmp.sock`): QEMU gets everything of it as descriptors."""
+    args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    name = args[args.index(b"-name") + 1].decode().replace(",,", ",")
+    return Path(name.removeprefix("cove:")).parent
 
 
 def sandbox_qemus(data_dir: Path) -> list[int]:
