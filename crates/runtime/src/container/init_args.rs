@@ -56,6 +56,9 @@ pub struct InitArgs {
     pub volumes: Vec<crate::VolumeBind>,
     /// The first host id of the sandbox's user namespace range (its uid and gid 0).
     pub id_base: u32,
+    /// The number of the inherited descriptor of that range's user namespace
+    /// (the server keeps one per range: see `userns::IdRanges`).
+    pub userns_fd: i32,
 }
 
 /// One cgroup directory of the sandbox and where it appears inside.
@@ -190,6 +193,7 @@ mod tests {
                 target: "/data".into(),
             }],
             id_base: 2_000_065_536,
+            userns_fd: 7,
         }
     }
 

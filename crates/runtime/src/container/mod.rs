@@ -26,6 +26,7 @@ mod userns;
 use std::collections::HashMap;
 use std::fs;
 use std::io;
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -46,7 +47,6 @@ use init_args::{InitArgs, ShimReport, SUBCOMMAND};
 use layout::SandboxLayout;
 
 pub use shim::container_init_main;
-pub(crate) use userns::make as make_userns;
 pub use userns::{IdPool, IdRanges};
 
 /// How long the shim may take to build a container before `start` gives up.
@@ -370,6 +370,15 @@ impl Runtime for ContainerRuntime {
             .ids
             .take(id)
             .map_err(|reason| start_error(id, reason))?;
+        let ids = self.ids.clone();
+        let userns = tokio::task::spawn_blocking(move || ids.namespace(id_base))
+            .await
+            .map_err(|e| e.to_string())
+            .and_then(|made| made)
+            .map_err(|reason| {
+                self.ids.release(id);
+                start_error(id, format!("make the user namespace: {reason}"))
+            })?;
         let limits = CgroupLimits::new(&spec.resources, self.config.pids_max);
         self.cgroups.create(id, &limits).map_err(|err| {
             self.ids.release(id);
@@ -403,6 +412,7 @@ impl Runtime for ContainerRuntime {
             network,
             volumes: spec.volumes.clone(),
             id_base,
+            userns_fd: userns.as_raw_fd(),
         };
         let mut command = Command::new(&self.config.init_exe);
         command
@@ -412,6 +422,7 @@ impl Runtime for ContainerRuntime {
             .stdout(Stdio::piped())
             .stderr(console);
         shim::die_with_parent(&mut command);
+        shim::inherit(&mut command, userns.as_raw_fd());
         let spawned = command.spawn();
         let spawned = match spawned {
             Ok(mut child) => {

@@ -88,6 +88,21 @@ fn report(report: &ShimReport) {
         .and_then(|()| out.flush());
 }
 
+/// Makes the shim `command` will spawn inherit descriptor `fd` (it is
+/// close-on-exec in the server), at the same number.
+pub fn inherit(command: &mut tokio::process::Command, fd: i32) {
+    // SAFETY: runs in the child between fork and exec, where only async-signal-safe
+    // calls are allowed: fcntl is one system call with integer arguments.
+    unsafe {
+        command.pre_exec(move || {
+            if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
+
 /// Makes the shim `command` will spawn get SIGKILL when the thread that spawns it
 /// (a runtime worker, living as long as the server) ends: a server that crashes or
 /// stops takes its containers with it, and restart recovery brings them back, so no
@@ -136,8 +151,7 @@ fn launch(args: &InitArgs) -> Result<Pid, String> {
     }
     // Before the PID namespace: the first child forked after that becomes its
     // init, and the namespace dies with it.
-    let userns = super::userns::make(args.id_base)
-        .map_err(|reason| format!("make the user namespace: {reason}"))?;
+    let userns = super::userns::inherited(args.userns_fd)?;
     unshare(flags).map_err(|errno| format!("unshare namespaces: {}", errno.desc()))?;
     // In the sandbox's network namespace now, joined or new; repeated on every
     // start. It belongs to the host's user namespace, where the sandbox's root

@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::fs;
 use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use nix::sched::{unshare, CloneFlags};
 use nix::sys::wait::waitpid;
@@ -74,10 +74,15 @@ impl IdPool {
 /// The ranges in use, by holder: running containers (by sandbox id) and
 /// the host processes of running VMs (see `vm::confine`), from one pool so
 /// that no two of them share a host id.
+///
+/// Each range's user namespace is made once and kept ([`IdRanges::namespace`]):
+/// it holds nothing but the map, so the next holder of the range joins the
+/// same one, and a create does not pay the fork that makes one.
 #[derive(Debug)]
 pub struct IdRanges {
     pool: IdPool,
     taken: Mutex<HashMap<String, u32>>,
+    namespaces: Mutex<HashMap<u32, Arc<OwnedFd>>>,
 }
 
 impl IdRanges {
@@ -85,6 +90,7 @@ impl IdRanges {
         Self {
             pool,
             taken: Mutex::default(),
+            namespaces: Mutex::default(),
         }
     }
 
@@ -133,9 +139,39 @@ impl IdRanges {
         }
     }
 
+    /// The user namespace of the range starting at `base` (see the type's
+    /// text). Blocks for a fork the first time.
+    pub(crate) fn namespace(&self, base: u32) -> Result<Arc<OwnedFd>, String> {
+        if let Some(made) = self.namespaces.lock().expect("namespace lock").get(&base) {
+            return Ok(made.clone());
+        }
+        let made = Arc::new(make(base)?);
+        let mut namespaces = self.namespaces.lock().expect("namespace lock");
+        Ok(namespaces.entry(base).or_insert(made).clone())
+    }
+
     fn base(&self, slot: u32) -> u32 {
         self.pool.start + slot * RANGE_SIZE
     }
+}
+
+/// Takes the user namespace the server passed as descriptor `fd` (in the
+/// shim), checking that it is one.
+pub(super) fn inherited(fd: i32) -> Result<OwnedFd, String> {
+    // NS_GET_NSTYPE: _IO(0xb7, 0x3).
+    const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
+    // SAFETY: an ioctl with no argument on a descriptor number; a number that
+    // is no descriptor fails with EBADF.
+    let kind = unsafe { libc::ioctl(fd, NS_GET_NSTYPE) };
+    if kind != libc::CLONE_NEWUSER {
+        return Err(format!(
+            "descriptor {fd} is not the user namespace the server passed: {}",
+            std::io::Error::last_os_error()
+        ));
+    }
+    // SAFETY: the descriptor is open (the ioctl answered), was inherited for
+    // this process alone, and nothing else in the shim owns it.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
 }
 
 /// The map line of a range: its ids 0..65536 are host ids `base`...

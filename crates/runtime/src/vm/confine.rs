@@ -251,6 +251,14 @@ impl Jail {
         self.uid
     }
 
+    /// The user namespace of the jail's range (virtiofsd's).
+    pub async fn namespace(&self) -> Result<Arc<std::os::fd::OwnedFd>, String> {
+        let (ids, base) = (self.ids.clone(), self.uid);
+        tokio::task::spawn_blocking(move || ids.namespace(base))
+            .await
+            .map_err(|e| format!("make the user namespace: {e}"))?
+    }
+
     /// What a child needs between fork and exec to enter the jail.
     pub fn entry(&self) -> Result<Entry, String> {
         let procs = self

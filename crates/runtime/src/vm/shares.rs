@@ -72,10 +72,7 @@ pub(super) async fn start(
     volumes: &[VolumeBind],
     jail: &Jail,
 ) -> Result<Vec<OwnedFd>, String> {
-    let base = jail.uid();
-    let userns = tokio::task::spawn_blocking(move || crate::container::make_userns(base))
-        .await
-        .map_err(|e| format!("make the volumes' user namespace: {e}"))??;
+    let userns = jail.namespace().await?;
     let entry = jail.entry()?;
     let mut connections = Vec::with_capacity(volumes.len());
     for (index, volume) in volumes.iter().enumerate() {
