@@ -19,6 +19,9 @@
 //! partial frame the host may have left, since frames to the guest are split
 //! at [`SPLIT_SEND_SIZE`].
 
+// `fuzz/fuzz_targets/agent_frames.rs` compiles this file on its own (`#[path]`,
+// sparing the fuzz build this crate's dependencies): it must use nothing else
+// of the crate, and what the target drives is `pub(crate)`.
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -111,7 +114,7 @@ impl Session {
 }
 
 /// [`Session::post`] on one stream.
-async fn post_on<S>(mut stream: S, path: &str, body: &str) -> io::Result<(u16, String)>
+pub(crate) async fn post_on<S>(mut stream: S, path: &str, body: &str) -> io::Result<(u16, String)>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -139,7 +142,7 @@ where
 }
 
 /// The status and body of a complete `Connection: close` response.
-fn parse_response(response: &[u8]) -> io::Result<(u16, String)> {
+pub(crate) fn parse_response(response: &[u8]) -> io::Result<(u16, String)> {
     let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
     let text = String::from_utf8_lossy(response);
     let (head, body) = text
@@ -191,7 +194,10 @@ pub fn random_hex(bytes: usize) -> io::Result<String> {
 
 /// Sends the filler and the hello, repeating the hello until the answer;
 /// returns what followed the answer.
-async fn handshake(mut socket: UnixStream, nonce: &str) -> io::Result<(Vec<u8>, UnixStream)> {
+pub(crate) async fn handshake(
+    mut socket: UnixStream,
+    nonce: &str,
+) -> io::Result<(Vec<u8>, UnixStream)> {
     let mut first = vec![0xffu8; FILLER_BYTES];
     first.extend_from_slice(hello(nonce).as_bytes());
     socket.write_all(&first).await?;
@@ -339,10 +345,10 @@ async fn accept_loop(listener: UnixListener, session: Session) {
 }
 
 /// A stream that first yields bytes already read from it.
-struct Prefixed<T> {
-    prefix: Vec<u8>,
-    offset: usize,
-    inner: T,
+pub(crate) struct Prefixed<T> {
+    pub(crate) prefix: Vec<u8>,
+    pub(crate) offset: usize,
+    pub(crate) inner: T,
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Prefixed<T> {
