@@ -30,6 +30,51 @@ use axum::Router;
 
 pub use config::Settings;
 
+/// Every JSON body and query string the agent parses, in one list so that the
+/// fuzz target `api_json` (`fuzz/`) reaches them all; each is defined and used
+/// next to its handler.
+pub mod requests {
+    /// Request bodies (JSON; the interpreter's first WebSocket message too).
+    pub mod bodies {
+        pub use crate::execute::ExecuteRequest;
+        pub use crate::files::download::DownloadRequest;
+        pub use crate::files::replace::ReplaceRequest;
+        pub use crate::git::branches::{BranchRequest, CheckoutRequest};
+        pub use crate::git::config::{AuthenticateRequest, SetRequest, UserRequest};
+        pub use crate::git::remote::{AddRemoteRequest, CloneRequest, PullRequest, PushRequest};
+        pub use crate::git::repo::{
+            AddRequest, CommitRequest, InitRequest, ResetRequest, RestoreRequest,
+        };
+        pub use crate::interpreter::execute::ExecuteRequest as InterpreterExecuteRequest;
+        pub use crate::interpreter::routes::CreateContextRequest;
+        pub use crate::pty::routes::{PtyCreateRequest, PtyResizeRequest};
+        pub use crate::session::routes::{
+            CreateSessionRequest, SendInputRequest, SessionExecuteRequest,
+        };
+        pub use crate::system::UpdateEnvRequest;
+        pub use crate::vm::network::GuestNetwork;
+        pub use crate::vm::setup::IdentityRequest;
+        pub use crate::vm::volumes::GuestVolume;
+    }
+
+    /// Query strings.
+    pub mod queries {
+        pub use crate::files::download::PathQuery as DownloadPathQuery;
+        pub use crate::files::info::{ListQuery, PathQuery as InfoPathQuery};
+        pub use crate::files::manage::{DeleteQuery, FolderQuery};
+        pub use crate::files::permissions::PermissionsQuery;
+        pub use crate::files::rename::MoveQuery;
+        pub use crate::files::search::PatternQuery;
+        pub use crate::files::upload::UploadQuery;
+        pub use crate::files::watch::WatchQuery;
+        pub use crate::git::config::GetQuery;
+        pub use crate::git::PathQuery as GitPathQuery;
+        pub use crate::pty::routes::CreateConnectQuery;
+        pub use crate::session::routes::LogsQuery;
+        pub use crate::unpack::UnpackQuery;
+    }
+}
+
 /// What every handler can reach.
 #[derive(Clone)]
 pub struct AppState {

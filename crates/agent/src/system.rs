@@ -37,7 +37,7 @@ async fn user_home_dir(State(state): State<AppState>) -> Json<Value> {
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct UpdateEnvRequest {
+pub struct UpdateEnvRequest {
     #[serde(default)]
     set: HashMap<String, String>,
     #[serde(default)]

@@ -11,6 +11,9 @@
 //! block devices are skipped (counted in [`LayerMeta::skipped_devices`]): the
 //! sandbox gets its own `/dev`, and a device node elsewhere in an image would
 //! only be a way around the device allow-list. FIFOs are created.
+//!
+//! `fuzz/fuzz_targets/tar_unpack.rs` compiles `layer.rs`, `fsat.rs` and
+//! `error.rs` on their own (`#[path]`): they use nothing else of this crate.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::{OsStr, OsString};

@@ -9,16 +9,16 @@
 //! enter `/proc` or `/sys` unless asked to start there. Errors name the path:
 //! missing 404, forbidden 403, malformed request 400.
 
-mod download;
-mod info;
-mod manage;
-mod permissions;
-mod rename;
-mod replace;
-mod search;
-mod upload;
+pub(crate) mod download;
+pub(crate) mod info;
+pub(crate) mod manage;
+pub(crate) mod permissions;
+pub(crate) mod rename;
+pub(crate) mod replace;
+pub(crate) mod search;
+pub(crate) mod upload;
 mod walk;
-mod watch;
+pub(crate) mod watch;
 
 use axum::extract::DefaultBodyLimit;
 use axum::routing::{get, post};

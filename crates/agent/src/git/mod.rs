@@ -7,11 +7,11 @@
 //! user's configured helpers) and never writes request credentials into a
 //! repository's config.
 
-mod branches;
-mod config;
+pub(crate) mod branches;
+pub(crate) mod config;
 mod failure;
-mod remote;
-mod repo;
+pub(crate) mod remote;
+pub(crate) mod repo;
 mod run;
 mod status;
 

@@ -30,7 +30,7 @@ const CLOSE_TIMEOUT: u16 = 4008;
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct ExecuteRequest {
+pub struct ExecuteRequest {
     code: String,
     context_id: Option<String>,
     #[serde(default)]

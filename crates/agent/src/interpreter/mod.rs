@@ -3,8 +3,8 @@
 //! an embedded driver; runs stream over a WebSocket and a timeout interrupts
 //! the run, not the context. Owns the context limit.
 
-mod execute;
-mod routes;
+pub(crate) mod execute;
+pub(crate) mod routes;
 mod worker;
 
 use std::collections::BTreeMap;

@@ -27,7 +27,7 @@ pub fn routes() -> Router<AppState> {
 }
 
 #[derive(Debug, Deserialize)]
-struct CreateContextRequest {
+pub struct CreateContextRequest {
     cwd: Option<String>,
     language: Option<String>,
 }

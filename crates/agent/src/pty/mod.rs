@@ -4,7 +4,7 @@
 //! non-interactive sessions in [`crate::session`].
 
 mod connect;
-mod routes;
+pub(crate) mod routes;
 mod session;
 mod terminal;
 

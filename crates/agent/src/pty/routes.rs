@@ -35,7 +35,7 @@ pub fn routes() -> Router<AppState> {
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct PtyCreateRequest {
+pub struct PtyCreateRequest {
     id: Option<String>,
     cwd: Option<String>,
     envs: Option<BTreeMap<String, String>>,
@@ -47,7 +47,7 @@ struct PtyCreateRequest {
 
 /// Query of `create-connect`, the SDK's create-and-attach in one round trip.
 #[derive(Debug, Deserialize)]
-struct CreateConnectQuery {
+pub struct CreateConnectQuery {
     id: Option<String>,
     cwd: Option<String>,
     cols: Option<u16>,
@@ -66,7 +66,7 @@ struct PtyListResponse {
 }
 
 #[derive(Debug, Deserialize)]
-struct PtyResizeRequest {
+pub struct PtyResizeRequest {
     cols: u16,
     rows: u16,
 }

@@ -5,7 +5,7 @@
 mod command;
 mod follow;
 mod log;
-mod routes;
+pub(crate) mod routes;
 mod shell;
 
 use std::collections::BTreeMap;

@@ -35,13 +35,13 @@ pub fn routes() -> Router<AppState> {
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct CreateSessionRequest {
+pub struct CreateSessionRequest {
     session_id: String,
 }
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct SessionExecuteRequest {
+pub struct SessionExecuteRequest {
     command: String,
     #[serde(default)]
     run_async: bool,
@@ -79,13 +79,13 @@ struct SessionExecuteResponse {
 }
 
 #[derive(Debug, Deserialize)]
-struct LogsQuery {
+pub struct LogsQuery {
     #[serde(default)]
     follow: bool,
 }
 
 #[derive(Debug, Deserialize)]
-struct SendInputRequest {
+pub struct SendInputRequest {
     data: String,
 }
 

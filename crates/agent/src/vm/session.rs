@@ -97,7 +97,7 @@ pub fn find_hello(buf: &[u8]) -> Option<(Hello<'_>, usize)> {
 
 /// Reads until the host's hello; returns its nonce, its time and what
 /// followed it.
-async fn await_host_hello<R: AsyncRead + Unpin>(
+pub async fn await_host_hello<R: AsyncRead + Unpin>(
     reader: &mut R,
 ) -> io::Result<(String, Option<u64>, Vec<u8>)> {
     let mut buf = Vec::with_capacity(256);

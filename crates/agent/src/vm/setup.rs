@@ -44,7 +44,7 @@ pub fn routes(sessions: Arc<Registry>) -> Router {
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-struct IdentityRequest {
+pub struct IdentityRequest {
     hostname: String,
     #[serde(default)]
     env: BTreeMap<String, String>,

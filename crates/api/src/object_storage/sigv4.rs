@@ -3,9 +3,13 @@
 //! the method, path, query, the signed headers and the payload's SHA-256.
 //! The server recomputes the signature with the secret it issued and
 //! compares.
+//!
+//! `fuzz/fuzz_targets/sigv4.rs` compiles this file on its own (`#[path]`), so
+//! it uses nothing of this crate and only `http`, `hmac`, `sha2`, `time` and
+//! `form_urlencoded`.
 
-use axum::http::{HeaderMap, Method, Uri};
 use hmac::{Hmac, Mac};
+use http::{HeaderMap, Method, Uri};
 use sha2::{Digest as _, Sha256};
 
 type HmacSha256 = Hmac<Sha256>;
@@ -41,7 +45,7 @@ fn refuse(code: &'static str, message: impl Into<String>) -> Refusal {
 /// Reads `Authorization: AWS4-HMAC-SHA256 Credential=..., SignedHeaders=..., Signature=...`.
 pub fn parse_authorization(headers: &HeaderMap) -> Result<Authorization, Refusal> {
     let value = headers
-        .get(axum::http::header::AUTHORIZATION)
+        .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .ok_or_else(|| {
             refuse(

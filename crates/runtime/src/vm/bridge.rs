@@ -19,6 +19,9 @@
 //! partial frame the host may have left, since frames to the guest are split
 //! at [`SPLIT_SEND_SIZE`].
 
+// `fuzz/fuzz_targets/agent_frames.rs` compiles this file on its own (`#[path]`,
+// sparing the fuzz build this crate's dependencies): it must use nothing else
+// of the crate, and what the target drives is `pub(crate)`.
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -111,7 +114,7 @@ impl Session {
 }
 
 /// [`Session::post`] on one stream.
-async fn post_on<S>(mut stream: S, path: &str, body: &str) -> io::Result<(u16, String)>
+pub(crate) async fn post_on<S>(mut stream: S, path: &str, body: &str) -> io::Result<(u16, String)>
 where
     S: AsyncRead + AsyncWrite + Unpin,
 {
@@ -139,12 +142,14 @@ where
 }
 
 /// The status and body of a complete `Connection: close` response.
-fn parse_response(response: &[u8]) -> io::Result<(u16, String)> {
+pub(crate) fn parse_response(response: &[u8]) -> io::Result<(u16, String)> {
     let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
-    let text = String::from_utf8_lossy(response);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
+    let head_end = response
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
         .ok_or_else(|| bad("the agent's response has no header end"))?;
+    let head = String::from_utf8_lossy(&response[..head_end]);
+    let body = &response[head_end + 4..];
     let status = head
         .split_whitespace()
         .nth(1)
@@ -157,22 +162,28 @@ fn parse_response(response: &[u8]) -> io::Result<(u16, String)> {
     let body = if chunked {
         dechunk(body)
     } else {
-        body.to_owned()
+        body.to_vec()
     };
-    Ok((status, body))
+    Ok((status, String::from_utf8_lossy(&body).into_owned()))
 }
 
-fn dechunk(mut body: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = body.split_once("\r\n") {
-        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+/// The data of a chunked body. Chunk sizes count bytes, so this reads bytes:
+/// cut as text, a chunk ending inside a character would panic.
+fn dechunk(mut body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(line_end) = body.windows(2).position(|w| w == b"\r\n") {
+        let size = std::str::from_utf8(&body[..line_end])
+            .ok()
+            .and_then(|size| usize::from_str_radix(size.trim(), 16).ok());
+        let rest = &body[line_end + 2..];
+        let Some(size) = size.filter(|&size| size > 0 && size <= rest.len()) else {
             break;
         };
-        if size == 0 || rest.len() < size {
-            break;
+        out.extend_from_slice(&rest[..size]);
+        body = &rest[size..];
+        while let Some(after) = body.strip_prefix(b"\r\n") {
+            body = after;
         }
-        out.push_str(&rest[..size]);
-        body = rest[size..].trim_start_matches("\r\n");
     }
     out
 }
@@ -191,7 +202,10 @@ pub fn random_hex(bytes: usize) -> io::Result<String> {
 
 /// Sends the filler and the hello, repeating the hello until the answer;
 /// returns what followed the answer.
-async fn handshake(mut socket: UnixStream, nonce: &str) -> io::Result<(Vec<u8>, UnixStream)> {
+pub(crate) async fn handshake(
+    mut socket: UnixStream,
+    nonce: &str,
+) -> io::Result<(Vec<u8>, UnixStream)> {
     let mut first = vec![0xffu8; FILLER_BYTES];
     first.extend_from_slice(hello(nonce).as_bytes());
     socket.write_all(&first).await?;
@@ -339,10 +353,10 @@ async fn accept_loop(listener: UnixListener, session: Session) {
 }
 
 /// A stream that first yields bytes already read from it.
-struct Prefixed<T> {
-    prefix: Vec<u8>,
-    offset: usize,
-    inner: T,
+pub(crate) struct Prefixed<T> {
+    pub(crate) prefix: Vec<u8>,
+    pub(crate) offset: usize,
+    pub(crate) inner: T,
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for Prefixed<T> {
@@ -421,6 +435,23 @@ mod tests {
             b"HTTP/1.1 400 Bad Request\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
         assert_eq!(parse_response(chunked).unwrap(), (400, "abcde".to_owned()));
         assert!(parse_response(b"garbage").is_err());
+    }
+
+    /// Found by the `agent_frames` fuzz target: a chunk ending inside a
+    /// character was cut as text, which panicked the host's task.
+    #[test]
+    fn a_chunk_may_end_inside_a_character() {
+        let split = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\né\r\n0\r\n\r\n";
+        assert_eq!(
+            parse_response(split.as_bytes()).unwrap(),
+            (200, "\u{fffd}".to_owned())
+        );
+        let whole =
+            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\né\r\n1\r\n!\r\n0\r\n\r\n";
+        assert_eq!(
+            parse_response(whole.as_bytes()).unwrap(),
+            (200, "é!".to_owned())
+        );
     }
 
     #[test]
