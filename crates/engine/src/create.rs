@@ -3,7 +3,9 @@
 
 use std::collections::BTreeMap;
 
-use cove_lifecycle::{DesiredState, SandboxState, TimerSettings, Transition, MINUTE_MS};
+use cove_lifecycle::{
+    DesiredState, SandboxState, TimerSettings, Transition, MAX_MINUTES, MINUTE_MS,
+};
 use cove_store::{SandboxRecord, SnapshotState, StoreError};
 
 use crate::{now_ms, Engine, EngineError};
@@ -215,10 +217,10 @@ impl Engine {
             request.auto_delete,
         )?;
         let ttl_minutes = request.ttl_minutes.unwrap_or(0);
-        if ttl_minutes < 0 {
+        if !(0..=MAX_MINUTES).contains(&ttl_minutes) {
             return Err(EngineError::Invalid {
                 field: "ttlMinutes",
-                reason: format!("must be 0 (off) or more, got {ttl_minutes}"),
+                reason: format!("must be 0 (off) to {MAX_MINUTES}, got {ttl_minutes}"),
             });
         }
         for key in request.env.keys() {

@@ -2,7 +2,7 @@
 
 use std::collections::BTreeMap;
 
-use cove_lifecycle::MINUTE_MS;
+use cove_lifecycle::{MAX_MINUTES, MINUTE_MS};
 use cove_store::SandboxRecord;
 
 use crate::{now_ms, Engine, EngineError};
@@ -49,10 +49,10 @@ impl Engine {
                 record.timers = record.timers.with(class, |t| t.auto_delete = m)?
             }
             SettingChange::Ttl(minutes) => {
-                if minutes < 0 {
+                if !(0..=MAX_MINUTES).contains(&minutes) {
                     return Err(EngineError::Invalid {
                         field: "ttlMinutes",
-                        reason: format!("must be 0 (off) or more, got {minutes}"),
+                        reason: format!("must be 0 (off) to {MAX_MINUTES}, got {minutes}"),
                     });
                 }
                 record.ttl_minutes = minutes;

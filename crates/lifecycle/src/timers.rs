@@ -7,6 +7,10 @@ use crate::state::{SandboxClass, SandboxState};
 use crate::transition::Operation;
 
 pub const MINUTE_MS: i64 = 60_000;
+/// The longest interval a timer or TTL may be set to (about a century):
+/// far past any use, and small enough that a deadline in milliseconds
+/// never overflows.
+pub const MAX_MINUTES: i64 = 100 * 366 * 24 * 60;
 
 /// Auto-stop when a user sets nothing, in minutes.
 pub const DEFAULT_AUTO_STOP: i64 = 15;
@@ -32,7 +36,7 @@ pub struct TimerSettings {
 
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum TimerSettingsError {
-    #[error("{field} must be at least {min} minutes, got {value}")]
+    #[error("{field} must be between {min} and {MAX_MINUTES} minutes, got {value}")]
     OutOfRange {
         field: &'static str,
         min: i64,
@@ -48,7 +52,9 @@ pub enum TimerSettingsError {
 
 fn at_least(field: &'static str, min: i64, value: Option<i64>) -> Result<(), TimerSettingsError> {
     match value {
-        Some(value) if value < min => Err(TimerSettingsError::OutOfRange { field, min, value }),
+        Some(value) if value < min || value > MAX_MINUTES => {
+            Err(TimerSettingsError::OutOfRange { field, min, value })
+        }
         _ => Ok(()),
     }
 }
@@ -285,6 +291,15 @@ mod tests {
             })
         ));
         assert!(resolve(Container, None, None, Some(-1)).is_ok());
+        // Past a century an interval in milliseconds would overflow on the way.
+        assert!(resolve(Container, Some(MAX_MINUTES), None, None).is_ok());
+        assert!(matches!(
+            resolve(Container, Some(i64::MAX / 1000), None, None),
+            Err(TimerSettingsError::OutOfRange {
+                field: "autoStopInterval",
+                ..
+            })
+        ));
     }
 
     #[test]
