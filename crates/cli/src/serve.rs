@@ -54,9 +54,10 @@ pub struct ServeArgs {
     /// Size of the sandbox storage filesystem (a sparse btrfs image in the data dir), GiB.
     #[arg(long, default_value_t = 64)]
     pub storage_size_gib: u64,
-    /// Host ids for containers' user namespaces, `START:COUNT`: each running
-    /// container maps its ids 0-65535 to a range of 65536 of its own from
-    /// here, so its root is no one on the host.
+    /// Host ids for sandboxes, `START:COUNT`: each running container maps
+    /// its ids 0-65535 to a range of 65536 of its own from here, so its root
+    /// is no one on the host, and each VM's QEMU and virtiofsd run as the
+    /// first id of a range. Two servers on one host need pools apart.
     #[arg(long, env = "COVE_USERNS_POOL", default_value = "1879048192:4096", value_parser = cove_runtime::container::IdPool::parse)]
     pub userns_pool: cove_runtime::container::IdPool,
     /// The most one volume may hold, GiB (a quota on its subvolume of the

@@ -46,6 +46,8 @@ const KVM_HEADROOM_MIB: u64 = 256;
 const TCG_HEADROOM_MIB: u64 = 1280;
 /// The scheduler period; the quota is a number of CPUs times this.
 const CPU_PERIOD_US: u64 = 100_000;
+/// How old an empty VM cgroup must be before a starting server removes it.
+const SWEEP_AFTER: std::time::Duration = std::time::Duration::from_secs(60);
 /// `/dev/kvm`, which the device cgroup otherwise closes.
 const KVM_DEVICE: &str = "/dev/kvm";
 const KVM_DEVICE_RULE: &str = "c 10:232 rwm";
@@ -143,7 +145,8 @@ impl Jails {
     }
 
     /// Removes the cgroups no process is in any more (of VMs that ended
-    /// while no server watched them).
+    /// while no server watched them). One made in the last minute is left
+    /// alone: another server on this host may be about to start its QEMU.
     pub fn sweep(&self) {
         let Some(parent) = self.cgroups.describe("-").parent().map(Path::to_path_buf) else {
             return;
@@ -153,7 +156,12 @@ impl Jails {
         };
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            if !name.starts_with("vm-") || !entry.path().is_dir() {
+            let fresh = entry
+                .metadata()
+                .and_then(|meta| meta.modified())
+                .map(|made| made.elapsed().unwrap_or_default() < SWEEP_AFTER)
+                .unwrap_or(true);
+            if !name.starts_with("vm-") || !entry.path().is_dir() || fresh {
                 continue;
             }
             if self.cgroups.pids(&name).is_ok_and(|pids| pids.is_empty()) {
