@@ -17,13 +17,18 @@ use cove_runtime::vm::{VmConfig, VmRuntime};
 use cove_runtime::Runtime;
 use cove_store::Store;
 
+/// Where a server keeps its database and sandboxes unless told otherwise.
+pub const DEFAULT_DATA_DIR: &str = "/var/lib/cove";
+/// The images directory of a server on the default data dir (`<data-dir>/images`).
+pub const DEFAULT_IMAGES_DIR: &str = "/var/lib/cove/images";
+
 #[derive(clap::Args, Clone, Debug)]
 pub struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:3000")]
     pub listen: SocketAddr,
     /// Where the database, sandboxes and (by default) images live.
-    #[arg(long, default_value = "/var/lib/cove")]
+    #[arg(long, default_value = DEFAULT_DATA_DIR)]
     pub data_dir: PathBuf,
     /// Where root filesystems are built and cached; shared between servers.
     #[arg(long, env = "COVE_IMAGES_DIR")]

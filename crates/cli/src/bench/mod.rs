@@ -5,6 +5,7 @@
 //! memory can be read apart from the client's.
 
 mod files;
+mod neighbours;
 mod own_server;
 mod preview;
 mod scenarios;
@@ -45,6 +46,15 @@ pub enum Scenario {
     VmFork,
 }
 
+impl Scenario {
+    fn uses_vms(self) -> bool {
+        matches!(
+            self,
+            Scenario::VmCreate | Scenario::VmPause | Scenario::VmResume | Scenario::VmFork
+        )
+    }
+}
+
 #[derive(clap::Args, Debug)]
 pub struct BenchArgs {
     pub scenario: Scenario,
@@ -60,8 +70,10 @@ pub struct BenchArgs {
     /// Print one JSON object instead of text.
     #[arg(long)]
     pub json: bool,
-    /// Images directory of the server started here (shared, so it is built once).
-    #[arg(long, env = "COVE_IMAGES_DIR", default_value = "/var/tmp/cove/images")]
+    /// Images directory of the server started here: by default the one of
+    /// `cove serve` on its default data dir, so the default image is built
+    /// once for both.
+    #[arg(long, env = "COVE_IMAGES_DIR", default_value = crate::serve::DEFAULT_IMAGES_DIR)]
     pub images_dir: std::path::PathBuf,
     /// Size of the file of the `files`, `snapshot` and `preview` scenarios, in MiB.
     #[arg(long, default_value_t = 1024)]
@@ -98,7 +110,16 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
     }
     let own = match &args.url {
         Some(_) => None,
-        None => Some(own_server::OwnServer::start(&args.images_dir, &[]).await?),
+        None => {
+            // A waiting VM of the warm pool would take CPU from container
+            // scenarios; only the VM scenarios start VMs.
+            let extra: &[&str] = if args.scenario.uses_vms() {
+                &[]
+            } else {
+                &["--no-vm"]
+            };
+            Some(own_server::OwnServer::start(&args.images_dir, extra).await?)
+        }
     };
     let client = match (&args.url, &own) {
         (Some(url), _) => Client::new(
@@ -175,7 +196,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
 /// networking; reports the networked samples and the difference of medians.
 async fn network_cost(client: &Client, args: &BenchArgs) -> anyhow::Result<Measurement> {
     let mut with = scenarios::create_to_first_command(client, args.n).await?;
-    let bare = own_server::OwnServer::start(&args.images_dir, &["--no-network"]).await?;
+    let bare = own_server::OwnServer::start(&args.images_dir, &["--no-network", "--no-vm"]).await?;
     let without = scenarios::create_to_first_command(&bare.client(), args.n).await;
     bare.stop().await?;
     let mut without = without?;

@@ -1,5 +1,8 @@
 //! A server of the benchmark's own: `cove serve` as a child process on a
-//! temporary data directory, removed (storage unmounted) when done.
+//! temporary data directory, removed (storage unmounted) when done. It runs
+//! beside any other cove server on the host: it shares the images directory
+//! (builds are locked there, so the default image is built once) and takes a
+//! bridge, address range, routing table and id pool no other server holds.
 
 use std::path::Path;
 use std::process::Stdio;
@@ -8,6 +11,7 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use reqwest::Method;
 
+use super::neighbours::Slot;
 use crate::client::Client;
 
 const KEY: &str = "cove-bench-key";
@@ -22,6 +26,7 @@ pub struct OwnServer {
 
 impl OwnServer {
     pub async fn start(images_dir: &Path, extra_args: &[&str]) -> anyhow::Result<OwnServer> {
+        let slot = Slot::free()?;
         // Short: sandbox sockets live under it and a socket path has 107 bytes.
         let dir = tempfile::Builder::new().prefix("cvb").tempdir_in("/tmp")?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
@@ -38,6 +43,7 @@ impl OwnServer {
             .args(["--api-key", KEY, "--storage-size-gib", "16"])
             // Any free port: the net scenario runs two of these at once.
             .args(["--ssh-listen", "127.0.0.1:0"])
+            .args(slot.args())
             .args(extra_args)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
