@@ -10,6 +10,8 @@ Environment:
     COVE_AGENT_BIN   passed through to the server when set
     COVE_TEST_VM_ASSETS  the VM guest assets (scripts/vm-assets); without it the
                      VM tests skip and servers run with --no-vm
+    COVE_TEST_STRICT=1   (scripts/test, so CI) a test that would be skipped fails
+                     instead, naming what is missing: nothing passes by not running
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ from daytona import (
 
 REPO = Path(__file__).resolve().parents[2]
 READY_TIMEOUT_S = 180.0
+
+
+STRICT = os.environ.get("COVE_TEST_STRICT") == "1"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under COVE_TEST_STRICT=1 a skip is a failure (the same gate as the
+    Rust tests' ``cove-testenv``)."""
+    outcome = yield
+    report = outcome.get_result()
+    if STRICT and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr
+        report.outcome = "failed"
+        report.longrepr = f"skipped under COVE_TEST_STRICT=1, where every test must run: {reason}"
 
 
 def cove_binary() -> Path:

@@ -122,7 +122,7 @@ async fn permissions_set_mode_owner_and_group() {
         0o750
     );
 
-    if nix::unistd::geteuid().is_root() {
+    if cove_testenv::root("changing a file's owner") {
         let reply = agent
             .request(
                 Method::POST,

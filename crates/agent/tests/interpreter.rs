@@ -182,17 +182,13 @@ async fn rich_results_carry_html_and_text() {
 async fn matplotlib_figures_come_back_as_png() {
     // A Python with matplotlib: scripts/setup puts one in the conformance venv and
     // scripts/test names its bin dir here; CI must run this test for real.
-    let Some(bin) = std::env::var("COVE_TEST_MATPLOTLIB_BIN")
-        .ok()
-        .filter(|b| !b.is_empty())
-    else {
-        assert!(
-            std::env::var_os("CI").is_none(),
-            "set COVE_TEST_MATPLOTLIB_BIN to the bin dir of a Python with matplotlib"
-        );
-        eprintln!("skipped: COVE_TEST_MATPLOTLIB_BIN is not set");
+    let Some(bin) = cove_testenv::path(
+        "COVE_TEST_MATPLOTLIB_BIN",
+        "the bin dir of a Python with matplotlib",
+    ) else {
         return;
     };
+    let bin = bin.display();
     let path = format!("{bin}:{}", std::env::var("PATH").unwrap_or_default());
     let agent = Agent::start_with(&[("PATH", &path)]);
     let plotted = code(

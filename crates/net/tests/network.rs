@@ -1,6 +1,6 @@
 //! The sandbox network against a fake internet on this machine (see `common`):
-//! real namespaces, links, routes and nftables. Needs root and `nft`; skips
-//! with a message otherwise. Each test has its own bridge, range, routing table
+//! real namespaces, links, routes and nftables. Needs root and `nft`; skipped
+//! with the reason otherwise, or failed under `COVE_TEST_STRICT=1`. Each test has its own bridge, range, routing table
 //! and fake internet, so they run in parallel.
 
 mod common;

@@ -1,5 +1,7 @@
 //! Real containers on this host: needs root, cgroups, overlayfs, a root filesystem
-//! (`COVE_TEST_ROOTFS`, a Debian rootfs) and the static agent (`COVE_TEST_AGENT`).
+//! (`COVE_TEST_ROOTFS`, a Debian rootfs) and the static agent (`COVE_TEST_AGENT`);
+//! without them each test is skipped with its reason, or fails under
+//! `COVE_TEST_STRICT=1` (`cove-testenv`).
 //!
 //! The test binary is its own shim: a constructor runs before libtest's `main` (and so
 //! before any thread) and becomes `cove __container-init` when invoked that way.
@@ -31,16 +33,6 @@ fn become_the_shim_when_asked() {
     }
 }
 
-fn required_env(name: &str, what: &str) -> PathBuf {
-    match std::env::var_os(name) {
-        Some(value) if !value.is_empty() => PathBuf::from(value),
-        _ => panic!(
-            "set {name} to {what} to run the container tests (they need root), e.g. \
-             COVE_TEST_ROOTFS=/var/tmp/covedev/rootfs COVE_TEST_AGENT=target/x86_64-unknown-linux-musl/release/cove-agent"
-        ),
-    }
-}
-
 /// One runtime with its own state dir and cgroup parent; cleans both up.
 struct Harness {
     runtime: ContainerRuntime,
@@ -51,9 +43,15 @@ struct Harness {
 }
 
 impl Harness {
-    fn new(name: &str) -> Self {
-        let rootfs = required_env("COVE_TEST_ROOTFS", "a Debian root filesystem with python3");
-        let agent = required_env("COVE_TEST_AGENT", "the static cove-agent binary");
+    /// `None` (the test is skipped, or fails under `COVE_TEST_STRICT=1`)
+    /// where this machine cannot run containers.
+    fn new(name: &str) -> Option<Self> {
+        if !cove_testenv::root("the container tests") {
+            return None;
+        }
+        let rootfs =
+            cove_testenv::path("COVE_TEST_ROOTFS", "a Debian root filesystem with python3")?;
+        let agent = cove_testenv::path("COVE_TEST_AGENT", "the static cove-agent binary")?;
         // Short, so the agent socket path fits in sun_path.
         let state = tempfile::Builder::new()
             .prefix("cove-ct-")
@@ -67,13 +65,13 @@ impl Harness {
         );
         config.cgroup_parent = cgroup_parent.clone();
         let runtime = ContainerRuntime::new(config.clone()).unwrap();
-        Self {
+        Some(Self {
             runtime,
             config,
             rootfs,
             state,
             cgroup_parent,
-        }
+        })
     }
 
     fn spec(&self, id: &str) -> SandboxSpec {
@@ -280,7 +278,7 @@ fn alive(pid: i32) -> bool {
 
 #[tokio::test]
 async fn agent_answers_in_its_own_namespaces() {
-    let h = Harness::new("ns");
+    let Some(h) = Harness::new("ns") else { return };
     let (_started, socket) = h.start("ns1").await;
     let began = Instant::now();
     assert_eq!(exec_ok(&socket, "echo hi").await, "hi");
@@ -344,7 +342,9 @@ async fn agent_answers_in_its_own_namespaces() {
 
 #[tokio::test]
 async fn files_survive_stop_and_start() {
-    let h = Harness::new("persist");
+    let Some(h) = Harness::new("persist") else {
+        return;
+    };
     let (started, socket) = h.start("p1").await;
     exec_ok(
         &socket,
@@ -370,7 +370,7 @@ async fn files_survive_stop_and_start() {
 
 #[tokio::test]
 async fn memory_limit_kills_the_hog_not_the_container() {
-    let h = Harness::new("oom");
+    let Some(h) = Harness::new("oom") else { return };
     let (_started, socket) = h.start("m1").await;
     let (code, output) = exec(
         &socket,
@@ -386,7 +386,9 @@ async fn memory_limit_kills_the_hog_not_the_container() {
 
 #[tokio::test]
 async fn destroy_leaves_nothing_behind() {
-    let h = Harness::new("destroy");
+    let Some(h) = Harness::new("destroy") else {
+        return;
+    };
     let (started, socket) = h.start("d1").await;
     exec_ok(&socket, "sleep 1000 > /dev/null 2>&1 &").await;
     let pids = pids_in(&h.runtime.cgroup_procs_files("d1"));
@@ -407,7 +409,7 @@ async fn destroy_leaves_nothing_behind() {
 
 #[tokio::test]
 async fn sandboxes_do_not_see_each_other() {
-    let h = Harness::new("iso");
+    let Some(h) = Harness::new("iso") else { return };
     let (_a, socket_a) = h.start("a1").await;
     let (_b, socket_b) = h.start("b1").await;
     exec_ok(
@@ -433,7 +435,9 @@ async fn sandboxes_do_not_see_each_other() {
 
 #[tokio::test]
 async fn stop_kills_running_commands() {
-    let h = Harness::new("stop");
+    let Some(h) = Harness::new("stop") else {
+        return;
+    };
     let (started, socket) = h.start("s1").await;
     exec_ok(&socket, "setsid sleep 999 > /dev/null 2>&1 &").await;
     let blocking = tokio::spawn({
@@ -493,7 +497,9 @@ async fn stop_kills_running_commands() {
 
 #[tokio::test]
 async fn start_failure_is_reported_and_cleaned_up() {
-    let h = Harness::new("fail");
+    let Some(h) = Harness::new("fail") else {
+        return;
+    };
     let mut spec = h.spec("f1");
     spec.rootfs = PathBuf::from("/nonexistent/rootfs");
     h.runtime.prepare(&spec).await.unwrap();
@@ -507,7 +513,9 @@ async fn start_failure_is_reported_and_cleaned_up() {
 #[tokio::test]
 async fn a_fresh_runtime_finds_and_destroys_a_running_sandbox() {
     // As after a server crash: the new runtime has no handle on the shim.
-    let h = Harness::new("crash");
+    let Some(h) = Harness::new("crash") else {
+        return;
+    };
     let (started, socket) = h.start("c1").await;
     exec_ok(&socket, "sleep 1000 > /dev/null 2>&1 &").await;
     let pids = pids_in(&h.runtime.cgroup_procs_files("c1"));
@@ -528,7 +536,9 @@ async fn a_fresh_runtime_finds_and_destroys_a_running_sandbox() {
 /// destroy it, and after that nothing of it is left.
 #[tokio::test]
 async fn a_fresh_runtime_lists_what_a_crash_left_so_it_can_be_destroyed() {
-    let h = Harness::new("leftover");
+    let Some(h) = Harness::new("leftover") else {
+        return;
+    };
     let id = "build-0123456789abcdef";
     let (_started, socket) = h.start(id).await;
     exec_ok(&socket, "sleep 1000 > /dev/null 2>&1 &").await;
@@ -544,7 +554,9 @@ async fn a_fresh_runtime_lists_what_a_crash_left_so_it_can_be_destroyed() {
 /// figures for the log, not thresholds (the machine is shared and noisy).
 #[tokio::test]
 async fn start_time_is_logged() {
-    let h = Harness::new("timing");
+    let Some(h) = Harness::new("timing") else {
+        return;
+    };
     let (mut starts, mut firsts) = (Vec::new(), Vec::new());
     for round in 0..10 {
         let id = format!("t{round}");
@@ -609,7 +621,7 @@ impl Drop for TestNetns {
 
 #[tokio::test]
 async fn a_sandbox_joins_the_network_prepared_for_it() {
-    let h = Harness::new("net");
+    let Some(h) = Harness::new("net") else { return };
     let netns = TestNetns::new("net");
     let mut spec = h.spec("n1");
     spec.network = Some(SandboxNetwork {
@@ -757,7 +769,9 @@ fn seccomp_verdict(filters: &[Vec<libc::sock_filter>], nr: u32) -> u32 {
 
 #[tokio::test]
 async fn the_agent_runs_under_an_allow_list_that_answers_eperm() {
-    let h = Harness::new("filter");
+    let Some(h) = Harness::new("filter") else {
+        return;
+    };
     let (_started, socket) = h.start("f1").await;
     let pid = container_init_pid(&h, "f1");
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
@@ -844,7 +858,9 @@ for name, *args in probes:
 
 #[tokio::test]
 async fn refused_syscalls_answer_eperm_inside_the_sandbox() {
-    let h = Harness::new("probe");
+    let Some(h) = Harness::new("probe") else {
+        return;
+    };
     let (_started, socket) = h.start("p1").await;
     let output = exec_ok(&socket, &python(SYSCALL_PROBES)).await;
     let results: std::collections::BTreeMap<&str, &str> = output
@@ -893,7 +909,9 @@ print("reply type", s.recvfrom(64)[0][0])
 
 #[tokio::test]
 async fn no_raw_sockets_but_ping_works() {
-    let h = Harness::new("ping");
+    let Some(h) = Harness::new("ping") else {
+        return;
+    };
     let netns = TestNetns::new("ping");
     let mut joined = h.spec("i1");
     joined.network = Some(SandboxNetwork {
@@ -929,7 +947,9 @@ async fn no_raw_sockets_but_ping_works() {
 
 #[tokio::test]
 async fn ordinary_work_runs_under_the_filter() {
-    let h = Harness::new("work");
+    let Some(h) = Harness::new("work") else {
+        return;
+    };
     let (_started, socket) = h.start("w1").await;
     let script = r#"
 import mmap, os, subprocess, threading

@@ -1,8 +1,8 @@
 //! Real VMs on this host: needs root, QEMU 10 (`scripts/vm-setup`), the guest
 //! kernel and initramfs (`scripts/vm-assets`, their directory in
 //! `COVE_TEST_VM_ASSETS`), a Debian root filesystem (`COVE_TEST_ROOTFS`) and
-//! the static agent (`COVE_TEST_AGENT`). Without `COVE_TEST_VM_ASSETS` the
-//! tests say so and pass without running; with it, a missing piece fails them.
+//! the static agent (`COVE_TEST_AGENT`). Without them each test is skipped
+//! with its reason, or fails under `COVE_TEST_STRICT=1` (`cove-testenv`).
 //!
 //! Each test makes its own btrfs storage in a temporary directory; its Drop
 //! kills every QEMU that runs on that directory (the processes the test
@@ -23,15 +23,16 @@ use tokio::net::UnixStream;
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
 fn assets() -> Option<(PathBuf, PathBuf, PathBuf)> {
-    let dir = std::env::var_os("COVE_TEST_VM_ASSETS").filter(|v| !v.is_empty())?;
-    let required = |name: &str| match std::env::var_os(name) {
-        Some(value) if !value.is_empty() => PathBuf::from(value),
-        _ => panic!("COVE_TEST_VM_ASSETS is set, so {name} must be too"),
-    };
+    if !cove_testenv::root("the VM tests") {
+        return None;
+    }
     Some((
-        PathBuf::from(dir),
-        required("COVE_TEST_ROOTFS"),
-        required("COVE_TEST_AGENT"),
+        cove_testenv::path(
+            "COVE_TEST_VM_ASSETS",
+            "the guest kernel and initramfs (scripts/vm-assets)",
+        )?,
+        cove_testenv::path("COVE_TEST_ROOTFS", "a Debian root filesystem with python3")?,
+        cove_testenv::path("COVE_TEST_AGENT", "the static cove-agent binary")?,
     ))
 }
 
@@ -48,10 +49,7 @@ impl Harness {
     }
 
     fn with_config(adjust: impl FnOnce(&mut VmConfig)) -> Option<Harness> {
-        let Some((assets, rootfs, agent)) = assets() else {
-            eprintln!("COVE_TEST_VM_ASSETS is not set: skipping the VM test");
-            return None;
-        };
+        let (assets, rootfs, agent) = assets()?;
         // COVE_LOG=cove_runtime=debug shows each step's timing.
         let _ = tracing_subscriber::fmt()
             .with_env_filter(

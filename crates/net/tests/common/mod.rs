@@ -35,16 +35,10 @@ pub const PRIVATE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 5);
 pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// Whether the tests can run here; says why not when they cannot.
+/// Skipped, or failed under `COVE_TEST_STRICT=1` (`cove-testenv`), without.
 pub fn can_run() -> bool {
-    if !nix::unistd::geteuid().is_root() {
-        eprintln!("skipped: the network tests need root (namespaces, links, nftables)");
-        return false;
-    }
-    if Command::new("nft").arg("--version").output().is_err() {
-        eprintln!("skipped: the network tests need nft (apt-get install nftables)");
-        return false;
-    }
-    true
+    cove_testenv::root("the network tests (namespaces, links, nftables)")
+        && cove_testenv::program("nft", "apt-get install nftables")
 }
 
 fn run(args: &[&str]) -> Result<(), String> {
