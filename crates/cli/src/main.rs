@@ -47,6 +47,9 @@ fn main() -> std::process::ExitCode {
         cove_runtime::container::container_init_main();
     }
     let cli = Cli::parse();
+    // Every TLS client in the process (registry pulls, S3 archives, HTTPS
+    // API URLs) uses ring, the one provider built in.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("COVE_LOG")

@@ -498,7 +498,7 @@ fn tls_config(
     }
     let key = PrivateKeyDer::from_pem_file(key)
         .with_context(|| format!("reading a private key from {}", key.display()))?;
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
     let mut config = rustls::ServerConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()?
         .with_no_client_auth()
