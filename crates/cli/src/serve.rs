@@ -349,7 +349,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             .map_err(anyhow::Error::msg)?,
         ),
         // Pulled images: blobs, layers and root filesystems, beside the default image.
-        images: Some(cove_oci::ImageStore::new(images_dir.join("oci"))),
+        images: Some(cove_images::ImageStore::new(images_dir.join("oci"))),
         network: network.clone().map(cove_engine::NetworkHandle),
         // On the sandbox storage, so a volume is as durable as a sandbox's disk.
         volumes_dir: Some(storage.root().join("volumes")),

@@ -125,8 +125,8 @@ impl Engine {
     pub(crate) async fn credentials_for(
         &self,
         reference: &str,
-    ) -> Result<Option<cove_oci::Credentials>, EngineError> {
-        let Ok(full) = cove_oci::normalize_reference(reference) else {
+    ) -> Result<Option<cove_images::Credentials>, EngineError> {
+        let Ok(full) = cove_images::normalize_reference(reference) else {
             return Ok(None);
         };
         let (host, path) = full.split_once('/').unwrap_or((full.as_str(), ""));
@@ -144,7 +144,7 @@ impl Engine {
             .find(in_project)
             .or_else(|| on_host.iter().find(|r| r.project.is_empty()))
             .or_else(|| on_host.first());
-        Ok(chosen.map(|r| cove_oci::Credentials {
+        Ok(chosen.map(|r| cove_images::Credentials {
             username: r.username.clone(),
             password: r.password.clone(),
         }))

@@ -24,7 +24,7 @@ use serde::{Deserialize, Serialize};
 use crate::compression;
 use crate::config::{self, ImageConfig};
 use crate::digest::{Digest, HashingReader};
-use crate::error::{io_err, OciError, Result};
+use crate::error::{io_err, ImageError, Result};
 use crate::flatten::{self, LayerDir};
 use crate::fsat;
 use crate::layer::{self, LayerMeta};
@@ -97,7 +97,7 @@ impl ImageStore {
     /// An image already in the cache, by id (`sha256:...`).
     pub fn image(&self, id: &str) -> Result<Option<PulledImage>> {
         let Some(digest) = Digest::parse(id) else {
-            return Err(OciError::BadReference {
+            return Err(ImageError::BadReference {
                 reference: id.to_owned(),
                 reason: "an image id is sha256:<64 hex digits>".into(),
             });
@@ -202,7 +202,7 @@ impl ImageStore {
         let id = Digest::of_bytes(config_bytes);
         let parsed = config::parse(reference, config_bytes)?;
         if parsed.diff_ids != layers.iter().map(|l| l.diff_id.clone()).collect::<Vec<_>>() {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 reference,
                 "the layers do not match the configuration's diff_ids",
             ));
@@ -282,7 +282,7 @@ impl ImageStore {
         fs::create_dir_all(&root).map_err(io_err(&root, "create"))?;
         let name = source.diff_id.to_string();
         let corrupt =
-            |e: io::Error| OciError::invalid(reference, format!("layer {name} is unreadable: {e}"));
+            |e: io::Error| ImageError::invalid(reference, format!("layer {name} is unreadable: {e}"));
         let mut raw = HashingReader::new((source.open)()?);
         let (meta, diff_id) = {
             let mut buffered = BufReader::with_capacity(1 << 20, &mut raw);
@@ -296,14 +296,14 @@ impl ImageStore {
         let (blob_digest, _) = raw.finish().map_err(corrupt)?;
         if let Some(expected) = &source.blob_digest {
             if *expected != blob_digest {
-                return Err(OciError::invalid(
+                return Err(ImageError::invalid(
                     reference,
                     format!("layer blob {expected} has digest {blob_digest}"),
                 ));
             }
         }
         if diff_id != source.diff_id {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 reference,
                 format!(
                     "layer {} unpacks to content with digest {diff_id}",
@@ -344,7 +344,7 @@ impl ImageStore {
         built?;
         fs::rename(&partial, &dir).map_err(io_err(&dir, "move the assembled image in place"))?;
         self.cached_image(id, manifest_digest)?
-            .ok_or_else(|| OciError::invalid(reference, "the assembled image vanished"))
+            .ok_or_else(|| ImageError::invalid(reference, "the assembled image vanished"))
     }
 
     fn assemble_into(

@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use cove_oci::{Credentials, ErrorKind, ImageStore, Progress};
+use cove_images::{Credentials, ErrorKind, ImageStore, Progress};
 
 fn ready() -> bool {
     root() && tools(&["docker-registry", "skopeo", "htpasswd"])

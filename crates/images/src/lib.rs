@@ -31,7 +31,7 @@ mod registry;
 mod store;
 
 pub use config::ImageConfig;
-pub use error::{ErrorKind, OciError, Result};
+pub use error::{ErrorKind, ImageError, Result};
 pub use progress::Progress;
 pub use registry::{normalize_reference, Credentials, MAX_CONFIG_BYTES};
 pub use store::{ImageStore, PulledImage};

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::{AtFlags, FileType, Gid, Mode, Timespec, Uid};
 
-use crate::error::{io_err, OciError, Result};
+use crate::error::{io_err, ImageError, Result};
 use crate::fsat::{self, WalkError};
 use crate::layer::{join_bytes, split_bytes, LayerMeta, OPAQUE_MARKER, WHITEOUT_PREFIX};
 
@@ -100,7 +100,7 @@ impl Flattener<'_> {
             if let Some(hidden) = bytes.strip_prefix(WHITEOUT_PREFIX) {
                 // `.wh..wh.*` names are markers (opaque, aufs's `.wh..wh.plnk`), not deletions.
                 if hidden == b"." || hidden == b".." {
-                    return Err(OciError::UnsafeLayer {
+                    return Err(ImageError::UnsafeLayer {
                         layer: self.layer.name.clone(),
                         entry: here.join(name).display().to_string(),
                         reason: "a whiteout of `.` or `..`",
@@ -124,7 +124,7 @@ impl Flattener<'_> {
                     "inspect",
                 ))?
                 .ok_or_else(|| {
-                    OciError::invalid(&self.layer.name, "layer directory changed while flattening")
+                    ImageError::invalid(&self.layer.name, "layer directory changed while flattening")
                 })?;
             if fsat::file_type(&stat) != FileType::Directory {
                 fsat::remove_at(root_dir, name).map_err(io_err(&target, "replace"))?;
@@ -196,18 +196,18 @@ impl Flattener<'_> {
             let path = split_bytes(&link.path);
             let target = split_bytes(&link.target);
             let (Some(name), Some(target_name)) = (path.last(), target.last()) else {
-                return Err(OciError::invalid(&self.layer.name, "empty hard link path"));
+                return Err(ImageError::invalid(&self.layer.name, "empty hard link path"));
             };
             let shown = host_path(self.rootfs, &path);
             let open = |components: &[OsString]| -> Result<OwnedFd> {
                 fsat::walk(root, components, false, |_| {}).map_err(|e| match e {
                     WalkError::Io(e) => io_err(&shown, "resolve hard link")(e),
-                    WalkError::ThroughSymlink => OciError::UnsafeLayer {
+                    WalkError::ThroughSymlink => ImageError::UnsafeLayer {
                         layer: self.layer.name.clone(),
                         entry: String::from_utf8_lossy(&link.path).into_owned(),
                         reason: "its link target goes through a symbolic link",
                     },
-                    WalkError::Missing | WalkError::NotADirectory => OciError::invalid(
+                    WalkError::Missing | WalkError::NotADirectory => ImageError::invalid(
                         &self.layer.name,
                         format!(
                             "hard link {} points at {}, which no layer holds",
@@ -224,7 +224,7 @@ impl Flattener<'_> {
             {
                 Some(stat) if fsat::file_type(&stat) != FileType::Directory => {}
                 _ => {
-                    return Err(OciError::invalid(
+                    return Err(ImageError::invalid(
                         &self.layer.name,
                         format!(
                             "hard link {} points at {}, which is missing or a directory",
