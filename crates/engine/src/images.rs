@@ -1,11 +1,11 @@
 //! Snapshots made from container images: a registry reference (`python:3.12-slim`)
-//! pulled through `cove-images`, or the Dockerfile the SDK's `Image` builder sends.
+//! pulled through cove-images, or the Dockerfile the SDK's `Image` builder sends.
 //!
 //! An image becomes an ordinary snapshot whose root filesystem is the unpacked
 //! image and whose environment is the image's; the agent is not copied in (the
 //! container backend mounts it into every sandbox). A snapshot is made once per
 //! reference (or per Dockerfile text) and reused. Dockerfiles are built by
-//! `build`.
+//! cove-images' builder, driven from `build/`.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -16,7 +16,9 @@ use cove_lifecycle::SandboxClass;
 use cove_store::{SnapshotRecord, SnapshotState};
 use sha2::{Digest as _, Sha256};
 
-use crate::build::{parse_dockerfile, BuildLog, BuiltImage};
+use cove_images::build::BuiltImage;
+
+use crate::build::{parse_dockerfile, stored_settings, BuildLog};
 use crate::create::sized;
 use crate::{now_ms, Engine, EngineError};
 
@@ -242,7 +244,7 @@ fn built_snapshot(snapshot: SnapshotRecord, built: BuiltImage) -> SnapshotRecord
         rootfs: built.rootfs,
         layers: built.layers,
         env: built.env,
-        image: built.image,
+        image: stored_settings(built.settings),
         ..snapshot
     }
 }
@@ -500,16 +502,17 @@ impl Engine {
         if image.layers.is_empty() {
             return Ok(());
         }
-        let dest = self.image_store()?.dir().join("built").join(&image.key);
+        let images = self.image_store()?;
+        let key = image.key.clone();
         let rootfs = std::path::PathBuf::from(&image.rootfs);
         let layers: Vec<std::path::PathBuf> = image.layers.iter().map(Into::into).collect();
-        let flat = dest.clone();
-        tokio::task::spawn_blocking(move || {
-            cove_runtime::flatten::flatten(&rootfs, &layers, &flat)
-        })
-        .await
-        .map_err(|e| EngineError::Io(e.to_string()))?
-        .map_err(|reason| EngineError::BuildFailed { reason })?;
+        let dest =
+            tokio::task::spawn_blocking(move || images.flatten_built(&key, &rootfs, &layers))
+                .await
+                .map_err(|e| EngineError::Io(e.to_string()))?
+                .map_err(|e| EngineError::BuildFailed {
+                    reason: e.to_string(),
+                })?;
         image.rootfs = dest.display().to_string();
         image.layers.clear();
         Ok(())

@@ -46,6 +46,9 @@ pub enum ImageError {
     /// HTTP 400.
     #[error("bad image reference {reference:?}: {reason}")]
     BadReference { reference: String, reason: String },
+    /// HTTP 400: a registry URL that names no host.
+    #[error("{url:?} names no registry host; give host[:port], e.g. registry.example.com or 127.0.0.1:5000")]
+    NoRegistryHost { url: String },
     /// HTTP 404.
     #[error("image {reference} not found: {detail}")]
     NotFound { reference: String, detail: String },
@@ -81,6 +84,16 @@ pub enum ImageError {
         root: PathBuf,
         reason: &'static str,
     },
+    /// HTTP 500: the default image cannot be built on this host.
+    #[error("debootstrap was not found; install it (apt-get install debootstrap) to build the default image")]
+    NoDebootstrap,
+    /// HTTP 500.
+    #[error("debootstrap failed ({status}); its output is in {}", log.display())]
+    Debootstrap { status: String, log: PathBuf },
+    /// HTTP 500: a built image's layers could not be merged into one tree
+    /// (`flatten.rs`); `reason` is what the merge said.
+    #[error("flattening the image's layers into {}: {reason}", dest.display())]
+    Flatten { dest: PathBuf, reason: String },
     /// HTTP 500.
     #[error("{action} {path}")]
     Io {
@@ -94,13 +107,20 @@ pub enum ImageError {
 impl ImageError {
     pub fn kind(&self) -> ErrorKind {
         match self {
-            ImageError::BadReference { .. } | ImageError::OutsideRoot { .. } => ErrorKind::BadReference,
+            ImageError::BadReference { .. }
+            | ImageError::OutsideRoot { .. }
+            | ImageError::NoRegistryHost { .. } => ErrorKind::BadReference,
             ImageError::NotFound { .. } => ErrorKind::NotFound,
             ImageError::Unauthorized { .. } => ErrorKind::Unauthorized,
             ImageError::Unreachable { .. } => ErrorKind::Unreachable,
             ImageError::Unsupported { .. } => ErrorKind::Unsupported,
-            ImageError::InvalidImage { .. } | ImageError::UnsafeLayer { .. } => ErrorKind::InvalidImage,
-            ImageError::Io { .. } => ErrorKind::Io,
+            ImageError::InvalidImage { .. } | ImageError::UnsafeLayer { .. } => {
+                ErrorKind::InvalidImage
+            }
+            ImageError::Io { .. }
+            | ImageError::NoDebootstrap
+            | ImageError::Debootstrap { .. }
+            | ImageError::Flatten { .. } => ErrorKind::Io,
         }
     }
 

@@ -68,11 +68,12 @@ impl ImageStore {
         progress: impl Fn(&Progress) + Send + Sync + 'static,
     ) -> Result<PulledImage> {
         let relative = if path.is_absolute() {
-            path.strip_prefix(root).map_err(|_| ImageError::OutsideRoot {
-                path: path.to_owned(),
-                root: root.to_owned(),
-                reason: "it is not under that directory",
-            })?
+            path.strip_prefix(root)
+                .map_err(|_| ImageError::OutsideRoot {
+                    path: path.to_owned(),
+                    root: root.to_owned(),
+                    reason: "it is not under that directory",
+                })?
         } else {
             path
         };

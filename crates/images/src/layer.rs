@@ -92,7 +92,8 @@ pub(crate) fn unpack<R: Read>(reader: R, root: &Path, layer: &str) -> Result<(La
         buffer: vec![0; 256 * 1024],
     };
     let mut archive = tar::Archive::new(reader);
-    let corrupt = |e: io::Error| ImageError::invalid(layer, format!("layer tar is unreadable: {e}"));
+    let corrupt =
+        |e: io::Error| ImageError::invalid(layer, format!("layer tar is unreadable: {e}"));
     for entry in archive.entries().map_err(corrupt)? {
         let mut entry = entry.map_err(corrupt)?;
         unpacker.entry(&mut entry)?;

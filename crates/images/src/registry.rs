@@ -52,6 +52,37 @@ impl fmt::Debug for Credentials {
     }
 }
 
+/// The host (`host[:port]`, lower-case) a registry URL or image reference
+/// names; Docker Hub's several names are all `docker.io`.
+pub fn registry_host(url: &str) -> Result<String> {
+    let rest = url
+        .trim()
+        .strip_prefix("https://")
+        .or_else(|| url.trim().strip_prefix("http://"))
+        .unwrap_or(url.trim());
+    let host = rest
+        .split('/')
+        .next()
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    let valid = !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']'));
+    if !valid {
+        return Err(ImageError::NoRegistryHost {
+            url: url.to_owned(),
+        });
+    }
+    Ok(match host.as_str() {
+        "index.docker.io"
+        | "registry-1.docker.io"
+        | "registry.hub.docker.com"
+        | "hub.docker.com" => "docker.io".into(),
+        _ => host,
+    })
+}
+
 /// Parses a reference with Docker's defaults (`python:3.12-slim` is
 /// `docker.io/library/python:3.12-slim`, tag `latest` when none is given) and
 /// returns its full form.
@@ -603,6 +634,22 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn registry_hosts_are_compared_without_scheme_path_or_case() {
+        assert_eq!(registry_host("127.0.0.1:5000").unwrap(), "127.0.0.1:5000");
+        assert_eq!(
+            registry_host("https://Registry.Example.com/v2/").unwrap(),
+            "registry.example.com"
+        );
+        assert_eq!(
+            registry_host("https://registry.hub.docker.com").unwrap(),
+            "docker.io"
+        );
+        assert_eq!(registry_host("docker.io").unwrap(), "docker.io");
+        assert!(registry_host("").is_err());
+        assert!(registry_host("not a host").is_err());
+    }
 
     #[test]
     fn docker_hub_defaults() {

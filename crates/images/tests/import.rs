@@ -9,7 +9,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use cove_images::{ErrorKind, ImageConfig, ImageStore, ImageError, Progress, PulledImage};
+use cove_images::{ErrorKind, ImageConfig, ImageError, ImageStore, Progress, PulledImage};
 
 fn sample_config() -> ImageConfig {
     ImageConfig {
