@@ -285,14 +285,14 @@ fn corrupt_blobs_are_refused() {
     assert!(store.image(&sha256(b"")).unwrap().is_none());
     // No image was assembled and no broken layer was kept.
     assert_eq!(
-        std::fs::read_dir(scratch.path().join("cache/images/sha256"))
+        std::fs::read_dir(scratch.path().join("cache/oci/images/sha256"))
             .map(|d| d.count())
             .unwrap_or(0),
         0
     );
     assert!(!scratch
         .path()
-        .join("cache/layers/sha256")
+        .join("cache/oci/layers/sha256")
         .join(last.trim_start_matches("sha256:"))
         .exists());
 }
@@ -474,7 +474,7 @@ fn whiteouts_of_dot_dot_are_refused() {
     assert!(
         scratch
             .path()
-            .join("cache/layers/sha256")
+            .join("cache/oci/layers/sha256")
             .read_dir()
             .unwrap()
             .count()

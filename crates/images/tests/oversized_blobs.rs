@@ -168,7 +168,7 @@ async fn a_layer_longer_than_its_descriptor_is_cut_off() {
     for part in [layer_digest.as_str(), "1000 bytes", registry.host.as_str()] {
         assert!(message.contains(part), "{message:?} names {part}");
     }
-    let partial: Vec<_> = std::fs::read_dir(scratch.path().join("cache/blobs/sha256"))
+    let partial: Vec<_> = std::fs::read_dir(scratch.path().join("cache/oci/blobs/sha256"))
         .map(|d| d.flatten().map(|e| e.file_name()).collect())
         .unwrap_or_default();
     assert!(
