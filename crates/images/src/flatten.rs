@@ -173,7 +173,7 @@ mod tests {
         // An overlayfs whiteout: a 0/0 character device.
         rustix::fs::mknodat(
             rustix::fs::CWD,
-            &layer.join("etc/gone"),
+            layer.join("etc/gone"),
             rustix::fs::FileType::CharacterDevice,
             rustix::fs::Mode::empty(),
             0,

@@ -22,6 +22,9 @@ struct Scripted {
     executed: Executed,
 }
 
+/// An archive the fake unpacked: its entries (path, contents) and owner.
+type Unpacked = (BTreeMap<String, String>, Option<String>);
+
 #[derive(Default)]
 struct FakeHost {
     /// Every call, in order, as `verb id-or-key detail`.
@@ -36,8 +39,8 @@ struct FakeHost {
     dirs: Vec<&'static str>,
     /// Another build keeps every step first: `keep_layer` answers this.
     raced_by: Option<&'static str>,
-    /// The entries (path, contents) and owner of each archive unpacked.
-    unpacked: Mutex<Vec<(BTreeMap<String, String>, Option<String>)>>,
+    /// Every archive unpacked.
+    unpacked: Mutex<Vec<Unpacked>>,
     /// The sandbox of each `start`.
     started: Mutex<Vec<StepSandbox>>,
 }
