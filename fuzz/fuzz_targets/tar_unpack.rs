@@ -13,21 +13,21 @@
 //! That is the promise a hostile `../` name, hard link or long-name trick
 //! would break.
 //!
-//! The same stream then goes through cove-oci's layer unpacking
-//! (`crates/oci/src/layer.rs` with its `fsat.rs` and `error.rs`, compiled from
+//! The same stream then goes through cove-images's layer unpacking
+//! (`crates/images/src/layer.rs` with its `fsat.rs` and `error.rs`, compiled from
 //! their files), a separate code path that never follows a symbolic link: for
 //! it nothing but `/r` may be left in the jail, whatever the stream holds.
 
 #![no_main]
 
 #[allow(dead_code)]
-#[path = "../../crates/oci/src/error.rs"]
+#[path = "../../crates/images/src/error.rs"]
 mod error;
 #[allow(dead_code)]
-#[path = "../../crates/oci/src/fsat.rs"]
+#[path = "../../crates/images/src/fsat.rs"]
 mod fsat;
 #[allow(dead_code)]
-#[path = "../../crates/oci/src/layer.rs"]
+#[path = "../../crates/images/src/layer.rs"]
 mod layer;
 
 use std::path::{Component, Path};
@@ -108,7 +108,7 @@ fn unpack_jailed(data: &[u8]) {
 
     std::fs::create_dir(ROOT).expect("a fresh root");
     let _ = layer::unpack(data, Path::new(ROOT), "fuzz");
-    assert_contained("cove-oci");
+    assert_contained("cove-images");
     empty_jail();
 }
 

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
 
-use cove_runtime::image::ImageStore;
+use cove_images::ImageStore;
 
 #[derive(clap::Subcommand, Debug)]
 pub enum ImageCommand {

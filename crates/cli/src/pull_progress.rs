@@ -88,7 +88,7 @@ enum Step<'a> {
     Other(&'a str),
 }
 
-/// Reads `layer {n}/{of} {digest} {what}` (see cove-oci's `Progress`).
+/// Reads `layer {n}/{of} {digest} {what}` (see cove-images's `Progress`).
 fn parse_layer(line: &str) -> Option<LayerLine<'_>> {
     let rest = line.strip_prefix("layer ")?;
     let mut words = rest.splitn(3, ' ');
@@ -108,7 +108,7 @@ fn parse_layer(line: &str) -> Option<LayerLine<'_>> {
     Some(LayerLine { label, step })
 }
 
-/// `512 B`, `1.5 MiB` (as cove-oci writes sizes) to bytes, to the precision shown.
+/// `512 B`, `1.5 MiB` (as cove-images writes sizes) to bytes, to the precision shown.
 fn parse_bytes(text: &str) -> Option<u64> {
     let (number, unit) = text.trim().split_once(' ')?;
     let number: f64 = number.parse().ok()?;

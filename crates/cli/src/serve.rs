@@ -9,9 +9,9 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use cove_engine::{Archive, Ceilings, Engine, EngineConfig, SnapshotRecord};
+use cove_images::{DefaultImageProgress, ImageStore};
 use cove_lifecycle::SandboxClass;
 use cove_runtime::container::{ContainerConfig, ContainerRuntime};
-use cove_runtime::image::{ImageProgress, ImageStore};
 use cove_runtime::storage::Storage;
 use cove_runtime::vm::{VmConfig, VmRuntime};
 use cove_runtime::Runtime;
@@ -162,9 +162,9 @@ pub struct ServeArgs {
     pub timer_tick_ms: u64,
 }
 
-pub fn progress_printer() -> impl FnMut(&ImageProgress) {
+pub fn progress_printer() -> impl FnMut(&DefaultImageProgress) {
     let tty = std::io::stderr().is_terminal();
-    move |p: &ImageProgress| {
+    move |p: &DefaultImageProgress| {
         if tty {
             eprint!("\r\x1b[2K[image {:>4}] {}", p.step, p.message);
         } else if p.step % 25 == 1 || p.message.starts_with("Base system") {
@@ -353,8 +353,9 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             )
             .map_err(anyhow::Error::msg)?,
         ),
-        // Pulled images: blobs, layers and root filesystems, beside the default image.
-        images: Some(cove_oci::ImageStore::new(images_dir.join("oci"))),
+        // The default image, and pulled images (blobs, layers and root
+        // filesystems) in its `oci/` cache.
+        images: Some(images.clone()),
         network: network.clone().map(cove_engine::NetworkHandle),
         // On the sandbox storage, so a volume is as durable as a sandbox's disk.
         volumes_dir: Some(storage.root().join("volumes")),

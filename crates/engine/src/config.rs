@@ -28,7 +28,7 @@ pub struct EngineConfig {
     pub archive: Option<crate::Archive>,
     /// The cache images from registries are pulled into; without one, creating
     /// from an image is refused.
-    pub images: Option<cove_oci::ImageStore>,
+    pub images: Option<cove_images::ImageStore>,
     /// The node's sandbox network; without one, sandboxes have only loopback.
     pub network: Option<crate::NetworkHandle>,
     /// Where volumes live (a directory each); without one, volumes are refused.

@@ -1,22 +1,24 @@
 //! Snapshots made from container images: a registry reference (`python:3.12-slim`)
-//! pulled through `cove-oci`, or the Dockerfile the SDK's `Image` builder sends.
+//! pulled through cove-images, or the Dockerfile the SDK's `Image` builder sends.
 //!
 //! An image becomes an ordinary snapshot whose root filesystem is the unpacked
 //! image and whose environment is the image's; the agent is not copied in (the
 //! container backend mounts it into every sandbox). A snapshot is made once per
 //! reference (or per Dockerfile text) and reused. Dockerfiles are built by
-//! `build`.
+//! cove-images' builder, driven from `build/`.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use cove_oci::Progress;
+use cove_images::Progress;
 
 use cove_lifecycle::SandboxClass;
 use cove_store::{SnapshotRecord, SnapshotState};
 use sha2::{Digest as _, Sha256};
 
-use crate::build::{parse_dockerfile, BuildLog, BuiltImage};
+use cove_images::build::BuiltImage;
+
+use crate::build::{parse_dockerfile, stored_settings, BuildLog};
 use crate::create::sized;
 use crate::{now_ms, Engine, EngineError};
 
@@ -39,7 +41,7 @@ impl Engine {
         progress: impl Fn(&Progress) + Send + Sync + 'static,
     ) -> Result<SnapshotRecord, EngineError> {
         let name =
-            cove_oci::normalize_reference(reference).map_err(|e| image_error(reference, e))?;
+            cove_images::normalize_reference(reference).map_err(|e| image_error(reference, e))?;
         if let Some(found) = self.inner.store.find_snapshot(&name).await? {
             match found.state {
                 SnapshotState::Active => return Ok(found),
@@ -242,7 +244,7 @@ fn built_snapshot(snapshot: SnapshotRecord, built: BuiltImage) -> SnapshotRecord
         rootfs: built.rootfs,
         layers: built.layers,
         env: built.env,
-        image: built.image,
+        image: stored_settings(built.settings),
         ..snapshot
     }
 }
@@ -443,7 +445,7 @@ impl Engine {
     /// tarball at `path` inside this server's import directory (relative to
     /// it, or absolute under it). An API client names the path, so nothing
     /// outside that directory is ever read: not through `..`, not through a
-    /// symbolic link (cove-oci opens it with `openat2(RESOLVE_BENEATH |
+    /// symbolic link (cove-images opens it with `openat2(RESOLVE_BENEATH |
     /// RESOLVE_NO_SYMLINKS)`).
     pub async fn import_image_snapshot(
         &self,
@@ -480,7 +482,7 @@ impl Engine {
             reason: e.to_string(),
         })?
         .map_err(|e| match e {
-            cove_oci::OciError::OutsideRoot { reason, .. } => EngineError::OutsideImportDir {
+            cove_images::ImageError::OutsideRoot { reason, .. } => EngineError::OutsideImportDir {
                 path: path.display().to_string(),
                 import_dir,
                 reason: reason.to_owned(),
@@ -500,22 +502,23 @@ impl Engine {
         if image.layers.is_empty() {
             return Ok(());
         }
-        let dest = self.image_store()?.dir().join("built").join(&image.key);
+        let images = self.image_store()?;
+        let key = image.key.clone();
         let rootfs = std::path::PathBuf::from(&image.rootfs);
         let layers: Vec<std::path::PathBuf> = image.layers.iter().map(Into::into).collect();
-        let flat = dest.clone();
-        tokio::task::spawn_blocking(move || {
-            cove_runtime::flatten::flatten(&rootfs, &layers, &flat)
-        })
-        .await
-        .map_err(|e| EngineError::Io(e.to_string()))?
-        .map_err(|reason| EngineError::BuildFailed { reason })?;
+        let dest =
+            tokio::task::spawn_blocking(move || images.flatten_built(&key, &rootfs, &layers))
+                .await
+                .map_err(|e| EngineError::Io(e.to_string()))?
+                .map_err(|e| EngineError::BuildFailed {
+                    reason: e.to_string(),
+                })?;
         image.rootfs = dest.display().to_string();
         image.layers.clear();
         Ok(())
     }
 
-    fn image_store(&self) -> Result<cove_oci::ImageStore, EngineError> {
+    fn image_store(&self) -> Result<cove_images::ImageStore, EngineError> {
         self.inner
             .config
             .images
@@ -546,7 +549,7 @@ fn check_snapshot_name(name: &str) -> Result<(), EngineError> {
 }
 
 /// An active container snapshot of an unpacked image.
-fn snapshot_of(engine: &Engine, name: &str, pulled: &cove_oci::PulledImage) -> SnapshotRecord {
+fn snapshot_of(engine: &Engine, name: &str, pulled: &cove_images::PulledImage) -> SnapshotRecord {
     let env: BTreeMap<String, String> = pulled
         .config
         .env
@@ -580,7 +583,7 @@ fn snapshot_of(engine: &Engine, name: &str, pulled: &cove_oci::PulledImage) -> S
     }
 }
 
-fn image_error(reference: &str, error: cove_oci::OciError) -> EngineError {
+fn image_error(reference: &str, error: cove_images::ImageError) -> EngineError {
     EngineError::Image {
         reference: reference.to_owned(),
         status: error.kind().http_status(),

@@ -10,6 +10,7 @@ mod activity;
 mod archive;
 mod auth;
 mod build;
+mod build_host;
 mod config;
 mod contexts;
 mod create;

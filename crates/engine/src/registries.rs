@@ -1,7 +1,10 @@
 //! Credentials for image registries (`/api/docker-registry`): kept in the
-//! store, and given to a pull whose image lives on the registry's host.
+//! store, and given to a pull whose image lives on the registry's host
+//! (cove-images' `registry_host` says which host a URL names).
 
 use cove_store::DockerRegistryRecord;
+
+pub use cove_images::registry_host;
 
 use crate::{now_ms, Engine, EngineError};
 
@@ -14,37 +17,6 @@ pub struct RegistryRequest {
     pub username: String,
     pub password: Option<String>,
     pub project: Option<String>,
-}
-
-/// The host (`host[:port]`, lower-case) a registry URL or image reference
-/// names; Docker Hub's several names are all `docker.io`.
-pub fn registry_host(url: &str) -> Result<String, String> {
-    let rest = url
-        .trim()
-        .strip_prefix("https://")
-        .or_else(|| url.trim().strip_prefix("http://"))
-        .unwrap_or(url.trim());
-    let host = rest
-        .split('/')
-        .next()
-        .unwrap_or_default()
-        .to_ascii_lowercase();
-    let valid = !host.is_empty()
-        && host
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']'));
-    if !valid {
-        return Err(format!(
-            "{url:?} names no registry host; give host[:port], e.g. registry.example.com or 127.0.0.1:5000"
-        ));
-    }
-    Ok(match host.as_str() {
-        "index.docker.io"
-        | "registry-1.docker.io"
-        | "registry.hub.docker.com"
-        | "hub.docker.com" => "docker.io".into(),
-        _ => host,
-    })
 }
 
 fn invalid(field: &'static str, reason: impl Into<String>) -> EngineError {
@@ -125,8 +97,8 @@ impl Engine {
     pub(crate) async fn credentials_for(
         &self,
         reference: &str,
-    ) -> Result<Option<cove_oci::Credentials>, EngineError> {
-        let Ok(full) = cove_oci::normalize_reference(reference) else {
+    ) -> Result<Option<cove_images::Credentials>, EngineError> {
+        let Ok(full) = cove_images::normalize_reference(reference) else {
             return Ok(None);
         };
         let (host, path) = full.split_once('/').unwrap_or((full.as_str(), ""));
@@ -144,7 +116,7 @@ impl Engine {
             .find(in_project)
             .or_else(|| on_host.iter().find(|r| r.project.is_empty()))
             .or_else(|| on_host.first());
-        Ok(chosen.map(|r| cove_oci::Credentials {
+        Ok(chosen.map(|r| cove_images::Credentials {
             username: r.username.clone(),
             password: r.password.clone(),
         }))
@@ -156,7 +128,7 @@ fn checked(request: RegistryRequest) -> Result<DockerRegistryRecord, EngineError
     if request.name.trim().is_empty() {
         return Err(invalid("name", "a registry needs a name"));
     }
-    registry_host(&request.url).map_err(|reason| invalid("url", reason))?;
+    registry_host(&request.url).map_err(|error| invalid("url", error.to_string()))?;
     if request.username.is_empty() {
         return Err(invalid("username", "a registry needs a username"));
     }
@@ -171,25 +143,4 @@ fn checked(request: RegistryRequest) -> Result<DockerRegistryRecord, EngineError
         created_at_ms: 0,
         updated_at_ms: 0,
     })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn registry_hosts_are_compared_without_scheme_path_or_case() {
-        assert_eq!(registry_host("127.0.0.1:5000").unwrap(), "127.0.0.1:5000");
-        assert_eq!(
-            registry_host("https://Registry.Example.com/v2/").unwrap(),
-            "registry.example.com"
-        );
-        assert_eq!(
-            registry_host("https://registry.hub.docker.com").unwrap(),
-            "docker.io"
-        );
-        assert_eq!(registry_host("docker.io").unwrap(), "docker.io");
-        assert!(registry_host("").is_err());
-        assert!(registry_host("not a host").is_err());
-    }
 }

@@ -814,7 +814,7 @@ async fn imports_read_nothing_outside_the_import_directory() {
         Arc::new(FakeRuntime::new()) as Arc<dyn Runtime>,
     )]);
     let config = EngineConfig {
-        images: Some(cove_oci::ImageStore::new(dir.path().join("images"))),
+        images: Some(cove_images::ImageStore::new(dir.path().join("images"))),
         import_dir: Some(import.clone()),
         ..EngineConfig::default()
     };

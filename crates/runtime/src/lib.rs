@@ -2,14 +2,13 @@
 //!
 //! [`Runtime`] is the one interface the engine drives; each sandbox class has a
 //! backend behind it ([`container`], [`vm`]), and [`fake`]
-//! stands in for them in tests of everything above. [`image`] owns root
-//! filesystems on disk. This crate knows nothing of HTTP, JSON APIs or the database.
+//! stands in for them in tests of everything above. Root filesystems come
+//! to it as paths (`SandboxSpec::rootfs`, `::layers`); cove-images makes
+//! them. This crate knows nothing of HTTP, JSON APIs or the database.
 
 pub mod beneath;
 pub mod container;
 pub mod fake;
-pub mod flatten;
-pub mod image;
 pub mod storage;
 pub mod vm;
 

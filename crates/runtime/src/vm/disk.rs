@@ -25,6 +25,9 @@ use sha2::{Digest, Sha256};
 pub const AGENT_IN_GUEST: &str = "/usr/local/bin/cove-agent";
 /// Bumped when the way a base is made changes.
 const BASE_FORMAT: u32 = 1;
+/// The file a finished default root filesystem holds (the name cove-images
+/// writes, its `COMPLETE_MARKER`); its times stamp the image in the base key.
+const COMPLETE_MARKER: &str = ".complete";
 /// Free space a base filesystem gets beyond its files.
 const BASE_HEADROOM: u64 = 256 << 20;
 
@@ -81,7 +84,7 @@ pub fn base_key(rootfs: &Path, agent: &Path) -> Result<String, DiskError> {
         .canonicalize()
         .map_err(io_error(rootfs, "resolve the image"))?;
     hash.update(rootfs.as_os_str().as_encoded_bytes());
-    let marker = rootfs.join(crate::image::COMPLETE_MARKER);
+    let marker = rootfs.join(COMPLETE_MARKER);
     let stamp = fs::metadata(&marker)
         .or_else(|_| fs::metadata(&rootfs))
         .map_err(io_error(&rootfs, "read the image"))?;
@@ -311,7 +314,7 @@ mod tests {
         fs::write(&agent, b"two").unwrap();
         let second = base_key(&rootfs, &agent).unwrap();
         assert_ne!(first, second);
-        File::create(rootfs.join(crate::image::COMPLETE_MARKER)).unwrap();
+        File::create(rootfs.join(COMPLETE_MARKER)).unwrap();
         assert_ne!(second, base_key(&rootfs, &agent).unwrap());
         assert_eq!(first.len(), 16);
     }

@@ -15,7 +15,7 @@ use std::process::{Child, Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cove_oci::Progress;
+use cove_images::Progress;
 use sha2::{Digest, Sha256};
 
 pub const M1: u64 = 1_600_000_000;
@@ -25,7 +25,7 @@ pub const M2: u64 = 1_700_000_000;
 /// real one; /tmp may be tmpfs elsewhere).
 pub fn scratch() -> tempfile::TempDir {
     tempfile::Builder::new()
-        .prefix("cove-oci-test-")
+        .prefix("cove-images-test-")
         .tempdir_in("/var/tmp")
         .expect("create scratch dir")
 }

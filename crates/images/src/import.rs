@@ -27,7 +27,7 @@ use serde::Deserialize;
 
 use crate::config;
 use crate::digest::Digest;
-use crate::error::{io_err, OciError, Result};
+use crate::error::{io_err, ImageError, Result};
 use crate::media;
 use crate::progress::{Progress, Sink};
 use crate::store::{ImageStore, LayerSource, PulledImage};
@@ -59,7 +59,7 @@ impl ImageStore {
     /// directory `root`: relative to it, or absolute and under it. Nothing
     /// outside `root` is read: a path that leaves it (`..`, a symbolic link
     /// anywhere, also inside a layout directory) is refused with
-    /// [`OciError::OutsideRoot`]. Blocking: call it from a blocking thread.
+    /// [`ImageError::OutsideRoot`]. Blocking: call it from a blocking thread.
     pub fn import_beneath(
         &self,
         root: &Path,
@@ -68,11 +68,12 @@ impl ImageStore {
         progress: impl Fn(&Progress) + Send + Sync + 'static,
     ) -> Result<PulledImage> {
         let relative = if path.is_absolute() {
-            path.strip_prefix(root).map_err(|_| OciError::OutsideRoot {
-                path: path.to_owned(),
-                root: root.to_owned(),
-                reason: "it is not under that directory",
-            })?
+            path.strip_prefix(root)
+                .map_err(|_| ImageError::OutsideRoot {
+                    path: path.to_owned(),
+                    root: root.to_owned(),
+                    reason: "it is not under that directory",
+                })?
         } else {
             path
         };
@@ -88,7 +89,7 @@ impl ImageStore {
             relative
         };
         let file = open_beneath(&root_dir, relative).map_err(|e| match e.raw_os_error() {
-            Some(errno) if is_escape(errno) => OciError::OutsideRoot {
+            Some(errno) if is_escape(errno) => ImageError::OutsideRoot {
                 path: path.to_owned(),
                 root: root.to_owned(),
                 reason: "it leads out of that directory or through a symbolic link",
@@ -116,7 +117,7 @@ impl ImageStore {
         } else if source.size("manifest.json").is_some() {
             self.import_docker_archive(&source, &label, tag, &progress)
         } else {
-            Err(OciError::unsupported(
+            Err(ImageError::unsupported(
                 &label,
                 "it is neither an OCI image layout (oci-layout, index.json) nor a docker-save archive (manifest.json)",
             ))
@@ -144,7 +145,7 @@ impl ImageStore {
                     .is_some_and(|name| tag_matches(name, tag))
             });
             if candidates.is_empty() {
-                return Err(OciError::NotFound {
+                return Err(ImageError::NotFound {
                     reference: format!("{label}:{tag}"),
                     detail: format!("the layout names: {}", all_names.join(", ")),
                 });
@@ -154,17 +155,17 @@ impl ImageStore {
         candidates.retain(|c| c.platform.as_ref().is_none_or(|p| p == "linux/amd64"));
         if candidates.is_empty() {
             return Err(if before == 0 {
-                OciError::NotFound {
+                ImageError::NotFound {
                     reference: label.to_owned(),
                     detail: "the layout holds no image manifest".into(),
                 }
             } else {
-                OciError::unsupported(label, "it holds no linux/amd64 image")
+                ImageError::unsupported(label, "it holds no linux/amd64 image")
             });
         }
         candidates.dedup_by(|a, b| a.digest == b.digest);
         if candidates.len() > 1 {
-            return Err(OciError::BadReference {
+            return Err(ImageError::BadReference {
                 reference: label.to_owned(),
                 reason: format!(
                     "the layout holds {} images ({}); choose one by tag",
@@ -176,7 +177,7 @@ impl ImageStore {
         let chosen = &candidates[0];
         let manifest_bytes = source.blob(label, &chosen.digest)?;
         let manifest: OciImageManifest = serde_json::from_slice(&manifest_bytes).map_err(|e| {
-            OciError::invalid(
+            ImageError::invalid(
                 label,
                 format!("manifest {} is not valid: {e}", chosen.digest),
             )
@@ -186,7 +187,7 @@ impl ImageStore {
         let config_bytes = source.blob(label, &config_digest)?;
         let parsed = config::parse(label, &config_bytes)?;
         if parsed.diff_ids.len() != manifest.layers.len() {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 label,
                 "the manifest and the configuration list different layers",
             ));
@@ -243,13 +244,13 @@ impl ImageStore {
         let entry = match chosen.as_slice() {
             [one] => *one,
             [] => {
-                return Err(OciError::NotFound {
+                return Err(ImageError::NotFound {
                     reference: format!("{label}:{}", tag.unwrap_or("")),
                     detail: format!("the archive holds: {}", names()),
                 })
             }
             _ => {
-                return Err(OciError::BadReference {
+                return Err(ImageError::BadReference {
                     reference: label.to_owned(),
                     reason: format!(
                         "the archive holds several images ({}); choose one by tag",
@@ -262,7 +263,7 @@ impl ImageStore {
         let config_bytes = source.read(label, &config_name)?;
         let parsed = config::parse(label, &config_bytes)?;
         if parsed.diff_ids.len() != entry.layers.len() {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 label,
                 "manifest.json and the configuration list different layers",
             ));
@@ -322,11 +323,11 @@ fn collect_manifests(
         let digest = parse_digest(label, &entry.digest)?;
         if media::INDEX_TYPES.contains(&entry.media_type.as_str()) {
             if depth >= MAX_INDEX_DEPTH {
-                return Err(OciError::invalid(label, "indexes are nested too deep"));
+                return Err(ImageError::invalid(label, "indexes are nested too deep"));
             }
             let bytes = source.blob(label, &digest)?;
             let nested: OciImageIndex = serde_json::from_slice(&bytes).map_err(|e| {
-                OciError::invalid(label, format!("index {digest} is not valid: {e}"))
+                ImageError::invalid(label, format!("index {digest} is not valid: {e}"))
             })?;
             collect_manifests(source, label, &nested.manifests, ref_name, depth + 1, out)?;
         } else if media::MANIFEST_TYPES.contains(&entry.media_type.as_str()) {
@@ -358,18 +359,18 @@ fn tag_matches(name: &str, wanted: &str) -> bool {
 
 fn parse_digest(label: &str, text: &str) -> Result<Digest> {
     Digest::parse(text)
-        .ok_or_else(|| OciError::unsupported(label, format!("digest {text:?} is not sha256")))
+        .ok_or_else(|| ImageError::unsupported(label, format!("digest {text:?} is not sha256")))
 }
 
-fn missing(label: &str, name: &str) -> OciError {
-    OciError::invalid(label, format!("{name} is missing"))
+fn missing(label: &str, name: &str) -> ImageError {
+    ImageError::invalid(label, format!("{name} is missing"))
 }
 
 /// A member name from a manifest, checked to stay inside the source.
 fn member_name(label: &str, name: &str) -> Result<String> {
     let normalized = normalize(name);
     if normalized.is_empty() || normalized.split('/').any(|c| c == "..") {
-        return Err(OciError::invalid(
+        return Err(ImageError::invalid(
             label,
             format!("member name {name:?} leaves the archive"),
         ));
@@ -437,9 +438,9 @@ fn is_escape(errno: i32) -> bool {
         || errno == rustix::io::Errno::LOOP.raw_os_error()
 }
 
-fn open_error(path: &Path, e: io::Error) -> OciError {
+fn open_error(path: &Path, e: io::Error) -> ImageError {
     match e.kind() {
-        io::ErrorKind::NotFound => OciError::NotFound {
+        io::ErrorKind::NotFound => ImageError::NotFound {
             reference: path.display().to_string(),
             detail: "no such file or directory".into(),
         },
@@ -501,7 +502,7 @@ impl Source {
             });
         }
         if !meta.is_file() {
-            return Err(OciError::unsupported(
+            return Err(ImageError::unsupported(
                 &path.display().to_string(),
                 "it is neither a regular file nor a directory",
             ));
@@ -509,7 +510,7 @@ impl Source {
         let mut archive = tar::Archive::new(BufReader::new(&file));
         let label = path.display().to_string();
         let corrupt =
-            |e: io::Error| OciError::invalid(&label, format!("not a readable tar archive: {e}"));
+            |e: io::Error| ImageError::invalid(&label, format!("not a readable tar archive: {e}"));
         let mut members = HashMap::new();
         for entry in archive.entries().map_err(corrupt)? {
             let entry = entry.map_err(corrupt)?;
@@ -594,7 +595,7 @@ impl Source {
     fn read(&self, label: &str, name: &str) -> Result<Vec<u8>> {
         let size = self.size(name).ok_or_else(|| missing(label, name))?;
         if size > MAX_JSON {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 label,
                 format!("{name} is too large ({size} bytes)"),
             ));
@@ -602,20 +603,20 @@ impl Source {
         let mut bytes = Vec::with_capacity(size as usize);
         self.reader(label, name)?
             .read_to_end(&mut bytes)
-            .map_err(|e| OciError::invalid(label, format!("{name} is unreadable: {e}")))?;
+            .map_err(|e| ImageError::invalid(label, format!("{name} is unreadable: {e}")))?;
         Ok(bytes)
     }
 
     fn json<T: serde::de::DeserializeOwned>(&self, label: &str, name: &str) -> Result<T> {
         serde_json::from_slice(&self.read(label, name)?)
-            .map_err(|e| OciError::invalid(label, format!("{name} is not valid: {e}")))
+            .map_err(|e| ImageError::invalid(label, format!("{name} is not valid: {e}")))
     }
 
     /// A small blob of a layout, checked against its digest.
     fn blob(&self, label: &str, digest: &Digest) -> Result<Vec<u8>> {
         let bytes = self.read(label, &format!("blobs/sha256/{}", digest.hex()))?;
         if Digest::of_bytes(&bytes) != *digest {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 label,
                 format!("blob {digest} does not match its digest"),
             ));

@@ -4,7 +4,7 @@
 use serde::Deserialize;
 
 use crate::digest::Digest;
-use crate::error::{OciError, Result};
+use crate::error::{ImageError, Result};
 
 /// How the image wants to be run, from its configuration.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -56,28 +56,28 @@ struct RawRootfs {
 /// linux/amd64 (a single-platform image says so only here).
 pub(crate) fn parse(reference: &str, bytes: &[u8]) -> Result<ParsedConfig> {
     let raw: RawImage = serde_json::from_slice(bytes).map_err(|e| {
-        OciError::invalid(
+        ImageError::invalid(
             reference,
             format!("image configuration is not valid JSON: {e}"),
         )
     })?;
     if let Some(os) = raw.os.as_deref().filter(|os| *os != "linux") {
-        return Err(OciError::unsupported(
+        return Err(ImageError::unsupported(
             reference,
             format!("it is built for {os}, cove runs linux images"),
         ));
     }
     if let Some(arch) = raw.architecture.as_deref().filter(|a| *a != "amd64") {
-        return Err(OciError::unsupported(
+        return Err(ImageError::unsupported(
             reference,
             format!("it is built for {arch}, this host runs amd64"),
         ));
     }
     let rootfs = raw
         .rootfs
-        .ok_or_else(|| OciError::invalid(reference, "image configuration has no rootfs"))?;
+        .ok_or_else(|| ImageError::invalid(reference, "image configuration has no rootfs"))?;
     if rootfs.kind.as_deref().is_some_and(|k| k != "layers") {
-        return Err(OciError::unsupported(
+        return Err(ImageError::unsupported(
             reference,
             "its rootfs type is not `layers`",
         ));
@@ -88,7 +88,7 @@ pub(crate) fn parse(reference: &str, bytes: &[u8]) -> Result<ParsedConfig> {
         .iter()
         .map(|d| {
             Digest::parse(d).ok_or_else(|| {
-                OciError::unsupported(reference, format!("layer digest {d:?} is not sha256"))
+                ImageError::unsupported(reference, format!("layer digest {d:?} is not sha256"))
             })
         })
         .collect::<Result<Vec<_>>>()?;

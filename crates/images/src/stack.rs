@@ -1,4 +1,7 @@
-//! Stacking unpacked layers, lowest first, into one root filesystem.
+//! Stacking unpacked OCI layers, lowest first, into one root filesystem:
+//! how the store assembles a pulled or imported image. (`flatten.rs` is the
+//! other direction's tool: overlayfs layers a build captured, copied into
+//! one tree for a VM's disk.)
 //!
 //! The result is what overlayfs would show for the same layers: a whiteout
 //! `.wh.NAME` removes NAME from the layers below, `.wh..wh..opq` empties its
@@ -22,11 +25,11 @@ use std::path::{Path, PathBuf};
 
 use rustix::fs::{AtFlags, FileType, Gid, Mode, Timespec, Uid};
 
-use crate::error::{io_err, OciError, Result};
+use crate::error::{io_err, ImageError, Result};
 use crate::fsat::{self, WalkError};
 use crate::layer::{join_bytes, split_bytes, LayerMeta, OPAQUE_MARKER, WHITEOUT_PREFIX};
 
-/// One unpacked layer, as `flatten` needs it.
+/// One unpacked layer, as `stack` needs it.
 pub(crate) struct LayerDir<'a> {
     /// The directory holding the layer's tree.
     pub root: PathBuf,
@@ -35,7 +38,7 @@ pub(crate) struct LayerDir<'a> {
     pub name: String,
 }
 
-struct Flattener<'a> {
+struct Stacker<'a> {
     rootfs: &'a Path,
     layer: &'a LayerDir<'a>,
     implicit: HashSet<Vec<u8>>,
@@ -43,24 +46,24 @@ struct Flattener<'a> {
 }
 
 /// Builds `rootfs` (an existing empty directory) from `layers`, lowest first.
-pub(crate) fn flatten(layers: &[LayerDir<'_>], rootfs: &Path) -> Result<()> {
+pub(crate) fn stack(layers: &[LayerDir<'_>], rootfs: &Path) -> Result<()> {
     let root = fsat::open_dir(rootfs).map_err(io_err(rootfs, "open root filesystem"))?;
     let mut dir_mtimes = HashMap::new();
     for layer in layers {
         let layer_root =
             fsat::open_dir(&layer.root).map_err(io_err(&layer.root, "open layer directory"))?;
-        let mut flattener = Flattener {
+        let mut stacker = Stacker {
             rootfs,
             layer,
             implicit: layer.meta.implicit_dirs.iter().cloned().collect(),
             dir_mtimes: &mut dir_mtimes,
         };
         let mut rel = Vec::new();
-        if !flattener.implicit.contains(&Vec::new()) {
-            flattener.copy_dir_meta(layer_root.as_fd(), root.as_fd(), &rel)?;
+        if !stacker.implicit.contains(&Vec::new()) {
+            stacker.copy_dir_meta(layer_root.as_fd(), root.as_fd(), &rel)?;
         }
-        flattener.merge(layer_root.as_fd(), root.as_fd(), &mut rel)?;
-        flattener.external_links(root.as_fd())?;
+        stacker.merge(layer_root.as_fd(), root.as_fd(), &mut rel)?;
+        stacker.external_links(root.as_fd())?;
     }
     let mut dirs: Vec<_> = dir_mtimes.into_iter().collect();
     dirs.sort_by_key(|d| std::cmp::Reverse(d.0.len()));
@@ -80,7 +83,7 @@ fn host_path(base: &Path, components: &[OsString]) -> PathBuf {
     components.iter().fold(base.to_path_buf(), |p, c| p.join(c))
 }
 
-impl Flattener<'_> {
+impl Stacker<'_> {
     fn merge(
         &mut self,
         layer_dir: BorrowedFd<'_>,
@@ -100,7 +103,7 @@ impl Flattener<'_> {
             if let Some(hidden) = bytes.strip_prefix(WHITEOUT_PREFIX) {
                 // `.wh..wh.*` names are markers (opaque, aufs's `.wh..wh.plnk`), not deletions.
                 if hidden == b"." || hidden == b".." {
-                    return Err(OciError::UnsafeLayer {
+                    return Err(ImageError::UnsafeLayer {
                         layer: self.layer.name.clone(),
                         entry: here.join(name).display().to_string(),
                         reason: "a whiteout of `.` or `..`",
@@ -124,7 +127,7 @@ impl Flattener<'_> {
                     "inspect",
                 ))?
                 .ok_or_else(|| {
-                    OciError::invalid(&self.layer.name, "layer directory changed while flattening")
+                    ImageError::invalid(&self.layer.name, "layer directory changed while stacking")
                 })?;
             if fsat::file_type(&stat) != FileType::Directory {
                 fsat::remove_at(root_dir, name).map_err(io_err(&target, "replace"))?;
@@ -196,18 +199,21 @@ impl Flattener<'_> {
             let path = split_bytes(&link.path);
             let target = split_bytes(&link.target);
             let (Some(name), Some(target_name)) = (path.last(), target.last()) else {
-                return Err(OciError::invalid(&self.layer.name, "empty hard link path"));
+                return Err(ImageError::invalid(
+                    &self.layer.name,
+                    "empty hard link path",
+                ));
             };
             let shown = host_path(self.rootfs, &path);
             let open = |components: &[OsString]| -> Result<OwnedFd> {
                 fsat::walk(root, components, false, |_| {}).map_err(|e| match e {
                     WalkError::Io(e) => io_err(&shown, "resolve hard link")(e),
-                    WalkError::ThroughSymlink => OciError::UnsafeLayer {
+                    WalkError::ThroughSymlink => ImageError::UnsafeLayer {
                         layer: self.layer.name.clone(),
                         entry: String::from_utf8_lossy(&link.path).into_owned(),
                         reason: "its link target goes through a symbolic link",
                     },
-                    WalkError::Missing | WalkError::NotADirectory => OciError::invalid(
+                    WalkError::Missing | WalkError::NotADirectory => ImageError::invalid(
                         &self.layer.name,
                         format!(
                             "hard link {} points at {}, which no layer holds",
@@ -224,7 +230,7 @@ impl Flattener<'_> {
             {
                 Some(stat) if fsat::file_type(&stat) != FileType::Directory => {}
                 _ => {
-                    return Err(OciError::invalid(
+                    return Err(ImageError::invalid(
                         &self.layer.name,
                         format!(
                             "hard link {} points at {}, which is missing or a directory",

@@ -5,7 +5,7 @@
 
 use std::path::PathBuf;
 
-/// What kind of failure an [`OciError`] is, for a front end to choose a status.
+/// What kind of failure an [`ImageError`] is, for a front end to choose a status.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum ErrorKind {
     /// The reference does not parse (HTTP 400).
@@ -42,10 +42,13 @@ impl ErrorKind {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum OciError {
+pub enum ImageError {
     /// HTTP 400.
     #[error("bad image reference {reference:?}: {reason}")]
     BadReference { reference: String, reason: String },
+    /// HTTP 400: a registry URL that names no host.
+    #[error("{url:?} names no registry host; give host[:port], e.g. registry.example.com or 127.0.0.1:5000")]
+    NoRegistryHost { url: String },
     /// HTTP 404.
     #[error("image {reference} not found: {detail}")]
     NotFound { reference: String, detail: String },
@@ -81,6 +84,16 @@ pub enum OciError {
         root: PathBuf,
         reason: &'static str,
     },
+    /// HTTP 500: the default image cannot be built on this host.
+    #[error("debootstrap was not found; install it (apt-get install debootstrap) to build the default image")]
+    NoDebootstrap,
+    /// HTTP 500.
+    #[error("debootstrap failed ({status}); its output is in {}", log.display())]
+    Debootstrap { status: String, log: PathBuf },
+    /// HTTP 500: a built image's layers could not be merged into one tree
+    /// (`flatten.rs`); `reason` is what the merge said.
+    #[error("flattening the image's layers into {}: {reason}", dest.display())]
+    Flatten { dest: PathBuf, reason: String },
     /// HTTP 500.
     #[error("{action} {path}")]
     Io {
@@ -91,16 +104,23 @@ pub enum OciError {
     },
 }
 
-impl OciError {
+impl ImageError {
     pub fn kind(&self) -> ErrorKind {
         match self {
-            OciError::BadReference { .. } | OciError::OutsideRoot { .. } => ErrorKind::BadReference,
-            OciError::NotFound { .. } => ErrorKind::NotFound,
-            OciError::Unauthorized { .. } => ErrorKind::Unauthorized,
-            OciError::Unreachable { .. } => ErrorKind::Unreachable,
-            OciError::Unsupported { .. } => ErrorKind::Unsupported,
-            OciError::InvalidImage { .. } | OciError::UnsafeLayer { .. } => ErrorKind::InvalidImage,
-            OciError::Io { .. } => ErrorKind::Io,
+            ImageError::BadReference { .. }
+            | ImageError::OutsideRoot { .. }
+            | ImageError::NoRegistryHost { .. } => ErrorKind::BadReference,
+            ImageError::NotFound { .. } => ErrorKind::NotFound,
+            ImageError::Unauthorized { .. } => ErrorKind::Unauthorized,
+            ImageError::Unreachable { .. } => ErrorKind::Unreachable,
+            ImageError::Unsupported { .. } => ErrorKind::Unsupported,
+            ImageError::InvalidImage { .. } | ImageError::UnsafeLayer { .. } => {
+                ErrorKind::InvalidImage
+            }
+            ImageError::Io { .. }
+            | ImageError::NoDebootstrap
+            | ImageError::Debootstrap { .. }
+            | ImageError::Flatten { .. } => ErrorKind::Io,
         }
     }
 
@@ -109,30 +129,30 @@ impl OciError {
         self.kind().http_status()
     }
 
-    pub(crate) fn invalid(reference: &str, reason: impl Into<String>) -> OciError {
-        OciError::InvalidImage {
+    pub(crate) fn invalid(reference: &str, reason: impl Into<String>) -> ImageError {
+        ImageError::InvalidImage {
             reference: reference.to_owned(),
             reason: reason.into(),
         }
     }
 
-    pub(crate) fn unsupported(reference: &str, reason: impl Into<String>) -> OciError {
-        OciError::Unsupported {
+    pub(crate) fn unsupported(reference: &str, reason: impl Into<String>) -> ImageError {
+        ImageError::Unsupported {
             reference: reference.to_owned(),
             reason: reason.into(),
         }
     }
 }
 
-pub type Result<T, E = OciError> = std::result::Result<T, E>;
+pub type Result<T, E = ImageError> = std::result::Result<T, E>;
 
 /// Builds a closure for `map_err` that wraps an I/O error with its path and action.
 pub(crate) fn io_err(
     path: impl Into<PathBuf>,
     action: &'static str,
-) -> impl FnOnce(std::io::Error) -> OciError {
+) -> impl FnOnce(std::io::Error) -> ImageError {
     let path = path.into();
-    move |source| OciError::Io {
+    move |source| ImageError::Io {
         path,
         action,
         source,

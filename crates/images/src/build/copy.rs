@@ -17,17 +17,67 @@ use globset::GlobBuilder;
 
 use super::dockerfile::Copy;
 
+/// Why a `COPY` or `ADD` cannot be written: the source as the Dockerfile
+/// wrote it, or the file on this host that could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum CopyError {
+    #[error("{source_path} is outside the build context")]
+    OutsideContext { source_path: String },
+    #[error("cannot read source {source_path}")]
+    BadSource { source_path: String },
+    #[error("{source_path} is not in the build context")]
+    NotInContext { source_path: String },
+    #[error("{source_path} goes through a symbolic link in the build context")]
+    ThroughSymlink { source_path: String },
+    #[error("no file in the build context matches {source_path}")]
+    NoMatch { source_path: String },
+    #[error("pattern {source_path}: {error}")]
+    BadPattern {
+        source_path: String,
+        error: globset::Error,
+    },
+    #[error("{} is neither a file, a directory nor a link", path.display())]
+    NotCopyable { path: PathBuf },
+    #[error("{} is a bzip2 or xz archive; ADD unpacks plain and gzip tar archives", path.display())]
+    CompressedArchive { path: PathBuf },
+    #[error("{}: a link without a target", archive.display())]
+    LinkWithoutTarget { archive: PathBuf },
+    /// An entry of an `ADD`ed archive names a path outside it.
+    #[error("{}: {error}", archive.display())]
+    InArchive {
+        archive: PathBuf,
+        error: Box<CopyError>,
+    },
+    /// A file of the context or of the archive being written.
+    #[error("{action} {}: {error}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        error: std::io::Error,
+    },
+}
+
+/// For `map_err`: an I/O error while doing `action` to `path`.
+fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CopyError {
+    let path = path.to_owned();
+    move |error| CopyError::Io {
+        action,
+        path,
+        error,
+    }
+}
+
 /// Unpacks the context archives into `into`, later ones over earlier ones.
-pub fn unpack_contexts(archives: &[PathBuf], into: &Path) -> Result<(), String> {
-    std::fs::create_dir_all(into).map_err(|e| format!("{}: {e}", into.display()))?;
+pub fn unpack_contexts(archives: &[PathBuf], into: &Path) -> Result<(), CopyError> {
+    std::fs::create_dir_all(into).map_err(io("creating", into))?;
     for archive in archives {
-        let file = File::open(archive).map_err(|e| format!("{}: {e}", archive.display()))?;
+        let file = File::open(archive).map_err(io("opening build context", archive))?;
         let mut tar = tar::Archive::new(BufReader::new(file));
         tar.set_preserve_permissions(true);
         tar.set_preserve_mtime(true);
         tar.set_overwrite(true);
         tar.unpack(into)
-            .map_err(|e| format!("unpacking build context {}: {e}", archive.display()))?;
+            .map_err(io("unpacking build context", archive))?;
     }
     Ok(())
 }
@@ -54,7 +104,7 @@ pub fn image_path(path: &str, workdir: Option<&str>) -> String {
 }
 
 /// A context path a source names, relative to the context root.
-fn context_path(source: &str) -> Result<PathBuf, String> {
+fn context_path(source: &str) -> Result<PathBuf, CopyError> {
     let mut path = PathBuf::new();
     for component in Path::new(source).components() {
         match component {
@@ -62,28 +112,34 @@ fn context_path(source: &str) -> Result<PathBuf, String> {
             Component::RootDir | Component::CurDir => {}
             Component::ParentDir => {
                 if !path.pop() {
-                    return Err(format!("{source} is outside the build context"));
+                    return Err(CopyError::OutsideContext {
+                        source_path: source.to_owned(),
+                    });
                 }
             }
-            Component::Prefix(_) => return Err(format!("cannot read source {source}")),
+            Component::Prefix(_) => {
+                return Err(CopyError::BadSource {
+                    source_path: source.to_owned(),
+                })
+            }
         }
     }
     Ok(path)
 }
 
 /// Every path in the context, relative to it, parents before children.
-fn walk(root: &Path, relative: &Path, out: &mut Vec<PathBuf>) -> Result<(), String> {
+fn walk(root: &Path, relative: &Path, out: &mut Vec<PathBuf>) -> Result<(), CopyError> {
     let dir = root.join(relative);
     let mut entries: Vec<_> = std::fs::read_dir(&dir)
-        .map_err(|e| format!("{}: {e}", dir.display()))?
+        .map_err(io("listing", &dir))?
         .map(|e| e.map(|e| e.file_name()))
         .collect::<Result<_, _>>()
-        .map_err(|e| format!("{}: {e}", dir.display()))?;
+        .map_err(io("listing", &dir))?;
     entries.sort();
     for name in entries {
         let path = relative.join(name);
         let is_dir = std::fs::symlink_metadata(root.join(&path))
-            .map_err(|e| format!("{}: {e}", path.display()))?
+            .map_err(io("inspecting", &path))?
             .is_dir();
         out.push(path.clone());
         if is_dir {
@@ -95,7 +151,7 @@ fn walk(root: &Path, relative: &Path, out: &mut Vec<PathBuf>) -> Result<(), Stri
 
 /// The context paths `sources` name: globs (`*`, `?`, `[...]`, not across
 /// `/`) expand to what they match, in order; a plain path must exist.
-pub fn resolve_sources(context: &Path, sources: &[String]) -> Result<Vec<PathBuf>, String> {
+pub fn resolve_sources(context: &Path, sources: &[String]) -> Result<Vec<PathBuf>, CopyError> {
     let mut everything: Option<Vec<PathBuf>> = None;
     let mut resolved = Vec::new();
     for source in sources {
@@ -105,7 +161,10 @@ pub fn resolve_sources(context: &Path, sources: &[String]) -> Result<Vec<PathBuf
             let glob = GlobBuilder::new(&pattern)
                 .literal_separator(true)
                 .build()
-                .map_err(|e| format!("pattern {source}: {e}"))?
+                .map_err(|error| CopyError::BadPattern {
+                    source_path: source.clone(),
+                    error,
+                })?
                 .compile_matcher();
             let all = match &mut everything {
                 Some(all) => all,
@@ -117,7 +176,9 @@ pub fn resolve_sources(context: &Path, sources: &[String]) -> Result<Vec<PathBuf
             };
             let matched: Vec<PathBuf> = all.iter().filter(|p| glob.is_match(p)).cloned().collect();
             if matched.is_empty() {
-                return Err(format!("no file in the build context matches {source}"));
+                return Err(CopyError::NoMatch {
+                    source_path: source.clone(),
+                });
             }
             resolved.extend(matched);
             continue;
@@ -127,12 +188,13 @@ pub fn resolve_sources(context: &Path, sources: &[String]) -> Result<Vec<PathBuf
         let count = path.components().count();
         for (index, part) in path.components().enumerate() {
             at.push(part);
-            let meta = std::fs::symlink_metadata(&at)
-                .map_err(|_| format!("{source} is not in the build context"))?;
+            let meta = std::fs::symlink_metadata(&at).map_err(|_| CopyError::NotInContext {
+                source_path: source.clone(),
+            })?;
             if meta.file_type().is_symlink() && index + 1 < count {
-                return Err(format!(
-                    "{source} goes through a symbolic link in the build context"
-                ));
+                return Err(CopyError::ThroughSymlink {
+                    source_path: source.clone(),
+                });
             }
         }
         resolved.push(path);
@@ -168,8 +230,8 @@ pub fn write_archive(
     dest_is_dir: bool,
     options: Options,
     out: &Path,
-) -> Result<u64, String> {
-    let file = File::create(out).map_err(|e| format!("{}: {e}", out.display()))?;
+) -> Result<u64, CopyError> {
+    let file = File::create(out).map_err(io("creating", out))?;
     let mut archive = Archiver {
         builder: tar::Builder::new(std::io::BufWriter::new(file)),
         options,
@@ -179,8 +241,7 @@ pub fn write_archive(
     let dest = PathBuf::from(dest);
     for source in sources {
         let full = context.join(source);
-        let meta =
-            std::fs::symlink_metadata(&full).map_err(|e| format!("{}: {e}", source.display()))?;
+        let meta = std::fs::symlink_metadata(&full).map_err(io("inspecting", source))?;
         if meta.is_dir() {
             // A directory's contents are copied, not the directory itself.
             let mut inside = Vec::new();
@@ -205,7 +266,7 @@ pub fn write_archive(
         .builder
         .into_inner()
         .and_then(|mut w| std::io::Write::flush(&mut w))
-        .map_err(|e| format!("writing {}: {e}", out.display()))?;
+        .map_err(io("writing", out))?;
     Ok(entries)
 }
 
@@ -230,8 +291,8 @@ impl Archiver {
     }
 
     /// Adds the context entry at `from` (not followed if a link) as `to`.
-    fn add(&mut self, from: &Path, to: &Path) -> Result<(), String> {
-        let fail = |e: std::io::Error| format!("copying {}: {e}", from.display());
+    fn add(&mut self, from: &Path, to: &Path) -> Result<(), CopyError> {
+        let fail = |e: std::io::Error| io("copying", from)(e);
         let meta = std::fs::symlink_metadata(from).map_err(fail)?;
         let kind = meta.file_type();
         if kind.is_dir() {
@@ -254,10 +315,9 @@ impl Archiver {
                 .append_data(&mut header, to, file)
                 .map_err(fail)?;
         } else {
-            return Err(format!(
-                "{} is neither a file, a directory nor a link",
-                from.display()
-            ));
+            return Err(CopyError::NotCopyable {
+                path: from.to_owned(),
+            });
         }
         self.entries += 1;
         Ok(())
@@ -265,17 +325,20 @@ impl Archiver {
 
     /// `ADD`: if `from` is a tar archive (plain or gzip), adds its entries
     /// under `dest` and answers true; any other file is copied as it is.
-    fn add_unpacked(&mut self, from: &Path, dest: &Path) -> Result<bool, String> {
-        let fail = |e: std::io::Error| format!("reading {}: {e}", from.display());
+    fn add_unpacked(&mut self, from: &Path, dest: &Path) -> Result<bool, CopyError> {
+        let fail = |e: std::io::Error| io("reading", from)(e);
+        let in_archive = |error: CopyError| CopyError::InArchive {
+            archive: from.to_owned(),
+            error: Box::new(error),
+        };
         let mut file = File::open(from).map_err(fail)?;
         let mut magic = [0u8; 6];
         let read = read_up_to(&mut file, &mut magic).map_err(fail)?;
         let magic = &magic[..read];
         if magic.starts_with(b"BZh") || magic.starts_with(&[0xfd, b'7', b'z', b'X', b'Z', 0]) {
-            return Err(format!(
-                "{} is a bzip2 or xz archive; ADD unpacks plain and gzip tar archives",
-                from.display()
-            ));
+            return Err(CopyError::CompressedArchive {
+                path: from.to_owned(),
+            });
         }
         file.seek(SeekFrom::Start(0)).map_err(fail)?;
         let gzip = magic.starts_with(&[0x1f, 0x8b]);
@@ -294,8 +357,7 @@ impl Archiver {
         for entry in tar.entries().map_err(fail)? {
             let mut entry = entry.map_err(fail)?;
             let path = entry.path().map_err(fail)?.into_owned();
-            let inside = context_path(&path.to_string_lossy())
-                .map_err(|e| format!("{}: {e}", from.display()))?;
+            let inside = context_path(&path.to_string_lossy()).map_err(in_archive)?;
             if inside.as_os_str().is_empty() {
                 continue;
             }
@@ -309,14 +371,13 @@ impl Archiver {
                 let target = entry
                     .link_name()
                     .map_err(fail)?
-                    .ok_or_else(|| format!("{}: a link without a target", from.display()))?
+                    .ok_or_else(|| CopyError::LinkWithoutTarget {
+                        archive: from.to_owned(),
+                    })?
                     .into_owned();
                 // A hard link names another entry of the archive.
                 let target = if kind.is_hard_link() {
-                    dest.join(
-                        context_path(&target.to_string_lossy())
-                            .map_err(|e| format!("{}: {e}", from.display()))?,
-                    )
+                    dest.join(context_path(&target.to_string_lossy()).map_err(in_archive)?)
                 } else {
                     target
                 };
@@ -399,7 +460,7 @@ mod tests {
         dest: &str,
         dest_is_dir: bool,
         options: Options,
-    ) -> Result<BTreeMap<String, (u32, String)>, String> {
+    ) -> Result<BTreeMap<String, (u32, String)>, CopyError> {
         let sources: Vec<String> = sources.iter().map(|s| s.to_string()).collect();
         let resolved = resolve_sources(context, &sources)?;
         let out = tempfile::NamedTempFile::new().unwrap();
@@ -453,7 +514,9 @@ mod tests {
         let ctx = context();
         let copied = archive(ctx.path(), &["*.txt"], "t", true, PLAIN).unwrap();
         assert_eq!(copied.keys().collect::<Vec<_>>(), ["t/a.txt", "t/b.txt"]);
-        let err = archive(ctx.path(), &["*.md"], "t", true, PLAIN).unwrap_err();
+        let err = archive(ctx.path(), &["*.md"], "t", true, PLAIN)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("matches *.md"), "{err}");
     }
 
@@ -462,11 +525,17 @@ mod tests {
         let ctx = context();
         let copied = archive(ctx.path(), &["escape"], "x", true, PLAIN).unwrap();
         assert_eq!(copied["x/escape"].1, "-> /etc");
-        let err = archive(ctx.path(), &["escape/passwd"], "x", true, PLAIN).unwrap_err();
+        let err = archive(ctx.path(), &["escape/passwd"], "x", true, PLAIN)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("symbolic link"), "{err}");
-        let err = archive(ctx.path(), &["../outside"], "x", true, PLAIN).unwrap_err();
+        let err = archive(ctx.path(), &["../outside"], "x", true, PLAIN)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("outside the build context"), "{err}");
-        let err = archive(ctx.path(), &["missing.txt"], "x", true, PLAIN).unwrap_err();
+        let err = archive(ctx.path(), &["missing.txt"], "x", true, PLAIN)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("missing.txt is not in the build context"),
             "{err}"

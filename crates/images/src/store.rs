@@ -1,11 +1,15 @@
-//! The cache directory: blobs, unpacked layers and assembled root filesystems.
+//! The image directory of one server (`serve --images-dir`): the default
+//! Debian root filesystem (`default_image.rs`), and the content-addressed
+//! cache of pulled and imported images, and built images flattened for VMs.
 //!
 //! ```text
-//! <dir>/blobs/sha256/<hex>            downloaded blobs, verified, as the registry sent them
-//! <dir>/layers/sha256/<diff id>/      one unpacked layer: root/ and meta.json
-//! <dir>/images/sha256/<config hex>/   one image: rootfs/, config.json, image.json
-//! <dir>/manifests/sha256/<hex>        manifest digest -> image id, for pulls by digest
-//! <dir>/locks/                        flock files, one per blob, layer and image
+//! <dir>/debian-bookworm/rootfs/           the default image (debootstrap)
+//! <dir>/oci/blobs/sha256/<hex>            downloaded blobs, verified, as the registry sent them
+//! <dir>/oci/layers/sha256/<diff id>/      one unpacked layer: root/ and meta.json
+//! <dir>/oci/images/sha256/<config hex>/   one image: rootfs/, config.json, image.json
+//! <dir>/oci/manifests/sha256/<hex>        manifest digest -> image id, for pulls by digest
+//! <dir>/oci/locks/                        flock files, one per blob, layer and image
+//! <dir>/oci/built/<build key>/            a built image flattened for a VM (`flatten.rs`)
 //! ```
 //!
 //! Every entry is built under its lock in a `.partial` sibling and renamed into
@@ -24,11 +28,11 @@ use serde::{Deserialize, Serialize};
 use crate::compression;
 use crate::config::{self, ImageConfig};
 use crate::digest::{Digest, HashingReader};
-use crate::error::{io_err, OciError, Result};
-use crate::flatten::{self, LayerDir};
+use crate::error::{io_err, ImageError, Result};
 use crate::fsat;
 use crate::layer::{self, LayerMeta};
 use crate::progress::{Progress, Sink};
+use crate::stack::{self, LayerDir};
 
 /// A root filesystem ready to be a sandbox's read-only lower layer.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -64,13 +68,16 @@ pub(crate) struct LayerSource<'a> {
     pub open: Box<dyn FnOnce() -> Result<Box<dyn Read + 'a>> + 'a>,
 }
 
-/// The images of one server, cached in one directory. The directory must be on
+/// The images of one server, in one directory. The directory must be on
 /// one filesystem (root filesystems are hard links into the layer cache).
 #[derive(Clone, Debug)]
 pub struct ImageStore {
     pub(crate) dir: PathBuf,
     pub(crate) http_registries: Vec<String>,
 }
+
+/// Where pulled and imported images are cached, under the image directory.
+const CACHE_DIR: &str = "oci";
 
 impl ImageStore {
     pub fn new(dir: impl Into<PathBuf>) -> ImageStore {
@@ -94,10 +101,15 @@ impl ImageStore {
         &self.dir
     }
 
+    /// The cache of pulled, imported and flattened images.
+    pub(crate) fn cache_dir(&self) -> PathBuf {
+        self.dir.join(CACHE_DIR)
+    }
+
     /// An image already in the cache, by id (`sha256:...`).
     pub fn image(&self, id: &str) -> Result<Option<PulledImage>> {
         let Some(digest) = Digest::parse(id) else {
-            return Err(OciError::BadReference {
+            return Err(ImageError::BadReference {
                 reference: id.to_owned(),
                 reason: "an image id is sha256:<64 hex digits>".into(),
             });
@@ -133,11 +145,11 @@ impl ImageStore {
     }
 
     pub(crate) fn blob_path(&self, digest: &Digest) -> PathBuf {
-        self.dir.join("blobs/sha256").join(digest.hex())
+        self.cache_dir().join("blobs/sha256").join(digest.hex())
     }
 
     fn layer_dir(&self, diff_id: &Digest) -> PathBuf {
-        self.dir.join("layers/sha256").join(diff_id.hex())
+        self.cache_dir().join("layers/sha256").join(diff_id.hex())
     }
 
     pub(crate) fn layer_ready(&self, diff_id: &Digest) -> bool {
@@ -145,16 +157,18 @@ impl ImageStore {
     }
 
     fn image_dir(&self, id: &Digest) -> PathBuf {
-        self.dir.join("images/sha256").join(id.hex())
+        self.cache_dir().join("images/sha256").join(id.hex())
     }
 
     fn manifest_link(&self, manifest: &Digest) -> PathBuf {
-        self.dir.join("manifests/sha256").join(manifest.hex())
+        self.cache_dir()
+            .join("manifests/sha256")
+            .join(manifest.hex())
     }
 
-    /// Creates `<dir>/<sub>` and returns it.
+    /// Creates `<dir>/oci/<sub>` and returns it.
     pub(crate) fn subdir(&self, sub: &str) -> Result<PathBuf> {
-        let path = self.dir.join(sub);
+        let path = self.cache_dir().join(sub);
         fs::create_dir_all(&path).map_err(io_err(&path, "create cache directory"))?;
         Ok(path)
     }
@@ -202,7 +216,7 @@ impl ImageStore {
         let id = Digest::of_bytes(config_bytes);
         let parsed = config::parse(reference, config_bytes)?;
         if parsed.diff_ids != layers.iter().map(|l| l.diff_id.clone()).collect::<Vec<_>>() {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 reference,
                 "the layers do not match the configuration's diff_ids",
             ));
@@ -281,8 +295,9 @@ impl ImageStore {
         let root = partial.join("root");
         fs::create_dir_all(&root).map_err(io_err(&root, "create"))?;
         let name = source.diff_id.to_string();
-        let corrupt =
-            |e: io::Error| OciError::invalid(reference, format!("layer {name} is unreadable: {e}"));
+        let corrupt = |e: io::Error| {
+            ImageError::invalid(reference, format!("layer {name} is unreadable: {e}"))
+        };
         let mut raw = HashingReader::new((source.open)()?);
         let (meta, diff_id) = {
             let mut buffered = BufReader::with_capacity(1 << 20, &mut raw);
@@ -296,14 +311,14 @@ impl ImageStore {
         let (blob_digest, _) = raw.finish().map_err(corrupt)?;
         if let Some(expected) = &source.blob_digest {
             if *expected != blob_digest {
-                return Err(OciError::invalid(
+                return Err(ImageError::invalid(
                     reference,
                     format!("layer blob {expected} has digest {blob_digest}"),
                 ));
             }
         }
         if diff_id != source.diff_id {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 reference,
                 format!(
                     "layer {} unpacks to content with digest {diff_id}",
@@ -344,7 +359,7 @@ impl ImageStore {
         built?;
         fs::rename(&partial, &dir).map_err(io_err(&dir, "move the assembled image in place"))?;
         self.cached_image(id, manifest_digest)?
-            .ok_or_else(|| OciError::invalid(reference, "the assembled image vanished"))
+            .ok_or_else(|| ImageError::invalid(reference, "the assembled image vanished"))
     }
 
     fn assemble_into(
@@ -364,7 +379,7 @@ impl ImageStore {
                 name: diff_id.to_string(),
             })
             .collect();
-        flatten::flatten(&dirs, &rootfs)?;
+        stack::stack(&dirs, &rootfs)?;
         let skipped: u64 = layers.iter().map(|(_, m)| m.skipped_devices).sum();
         if skipped > 0 {
             tracing::info!(
@@ -374,7 +389,7 @@ impl ImageStore {
             );
         }
         let record = ImageRecord {
-            size_bytes: flatten::content_size(&rootfs)?,
+            size_bytes: stack::content_size(&rootfs)?,
             layers: layers.iter().map(|(d, _)| d.to_string()).collect(),
         };
         let config_path = partial.join("config.json");

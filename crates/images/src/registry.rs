@@ -23,7 +23,7 @@ use oci_client::{Client, Reference};
 use tokio::io::AsyncWriteExt;
 
 use crate::digest::{Digest, StreamHasher};
-use crate::error::{io_err, OciError, Result};
+use crate::error::{io_err, ImageError, Result};
 use crate::media;
 use crate::progress::{Progress, Sink};
 use crate::store::{ImageStore, LayerSource, PulledImage};
@@ -52,6 +52,37 @@ impl fmt::Debug for Credentials {
     }
 }
 
+/// The host (`host[:port]`, lower-case) a registry URL or image reference
+/// names; Docker Hub's several names are all `docker.io`.
+pub fn registry_host(url: &str) -> Result<String> {
+    let rest = url
+        .trim()
+        .strip_prefix("https://")
+        .or_else(|| url.trim().strip_prefix("http://"))
+        .unwrap_or(url.trim());
+    let host = rest
+        .split('/')
+        .next()
+        .unwrap_or_default()
+        .to_ascii_lowercase();
+    let valid = !host.is_empty()
+        && host
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | ':' | '[' | ']'));
+    if !valid {
+        return Err(ImageError::NoRegistryHost {
+            url: url.to_owned(),
+        });
+    }
+    Ok(match host.as_str() {
+        "index.docker.io"
+        | "registry-1.docker.io"
+        | "registry.hub.docker.com"
+        | "hub.docker.com" => "docker.io".into(),
+        _ => host,
+    })
+}
+
 /// Parses a reference with Docker's defaults (`python:3.12-slim` is
 /// `docker.io/library/python:3.12-slim`, tag `latest` when none is given) and
 /// returns its full form.
@@ -62,7 +93,7 @@ pub fn normalize_reference(reference: &str) -> Result<String> {
 fn parse_reference(reference: &str) -> Result<Reference> {
     reference
         .parse()
-        .map_err(|e: oci_client::ParseError| OciError::BadReference {
+        .map_err(|e: oci_client::ParseError| ImageError::BadReference {
             reference: reference.to_owned(),
             reason: e.to_string(),
         })
@@ -138,7 +169,7 @@ impl ImageStore {
         let config_bytes = puller.config(&manifest).await?;
         let parsed_config = crate::config::parse(&puller.label, &config_bytes)?;
         if parsed_config.diff_ids.len() != manifest.layers.len() {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 &puller.label,
                 format!(
                     "the manifest lists {} layers, the configuration {}",
@@ -151,7 +182,7 @@ impl ImageStore {
         for (descriptor, diff_id) in manifest.layers.iter().zip(&parsed_config.diff_ids) {
             media::check_layer(&puller.label, &descriptor.media_type)?;
             let digest = Digest::parse(&descriptor.digest).ok_or_else(|| {
-                OciError::unsupported(
+                ImageError::unsupported(
                     &puller.label,
                     format!("layer digest {} is not sha256", descriptor.digest),
                 )
@@ -235,7 +266,7 @@ impl ImageStore {
                 })
                 .await
                 .map_err(|e| {
-                    OciError::invalid(&puller.label, format!("unpacking stopped: {e}"))
+                    ImageError::invalid(&puller.label, format!("unpacking stopped: {e}"))
                 })??
             }
         };
@@ -286,7 +317,7 @@ impl Puller {
                 .map(|p| format!("{}/{}", p.os, p.architecture))
                 .filter(|p| p != "unknown/unknown")
                 .collect();
-            OciError::unsupported(
+            ImageError::unsupported(
                 &self.label,
                 format!(
                     "it has no linux/amd64 variant (it offers: {})",
@@ -304,7 +335,7 @@ impl Puller {
             OciManifest::Image(manifest) => {
                 Ok((manifest, self.digest(&platform_digest)?, Some(digest)))
             }
-            OciManifest::ImageIndex(_) => Err(OciError::unsupported(
+            OciManifest::ImageIndex(_) => Err(ImageError::unsupported(
                 &self.label,
                 "its linux/amd64 entry is another index (nested indexes are not followed)",
             )),
@@ -313,20 +344,20 @@ impl Puller {
 
     fn digest(&self, text: &str) -> Result<Digest> {
         Digest::parse(text).ok_or_else(|| {
-            OciError::unsupported(&self.label, format!("manifest digest {text} is not sha256"))
+            ImageError::unsupported(&self.label, format!("manifest digest {text} is not sha256"))
         })
     }
 
     async fn config(&self, manifest: &OciImageManifest) -> Result<Vec<u8>> {
         let expected = Digest::parse(&manifest.config.digest).ok_or_else(|| {
-            OciError::unsupported(
+            ImageError::unsupported(
                 &self.label,
                 format!("config digest {} is not sha256", manifest.config.digest),
             )
         })?;
         let limit = self.declared_size(&manifest.config, "configuration", &expected)?;
         if limit > MAX_CONFIG_BYTES {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 &self.label,
                 format!(
                     "its configuration {expected} declares {limit} bytes, more than the \
@@ -348,7 +379,7 @@ impl Puller {
             bytes.extend_from_slice(&chunk);
         }
         if Digest::of_bytes(&bytes) != expected {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 &self.label,
                 "the configuration does not match its digest",
             ));
@@ -364,7 +395,7 @@ impl Puller {
         digest: &Digest,
     ) -> Result<u64> {
         u64::try_from(descriptor.size).map_err(|_| {
-            OciError::invalid(
+            ImageError::invalid(
                 &self.label,
                 format!(
                     "its {what} {digest} declares a negative size ({})",
@@ -376,8 +407,8 @@ impl Puller {
 
     /// A blob whose registry sent more than its descriptor declared: a
     /// broken or hostile registry, stopped before it fills memory or disk.
-    fn oversized(&self, what: &str, digest: &Digest, expected: u64) -> OciError {
-        OciError::invalid(
+    fn oversized(&self, what: &str, digest: &Digest, expected: u64) -> ImageError {
+        ImageError::invalid(
             &self.label,
             format!(
                 "registry {} sent more than the {expected} bytes the descriptor of {what} \
@@ -404,7 +435,7 @@ impl Puller {
             let digest = digest.clone();
             tokio::task::spawn_blocking(move || store.lock("blob", &digest))
                 .await
-                .map_err(|e| OciError::invalid(&self.label, format!("locking stopped: {e}")))??
+                .map_err(|e| ImageError::invalid(&self.label, format!("locking stopped: {e}")))??
         };
         let path = store.blob_path(digest);
         if path.exists() {
@@ -480,7 +511,7 @@ impl Puller {
         file.sync_all().await.map_err(io_err(partial, "sync"))?;
         let actual = hasher.finish();
         if actual != *digest || downloaded != total {
-            return Err(OciError::invalid(
+            return Err(ImageError::invalid(
                 &self.label,
                 format!("layer {digest} arrived as {downloaded} bytes with digest {actual}"),
             ));
@@ -488,11 +519,11 @@ impl Puller {
         Ok(())
     }
 
-    fn stream_error(&self, digest: &Digest, e: std::io::Error) -> OciError {
+    fn stream_error(&self, digest: &Digest, e: std::io::Error) -> ImageError {
         if e.get_ref().is_some_and(|inner| inner.is::<DigestError>()) {
-            OciError::invalid(&self.label, format!("layer {digest}: {e}"))
+            ImageError::invalid(&self.label, format!("layer {digest}: {e}"))
         } else {
-            OciError::Unreachable {
+            ImageError::Unreachable {
                 registry: self.registry.clone(),
                 detail: format!("download of layer {digest} broke off: {e}"),
             }
@@ -500,17 +531,17 @@ impl Puller {
     }
 
     /// Sorts an `oci-client` error into the crate's classes.
-    fn error(&self, e: OciDistributionError) -> OciError {
-        let not_found = |detail: String| OciError::NotFound {
+    fn error(&self, e: OciDistributionError) -> ImageError {
+        let not_found = |detail: String| ImageError::NotFound {
             reference: self.label.clone(),
             detail,
         };
-        let unauthorized = |detail: String| OciError::Unauthorized {
+        let unauthorized = |detail: String| ImageError::Unauthorized {
             registry: self.registry.clone(),
             reference: self.label.clone(),
             detail,
         };
-        let unreachable = |detail: String| OciError::Unreachable {
+        let unreachable = |detail: String| ImageError::Unreachable {
             registry: self.registry.clone(),
             detail,
         };
@@ -542,7 +573,7 @@ impl Puller {
                         "{message} (the repository may not exist, or needs credentials)"
                     ))
                 } else if codes.iter().any(|c| matches!(c, OciErrorCode::Unsupported)) {
-                    OciError::unsupported(&self.label, message)
+                    ImageError::unsupported(&self.label, message)
                 } else {
                     unreachable(message)
                 }
@@ -558,17 +589,17 @@ impl Puller {
                 _ => unreachable(format!("{url} answered {code}: {message}")),
             },
             OciDistributionError::RequestError(e) => unreachable(error_chain(&e)),
-            OciDistributionError::DigestError(e) => OciError::invalid(&self.label, e.to_string()),
+            OciDistributionError::DigestError(e) => ImageError::invalid(&self.label, e.to_string()),
             OciDistributionError::UnsupportedMediaTypeError(media_type) => {
-                OciError::unsupported(&self.label, format!("unknown manifest type {media_type}"))
+                ImageError::unsupported(&self.label, format!("unknown manifest type {media_type}"))
             }
             OciDistributionError::UnsupportedSchemaVersionError(version) => {
-                OciError::unsupported(&self.label, format!("manifest schema version {version}"))
+                ImageError::unsupported(&self.label, format!("manifest schema version {version}"))
             }
             OciDistributionError::ManifestParsingError(detail)
             | OciDistributionError::VersionedParsingError(detail)
             | OciDistributionError::SpecViolationError(detail) => {
-                OciError::invalid(&self.label, detail)
+                ImageError::invalid(&self.label, detail)
             }
             other => unreachable(other.to_string()),
         }
@@ -603,6 +634,22 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn registry_hosts_are_compared_without_scheme_path_or_case() {
+        assert_eq!(registry_host("127.0.0.1:5000").unwrap(), "127.0.0.1:5000");
+        assert_eq!(
+            registry_host("https://Registry.Example.com/v2/").unwrap(),
+            "registry.example.com"
+        );
+        assert_eq!(
+            registry_host("https://registry.hub.docker.com").unwrap(),
+            "docker.io"
+        );
+        assert_eq!(registry_host("docker.io").unwrap(), "docker.io");
+        assert!(registry_host("").is_err());
+        assert!(registry_host("not a host").is_err());
+    }
 
     #[test]
     fn docker_hub_defaults() {

@@ -9,7 +9,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use cove_oci::{ErrorKind, ImageConfig, ImageStore, OciError, Progress, PulledImage};
+use cove_images::{ErrorKind, ImageConfig, ImageError, ImageStore, Progress, PulledImage};
 
 fn sample_config() -> ImageConfig {
     ImageConfig {
@@ -32,7 +32,7 @@ fn layout_of(dir: &Path, layers: &[Layer]) -> (PathBuf, Descriptor, String) {
     (layout, manifest, id)
 }
 
-fn import_layers(dir: &Path, layers: Vec<Layer>) -> Result<PulledImage, OciError> {
+fn import_layers(dir: &Path, layers: Vec<Layer>) -> Result<PulledImage, ImageError> {
     let (layout, _, _) = layout_of(dir, &layers);
     ImageStore::new(dir.join("cache")).import(&layout, None, |_| {})
 }
@@ -285,14 +285,14 @@ fn corrupt_blobs_are_refused() {
     assert!(store.image(&sha256(b"")).unwrap().is_none());
     // No image was assembled and no broken layer was kept.
     assert_eq!(
-        std::fs::read_dir(scratch.path().join("cache/images/sha256"))
+        std::fs::read_dir(scratch.path().join("cache/oci/images/sha256"))
             .map(|d| d.count())
             .unwrap_or(0),
         0
     );
     assert!(!scratch
         .path()
-        .join("cache/layers/sha256")
+        .join("cache/oci/layers/sha256")
         .join(last.trim_start_matches("sha256:"))
         .exists());
 }
@@ -356,7 +356,7 @@ fn dot_dot_entries_are_refused() {
         .file("../escape", "pwned", 0o644, (0, 0))
         .finish();
     let err = import_layers(scratch.path(), vec![plain(layer)]).unwrap_err();
-    assert!(matches!(err, OciError::UnsafeLayer { .. }), "{err}");
+    assert!(matches!(err, ImageError::UnsafeLayer { .. }), "{err}");
     assert_eq!(err.http_status(), 422);
     let escaped: Vec<_> = files_under(scratch.path())
         .into_iter()
@@ -370,7 +370,7 @@ fn dot_dot_entries_are_refused() {
         .hardlink("stolen", "../../../../../../etc/passwd")
         .finish();
     let err = import_layers(scratch.path(), vec![plain(layer)]).unwrap_err();
-    assert!(matches!(err, OciError::UnsafeLayer { .. }), "{err}");
+    assert!(matches!(err, ImageError::UnsafeLayer { .. }), "{err}");
 }
 
 #[test]
@@ -413,7 +413,7 @@ fn a_symlink_in_the_same_layer_is_refused_as_a_parent() {
         .file("link/pwned", "pwned", 0o644, (0, 0))
         .finish();
     let err = import_layers(scratch.path(), vec![plain(layer)]).unwrap_err();
-    assert!(matches!(err, OciError::UnsafeLayer { .. }), "{err}");
+    assert!(matches!(err, ImageError::UnsafeLayer { .. }), "{err}");
     assert!(files_under(&host).is_empty());
 }
 
@@ -431,7 +431,7 @@ fn a_hard_link_through_a_lower_symlink_is_refused() {
         .finish();
     let layer2 = LayerTar::new(M1).hardlink("grab", "sym/secret").finish();
     let err = import_layers(scratch.path(), vec![plain(layer1), plain(layer2)]).unwrap_err();
-    assert!(matches!(err, OciError::UnsafeLayer { .. }), "{err}");
+    assert!(matches!(err, ImageError::UnsafeLayer { .. }), "{err}");
     assert_eq!(std::fs::metadata(host.join("secret")).unwrap().nlink(), 1);
 }
 
@@ -469,12 +469,12 @@ fn whiteouts_of_dot_dot_are_refused() {
         .finish();
     let layer2 = LayerTar::new(M1).whiteout("sub/.wh...").finish();
     let err = import_layers(scratch.path(), vec![plain(layer1), plain(layer2)]).unwrap_err();
-    assert!(matches!(err, OciError::UnsafeLayer { .. }), "{err}");
+    assert!(matches!(err, ImageError::UnsafeLayer { .. }), "{err}");
     // The layer cache beside the image is intact.
     assert!(
         scratch
             .path()
-            .join("cache/layers/sha256")
+            .join("cache/oci/layers/sha256")
             .read_dir()
             .unwrap()
             .count()
@@ -554,7 +554,7 @@ fn imports_beneath_a_directory_never_leave_it() {
             .import_beneath(&import, &path, None, |_| {})
             .unwrap_err();
         assert!(
-            matches!(error, OciError::OutsideRoot { .. }),
+            matches!(error, ImageError::OutsideRoot { .. }),
             "{}: {error}",
             path.display()
         );

@@ -1,6 +1,6 @@
 //! Which media types this crate accepts as layers of a container image.
 
-use crate::error::{OciError, Result};
+use crate::error::{ImageError, Result};
 
 const LAYER_TYPES: &[&str] = &[
     "application/vnd.oci.image.layer.v1.tar",
@@ -36,7 +36,7 @@ pub(crate) fn check_layer(reference: &str, media_type: &str) -> Result<()> {
     if LAYER_TYPES.contains(&media_type) {
         Ok(())
     } else {
-        Err(OciError::unsupported(
+        Err(ImageError::unsupported(
             reference,
             format!("layer type {media_type} is not a filesystem layer"),
         ))
@@ -47,7 +47,7 @@ pub(crate) fn check_config(reference: &str, media_type: &str) -> Result<()> {
     if CONFIG_TYPES.contains(&media_type) {
         Ok(())
     } else {
-        Err(OciError::unsupported(
+        Err(ImageError::unsupported(
             reference,
             format!("it is not a container image (config type {media_type})"),
         ))

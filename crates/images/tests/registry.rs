@@ -8,7 +8,7 @@ mod common;
 use std::path::{Path, PathBuf};
 
 use common::*;
-use cove_oci::{Credentials, ErrorKind, ImageStore, Progress};
+use cove_images::{Credentials, ErrorKind, ImageStore, Progress};
 
 fn ready() -> bool {
     root() && tools(&["docker-registry", "skopeo", "htpasswd"])
@@ -324,4 +324,5 @@ async fn a_hostile_layer_from_a_registry_is_refused() {
     assert_eq!(err.http_status(), 422, "{err}");
     assert!(!scratch.path().join("escape").exists());
     assert!(!scratch.path().join("cache/escape").exists());
+    assert!(!scratch.path().join("cache/oci/escape").exists());
 }

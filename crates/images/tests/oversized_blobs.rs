@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use cove_oci::{ErrorKind, ImageStore};
+use cove_images::{ErrorKind, ImageStore};
 use sha2::{Digest, Sha256};
 
 fn sha256(bytes: &[u8]) -> String {
@@ -168,7 +168,7 @@ async fn a_layer_longer_than_its_descriptor_is_cut_off() {
     for part in [layer_digest.as_str(), "1000 bytes", registry.host.as_str()] {
         assert!(message.contains(part), "{message:?} names {part}");
     }
-    let partial: Vec<_> = std::fs::read_dir(scratch.path().join("cache/blobs/sha256"))
+    let partial: Vec<_> = std::fs::read_dir(scratch.path().join("cache/oci/blobs/sha256"))
         .map(|d| d.flatten().map(|e| e.file_name()).collect())
         .unwrap_or_default();
     assert!(
@@ -208,7 +208,7 @@ async fn a_configuration_longer_than_declared_or_than_the_cap_is_refused() {
     }
 
     // Declared above the cap: refused without a download.
-    let huge = cove_oci::MAX_CONFIG_BYTES as usize + 1;
+    let huge = cove_images::MAX_CONFIG_BYTES as usize + 1;
     let registry = FakeRegistry::start(
         manifest(&config_digest, huge, &layer_digest, 10),
         vec![Blob {

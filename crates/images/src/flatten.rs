@@ -12,18 +12,33 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use crate::error::{io_err, ImageError, Result};
+use crate::store::ImageStore;
+
+impl ImageStore {
+    /// A built image (`rootfs` under `layers`, topmost first) as one
+    /// directory in the cache, `oci/built/{key}`, flattened once per build
+    /// key. Blocking.
+    pub fn flatten_built(&self, key: &str, rootfs: &Path, layers: &[PathBuf]) -> Result<PathBuf> {
+        let dest = self.cache_dir().join("built").join(key);
+        flatten(rootfs, layers, &dest)?;
+        Ok(dest)
+    }
+}
+
 /// Writes the merged view of `layers` (topmost first) over `rootfs` into
 /// `dest`, unless `dest` already exists (the same image flattened before).
 /// The tree is made beside `dest` and renamed into place, so `dest` is
 /// whole or absent.
-pub fn flatten(rootfs: &Path, layers: &[PathBuf], dest: &Path) -> Result<(), String> {
+pub fn flatten(rootfs: &Path, layers: &[PathBuf], dest: &Path) -> Result<()> {
     if dest.is_dir() {
         return Ok(());
     }
-    let parent = dest
-        .parent()
-        .ok_or_else(|| format!("{} has no parent directory", dest.display()))?;
-    std::fs::create_dir_all(parent).map_err(|e| format!("{}: {e}", parent.display()))?;
+    let parent = dest.parent().ok_or_else(|| ImageError::Flatten {
+        dest: dest.to_owned(),
+        reason: "it has no parent directory".into(),
+    })?;
+    std::fs::create_dir_all(parent).map_err(io_err(parent, "create"))?;
     let partial = parent.join(format!(
         ".{}.partial-{}",
         dest.file_name().unwrap_or_default().to_string_lossy(),
@@ -36,15 +51,15 @@ pub fn flatten(rootfs: &Path, layers: &[PathBuf], dest: &Path) -> Result<(), Str
     ));
     for dir in [&partial, &mountpoint] {
         let _ = std::fs::remove_dir_all(dir);
-        std::fs::create_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        std::fs::create_dir(dir).map_err(io_err(dir, "create"))?;
     }
-    let result = copy_merged(rootfs, layers, &mountpoint, &partial);
+    let result = copy_merged(rootfs, layers, &mountpoint, &partial, dest);
     let _ = std::fs::remove_dir(&mountpoint);
     if let Err(error) = result {
         let _ = std::fs::remove_dir_all(&partial);
         return Err(error);
     }
-    std::fs::rename(&partial, dest).map_err(|e| format!("{}: {e}", dest.display()))
+    std::fs::rename(&partial, dest).map_err(io_err(dest, "move the flattened image in place at"))
 }
 
 fn copy_merged(
@@ -52,14 +67,19 @@ fn copy_merged(
     layers: &[PathBuf],
     mountpoint: &Path,
     into: &Path,
-) -> Result<(), String> {
+    dest: &Path,
+) -> Result<()> {
+    let failed = |reason: String| ImageError::Flatten {
+        dest: dest.to_owned(),
+        reason,
+    };
     let mut lowers: Vec<String> = Vec::new();
     for dir in layers.iter().map(PathBuf::as_path).chain([rootfs]) {
         let text = dir.display().to_string();
         if text.contains([':', ',', '\\']) {
-            return Err(format!(
+            return Err(failed(format!(
                 "layer path {text} has a character overlayfs options cannot hold"
-            ));
+            )));
         }
         lowers.push(text);
     }
@@ -88,11 +108,10 @@ fn copy_merged(
         .arg(mountpoint)
         .arg(into)
         .output()
-        .map_err(|e| format!("running unshare: {e}"))?;
+        .map_err(io_err("unshare", "run"))?;
     if !output.status.success() {
-        return Err(format!(
-            "flattening the image's layers: {}",
-            String::from_utf8_lossy(&output.stderr).trim()
+        return Err(failed(
+            String::from_utf8_lossy(&output.stderr).trim().to_owned(),
         ));
     }
     Ok(())
@@ -103,7 +122,36 @@ mod tests {
     use super::*;
 
     fn is_root() -> bool {
-        nix::unistd::geteuid().is_root()
+        rustix::process::geteuid().is_root()
+    }
+
+    #[test]
+    fn built_images_flatten_into_the_cache_once_per_key() {
+        if !is_root() {
+            eprintln!("skipped: overlayfs mounts need root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let rootfs = dir.path().join("rootfs");
+        std::fs::create_dir_all(&rootfs).unwrap();
+        std::fs::write(rootfs.join("file"), "base").unwrap();
+        let store = ImageStore::new(dir.path().join("images"));
+        let flat = store.flatten_built("k1", &rootfs, &[]).unwrap();
+        assert_eq!(flat, dir.path().join("images/oci/built/k1"));
+        assert_eq!(std::fs::read_to_string(flat.join("file")).unwrap(), "base");
+    }
+
+    #[test]
+    fn a_layer_path_overlayfs_cannot_hold_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let error = flatten(
+            dir.path(),
+            &[dir.path().join("a:b")],
+            &dir.path().join("flat"),
+        )
+        .unwrap_err();
+        assert!(matches!(error, ImageError::Flatten { .. }), "{error}");
+        assert!(!dir.path().join("flat").exists());
     }
 
     #[test]
@@ -123,10 +171,11 @@ mod tests {
         std::fs::write(layer.join("etc/changed"), "new").unwrap();
         std::fs::write(layer.join("etc/added"), "added").unwrap();
         // An overlayfs whiteout: a 0/0 character device.
-        nix::sys::stat::mknod(
-            &layer.join("etc/gone"),
-            nix::sys::stat::SFlag::S_IFCHR,
-            nix::sys::stat::Mode::empty(),
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            layer.join("etc/gone"),
+            rustix::fs::FileType::CharacterDevice,
+            rustix::fs::Mode::empty(),
             0,
         )
         .unwrap();

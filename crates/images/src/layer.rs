@@ -27,7 +27,7 @@ use rustix::fs::{AtFlags, FileType, Gid, Mode, OFlags, Timespec, Uid};
 use serde::{Deserialize, Serialize};
 use tar::EntryType;
 
-use crate::error::{io_err, OciError, Result};
+use crate::error::{io_err, ImageError, Result};
 use crate::fsat::{self, WalkError};
 
 /// The whiteout prefix: `.wh.NAME` deletes NAME from the layers below.
@@ -92,7 +92,8 @@ pub(crate) fn unpack<R: Read>(reader: R, root: &Path, layer: &str) -> Result<(La
         buffer: vec![0; 256 * 1024],
     };
     let mut archive = tar::Archive::new(reader);
-    let corrupt = |e: io::Error| OciError::invalid(layer, format!("layer tar is unreadable: {e}"));
+    let corrupt =
+        |e: io::Error| ImageError::invalid(layer, format!("layer tar is unreadable: {e}"));
     for entry in archive.entries().map_err(corrupt)? {
         let mut entry = entry.map_err(corrupt)?;
         unpacker.entry(&mut entry)?;
@@ -102,16 +103,16 @@ pub(crate) fn unpack<R: Read>(reader: R, root: &Path, layer: &str) -> Result<(La
 }
 
 impl Unpacker<'_> {
-    fn unsafe_entry(&self, entry: &[u8], reason: &'static str) -> OciError {
-        OciError::UnsafeLayer {
+    fn unsafe_entry(&self, entry: &[u8], reason: &'static str) -> ImageError {
+        ImageError::UnsafeLayer {
             layer: self.layer.to_owned(),
             entry: String::from_utf8_lossy(entry).into_owned(),
             reason,
         }
     }
 
-    fn invalid(&self, reason: String) -> OciError {
-        OciError::invalid(self.layer, reason)
+    fn invalid(&self, reason: String) -> ImageError {
+        ImageError::invalid(self.layer, reason)
     }
 
     fn host_path(&self, components: &[OsString]) -> PathBuf {

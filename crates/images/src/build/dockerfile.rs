@@ -5,7 +5,17 @@
 
 use std::collections::BTreeMap;
 
-use crate::EngineError;
+/// A Dockerfile cove does not build, and why. A front end answers either
+/// as a client error; `Unsupported` names what cove could learn to build.
+#[derive(Debug, thiserror::Error)]
+pub enum DockerfileError {
+    /// The Dockerfile is malformed.
+    #[error("invalid buildInfo.dockerfileContent: {reason}")]
+    Invalid { reason: String },
+    /// The Dockerfile uses something cove does not build; `what` names it.
+    #[error("building images with {what} is not implemented by cove yet")]
+    Unsupported { what: String },
+}
 
 /// A Dockerfile cove can build.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -14,6 +24,15 @@ pub struct DockerfilePlan {
     pub base: String,
     /// What follows `FROM`, in order.
     pub steps: Vec<Step>,
+}
+
+impl DockerfilePlan {
+    /// Whether a step reads the build context (`COPY`, `ADD`).
+    pub fn copies(&self) -> bool {
+        self.steps
+            .iter()
+            .any(|step| matches!(step.kind, StepKind::Copy(_)))
+    }
 }
 
 /// One instruction after `FROM`, with its text as written (joined lines) for
@@ -78,23 +97,20 @@ impl Command {
     }
 }
 
-fn invalid(reason: String) -> EngineError {
-    EngineError::Invalid {
-        field: "buildInfo.dockerfileContent",
-        reason,
-    }
+fn invalid(reason: String) -> DockerfileError {
+    DockerfileError::Invalid { reason }
 }
 
-fn unsupported(what: &str) -> EngineError {
-    EngineError::NotImplemented {
-        what: format!("building images with {what}"),
+fn unsupported(what: &str) -> DockerfileError {
+    DockerfileError::Unsupported {
+        what: what.to_owned(),
     }
 }
 
 /// Parses a Dockerfile into the steps cove can build: a malformed one is
-/// [`EngineError::Invalid`], one with an instruction cove does not build is
-/// [`EngineError::NotImplemented`] naming it.
-pub fn parse_dockerfile(text: &str) -> Result<DockerfilePlan, EngineError> {
+/// [`DockerfileError::Invalid`], one with an instruction cove does not build is
+/// [`DockerfileError::Unsupported`] naming it.
+pub fn parse_dockerfile(text: &str) -> Result<DockerfilePlan, DockerfileError> {
     let mut plan = DockerfilePlan::default();
     for instruction in logical_lines(text) {
         let (keyword, rest) = instruction
@@ -200,7 +216,7 @@ fn logical_lines(text: &str) -> Vec<String> {
 
 /// `COPY`/`ADD` `[--chown=..] [--chmod=..] [--link] src... dest`, or the
 /// JSON form `["src", ..., "dest"]` after the options.
-fn copy(keyword: &str, rest: &str) -> Result<Copy, EngineError> {
+fn copy(keyword: &str, rest: &str) -> Result<Copy, DockerfileError> {
     let mut rest = rest.trim();
     let mut copy = Copy {
         sources: Vec::new(),
@@ -278,7 +294,7 @@ fn copy(keyword: &str, rest: &str) -> Result<Copy, EngineError> {
 }
 
 /// The exec form is a JSON array of strings; anything else is the shell form.
-fn command(rest: &str) -> Result<Command, EngineError> {
+fn command(rest: &str) -> Result<Command, DockerfileError> {
     if rest.starts_with('[') {
         if let Ok(words) = serde_json::from_str::<Vec<String>>(rest) {
             if words.is_empty() {
@@ -295,7 +311,7 @@ fn command(rest: &str) -> Result<Command, EngineError> {
 pub fn parse_env(
     rest: &str,
     vars: &BTreeMap<String, String>,
-) -> Result<Vec<(String, String)>, EngineError> {
+) -> Result<Vec<(String, String)>, DockerfileError> {
     let bad = || invalid(format!("cannot read ENV {rest}"));
     let Some(first) = rest.split_whitespace().next() else {
         return Err(bad());
@@ -512,7 +528,7 @@ mod tests {
             ("FROM a\nFROM b\n", "multi-stage"),
         ] {
             let err = parse_dockerfile(text).unwrap_err();
-            assert!(matches!(err, EngineError::NotImplemented { .. }), "{err}");
+            assert!(matches!(err, DockerfileError::Unsupported { .. }), "{err}");
             assert!(err.to_string().contains(named), "{err}");
         }
         for (text, said) in [
@@ -524,7 +540,7 @@ mod tests {
             ("", "no FROM"),
         ] {
             let err = parse_dockerfile(text).unwrap_err();
-            assert!(matches!(err, EngineError::Invalid { .. }), "{err}");
+            assert!(matches!(err, DockerfileError::Invalid { .. }), "{err}");
             assert!(err.to_string().contains(said), "{err}");
         }
     }

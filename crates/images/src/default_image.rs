@@ -1,15 +1,18 @@
-//! Root filesystems on disk.
-//!
-//! Owns the image directory: the default Debian root filesystem, built with
-//! debootstrap the first time it is needed and cached. A finished image is never
-//! written again: sandboxes mount it read-only as the lower layer of an overlay.
+//! The default image: a Debian root filesystem built with debootstrap the
+//! first time it is needed, kept in the image directory beside the cache of
+//! pulled images (`store.rs`). Built once, atomically (a `.partial`
+//! directory renamed into place), under a file lock so concurrent servers
+//! build it once. A finished image is never written again: sandboxes mount
+//! it read-only as the lower layer of an overlay.
 
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
-use nix::fcntl::{Flock, FlockArg};
+use crate::error::{io_err, ImageError, Result};
+use crate::fsat;
+use crate::store::ImageStore;
 
 /// The Debian suite of the default image.
 pub const DEFAULT_SUITE: &str = "bookworm";
@@ -25,43 +28,20 @@ pub const DEFAULT_PACKAGES: &[&str] = &[
     "less",
 ];
 const DEFAULT_MIRROR: &str = "http://deb.debian.org/debian";
-pub(crate) const COMPLETE_MARKER: &str = ".complete";
+/// The file a finished default root filesystem holds. cove-runtime's VM
+/// disk cache keys on its time (`vm/disk.rs` names the same file).
+pub const COMPLETE_MARKER: &str = ".complete";
 
-#[derive(Debug, thiserror::Error)]
-pub enum ImageError {
-    #[error("image directory {path}: {action}")]
-    Io {
-        path: PathBuf,
-        action: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("debootstrap was not found; install it (apt-get install debootstrap) to build the default image")]
-    NoDebootstrap,
-    #[error("debootstrap failed ({status}); its output is in {log}")]
-    Debootstrap { status: String, log: PathBuf },
-}
-
-/// One step of an image build, for a progress display.
+/// One step of the default image's build, for a progress display.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct ImageProgress {
+pub struct DefaultImageProgress {
     /// Lines of debootstrap's progress seen so far.
     pub step: usize,
     /// What it is doing now, e.g. "Extracting python3".
     pub message: String,
 }
 
-/// The images of one server.
-#[derive(Clone, Debug)]
-pub struct ImageStore {
-    dir: PathBuf,
-}
-
 impl ImageStore {
-    pub fn new(dir: impl Into<PathBuf>) -> ImageStore {
-        ImageStore { dir: dir.into() }
-    }
-
     /// Where the default root filesystem lives once built.
     pub fn default_rootfs(&self) -> PathBuf {
         self.dir
@@ -78,45 +58,35 @@ impl ImageStore {
     /// directory) wait for one build.
     pub fn ensure_default(
         &self,
-        mut progress: impl FnMut(&ImageProgress),
-    ) -> Result<PathBuf, ImageError> {
+        mut progress: impl FnMut(&DefaultImageProgress),
+    ) -> Result<PathBuf> {
         let rootfs = self.default_rootfs();
         if self.default_is_built() {
             return Ok(rootfs);
         }
-        let io = |path: &Path, action| {
-            let path = path.to_owned();
-            move |source| ImageError::Io {
-                path,
-                action,
-                source,
-            }
-        };
-        fs::create_dir_all(&self.dir).map_err(io(&self.dir, "create"))?;
+        fs::create_dir_all(&self.dir).map_err(io_err(&self.dir, "create"))?;
         let lock_path = self.dir.join(".build.lock");
-        let lock_file = File::create(&lock_path).map_err(io(&lock_path, "open lock"))?;
-        let _lock = Flock::lock(lock_file, FlockArg::LockExclusive)
-            .map_err(|(_, errno)| io(&lock_path, "lock")(std::io::Error::from(errno)))?;
+        let _lock = fsat::lock_file(&lock_path).map_err(io_err(&lock_path, "lock"))?;
         if self.default_is_built() {
             return Ok(rootfs);
         }
 
         let partial = self.dir.join(format!("debian-{DEFAULT_SUITE}.partial"));
         if partial.exists() {
-            fs::remove_dir_all(&partial).map_err(io(&partial, "remove an unfinished build"))?;
+            fs::remove_dir_all(&partial).map_err(io_err(&partial, "remove an unfinished build"))?;
         }
         let log_path = self.dir.join(format!("debian-{DEFAULT_SUITE}.build.log"));
         let mirror = std::env::var("COVE_DEBIAN_MIRROR").unwrap_or_else(|_| DEFAULT_MIRROR.into());
         run_debootstrap(&partial.join("rootfs"), &mirror, &log_path, &mut progress)?;
         finish_rootfs(&partial.join("rootfs"))
-            .map_err(io(&partial, "finish the root filesystem"))?;
+            .map_err(io_err(&partial, "finish the root filesystem"))?;
         let complete = partial.join("rootfs").join(COMPLETE_MARKER);
-        File::create(&complete).map_err(io(&complete, "mark complete"))?;
+        File::create(&complete).map_err(io_err(&complete, "mark complete"))?;
         let target = rootfs.parent().expect("rootfs has a parent");
         if target.exists() {
-            fs::remove_dir_all(target).map_err(io(target, "remove an old image"))?;
+            fs::remove_dir_all(target).map_err(io_err(target, "remove an old image"))?;
         }
-        fs::rename(&partial, target).map_err(io(target, "move the finished image in place"))?;
+        fs::rename(&partial, target).map_err(io_err(target, "move the finished image in place"))?;
         Ok(rootfs)
     }
 }
@@ -125,22 +95,16 @@ fn run_debootstrap(
     target: &Path,
     mirror: &str,
     log_path: &Path,
-    progress: &mut impl FnMut(&ImageProgress),
-) -> Result<(), ImageError> {
+    progress: &mut impl FnMut(&DefaultImageProgress),
+) -> Result<()> {
     let program = ["/usr/sbin/debootstrap", "/usr/bin/debootstrap"]
         .into_iter()
         .find(|p| Path::new(p).exists())
         .ok_or(ImageError::NoDebootstrap)?;
-    let log = File::create(log_path).map_err(|source| ImageError::Io {
-        path: log_path.to_owned(),
-        action: "create the build log",
-        source,
-    })?;
-    let log_err = log.try_clone().map_err(|source| ImageError::Io {
-        path: log_path.to_owned(),
-        action: "open the build log",
-        source,
-    })?;
+    let log = File::create(log_path).map_err(io_err(log_path, "create the build log"))?;
+    let log_err = log
+        .try_clone()
+        .map_err(io_err(log_path, "open the build log"))?;
     let mut child = Command::new(program)
         .arg("--variant=minbase")
         .arg(format!("--include={}", DEFAULT_PACKAGES.join(",")))
@@ -150,30 +114,27 @@ fn run_debootstrap(
         .stdout(Stdio::piped())
         .stderr(log_err)
         .spawn()
-        .map_err(|source| ImageError::Io {
-            path: target.to_owned(),
-            action: "run debootstrap",
-            source,
-        })?;
+        .map_err(io_err(target, "run debootstrap into"))?;
     let stdout = child.stdout.take().expect("stdout is piped");
     let mut log = std::io::BufWriter::new(log);
     let mut step = 0;
-    for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+    for line in BufReader::new(stdout)
+        .lines()
+        .map_while(std::io::Result::ok)
+    {
         use std::io::Write;
         let _ = writeln!(log, "{line}");
         if let Some(message) = line.strip_prefix("I: ") {
             step += 1;
-            progress(&ImageProgress {
+            progress(&DefaultImageProgress {
                 step,
                 message: message.trim_end_matches("...").to_owned(),
             });
         }
     }
-    let status = child.wait().map_err(|source| ImageError::Io {
-        path: target.to_owned(),
-        action: "wait for debootstrap",
-        source,
-    })?;
+    let status = child
+        .wait()
+        .map_err(io_err(target, "wait for debootstrap building"))?;
     if !status.success() {
         return Err(ImageError::Debootstrap {
             status: status.to_string(),

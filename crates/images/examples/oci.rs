@@ -2,14 +2,14 @@
 //! trying the crate against a real registry or tarball:
 //!
 //! ```text
-//! cargo run -p cove-oci --example oci -- pull <cache-dir> <reference> [user:password]
-//! cargo run -p cove-oci --example oci -- import <cache-dir> <path> [tag]
+//! cargo run -p cove-images --example oci -- pull <cache-dir> <reference> [user:password]
+//! cargo run -p cove-images --example oci -- import <cache-dir> <path> [tag]
 //! ```
 
 use std::path::Path;
 use std::process::ExitCode;
 
-use cove_oci::{Credentials, ImageStore};
+use cove_images::{Credentials, ImageStore};
 
 #[tokio::main]
 async fn main() -> ExitCode {
@@ -19,7 +19,7 @@ async fn main() -> ExitCode {
         return ExitCode::from(2);
     };
     let store = ImageStore::new(cache);
-    let print = |p: &cove_oci::Progress| println!("{p}");
+    let print = |p: &cove_images::Progress| println!("{p}");
     let result = match mode.as_str() {
         "pull" => {
             let credentials =
