@@ -1,7 +1,7 @@
 //! Pulls from a real registry (Debian's `docker-registry`, the CNCF
 //! distribution server) started on a free loopback port, with images built
 //! here and pushed by skopeo. Nothing leaves the machine. Skips when the tools
-//! are missing unless COVE_TEST_REQUIRE_REGISTRY is set. Needs root.
+//! are missing, except under COVE_TEST_STRICT=1 (`cove-testenv`), where they fail. Needs root.
 
 mod common;
 

@@ -545,12 +545,6 @@ impl Events {
     }
 }
 
-/// Whether the registry tests must run (CI sets this; then a missing tool
-/// fails instead of skipping).
-fn required() -> bool {
-    std::env::var_os("COVE_TEST_REQUIRE_REGISTRY").is_some()
-}
-
 fn have(program: &str) -> bool {
     Command::new(program)
         .arg("--version")
@@ -560,42 +554,23 @@ fn have(program: &str) -> bool {
         .is_ok()
 }
 
-/// `true` when the named programs exist. Otherwise skips (prints why and
-/// returns `false`), or fails when `COVE_TEST_REQUIRE_REGISTRY` is set.
+/// `true` when the named programs exist. Otherwise the test is skipped
+/// with the reason, or fails under `COVE_TEST_STRICT=1` (`cove-testenv`).
 pub fn tools(programs: &[&str]) -> bool {
     let missing: Vec<&str> = programs.iter().copied().filter(|p| !have(p)).collect();
     if missing.is_empty() {
         return true;
     }
-    let message = format!(
+    cove_testenv::missing(&format!(
         "missing {} (apt-get install docker-registry skopeo apache2-utils)",
         missing.join(", ")
-    );
-    assert!(
-        !required(),
-        "COVE_TEST_REQUIRE_REGISTRY is set but {message}"
-    );
-    skip_note(&message);
+    ));
     false
 }
 
-/// Says why a test is skipped. Written to the stderr handle, not with
-/// `eprintln!`, which the test harness captures and hides for passing tests.
-fn skip_note(why: &str) {
-    let _ = writeln!(std::io::stderr(), "SKIPPED: {why}");
-}
-
-/// Skips a test that needs root, or fails when the registry tests are required.
+/// Skips (or, under `COVE_TEST_STRICT=1`, fails) a test that needs root.
 pub fn root() -> bool {
-    if is_root() {
-        return true;
-    }
-    assert!(
-        !required(),
-        "COVE_TEST_REQUIRE_REGISTRY is set but the tests do not run as root"
-    );
-    skip_note("unpacking images needs root");
-    false
+    cove_testenv::root("unpacking images")
 }
 
 /// A `docker-registry` (CNCF distribution) serving on a free loopback port
