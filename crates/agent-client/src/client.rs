@@ -4,8 +4,8 @@
 use bytes::Bytes;
 use cove_protocol::execute::{self, ExecuteRequest, ExecuteResponse};
 use cove_protocol::identity::{self, IdentityReply, IdentityRequest};
-use cove_protocol::unpack::{UnpackQuery, UnpackReply};
 use cove_protocol::tunnel;
+use cove_protocol::unpack::{UnpackQuery, UnpackReply};
 use http::{header, HeaderValue, Method, Request, Response, StatusCode, Uri};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt as _, Empty, Full};
@@ -212,7 +212,11 @@ impl<D: Dial> AgentClient<D> {
 
     /// Unpacks the tar stream `archive` at the sandbox's root (`POST
     /// /cove/unpack`).
-    pub async fn unpack(&self, query: &UnpackQuery, archive: Body) -> Result<UnpackReply, AgentError> {
+    pub async fn unpack(
+        &self,
+        query: &UnpackQuery,
+        archive: Body,
+    ) -> Result<UnpackReply, AgentError> {
         let path = query.path_and_query();
         let what = format!("POST {path}");
         let request = Request::builder()

@@ -52,7 +52,10 @@ mod tests {
         let plain = ExecuteRequest::new("true");
         let json = serde_json::to_string(&plain).unwrap();
         assert_eq!(json, r#"{"command":"true"}"#);
-        assert_eq!(serde_json::from_str::<ExecuteRequest>(&json).unwrap(), plain);
+        assert_eq!(
+            serde_json::from_str::<ExecuteRequest>(&json).unwrap(),
+            plain
+        );
         let full = ExecuteRequest {
             command: "ls".into(),
             cwd: Some("/tmp".into()),
@@ -81,13 +84,19 @@ mod tests {
         };
         let json = serde_json::to_string(&done).unwrap();
         assert_eq!(json, r#"{"exitCode":0,"result":"ok\n"}"#);
-        assert_eq!(serde_json::from_str::<ExecuteResponse>(&json).unwrap(), done);
+        assert_eq!(
+            serde_json::from_str::<ExecuteResponse>(&json).unwrap(),
+            done
+        );
         let killed = ExecuteResponse {
             exit_code: 124,
             result: String::new(),
             timed_out: true,
         };
         let json = serde_json::to_string(&killed).unwrap();
-        assert_eq!(serde_json::from_str::<ExecuteResponse>(&json).unwrap(), killed);
+        assert_eq!(
+            serde_json::from_str::<ExecuteResponse>(&json).unwrap(),
+            killed
+        );
     }
 }

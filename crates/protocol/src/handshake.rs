@@ -162,11 +162,20 @@ mod tests {
         let hello = host_hello("abc123", 7);
         assert_eq!(hello, "COVE-HOST-HELLO abc123 t=7\n");
         let (parsed, end) = find_hello(hello.as_bytes()).unwrap();
-        assert_eq!(parsed, Hello { nonce: "abc123", unix_ns: Some(7) });
+        assert_eq!(
+            parsed,
+            Hello {
+                nonce: "abc123",
+                unix_ns: Some(7)
+            }
+        );
         assert_eq!(end, hello.len());
         assert_eq!(guest_answer("abc123"), "COVE-GUEST-HELLO abc123\n");
         let line = repeat_line("abc123");
-        assert_eq!(classify(hello.as_bytes(), &line), Repeat::Whole(hello.len()));
+        assert_eq!(
+            classify(hello.as_bytes(), &line),
+            Repeat::Whole(hello.len())
+        );
     }
 
     #[test]

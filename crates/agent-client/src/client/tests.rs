@@ -44,7 +44,10 @@ async fn an_endless_answer_is_cut_at_each_limit() {
     let (_dir, socket) = hostile_agent(b"HTTP/1.1 200 OK\r\n\r\n");
     for limit in LIMITS {
         let agent = AgentClient::new("sbx-1", UnixSocket(socket.clone()), limit);
-        let error = agent.execute(&ExecuteRequest::new("yes")).await.unwrap_err();
+        let error = agent
+            .execute(&ExecuteRequest::new("yes"))
+            .await
+            .unwrap_err();
         assert!(
             matches!(&error, AgentError::TooLarge { sandbox, limit: l, .. } if sandbox == "sbx-1" && *l == limit),
             "{error:?}"
@@ -68,7 +71,10 @@ async fn an_endless_chunked_answer_is_cut_at_the_limit() {
 async fn an_endless_header_is_refused() {
     let (_dir, socket) = hostile_agent(b"HTTP/1.1 200 OK\r\nX-Endless: ");
     let agent = AgentClient::new("sbx-2", UnixSocket(socket), 8 << 20);
-    let error = agent.execute(&ExecuteRequest::new("true")).await.unwrap_err();
+    let error = agent
+        .execute(&ExecuteRequest::new("true"))
+        .await
+        .unwrap_err();
     assert!(matches!(error, AgentError::Unanswered { .. }), "{error:?}");
     assert!(error.to_string().contains("sandbox sbx-2"), "{error}");
 }
@@ -94,7 +100,10 @@ async fn bodies_are_read_up_to_the_limit_and_no_further() {
 /// An agent that answers every request on a connection (kept open) with
 /// `answer` for `path`, 404 otherwise, and counts connections. `/cove/tunnel/`
 /// is upgraded and then echoes.
-fn plain_agent(path: &'static str, answer: &'static str) -> (tempfile::TempDir, PathBuf, Arc<AtomicUsize>) {
+fn plain_agent(
+    path: &'static str,
+    answer: &'static str,
+) -> (tempfile::TempDir, PathBuf, Arc<AtomicUsize>) {
     let dir = tempfile::tempdir().unwrap();
     let socket = dir.path().join("agent.sock");
     let listener = UnixListener::bind(&socket).unwrap();
@@ -181,7 +190,10 @@ async fn calls_share_one_pooled_connection() {
 async fn a_bad_answer_is_named() {
     let (_dir, socket, _) = plain_agent("/cove/vm/identity", "not json");
     let agent = AgentClient::new("sbx-5", UnixSocket(socket), 1 << 20);
-    let error = agent.identity(&IdentityRequest::default()).await.unwrap_err();
+    let error = agent
+        .identity(&IdentityRequest::default())
+        .await
+        .unwrap_err();
     assert!(matches!(error, AgentError::BadAnswer { .. }), "{error:?}");
 }
 
@@ -204,6 +216,9 @@ fn reports_name_every_cause_once() {
         what: "POST /x".into(),
         reason: "bad".into(),
     };
-    assert_eq!(crate::report(&outer), "cannot ask the agent of sandbox s POST /x: bad");
+    assert_eq!(
+        crate::report(&outer),
+        "cannot ask the agent of sandbox s POST /x: bad"
+    );
     assert_eq!(crate::report(&inner), "disk on fire");
 }
