@@ -1,17 +1,18 @@
-//! Fuzz target `agent_frames`: the agent channel's handshake and the host's
-//! HTTP reader, fed whatever the other end might send.
+//! Fuzz target `agent_frames`: the agent channel's handshake, fed whatever
+//! the other end might send.
 //!
 //! Host side (`crates/runtime/src/vm/bridge.rs`, compiled from its file):
-//! the input is what the guest sends during the handshake, then an answer
-//! to `Session::post` (its own HTTP/1.1 reader with a chunked decoder,
-//! bounded at `ANSWER_LIMIT`), then a response given to the parser directly.
-//! Guest side (`cove_agent::vm::session`): the input is what the host sends
-//! before its hello. Besides "no panic", each checks its promise: the bytes
-//! after the guest's answer reach yamux intact, an answer past the limit is
-//! refused, and what the guest keeps after the hello is bounded.
+//! the input is what the guest sends during the handshake. Guest side
+//! (`cove_agent::vm::session`, its parsers `cove_protocol::handshake`): the
+//! input is what the host sends before its hello, then what follows the
+//! hello (its repeats). Besides "no panic", each checks its promise: the
+//! bytes after the guest's answer reach yamux intact, and what the guest
+//! keeps after the hello is bounded. (The host's answers to its own calls
+//! are read by hyper in `cove-agent-client` now, with no reader of cove's
+//! own left to fuzz; its limits have unit tests there.)
 //!
-//! The first byte of the input is a flag byte: bit 0 repeats the rest until
-//! it passes `ANSWER_LIMIT`, since libFuzzer's inputs are far shorter.
+//! The first byte of the input is a flag byte, kept so that the corpus
+//! stays valid; it is not used.
 
 #![no_main]
 
@@ -42,12 +43,12 @@ fuzz_target!(|input: &[u8]| {
     let Some((&flags, data)) = input.split_first() else {
         return;
     };
+    let _ = flags;
     runtime().block_on(async {
         host_handshake(data).await;
-        host_answer(data, flags & 1 == 1).await;
         guest_handshake(data).await;
     });
-    let _ = bridge::parse_response(data);
+    repeats(data);
 });
 
 /// The host shakes hands with a guest that sends `data` and then closes its
@@ -95,40 +96,6 @@ async fn host_handshake(data: &[u8]) {
     guest.await.expect("the fake guest");
 }
 
-/// `Session::post`'s reader on a guest that answers `data` (repeated past
-/// the limit when `long`) and closes.
-async fn host_answer(data: &[u8], long: bool) {
-    let answer = if long && !data.is_empty() {
-        let times = bridge::ANSWER_LIMIT as usize / data.len() + 2;
-        data.repeat(times)
-    } else {
-        data.to_vec()
-    };
-    let (host, guest) = tokio::io::duplex(64 << 10);
-    let (mut guest_reads, mut guest_writes) = tokio::io::split(guest);
-    let length = answer.len();
-    let guest = tokio::spawn(async move {
-        let drain = async {
-            let mut sink = Vec::new();
-            let _ = guest_reads.read_to_end(&mut sink).await;
-        };
-        let send = async {
-            let _ = guest_writes.write_all(&answer).await;
-            let _ = guest_writes.shutdown().await;
-        };
-        tokio::join!(drain, send);
-    });
-    let outcome = bridge::post_on(host, "/cove/vm/identity", "{}").await;
-    if length as u64 > bridge::ANSWER_LIMIT {
-        assert!(outcome.is_err(), "an answer of {length} bytes was taken");
-    }
-    if let Ok((_, body)) = outcome {
-        // Invalid UTF-8 is replaced by U+FFFD: up to three bytes for one.
-        assert!(body.len() <= 3 * length, "a body longer than its answer");
-    }
-    guest.await.expect("the fake guest");
-}
-
 /// The agent waits for the host's hello in `data`.
 async fn guest_handshake(data: &[u8]) {
     let mut reader = data;
@@ -143,4 +110,20 @@ async fn guest_handshake(data: &[u8]) {
         );
     }
     let _ = cove_agent::vm::session::find_hello(data);
+}
+
+/// The guest tells repeats of the hello from the first yamux bytes: a whole
+/// repeat is never longer than what it was given, and nothing but a repeat
+/// is dropped.
+fn repeats(data: &[u8]) {
+    use cove_protocol::handshake::{classify, repeat_line, Repeat};
+    let line = repeat_line("n0nce");
+    match classify(data, &line) {
+        Repeat::Whole(length) => {
+            assert!(length <= data.len());
+            assert!(data.starts_with(&line) && data[length - 1] == b'\n');
+        }
+        Repeat::Partial => assert!(line.starts_with(data) || data.starts_with(&line)),
+        Repeat::No => {}
+    }
 }

@@ -6,9 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// Prefix of the variables meant for the agent itself; they never reach a
-/// sandbox process.
-pub const PRIVATE_ENV_PREFIX: &str = "COVE_";
+use cove_protocol::{env, AgentEnv};
 
 #[derive(Debug, Clone)]
 pub struct Settings {
@@ -41,30 +39,26 @@ pub struct Settings {
 }
 
 impl Settings {
-    /// Reads the settings from the agent's environment (`COVE_*` variables);
-    /// call before the private variables are removed.
-    pub fn from_env() -> Self {
-        let var = |name: &str| std::env::var_os(name).filter(|v| !v.is_empty());
-        let home_dir = var("HOME")
+    /// The settings the agent's environment (`COVE_*` variables, read with
+    /// [`AgentEnv::from_process`] before they are removed) asks for; empty
+    /// values are as good as none.
+    pub fn from_env(agent_env: &AgentEnv) -> Self {
+        let path = |value: &Option<String>| {
+            value
+                .as_deref()
+                .filter(|v| !v.is_empty())
+                .map(PathBuf::from)
+        };
+        let home_dir = std::env::var_os("HOME")
+            .filter(|v| !v.is_empty())
             .map(PathBuf::from)
             .unwrap_or_else(|| "/root".into());
-        let work_dir = var("COVE_WORKDIR")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| home_dir.clone());
-        let number = |name: &str, default: u64| {
-            std::env::var(name)
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(default)
-        };
-        let exec_shell = var("COVE_AGENT_EXEC_SHELL")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| first_shell(&["zsh", "bash", "sh"]));
-        let session_shell = var("COVE_AGENT_SESSION_SHELL")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| first_shell(&["bash", "sh"]));
-        let state_dir = var("COVE_AGENT_STATE_DIR")
-            .map(PathBuf::from)
+        let work_dir = path(&agent_env.workdir).unwrap_or_else(|| home_dir.clone());
+        let exec_shell =
+            path(&agent_env.exec_shell).unwrap_or_else(|| first_shell(&["zsh", "bash", "sh"]));
+        let session_shell =
+            path(&agent_env.session_shell).unwrap_or_else(|| first_shell(&["bash", "sh"]));
+        let state_dir = path(&agent_env.state_dir)
             // New for every agent start: a name that repeats (the pid of
             // PID 1 always does) would find the directory a snapshot or an
             // image build captured, owned by whoever ran then.
@@ -76,16 +70,13 @@ impl Settings {
             home_dir,
             exec_shell,
             session_shell,
-            default_exec_timeout: Duration::from_secs(number("COVE_AGENT_EXEC_TIMEOUT_SECS", 600)),
-            max_sessions: number("COVE_AGENT_MAX_SESSIONS", 8) as usize,
-            max_async_commands: number("COVE_AGENT_MAX_ASYNC_COMMANDS", 16) as usize,
-            max_log_bytes: number("COVE_AGENT_MAX_LOG_BYTES", 32 << 20) as usize,
+            default_exec_timeout: Duration::from_secs(agent_env.exec_timeout_secs.unwrap_or(600)),
+            max_sessions: agent_env.max_sessions.unwrap_or(8) as usize,
+            max_async_commands: agent_env.max_async_commands.unwrap_or(16) as usize,
+            max_log_bytes: agent_env.max_log_bytes.unwrap_or(32 << 20) as usize,
             state_dir,
-            disk_qgroup: var("COVE_DISK_QGROUP").map(PathBuf::from),
-            entrypoint: std::env::var("COVE_ENTRYPOINT")
-                .ok()
-                .and_then(|json| serde_json::from_str(&json).ok())
-                .unwrap_or_default(),
+            disk_qgroup: path(&agent_env.disk_qgroup),
+            entrypoint: agent_env.entrypoint.clone(),
         }
     }
 
@@ -108,7 +99,7 @@ impl Settings {
 pub fn remove_private_env() {
     let private: Vec<_> = std::env::vars_os()
         .map(|(key, _)| key)
-        .filter(|key| key.to_string_lossy().starts_with(PRIVATE_ENV_PREFIX))
+        .filter(|key| env::is_private(&key.to_string_lossy()))
         .collect();
     for key in private {
         std::env::remove_var(key);

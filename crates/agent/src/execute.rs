@@ -5,7 +5,7 @@
 //! This is on the benchmark path: per request there is one pipe, one spawn and
 //! one read loop, nothing else.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
 use std::process::{ExitStatus, Stdio};
 use std::time::Duration;
@@ -13,9 +13,9 @@ use std::time::Duration;
 use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
+use cove_protocol::execute::{ExecuteRequest, ExecuteResponse, PATH};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
-use serde::{Deserialize, Serialize};
 use tokio::io::AsyncReadExt as _;
 
 use crate::error::{ApiError, Json};
@@ -25,26 +25,7 @@ use crate::AppState;
 pub const TIMED_OUT_EXIT_CODE: i32 = 124;
 
 pub fn routes() -> Router<AppState> {
-    Router::new().route("/process/execute", post(execute))
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ExecuteRequest {
-    pub command: String,
-    pub cwd: Option<String>,
-    pub envs: Option<HashMap<String, String>>,
-    /// Seconds; absent or 0 means the agent's default deadline.
-    pub timeout: Option<u64>,
-}
-
-#[derive(Debug, Serialize)]
-#[serde(rename_all = "camelCase")]
-pub struct ExecuteResponse {
-    pub exit_code: i32,
-    pub result: String,
-    #[serde(skip_serializing_if = "std::ops::Not::not")]
-    pub timed_out: bool,
+    Router::new().route(PATH, post(execute))
 }
 
 async fn execute(
@@ -147,7 +128,7 @@ const SHELL_ONLY: &[&str] = &[
 /// here: about 2 ms of a 3 ms `true`). Anything else runs through the shell.
 pub fn direct_program(
     command: &str,
-    envs: Option<&HashMap<String, String>>,
+    envs: Option<&BTreeMap<String, String>>,
 ) -> Option<(std::path::PathBuf, Vec<String>)> {
     if !command.chars().all(is_plain) || envs.is_some_and(|e| e.contains_key("PATH")) {
         return None;
@@ -214,7 +195,7 @@ mod tests {
                 "{shell_needed}"
             );
         }
-        let path = HashMap::from([("PATH".to_string(), "/x".to_string())]);
+        let path = BTreeMap::from([("PATH".to_string(), "/x".to_string())]);
         assert!(direct_program("true", Some(&path)).is_none());
     }
 }

@@ -36,7 +36,6 @@ pub use config::Settings;
 pub mod requests {
     /// Request bodies (JSON; the interpreter's first WebSocket message too).
     pub mod bodies {
-        pub use crate::execute::ExecuteRequest;
         pub use crate::files::download::DownloadRequest;
         pub use crate::files::replace::ReplaceRequest;
         pub use crate::git::branches::{BranchRequest, CheckoutRequest};
@@ -45,16 +44,15 @@ pub mod requests {
         pub use crate::git::repo::{
             AddRequest, CommitRequest, InitRequest, ResetRequest, RestoreRequest,
         };
-        pub use crate::interpreter::execute::ExecuteRequest as InterpreterExecuteRequest;
+        pub use crate::interpreter::execute::InterpreterExecuteRequest;
         pub use crate::interpreter::routes::CreateContextRequest;
         pub use crate::pty::routes::{PtyCreateRequest, PtyResizeRequest};
         pub use crate::session::routes::{
             CreateSessionRequest, SendInputRequest, SessionExecuteRequest,
         };
         pub use crate::system::UpdateEnvRequest;
-        pub use crate::vm::network::GuestNetwork;
-        pub use crate::vm::setup::IdentityRequest;
-        pub use crate::vm::volumes::GuestVolume;
+        pub use cove_protocol::ExecuteRequest;
+        pub use cove_protocol::{GuestNetwork, GuestVolume, IdentityRequest};
     }
 
     /// Query strings.
@@ -71,7 +69,7 @@ pub mod requests {
         pub use crate::git::PathQuery as GitPathQuery;
         pub use crate::pty::routes::CreateConnectQuery;
         pub use crate::session::routes::LogsQuery;
-        pub use crate::unpack::UnpackQuery;
+        pub use cove_protocol::UnpackQuery;
     }
 }
 

@@ -11,7 +11,7 @@ use axum::Router;
 use nix::fcntl::{fcntl, FcntlArg, FdFlag};
 
 /// Variable naming an inherited, bound and listening Unix stream socket.
-pub const LISTEN_FD_ENV: &str = "COVE_AGENT_LISTEN_FD";
+pub use cove_protocol::env::LISTEN_FD as LISTEN_FD_ENV;
 
 /// Where the server listens.
 #[derive(Debug, Clone)]

@@ -6,6 +6,7 @@ use std::io::IsTerminal as _;
 use anyhow::{bail, Context as _};
 use cove_agent::listen::{self, Endpoint};
 use cove_agent::{config, AppState, Settings};
+use cove_protocol::{env, AgentEnv};
 
 const USAGE: &str = "usage: cove-agent init | serve [--socket PATH] | vm";
 
@@ -22,24 +23,22 @@ fn main() -> anyhow::Result<()> {
             _ => bail!("unknown argument {arg:?}\n{USAGE}"),
         }
     }
-    let endpoint = match (std::env::var(listen::LISTEN_FD_ENV).ok(), socket) {
-        (Some(fd), _) => Endpoint::InheritedFd(
-            fd.parse()
-                .with_context(|| format!("{}={fd:?} is not a fd", listen::LISTEN_FD_ENV))?,
-        ),
+    let agent_env = AgentEnv::from_process()?;
+    let endpoint = match (agent_env.listen_fd, socket) {
+        (Some(fd), _) => Endpoint::InheritedFd(fd),
         (None, Some(path)) => Endpoint::Path(path.into()),
         (None, None) => bail!(
             "no listening socket: set {} or pass --socket",
             listen::LISTEN_FD_ENV
         ),
     };
-    let mut settings = Settings::from_env();
-    let run_as = match std::env::var("COVE_USER") {
-        Ok(user) if !user.is_empty() => {
-            let found = cove_agent::user::lookup(&user)
+    let mut settings = Settings::from_env(&agent_env);
+    let run_as = match agent_env.user.as_deref() {
+        Some(user) if !user.is_empty() => {
+            let found = cove_agent::user::lookup(user)
                 .map_err(|e| anyhow::anyhow!("the sandbox user {user:?}: {e}"))?;
             settings.home_dir = found.home.clone();
-            if std::env::var_os("COVE_WORKDIR").is_none() {
+            if agent_env.workdir.is_none() {
                 settings.work_dir = found.home.clone();
             }
             Some(found)
@@ -82,8 +81,7 @@ fn init_logging(colours: bool) {
         .with_writer(std::io::stderr)
         .with_ansi(colours && std::io::stderr().is_terminal())
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("COVE_AGENT_LOG")
-                .unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_env(env::LOG).unwrap_or_else(|_| "info".into()),
         )
         .init();
 }
@@ -95,7 +93,7 @@ fn vm_main() -> anyhow::Result<()> {
         // PID 1 exiting ends the VM, which the host reports with the console.
         bail!("preparing the VM: {failure}");
     }
-    let settings = Settings::from_env();
+    let settings = Settings::from_env(&AgentEnv::from_process()?);
     // Still single-threaded here, which both calls below require.
     config::remove_private_env();
     cove_agent::init::split_off_server().context("starting as PID 1")?;

@@ -24,8 +24,8 @@ use tokio::net::TcpStream;
 use crate::error::ApiError;
 use crate::AppState;
 
-/// The upgrade protocol name of the tunnel.
-pub const PROTOCOL: &str = "cove-tcp";
+/// The upgrade protocol name of the tunnel (the contract is cove-protocol's).
+pub use cove_protocol::tunnel::PROTOCOL;
 
 /// Bytes copied per read each way. Tokio's default (8 KiB) costs a system
 /// call pair per 8 KiB, which caps a bulk download far below what loopback
@@ -33,7 +33,7 @@ pub const PROTOCOL: &str = "cove-tcp";
 const COPY_BUFFER: usize = 256 << 10;
 
 pub fn routes() -> Router<AppState> {
-    Router::new().route("/cove/tunnel/{port}", get(open))
+    Router::new().route(cove_protocol::tunnel::ROUTE, get(open))
 }
 
 fn asks_for_tunnel(headers: &HeaderMap) -> bool {

@@ -2,122 +2,35 @@
 //! agent inside the sandbox, bodies streamed both ways, WebSocket upgrades
 //! spliced. The proxy never parses a toolbox request: the agent owns that API.
 
-use std::collections::HashMap;
-use std::future::Future;
-use std::path::PathBuf;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
-
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
+use cove_agent_client::{Pool, Sockets};
+use cove_protocol::SandboxId;
 use cove_runtime::AgentEndpoint;
-use hyper_util::client::legacy::connect::{Connected, Connection};
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use tokio::net::UnixStream;
+use hyper_util::rt::TokioIo;
 
 use crate::{ApiError, AppState};
 
-/// A pooled HTTP client whose "hosts" are sandbox ids, each reached over the
-/// Unix socket of its agent. Keeping connections open matters: a new connection
-/// per command would be a visible share of a 1-2 ms round trip.
+/// The agents of all sandboxes, by id, through one pool (`cove-agent-client`):
+/// a request's host is the sandbox id, reached over the Unix socket of its
+/// agent.
 #[derive(Clone)]
 pub struct AgentClient {
-    sockets: Arc<Mutex<HashMap<String, PathBuf>>>,
-    client: Client<AgentConnector, Body>,
+    sockets: Sockets,
+    pool: Pool<Sockets, Body>,
 }
 
 impl AgentClient {
     pub fn new() -> AgentClient {
-        let sockets: Arc<Mutex<HashMap<String, PathBuf>>> = Arc::default();
-        let connector = AgentConnector {
-            sockets: sockets.clone(),
-        };
-        let client = Client::builder(TokioExecutor::new())
-            .pool_idle_timeout(std::time::Duration::from_secs(30))
-            .build(connector);
-        AgentClient { sockets, client }
-    }
-}
-
-/// Connects a sandbox id to its agent's socket.
-#[derive(Clone)]
-pub struct AgentConnector {
-    sockets: Arc<Mutex<HashMap<String, PathBuf>>>,
-}
-
-pub struct AgentStream(TokioIo<UnixStream>);
-
-impl Connection for AgentStream {
-    fn connected(&self) -> Connected {
-        Connected::new()
-    }
-}
-
-impl hyper::rt::Read for AgentStream {
-    fn poll_read(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: hyper::rt::ReadBufCursor<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_read(cx, buf)
-    }
-}
-
-impl hyper::rt::Write for AgentStream {
-    fn poll_write(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write(cx, buf)
-    }
-    // Vectored writes let hyper send a body chunk as it came, with its
-    // headers, instead of copying every byte of an upload into its buffer.
-    fn poll_write_vectored(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.0).poll_write_vectored(cx, bufs)
-    }
-    fn is_write_vectored(&self) -> bool {
-        self.0.is_write_vectored()
-    }
-    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_flush(cx)
-    }
-    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.0).poll_shutdown(cx)
-    }
-}
-
-impl tower::Service<Uri> for AgentConnector {
-    type Response = AgentStream;
-    type Error = std::io::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<AgentStream, std::io::Error>> + Send>>;
-
-    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
-        Poll::Ready(Ok(()))
-    }
-
-    fn call(&mut self, uri: Uri) -> Self::Future {
-        let id = uri.host().unwrap_or_default().to_owned();
-        let socket = self.sockets.lock().unwrap().get(&id).cloned();
-        Box::pin(async move {
-            let socket = socket.ok_or_else(|| {
-                std::io::Error::new(
-                    std::io::ErrorKind::NotFound,
-                    format!("no agent known for {id}"),
-                )
-            })?;
-            Ok(AgentStream(TokioIo::new(
-                UnixStream::connect(socket).await?,
-            )))
-        })
+        let sockets = Sockets::default();
+        AgentClient {
+            // hyper's own read buffer, as before: the proxy streams
+            // downloads, and the toolbox API's heads are the agent's own.
+            pool: Pool::with_read_buffer(sockets.clone(), None),
+            sockets,
+        }
     }
 }
 
@@ -148,12 +61,8 @@ async fn forward(
 ) -> Result<Response, ApiError> {
     let (id, endpoint) = state.engine.toolbox(&id).await?;
     let AgentEndpoint::Unix(socket) = endpoint;
-    state
-        .toolbox
-        .sockets
-        .lock()
-        .unwrap()
-        .insert(id.clone(), socket);
+    let id = SandboxId::parse(&id).map_err(|e| ApiError::bad_request(e.to_string()))?;
+    state.toolbox.sockets.set(&id, socket);
 
     // The raw path keeps its percent-encoding; only the `/toolbox/{id}` prefix goes.
     let raw = request
@@ -182,11 +91,11 @@ async fn forward(
     let headers = request.headers_mut();
     // The API key stays outside: nothing in the sandbox may read it.
     headers.remove(header::AUTHORIZATION);
-    if let Ok(host) = HeaderValue::from_str(&id) {
+    if let Ok(host) = HeaderValue::from_str(id.as_str()) {
         headers.insert(header::HOST, host);
     }
 
-    let mut response = state.toolbox.client.request(request).await.map_err(|e| {
+    let mut response = state.toolbox.pool.request(request).await.map_err(|e| {
         ApiError::new(
             StatusCode::BAD_GATEWAY,
             format!("the agent of sandbox {id} did not answer: {e}"),

@@ -192,17 +192,9 @@ struct Sandbox {
 
 /// An id names a file under the state dir: one plain path component.
 fn check_id(id: &str) -> Result<(), NetError> {
-    let plain = !id.is_empty()
-        && id != "."
-        && id != ".."
-        && id.len() <= 128
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if plain {
-        Ok(())
-    } else {
-        Err(NetError::InvalidId { id: id.to_owned() })
+    match cove_protocol::SandboxId::parse(id) {
+        Ok(_) => Ok(()),
+        Err(invalid) => Err(NetError::InvalidId { id: invalid.id }),
     }
 }
 

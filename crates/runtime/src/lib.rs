@@ -242,20 +242,12 @@ pub trait Runtime: Send + Sync + 'static {
 
 /// An id names a directory (and a cgroup): one plain path component.
 pub(crate) fn check_id(id: &str) -> Result<(), RuntimeError> {
-    let plain = !id.is_empty()
-        && id != "."
-        && id != ".."
-        && id.len() <= 128
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    if plain {
-        Ok(())
-    } else {
-        Err(RuntimeError::Other {
+    match cove_protocol::SandboxId::parse(id) {
+        Ok(_) => Ok(()),
+        Err(_) => Err(RuntimeError::Other {
             id: id.to_owned(),
             reason: "id must be 1 to 128 of [A-Za-z0-9._-] and not . or ..".into(),
-        })
+        }),
     }
 }
 

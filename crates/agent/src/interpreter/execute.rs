@@ -28,9 +28,11 @@ const CLOSE_INTERNAL: u16 = 1011;
 /// The SDK turns this close code into `DaytonaTimeoutError`.
 const CLOSE_TIMEOUT: u16 = 4008;
 
+/// The first message of a run. Not the server's `/process/execute` message
+/// (`cove_protocol::ExecuteRequest`): only the SDK sends this one.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct ExecuteRequest {
+pub struct InterpreterExecuteRequest {
     code: String,
     context_id: Option<String>,
     #[serde(default)]
@@ -163,7 +165,7 @@ pub async fn serve(mut socket: WebSocket, registry: Arc<Registry>, settings: Arc
 }
 
 /// The run request, the client's first message.
-async fn first_request(socket: &mut WebSocket) -> Result<ExecuteRequest, (u16, String)> {
+async fn first_request(socket: &mut WebSocket) -> Result<InterpreterExecuteRequest, (u16, String)> {
     loop {
         let payload = match socket.recv().await {
             Some(Ok(Message::Text(text))) => text.as_bytes().to_vec(),

@@ -47,9 +47,9 @@ use axum::body::Body;
 use axum::http::StatusCode;
 use axum::routing::post;
 use axum::Router;
+use cove_protocol::{UnpackQuery, UnpackReply};
 use futures_util::TryStreamExt as _;
 use nix::unistd::{Gid, Uid};
-use serde::{Deserialize, Serialize};
 use tokio_util::io::{StreamReader, SyncIoBridge};
 
 pub use archive::unpack;
@@ -63,17 +63,7 @@ use crate::AppState;
 const READ_BUFFER: usize = 256 << 10;
 
 pub fn routes() -> Router<AppState> {
-    Router::new().route("/cove/unpack", post(unpack_request))
-}
-
-#[derive(Debug, Deserialize)]
-pub struct UnpackQuery {
-    owner: Option<String>,
-}
-
-#[derive(Debug, Serialize)]
-struct UnpackReply {
-    entries: u64,
+    Router::new().route(cove_protocol::unpack::PATH, post(unpack_request))
 }
 
 async fn unpack_request(

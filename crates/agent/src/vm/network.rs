@@ -25,18 +25,9 @@ use std::net::Ipv4Addr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::Path;
 
-use serde::Deserialize;
-
-/// What the host sends in the identity call's `network`.
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct GuestNetwork {
-    pub mac: String,
-    pub address: Ipv4Addr,
-    pub prefix_len: u8,
-    pub gateway: Ipv4Addr,
-    pub resolv_conf: String,
-}
+/// What the host sends in the identity call's `network` (the contract is
+/// cove-protocol's).
+pub use cove_protocol::GuestNetwork;
 
 const RTF_UP: u16 = 0x0001;
 const RTF_GATEWAY: u16 = 0x0002;

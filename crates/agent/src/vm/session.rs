@@ -14,6 +14,9 @@
 //!    `COVE-GUEST-HELLO <nonce>\n` once, and drops the repeats that follow;
 //! 3. yamux runs, the host as client, the agent as server.
 //!
+//! The lines, their parsers and the constants are the contract's
+//! (`cove_protocol::handshake`), shared with the host's `vm::bridge`.
+//!
 //! A restored guest is told right after it continues that its host is gone
 //! (the new QEMU's chardev has nobody connected yet), and then that it is
 //! back, since the host connects at once. When both notices are handled
@@ -39,61 +42,10 @@ use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt, TokioAsyncReadCompat
 
 use super::port::{self, Port};
 
-const HOST_HELLO: &[u8] = b"COVE-HOST-HELLO ";
-const GUEST_HELLO: &str = "COVE-GUEST-HELLO ";
-/// Longest hello line accepted after its prefix; the host sends 32 hex
-/// digits of nonce and a time.
-const MAX_HELLO_REST: usize = 96;
-
-/// One hello of the host: `COVE-HOST-HELLO <nonce> t=<unix ns>\n`.
-#[derive(Debug, PartialEq, Eq)]
-pub struct Hello<'a> {
-    pub nonce: &'a str,
-    /// The host's clock when it sent the hello: a restored guest's clock
-    /// stopped when its memory was saved.
-    pub unix_ns: Option<u64>,
-}
-
-/// Parses what follows the prefix of a hello line (without the newline).
-fn parse_hello(rest: &[u8]) -> Option<Hello<'_>> {
-    let text = std::str::from_utf8(rest).ok()?;
-    let mut words = text.split(' ');
-    let nonce = words.next()?;
-    if nonce.is_empty() || !nonce.bytes().all(|b| b.is_ascii_alphanumeric()) {
-        return None;
-    }
-    let mut unix_ns = None;
-    for word in words {
-        match word.strip_prefix("t=") {
-            Some(time) => unix_ns = Some(time.parse().ok()?),
-            None => return None,
-        }
-    }
-    Some(Hello { nonce, unix_ns })
-}
-
-/// Where a hello line ends in `buf`: the hello and the index just past its
-/// newline. Bytes before the hello are stale and skipped.
-pub fn find_hello(buf: &[u8]) -> Option<(Hello<'_>, usize)> {
-    let mut from = 0;
-    while let Some(found) = memchr::memmem::find(&buf[from..], HOST_HELLO) {
-        let start = from + found + HOST_HELLO.len();
-        let rest = &buf[start..];
-        let end = memchr::memchr(b'\n', &rest[..rest.len().min(MAX_HELLO_REST + 1)]);
-        match end {
-            // Unfinished: wait for more.
-            None if rest.len() <= MAX_HELLO_REST => return None,
-            Some(end) => {
-                if let Some(hello) = parse_hello(&rest[..end]) {
-                    return Some((hello, start + end + 1));
-                }
-            }
-            None => {}
-        }
-        from = start;
-    }
-    None
-}
+// The lines, their parsers and the limits are the contract's; the
+// reading and the skipping are this side's.
+use cove_protocol::handshake::{classify, guest_answer, repeat_line, Repeat, HELLO_WINDOW};
+pub use cove_protocol::handshake::{find_hello, Hello};
 
 /// Reads until the host's hello; returns its nonce, its time and what
 /// followed it.
@@ -112,9 +64,8 @@ pub async fn await_host_hello<R: AsyncRead + Unpin>(
             return Ok((hello.nonce.to_owned(), hello.unix_ns, buf[end..].to_vec()));
         }
         // Keep only what could still be the start of a hello.
-        let keep = HOST_HELLO.len() + MAX_HELLO_REST + 1;
-        if buf.len() > keep {
-            buf.drain(..buf.len() - keep);
+        if buf.len() > HELLO_WINDOW {
+            buf.drain(..buf.len() - HELLO_WINDOW);
         }
     }
 }
@@ -128,38 +79,6 @@ struct SkipRepeats<T> {
     offset: usize,
     skipping: bool,
     inner: T,
-}
-
-/// What the start of `pending` is, with respect to a repeated hello that
-/// starts with `line` (`COVE-HOST-HELLO <nonce>`; the time after it differs
-/// between repeats).
-#[derive(Debug, PartialEq, Eq)]
-enum Repeat {
-    /// A whole repeat this many bytes long: drop it.
-    Whole(usize),
-    /// Could still become one: read more.
-    Partial,
-    /// Something else: repeats are over.
-    No,
-}
-
-fn classify(pending: &[u8], line: &[u8]) -> Repeat {
-    if pending.len() <= line.len() {
-        return if line.starts_with(pending) {
-            Repeat::Partial
-        } else {
-            Repeat::No
-        };
-    }
-    if !pending.starts_with(line) || !matches!(pending[line.len()], b' ' | b'\n') {
-        return Repeat::No;
-    }
-    let rest = &pending[line.len()..];
-    match memchr::memchr(b'\n', &rest[..rest.len().min(MAX_HELLO_REST + 1)]) {
-        Some(end) => Repeat::Whole(line.len() + end + 1),
-        None if rest.len() <= MAX_HELLO_REST => Repeat::Partial,
-        None => Repeat::No,
-    }
 }
 
 impl<T: AsyncRead + Unpin> AsyncRead for SkipRepeats<T> {
@@ -285,13 +204,10 @@ async fn session(path: &Path, streams: &mpsc::UnboundedSender<Connection>) -> io
             tracing::warn!(%error, "could not set the clock from the host's hello");
         }
     }
-    port.write_all(format!("{GUEST_HELLO}{nonce}\n").as_bytes())
-        .await?;
+    port.write_all(guest_answer(&nonce).as_bytes()).await?;
     tracing::info!("host session started");
-    let mut hello = HOST_HELLO.to_vec();
-    hello.extend_from_slice(nonce.as_bytes());
     let io = SkipRepeats {
-        line: hello,
+        line: repeat_line(&nonce),
         buffer: rest,
         offset: 0,
         skipping: true,
@@ -331,46 +247,6 @@ async fn wait_for_host(port: &Port) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_hello_is_found_after_stale_bytes() {
-        let buf = b"\x00\x02garbageCOVE-HOST-HELLO abc123 t=1700000000000000000\nyamux";
-        let (hello, end) = find_hello(buf).unwrap();
-        assert_eq!(hello.nonce, "abc123");
-        assert_eq!(hello.unix_ns, Some(1_700_000_000_000_000_000));
-        assert_eq!(&buf[end..], b"yamux");
-        let (hello, _) = find_hello(b"COVE-HOST-HELLO n0\n").unwrap();
-        assert_eq!((hello.nonce, hello.unix_ns), ("n0", None));
-    }
-
-    #[test]
-    fn an_unfinished_or_bad_hello_is_not_taken() {
-        assert!(find_hello(b"COVE-HOST-HELLO abc").is_none());
-        assert!(find_hello(b"COVE-HOST-HELLO a b\n").is_none());
-        assert!(find_hello(b"COVE-HOST-HELLO a t=x\n").is_none());
-        assert!(find_hello(b"COVE-HOST-HELLO \n").is_none());
-        let long = format!("COVE-HOST-HELLO {}\n", "a".repeat(MAX_HELLO_REST + 1));
-        assert!(find_hello(long.as_bytes()).is_none());
-        // A bad hello does not hide a good one after it.
-        let (hello, _) = find_hello(b"COVE-HOST-HELLO a b\nCOVE-HOST-HELLO ok\n").unwrap();
-        assert_eq!(hello.nonce, "ok");
-    }
-
-    #[test]
-    fn repeats_are_told_from_what_follows() {
-        let line = b"COVE-HOST-HELLO n";
-        assert_eq!(
-            classify(b"COVE-HOST-HELLO n t=5\n\x00\x00", line),
-            Repeat::Whole(22)
-        );
-        assert_eq!(classify(b"COVE-HOST-HELLO n\n", line), Repeat::Whole(18));
-        assert_eq!(classify(b"COVE-HOST-HELLO n t=", line), Repeat::Partial);
-        assert_eq!(classify(b"COVE-HO", line), Repeat::Partial);
-        assert_eq!(classify(b"", line), Repeat::Partial);
-        assert_eq!(classify(b"\x00\x01\x00", line), Repeat::No);
-        assert_eq!(classify(b"COVE-HOST-HELLO m t=1\n", line), Repeat::No);
-        assert_eq!(classify(b"COVE-HOST-HELLO nn\n", line), Repeat::No);
-    }
 
     #[tokio::test]
     async fn repeated_hellos_are_dropped_before_the_session() {

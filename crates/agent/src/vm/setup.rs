@@ -15,6 +15,7 @@
 //!   virtio-fs device at its path (see [`super::volumes`]). `"entrypoint"`:
 //!   the image's ENTRYPOINT and CMD, started in the `entrypoint` session
 //!   unless that session exists (see [`crate::entrypoint`]). Answers `{}`.
+//!   The message is `cove_protocol::IdentityRequest`, shared with the host.
 //! - `POST /cove/vm/sync` before the host stops the VM: writes out every
 //!   filesystem, so files survive the stop.
 #![allow(unsafe_code)]
@@ -29,7 +30,7 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::routing::post;
 use axum::Router;
-use serde::Deserialize;
+use cove_protocol::identity::{IdentityRequest, IDENTITY_PATH, SYNC_PATH};
 use serde_json::{json, Value};
 
 use crate::error::{ApiError, Json};
@@ -37,36 +38,9 @@ use crate::session::Registry;
 
 pub fn routes(sessions: Arc<Registry>) -> Router {
     Router::new()
-        .route("/cove/vm/identity", post(identity))
-        .route("/cove/vm/sync", post(sync))
+        .route(IDENTITY_PATH, post(identity))
+        .route(SYNC_PATH, post(sync))
         .with_state(sessions)
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct IdentityRequest {
-    hostname: String,
-    #[serde(default)]
-    env: BTreeMap<String, String>,
-    unix_time_ns: Option<u64>,
-    #[serde(default)]
-    entropy: String,
-    /// Whether the root filesystem may be smaller than its disk: after a
-    /// boot, or when the host has just grown the disk. Growing flushes the
-    /// journal, which is slow under emulation, so it is skipped otherwise.
-    #[serde(default)]
-    grow_root: bool,
-    /// The size the root disk has now; after a resize the guest may take a
-    /// moment to see it.
-    disk_bytes: Option<u64>,
-    #[serde(default)]
-    network: Option<super::network::GuestNetwork>,
-    #[serde(default)]
-    volumes: Vec<super::volumes::GuestVolume>,
-    /// The image's ENTRYPOINT and CMD; started unless already running (a
-    /// fork or a resume keeps the one in its memory).
-    #[serde(default)]
-    entrypoint: Vec<String>,
 }
 
 /// The variables the last identity call set, with the values they replaced

@@ -4,19 +4,12 @@
 //! never continues from saved memory (QEMU cannot save a virtio-fs device).
 
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
+/// What the host sends in the identity call's `volumes` (the contract is
+/// cove-protocol's).
+pub use cove_protocol::GuestVolume;
 use nix::mount::{mount, MsFlags};
-use serde::Deserialize;
-
-/// What the host sends in the identity call's `volumes`.
-#[derive(Clone, Debug, Deserialize)]
-pub struct GuestVolume {
-    /// The virtio-fs tag of the device.
-    pub tag: String,
-    /// Where the volume appears in the guest (absolute).
-    pub path: PathBuf,
-}
 
 /// Mounts each volume that is not mounted yet.
 pub fn mount_all(volumes: &[GuestVolume]) -> io::Result<()> {

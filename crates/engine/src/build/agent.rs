@@ -1,5 +1,6 @@
 //! The agent calls the image builder makes on a build sandbox's agent
-//! socket, all of them the agent's own contract with the server: `POST
+//! socket, all of them the agent's own contract with the server
+//! (`cove-protocol`, carried by `cove-agent-client`): `POST
 //! /process/execute` for `RUN`; `GET /files/info` and cove's `POST
 //! /cove/unpack` for `COPY`/`ADD`.
 
@@ -7,11 +8,10 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
+use cove_agent_client::{report, AgentClient, AgentError, UnixSocket};
+use cove_protocol::{ExecuteRequest, UnpackQuery};
 use futures_util::TryStreamExt as _;
-use http_body_util::{BodyExt as _, Full};
-use hyper::body::Bytes;
-use hyper_util::rt::TokioIo;
-use serde::{Deserialize, Serialize};
+use http_body_util::BodyExt as _;
 
 /// A `RUN` may install a toolchain; it still ends some day.
 pub const RUN_TIMEOUT: Duration = Duration::from_secs(60 * 60);
@@ -19,26 +19,32 @@ pub const RUN_TIMEOUT: Duration = Duration::from_secs(60 * 60);
 /// whole output comes back in `/process/execute`'s JSON. The sandbox runs
 /// the Dockerfile's commands, so its answers are not trusted to end.
 pub const ANSWER_LIMIT: usize = 8 << 20;
-/// The most of a response head (status line and headers) that is read.
-const HEAD_LIMIT: usize = 64 << 10;
-
-#[derive(Serialize)]
-#[serde(rename_all = "camelCase")]
-struct ExecuteRequest<'a> {
-    command: &'a str,
-    cwd: Option<&'a str>,
-    envs: &'a BTreeMap<String, String>,
-    timeout: u64,
-}
 
 /// What `/process/execute` answers.
-#[derive(Debug, Deserialize)]
-#[serde(rename_all = "camelCase")]
-pub struct Executed {
-    pub exit_code: i32,
-    pub result: String,
-    #[serde(default)]
-    pub timed_out: bool,
+pub type Executed = cove_protocol::ExecuteResponse;
+
+/// The agent of build sandbox `sandbox`, listening on `socket`.
+fn agent(sandbox: &str, socket: &Path) -> AgentClient<UnixSocket> {
+    AgentClient::new(sandbox, UnixSocket(socket.to_owned()), ANSWER_LIMIT)
+}
+
+/// The builder's words for what went wrong: an answer past the limit is
+/// the `RUN` step's to fix.
+fn failure(sandbox: &str, error: AgentError) -> String {
+    match error {
+        AgentError::TooLarge { limit, .. } => format!(
+            "the agent of build sandbox {sandbox} answered more than {} MiB; \
+             a RUN step's output must stay under that (send it to a file)",
+            limit >> 20
+        ),
+        AgentError::Refused { status, body, .. } => {
+            format!("the build sandbox's agent refused the step: {status} {body}")
+        }
+        error => format!(
+            "talking to the agent of build sandbox {sandbox}: {}",
+            report(&error)
+        ),
+    }
 }
 
 /// Runs `argv` (quoted for the agent's shell) in `cwd` with `envs` added,
@@ -55,83 +61,16 @@ pub async fn execute(
         .map(|w| shell_quote(w))
         .collect::<Vec<_>>()
         .join(" ");
-    let body = serde_json::to_vec(&ExecuteRequest {
-        command: &command,
-        cwd,
-        envs,
-        timeout: RUN_TIMEOUT.as_secs(),
-    })
-    .map_err(|e| e.to_string())?;
-    let request = hyper::Request::post("/process/execute")
-        .header(hyper::header::CONTENT_TYPE, "application/json")
-        .body(
-            Full::new(Bytes::from(body))
-                .map_err(|e| match e {})
-                .boxed_unsync(),
-        )
-        .map_err(|e| e.to_string())?;
-    let (status, body) = send(sandbox, socket, request).await?;
-    if !status.is_success() {
-        return Err(format!(
-            "the build sandbox's agent refused the step: {status} {}",
-            String::from_utf8_lossy(&body)
-        ));
-    }
-    serde_json::from_slice(&body).map_err(|e| format!("the build sandbox's agent answered {e}"))
-}
-
-type Body = http_body_util::combinators::UnsyncBoxBody<Bytes, std::io::Error>;
-
-/// Sends one request over a new connection to the agent at `socket`; the
-/// answer's head and body are read up to their limits, never further.
-async fn send(
-    sandbox: &str,
-    socket: &Path,
-    mut request: hyper::Request<Body>,
-) -> Result<(hyper::StatusCode, Bytes), String> {
-    let stream = tokio::net::UnixStream::connect(socket)
+    let request = ExecuteRequest {
+        command,
+        cwd: cwd.map(str::to_owned),
+        envs: Some(envs.clone()),
+        timeout: Some(RUN_TIMEOUT.as_secs()),
+    };
+    agent(sandbox, socket)
+        .execute(&request)
         .await
-        .map_err(|e| format!("connecting to the agent of build sandbox {sandbox}: {e}"))?;
-    let (mut sender, connection) = hyper::client::conn::http1::Builder::new()
-        .max_buf_size(HEAD_LIMIT.max(8192))
-        .handshake(TokioIo::new(stream))
-        .await
-        .map_err(|e| format!("talking to the agent of build sandbox {sandbox}: {e}"))?;
-    tokio::spawn(async move {
-        if let Err(error) = connection.await {
-            tracing::debug!(%error, "build agent connection ended");
-        }
-    });
-    request.headers_mut().insert(
-        hyper::header::HOST,
-        hyper::header::HeaderValue::from_static("sandbox"),
-    );
-    let response = sender
-        .send_request(request)
-        .await
-        .map_err(|e| format!("sending the step to build sandbox {sandbox}: {e}"))?;
-    let status = response.status();
-    let body = read_bounded(sandbox, response.into_body(), ANSWER_LIMIT).await?;
-    Ok((status, body))
-}
-
-/// Reads a whole body of at most `limit` bytes from build sandbox `sandbox`.
-async fn read_bounded<B>(sandbox: &str, body: B, limit: usize) -> Result<Bytes, String>
-where
-    B: hyper::body::Body,
-    B::Error: std::error::Error + Send + Sync + 'static,
-{
-    match http_body_util::Limited::new(body, limit).collect().await {
-        Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(format!(
-            "the agent of build sandbox {sandbox} answered more than {} MiB; \
-             a RUN step's output must stay under that (send it to a file)",
-            limit >> 20
-        )),
-        Err(e) => Err(format!(
-            "reading the answer of build sandbox {sandbox}: {e}"
-        )),
-    }
+        .map_err(|e| failure(sandbox, e))
 }
 
 /// Whether `path` (absolute, in the build sandbox) is a directory; a path
@@ -141,13 +80,12 @@ pub async fn is_dir(sandbox: &str, socket: &Path, path: &str) -> Result<bool, St
         .append_pair("path", path)
         .finish();
     let request = hyper::Request::get(format!("/files/info?{query}"))
-        .body(
-            Full::new(Bytes::new())
-                .map_err(|e| match e {})
-                .boxed_unsync(),
-        )
+        .body(cove_agent_client::empty())
         .map_err(|e| e.to_string())?;
-    let (status, body) = send(sandbox, socket, request).await?;
+    let (status, body) = agent(sandbox, socket)
+        .call(request)
+        .await
+        .map_err(|e| failure(sandbox, e))?;
     if status == hyper::StatusCode::NOT_FOUND {
         return Ok(false);
     }
@@ -173,25 +111,21 @@ pub async fn unpack(
     let file = tokio::fs::File::open(archive)
         .await
         .map_err(|e| format!("{}: {e}", archive.display()))?;
-    let frames = tokio_util::io::ReaderStream::new(file).map_ok(hyper::body::Frame::data);
-    let mut uri = "/cove/unpack".to_owned();
-    if let Some(owner) = owner {
-        uri.push('?');
-        uri.push_str(
-            &url::form_urlencoded::Serializer::new(String::new())
-                .append_pair("owner", owner)
-                .finish(),
-        );
+    let frames = tokio_util::io::ReaderStream::new(file)
+        .map_ok(hyper::body::Frame::data)
+        .map_err(cove_agent_client::BoxError::from);
+    let query = UnpackQuery {
+        owner: owner.map(str::to_owned),
+    };
+    let body = http_body_util::StreamBody::new(frames).boxed_unsync();
+    match agent(sandbox, socket).unpack(&query, body).await {
+        Ok(_) => Ok(()),
+        Err(AgentError::Refused { body, .. }) => Err(format!(
+            "copying into the image: {}",
+            agent_message(body.as_bytes())
+        )),
+        Err(error) => Err(failure(sandbox, error)),
     }
-    let request = hyper::Request::post(uri)
-        .header(hyper::header::CONTENT_TYPE, "application/x-tar")
-        .body(http_body_util::StreamBody::new(frames).boxed_unsync())
-        .map_err(|e| e.to_string())?;
-    let (status, body) = send(sandbox, socket, request).await?;
-    if !status.is_success() {
-        return Err(format!("copying into the image: {}", agent_message(&body)));
-    }
-    Ok(())
 }
 
 /// The message of an agent's JSON error, else its body.
@@ -235,6 +169,9 @@ mod tests {
         (dir, socket)
     }
 
+    /// Attack: a `RUN` that prints gigabytes made the server read the
+    /// agent's whole answer into memory. Now reading stops at the limit
+    /// and the step fails saying why.
     #[tokio::test]
     async fn an_endless_answer_is_cut_at_the_limit() {
         let (_dir, socket) =
@@ -257,18 +194,6 @@ mod tests {
         let (_dir, socket) = hostile_agent(b"HTTP/1.1 200 OK\r\nX-Endless: ");
         let error = is_dir("build-2", &socket, "/").await.unwrap_err();
         assert!(error.contains("build sandbox build-2"), "{error}");
-    }
-
-    /// Attack: a `RUN` that prints gigabytes made the server read the
-    /// agent's whole answer into memory. Now reading stops at the limit
-    /// and the step fails saying why.
-    #[tokio::test]
-    async fn an_answer_over_the_limit_is_refused() {
-        let small = Full::new(Bytes::from(vec![b'x'; 1000]));
-        assert_eq!(read_bounded("b", small, 1000).await.unwrap().len(), 1000);
-        let large = Full::new(Bytes::from(vec![b'x'; 3 << 20]));
-        let error = read_bounded("b", large, 2 << 20).await.unwrap_err();
-        assert!(error.contains("more than 2 MiB"), "{error}");
     }
 
     #[test]

@@ -23,7 +23,7 @@ const BASE_ENV: [(&str, &str); 3] = [
 ];
 
 /// Names the inherited listening socket; set by the container init, never by the spec.
-pub const LISTEN_FD_ENV: &str = "COVE_AGENT_LISTEN_FD";
+pub use cove_protocol::env::LISTEN_FD as LISTEN_FD_ENV;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct InitArgs {
@@ -89,10 +89,6 @@ impl InitArgs {
     }
 }
 
-fn image_setting_names() -> impl Iterator<Item = &'static str> {
-    ["COVE_WORKDIR", "COVE_USER", "COVE_ENTRYPOINT"].into_iter()
-}
-
 /// The agent's environment: the base, then the spec's variables (which win), minus the
 /// listen fd variable, which only the container init may set.
 pub fn agent_env(spec: &crate::SandboxSpec) -> Vec<(String, String)> {
@@ -102,21 +98,21 @@ pub fn agent_env(spec: &crate::SandboxSpec) -> Vec<(String, String)> {
         .collect();
     // The image's settings are the agent's (`COVE_*` never reach a sandbox
     // process); a spec's own variables cannot override them.
-    let command = (!spec.command.is_empty())
-        .then(|| serde_json::to_string(&spec.command).expect("strings serialize"));
-    let image = [
-        ("COVE_WORKDIR", &spec.workdir),
-        ("COVE_USER", &spec.user),
-        ("COVE_ENTRYPOINT", &command),
-    ];
-    let image: Vec<(String, String)> = image
-        .into_iter()
-        .filter_map(|(key, value)| value.as_ref().map(|v| (key.to_owned(), v.clone())))
-        .collect();
+    let image = cove_protocol::AgentEnv {
+        workdir: spec.workdir.clone(),
+        user: spec.user.clone(),
+        entrypoint: spec.command.clone(),
+        ..Default::default()
+    }
+    .to_env();
     for (key, value) in spec
         .env
         .iter()
-        .filter(|(k, _)| image_setting_names().all(|name| k != name))
+        .filter(|(k, _)| {
+            cove_protocol::env::IMAGE_SETTINGS
+                .iter()
+                .all(|name| k != name)
+        })
         .chain(&image)
     {
         if key == LISTEN_FD_ENV || key.is_empty() || key.contains('=') || key.contains('\0') {
@@ -236,7 +232,7 @@ mod tests {
         let env = agent_env(&spec);
         assert!(env
             .iter()
-            .all(|(k, _)| image_setting_names().all(|n| k != n)));
+            .all(|(k, _)| cove_protocol::env::IMAGE_SETTINGS.iter().all(|n| k != n)));
         spec.workdir = Some("/app".into());
         spec.user = Some("nobody".into());
         spec.command = vec!["nginx".into(), "-g".into(), "daemon off;".into()];

@@ -7,9 +7,11 @@ use std::io;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use cove_agent_client::{AgentClient, BoxFuture, Dial};
+use cove_protocol::{GuestNetwork, GuestVolume, IdentityRequest};
 use tokio::sync::oneshot;
 
-use super::bridge::{self, Bridge, Session};
+use super::bridge::{self, AgentStream, Bridge, Session};
 use super::layout::VmLayout;
 use super::machine::{self, Boot, Machine};
 use super::saved::SavedMachine;
@@ -40,10 +42,30 @@ impl RunningVm {
     /// Has the agent write out what the guest holds in its page cache;
     /// whether it did, within [`SYNC_TIMEOUT`].
     pub async fn flush_guest_disks(&self) -> bool {
-        let synced =
-            tokio::time::timeout(SYNC_TIMEOUT, self.session.post("/cove/vm/sync", "{}")).await;
-        matches!(synced, Ok(Ok((200, _))))
+        let synced = tokio::time::timeout(SYNC_TIMEOUT, agent(&self.session).sync()).await;
+        matches!(synced, Ok(Ok(_)))
     }
+}
+
+/// The agent of a VM, reached over its session's streams (the runtime's own
+/// calls; the server's go through the bridge's socket).
+#[derive(Clone)]
+pub(super) struct OverSession(Session);
+
+impl Dial for OverSession {
+    type Io = AgentStream;
+    type Error = io::Error;
+
+    fn dial(&self, _: &str) -> BoxFuture<io::Result<AgentStream>> {
+        let session = self.0.clone();
+        Box::pin(async move { session.open().await })
+    }
+}
+
+/// A client of the agent on `session`, its answers bounded at
+/// [`bridge::ANSWER_LIMIT`].
+pub(super) fn agent(session: &Session) -> AgentClient<OverSession> {
+    AgentClient::new("vm", OverSession(session.clone()), bridge::ANSWER_LIMIT)
 }
 
 impl Drop for RunningVm {
@@ -167,35 +189,37 @@ impl Identity {
             .unwrap_or_default()
             .as_nanos() as u64;
         let entropy = bridge::random_hex(64).map_err(|e| format!("read random bytes: {e}"))?;
-        let body = serde_json::json!({
-            "hostname": self.hostname,
-            "env": self.env,
-            "unixTimeNs": now,
-            "entropy": entropy,
-            "growRoot": grow_root,
-            "diskBytes": self.disk_bytes,
-            "network": self.network.as_ref().map(|(tap, resolv_conf)| serde_json::json!({
-                "mac": qemu::mac_text(&tap.mac),
-                "address": tap.address.to_string(),
-                "prefixLen": tap.prefix_len,
-                "gateway": tap.gateway.to_string(),
-                "resolvConf": resolv_conf,
-            })),
-            "volumes": self.volumes.iter().enumerate().map(|(index, volume)| serde_json::json!({
-                "tag": shares::tag(index),
-                "path": volume.target,
-            })).collect::<Vec<_>>(),
-            "entrypoint": self.command,
-        });
-        let (status, answer) = session
-            .post("/cove/vm/identity", &body.to_string())
-            .await
-            .map_err(|e| format!("tell the agent its identity: {e}"))?;
-        if status != 200 {
-            return Err(format!(
-                "the agent refused its identity ({status}): {answer}"
-            ));
-        }
+        let request = IdentityRequest {
+            hostname: self.hostname.clone(),
+            env: self.env.clone(),
+            unix_time_ns: Some(now),
+            entropy,
+            grow_root,
+            disk_bytes: Some(self.disk_bytes),
+            network: self
+                .network
+                .as_ref()
+                .map(|(tap, resolv_conf)| GuestNetwork {
+                    mac: qemu::mac_text(&tap.mac),
+                    address: tap.address,
+                    prefix_len: tap.prefix_len,
+                    gateway: tap.gateway,
+                    resolv_conf: resolv_conf.clone(),
+                }),
+            volumes: (self.volumes.iter().enumerate())
+                .map(|(index, volume)| GuestVolume {
+                    tag: shares::tag(index),
+                    path: volume.target.clone(),
+                })
+                .collect(),
+            entrypoint: self.command.clone(),
+        };
+        agent(session).identity(&request).await.map_err(|e| {
+            format!(
+                "tell the agent its identity: {}",
+                cove_agent_client::report(&e)
+            )
+        })?;
         Ok(())
     }
 }

@@ -5,52 +5,49 @@
 //! runs yamux on it as the client. The server's toolbox proxy speaks HTTP to
 //! a Unix socket per sandbox ([`Bridge`]'s listener): every connection
 //! accepted there becomes one yamux stream to the agent, copied both ways.
-//! Nothing here parses the HTTP, except the runtime's own calls
-//! ([`Session::post`]).
+//! Nothing here speaks HTTP: the runtime's own calls go through
+//! `cove-agent-client` over [`Session::open`]'s streams.
 //!
-//! The handshake (the agent's `vm::session` has the other half and explains
-//! why it looks like this): the host sends [`FILLER_BYTES`] bytes of 0xff and
-//! `COVE-HOST-HELLO <nonce> t=<unix ns>\n`, repeats the hello line (with the
-//! time of each send: the agent sets its clock from it) until the agent
-//! answers `COVE-GUEST-HELLO <nonce>\n`, and reads past anything before that
-//! answer: a VM restored from saved memory may still send bytes of its
-//! previous host's session. The filler makes a stale yamux session in the
-//! guest fail at once: it is no valid frame header, and longer than the
-//! partial frame the host may have left, since frames to the guest are split
-//! at [`SPLIT_SEND_SIZE`].
+//! The handshake (its lines, parsers and constants are
+//! `cove_protocol::handshake`; the agent's `vm::session` has the other half
+//! and explains why it looks like this): the host sends [`FILLER_BYTES`]
+//! bytes of 0xff and `COVE-HOST-HELLO <nonce> t=<unix ns>\n`, repeats the
+//! hello line (with the time of each send: the agent sets its clock from it)
+//! until the agent answers `COVE-GUEST-HELLO <nonce>\n`, and reads past
+//! anything before that answer: a VM restored from saved memory may still
+//! send bytes of its previous host's session. The filler makes a stale yamux
+//! session in the guest fail at once: it is no valid frame header, and longer
+//! than the partial frame the host may have left, since frames to the guest
+//! are split at [`SPLIT_SEND_SIZE`].
 
 // `fuzz/fuzz_targets/agent_frames.rs` compiles this file on its own (`#[path]`,
 // sparing the fuzz build this crate's dependencies): it must use nothing else
-// of the crate, and what the target drives is `pub(crate)`.
+// of the crate but cove-protocol, and what the target drives is `pub(crate)`.
 use std::io;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use cove_protocol::handshake::{
+    after_answer, guest_answer, host_hello, FILLER, FILLER_BYTES, SPLIT_SEND_SIZE,
+};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::{UnixListener, UnixStream};
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinSet;
 use tokio_util::compat::{Compat, FuturesAsyncReadCompatExt, TokioAsyncReadCompatExt};
 
-const HOST_HELLO: &str = "COVE-HOST-HELLO ";
-const GUEST_HELLO: &[u8] = b"COVE-GUEST-HELLO ";
-/// Largest data frame the host sends (yamux's default, set explicitly
-/// because the filler's length depends on it).
-const SPLIT_SEND_SIZE: usize = 16 << 10;
-/// Longer than a frame header and the largest frame body together.
-const FILLER_BYTES: usize = SPLIT_SEND_SIZE + 4096;
 /// How often the hello is repeated until the agent answers: often while a
 /// restored guest is expected to answer within milliseconds, then less.
 const HELLO_REPEAT_FAST: Duration = Duration::from_millis(5);
 const HELLO_REPEAT_SLOW: Duration = Duration::from_millis(250);
 const FAST_REPEATS: u32 = 100;
 
-/// The most of an answer to [`Session::post`] that is read (head and body):
-/// the runtime's own calls answer small JSON, and the guest is not trusted
-/// to stop.
-pub const ANSWER_LIMIT: u64 = 1 << 20;
+/// The most of an answer to the runtime's own calls that is read (its
+/// body; heads are bounded by the client): they answer small JSON, and the
+/// guest is not trusted to stop.
+pub const ANSWER_LIMIT: usize = 1 << 20;
 
 /// One yamux stream to the agent.
 pub type AgentStream = Compat<yamux::Stream>;
@@ -105,87 +102,6 @@ impl Session {
             Err(_) => Err(closed()),
         }
     }
-
-    /// One HTTP/1.1 POST of a JSON body to the agent; answers the status and
-    /// body, or an error once the answer passes [`ANSWER_LIMIT`].
-    pub async fn post(&self, path: &str, body: &str) -> io::Result<(u16, String)> {
-        post_on(self.open().await?, path, body).await
-    }
-}
-
-/// [`Session::post`] on one stream.
-pub(crate) async fn post_on<S>(mut stream: S, path: &str, body: &str) -> io::Result<(u16, String)>
-where
-    S: AsyncRead + AsyncWrite + Unpin,
-{
-    let request = format!(
-        "POST {path} HTTP/1.1\r\nHost: agent\r\nContent-Type: application/json\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-        body.len()
-    );
-    stream.write_all(request.as_bytes()).await?;
-    stream.flush().await?;
-    let mut response = Vec::new();
-    (&mut stream)
-        .take(ANSWER_LIMIT + 1)
-        .read_to_end(&mut response)
-        .await?;
-    if response.len() as u64 > ANSWER_LIMIT {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!(
-                "the agent's answer to POST {path} is longer than {ANSWER_LIMIT} bytes; cove reads no more"
-            ),
-        ));
-    }
-    parse_response(&response)
-}
-
-/// The status and body of a complete `Connection: close` response.
-pub(crate) fn parse_response(response: &[u8]) -> io::Result<(u16, String)> {
-    let bad = |what: &str| io::Error::new(io::ErrorKind::InvalidData, what.to_owned());
-    let head_end = response
-        .windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .ok_or_else(|| bad("the agent's response has no header end"))?;
-    let head = String::from_utf8_lossy(&response[..head_end]);
-    let body = &response[head_end + 4..];
-    let status = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| bad("the agent's response has no status"))?;
-    let chunked = head.lines().any(|l| {
-        l.to_ascii_lowercase()
-            .starts_with("transfer-encoding: chunked")
-    });
-    let body = if chunked {
-        dechunk(body)
-    } else {
-        body.to_vec()
-    };
-    Ok((status, String::from_utf8_lossy(&body).into_owned()))
-}
-
-/// The data of a chunked body. Chunk sizes count bytes, so this reads bytes:
-/// cut as text, a chunk ending inside a character would panic.
-fn dechunk(mut body: &[u8]) -> Vec<u8> {
-    let mut out = Vec::new();
-    while let Some(line_end) = body.windows(2).position(|w| w == b"\r\n") {
-        let size = std::str::from_utf8(&body[..line_end])
-            .ok()
-            .and_then(|size| usize::from_str_radix(size.trim(), 16).ok());
-        let rest = &body[line_end + 2..];
-        let Some(size) = size.filter(|&size| size > 0 && size <= rest.len()) else {
-            break;
-        };
-        out.extend_from_slice(&rest[..size]);
-        body = &rest[size..];
-        while let Some(after) = body.strip_prefix(b"\r\n") {
-            body = after;
-        }
-    }
-    out
 }
 
 fn nonce() -> io::Result<String> {
@@ -206,12 +122,10 @@ pub(crate) async fn handshake(
     mut socket: UnixStream,
     nonce: &str,
 ) -> io::Result<(Vec<u8>, UnixStream)> {
-    let mut first = vec![0xffu8; FILLER_BYTES];
+    let mut first = vec![FILLER; FILLER_BYTES];
     first.extend_from_slice(hello(nonce).as_bytes());
     socket.write_all(&first).await?;
-    let mut wanted = GUEST_HELLO.to_vec();
-    wanted.extend_from_slice(nonce.as_bytes());
-    wanted.push(b'\n');
+    let wanted = guest_answer(nonce).into_bytes();
     let mut seen = Vec::with_capacity(256);
     let mut chunk = [0u8; 4096];
     let mut repeats = 0u32;
@@ -250,19 +164,7 @@ fn hello(nonce: &str) -> String {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_nanos();
-    format!("{HOST_HELLO}{nonce} t={now}\n")
-}
-
-/// What follows `wanted` in `seen`, once it is there; otherwise trims `seen`
-/// to what could still be the start of it.
-fn after_answer(seen: &mut Vec<u8>, wanted: &[u8]) -> Option<Vec<u8>> {
-    if let Some(at) = seen.windows(wanted.len()).position(|w| w == wanted) {
-        return Some(seen[at + wanted.len()..].to_vec());
-    }
-    if seen.len() > wanted.len() {
-        seen.drain(..seen.len() - wanted.len());
-    }
-    None
+    host_hello(nonce, now)
 }
 
 /// Drives the yamux connection: opens the streams asked for and keeps the
@@ -396,73 +298,77 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for Prefixed<T> {
 
 #[cfg(test)]
 mod tests {
+    use cove_agent_client::{AgentClient, AgentError, BoxFuture, Dial};
+    use cove_protocol::handshake::HOST_HELLO;
+    use cove_protocol::IdentityRequest;
+
     use super::*;
+
+    /// A guest whose every stream answers `head` and then bytes that never
+    /// stop, as the runtime's client sees it.
+    #[derive(Clone)]
+    struct Endless(&'static [u8]);
+
+    impl Dial for Endless {
+        type Io = tokio::io::DuplexStream;
+        type Error = io::Error;
+
+        fn dial(&self, _: &str) -> BoxFuture<io::Result<tokio::io::DuplexStream>> {
+            let head = self.0;
+            Box::pin(async move {
+                let (host, mut guest) = tokio::io::duplex(64 << 10);
+                tokio::spawn(async move {
+                    // Answer once asked: hyper refuses an unasked answer.
+                    let mut request = [0u8; 4096];
+                    let _ = guest.read(&mut request).await;
+                    let chunk = vec![b'x'; 64 << 10];
+                    let mut written = guest.write_all(head).await;
+                    while written.is_ok() {
+                        written = guest.write_all(&chunk).await;
+                    }
+                });
+                Ok(host)
+            })
+        }
+    }
 
     #[tokio::test]
     async fn an_endless_answer_is_cut_at_the_limit() {
-        let (host, mut guest) = tokio::io::duplex(64 << 10);
-        tokio::spawn(async move {
-            let chunk = vec![b'x'; 64 << 10];
-            let mut written = guest.write_all(b"HTTP/1.1 200 OK\r\n\r\n").await;
-            while written.is_ok() {
-                written = guest.write_all(&chunk).await;
-            }
-        });
-        let error = post_on(host, "/cove/vm/identity", "{}").await.unwrap_err();
-        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
-        assert!(error.to_string().contains("longer than"), "{error}");
+        let agent = AgentClient::new("vm-1", Endless(b"HTTP/1.1 200 OK\r\n\r\n"), ANSWER_LIMIT);
+        let error = agent
+            .identity(&IdentityRequest::default())
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(error, AgentError::TooLarge { limit, .. } if limit == ANSWER_LIMIT),
+            "{error:?}"
+        );
+        assert!(error.to_string().contains("more than"), "{error}");
     }
 
     #[tokio::test]
     async fn an_endless_header_is_cut_at_the_limit() {
-        let (host, mut guest) = tokio::io::duplex(64 << 10);
-        tokio::spawn(async move {
-            let chunk = vec![b'x'; 64 << 10];
-            let mut written = guest.write_all(b"HTTP/1.1 200 OK\r\nX-Endless: ").await;
-            while written.is_ok() {
-                written = guest.write_all(&chunk).await;
-            }
-        });
-        let error = post_on(host, "/cove/vm/sync", "{}").await.unwrap_err();
-        assert_eq!(error.kind(), io::ErrorKind::InvalidData);
-    }
-
-    #[test]
-    fn responses_parse_plain_and_chunked() {
-        let plain = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n{}";
-        assert_eq!(parse_response(plain).unwrap(), (200, "{}".to_owned()));
-        let chunked =
-            b"HTTP/1.1 400 Bad Request\r\ntransfer-encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n";
-        assert_eq!(parse_response(chunked).unwrap(), (400, "abcde".to_owned()));
-        assert!(parse_response(b"garbage").is_err());
-    }
-
-    /// Found by the `agent_frames` fuzz target: a chunk ending inside a
-    /// character was cut as text, which panicked the host's task.
-    #[test]
-    fn a_chunk_may_end_inside_a_character() {
-        let split = "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n1\r\né\r\n0\r\n\r\n";
-        assert_eq!(
-            parse_response(split.as_bytes()).unwrap(),
-            (200, "\u{fffd}".to_owned())
+        let agent = AgentClient::new(
+            "vm-2",
+            Endless(b"HTTP/1.1 200 OK\r\nX-Endless: "),
+            ANSWER_LIMIT,
         );
-        let whole =
-            "HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2\r\né\r\n1\r\n!\r\n0\r\n\r\n";
-        assert_eq!(
-            parse_response(whole.as_bytes()).unwrap(),
-            (200, "é!".to_owned())
-        );
+        let error = agent.sync().await.unwrap_err();
+        assert!(matches!(error, AgentError::Unanswered { .. }), "{error:?}");
     }
 
-    #[test]
-    fn the_answer_is_found_after_stale_bytes() {
-        let wanted = b"COVE-GUEST-HELLO abc\n";
-        let mut seen = b"old yamux bytesCOVE-GUEST-HELLO wrong\nCOVE-GUEST-HE".to_vec();
-        assert_eq!(after_answer(&mut seen, wanted), None);
-        assert!(seen.len() <= wanted.len());
-        seen.extend_from_slice(b"LLO abc\nrest");
-        let mut seen = [b"xx".as_slice(), &seen].concat();
-        assert_eq!(after_answer(&mut seen, wanted).unwrap(), b"rest");
+    /// The runtime's client over the session's streams.
+    #[derive(Clone)]
+    struct OverSession(Session);
+
+    impl Dial for OverSession {
+        type Io = AgentStream;
+        type Error = io::Error;
+
+        fn dial(&self, _: &str) -> BoxFuture<io::Result<AgentStream>> {
+            let session = self.0.clone();
+            Box::pin(async move { session.open().await })
+        }
     }
 
     /// A fake agent: answers the hello, then serves yamux streams that echo
@@ -473,7 +379,7 @@ mod tests {
         tokio::time::sleep(Duration::from_millis(70)).await;
         let mut seen = Vec::new();
         let mut buf = vec![0u8; 65536];
-        let prefix = HOST_HELLO.as_bytes();
+        let prefix = HOST_HELLO;
         let (nonce, end) = loop {
             let n = socket.read(&mut buf).await.unwrap();
             seen.extend_from_slice(&buf[..n]);
@@ -494,7 +400,7 @@ mod tests {
             .await
             .unwrap();
         // The repeats sent so far precede the first yamux byte: drop them.
-        let line = format!("{HOST_HELLO}{nonce} t=");
+        let line = format!("{}{nonce} t=", String::from_utf8_lossy(HOST_HELLO));
         let mut rest = String::from_utf8_lossy(&seen[end..]).into_owned();
         loop {
             if rest.starts_with(&line) {
@@ -549,9 +455,12 @@ mod tests {
         let (session, _driver) = Session::connect(&chardev, Duration::from_secs(10))
             .await
             .unwrap();
-        let (status, body) = session.post("/x", "{\"x\":1}").await.unwrap();
-        assert_eq!(status, 200);
-        assert!(body.parse::<usize>().unwrap() > 100, "{body}");
+        let agent = AgentClient::new("vm-3", OverSession(session.clone()), ANSWER_LIMIT);
+        let length: usize = agent
+            .post_json("/x", &serde_json::json!({ "x": 1 }))
+            .await
+            .unwrap();
+        assert!(length > 50, "{length}");
 
         let socket = dir.path().join("agent.sock");
         let bridge = Bridge::serve(&socket, session).unwrap();

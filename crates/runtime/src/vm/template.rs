@@ -172,7 +172,7 @@ async fn make(
     warm_up(&vm).await;
     let saved = async {
         // What the boot wrote reaches the disk, not only the guest's cache.
-        let _ = vm.session.post("/cove/vm/sync", "{}").await;
+        let _ = super::boot::agent(&vm.session).sync().await;
         vm.machine.pause_vcpus().await?;
         vm.machine.save_state(&partial.state()).await
     }
@@ -187,9 +187,10 @@ async fn make(
 
 /// Runs [`WARM_UP_COMMANDS`] in a machine; one that fails is only logged.
 pub(super) async fn warm_up(vm: &RunningVm) {
+    let agent = super::boot::agent(&vm.session);
     for command in WARM_UP_COMMANDS {
-        let body = serde_json::json!({ "command": command }).to_string();
-        if let Err(error) = vm.session.post("/process/execute", &body).await {
+        let request = cove_protocol::ExecuteRequest::new(command);
+        if let Err(error) = agent.execute(&request).await {
             tracing::debug!(%error, command, "warming a machine up");
         }
     }
