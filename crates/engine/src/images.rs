@@ -368,10 +368,11 @@ impl Engine {
         };
         if let Some(joined) = finished {
             let pulled = joined
-                .map_err(|e| EngineError::Runtime {
+                .map_err(|source| EngineError::Task {
+                    what: "snapshot",
                     id: request.name.clone(),
                     operation: "pull its image",
-                    reason: e.to_string(),
+                    source,
                 })
                 .and_then(|pulled| pulled);
             let source = match pulled {
@@ -474,10 +475,11 @@ impl Engine {
             })
         })
         .await
-        .map_err(|e| EngineError::Runtime {
+        .map_err(|source| EngineError::Task {
+            what: "snapshot",
             id: name.to_owned(),
             operation: "import its image",
-            reason: e.to_string(),
+            source,
         })?
         .map_err(|e| match e {
             cove_oci::OciError::OutsideRoot { reason, .. } => EngineError::OutsideImportDir {
@@ -508,7 +510,12 @@ impl Engine {
             cove_runtime::flatten::flatten(&rootfs, &layers, &flat)
         })
         .await
-        .map_err(|e| EngineError::Io(e.to_string()))?
+        .map_err(|source| EngineError::Task {
+            what: "image",
+            id: image.key.clone(),
+            operation: "be flattened",
+            source,
+        })?
         .map_err(|reason| EngineError::BuildFailed { reason })?;
         image.rootfs = dest.display().to_string();
         image.layers.clear();
