@@ -443,10 +443,13 @@ mod tests {
         fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
         check_public(&file).unwrap();
         fs::set_permissions(&file, fs::Permissions::from_mode(0o600)).unwrap();
-        assert!(check_public(&file).unwrap_err().contains("cannot read"));
+        assert!(check_public(&file)
+            .unwrap_err()
+            .to_string()
+            .contains("cannot read"));
         fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
         fs::set_permissions(&open, fs::Permissions::from_mode(0o700)).unwrap();
-        let refused = check_public(&file).unwrap_err();
+        let refused = check_public(&file).unwrap_err().to_string();
         assert!(refused.contains("cannot reach"), "{refused}");
     }
 
@@ -458,7 +461,7 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         fs::set_permissions(&device, fs::Permissions::from_mode(0o600)).unwrap();
         // Made by root here: group 0, mode 0600; both are refused.
-        let refused = kvm_group(&device).unwrap_err();
+        let refused = kvm_group(&device).unwrap_err().to_string();
         assert!(refused.contains("0660"), "{refused}");
         std::os::unix::fs::chown(&device, None, Some(4242)).unwrap();
         assert!(kvm_group(&device).is_err(), "mode 0600");
