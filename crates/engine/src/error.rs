@@ -81,8 +81,9 @@ pub enum EngineError {
     ClassUnavailable { class: &'static str },
     #[error("{what} is not implemented by cove yet")]
     NotImplemented { what: String },
-    /// The sandbox's runtime failed; its error says how.
-    #[error("sandbox {id} could not {operation}")]
+    /// The sandbox's runtime failed; its error says how (the message shows
+    /// it too, for whoever prints only the top; `describe` repeats nothing).
+    #[error("sandbox {id} could not {operation}: {source}")]
     Runtime {
         id: String,
         operation: &'static str,
@@ -90,7 +91,7 @@ pub enum EngineError {
         source: RuntimeError,
     },
     /// The sandbox network failed at `step` of the operation.
-    #[error("sandbox {id} could not {operation}: {step}")]
+    #[error("sandbox {id} could not {operation}: {step}: {source}")]
     Network {
         id: String,
         operation: &'static str,
@@ -106,7 +107,7 @@ pub enum EngineError {
         snapshot: String,
     },
     /// A volume's storage (its btrfs subvolume and quota) failed.
-    #[error("volume {id} could not {operation}: its storage failed")]
+    #[error("volume {id} could not {operation}: {source}")]
     VolumeStorage {
         id: String,
         operation: &'static str,
@@ -114,7 +115,7 @@ pub enum EngineError {
         source: cove_runtime::storage::StorageError,
     },
     /// The archive (object storage) failed.
-    #[error("sandbox {id} could not {operation}")]
+    #[error("sandbox {id} could not {operation}: {source}")]
     Archive {
         id: String,
         operation: &'static str,
@@ -144,7 +145,7 @@ pub enum EngineError {
         reason: String,
     },
     /// A file on this server could not be read or written.
-    #[error("cannot {action} {}", path.display())]
+    #[error("cannot {action} {}: {source}", path.display())]
     Io {
         action: &'static str,
         path: PathBuf,
