@@ -3,6 +3,9 @@ shared between them (issue 5)."""
 
 from __future__ import annotations
 
+import uuid
+from pathlib import Path
+
 import pytest
 from daytona import CreateSandboxFromSnapshotParams, DaytonaError, SandboxState, VolumeMount
 
@@ -119,7 +122,9 @@ def test_a_subpath_that_is_a_symlink_never_reaches_the_host(cove, sandboxes, vol
     attacker = with_volume(sandboxes, volume.id)
     attacker.process.exec("ln -s / /data/x && mkdir -p /data/real && ln -s /etc /data/real/etc")
     before = cove.sandbox_ids()
-    for subpath in ["x", "x/var/lib", "real/etc"]:
+    # A directory no one has on the host: made through the link, it would appear there.
+    probe = f"cove-probe-{uuid.uuid4().hex}"
+    for subpath in ["x", "x/var/lib", "real/etc", f"x/tmp/{probe}"]:
         reply = cove.request(
             "POST", "/sandbox", json={"volumes": [{"volumeId": volume.id, "mountPath": "/mnt", "subpath": subpath}]}
         )
@@ -128,7 +133,7 @@ def test_a_subpath_that_is_a_symlink_never_reaches_the_host(cove, sandboxes, vol
         assert "symlink" in message and volume.name in message and subpath.split("/")[0] in message, message
     # Nothing half-made, and nothing was created through the link on the host.
     assert cove.sandbox_ids() == before
-    assert not (cove.data_dir / "storage" / "volumes" / volume.id / "x" / "var" / "lib" / "cove").exists()
+    assert not (Path("/tmp") / probe).exists()
 
 
 def test_a_subpath_swapped_for_a_symlink_is_refused_at_the_next_start(cove, sandboxes, volume):

@@ -4,7 +4,31 @@
 
 use std::path::PathBuf;
 
+use nix::errno::Errno;
 use nix::unistd::{Gid, Group, Uid, User};
+
+/// Why the sandbox's user could not be resolved or become. The kernel's
+/// error is part of the message: callers print only this.
+#[derive(Debug, thiserror::Error)]
+pub enum UserError {
+    #[error("user {name:?} is not in the image's /etc/passwd")]
+    NoUser { name: String },
+    #[error("group {name:?} is not in the image's /etc/group")]
+    NoGroup { name: String },
+    #[error("reading the image's user database: {errno}")]
+    Lookup { errno: Errno },
+    #[error("{step}: {errno}")]
+    Become { step: String, errno: Errno },
+}
+
+fn lookup_failed(errno: Errno) -> UserError {
+    UserError::Lookup { errno }
+}
+
+fn become_failed(step: impl Into<String>) -> impl FnOnce(Errno) -> UserError {
+    let step = step.into();
+    move |errno| UserError::Become { step, errno }
+}
 
 /// Who to become: resolved from the image's `/etc/passwd` and `/etc/group`.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -17,17 +41,19 @@ pub struct RunAs {
 
 /// Resolves `name`, `uid`, `name:group` or `uid:gid` as Docker's `USER` does:
 /// a name must exist, a bare number need not (its home is then `/`).
-pub fn lookup(spec: &str) -> Result<RunAs, String> {
+pub fn lookup(spec: &str) -> Result<RunAs, UserError> {
     let (user, group) = match spec.split_once(':') {
         Some((user, group)) => (user, Some(group)),
         None => (spec, None),
     };
     let entry = match user.parse::<u32>() {
-        Ok(uid) => User::from_uid(Uid::from_raw(uid)).map_err(|e| e.to_string())?,
+        Ok(uid) => User::from_uid(Uid::from_raw(uid)).map_err(lookup_failed)?,
         Err(_) => Some(
             User::from_name(user)
-                .map_err(|e| e.to_string())?
-                .ok_or_else(|| format!("user {user:?} is not in the image's /etc/passwd"))?,
+                .map_err(lookup_failed)?
+                .ok_or_else(|| UserError::NoUser {
+                    name: user.to_owned(),
+                })?,
         ),
     };
     let (name, uid, mut gid, home) = match entry {
@@ -47,8 +73,10 @@ pub fn lookup(spec: &str) -> Result<RunAs, String> {
             Ok(gid) => Gid::from_raw(gid),
             Err(_) => {
                 Group::from_name(group)
-                    .map_err(|e| e.to_string())?
-                    .ok_or_else(|| format!("group {group:?} is not in the image's /etc/group"))?
+                    .map_err(lookup_failed)?
+                    .ok_or_else(|| UserError::NoGroup {
+                        name: group.to_owned(),
+                    })?
                     .gid
             }
         };
@@ -64,11 +92,11 @@ pub fn lookup(spec: &str) -> Result<RunAs, String> {
 /// Becomes `user` for good: supplementary groups, group, then user (in that
 /// order: after `setuid` the others are no longer allowed). Sets `HOME`,
 /// `USER` and `LOGNAME` for every process started from now on.
-pub fn become_user(user: &RunAs) -> Result<(), String> {
+pub fn become_user(user: &RunAs) -> Result<(), UserError> {
     let groups = supplementary_groups(user);
-    nix::unistd::setgroups(&groups).map_err(|e| format!("setgroups: {e}"))?;
-    nix::unistd::setgid(user.gid).map_err(|e| format!("setgid {}: {e}", user.gid))?;
-    nix::unistd::setuid(user.uid).map_err(|e| format!("setuid {}: {e}", user.uid))?;
+    nix::unistd::setgroups(&groups).map_err(become_failed("setgroups"))?;
+    nix::unistd::setgid(user.gid).map_err(become_failed(format!("setgid {}", user.gid)))?;
+    nix::unistd::setuid(user.uid).map_err(become_failed(format!("setuid {}", user.uid)))?;
     std::env::set_var("HOME", &user.home);
     std::env::set_var("USER", &user.name);
     std::env::set_var("LOGNAME", &user.name);
@@ -107,9 +135,11 @@ mod tests {
         assert_eq!(numeric.home, PathBuf::from("/"));
         assert!(lookup("no-such-user-here")
             .unwrap_err()
+            .to_string()
             .contains("/etc/passwd"));
         assert!(lookup("root:no-such-group")
             .unwrap_err()
+            .to_string()
             .contains("/etc/group"));
     }
 }

@@ -98,7 +98,10 @@ async fn forward(
     let mut response = state.toolbox.pool.request(request).await.map_err(|e| {
         ApiError::new(
             StatusCode::BAD_GATEWAY,
-            format!("the agent of sandbox {id} did not answer: {e}"),
+            format!(
+                "the agent of sandbox {id} did not answer: {}",
+                cove_engine::describe(&e)
+            ),
         )
     })?;
 

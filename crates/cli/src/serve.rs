@@ -343,16 +343,13 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             disk_gib: args.max_disk,
         },
         timer_tick: Duration::from_millis(args.timer_tick_ms),
-        archive: Some(
-            Archive::open(
-                &args
-                    .archive
-                    .clone()
-                    .unwrap_or_else(|| data_dir.join("archive").display().to_string()),
-                storage.root().join("archive-scratch"),
-            )
-            .map_err(anyhow::Error::msg)?,
-        ),
+        archive: Some(Archive::open(
+            &args
+                .archive
+                .clone()
+                .unwrap_or_else(|| data_dir.join("archive").display().to_string()),
+            storage.root().join("archive-scratch"),
+        )?),
         // The default image, and pulled images (blobs, layers and root
         // filesystems) in its `oci/` cache.
         images: Some(images.clone()),

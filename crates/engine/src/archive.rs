@@ -19,6 +19,48 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 /// Parts of a multipart upload; S3 needs at least 5 MiB per part.
 const PART_BYTES: usize = 16 << 20;
 
+/// Why an archive could not be opened, or a sandbox moved to or from it.
+#[derive(Debug, thiserror::Error)]
+pub enum ArchiveError {
+    #[error("archive {location}: give an absolute directory, a file:// URL or an s3:// URL")]
+    NotAbsolute { location: String },
+    #[error("archive {location} is not a URL")]
+    Url {
+        location: String,
+        #[source]
+        source: url::ParseError,
+    },
+    #[error("no archive location is configured (serve --archive)")]
+    NotConfigured,
+    #[error("cannot {action} {}", path.display())]
+    File {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The object store (a directory or an S3 service) refused.
+    #[error("{action}")]
+    Store {
+        action: String,
+        #[source]
+        source: object_store::Error,
+    },
+}
+
+fn file(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ArchiveError {
+    let path = path.to_owned();
+    move |source| ArchiveError::File {
+        action,
+        path,
+        source,
+    }
+}
+
+fn store(action: String) -> impl FnOnce(object_store::Error) -> ArchiveError {
+    move |source| ArchiveError::Store { action, source }
+}
+
 /// Where archived sandboxes go.
 #[derive(Clone)]
 pub struct Archive {
@@ -42,27 +84,26 @@ impl Archive {
     /// `file://` URL), or `s3://bucket[/prefix]`, configured from the usual
     /// `AWS_*` variables (`AWS_ENDPOINT`, `AWS_ALLOW_HTTP`, `AWS_ACCESS_KEY_ID`,
     /// `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`).
-    pub fn open(location: &str, scratch: PathBuf) -> Result<Archive, String> {
+    pub fn open(location: &str, scratch: PathBuf) -> Result<Archive, ArchiveError> {
+        let open = || format!("open the archive {location}");
         let store: Arc<dyn ObjectStore> = if location.starts_with("s3://") {
             let store = AmazonS3Builder::from_env()
                 .with_url(location)
                 .build()
-                .map_err(|e| format!("archive {location}: {e}"))?;
+                .map_err(store(open()))?;
             Arc::new(prefixed(store, location)?)
         } else {
             let dir = location.strip_prefix("file://").unwrap_or(location);
             if !Path::new(dir).is_absolute() {
-                return Err(format!(
-                    "archive {location}: give an absolute directory, a file:// URL or an s3:// URL"
-                ));
+                return Err(ArchiveError::NotAbsolute {
+                    location: location.to_owned(),
+                });
             }
-            std::fs::create_dir_all(dir).map_err(|e| format!("archive {dir}: {e}"))?;
-            let store = LocalFileSystem::new_with_prefix(dir)
-                .map_err(|e| format!("archive {location}: {e}"))?;
+            std::fs::create_dir_all(dir).map_err(file("create the archive", Path::new(dir)))?;
+            let store = LocalFileSystem::new_with_prefix(dir).map_err(store(open()))?;
             Arc::new(store)
         };
-        std::fs::create_dir_all(&scratch)
-            .map_err(|e| format!("archive scratch {}: {e}", scratch.display()))?;
+        std::fs::create_dir_all(&scratch).map_err(file("create the archive scratch", &scratch))?;
         Ok(Archive {
             store,
             scratch,
@@ -84,17 +125,17 @@ impl Archive {
     }
 
     /// Uploads `file` as the archive of sandbox `id`, streamed in parts.
-    pub(crate) async fn upload(&self, id: &str, file: &Path) -> Result<u64, String> {
+    pub(crate) async fn upload(&self, id: &str, path: &Path) -> Result<u64, ArchiveError> {
         let key = Self::key(id);
         let upload = self
             .store
             .put_multipart(&key)
             .await
-            .map_err(|e| format!("starting the upload to {}: {e}", self.location))?;
+            .map_err(store(format!("start the upload to {}", self.location)))?;
         let mut writer = WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
-        let mut source = tokio::fs::File::open(file)
+        let mut source = tokio::fs::File::open(path)
             .await
-            .map_err(|e| format!("opening {}: {e}", file.display()))?;
+            .map_err(file("open", path))?;
         let mut buffer = vec![0u8; PART_BYTES];
         let mut total = 0u64;
         loop {
@@ -103,13 +144,13 @@ impl Archive {
                 Ok(n) => n,
                 Err(e) => {
                     writer.abort().await.ok();
-                    return Err(format!("reading {}: {e}", file.display()));
+                    return Err(file("read", path)(e));
                 }
             };
             // Bounded memory: wait while too many parts are in flight.
             if let Err(e) = writer.wait_for_capacity(4).await {
                 writer.abort().await.ok();
-                return Err(format!("uploading to {}: {e}", self.location));
+                return Err(store(format!("upload to {}", self.location))(e));
             }
             writer.write(&buffer[..read]);
             total += read as u64;
@@ -117,49 +158,44 @@ impl Archive {
         writer
             .finish()
             .await
-            .map_err(|e| format!("finishing the upload to {}: {e}", self.location))?;
+            .map_err(store(format!("finish the upload to {}", self.location)))?;
         Ok(total)
     }
 
     /// Downloads the archive of sandbox `id` into `file`.
-    pub(crate) async fn download(&self, id: &str, file: &Path) -> Result<(), String> {
+    pub(crate) async fn download(&self, id: &str, path: &Path) -> Result<(), ArchiveError> {
         let key = Self::key(id);
-        let got = self
-            .store
-            .get(&key)
+        let got = self.store.get(&key).await.map_err(store(format!(
+            "get the archive of {id} in {}",
+            self.location
+        )))?;
+        let mut out = tokio::fs::File::create(path)
             .await
-            .map_err(|e| format!("the archive of {id} in {}: {e}", self.location))?;
-        let mut out = tokio::fs::File::create(file)
-            .await
-            .map_err(|e| format!("creating {}: {e}", file.display()))?;
+            .map_err(file("create", path))?;
         let mut stream = got.into_stream();
         while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(|e| format!("downloading from {}: {e}", self.location))?;
-            out.write_all(&chunk)
-                .await
-                .map_err(|e| format!("writing {}: {e}", file.display()))?;
+            let chunk = chunk.map_err(store(format!("download from {}", self.location)))?;
+            out.write_all(&chunk).await.map_err(file("write", path))?;
         }
-        out.sync_all()
-            .await
-            .map_err(|e| format!("writing {}: {e}", file.display()))?;
+        out.sync_all().await.map_err(file("write", path))?;
         Ok(())
     }
 
     /// Whether the archive holds a complete copy of sandbox `id` (an upload
     /// becomes visible only once it finished).
-    pub(crate) async fn holds(&self, id: &str) -> Result<bool, String> {
+    pub(crate) async fn holds(&self, id: &str) -> Result<bool, ArchiveError> {
         match self.store.head(&Self::key(id)).await {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),
-            Err(e) => Err(format!("looking for the archive of {id}: {e}")),
+            Err(e) => Err(store(format!("look for the archive of {id}"))(e)),
         }
     }
 
     /// Deletes the archive of sandbox `id`, if there is one.
-    pub(crate) async fn remove(&self, id: &str) -> Result<(), String> {
+    pub(crate) async fn remove(&self, id: &str) -> Result<(), ArchiveError> {
         match self.store.delete(&Self::key(id)).await {
             Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
-            Err(e) => Err(format!("deleting the archive of {id}: {e}")),
+            Err(e) => Err(store(format!("delete the archive of {id}"))(e)),
         }
     }
 }
@@ -168,8 +204,11 @@ impl Archive {
 fn prefixed(
     store: object_store::aws::AmazonS3,
     location: &str,
-) -> Result<object_store::prefix::PrefixStore<object_store::aws::AmazonS3>, String> {
-    let url = url::Url::parse(location).map_err(|e| format!("archive {location}: {e}"))?;
+) -> Result<object_store::prefix::PrefixStore<object_store::aws::AmazonS3>, ArchiveError> {
+    let url = url::Url::parse(location).map_err(|source| ArchiveError::Url {
+        location: location.to_owned(),
+        source,
+    })?;
     let prefix = url.path().trim_matches('/').to_owned();
     Ok(object_store::prefix::PrefixStore::new(store, prefix))
 }

@@ -177,7 +177,7 @@ where
         key: key.to_owned(),
         limit_bytes: limit,
     };
-    let io = |e: std::io::Error| EngineError::Io(format!("{}: {e}", path.display()));
+    let io = |e: std::io::Error| EngineError::io("write", path)(e);
     let mut file = tokio::fs::File::create(path).await.map_err(io)?;
     let mut hash = Sha256::new();
     while let Some(chunk) = body.next().await {
@@ -294,7 +294,7 @@ impl Engine {
         };
         let meta = tokio::fs::metadata(&path)
             .await
-            .map_err(|e| EngineError::Io(format!("{}: {e}", path.display())))?;
+            .map_err(EngineError::io("read", &path))?;
         let modified_ms = meta
             .modified()
             .ok()
@@ -440,7 +440,7 @@ impl Engine {
         if let Err(e) = tokio::fs::rename(&temp, &part).await {
             budget.release(size);
             let _ = tokio::fs::remove_file(&temp).await;
-            return Err(EngineError::Io(format!("{}: {e}", part.display())));
+            return Err(EngineError::io("move in place", &part)(e));
         }
         Ok(hex(&digest[..16]))
     }
@@ -463,7 +463,7 @@ impl Engine {
             });
         }
         let joined = dir.join("joined");
-        let io = |e: std::io::Error| EngineError::Io(format!("joining {key}: {e}"));
+        let io = |e: std::io::Error| EngineError::io("join the parts into", &joined)(e);
         let mut out = tokio::fs::File::create(&joined).await.map_err(io)?;
         for number in parts {
             let mut part = tokio::fs::File::open(dir.join(format!("{number:05}")))
@@ -509,7 +509,7 @@ impl Engine {
         make_dir(&dir).await?;
         tokio::fs::rename(file, dir.join("context.tar"))
             .await
-            .map_err(|e| EngineError::Io(format!("storing context {hash}: {e}")))
+            .map_err(EngineError::io("store as context", dir.join("context.tar")))
     }
 
     /// The archives of `hashes`, or which one was never uploaded.
@@ -535,7 +535,7 @@ impl Engine {
 async fn make_dir(dir: &Path) -> Result<(), EngineError> {
     tokio::fs::create_dir_all(dir)
         .await
-        .map_err(|e| EngineError::Io(format!("{}: {e}", dir.display())))
+        .map_err(EngineError::io("create", dir))
 }
 
 #[cfg(test)]

@@ -285,7 +285,7 @@ impl Engine {
 
         let spec = self.spec(&record, &snapshot);
         let made = async {
-            runtime.prepare(&spec).await.map_err(|e| e.to_string())?;
+            runtime.prepare(&spec).await?;
             self.start_machine(runtime.as_ref(), &record, spec).await
         }
         .await;
@@ -294,17 +294,15 @@ impl Engine {
             Err(error) => {
                 // No half-made sandbox: undo the runtime's work, then forget the row.
                 if let Err(cleanup) = runtime.destroy(&id).await {
+                    let cleanup = crate::error::describe(&cleanup);
                     tracing::error!(sandbox = %id, error = %cleanup, "cleanup after a failed create");
                 }
                 if let Err(cleanup) = self.release_network(&record).await {
+                    let cleanup = crate::error::describe(&cleanup);
                     tracing::error!(sandbox = %id, error = %cleanup, "cleanup after a failed create");
                 }
                 self.inner.store.delete_sandbox(&id).await?;
-                return Err(EngineError::Runtime {
-                    id,
-                    operation: "be created",
-                    reason: error,
-                });
+                return Err(error.named(&id, "be created"));
             }
         };
         self.register_running(&id, started);

@@ -1,6 +1,20 @@
 //! What can go wrong in an operation, worded for the user who asked for it.
+//!
+//! [`EngineError`] keeps the cause of a failure as its `#[source]` (a
+//! runtime's [`RuntimeError`], the network's, the archive's, the store's),
+//! and [`EngineError::kind`] says how a front end should answer it, from the
+//! kind of that cause where it has one: a runtime's "already running" is a
+//! conflict, its "not supported" not implemented, and a host out of
+//! something for the moment unavailable. [`describe`] is the whole chain as
+//! one line, for messages and logs.
+
+use std::path::PathBuf;
 
 use cove_lifecycle::{SandboxState, TimerSettingsError, TransitionError};
+use cove_net::NetError;
+use cove_runtime::RuntimeError;
+
+use crate::archive::ArchiveError;
 
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
@@ -67,11 +81,56 @@ pub enum EngineError {
     ClassUnavailable { class: &'static str },
     #[error("{what} is not implemented by cove yet")]
     NotImplemented { what: String },
-    #[error("sandbox {id} could not {operation}: {reason}")]
+    /// The sandbox's runtime failed; its error says how (the message shows
+    /// it too, for whoever prints only the top; `describe` repeats nothing).
+    #[error("sandbox {id} could not {operation}: {source}")]
     Runtime {
         id: String,
         operation: &'static str,
-        reason: String,
+        #[source]
+        source: RuntimeError,
+    },
+    /// The sandbox network failed at `step` of the operation.
+    #[error("sandbox {id} could not {operation}: {step}: {source}")]
+    Network {
+        id: String,
+        operation: &'static str,
+        step: &'static str,
+        #[source]
+        source: NetError,
+    },
+    /// The snapshot holding the sandbox's layers went away under it.
+    #[error("sandbox {id} could not {operation}: its snapshot {snapshot} no longer exists")]
+    SnapshotGone {
+        id: String,
+        operation: &'static str,
+        snapshot: String,
+    },
+    /// A volume's storage (its btrfs subvolume and quota) failed.
+    #[error("volume {id} could not {operation}: {source}")]
+    VolumeStorage {
+        id: String,
+        operation: &'static str,
+        #[source]
+        source: cove_runtime::storage::StorageError,
+    },
+    /// The archive (object storage) failed.
+    #[error("sandbox {id} could not {operation}: {source}")]
+    Archive {
+        id: String,
+        operation: &'static str,
+        #[source]
+        source: ArchiveError,
+    },
+    /// Work handed to a task of its own panicked or was cancelled.
+    #[error("{what} {id} could not {operation}: its task failed")]
+    Task {
+        /// What `id` names: a sandbox, a snapshot.
+        what: &'static str,
+        id: String,
+        operation: &'static str,
+        #[source]
+        source: tokio::task::JoinError,
     },
     #[error("internal storage error")]
     Store(#[from] cove_store::StoreError),
@@ -86,8 +145,58 @@ pub enum EngineError {
         reason: String,
     },
     /// A file on this server could not be read or written.
-    #[error("{0}")]
-    Io(String),
+    #[error("cannot {action} {}: {source}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl EngineError {
+    /// `action` on `path` failed with the error given to the closure.
+    pub(crate) fn io(
+        action: &'static str,
+        path: impl Into<PathBuf>,
+    ) -> impl FnOnce(std::io::Error) -> EngineError {
+        let path = path.into();
+        move |source| EngineError::Io {
+            action,
+            path,
+            source,
+        }
+    }
+
+    /// Sandbox `id`'s runtime failed to do `operation`.
+    pub(crate) fn runtime(
+        id: &str,
+        operation: &'static str,
+    ) -> impl FnOnce(RuntimeError) -> EngineError {
+        let id = id.to_owned();
+        move |source| EngineError::Runtime {
+            id,
+            operation,
+            source,
+        }
+    }
+}
+
+/// `error` and every cause under it, on one line: the top's message, then
+/// each source not already part of what is written (some messages include
+/// their cause).
+pub fn describe(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut line = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        let text = cause.to_string();
+        if !text.is_empty() && !line.contains(&text) {
+            line.push_str(": ");
+            line.push_str(&text);
+        }
+        source = cause.source();
+    }
+    line
 }
 
 /// What to do about an inactive snapshot.
@@ -108,7 +217,31 @@ pub enum ErrorKind {
     NotImplemented,
     /// Something cove depends on (a registry) failed.
     BadGateway,
+    /// The host is out of something for the moment (id ranges, addresses);
+    /// the same request may succeed later.
+    ServiceUnavailable,
     Internal,
+}
+
+/// How to answer a runtime's error, by its kind.
+fn runtime_kind(error: &RuntimeError) -> ErrorKind {
+    match error {
+        RuntimeError::NotRunning { .. }
+        | RuntimeError::AlreadyRunning { .. }
+        | RuntimeError::Running { .. } => ErrorKind::Conflict,
+        RuntimeError::Unsupported { .. } => ErrorKind::NotImplemented,
+        error if error.is_transient() => ErrorKind::ServiceUnavailable,
+        _ => ErrorKind::Internal,
+    }
+}
+
+/// How to answer the network's error, by its kind.
+fn network_kind(error: &NetError) -> ErrorKind {
+    match error {
+        NetError::Policy(_) => ErrorKind::BadRequest,
+        NetError::Busy { .. } | NetError::RangeFull { .. } => ErrorKind::ServiceUnavailable,
+        _ => ErrorKind::Internal,
+    }
 }
 
 impl EngineError {
@@ -150,7 +283,96 @@ impl EngineError {
                 502 => ErrorKind::BadGateway,
                 _ => ErrorKind::Internal,
             },
-            Self::Runtime { .. } | Self::Store(_) | Self::Io(_) => ErrorKind::Internal,
+            Self::Runtime { source, .. } => runtime_kind(source),
+            Self::Network { source, .. } => network_kind(source),
+            Self::Archive {
+                source: ArchiveError::NotConfigured,
+                ..
+            } => ErrorKind::NotImplemented,
+            Self::Archive { .. }
+            | Self::SnapshotGone { .. }
+            | Self::VolumeStorage { .. }
+            | Self::Task { .. }
+            | Self::Store(_)
+            | Self::Io { .. } => ErrorKind::Internal,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::error::Error as _;
+
+    fn runtime(source: RuntimeError) -> EngineError {
+        EngineError::Runtime {
+            id: "sb1".into(),
+            operation: "start",
+            source,
+        }
+    }
+
+    #[test]
+    fn runtime_errors_are_classified_by_their_kind() {
+        let id = || "sb1".to_owned();
+        let cases = [
+            (
+                RuntimeError::AlreadyRunning { id: id() },
+                ErrorKind::Conflict,
+            ),
+            (RuntimeError::NotRunning { id: id() }, ErrorKind::Conflict),
+            (
+                RuntimeError::Running {
+                    id: id(),
+                    action: "be archived",
+                },
+                ErrorKind::Conflict,
+            ),
+            (
+                RuntimeError::Unsupported {
+                    id: id(),
+                    what: "pause".into(),
+                    why: "by this sandbox class".into(),
+                },
+                ErrorKind::NotImplemented,
+            ),
+            (
+                RuntimeError::Busy {
+                    id: id(),
+                    reason: "no range".into(),
+                },
+                ErrorKind::ServiceUnavailable,
+            ),
+            (
+                RuntimeError::Start {
+                    id: id(),
+                    reason: "no luck".into(),
+                },
+                ErrorKind::Internal,
+            ),
+        ];
+        for (error, kind) in cases {
+            assert_eq!(runtime(error).kind(), kind);
+        }
+    }
+
+    #[test]
+    fn the_source_is_kept_and_described_once() {
+        let error = runtime(RuntimeError::Io {
+            id: "sb1".into(),
+            action: "spawn the shim".into(),
+            source: std::io::Error::other("no such file"),
+        });
+        let source = error.source().unwrap();
+        assert!(source.is::<RuntimeError>());
+        assert!(source.source().unwrap().is::<std::io::Error>());
+        assert_eq!(
+            describe(&error),
+            "sandbox sb1 could not start: sandbox sb1: spawn the shim: no such file"
+        );
+        // A message that already holds its cause does not repeat it.
+        let timers = EngineError::Timers(TimerSettingsError::PauseAndStop);
+        assert!(timers.source().is_some());
+        assert_eq!(describe(&timers), timers.to_string());
     }
 }

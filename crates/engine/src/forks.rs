@@ -45,11 +45,7 @@ impl Engine {
         let snapshot = self
             .own_snapshot(&parent)
             .await
-            .map_err(|reason| EngineError::Runtime {
-                id: parent.id.clone(),
-                operation: "fork",
-                reason,
-            })?;
+            .map_err(|failure| failure.named(&parent.id, "fork"))?;
 
         let now = now_ms();
         let mut child = SandboxRecord {
@@ -96,23 +92,21 @@ impl Engine {
         self.save_state(&mut parent).await?;
         let made = match copied {
             Ok(()) => self.start_machine(runtime.as_ref(), &child, spec).await,
-            Err(error) => Err(error.to_string()),
+            Err(error) => Err(error.into()),
         };
         let started = match made {
             Ok(started) => started,
             Err(error) => {
                 if let Err(cleanup) = runtime.destroy(&child_id).await {
+                    let cleanup = crate::error::describe(&cleanup);
                     tracing::error!(sandbox = %child_id, error = %cleanup, "cleanup after a failed fork");
                 }
                 if let Err(cleanup) = self.release_network(&child).await {
+                    let cleanup = crate::error::describe(&cleanup);
                     tracing::error!(sandbox = %child_id, error = %cleanup, "cleanup after a failed fork");
                 }
                 self.inner.store.delete_sandbox(&child_id).await?;
-                return Err(EngineError::Runtime {
-                    id: parent.id,
-                    operation: "fork",
-                    reason: error,
-                });
+                return Err(error.named(&parent.id, "fork"));
             }
         };
         self.register_running(&child_id, started);

@@ -370,10 +370,11 @@ impl Engine {
         };
         if let Some(joined) = finished {
             let pulled = joined
-                .map_err(|e| EngineError::Runtime {
+                .map_err(|source| EngineError::Task {
+                    what: "snapshot",
                     id: request.name.clone(),
                     operation: "pull its image",
-                    reason: e.to_string(),
+                    source,
                 })
                 .and_then(|pulled| pulled);
             let source = match pulled {
@@ -476,10 +477,11 @@ impl Engine {
             })
         })
         .await
-        .map_err(|e| EngineError::Runtime {
+        .map_err(|source| EngineError::Task {
+            what: "snapshot",
             id: name.to_owned(),
             operation: "import its image",
-            reason: e.to_string(),
+            source,
         })?
         .map_err(|e| match e {
             cove_images::ImageError::OutsideRoot { reason, .. } => EngineError::OutsideImportDir {
@@ -509,7 +511,12 @@ impl Engine {
         let dest =
             tokio::task::spawn_blocking(move || images.flatten_built(&key, &rootfs, &layers))
                 .await
-                .map_err(|e| EngineError::Io(e.to_string()))?
+                .map_err(|source| EngineError::Task {
+                    what: "image",
+                    id: image.key.clone(),
+                    operation: "be flattened",
+                    source,
+                })?
                 .map_err(|e| EngineError::BuildFailed {
                     reason: e.to_string(),
                 })?;

@@ -15,6 +15,7 @@ mod config;
 mod contexts;
 mod create;
 mod error;
+mod failure;
 mod forks;
 mod images;
 mod network;
@@ -35,7 +36,7 @@ use cove_lifecycle::SandboxClass;
 use cove_runtime::{AgentEndpoint, Runtime};
 use cove_store::Store;
 
-pub use archive::Archive;
+pub use archive::{Archive, ArchiveError};
 pub use auth::hash_api_key;
 pub use build::{parse_dockerfile, BuildLog, DockerfilePlan};
 pub use config::{Ceilings, ContextLimits, EngineConfig, VolumeQuota};
@@ -46,7 +47,7 @@ pub use cove_store::{
     VolumeMount, VolumeRecord,
 };
 pub use create::CreateSandbox;
-pub use error::{EngineError, ErrorKind};
+pub use error::{describe, EngineError, ErrorKind};
 pub use images::ImageSnapshotRequest;
 pub use network::{policy as network_policy, NetworkHandle};
 pub use registries::{registry_host, RegistryRequest};

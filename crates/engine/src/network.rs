@@ -11,6 +11,7 @@ use cove_net::{Link, LinkKind, Policy, PolicyError};
 use cove_runtime::{NetworkLink, SandboxNetwork, TapLink};
 use cove_store::{NetworkSettings, SandboxRecord};
 
+use crate::failure::Failure;
 use crate::{Engine, EngineError};
 
 /// The node's network, shared by the engine and the server that made it.
@@ -64,11 +65,11 @@ impl Engine {
     pub(crate) async fn attach_network(
         &self,
         record: &SandboxRecord,
-    ) -> Result<Option<SandboxNetwork>, String> {
+    ) -> Result<Option<SandboxNetwork>, Failure> {
         let Some(network) = self.network() else {
             return Ok(None);
         };
-        let policy = policy(&record.network).map_err(|e| e.to_string())?;
+        let policy = policy(&record.network)?;
         let kind = match record.class {
             SandboxClass::Container => LinkKind::Namespace,
             SandboxClass::LinuxVm => LinkKind::Tap,
@@ -76,7 +77,7 @@ impl Engine {
         let attachment = network
             .attach_as(&record.id, &policy, kind)
             .await
-            .map_err(|e| format!("attaching it to the network: {e}"))?;
+            .map_err(Failure::network("attach it to the network"))?;
         let link = match &attachment.link {
             Link::Namespace(path) => NetworkLink::Namespace(path.clone()),
             Link::Tap(device) => NetworkLink::Tap(TapLink {
@@ -94,23 +95,23 @@ impl Engine {
     }
 
     /// Takes a sandbox that no longer runs off the network (keeps its address).
-    pub(crate) async fn detach_network(&self, record: &SandboxRecord) -> Result<(), String> {
+    pub(crate) async fn detach_network(&self, record: &SandboxRecord) -> Result<(), Failure> {
         match self.network() {
             Some(network) => network
                 .detach(&record.id)
                 .await
-                .map_err(|e| format!("detaching it from the network: {e}")),
+                .map_err(Failure::network("detach it from the network")),
             None => Ok(()),
         }
     }
 
     /// Gives up a deleted sandbox's address.
-    pub(crate) async fn release_network(&self, record: &SandboxRecord) -> Result<(), String> {
+    pub(crate) async fn release_network(&self, record: &SandboxRecord) -> Result<(), Failure> {
         match self.network() {
             Some(network) => network
                 .release(&record.id)
                 .await
-                .map_err(|e| format!("releasing its network address: {e}")),
+                .map_err(Failure::network("release its network address")),
             None => Ok(()),
         }
     }
@@ -142,10 +143,11 @@ impl Engine {
                 network
                     .set_policy(&record.id, &checked)
                     .await
-                    .map_err(|e| EngineError::Runtime {
+                    .map_err(|source| EngineError::Network {
                         id: record.id.clone(),
                         operation: "change its network policy",
-                        reason: e.to_string(),
+                        step: "apply the policy",
+                        source,
                     })?;
             }
         }

@@ -7,6 +7,8 @@ use cove_lifecycle::{plan, Operation, SandboxState, Transition};
 use cove_runtime::Started;
 use cove_store::SandboxRecord;
 
+use crate::archive::ArchiveError;
+use crate::failure::Failure;
 use crate::{now_ms, Engine, EngineError, Running};
 
 impl Engine {
@@ -108,7 +110,9 @@ impl Engine {
                     tracing::info!(sandbox = %record.id, what, "spot sandbox reclaimed");
                     reclaimed.push((record.id, what));
                 }
-                Err(error) => tracing::warn!(sandbox = %record.id, %error, "reclaim failed"),
+                Err(error) => {
+                    tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "reclaim failed")
+                }
             }
         }
         Ok(reclaimed)
@@ -178,7 +182,7 @@ impl Engine {
                 tracing::info!(sandbox = %id, %operation, state = %record.state, "done");
                 Ok(record)
             }
-            Err(reason) => {
+            Err(failure) => {
                 // A start from the archive that failed leaves the sandbox where
                 // its data is: in the archive, to be started again.
                 let from_archive =
@@ -188,14 +192,11 @@ impl Engine {
                 } else {
                     SandboxState::Error
                 };
+                let reason = crate::error::describe(&failure);
                 record.error_reason = Some(format!("{operation} failed: {reason}"));
                 self.save_state(&mut record).await?;
                 tracing::warn!(sandbox = %id, %operation, %reason, "failed");
-                Err(EngineError::Runtime {
-                    id,
-                    operation: operation.as_str(),
-                    reason,
-                })
+                Err(failure.named(&id, operation.as_str()))
             }
         }
     }
@@ -214,14 +215,11 @@ impl Engine {
         }
     }
 
-    async fn apply(&self, effect: Effect, record: &SandboxRecord) -> Result<(), String> {
+    async fn apply(&self, effect: Effect, record: &SandboxRecord) -> Result<(), Failure> {
         if let Effect::Capture(request) = effect {
             return self.capture(record, request).await;
         }
-        let runtime = self
-            .runtime(record.class)
-            .map_err(|e| e.to_string())?
-            .clone();
+        let runtime = self.runtime(record.class)?.clone();
         match effect {
             Effect::Boot | Effect::ColdBoot => {
                 let snapshot = self.own_snapshot(record).await?;
@@ -236,13 +234,10 @@ impl Engine {
                 self.forget_running(&record.id);
                 let keeps_memory = record.class.can_pause() && matches!(effect, Effect::Boot);
                 if !keeps_memory || runtime.is_running(&record.id).await {
-                    runtime.stop(&record.id).await.map_err(|e| e.to_string())?;
+                    runtime.stop(&record.id).await?;
                 }
                 if matches!(effect, Effect::ColdBoot) {
-                    runtime
-                        .discard_memory(&record.id)
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    runtime.discard_memory(&record.id).await?;
                 }
                 let started = self.start_machine(runtime.as_ref(), record, spec).await?;
                 self.register_running(&record.id, started);
@@ -250,26 +245,23 @@ impl Engine {
             }
             Effect::Pause => {
                 self.forget_running(&record.id);
-                runtime.pause(&record.id).await.map_err(|e| e.to_string())?;
+                runtime.pause(&record.id).await?;
                 self.detach_network(record).await
             }
             Effect::Halt => {
                 self.forget_running(&record.id);
-                runtime.stop(&record.id).await.map_err(|e| e.to_string())?;
+                runtime.stop(&record.id).await?;
                 self.detach_network(record).await
             }
             Effect::Destroy => {
                 self.forget_running(&record.id);
-                runtime
-                    .destroy(&record.id)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                runtime.destroy(&record.id).await?;
                 self.release_network(record).await?;
                 // Only an archived sandbox has a copy there; an unreachable archive
                 // must not keep a sandbox from being deleted.
                 if let Some(archive) = &self.inner.config.archive {
                     if let Err(error) = archive.remove(&record.id).await {
-                        tracing::warn!(sandbox = %record.id, %error, "left its archive copy");
+                        tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "left its archive copy");
                     }
                 }
                 Ok(())
@@ -280,16 +272,13 @@ impl Engine {
                     .config
                     .archive
                     .clone()
-                    .ok_or("no archive location is configured")?;
+                    .ok_or(ArchiveError::NotConfigured)?;
                 let file = archive.scratch_file(&record.id);
                 let moved = async {
-                    runtime
-                        .export_storage(&record.id, &file)
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    runtime.export_storage(&record.id, &file).await?;
                     let bytes = archive.upload(&record.id, &file).await?;
                     tracing::info!(sandbox = %record.id, bytes, to = archive.location(), "archived");
-                    Ok::<(), String>(())
+                    Ok::<(), Failure>(())
                 }
                 .await;
                 let _ = tokio::fs::remove_file(&file).await;
@@ -298,10 +287,10 @@ impl Engine {
                 // the sandbox is archived whatever the cleanup says: its data is
                 // safe in the archive, and a start restores it from there.
                 if let Err(error) = self.release_network(record).await {
-                    tracing::warn!(sandbox = %record.id, %error, "after archiving");
+                    tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "after archiving");
                 }
                 if let Err(error) = runtime.destroy(&record.id).await {
-                    tracing::warn!(sandbox = %record.id, %error, "removing the local copy after archiving");
+                    tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "removing the local copy after archiving");
                 }
                 Ok(())
             }
@@ -310,12 +299,9 @@ impl Engine {
                 let spec = self.spec(record, &own);
                 let was_running = runtime.is_running(&record.id).await;
                 self.forget_running(&record.id);
-                runtime.stop(&record.id).await.map_err(|e| e.to_string())?;
+                runtime.stop(&record.id).await?;
                 self.detach_network(record).await?;
-                runtime
-                    .restore(&spec, &capture_id)
-                    .await
-                    .map_err(|e| e.to_string())?;
+                runtime.restore(&spec, &capture_id).await?;
                 if was_running {
                     let started = self.start_machine(runtime.as_ref(), record, spec).await?;
                     self.register_running(&record.id, started);
@@ -333,15 +319,16 @@ impl Engine {
         runtime: &dyn cove_runtime::Runtime,
         record: &SandboxRecord,
         mut spec: cove_runtime::SandboxSpec,
-    ) -> Result<Started, String> {
+    ) -> Result<Started, Failure> {
         spec.network = self.attach_network(record).await?;
         match runtime.start(&spec).await {
             Ok(started) => Ok(started),
             Err(error) => {
                 if let Err(detach) = self.detach_network(record).await {
+                    let detach = crate::error::describe(&detach);
                     tracing::warn!(sandbox = %record.id, error = %detach, "after a failed start");
                 }
-                Err(error.to_string())
+                Err(error.into())
             }
         }
     }
@@ -351,20 +338,18 @@ impl Engine {
         &self,
         runtime: &dyn cove_runtime::Runtime,
         spec: &cove_runtime::SandboxSpec,
-    ) -> Result<(), String> {
+    ) -> Result<(), Failure> {
         let archive = self
             .inner
             .config
             .archive
             .clone()
-            .ok_or("the sandbox is archived but no archive location is configured")?;
+            .ok_or(ArchiveError::NotConfigured)?;
         let file = archive.scratch_file(&spec.id);
         let restored = async {
             archive.download(&spec.id, &file).await?;
-            runtime
-                .import_storage(spec, &file)
-                .await
-                .map_err(|e| e.to_string())
+            runtime.import_storage(spec, &file).await?;
+            Ok::<(), Failure>(())
         }
         .await;
         let _ = tokio::fs::remove_file(&file).await;
@@ -429,12 +414,12 @@ impl Engine {
         };
         if record.state == SandboxState::Started {
             if let Err(error) = self.detach_network(&record).await {
-                tracing::warn!(sandbox = %id, %error, "after an unexpected exit");
+                tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "after an unexpected exit");
             }
             record.state = SandboxState::Error;
             record.error_reason = Some(format!("the sandbox exited unexpectedly: {why}"));
             if let Err(error) = self.save_state(&mut record).await {
-                tracing::error!(sandbox = %id, %error, "recording an unexpected exit");
+                tracing::error!(sandbox = %id, error = %crate::error::describe(&error), "recording an unexpected exit");
             }
             tracing::warn!(sandbox = %id, why, "exited unexpectedly");
         }

@@ -49,8 +49,10 @@ impl Engine {
                 SandboxState::Creating | SandboxState::Destroying => {
                     if let Err(error) = runtime.destroy(&id).await {
                         record.state = SandboxState::Error;
-                        record.error_reason =
-                            Some(format!("cleanup after a restart failed: {error}"));
+                        record.error_reason = Some(format!(
+                            "cleanup after a restart failed: {}",
+                            crate::error::describe(&error)
+                        ));
                         self.save_state(&mut record).await?;
                         continue;
                     }
@@ -69,7 +71,7 @@ impl Engine {
                     tracing::info!(sandbox = %id, "back to archived after a server restart");
                     if record.desired_state == DesiredState::Started {
                         if let Err(error) = self.start(&id).await {
-                            tracing::warn!(sandbox = %id, %error, "restore failed");
+                            tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "restore failed");
                         }
                     }
                 }
@@ -83,8 +85,10 @@ impl Engine {
                 _ => {
                     if let Err(error) = runtime.stop(&id).await {
                         record.state = SandboxState::Error;
-                        record.error_reason =
-                            Some(format!("ending leftovers after a restart failed: {error}"));
+                        record.error_reason = Some(format!(
+                            "ending leftovers after a restart failed: {}",
+                            crate::error::describe(&error)
+                        ));
                         self.save_state(&mut record).await?;
                         continue;
                     }
@@ -103,7 +107,9 @@ impl Engine {
                             Ok(_) => {
                                 tracing::info!(sandbox = %id, "restarted after a server restart")
                             }
-                            Err(error) => tracing::warn!(sandbox = %id, %error, "restart failed"),
+                            Err(error) => {
+                                tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "restart failed")
+                            }
                         }
                     } else if was.is_transient() {
                         record.state = SandboxState::Stopped;
@@ -122,7 +128,7 @@ impl Engine {
         let spec = match self.own_snapshot(record).await {
             Ok(snapshot) => self.spec(record, &snapshot),
             Err(error) => {
-                tracing::warn!(sandbox = %record.id, %error, "cannot take it over");
+                tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "cannot take it over");
                 return false;
             }
         };
@@ -141,7 +147,7 @@ impl Engine {
             Ok(Some(started)) if self.network().is_some() && record.class.can_pause() => {
                 drop(started);
                 let replugged = async {
-                    runtime.pause(&record.id).await.map_err(|e| e.to_string())?;
+                    runtime.pause(&record.id).await?;
                     self.start_machine(runtime, record, spec).await
                 }
                 .await;
@@ -152,7 +158,7 @@ impl Engine {
                         true
                     }
                     Err(error) => {
-                        tracing::warn!(sandbox = %record.id, %error, "putting it back on the network failed; it is restarted");
+                        tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "putting it back on the network failed; it is restarted");
                         false
                     }
                 }
@@ -164,7 +170,7 @@ impl Engine {
             }
             Ok(None) => false,
             Err(error) => {
-                tracing::warn!(sandbox = %record.id, %error, "taking it over failed; it is restarted");
+                tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "taking it over failed; it is restarted");
                 false
             }
         }
@@ -173,7 +179,7 @@ impl Engine {
     async fn archive_holds(&self, id: &str) -> bool {
         match &self.inner.config.archive {
             Some(archive) => archive.holds(id).await.unwrap_or_else(|error| {
-                tracing::warn!(sandbox = %id, %error, "cannot tell whether it is archived");
+                tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "cannot tell whether it is archived");
                 false
             }),
             None => false,

@@ -9,6 +9,7 @@ use cove_lifecycle::{Operation, SandboxClass};
 use cove_store::{SandboxRecord, SnapshotRecord, SnapshotState, StoreError};
 
 use crate::create::check_name;
+use crate::failure::Failure;
 use crate::operations::Effect;
 use crate::{now_ms, Engine, EngineError};
 
@@ -208,11 +209,7 @@ impl Engine {
             runtime
                 .discard_capture(capture)
                 .await
-                .map_err(|e| EngineError::Runtime {
-                    id: snapshot.id.clone(),
-                    operation: "delete its snapshot",
-                    reason: e.to_string(),
-                })?;
+                .map_err(EngineError::runtime(&snapshot.id, "delete its snapshot"))?;
         }
         self.inner.store.delete_snapshot(&snapshot.id).await?;
         self.inner.builds.lock().unwrap().remove(&snapshot.id);
@@ -224,13 +221,15 @@ impl Engine {
     pub(crate) async fn own_snapshot(
         &self,
         record: &SandboxRecord,
-    ) -> Result<SnapshotRecord, String> {
+    ) -> Result<SnapshotRecord, Failure> {
         self.inner
             .store
             .find_snapshot(&record.snapshot)
             .await
-            .map_err(|e| e.to_string())?
-            .ok_or_else(|| format!("its snapshot {} no longer exists", record.snapshot))
+            .map_err(EngineError::from)?
+            .ok_or_else(|| Failure::SnapshotGone {
+                name: record.snapshot.clone(),
+            })
     }
 
     /// The side effect of a snapshot: capture, then record the new snapshot.
@@ -238,19 +237,15 @@ impl Engine {
         &self,
         record: &SandboxRecord,
         request: CaptureRequest,
-    ) -> Result<(), String> {
-        let runtime = self
-            .runtime(record.class)
-            .map_err(|e| e.to_string())?
-            .clone();
+    ) -> Result<(), Failure> {
+        let runtime = self.runtime(record.class)?.clone();
         let base = self.own_snapshot(record).await?;
         let capture_id = uuid::Uuid::new_v4().to_string();
         let layer = if request.memory {
             runtime.capture_with_memory(&record.id, &capture_id).await
         } else {
             runtime.capture(&record.id, &capture_id).await
-        }
-        .map_err(|e| e.to_string())?;
+        }?;
         let now = now_ms();
         let snapshot = SnapshotRecord {
             id: capture_id.clone(),
@@ -280,9 +275,10 @@ impl Engine {
             // No orphan capture when the name was taken meanwhile.
             let _ = runtime.discard_capture(&capture_id).await;
             return Err(match error {
-                StoreError::Duplicate { name } => format!("a snapshot named {name} already exists"),
-                other => other.to_string(),
-            });
+                StoreError::Duplicate { name } => EngineError::SnapshotTaken { name },
+                other => other.into(),
+            }
+            .into());
         }
         tracing::info!(sandbox = %record.id, snapshot = %request.name, "snapshot taken");
         Ok(())

@@ -13,7 +13,7 @@ impl Engine {
         loop {
             tick.tick().await;
             if let Err(error) = self.check_timers(now_ms()).await {
-                tracing::error!(%error, "checking timers");
+                tracing::error!(error = %crate::error::describe(&error), "checking timers");
             }
         }
     }
@@ -45,7 +45,7 @@ impl Engine {
             match result {
                 Ok(()) => fired.push((record.id, action.as_str())),
                 Err(error) => {
-                    tracing::warn!(sandbox = %record.id, timer = action.as_str(), %error, "timer could not act")
+                    tracing::warn!(sandbox = %record.id, timer = action.as_str(), error = %crate::error::describe(&error), "timer could not act")
                 }
             }
         }

@@ -88,13 +88,7 @@ impl Engine {
             last_used_at_ms: None,
         };
         let dir = self.volume_dir(&record.id)?;
-        self.make_volume_dir(&dir)
-            .await
-            .map_err(|reason| EngineError::Runtime {
-                id: record.id.clone(),
-                operation: "create the volume",
-                reason,
-            })?;
+        self.make_volume_dir(&record.id, &dir).await?;
         if let Err(error) = self.inner.store.insert_volume(&record).await {
             self.remove_volume_dir(&dir).await;
             return Err(match error {
@@ -147,21 +141,30 @@ impl Engine {
     }
 
     /// A new volume's directory: with a quota, a subvolume capped at its size.
-    async fn make_volume_dir(&self, dir: &Path) -> Result<(), String> {
+    async fn make_volume_dir(&self, id: &str, dir: &Path) -> Result<(), EngineError> {
         let parent = dir.parent().unwrap_or(dir).to_owned();
         tokio::fs::create_dir_all(&parent)
             .await
-            .map_err(|e| format!("create {}: {e}", parent.display()))?;
+            .map_err(EngineError::io("create", &parent))?;
         let Some(quota) = self.inner.config.volume_quota.clone() else {
             return tokio::fs::create_dir(dir)
                 .await
-                .map_err(|e| format!("create {}: {e}", dir.display()));
+                .map_err(EngineError::io("create", dir));
         };
         let dir = dir.to_owned();
         tokio::task::spawn_blocking(move || quota.storage.create_limited(&dir, quota.bytes))
             .await
-            .map_err(|e| e.to_string())?
-            .map_err(|e| e.to_string())
+            .map_err(|source| EngineError::Task {
+                what: "volume",
+                id: id.to_owned(),
+                operation: "be created",
+                source,
+            })?
+            .map_err(|source| EngineError::VolumeStorage {
+                id: id.to_owned(),
+                operation: "be created",
+                source,
+            })
     }
 
     /// Removes a volume's files: its subvolume, or a plain directory (a
@@ -174,15 +177,18 @@ impl Engine {
             match subvolume {
                 Some(Ok(())) if !owned.exists() => Ok(()),
                 _ => match std::fs::remove_dir_all(&owned) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.to_string()),
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e),
                     _ => Ok(()),
                 },
             }
         })
         .await;
-        if let Ok(Err(error)) | Err(error) = removed.map_err(|e| e.to_string()) {
-            tracing::warn!(dir = %dir.display(), %error, "removing a volume's files");
-        }
+        let error = match removed {
+            Ok(Ok(())) => return,
+            Ok(Err(error)) => crate::error::describe(&error),
+            Err(error) => crate::error::describe(&error),
+        };
+        tracing::warn!(dir = %dir.display(), %error, "removing a volume's files");
     }
 
     /// Checks the mounts a create asks for and names each volume by its id.
@@ -251,20 +257,17 @@ impl Engine {
             cove_runtime::beneath::open_dir(&root, &relative, true).map(drop)
         })
         .await
-        .map_err(|e| EngineError::Runtime {
+        .map_err(|source| EngineError::Task {
+            what: "volume",
             id: volume.id.clone(),
-            operation: "prepare the volume",
-            reason: e.to_string(),
+            operation: "make a subpath",
+            source,
         })?;
         made.map_err(|error| match error {
-            cove_runtime::beneath::BeneathError::Io { path, source } => EngineError::Runtime {
-                id: volume.id.clone(),
-                operation: "prepare the volume",
-                reason: format!(
-                    "create {} in volume {}: {source}",
-                    path.display(),
-                    volume.name
-                ),
+            cove_runtime::beneath::BeneathError::Io { path, source } => EngineError::Io {
+                action: "create, in a volume,",
+                path,
+                source,
             },
             refused => invalid(
                 "volumes.subpath",

@@ -55,6 +55,66 @@ fn named(name: &str) -> CreateSandbox {
 }
 
 #[tokio::test]
+async fn a_runtime_error_keeps_its_kind_and_source_through_the_engine() {
+    use cove_engine::ErrorKind;
+    use cove_runtime::RuntimeError;
+    let h = harness().await;
+    let s = h.engine.create(named("kinds")).await.unwrap();
+    h.engine.stop(&s.id).await.unwrap();
+    let cases: [(fn(&str) -> RuntimeError, ErrorKind); 3] = [
+        (
+            |id| RuntimeError::AlreadyRunning { id: id.to_owned() },
+            ErrorKind::Conflict,
+        ),
+        (
+            |id| RuntimeError::Busy {
+                id: id.to_owned(),
+                reason: "every id range is in use".into(),
+            },
+            ErrorKind::ServiceUnavailable,
+        ),
+        (
+            |id| RuntimeError::File {
+                id: id.to_owned(),
+                action: "open",
+                path: "/nowhere/console.log".into(),
+                source: std::io::Error::from(std::io::ErrorKind::PermissionDenied),
+            },
+            ErrorKind::Internal,
+        ),
+    ];
+    for (make, kind) in cases {
+        h.fake.fail_start_with(Some(make));
+        let error = h.engine.start(&s.id).await.unwrap_err();
+        assert_eq!(error.kind(), kind, "{error}");
+        // The runtime's error is the engine error's source, as it was made,
+        // and what it wraps comes after it in the chain.
+        let source = std::error::Error::source(&error).expect("a source");
+        let runtime = source
+            .downcast_ref::<RuntimeError>()
+            .expect("the runtime's error");
+        assert_eq!(runtime.sandbox_id(), s.id);
+        let chain: Vec<String> = std::iter::successors(Some(source), |e| e.source())
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(chain[0], make(&s.id).to_string());
+        if kind == ErrorKind::Internal {
+            assert_eq!(chain.len(), 2, "{chain:?}");
+            assert!(source.source().unwrap().is::<std::io::Error>());
+        }
+        // The record says why, with the whole chain.
+        let record = h.engine.get(&s.id).await.unwrap();
+        assert_eq!(
+            record.error_reason.as_deref(),
+            Some(format!("start failed: {}", cove_engine::describe(source)).as_str())
+        );
+        h.fake.fail_start_with(None);
+        h.engine.recover(&s.id).await.unwrap();
+        h.engine.stop(&s.id).await.unwrap();
+    }
+}
+
+#[tokio::test]
 async fn create_stop_start_delete() {
     let h = harness().await;
     let s = h.engine.create(named("one")).await.unwrap();

@@ -103,55 +103,44 @@ impl NetworkConfig {
     }
 
     /// Checks what the kernel would refuse later, with the reason.
-    pub fn validate(&self) -> Result<(), String> {
+    pub fn validate(&self) -> Result<(), ConfigError> {
         check_ifname("bridge", &self.bridge, MAX_BRIDGE_NAME)?;
         check_ifname("uplink interface", &self.uplink.interface, 15)?;
-        if self.range.prefix_len() < MIN_PREFIX || self.range.prefix_len() > MAX_PREFIX {
-            return Err(format!(
-                "range {} must have a prefix length from /{MIN_PREFIX} to /{MAX_PREFIX}",
-                self.range
-            ));
+        let range = self.range;
+        if range.prefix_len() < MIN_PREFIX || range.prefix_len() > MAX_PREFIX {
+            return Err(ConfigError::Prefix { range });
         }
-        if self.range.trunc() != self.range {
-            return Err(format!(
-                "range {} has host bits set; did you mean {}?",
-                self.range,
-                self.range.trunc()
-            ));
+        if range.trunc() != range {
+            return Err(ConfigError::HostBits { range });
         }
-        if self.range.contains(&self.uplink.gateway) {
-            return Err(format!(
-                "uplink gateway {} is inside the sandbox range {}",
-                self.uplink.gateway, self.range
-            ));
+        if range.contains(&self.uplink.gateway) {
+            return Err(ConfigError::GatewayInside {
+                gateway: self.uplink.gateway,
+                range,
+            });
         }
         if self.dns_upstreams.is_empty() {
-            return Err("at least one DNS upstream is needed".into());
+            return Err(ConfigError::NoUpstream);
         }
-        if let Some(inside) = self.dns_upstreams.iter().find(|a| self.range.contains(*a)) {
-            return Err(format!(
-                "DNS upstream {inside} is inside the sandbox range {}",
-                self.range
-            ));
+        if let Some(inside) = self.dns_upstreams.iter().find(|a| range.contains(*a)) {
+            return Err(ConfigError::UpstreamInside {
+                upstream: *inside,
+                range,
+            });
         }
         if let Some(net) = self.allow_private_egress.iter().find(|n| n.trunc() != **n) {
-            return Err(format!(
-                "private egress range {net} has host bits set; did you mean {}?",
-                net.trunc()
-            ));
+            return Err(ConfigError::EgressHostBits { net: *net });
         }
         // Tables 253-255 are the kernel's default, main and local tables.
         if self.route_table == 0 || (253..=255).contains(&self.route_table) {
-            return Err(format!(
-                "route_table {} is reserved by the kernel",
-                self.route_table
-            ));
+            return Err(ConfigError::ReservedTable {
+                table: self.route_table,
+            });
         }
         if self.rule_priority == 0 || self.rule_priority >= 32766 {
-            return Err(format!(
-                "rule_priority {} must be between 1 and 32765, before the main table's rule",
-                self.rule_priority
-            ));
+            return Err(ConfigError::RulePriority {
+                priority: self.rule_priority,
+            });
         }
         Ok(())
     }
@@ -205,6 +194,33 @@ impl NetworkConfig {
     }
 }
 
+/// What the kernel would refuse in a [`NetworkConfig`], named.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{what} name {name:?} must be 1 to {max} of [A-Za-z0-9_-]")]
+    IfName {
+        what: &'static str,
+        name: String,
+        max: usize,
+    },
+    #[error("range {range} must have a prefix length from /{MIN_PREFIX} to /{MAX_PREFIX}")]
+    Prefix { range: Ipv4Net },
+    #[error("range {range} has host bits set; did you mean {}?", range.trunc())]
+    HostBits { range: Ipv4Net },
+    #[error("uplink gateway {gateway} is inside the sandbox range {range}")]
+    GatewayInside { gateway: Ipv4Addr, range: Ipv4Net },
+    #[error("at least one DNS upstream is needed")]
+    NoUpstream,
+    #[error("DNS upstream {upstream} is inside the sandbox range {range}")]
+    UpstreamInside { upstream: Ipv4Addr, range: Ipv4Net },
+    #[error("private egress range {net} has host bits set; did you mean {}?", net.trunc())]
+    EgressHostBits { net: Ipv4Net },
+    #[error("route_table {table} is reserved by the kernel")]
+    ReservedTable { table: u32 },
+    #[error("rule_priority {priority} must be between 1 and 32765, before the main table's rule")]
+    RulePriority { priority: u32 },
+}
+
 const MAX_BRIDGE_NAME: usize = 8;
 const MIN_PREFIX: u8 = 8;
 const MAX_PREFIX: u8 = 29;
@@ -215,14 +231,16 @@ fn offset_address(range: Ipv4Net, offset: u32) -> Ipv4Addr {
 
 /// Interface names are at most 15 bytes, and these must also be plain words
 /// so they can go into an nftables script and a sysctl path as they are.
-fn check_ifname(what: &str, name: &str, max: usize) -> Result<(), String> {
+fn check_ifname(what: &'static str, name: &str, max: usize) -> Result<(), ConfigError> {
     let plain = name
         .bytes()
         .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-');
     if name.is_empty() || name.len() > max || !plain {
-        return Err(format!(
-            "{what} name {name:?} must be 1 to {max} of [A-Za-z0-9_-]"
-        ));
+        return Err(ConfigError::IfName {
+            what,
+            name: name.to_owned(),
+            max,
+        });
     }
     Ok(())
 }
@@ -279,7 +297,7 @@ mod tests {
         let check = |edit: fn(&mut NetworkConfig), needle: &str| {
             let mut config = config();
             edit(&mut config);
-            let err = config.validate().unwrap_err();
+            let err = config.validate().unwrap_err().to_string();
             assert!(err.contains(needle), "{err} should mention {needle}");
         };
         check(|c| c.bridge = "toolongname".into(), "bridge name");

@@ -5,6 +5,7 @@ use std::io;
 
 use ipnet::Ipv4Net;
 
+use crate::config::ConfigError;
 use crate::nft::elements::BatchError;
 use crate::policy::PolicyError;
 
@@ -12,6 +13,8 @@ use crate::policy::PolicyError;
 pub enum NetError {
     #[error("invalid network config: {0}")]
     Config(String),
+    #[error("invalid network config")]
+    Invalid(#[from] ConfigError),
     #[error(transparent)]
     Policy(#[from] PolicyError),
     #[error("invalid sandbox id {id:?}: it must be 1 to 128 of [A-Za-z0-9._-] and not . or ..")]

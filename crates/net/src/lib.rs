@@ -37,7 +37,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-pub use config::{nameservers, NetworkConfig, Uplink};
+pub use config::{nameservers, ConfigError, NetworkConfig, Uplink};
 pub use error::NetError;
 pub use ipnet::Ipv4Net;
 pub use nft::elements::BatchError;
@@ -203,7 +203,7 @@ impl Network {
     /// whatever a previous run with this config left (namespaces, links, rules,
     /// set elements). Address allocations are kept.
     pub async fn new(config: NetworkConfig) -> Result<Self, NetError> {
-        config.validate().map_err(NetError::Config)?;
+        config.validate()?;
         // Before anything is touched: what follows removes the ports and
         // namespaces a previous run on this bridge left, which would be a
         // running server's if one still used it.

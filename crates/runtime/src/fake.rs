@@ -26,6 +26,7 @@ struct Machine {
 pub struct FakeRuntime {
     machines: Mutex<HashMap<String, Machine>>,
     fail_start: Mutex<Option<String>>,
+    fail_start_with: Mutex<Option<fn(&str) -> RuntimeError>>,
     calls: Mutex<Vec<String>>,
 }
 
@@ -37,6 +38,12 @@ impl FakeRuntime {
     /// Makes every following `start` fail with `reason`, or succeed again with `None`.
     pub fn fail_start(&self, reason: Option<&str>) {
         *self.fail_start.lock().unwrap() = reason.map(str::to_owned);
+    }
+
+    /// Makes every following `start` fail with the error `make` gives for
+    /// the sandbox's id (of any kind), or succeed again with `None`.
+    pub fn fail_start_with(&self, make: Option<fn(&str) -> RuntimeError>) {
+        *self.fail_start_with.lock().unwrap() = make;
     }
 
     /// Ends a running machine as if it had crashed.
@@ -86,6 +93,9 @@ impl Runtime for FakeRuntime {
             .get(&spec.id)
             .is_some_and(|m| m.memory);
         self.record(if resumes { "resume" } else { "start" }, &spec.id);
+        if let Some(make) = *self.fail_start_with.lock().unwrap() {
+            return Err(make(&spec.id));
+        }
         if let Some(reason) = self.fail_start.lock().unwrap().clone() {
             return Err(RuntimeError::Start {
                 id: spec.id.clone(),
@@ -159,9 +169,9 @@ impl Runtime for FakeRuntime {
             .get(&spec.id)
             .is_some_and(|m| m.running);
         if running {
-            return Err(RuntimeError::Other {
+            return Err(RuntimeError::Running {
                 id: spec.id.clone(),
-                reason: "restore while running".into(),
+                action: "be restored",
             });
         }
         Ok(())
@@ -179,10 +189,7 @@ impl Runtime for FakeRuntime {
                 }
                 Ok(())
             }
-            _ => Err(RuntimeError::Other {
-                id: id.to_owned(),
-                reason: "paused while not running".into(),
-            }),
+            _ => Err(RuntimeError::NotRunning { id: id.to_owned() }),
         }
     }
 
@@ -201,10 +208,7 @@ impl Runtime for FakeRuntime {
     ) -> Result<PathBuf, RuntimeError> {
         self.record("capture-memory", &format!("{id} {capture_id}"));
         if !self.is_running(id).await {
-            return Err(RuntimeError::Other {
-                id: id.to_owned(),
-                reason: "memory captured while not running".into(),
-            });
+            return Err(RuntimeError::NotRunning { id: id.to_owned() });
         }
         Ok(PathBuf::from(format!("/captures/{capture_id}")))
     }
@@ -212,9 +216,8 @@ impl Runtime for FakeRuntime {
     async fn fork(&self, parent: &str, child: &SandboxSpec) -> Result<(), RuntimeError> {
         self.record("fork", &format!("{parent} {}", child.id));
         if !self.is_running(parent).await {
-            return Err(RuntimeError::Other {
+            return Err(RuntimeError::NotRunning {
                 id: parent.to_owned(),
-                reason: "forked while not running".into(),
             });
         }
         let mut machines = self.machines.lock().unwrap();

@@ -8,6 +8,7 @@
 
 pub mod beneath;
 pub mod container;
+mod error;
 pub mod fake;
 pub mod storage;
 pub mod vm;
@@ -15,6 +16,8 @@ pub mod vm;
 use std::path::{Path, PathBuf};
 
 use async_trait::async_trait;
+
+pub use error::RuntimeError;
 
 /// Resources of one sandbox, already checked against the server's ceilings.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -136,21 +139,6 @@ pub struct Started {
     pub accelerator: Option<&'static str>,
 }
 
-#[derive(Debug, thiserror::Error)]
-pub enum RuntimeError {
-    #[error("sandbox {id}: {action}")]
-    Io {
-        id: String,
-        action: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("sandbox {id} failed to start: {reason}")]
-    Start { id: String, reason: String },
-    #[error("sandbox {id}: {reason}")]
-    Other { id: String, reason: String },
-}
-
 /// One class of sandbox machine. Every method is idempotent where a retry after a
 /// crash may call it twice (`stop`, `destroy`).
 #[async_trait]
@@ -244,38 +232,26 @@ pub trait Runtime: Send + Sync + 'static {
 pub(crate) fn check_id(id: &str) -> Result<(), RuntimeError> {
     match cove_protocol::SandboxId::parse(id) {
         Ok(_) => Ok(()),
-        Err(_) => Err(RuntimeError::Other {
-            id: id.to_owned(),
-            reason: "id must be 1 to 128 of [A-Za-z0-9._-] and not . or ..".into(),
-        }),
+        Err(_) => Err(RuntimeError::InvalidId { id: id.to_owned() }),
     }
 }
 
-pub(crate) fn start_error(id: &str, reason: impl Into<String>) -> RuntimeError {
-    RuntimeError::Start {
-        id: id.to_owned(),
-        reason: reason.into(),
-    }
-}
-
-/// Runs blocking work off the async threads; a failure names the sandbox.
+/// Runs blocking work off the async threads; the work is given the
+/// sandbox's id to name in its errors.
 pub(crate) async fn blocking<T: Send + 'static>(
     id: &str,
-    work: impl FnOnce() -> Result<T, String> + Send + 'static,
+    work: impl FnOnce(&str) -> Result<T, RuntimeError> + Send + 'static,
 ) -> Result<T, RuntimeError> {
-    let other = |reason: String| RuntimeError::Other {
-        id: id.to_owned(),
-        reason,
-    };
-    tokio::task::spawn_blocking(work)
+    let owned = id.to_owned();
+    tokio::task::spawn_blocking(move || work(&owned))
         .await
-        .map_err(|e| other(e.to_string()))?
-        .map_err(other)
+        .map_err(|source| RuntimeError::Task {
+            id: id.to_owned(),
+            what: "blocking",
+            source,
+        })?
 }
 
 fn unsupported(id: &str, what: &str) -> RuntimeError {
-    RuntimeError::Other {
-        id: id.to_owned(),
-        reason: format!("this sandbox class does not support {what}"),
-    }
+    RuntimeError::unsupported(id, what)
 }

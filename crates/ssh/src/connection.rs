@@ -21,6 +21,25 @@ use tokio::sync::{watch, OwnedSemaphorePermit};
 
 use crate::session::{self, error_chain, Target};
 
+/// Why a token opens no sandbox (now); the message is what the client is told.
+#[derive(Debug, thiserror::Error)]
+pub enum Refusal {
+    #[error("the SSH access token is unknown, expired or revoked; issue a new one (POST /api/sandbox/{{id}}/ssh-access)")]
+    UnknownToken,
+    /// A token that was admitted and no longer opens its sandbox.
+    #[error("{}", TOKEN_GONE)]
+    TokenGone,
+    #[error("sandbox {id} no longer exists")]
+    SandboxGone { id: String },
+    #[error("sandbox {id} is {state}; start it before connecting")]
+    NotStarted { id: String, state: SandboxState },
+    /// The engine failed (logged where it happened).
+    #[error("cove could not check the SSH access token; try again")]
+    CheckFailed,
+    #[error("not admitted")]
+    NotAdmitted,
+}
+
 /// What a client that authenticated holds: its token and the sandbox it opens.
 #[derive(Clone, Debug)]
 pub struct Admitted {
@@ -38,7 +57,7 @@ pub struct Connection {
     /// The token and sandbox of a client that was admitted.
     admitted: Option<Admitted>,
     /// Why the token was refused, told to the client at disconnect.
-    refusal: Option<String>,
+    refusal: Option<Refusal>,
     /// Tells the connection's task once the client is in.
     on_admitted: watch::Sender<Option<Admitted>>,
     /// The client's place among the unauthenticated; given up once it is in.
@@ -63,33 +82,29 @@ impl Connection {
     }
 
     /// The sandbox `token` opens, or why it does not.
-    async fn admit(&self, token: &str) -> Result<String, String> {
+    async fn admit(&self, token: &str) -> Result<String, Refusal> {
         let internal = |error: cove_engine::EngineError| {
             tracing::error!(error = %error_chain(&error), "checking an ssh access token");
-            "cove could not check the SSH access token; try again".to_owned()
+            Refusal::CheckFailed
         };
         let sandbox_id = self
             .engine
             .validate_ssh_access(token)
             .await
             .map_err(internal)?
-            .ok_or_else(|| {
-                "the SSH access token is unknown, expired or revoked; issue a new one \
-                 (POST /api/sandbox/{id}/ssh-access)"
-                    .to_owned()
-            })?;
+            .ok_or(Refusal::UnknownToken)?;
         let sandbox = match self.engine.get(&sandbox_id).await {
             Ok(sandbox) => sandbox,
             Err(error) if error.kind() == ErrorKind::NotFound => {
-                return Err(format!("sandbox {sandbox_id} no longer exists"))
+                return Err(Refusal::SandboxGone { id: sandbox_id })
             }
             Err(error) => return Err(internal(error)),
         };
         if sandbox.state != SandboxState::Started {
-            return Err(format!(
-                "sandbox {} is {}; start it before connecting",
-                sandbox.id, sandbox.state
-            ));
+            return Err(Refusal::NotStarted {
+                id: sandbox.id,
+                state: sandbox.state,
+            });
         }
         Ok(sandbox.id)
     }
@@ -97,16 +112,16 @@ impl Connection {
     /// Where a new channel goes, if the token still opens the sandbox: it is
     /// checked again for every channel, so a revoked or expired token opens
     /// nothing more. `Err` is the reason told to the client.
-    async fn target(&self, handle: russh::server::Handle) -> Result<Target, String> {
+    async fn target(&self, handle: russh::server::Handle) -> Result<Target, Refusal> {
         let Some(admitted) = &self.admitted else {
-            return Err("not admitted".to_owned());
+            return Err(Refusal::NotAdmitted);
         };
         match self.engine.validate_ssh_access(&admitted.token).await {
             Ok(Some(sandbox_id)) if sandbox_id == admitted.sandbox_id => {}
-            Ok(_) => return Err(TOKEN_GONE.to_owned()),
+            Ok(_) => return Err(Refusal::TokenGone),
             Err(error) => {
                 tracing::error!(error = %error_chain(&error), "checking an ssh access token");
-                return Err("cove could not check the SSH access token; try again".to_owned());
+                return Err(Refusal::CheckFailed);
             }
         }
         Ok(Target {
@@ -120,11 +135,12 @@ impl Connection {
     async fn refuse_channel(
         &self,
         reply: ChannelOpenHandle,
-        reason: String,
+        refusal: Refusal,
         session: &mut Session,
     ) -> Result<(), russh::Error> {
+        let reason = refusal.to_string();
         tracing::info!(peer = ?self.peer, %reason, "ssh channel refused");
-        let gone = reason == TOKEN_GONE;
+        let gone = matches!(refusal, Refusal::TokenGone);
         reply
             .reject(ChannelOpenFailure::Other {
                 code: 1, // SSH_OPEN_ADMINISTRATIVELY_PROHIBITED
@@ -168,8 +184,9 @@ impl russh::server::Handler for Connection {
     }
 
     async fn auth_succeeded(&mut self, session: &mut Session) -> Result<(), Self::Error> {
-        if let Some(reason) = &self.refusal {
-            session.disconnect(Disconnect::NoMoreAuthMethodsAvailable, reason, "en")?;
+        if let Some(refusal) = &self.refusal {
+            let reason = refusal.to_string();
+            session.disconnect(Disconnect::NoMoreAuthMethodsAvailable, &reason, "en")?;
             return Ok(());
         }
         self.unauthenticated = None;
@@ -231,7 +248,7 @@ impl russh::server::Handler for Connection {
                 Ok((_, cove_runtime::AgentEndpoint::Unix(socket))) => {
                     crate::agent::Agent::new(target.sandbox_id.clone(), socket)
                 }
-                Err(error) => return reply.reject(refuse(error.to_string())).await,
+                Err(error) => return reply.reject(refuse(cove_engine::describe(&error))).await,
             };
             let mut tunnel = match agent.tunnel(port).await {
                 Ok(tunnel) => tunnel,

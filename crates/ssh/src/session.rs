@@ -122,11 +122,10 @@ async fn finish(channel: &Channel<Msg>, status: u32) {
 }
 
 /// The sandbox's agent, if the sandbox still runs (and counts as activity).
-async fn agent(target: &Target) -> Result<Agent, String> {
-    match target.engine.toolbox(&target.sandbox_id).await {
-        Ok((id, cove_runtime::AgentEndpoint::Unix(socket))) => Ok(Agent::new(id, socket)),
-        Err(error) => Err(error.to_string()),
-    }
+async fn agent(target: &Target) -> Result<Agent, cove_engine::EngineError> {
+    let (id, cove_runtime::AgentEndpoint::Unix(socket)) =
+        target.engine.toolbox(&target.sandbox_id).await?;
+    Ok(Agent::new(id, socket))
 }
 
 fn exit_status(code: i32) -> u32 {
@@ -141,7 +140,7 @@ async fn run_exec(
 ) {
     let agent = match agent(target).await {
         Ok(agent) => agent,
-        Err(message) => return fail(&channel, &message).await,
+        Err(error) => return fail(&channel, &cove_engine::describe(&error)).await,
     };
     let executed = agent.execute(command, envs);
     tokio::pin!(executed);
@@ -182,7 +181,7 @@ async fn run_shell(
 ) {
     let agent = match agent(target).await {
         Ok(agent) => agent,
-        Err(message) => return fail(&channel, &message).await,
+        Err(error) => return fail(&channel, &cove_engine::describe(&error)).await,
     };
     let (cols, rows) = match &terminal {
         Some(t) => {

@@ -43,6 +43,14 @@ pub enum StoreError {
     Duplicate { name: String },
     #[error("stored row {id} is corrupt: {reason}")]
     Corrupt { id: String, reason: String },
+    /// A JSON column of a row does not decode.
+    #[error("stored row {id} is corrupt: its {column} does not decode")]
+    Undecodable {
+        id: String,
+        column: &'static str,
+        #[source]
+        source: serde_json::Error,
+    },
 }
 
 /// The statement that writes every column of a row keyed by `id`: a plain

@@ -21,8 +21,12 @@ fn corrupt(id: &str, reason: impl ToString) -> StoreError {
 fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
     let id: String = row.try_get("id")?;
     let text = |column: &str| -> Result<String, StoreError> { Ok(row.try_get(column)?) };
-    let json = |column: &str| -> Result<_, StoreError> {
-        serde_json::from_str(&text(column)?).map_err(|e| corrupt(&id, format!("{column}: {e}")))
+    let undecodable = |column: &'static str| {
+        let id = id.clone();
+        move |source| StoreError::Undecodable { id, column, source }
+    };
+    let json = |column: &'static str| -> Result<_, StoreError> {
+        serde_json::from_str(&text(column)?).map_err(undecodable(column))
     };
     Ok(SandboxRecord {
         name: text("name")?,
@@ -56,10 +60,8 @@ fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
         persistent: row.try_get::<i64, _>("persistent")? != 0,
         spot: row.try_get::<i64, _>("spot")? != 0,
         parent_id: row.try_get("parent_id")?,
-        network: serde_json::from_str(&text("network")?)
-            .map_err(|e| corrupt(&id, format!("network: {e}")))?,
-        volumes: serde_json::from_str(&text("volumes")?)
-            .map_err(|e| corrupt(&id, format!("volumes: {e}")))?,
+        network: serde_json::from_str(&text("network")?).map_err(undecodable("network"))?,
+        volumes: serde_json::from_str(&text("volumes")?).map_err(undecodable("volumes"))?,
         id,
     })
 }

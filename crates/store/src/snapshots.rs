@@ -15,6 +15,10 @@ fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
         id: id.clone(),
         reason,
     };
+    let undecodable = |column: &'static str| {
+        let id = id.clone();
+        move |source| StoreError::Undecodable { id, column, source }
+    };
     let class: String = row.try_get("class")?;
     let state: String = row.try_get("state")?;
     Ok(SnapshotRecord {
@@ -24,7 +28,7 @@ fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
         error_reason: row.try_get("error_reason")?,
         rootfs: row.try_get("rootfs")?,
         layers: serde_json::from_str(&row.try_get::<String, _>("layers")?)
-            .map_err(|e| corrupt(format!("layers: {e}")))?,
+            .map_err(undecodable("layers"))?,
         capture_id: row.try_get("capture_id")?,
         source_sandbox: row.try_get("source_sandbox")?,
         cpu: row.try_get("cpu")?,
@@ -34,19 +38,14 @@ fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
         size_bytes: row.try_get("size_bytes")?,
         general: row.try_get::<i64, _>("general")? != 0,
         has_memory: row.try_get::<i64, _>("has_memory")? != 0,
-        env: serde_json::from_str(&row.try_get::<String, _>("env")?).map_err(|e| {
-            StoreError::Corrupt {
-                id: row.try_get("id").unwrap_or_default(),
-                reason: format!("env: {e}"),
-            }
-        })?,
+        env: serde_json::from_str(&row.try_get::<String, _>("env")?).map_err(undecodable("env"))?,
         image: ImageSettings {
             workdir: row.try_get("workdir")?,
             user: row.try_get("image_user")?,
             entrypoint: serde_json::from_str(&row.try_get::<String, _>("entrypoint")?)
-                .map_err(|e| corrupt(format!("entrypoint: {e}")))?,
+                .map_err(undecodable("entrypoint"))?,
             cmd: serde_json::from_str(&row.try_get::<String, _>("cmd")?)
-                .map_err(|e| corrupt(format!("cmd: {e}")))?,
+                .map_err(undecodable("cmd"))?,
         },
         created_at_ms: row.try_get("created_at_ms")?,
         updated_at_ms: row.try_get("updated_at_ms")?,

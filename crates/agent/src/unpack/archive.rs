@@ -15,6 +15,26 @@ use tar::EntryType;
 
 use super::{Owner, UnpackError};
 
+/// What is wrong with an entry's header; the entry is refused, told this.
+#[derive(Debug, thiserror::Error)]
+enum BadHeader {
+    #[error("its header has a bad {field}: {cause}")]
+    Field {
+        field: &'static str,
+        cause: io::Error,
+    },
+    #[error("its header has a bad {field}: {value} is out of range")]
+    OutOfRange { field: &'static str, value: u64 },
+    #[error("its link target is empty")]
+    EmptyLink,
+    #[error("its link target is unreadable: {cause}")]
+    UnreadableLink { cause: io::Error },
+}
+
+fn bad(field: &'static str) -> impl FnOnce(io::Error) -> BadHeader {
+    move |cause| BadHeader::Field { field, cause }
+}
+
 /// The mode of parent directories the stream does not list.
 const PARENT_MODE: u32 = 0o755;
 
@@ -100,9 +120,11 @@ impl Unpacker<'_> {
         let kind = match entry_type {
             EntryType::Regular | EntryType::Continuous | EntryType::GNUSparse => Kind::File,
             EntryType::Directory => Kind::Directory,
-            EntryType::Symlink => Kind::Symlink(link_target(entry).map_err(&refused)?),
+            EntryType::Symlink => {
+                Kind::Symlink(link_target(entry).map_err(|bad| refused(bad.to_string()))?)
+            }
             EntryType::Link => {
-                let target = link_target(entry).map_err(&refused)?;
+                let target = link_target(entry).map_err(|bad| refused(bad.to_string()))?;
                 let relative_target = below_root(&target).map_err(|why| {
                     refused(format!("its link target {:?} {why}", target.display()))
                 })?;
@@ -117,7 +139,9 @@ impl Unpacker<'_> {
                 )))
             }
         };
-        let meta = self.meta(entry.header()).map_err(refused)?;
+        let meta = self
+            .meta(entry.header())
+            .map_err(|bad| refused(bad.to_string()))?;
 
         self.create_parents(&relative, &name)?;
         match kind {
@@ -154,21 +178,15 @@ impl Unpacker<'_> {
         Ok(())
     }
 
-    fn meta(&self, header: &tar::Header) -> Result<Meta, String> {
-        let mode = header
-            .mode()
-            .map_err(|e| format!("its header has a bad mode: {e}"))?;
-        let mtime = header
-            .mtime()
-            .map_err(|e| format!("its header has a bad mtime: {e}"))?;
+    fn meta(&self, header: &tar::Header) -> Result<Meta, BadHeader> {
+        let mode = header.mode().map_err(bad("mode"))?;
+        let mtime = header.mtime().map_err(bad("mtime"))?;
         let (uid, gid) = match self.owner {
             Some(owner) => (owner.uid.as_raw(), owner.gid.as_raw()),
             None => {
-                let id = |what: &str, value: io::Result<u64>| {
-                    value
-                        .map_err(|e| e.to_string())
-                        .and_then(|v| u32::try_from(v).map_err(|_| format!("{v} is out of range")))
-                        .map_err(|e| format!("its header has a bad {what}: {e}"))
+                let id = |field: &'static str, value: io::Result<u64>| {
+                    let value = value.map_err(bad(field))?;
+                    u32::try_from(value).map_err(|_| BadHeader::OutOfRange { field, value })
                 };
                 (id("uid", header.uid())?, id("gid", header.gid())?)
             }
@@ -334,11 +352,11 @@ fn below_root(path: &Path) -> Result<PathBuf, &'static str> {
     Ok(relative)
 }
 
-fn link_target<R: Read>(entry: &tar::Entry<'_, R>) -> Result<PathBuf, String> {
+fn link_target<R: Read>(entry: &tar::Entry<'_, R>) -> Result<PathBuf, BadHeader> {
     match entry.link_name() {
         Ok(Some(target)) if !target.as_os_str().is_empty() => Ok(target.into_owned()),
-        Ok(_) => Err("its link target is empty".to_string()),
-        Err(e) => Err(format!("its link target is unreadable: {e}")),
+        Ok(_) => Err(BadHeader::EmptyLink),
+        Err(cause) => Err(BadHeader::UnreadableLink { cause }),
     }
 }
 

@@ -146,7 +146,7 @@ impl Owner {
     pub fn parse(spec: &str) -> Result<Self, UnpackError> {
         let user = crate::user::lookup(spec).map_err(|reason| UnpackError::UnknownOwner {
             spec: spec.to_string(),
-            reason,
+            reason: reason.to_string(),
         })?;
         // Unlike `USER`, `--chown` takes no primary group from /etc/passwd: "a
         // username without groupname or a UID without GID uses the same

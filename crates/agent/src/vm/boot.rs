@@ -13,8 +13,10 @@ use std::path::Path;
 
 use nix::mount::{mount, MsFlags};
 
+use super::initramfs::{failed, StageError};
+
 /// Mounts the kernel filesystems and brings `lo` up. Errors name the step.
-pub fn prepare_system() -> Result<(), String> {
+pub fn prepare_system() -> Result<(), StageError> {
     let common = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
     if !Path::new("/dev/null").exists() {
         mount_fs("devtmpfs", "/dev", MsFlags::MS_NOSUID, Some("mode=0755"))?;
@@ -36,22 +38,26 @@ pub fn prepare_system() -> Result<(), String> {
         ("/dev/stderr", "/proc/self/fd/2"),
     ] {
         if fs::symlink_metadata(link).is_err() {
-            symlink(target, link).map_err(|e| format!("link {link}: {e}"))?;
+            symlink(target, link).map_err(failed(format!("link {link}")))?;
         }
     }
     let tmp = Path::new("/tmp");
-    fs::create_dir_all(tmp).map_err(|e| format!("create /tmp: {e}"))?;
-    fs::set_permissions(tmp, fs::Permissions::from_mode(0o1777))
-        .map_err(|e| format!("chmod /tmp: {e}"))?;
-    nix::unistd::sethostname("sandbox").map_err(|e| format!("set the hostname: {e}"))?;
-    loopback_up().map_err(|e| format!("bring lo up: {e}"))?;
+    fs::create_dir_all(tmp).map_err(failed("create /tmp"))?;
+    fs::set_permissions(tmp, fs::Permissions::from_mode(0o1777)).map_err(failed("chmod /tmp"))?;
+    nix::unistd::sethostname("sandbox").map_err(failed("set the hostname"))?;
+    loopback_up().map_err(failed("bring lo up"))?;
     Ok(())
 }
 
-fn mount_fs(fstype: &str, target: &str, flags: MsFlags, data: Option<&str>) -> Result<(), String> {
-    fs::create_dir_all(target).map_err(|e| format!("create {target}: {e}"))?;
+fn mount_fs(
+    fstype: &str,
+    target: &str,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<(), StageError> {
+    fs::create_dir_all(target).map_err(failed(format!("create {target}")))?;
     mount(Some(fstype), target, Some(fstype), flags, data)
-        .map_err(|e| format!("mount {fstype} at {target}: {e}"))
+        .map_err(failed(format!("mount {fstype} at {target}")))
 }
 
 fn loopback_up() -> io::Result<()> {

@@ -18,6 +18,30 @@ use nix::mount::{mount, MsFlags};
 
 /// Where the root disk is mounted before it becomes `/`.
 const NEW_ROOT: &str = "/newroot";
+
+/// A step of bringing a VM's system up that failed. Printed whole on the
+/// console (nothing walks a chain there), so the cause is in the message.
+#[derive(Debug, thiserror::Error)]
+pub enum StageError {
+    #[error("{step}: {cause}")]
+    Failed {
+        step: String,
+        cause: Box<dyn std::error::Error + Send + Sync>,
+    },
+    #[error("{0}")]
+    Refused(String),
+}
+
+/// `step` failed with the error given to the closure.
+pub(crate) fn failed<E: std::error::Error + Send + Sync + 'static>(
+    step: impl Into<String>,
+) -> impl FnOnce(E) -> StageError {
+    let step = step.into();
+    move |cause| StageError::Failed {
+        step,
+        cause: Box::new(cause),
+    }
+}
 /// How long the root device may take to appear after its driver loads.
 const ROOT_DEVICE_TIMEOUT: Duration = Duration::from_secs(20);
 
@@ -70,13 +94,13 @@ pub fn module_list(text: &str) -> Vec<&str> {
 pub fn run() -> String {
     match boot() {
         Ok(never) => match never {},
-        Err(message) => message,
+        Err(error) => error.to_string(),
     }
 }
 
 enum Never {}
 
-fn boot() -> Result<Never, String> {
+fn boot() -> Result<Never, StageError> {
     for (fstype, target) in [("devtmpfs", "/dev"), ("proc", "/proc"), ("sysfs", "/sys")] {
         let _ = fs::create_dir_all(target);
         mount(
@@ -86,17 +110,16 @@ fn boot() -> Result<Never, String> {
             MsFlags::MS_NOSUID,
             None::<&str>,
         )
-        .map_err(|e| format!("mount {fstype} at {target}: {e}"))?;
+        .map_err(failed(format!("mount {fstype} at {target}")))?;
     }
-    let cmdline =
-        fs::read_to_string("/proc/cmdline").map_err(|e| format!("read /proc/cmdline: {e}"))?;
+    let cmdline = fs::read_to_string("/proc/cmdline").map_err(failed("read /proc/cmdline"))?;
     let args = BootArgs::parse(&cmdline);
     let list = fs::read_to_string("/modules/load").unwrap_or_default();
     for module in module_list(&list) {
         load_module(&Path::new("/modules").join(module))?;
     }
     wait_for(&args.root)?;
-    fs::create_dir_all(NEW_ROOT).map_err(|e| format!("create {NEW_ROOT}: {e}"))?;
+    fs::create_dir_all(NEW_ROOT).map_err(failed(format!("create {NEW_ROOT}")))?;
     let mut flags = MsFlags::empty();
     if args.read_only {
         flags |= MsFlags::MS_RDONLY;
@@ -108,13 +131,11 @@ fn boot() -> Result<Never, String> {
         flags,
         None::<&str>,
     )
-    .map_err(|e| {
-        format!(
-            "mount {} ({}) at {NEW_ROOT}: {e}",
-            args.root.display(),
-            args.fstype
-        )
-    })?;
+    .map_err(failed(format!(
+        "mount {} ({}) at {NEW_ROOT}",
+        args.root.display(),
+        args.fstype
+    )))?;
     // The second stage mounts /proc and /sys itself; /dev moves along so the
     // console stays open across the switch.
     let _ = nix::mount::umount2("/proc", nix::mount::MntFlags::MNT_DETACH);
@@ -128,14 +149,14 @@ fn boot() -> Result<Never, String> {
         MsFlags::MS_MOVE,
         None::<&str>,
     )
-    .map_err(|e| format!("move /dev into the root: {e}"))?;
+    .map_err(failed("move /dev into the root"))?;
     free_initramfs();
     switch_root(&args.init)
 }
 
 /// Loads one module file; a module already present is fine.
-fn load_module(path: &Path) -> Result<(), String> {
-    let file = File::open(path).map_err(|e| format!("open {}: {e}", path.display()))?;
+fn load_module(path: &Path) -> Result<(), StageError> {
+    let file = File::open(path).map_err(failed(format!("open {}", path.display())))?;
     let params = CString::default();
     // SAFETY: finit_module reads the module from an open fd and a
     // NUL-terminated parameter string; both outlive the call.
@@ -150,21 +171,21 @@ fn load_module(path: &Path) -> Result<(), String> {
     if result != 0 {
         let error = std::io::Error::last_os_error();
         if error.raw_os_error() != Some(libc::EEXIST) {
-            return Err(format!("load module {}: {error}", path.display()));
+            return Err(failed(format!("load module {}", path.display()))(error));
         }
     }
     Ok(())
 }
 
 /// Waits until the driver has made the device node.
-fn wait_for(device: &Path) -> Result<(), String> {
+fn wait_for(device: &Path) -> Result<(), StageError> {
     let began = Instant::now();
     while !device.exists() {
         if began.elapsed() > ROOT_DEVICE_TIMEOUT {
-            return Err(format!(
+            return Err(StageError::Refused(format!(
                 "root device {} did not appear within {ROOT_DEVICE_TIMEOUT:?}",
                 device.display()
-            ));
+            )));
         }
         std::thread::sleep(Duration::from_millis(2));
     }
@@ -178,14 +199,14 @@ fn free_initramfs() {
 }
 
 /// Makes the mounted root `/` and execs its init as `<init> vm`.
-fn switch_root(init: &Path) -> Result<Never, String> {
-    std::env::set_current_dir(NEW_ROOT).map_err(|e| format!("chdir {NEW_ROOT}: {e}"))?;
+fn switch_root(init: &Path) -> Result<Never, StageError> {
+    std::env::set_current_dir(NEW_ROOT).map_err(failed(format!("chdir {NEW_ROOT}")))?;
     mount(Some("."), "/", None::<&str>, MsFlags::MS_MOVE, None::<&str>)
-        .map_err(|e| format!("move {NEW_ROOT} to /: {e}"))?;
-    nix::unistd::chroot(".").map_err(|e| format!("chroot into the root disk: {e}"))?;
-    std::env::set_current_dir("/").map_err(|e| format!("chdir /: {e}"))?;
+        .map_err(failed(format!("move {NEW_ROOT} to /")))?;
+    nix::unistd::chroot(".").map_err(failed("chroot into the root disk"))?;
+    std::env::set_current_dir("/").map_err(failed("chdir /"))?;
     let program = CString::new(init.as_os_str().as_encoded_bytes())
-        .map_err(|_| format!("init path {} contains NUL", init.display()))?;
+        .map_err(|_| StageError::Refused(format!("init path {} contains NUL", init.display())))?;
     let argv = [program.clone(), CString::from(c"vm")];
     let env = [
         CString::from(c"HOME=/root"),
@@ -193,7 +214,7 @@ fn switch_root(init: &Path) -> Result<Never, String> {
         CString::from(c"TERM=xterm"),
     ];
     let error = nix::unistd::execve(&program, &argv, &env).unwrap_err();
-    Err(format!("exec {}: {error}", init.display()))
+    Err(failed(format!("exec {}", init.display()))(error))
 }
 
 #[cfg(test)]

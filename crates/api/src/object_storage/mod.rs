@@ -22,7 +22,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use cove_engine::{EngineError, ErrorKind, PushGrant};
+use cove_engine::{EngineError, PushGrant};
 use serde::{Deserialize, Serialize};
 
 use crate::dto::ORGANIZATION_ID;
@@ -112,22 +112,24 @@ impl S3Error {
 
 impl From<EngineError> for S3Error {
     fn from(error: EngineError) -> S3Error {
-        let (status, code) = match (&error, error.kind()) {
+        // The status is the API's, from the error's kind; the code is S3's
+        // name for it, which S3 clients act on.
+        let status = crate::error::status_for(error.kind());
+        let code = match (&error, status) {
             // S3's own answer to an object over its size limit, which S3
             // clients report as such rather than retry.
-            (EngineError::ContextTooLarge { .. }, _) => (StatusCode::BAD_REQUEST, "EntityTooLarge"),
-            (EngineError::TooManyUploads { .. }, _) => (StatusCode::BAD_REQUEST, "TooManyUploads"),
-            (_, kind) => match kind {
-                ErrorKind::BadRequest => (StatusCode::BAD_REQUEST, "InvalidArgument"),
-                ErrorKind::NotFound => (StatusCode::NOT_FOUND, "NoSuchKey"),
-                ErrorKind::NotImplemented => (StatusCode::NOT_IMPLEMENTED, "NotImplemented"),
-                _ => (StatusCode::INTERNAL_SERVER_ERROR, "InternalError"),
-            },
+            (EngineError::ContextTooLarge { .. }, _) => "EntityTooLarge",
+            (EngineError::TooManyUploads { .. }, _) => "TooManyUploads",
+            (_, StatusCode::BAD_REQUEST) => "InvalidArgument",
+            (_, StatusCode::NOT_FOUND) => "NoSuchKey",
+            (_, StatusCode::NOT_IMPLEMENTED) => "NotImplemented",
+            (_, StatusCode::CONFLICT) => "OperationAborted",
+            (_, StatusCode::SERVICE_UNAVAILABLE) => "ServiceUnavailable",
+            _ => "InternalError",
         };
-        if status == StatusCode::INTERNAL_SERVER_ERROR {
-            tracing::error!(%error, "object storage request failed");
-        }
-        S3Error::new(status, code, error.to_string())
+        let message = cove_engine::describe(&error);
+        crate::error::log_answered(status, &message);
+        S3Error::new(status, code, message)
     }
 }
 

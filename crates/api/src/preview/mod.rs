@@ -366,6 +366,9 @@ fn proxy_error(id: &str, port: u16, error: &(dyn std::error::Error + 'static)) -
     }
     ApiError::new(
         StatusCode::BAD_GATEWAY,
-        format!("port {port} of sandbox {id} did not answer: {error}"),
+        format!(
+            "port {port} of sandbox {id} did not answer: {}",
+            cove_engine::describe(error)
+        ),
     )
 }

@@ -173,8 +173,7 @@ impl Engine {
             .contexts_dir()?
             .join(".builds")
             .join(uuid::Uuid::new_v4().simple().to_string());
-        std::fs::create_dir_all(&dir)
-            .map_err(|e| EngineError::Io(format!("{}: {e}", dir.display())))?;
+        std::fs::create_dir_all(&dir).map_err(EngineError::io("create", &dir))?;
         Ok(dir)
     }
 }

@@ -134,19 +134,17 @@ pub(crate) async fn run_nft(script: &str) -> Result<(), NetError> {
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()
-        .map_err(|e| {
-            failed(format!(
-                "cannot run nft (is the nftables package installed?): {e}"
-            ))
-        })?;
+        .map_err(NetError::io(
+            "run nft -f - (is the nftables package installed?)",
+        ))?;
     let mut stdin = child.stdin.take().expect("stdin is piped");
     let written = stdin.write_all(script.as_bytes()).await;
     drop(stdin);
     let output = child
         .wait_with_output()
         .await
-        .map_err(|e| failed(e.to_string()))?;
-    written.map_err(|e| failed(format!("write the script: {e}")))?;
+        .map_err(NetError::io("wait for nft -f -"))?;
+    written.map_err(NetError::io("write the ruleset to nft -f -"))?;
     if !output.status.success() {
         return Err(failed(format!(
             "{}: {}",

@@ -6,6 +6,8 @@
 
 use seccompiler::BpfProgram;
 
+use super::step::StepError;
+
 /// The capabilities a container keeps, by number (linux/capability.h): Docker's default
 /// set without NET_RAW (13), which would let the sandbox forge packets; ping uses ICMP
 /// datagram sockets instead (`allow_unprivileged_ping`).
@@ -34,23 +36,27 @@ pub fn kept_caps(keep_mknod: bool) -> u64 {
         .fold(0, |mask, (cap, _)| mask | (1 << cap))
 }
 
-fn os_err(step: &str) -> String {
-    format!("{step}: {}", std::io::Error::last_os_error())
+fn os_err(step: impl Into<String>) -> StepError {
+    StepError::Io {
+        step: step.into(),
+        source: std::io::Error::last_os_error(),
+    }
 }
 
 /// Every group may open ICMP echo sockets (`SOCK_DGRAM`, `IPPROTO_ICMP`), which is how
 /// ping works without CAP_NET_RAW; a new network namespace allows none ("1 0"). Called in
 /// the sandbox's network namespace: /proc/sys/net shows the namespace of the caller, and
 /// the shim is root in the user namespace that owns it.
-pub fn allow_unprivileged_ping() -> Result<(), String> {
+pub fn allow_unprivileged_ping() -> Result<(), StepError> {
     const PING_GROUP_RANGE: &str = "/proc/sys/net/ipv4/ping_group_range";
-    std::fs::write(PING_GROUP_RANGE, "0 2147483647")
-        .map_err(|err| format!("allow unprivileged ping ({PING_GROUP_RANGE}): {err}"))
+    std::fs::write(PING_GROUP_RANGE, "0 2147483647").map_err(super::step::io(|| {
+        format!("allow unprivileged ping ({PING_GROUP_RANGE})")
+    }))
 }
 
 /// Cuts the bounding set, clears the ambient set and sets effective = permitted =
 /// inheritable = `keep`. Root keeps exactly these across execve.
-pub fn drop_capabilities(keep: u64) -> Result<(), String> {
+pub fn drop_capabilities(keep: u64) -> Result<(), StepError> {
     for cap in 0..64u32 {
         if keep & (1 << cap) != 0 {
             continue;
@@ -98,7 +104,7 @@ struct CapData {
 
 /// Makes every permitted capability effective again (after `setfsuid` cleared
 /// the file-system ones).
-pub fn raise_effective() -> Result<(), String> {
+pub fn raise_effective() -> Result<(), StepError> {
     let mut header = CapHeader {
         version: LINUX_CAPABILITY_VERSION_3,
         pid: 0,
@@ -128,7 +134,7 @@ pub fn raise_effective() -> Result<(), String> {
 
 const LINUX_CAPABILITY_VERSION_3: u32 = 0x2008_0522;
 
-fn capset(keep: u64) -> Result<(), String> {
+fn capset(keep: u64) -> Result<(), StepError> {
     let half = |bits: u32| CapData {
         effective: bits,
         permitted: bits,
@@ -141,7 +147,7 @@ fn capset(keep: u64) -> Result<(), String> {
 }
 
 /// `capset` of this process's capabilities, both 32-bit halves.
-fn write_caps(data: &[CapData; 2], step: &str) -> Result<(), String> {
+fn write_caps(data: &[CapData; 2], step: &str) -> Result<(), StepError> {
     let mut header = CapHeader {
         version: LINUX_CAPABILITY_VERSION_3,
         pid: 0,
@@ -162,14 +168,13 @@ fn write_caps(data: &[CapData; 2], step: &str) -> Result<(), String> {
 }
 
 /// Sets no_new_privs and installs the filters (seccompiler sets no_new_privs itself too).
-pub fn confine_syscalls(filters: &[BpfProgram]) -> Result<(), String> {
+pub fn confine_syscalls(filters: &[BpfProgram]) -> Result<(), StepError> {
     // SAFETY: prctl with integer arguments only.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
         return Err(os_err("set no_new_privs"));
     }
     for filter in filters {
-        seccompiler::apply_filter(filter)
-            .map_err(|err| format!("install seccomp filter: {err}"))?;
+        seccompiler::apply_filter(filter).map_err(StepError::Seccomp)?;
     }
     Ok(())
 }

@@ -84,8 +84,8 @@ impl InitArgs {
     }
 
     /// Reads the document the server wrote to the shim's stdin.
-    pub fn decode(json: &[u8]) -> Result<Self, String> {
-        serde_json::from_slice(json).map_err(|err| format!("bad init arguments: {err}"))
+    pub fn decode(json: &[u8]) -> Result<Self, serde_json::Error> {
+        serde_json::from_slice(json)
     }
 }
 
@@ -126,6 +126,15 @@ pub fn agent_env(spec: &crate::SandboxSpec) -> Vec<(String, String)> {
     env
 }
 
+/// A line from the shim that is no report.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum UnreadableReport {
+    #[error("bad pid in shim report {line:?}")]
+    BadPid { line: String },
+    #[error("unexpected shim report {line:?}")]
+    Unexpected { line: String },
+}
+
 /// What the shim answers on its stdout, one line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ShimReport {
@@ -145,18 +154,20 @@ impl ShimReport {
         }
     }
 
-    pub fn parse(line: &str) -> Result<Self, String> {
+    pub fn parse(line: &str) -> Result<Self, UnreadableReport> {
         let line = line.trim_end_matches('\n');
         if let Some(pid) = line.strip_prefix("ready ") {
-            let init_pid = pid
-                .parse()
-                .map_err(|_| format!("bad pid in shim report {line:?}"))?;
+            let init_pid = pid.parse().map_err(|_| UnreadableReport::BadPid {
+                line: line.to_owned(),
+            })?;
             return Ok(Self::Ready { init_pid });
         }
         if let Some(message) = line.strip_prefix("error ") {
             return Ok(Self::Error(message.to_string()));
         }
-        Err(format!("unexpected shim report {line:?}"))
+        Err(UnreadableReport::Unexpected {
+            line: line.to_owned(),
+        })
     }
 }
 
@@ -198,9 +209,8 @@ mod tests {
         let args = sample();
         let json = args.encode();
         assert_eq!(InitArgs::decode(json.as_bytes()).unwrap(), args);
-        assert!(InitArgs::decode(b"{")
-            .unwrap_err()
-            .contains("bad init arguments"));
+        let bad = super::super::step::StepError::Settings(InitArgs::decode(b"{").unwrap_err());
+        assert!(bad.report().starts_with("bad init arguments: "), "{bad}");
     }
 
     #[test]

@@ -52,26 +52,34 @@ impl SandboxLayout {
     }
 }
 
+/// A host path a container cannot use.
+#[derive(Debug, thiserror::Error)]
+pub enum PathRefused {
+    #[error("socket path {} is {len} bytes, more than the {MAX_SOCKET_PATH} a unix socket allows; use a shorter state or data directory", path.display())]
+    SocketTooLong { path: PathBuf, len: usize },
+    #[error("path {} contains ',', ':' or '\\', which overlayfs options cannot carry", path.display())]
+    OverlaySeparator { path: PathBuf },
+}
+
 /// Rejects a socket path the kernel could not bind, with the reason.
-pub fn check_socket_path(path: &Path) -> Result<(), String> {
+pub fn check_socket_path(path: &Path) -> Result<(), PathRefused> {
     let len = path.as_os_str().as_bytes().len();
     if len > MAX_SOCKET_PATH {
-        return Err(format!(
-            "agent socket path {} is {len} bytes, more than the {MAX_SOCKET_PATH} a unix socket allows; use a shorter state_dir",
-            path.display()
-        ));
+        return Err(PathRefused::SocketTooLong {
+            path: path.to_owned(),
+            len,
+        });
     }
     Ok(())
 }
 
 /// Rejects a path that would break overlayfs's comma- and colon-separated options.
-pub fn check_overlay_path(path: &Path) -> Result<(), String> {
+pub fn check_overlay_path(path: &Path) -> Result<(), PathRefused> {
     let bytes = path.as_os_str().as_bytes();
     if bytes.iter().any(|b| matches!(b, b',' | b':' | b'\\')) {
-        return Err(format!(
-            "path {} contains ',', ':' or '\\', which overlayfs options cannot carry",
-            path.display()
-        ));
+        return Err(PathRefused::OverlaySeparator {
+            path: path.to_owned(),
+        });
     }
     Ok(())
 }
@@ -95,7 +103,7 @@ mod tests {
     fn socket_path_limit_is_checked() {
         assert!(check_socket_path(Path::new("/short/agent.sock")).is_ok());
         let long = PathBuf::from(format!("/{}", "x".repeat(107)));
-        let err = check_socket_path(&long).unwrap_err();
+        let err = check_socket_path(&long).unwrap_err().to_string();
         assert!(err.contains("108") || err.contains("107"), "{err}");
     }
 

@@ -4,8 +4,11 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-pub fn loopback_up() -> Result<(), String> {
-    let err = |step: &str| format!("{step} of lo: {}", std::io::Error::last_os_error());
+pub fn loopback_up() -> Result<(), super::step::StepError> {
+    let err = |step: &str| super::step::StepError::Io {
+        step: format!("{step} of lo"),
+        source: std::io::Error::last_os_error(),
+    };
     // SAFETY: plain socket(2); the result is checked before use.
     let raw = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if raw < 0 {

@@ -21,6 +21,7 @@ mod loopback;
 mod rootfs;
 mod seccomp;
 mod shim;
+mod step;
 mod userns;
 
 use std::collections::HashMap;
@@ -39,15 +40,17 @@ use tokio::process::{Child, Command};
 use tokio::sync::{oneshot, watch};
 
 use crate::{
-    blocking, check_id, start_error, AgentEndpoint, NetworkLink, Runtime, RuntimeError,
-    SandboxNetwork, SandboxSpec, Started,
+    blocking, check_id, AgentEndpoint, NetworkLink, Runtime, RuntimeError, SandboxNetwork,
+    SandboxSpec, Started,
 };
-use cgroup::{CgroupBackend, CgroupError, CgroupLimits};
+use cgroup::{CgroupBackend, CgroupLimits};
 use init_args::{InitArgs, ShimReport, SUBCOMMAND};
 use layout::SandboxLayout;
 
+pub use cgroup::CgroupError;
+pub use layout::PathRefused;
 pub use shim::container_init_main;
-pub use userns::{IdPool, IdRanges};
+pub use userns::{IdPool, IdPoolError, IdRanges, UsernsError};
 
 /// How long the shim may take to build a container before `start` gives up.
 const START_TIMEOUT: Duration = Duration::from_secs(30);
@@ -110,30 +113,9 @@ impl std::fmt::Debug for ContainerRuntime {
     }
 }
 
-fn io_error(id: &str, action: String) -> impl FnOnce(io::Error) -> RuntimeError + '_ {
-    move |source| RuntimeError::Io {
-        id: id.to_string(),
-        action,
-        source,
-    }
-}
-
-fn cgroup_error(id: &str, err: CgroupError) -> RuntimeError {
-    match err {
-        CgroupError::Io {
-            action,
-            path,
-            source,
-        } => RuntimeError::Io {
-            id: id.to_string(),
-            action: format!("{action} {}", path.display()),
-            source,
-        },
-        other => RuntimeError::Other {
-            id: id.to_string(),
-            reason: other.to_string(),
-        },
-    }
+fn cgroup_error(id: &str) -> impl FnOnce(CgroupError) -> RuntimeError {
+    let id = id.to_owned();
+    move |source| RuntimeError::Cgroup { id, source }
 }
 
 impl ContainerRuntime {
@@ -144,18 +126,22 @@ impl ContainerRuntime {
             ("agent binary", &config.agent_binary),
             ("init executable", &config.init_exe),
         ] {
-            fs::metadata(path)
-                .map_err(io_error(id, format!("find the {what} {}", path.display())))?;
+            fs::metadata(path).map_err(|source| RuntimeError::Io {
+                id: id.to_owned(),
+                action: format!("find the {what} {}", path.display()),
+                source,
+            })?;
         }
         if config.cgroup_parent.is_empty() || config.cgroup_parent.contains("..") {
-            return Err(RuntimeError::Other {
-                id: id.into(),
-                reason: "cgroup_parent must be a plain name".into(),
-            });
+            return Err(RuntimeError::other(
+                id,
+                "cgroup_parent must be a plain name",
+            ));
         }
-        fs::create_dir_all(&config.state_dir).map_err(io_error(
+        fs::create_dir_all(&config.state_dir).map_err(RuntimeError::file(
             id,
-            format!("create state dir {}", config.state_dir.display()),
+            "create the state directory",
+            &config.state_dir,
         ))?;
         let cgroups: Arc<dyn CgroupBackend> = Arc::from(cgroup::detect(
             Path::new(CGROUP_ROOT),
@@ -189,11 +175,11 @@ impl ContainerRuntime {
         self.config
             .storage
             .as_ref()
-            .ok_or_else(|| RuntimeError::Other {
+            .ok_or_else(|| RuntimeError::Unsupported {
                 id: id.to_owned(),
-                reason:
-                    "snapshots need the sandbox storage (btrfs), which this runtime was not given"
-                        .into(),
+                what: "snapshots".to_owned(),
+                why: "without the sandbox storage (btrfs), which this runtime was not given"
+                    .to_owned(),
             })
     }
 
@@ -212,23 +198,22 @@ impl ContainerRuntime {
         check_id(id)?;
         let layout = self.layout(id);
         for path in spec.layers.iter().chain([&spec.rootfs, &layout.dir]) {
-            layout::check_overlay_path(path).map_err(|reason| start_error(id, reason))?;
+            layout::check_overlay_path(path)
+                .map_err(|refused| RuntimeError::start(id, refused.to_string()))?;
         }
         layout::check_socket_path(&layout.agent_socket())
-            .map_err(|reason| start_error(id, reason))?;
+            .map_err(|refused| RuntimeError::start(id, refused.to_string()))?;
         if let Some(storage) = &self.config.storage {
             if !layout.dir.exists() {
                 // A subvolume capped at the disk size holds every layer of the sandbox.
-                fs::create_dir_all(&self.config.state_dir).map_err(io_error(
+                fs::create_dir_all(&self.config.state_dir).map_err(RuntimeError::file(
                     id,
-                    format!("create {}", self.config.state_dir.display()),
+                    "create",
+                    &self.config.state_dir,
                 ))?;
                 storage
                     .create_limited(&layout.dir, spec.resources.disk_gib << 30)
-                    .map_err(|error| RuntimeError::Other {
-                        id: id.to_owned(),
-                        reason: error.to_string(),
-                    })?;
+                    .map_err(RuntimeError::storage(id, "make the sandbox's subvolume"))?;
             }
         }
         // Only root on the host may look into a sandbox's layer and socket.
@@ -236,11 +221,11 @@ impl ContainerRuntime {
             .mode(0o700)
             .recursive(true)
             .create(&layout.dir)
-            .map_err(io_error(id, format!("create {}", layout.dir.display())))?;
+            .map_err(RuntimeError::file(id, "create", &layout.dir))?;
         fs::set_permissions(&layout.dir, fs::Permissions::from_mode(0o700))
-            .map_err(io_error(id, format!("chmod {}", layout.dir.display())))?;
+            .map_err(RuntimeError::file(id, "chmod", &layout.dir))?;
         for dir in layout.dirs() {
-            fs::create_dir_all(&dir).map_err(io_error(id, format!("create {}", dir.display())))?;
+            fs::create_dir_all(&dir).map_err(RuntimeError::file(id, "create", &dir))?;
         }
         Ok(layout)
     }
@@ -251,11 +236,12 @@ impl ContainerRuntime {
         let owned = id.to_string();
         tokio::task::spawn_blocking(move || cgroup::kill_and_remove(cgroups.as_ref(), &owned))
             .await
-            .map_err(|err| RuntimeError::Other {
-                id: id.to_string(),
-                reason: format!("kill task failed: {err}"),
+            .map_err(|source| RuntimeError::Task {
+                id: id.to_owned(),
+                what: "kill",
+                source,
             })?
-            .map_err(|err| cgroup_error(id, err))?;
+            .map_err(cgroup_error(id))?;
         let shim = self.shims.lock().expect("shim map lock").remove(id);
         if let Some(mut exited) = shim {
             // The shim was in the cgroup, so it is dead; this waits only for its reaping.
@@ -280,8 +266,11 @@ impl ContainerRuntime {
         let failure = match read {
             Ok(Ok(n)) if n > 0 => match ShimReport::parse(&line) {
                 Ok(ShimReport::Ready { init_pid }) => return Ok(init_pid),
-                Ok(ShimReport::Error(message)) => message,
-                Err(message) => message,
+                Ok(ShimReport::Error(report)) => RuntimeError::Shim {
+                    id: id.to_owned(),
+                    report,
+                },
+                Err(unreadable) => RuntimeError::start(id, unreadable.to_string()),
             },
             Ok(Ok(_)) => {
                 let status = child
@@ -289,18 +278,27 @@ impl ContainerRuntime {
                     .await
                     .map(|s| s.to_string())
                     .unwrap_or_else(|e| e.to_string());
-                format!(
-                    "shim exited ({status}) without a report; console: {}",
-                    console_tail(console)
+                RuntimeError::start(
+                    id,
+                    format!(
+                        "shim exited ({status}) without a report; console: {}",
+                        console_tail(console)
+                    ),
                 )
             }
-            Ok(Err(err)) => format!("read the shim's report: {err}"),
-            Err(_) => format!("shim did not report within {START_TIMEOUT:?}"),
+            Ok(Err(source)) => RuntimeError::Io {
+                id: id.to_owned(),
+                action: "read the shim's report".to_owned(),
+                source,
+            },
+            Err(_) => {
+                RuntimeError::start(id, format!("shim did not report within {START_TIMEOUT:?}"))
+            }
         };
         let _ = child.start_kill();
         let _ = child.wait().await;
         let _ = self.kill_all(id).await;
-        Err(start_error(id, failure))
+        Err(failure)
     }
 }
 
@@ -356,7 +354,7 @@ impl Runtime for ContainerRuntime {
                 resolv_conf: resolv_conf.clone(),
             }),
             Some(_) => {
-                return Err(start_error(
+                return Err(RuntimeError::start(
                     id,
                     "a container joins a network namespace, not a TAP device",
                 ))
@@ -364,25 +362,26 @@ impl Runtime for ContainerRuntime {
         };
         let layout = self.make_dirs(spec)?;
         if self.is_running(id).await {
-            return Err(start_error(id, "already running"));
+            return Err(RuntimeError::AlreadyRunning { id: id.to_owned() });
         }
-        let id_base = self
-            .ids
-            .take(id)
-            .map_err(|reason| start_error(id, reason))?;
+        let id_base = self.ids.take(id).map_err(|exhausted| RuntimeError::Busy {
+            id: id.to_owned(),
+            reason: exhausted.to_string(),
+        })?;
         let ids = self.ids.clone();
-        let userns = tokio::task::spawn_blocking(move || ids.namespace(id_base))
-            .await
-            .map_err(|e| e.to_string())
-            .and_then(|made| made)
-            .map_err(|reason| {
-                self.ids.release(id);
-                start_error(id, format!("make the user namespace: {reason}"))
-            })?;
+        let userns = blocking(id, move |id| {
+            ids.namespace(id_base)
+                .map_err(|source| RuntimeError::Userns {
+                    id: id.to_owned(),
+                    source,
+                })
+        })
+        .await
+        .inspect_err(|_| self.ids.release(id))?;
         let limits = CgroupLimits::new(&spec.resources, self.config.pids_max);
         self.cgroups.create(id, &limits).map_err(|err| {
             self.ids.release(id);
-            cgroup_error(id, err)
+            cgroup_error(id)(err)
         })?;
 
         let console_path = layout.console();
@@ -390,7 +389,7 @@ impl Runtime for ContainerRuntime {
             .create(true)
             .append(true)
             .open(&console_path)
-            .map_err(io_error(id, format!("open {}", console_path.display())))?;
+            .map_err(RuntimeError::file(id, "open", &console_path))?;
         let mut env = init_args::agent_env(spec);
         if let Some(qgroup) =
             (self.config.storage.as_ref()).and_then(|storage| storage.qgroup_sysfs_dir(&layout.dir))
@@ -482,20 +481,13 @@ impl Runtime for ContainerRuntime {
         check_id(id)?;
         self.kill_all(id).await?;
         let dir = self.layout(id).dir;
-        tokio::task::spawn_blocking(move || match fs::remove_dir_all(&dir) {
-            Err(err) if err.kind() != io::ErrorKind::NotFound => Err((dir, err)),
+        blocking(id, move |id| match fs::remove_dir_all(&dir) {
+            Err(err) if err.kind() != io::ErrorKind::NotFound => {
+                Err(RuntimeError::file(id, "remove", dir)(err))
+            }
             _ => Ok(()),
         })
         .await
-        .map_err(|err| RuntimeError::Other {
-            id: id.to_string(),
-            reason: format!("remove task failed: {err}"),
-        })?
-        .map_err(|(dir, source)| RuntimeError::Io {
-            id: id.to_string(),
-            action: format!("remove {}", dir.display()),
-            source,
-        })
     }
 
     async fn capture(&self, id: &str, capture_id: &str) -> Result<PathBuf, RuntimeError> {
@@ -506,28 +498,25 @@ impl Runtime for ContainerRuntime {
         let dest = self.capture_dir(capture_id);
         let cgroups = Arc::clone(&self.cgroups);
         let running = self.is_running(id).await;
-        let owned = id.to_owned();
-        blocking(id, move || {
+        blocking(id, move |id| {
             if let Some(parent) = dest.parent() {
-                fs::create_dir_all(parent).map_err(|e| e.to_string())?;
+                fs::create_dir_all(parent).map_err(RuntimeError::file(id, "create", parent))?;
             }
             // Write out pending data first, while the sandbox still runs: the
             // snapshot must flush what is dirty, and 1 GB just written took 2.5 s
             // of freeze without this. Frozen, no process is halfway through a
             // sequence of writes, and only what was written since is flushed.
-            storage.flush(&source).map_err(|e| e.to_string())?;
+            storage
+                .flush(&source)
+                .map_err(RuntimeError::storage(id, "flush the sandbox's writes"))?;
             if running {
-                cgroups
-                    .set_frozen(&owned, true)
-                    .map_err(|e| e.to_string())?;
+                cgroups.set_frozen(id, true).map_err(cgroup_error(id))?;
             }
             let copied = storage
                 .snapshot(&source, &dest, true)
-                .map_err(|e| e.to_string());
+                .map_err(RuntimeError::storage(id, "snapshot the sandbox"));
             if running {
-                cgroups
-                    .set_frozen(&owned, false)
-                    .map_err(|e| e.to_string())?;
+                cgroups.set_frozen(id, false).map_err(cgroup_error(id))?;
             }
             copied.map(|()| dest.join("upper"))
         })
@@ -538,8 +527,10 @@ impl Runtime for ContainerRuntime {
         check_id(capture_id)?;
         let storage = self.storage(capture_id)?.clone();
         let dir = self.capture_dir(capture_id);
-        blocking(capture_id, move || {
-            storage.delete_subvolume(&dir).map_err(|e| e.to_string())
+        blocking(capture_id, move |id| {
+            storage
+                .delete_subvolume(&dir)
+                .map_err(RuntimeError::storage(id, "delete the capture"))
         })
         .await
     }
@@ -549,24 +540,31 @@ impl Runtime for ContainerRuntime {
         check_id(id)?;
         check_id(capture_id)?;
         if self.is_running(id).await {
-            return Err(RuntimeError::Other {
+            return Err(RuntimeError::Running {
                 id: id.to_owned(),
-                reason: "cannot restore a running sandbox".into(),
+                action: "be restored",
             });
         }
         let storage = self.storage(id)?.clone();
         let dir = self.layout(id).dir;
         let capture = self.capture_dir(capture_id);
         let bytes = spec.resources.disk_gib << 30;
-        blocking(id, move || {
+        blocking(id, move |id| {
             if !capture.is_dir() {
-                return Err(format!("capture {} does not exist", capture.display()));
+                return Err(RuntimeError::other(
+                    id,
+                    format!("capture {} does not exist", capture.display()),
+                ));
             }
-            storage.delete_subvolume(&dir).map_err(|e| e.to_string())?;
+            storage
+                .delete_subvolume(&dir)
+                .map_err(RuntimeError::storage(id, "delete the sandbox's subvolume"))?;
             storage
                 .snapshot(&capture, &dir, false)
-                .map_err(|e| e.to_string())?;
-            storage.limit(&dir, bytes).map_err(|e| e.to_string())
+                .map_err(RuntimeError::storage(id, "copy the capture"))?;
+            storage
+                .limit(&dir, bytes)
+                .map_err(RuntimeError::storage(id, "limit the sandbox's subvolume"))
         })
         .await
     }
@@ -577,15 +575,15 @@ impl Runtime for ContainerRuntime {
 
     async fn sandbox_ids(&self) -> Result<Vec<String>, RuntimeError> {
         let dir = self.config.state_dir.clone();
-        blocking("-", move || {
+        blocking("-", move |id| {
             let entries = match fs::read_dir(&dir) {
                 Ok(entries) => entries,
                 Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-                Err(e) => return Err(format!("list {}: {e}", dir.display())),
+                Err(e) => return Err(RuntimeError::file(id, "list", dir)(e)),
             };
             let mut ids = Vec::new();
             for entry in entries {
-                let entry = entry.map_err(|e| format!("list {}: {e}", dir.display()))?;
+                let entry = entry.map_err(RuntimeError::file(id, "list", &dir))?;
                 let is_dir = entry.file_type().is_ok_and(|t| t.is_dir());
                 if let (true, Some(name)) = (is_dir, entry.file_name().to_str()) {
                     if check_id(name).is_ok() {
@@ -606,9 +604,9 @@ impl Runtime for ContainerRuntime {
     async fn export_storage(&self, id: &str, dest: &Path) -> Result<(), RuntimeError> {
         check_id(id)?;
         if self.is_running(id).await {
-            return Err(RuntimeError::Other {
+            return Err(RuntimeError::Running {
                 id: id.to_owned(),
-                reason: "cannot archive a running sandbox".into(),
+                action: "be archived",
             });
         }
         let storage = self.storage(id)?.clone();
@@ -617,18 +615,21 @@ impl Runtime for ContainerRuntime {
         // only while the stream is written.
         let frozen = self.capture_dir(&format!("archive-{id}"));
         let dest = dest.to_owned();
-        blocking(id, move || {
+        blocking(id, move |id| {
             if let Some(parent) = frozen.parent() {
-                fs::create_dir_all(parent).map_err(|e| e.to_string())?;
+                fs::create_dir_all(parent).map_err(RuntimeError::file(id, "create", parent))?;
             }
-            storage
-                .delete_subvolume(&frozen)
-                .map_err(|e| e.to_string())?;
+            let delete = RuntimeError::storage(id, "delete the archive's snapshot");
+            storage.delete_subvolume(&frozen).map_err(delete)?;
             storage
                 .snapshot(&dir, &frozen, true)
-                .map_err(|e| e.to_string())?;
-            let sent = storage.send(&frozen, &dest).map_err(|e| e.to_string());
-            let dropped = storage.delete_subvolume(&frozen).map_err(|e| e.to_string());
+                .map_err(RuntimeError::storage(id, "snapshot the sandbox"))?;
+            let sent = storage
+                .send(&frozen, &dest)
+                .map_err(RuntimeError::storage(id, "send the sandbox's storage"));
+            let dropped = storage
+                .delete_subvolume(&frozen)
+                .map_err(RuntimeError::storage(id, "delete the archive's snapshot"));
             sent.and(dropped)
         })
         .await
@@ -642,27 +643,30 @@ impl Runtime for ContainerRuntime {
         let incoming = self.capture_dir(&format!("incoming-{id}"));
         let bytes = spec.resources.disk_gib << 30;
         let src = src.to_owned();
-        blocking(id, move || {
+        blocking(id, move |id| {
             // Whatever a failed import left behind goes first.
             if incoming.exists() {
-                for entry in fs::read_dir(&incoming).map_err(|e| e.to_string())? {
-                    let entry = entry.map_err(|e| e.to_string())?;
+                let list = RuntimeError::file(id, "list", &incoming);
+                for entry in fs::read_dir(&incoming).map_err(list)? {
+                    let entry = entry.map_err(RuntimeError::file(id, "list", &incoming))?;
                     storage
                         .delete_subvolume(&entry.path())
-                        .map_err(|e| e.to_string())?;
+                        .map_err(RuntimeError::storage(id, "delete a failed import"))?;
                 }
             }
             let received = storage
                 .receive(&src, &incoming)
-                .map_err(|e| e.to_string())?;
-            storage.delete_subvolume(&dir).map_err(|e| e.to_string())?;
+                .map_err(RuntimeError::storage(id, "receive the sandbox's storage"))?;
+            storage
+                .delete_subvolume(&dir)
+                .map_err(RuntimeError::storage(id, "delete the sandbox's subvolume"))?;
             let made = storage
                 .snapshot(&received, &dir, false)
                 .and_then(|()| storage.limit(&dir, bytes))
-                .map_err(|e| e.to_string());
+                .map_err(RuntimeError::storage(id, "make the sandbox's subvolume"));
             storage
                 .delete_subvolume(&received)
-                .map_err(|e| e.to_string())?;
+                .map_err(RuntimeError::storage(id, "delete the received subvolume"))?;
             let _ = fs::remove_dir(&incoming);
             made
         })

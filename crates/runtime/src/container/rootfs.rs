@@ -15,6 +15,7 @@ use nix::unistd::{chdir, pivot_root};
 
 use super::init_args::{CgroupView, InitArgs};
 use super::layout::SandboxLayout;
+use super::step::StepError;
 
 /// The group that owns terminals in Debian-like images.
 const TTY_GID: u32 = 5;
@@ -65,12 +66,12 @@ const READ_ONLY: [&str; 5] = [
     "/proc/fs",
 ];
 
-fn step<T>(result: nix::Result<T>, what: impl FnOnce() -> String) -> Result<T, String> {
-    result.map_err(|errno| format!("{}: {}", what(), errno.desc()))
+fn step<T>(result: nix::Result<T>, what: impl FnOnce() -> String) -> Result<T, StepError> {
+    result.map_err(super::step::sys(what))
 }
 
-fn io_step<T>(result: std::io::Result<T>, what: impl FnOnce() -> String) -> Result<T, String> {
-    result.map_err(|err| format!("{}: {err}", what()))
+fn io_step<T>(result: std::io::Result<T>, what: impl FnOnce() -> String) -> Result<T, StepError> {
+    result.map_err(super::step::io(what))
 }
 
 /// The overlayfs mount options; the paths were checked for separators by the server.
@@ -83,14 +84,19 @@ pub fn overlay_options(lower: &Path, upper: &Path, work: &Path) -> String {
     )
 }
 
-fn mount_fs(fstype: &str, target: &Path, flags: MsFlags, data: Option<&str>) -> Result<(), String> {
+fn mount_fs(
+    fstype: &str,
+    target: &Path,
+    flags: MsFlags,
+    data: Option<&str>,
+) -> Result<(), StepError> {
     step(
         mount(Some(fstype), target, Some(fstype), flags, data),
         || format!("mount {fstype} at {}", target.display()),
     )
 }
 
-fn bind(source: &Path, target: &Path, flags: MsFlags) -> Result<(), String> {
+fn bind(source: &Path, target: &Path, flags: MsFlags) -> Result<(), StepError> {
     step(
         mount(
             Some(source),
@@ -116,7 +122,7 @@ fn bind(source: &Path, target: &Path, flags: MsFlags) -> Result<(), String> {
     )
 }
 
-fn mkdir(path: &Path) -> Result<(), String> {
+fn mkdir(path: &Path) -> Result<(), StepError> {
     io_step(fs::create_dir_all(path), || {
         format!("create {}", path.display())
     })
@@ -126,7 +132,7 @@ fn mkdir(path: &Path) -> Result<(), String> {
 /// `userns` is the sandbox's user namespace (ids 0.. are host ids `args.id_base`..):
 /// layers and volumes are mounted idmapped through it, and what the kernel makes
 /// (tmpfs roots, device nodes, ptys) is owned by the sandbox's root, not the host's.
-pub fn build(args: &InitArgs, userns: &OwnedFd) -> Result<(), String> {
+pub fn build(args: &InitArgs, userns: &OwnedFd) -> Result<(), StepError> {
     let layout = SandboxLayout {
         dir: args.sandbox_dir.clone(),
     };
@@ -226,15 +232,15 @@ impl Owner {
     /// Runs `make`, which creates files in the sandbox's root filesystem,
     /// as the sandbox's root: through its idmapped layers host root has no
     /// id, and what it makes is owned by 0 on disk.
-    fn in_root<T>(self, make: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+    fn in_root<T>(self, make: impl FnOnce() -> Result<T, StepError>) -> Result<T, StepError> {
         as_sandbox_root(self.uid, make)
     }
 
-    fn mkdir_in_root(self, path: &Path) -> Result<(), String> {
+    fn mkdir_in_root(self, path: &Path) -> Result<(), StepError> {
         self.in_root(|| mkdir(path))
     }
 
-    fn chown(self, path: &Path) -> Result<(), String> {
+    fn chown(self, path: &Path) -> Result<(), StepError> {
         io_step(
             std::os::unix::fs::lchown(path, Some(self.uid), Some(self.gid)),
             || format!("chown {}", path.display()),
@@ -243,7 +249,7 @@ impl Owner {
 }
 
 /// Mounts an idmapped copy of the directory `path` over it.
-fn idmap_in_place(path: &Path, userns: &OwnedFd) -> Result<(), String> {
+fn idmap_in_place(path: &Path, userns: &OwnedFd) -> Result<(), StepError> {
     use std::os::fd::AsFd;
     let dir = io_step(crate::beneath::open_root(path), || {
         format!("open the overlay layer {}", path.display())
@@ -270,7 +276,10 @@ fn idmap_in_place(path: &Path, userns: &OwnedFd) -> Result<(), String> {
 /// mounted it and makes its work directory, whiteouts and copied-up files
 /// with them, through the idmapped layers: host root has no id there, the
 /// sandbox's root is 0 on disk.
-fn as_sandbox_root<T>(id_base: u32, work: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
+fn as_sandbox_root<T>(
+    id_base: u32,
+    work: impl FnOnce() -> Result<T, StepError>,
+) -> Result<T, StepError> {
     nix::unistd::setfsgid(nix::unistd::Gid::from_raw(id_base));
     nix::unistd::setfsuid(nix::unistd::Uid::from_raw(id_base));
     // A non-zero fsuid drops the file-system capabilities from the effective set.
@@ -284,7 +293,7 @@ fn as_sandbox_root<T>(id_base: u32, work: impl FnOnce() -> Result<T, String>) ->
 /// A read-only tmpfs at `/sys/fs/cgroup` holding read-only binds of the
 /// sandbox's own cgroups (as Docker does): the agent reads its limits and usage
 /// there, and nothing of the host's other cgroups is visible.
-fn build_cgroup(dir: &Path, views: &[CgroupView]) -> Result<(), String> {
+fn build_cgroup(dir: &Path, views: &[CgroupView]) -> Result<(), StepError> {
     if views.is_empty() {
         return Ok(());
     }
@@ -322,30 +331,33 @@ fn mount_volume(
     volume: &crate::VolumeBind,
     userns: &OwnedFd,
     owner: Owner,
-) -> Result<(), String> {
+) -> Result<(), StepError> {
     use crate::beneath::{self, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOSUID};
     use std::os::fd::AsFd;
 
     let subpath = volume.subpath.as_deref().unwrap_or(Path::new(""));
-    let source = beneath::open_dir(&volume.root, subpath, true).map_err(|error| {
-        format!(
-            "volume {} mounted at {}: subpath {}: {error}",
-            volume
-                .root
-                .file_name()
-                .unwrap_or_default()
-                .to_string_lossy(),
-            volume.target.display(),
-            subpath.display()
-        )
-    })?;
+    let source =
+        beneath::open_dir(&volume.root, subpath, true).map_err(|source| StepError::Beneath {
+            step: format!(
+                "volume {} mounted at {}: subpath {}",
+                volume
+                    .root
+                    .file_name()
+                    .unwrap_or_default()
+                    .to_string_lossy(),
+                volume.target.display(),
+                subpath.display()
+            ),
+            source,
+        })?;
     let relative = volume.target.strip_prefix("/").unwrap_or(&volume.target);
     let target = owner.in_root(|| {
-        beneath::open_dir(root, relative, true).map_err(|error| {
-            format!(
-                "volume mount path {} in the sandbox: {error}",
+        beneath::open_dir(root, relative, true).map_err(|source| StepError::Beneath {
+            step: format!(
+                "volume mount path {} in the sandbox",
                 volume.target.display()
-            )
+            ),
+            source,
         })
     })?;
     let tree = beneath::clone_tree_mapped(
@@ -353,14 +365,15 @@ fn mount_volume(
         MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
         Some(userns.as_fd()),
     )
-    .map_err(|error| {
+    .map_err(super::step::io(|| {
         format!(
-            "copy the mount of the volume for {}: {error}",
+            "copy the mount of the volume for {}",
             volume.target.display()
         )
-    })?;
-    beneath::attach(tree.as_fd(), target.as_fd())
-        .map_err(|error| format!("mount the volume at {}: {error}", volume.target.display()))
+    }))?;
+    beneath::attach(tree.as_fd(), target.as_fd()).map_err(super::step::io(|| {
+        format!("mount the volume at {}", volume.target.display())
+    }))
 }
 
 /// Where the sandbox's resolv.conf lives, on the /run tmpfs.
@@ -371,7 +384,7 @@ const RESOLV_CONF_SOURCE: &str = "/run/cove/resolv.conf";
 /// is never used: debootstrap copies the host's, and queries to the host's
 /// resolvers would bypass cove's. Runs after pivot_root, so a symlink there
 /// resolves inside the container, never on the host.
-fn resolv_conf(content: &str, owner: Owner) -> Result<(), String> {
+fn resolv_conf(content: &str, owner: Owner) -> Result<(), StepError> {
     let source = Path::new(RESOLV_CONF_SOURCE);
     io_step(fs::write(source, content), || {
         format!("write {}", source.display())
@@ -385,7 +398,9 @@ fn resolv_conf(content: &str, owner: Owner) -> Result<(), String> {
         // file to mount on.
         match fs::remove_file(target) {
             Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
-                return Err(format!("remove {}: {err}", target.display()))
+                return Err(super::step::io(|| format!("remove {}", target.display()))(
+                    err,
+                ))
             }
             _ => {}
         }
@@ -398,7 +413,7 @@ fn resolv_conf(content: &str, owner: Owner) -> Result<(), String> {
     bind(source, target, MsFlags::empty())
 }
 
-fn build_dev(dev: &Path, owner: Owner) -> Result<(), String> {
+fn build_dev(dev: &Path, owner: Owner) -> Result<(), StepError> {
     owner.mkdir_in_root(dev)?;
     mount_fs(
         "tmpfs",
@@ -453,7 +468,7 @@ fn build_dev(dev: &Path, owner: Owner) -> Result<(), String> {
     Ok(())
 }
 
-fn build_run(run: &Path, agent_binary: &Path, owner: Owner) -> Result<(), String> {
+fn build_run(run: &Path, agent_binary: &Path, owner: Owner) -> Result<(), StepError> {
     owner.mkdir_in_root(run)?;
     mount_fs(
         "tmpfs",
@@ -474,7 +489,7 @@ fn build_run(run: &Path, agent_binary: &Path, owner: Owner) -> Result<(), String
     )
 }
 
-fn mask_paths() -> Result<(), String> {
+fn mask_paths() -> Result<(), StepError> {
     for file in MASKED_FILES
         .map(Path::new)
         .into_iter()

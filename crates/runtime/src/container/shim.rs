@@ -27,6 +27,7 @@ use seccompiler::BpfProgram;
 use super::init_args::{InitArgs, ShimReport, LISTEN_FD_ENV};
 use super::layout::SandboxLayout;
 use super::rootfs::{self, AGENT_PATH};
+use super::step::{io, sys, StepError};
 use super::{harden, seccomp};
 
 /// The most the server writes to a shim's stdin (the settings, env included).
@@ -40,7 +41,9 @@ pub fn container_init_main() -> ! {
     // shim (tests) gets here before Rust's runtime has set this.
     // SAFETY: ignoring a signal installs no handler code.
     let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigIgn) };
-    let code = match read_args().and_then(|json| InitArgs::decode(&json)) {
+    let args = read_args().and_then(|json| InitArgs::decode(&json).map_err(StepError::Settings));
+    // The server names the sandbox beside the report.
+    let code = match args {
         Ok(args) => match launch(&args) {
             Ok(init) => {
                 report(&ShimReport::Ready {
@@ -48,16 +51,13 @@ pub fn container_init_main() -> ! {
                 });
                 supervise(init)
             }
-            Err(message) => {
-                report(&ShimReport::Error(format!(
-                    "sandbox {}: {message}",
-                    args.id
-                )));
+            Err(error) => {
+                report(&ShimReport::Error(error.report()));
                 1
             }
         },
-        Err(message) => {
-            report(&ShimReport::Error(message));
+        Err(error) => {
+            report(&ShimReport::Error(error.report()));
             2
         }
     };
@@ -65,18 +65,20 @@ pub fn container_init_main() -> ! {
 }
 
 /// The settings document, read to the end of stdin, which then becomes `/dev/null`.
-fn read_args() -> Result<Vec<u8>, String> {
+fn read_args() -> Result<Vec<u8>, StepError> {
     let mut json = Vec::new();
     std::io::stdin()
         .lock()
         .take(MAX_ARGS_BYTES + 1)
         .read_to_end(&mut json)
-        .map_err(|err| format!("read the settings on stdin: {err}"))?;
+        .map_err(io(|| "read the settings on stdin".into()))?;
     if json.len() as u64 > MAX_ARGS_BYTES {
-        return Err(format!("settings on stdin exceed {MAX_ARGS_BYTES} bytes"));
+        return Err(StepError::Refused(format!(
+            "settings on stdin exceed {MAX_ARGS_BYTES} bytes"
+        )));
     }
-    let null = fs::File::open("/dev/null").map_err(|err| format!("open /dev/null: {err}"))?;
-    dup2(null.as_raw_fd(), 0).map_err(|errno| format!("stdin from /dev/null: {}", errno.desc()))?;
+    let null = fs::File::open("/dev/null").map_err(io(|| "open /dev/null".into()))?;
+    dup2(null.as_raw_fd(), 0).map_err(sys(|| "stdin from /dev/null".into()))?;
     Ok(json)
 }
 
@@ -141,7 +143,32 @@ fn supervised_signals() -> SigSet {
 }
 
 /// Everything up to a running agent; returns the host pid of the container init.
-fn launch(args: &InitArgs) -> Result<Pid, String> {
+fn launch(args: &InitArgs) -> Result<Pid, StepError> {
+    let (error_read, go_write, child) = fork_init(args)?;
+    // The first cgroup migration after a quiet spell waits for an RCU grace
+    // period (cgroup v1's threadgroup rwsem, 7-15 ms here): done while the init
+    // builds its root on the other core, and the init waits for it before exec.
+    let joined = join_cgroups(args, child);
+    if joined.is_ok() {
+        let _ = fs::File::from(go_write).write_all(b"g");
+    } else {
+        drop(go_write); // EOF: the init gives up before exec
+    }
+    let message = read_to_end(error_read);
+    if message.is_empty() && joined.is_ok() {
+        return Ok(child); // EOF without a word: execve succeeded
+    }
+    let _ = waitpid(child, None);
+    // An init that failed on its own (and so could not be moved) says why.
+    match joined {
+        Err(join_error) if message.is_empty() || message == NOT_PLACED => Err(join_error),
+        _ => Err(StepError::Init(message)),
+    }
+}
+
+/// Makes the namespaces and the agent's socket and forks the container init;
+/// returns the pipe its report comes on, the pipe that lets it go on, and its pid.
+fn fork_init(args: &InitArgs) -> Result<(OwnedFd, OwnedFd, Pid), StepError> {
     let mut flags = CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWPID;
     match &args.network {
         // The network side made and configured the namespace; the container
@@ -152,7 +179,7 @@ fn launch(args: &InitArgs) -> Result<Pid, String> {
     // Before the PID namespace: the first child forked after that becomes its
     // init, and the namespace dies with it.
     let userns = super::userns::inherited(args.userns_fd)?;
-    unshare(flags).map_err(|errno| format!("unshare namespaces: {}", errno.desc()))?;
+    unshare(flags).map_err(sys(|| "unshare namespaces".into()))?;
     // In the sandbox's network namespace now, joined or new; repeated on every
     // start. It belongs to the host's user namespace, where the sandbox's root
     // has no capability: ports below 1024 must need none, and ping uses ICMP
@@ -167,34 +194,34 @@ fn launch(args: &InitArgs) -> Result<Pid, String> {
     super::layout::check_socket_path(&socket)?;
     match fs::remove_file(&socket) {
         Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
-            return Err(format!("remove stale socket {}: {err}", socket.display()))
+            return Err(io(|| format!("remove stale socket {}", socket.display()))(
+                err,
+            ))
         }
         _ => {}
     }
     // A path socket works across network namespaces; the server connects to it directly.
     let listener =
-        UnixListener::bind(&socket).map_err(|err| format!("bind {}: {err}", socket.display()))?;
+        UnixListener::bind(&socket).map_err(io(|| format!("bind {}", socket.display())))?;
 
     // Prepared before fork so the init only applies them.
     let filters = seccomp::seccomp_filters()?;
     let keep = harden::kept_caps(args.keep_mknod);
     let env = exec_env(args, listener.as_raw_fd())?;
 
-    let (error_read, error_write) =
-        pipe2(OFlag::O_CLOEXEC).map_err(|errno| format!("error pipe: {}", errno.desc()))?;
-    let (go_read, go_write) =
-        pipe2(OFlag::O_CLOEXEC).map_err(|errno| format!("go pipe: {}", errno.desc()))?;
+    let (error_read, error_write) = pipe2(OFlag::O_CLOEXEC).map_err(sys(|| "error pipe".into()))?;
+    let (go_read, go_write) = pipe2(OFlag::O_CLOEXEC).map_err(sys(|| "go pipe".into()))?;
     let mut old_mask = SigSet::empty();
     sigprocmask(
         SigmaskHow::SIG_BLOCK,
         Some(&supervised_signals()),
         Some(&mut old_mask),
     )
-    .map_err(|errno| format!("block signals: {}", errno.desc()))?;
+    .map_err(sys(|| "block signals".into()))?;
 
     // SAFETY: the shim is single-threaded (it runs before the binary starts any thread),
     // so the child may allocate and use any library call.
-    match unsafe { fork() }.map_err(|errno| format!("fork the container init: {}", errno.desc()))? {
+    match unsafe { fork() }.map_err(sys(|| "fork the container init".into()))? {
         ForkResult::Child => {
             drop(error_read);
             drop(go_write);
@@ -210,49 +237,27 @@ fn launch(args: &InitArgs) -> Result<Pid, String> {
         ForkResult::Parent { child } => {
             drop(error_write);
             drop(go_read);
-            // The first cgroup migration after a quiet spell waits for an RCU grace
-            // period (cgroup v1's threadgroup rwsem, 7-15 ms here): done while the init
-            // builds its root on the other core, and the init waits for it before exec.
-            let joined = join_cgroups(args, child);
-            if joined.is_ok() {
-                let _ = fs::File::from(go_write).write_all(b"g");
-            } else {
-                drop(go_write); // EOF: the init gives up before exec
-            }
             // Only the container holds the socket now: once it dies, connects fail.
             drop(listener);
-            let message = read_to_end(error_read);
-            if message.is_empty() && joined.is_ok() {
-                return Ok(child); // EOF without a word: execve succeeded
-            }
-            let _ = waitpid(child, None);
-            // An init that failed on its own (and so could not be moved) says why.
-            match joined {
-                Err(join_error) if message.is_empty() || message == NOT_PLACED => Err(join_error),
-                _ => Err(message),
-            }
+            Ok((error_read, go_write, child))
         }
     }
 }
 
-fn join_network(netns: &std::path::Path) -> Result<(), String> {
+fn join_network(netns: &std::path::Path) -> Result<(), StepError> {
     let file = fs::File::open(netns)
-        .map_err(|err| format!("open network namespace {}: {err}", netns.display()))?;
-    setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|errno| {
-        format!(
-            "join network namespace {}: {}",
-            netns.display(),
-            errno.desc()
-        )
-    })
+        .map_err(io(|| format!("open network namespace {}", netns.display())))?;
+    setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(sys(|| {
+        format!("join network namespace {}", netns.display())
+    }))
 }
 
 /// Puts the container init (not the shim) into the sandbox's cgroups: a cgroup kill then
 /// ends the container but not the shim, which reaps the init and exits with its status.
-fn join_cgroups(args: &InitArgs, init: Pid) -> Result<(), String> {
+fn join_cgroups(args: &InitArgs, init: Pid) -> Result<(), StepError> {
     let pid = init.as_raw().to_string();
     for procs in &args.cgroup_procs {
-        fs::write(procs, &pid).map_err(|err| format!("join cgroup {}: {err}", procs.display()))?;
+        fs::write(procs, &pid).map_err(io(|| format!("join cgroup {}", procs.display())))?;
     }
     Ok(())
 }
@@ -260,11 +265,11 @@ fn join_cgroups(args: &InitArgs, init: Pid) -> Result<(), String> {
 const NOT_PLACED: &str = "the shim did not place the container in its cgroups";
 
 /// Blocks until the shim has put this process into its cgroups; EOF means it failed.
-fn wait_for_cgroups(go: OwnedFd) -> Result<(), String> {
+fn wait_for_cgroups(go: OwnedFd) -> Result<(), StepError> {
     let mut byte = [0u8; 1];
     match fs::File::from(go).read(&mut byte) {
         Ok(1) => Ok(()),
-        _ => Err(NOT_PLACED.to_string()),
+        _ => Err(StepError::Refused(NOT_PLACED.to_string())),
     }
 }
 
@@ -274,22 +279,23 @@ fn read_to_end(fd: OwnedFd) -> String {
     message
 }
 
-fn exec_env(args: &InitArgs, listen_fd: RawFd) -> Result<Vec<CString>, String> {
+fn exec_env(args: &InitArgs, listen_fd: RawFd) -> Result<Vec<CString>, StepError> {
     let listen_fd = listen_fd.to_string();
     args.env
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .chain([(LISTEN_FD_ENV, listen_fd.as_str())])
         .map(|(k, v)| {
-            CString::new(format!("{k}={v}")).map_err(|_| format!("env {k} contains a NUL byte"))
+            CString::new(format!("{k}={v}"))
+                .map_err(|_| StepError::Refused(format!("env {k} contains a NUL byte")))
         })
         .collect()
 }
 
 /// A sysctl of the namespaces the shim is in (`/proc/sys/{name}`).
-fn write_sysctl(name: &str, value: &str) -> Result<(), String> {
+fn write_sysctl(name: &str, value: &str) -> Result<(), StepError> {
     let path = format!("/proc/sys/{name}");
-    fs::write(&path, value).map_err(|err| format!("write {path}: {err}"))
+    fs::write(&path, value).map_err(io(|| format!("write {path}")))
 }
 
 /// The forked container init: returns only with the reason it could not exec the agent.
@@ -304,31 +310,29 @@ fn container_init(
     old_mask: &SigSet,
     go: OwnedFd,
 ) -> String {
-    let result = (|| -> Result<std::convert::Infallible, String> {
+    let result = (|| -> Result<std::convert::Infallible, StepError> {
         die_with_the_shim()?;
-        unshare(CloneFlags::CLONE_NEWNS)
-            .map_err(|errno| format!("unshare mount namespace: {}", errno.desc()))?;
+        unshare(CloneFlags::CLONE_NEWNS).map_err(sys(|| "unshare mount namespace".into()))?;
         umask(Mode::from_bits_truncate(0o022));
         rootfs::build(args, userns)?;
 
         // stderr is the console log the server opened; stdout joins it.
-        dup2(2, 1).map_err(|errno| format!("redirect stdout: {}", errno.desc()))?;
+        dup2(2, 1).map_err(sys(|| "redirect stdout".into()))?;
         mark_fds_cloexec();
         let fd = listener.as_raw_fd();
         fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty()))
-            .map_err(|errno| format!("pass the listening socket: {}", errno.desc()))?;
+            .map_err(sys(|| "pass the listening socket".into()))?;
         // Rust ignores SIGPIPE and an ignored signal survives execve: give it back.
         // SAFETY: installing the default disposition runs no code of ours.
         unsafe { signal(Signal::SIGPIPE, SigHandler::SigDfl) }
-            .map_err(|errno| format!("reset SIGPIPE: {}", errno.desc()))?;
+            .map_err(sys(|| "reset SIGPIPE".into()))?;
         sigprocmask(SigmaskHow::SIG_SETMASK, Some(old_mask), None)
-            .map_err(|errno| format!("restore signal mask: {}", errno.desc()))?;
+            .map_err(sys(|| "restore signal mask".into()))?;
 
         wait_for_cgroups(go)?;
         // Its own cgroup is the root of what it sees; then it becomes the
         // sandbox's root, which is no one on the host.
-        unshare(CloneFlags::CLONE_NEWCGROUP)
-            .map_err(|errno| format!("unshare cgroup namespace: {}", errno.desc()))?;
+        unshare(CloneFlags::CLONE_NEWCGROUP).map_err(sys(|| "unshare cgroup namespace".into()))?;
         enter_user_namespace(userns)?;
         // Changing its ids cleared the death signal set above; set it again.
         die_with_the_shim()?;
@@ -339,17 +343,17 @@ fn container_init(
         ];
         harden::drop_capabilities(keep_caps)?;
         harden::confine_syscalls(filters)?;
-        execve(&path, &argv, env).map_err(|errno| format!("execve {AGENT_PATH}: {}", errno.desc()))
+        execve(&path, &argv, env).map_err(sys(|| format!("execve {AGENT_PATH}")))
     })();
     match result {
-        Err(message) => message,
+        Err(error) => error.report(),
         Ok(never) => match never {},
     }
 }
 
 /// SIGKILL for the container init when the shim dies. The kernel clears it at
 /// every change of the process's user, group or file-system ids.
-fn die_with_the_shim() -> Result<(), String> {
+fn die_with_the_shim() -> Result<(), StepError> {
     // SAFETY: prctl with integer arguments only.
     if unsafe {
         libc::prctl(
@@ -361,26 +365,24 @@ fn die_with_the_shim() -> Result<(), String> {
         )
     } != 0
     {
-        return Err(format!(
-            "set parent death signal: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(StepError::Io {
+            step: "set parent death signal".into(),
+            source: std::io::Error::last_os_error(),
+        });
     }
     Ok(())
 }
 
 /// Joins the sandbox's user namespace as its root (host ids `id_base`): the
 /// capabilities kept from here on are the namespace's, over its own ids only.
-fn enter_user_namespace(userns: &OwnedFd) -> Result<(), String> {
+fn enter_user_namespace(userns: &OwnedFd) -> Result<(), StepError> {
     use nix::unistd::{setgroups, setresgid, setresuid, Gid, Uid};
     setns(userns.as_fd(), CloneFlags::CLONE_NEWUSER)
-        .map_err(|errno| format!("join the user namespace: {}", errno.desc()))?;
-    setgroups(&[]).map_err(|errno| format!("clear groups: {}", errno.desc()))?;
+        .map_err(sys(|| "join the user namespace".into()))?;
+    setgroups(&[]).map_err(sys(|| "clear groups".into()))?;
     let root = (Gid::from_raw(0), Uid::from_raw(0));
-    setresgid(root.0, root.0, root.0)
-        .map_err(|errno| format!("become the sandbox's root group: {}", errno.desc()))?;
-    setresuid(root.1, root.1, root.1)
-        .map_err(|errno| format!("become the sandbox's root: {}", errno.desc()))
+    setresgid(root.0, root.0, root.0).map_err(sys(|| "become the sandbox's root group".into()))?;
+    setresuid(root.1, root.1, root.1).map_err(sys(|| "become the sandbox's root".into()))
 }
 
 /// Descriptors the shim inherited or opened must not reach the agent.

@@ -21,12 +21,61 @@ use std::io::{Read, Write};
 use std::os::fd::OwnedFd;
 use std::sync::{Arc, Mutex};
 
+use nix::errno::Errno;
 use nix::sched::{unshare, CloneFlags};
 use nix::sys::wait::waitpid;
 use nix::unistd::{fork, pipe2, ForkResult};
 
 /// Ids one sandbox maps: every 16-bit uid and gid an image can hold.
 pub const RANGE_SIZE: u32 = 65536;
+
+/// Why `--userns-pool` was refused.
+#[derive(Debug, thiserror::Error)]
+pub enum IdPoolError {
+    #[error("{text:?}: expected START:COUNT, e.g. 1879048192:4096")]
+    Form { text: String },
+    #[error("{text:?}: START must be a host id (a 32-bit number)")]
+    Start { text: String },
+    #[error("{text:?}: COUNT must be a number of ranges")]
+    Count { text: String },
+    #[error(
+        "{text:?}: the pool must start above 0, hold at least one range, and end below {}",
+        u32::MAX
+    )]
+    Bounds { text: String },
+}
+
+/// Why a sandbox could not have a user namespace.
+#[derive(Debug, thiserror::Error)]
+pub enum UsernsError {
+    #[error("all {count} user-namespace id ranges are in use by running sandboxes; stop some, or give the server a larger --userns-pool")]
+    Exhausted { count: u32 },
+    #[error("{step}")]
+    Sys {
+        step: &'static str,
+        #[source]
+        source: Errno,
+    },
+    #[error("the child could not make a user namespace")]
+    Child,
+    #[error("cannot {action} {path}")]
+    Io {
+        action: &'static str,
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("descriptor {fd} is not the user namespace the server passed")]
+    NotUserns {
+        fd: i32,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn sys(step: &'static str) -> impl FnOnce(Errno) -> UsernsError {
+    move |source| UsernsError::Sys { step, source }
+}
 
 /// The host ids containers are given, in ranges of [`RANGE_SIZE`]:
 /// `start`, `start + 65536`, ... (`count` of them).
@@ -50,22 +99,20 @@ impl Default for IdPool {
 
 impl IdPool {
     /// Parses `START:COUNT`; the pool must fit below 2^32 - 1 (the invalid id).
-    pub fn parse(text: &str) -> Result<IdPool, String> {
+    pub fn parse(text: &str) -> Result<IdPool, IdPoolError> {
+        let text_owned = || text.to_owned();
         let (start, count) = text
             .split_once(':')
-            .ok_or_else(|| format!("{text:?}: expected START:COUNT, e.g. 1879048192:4096"))?;
+            .ok_or_else(|| IdPoolError::Form { text: text_owned() })?;
         let start: u32 = start
             .parse()
-            .map_err(|_| format!("{text:?}: START must be a host id (a 32-bit number)"))?;
+            .map_err(|_| IdPoolError::Start { text: text_owned() })?;
         let count: u32 = count
             .parse()
-            .map_err(|_| format!("{text:?}: COUNT must be a number of ranges"))?;
+            .map_err(|_| IdPoolError::Count { text: text_owned() })?;
         let end = u64::from(start) + u64::from(count) * u64::from(RANGE_SIZE);
         if start == 0 || count == 0 || end > u64::from(u32::MAX) {
-            return Err(format!(
-                "{text:?}: the pool must start above 0, hold at least one range, and end below {}",
-                u32::MAX
-            ));
+            return Err(IdPoolError::Bounds { text: text_owned() });
         }
         Ok(IdPool { start, count })
     }
@@ -95,7 +142,7 @@ impl IdRanges {
     }
 
     /// The first host id of `id`'s range: the one it has, or the lowest free one.
-    pub(crate) fn take(&self, id: &str) -> Result<u32, String> {
+    pub(crate) fn take(&self, id: &str) -> Result<u32, UsernsError> {
         let mut taken = self.taken.lock().expect("id range lock");
         if let Some(slot) = taken.get(id) {
             return Ok(self.base(*slot));
@@ -103,12 +150,8 @@ impl IdRanges {
         let used: std::collections::HashSet<u32> = taken.values().copied().collect();
         let slot = (0..self.pool.count)
             .find(|slot| !used.contains(slot))
-            .ok_or_else(|| {
-                format!(
-                    "all {} user-namespace id ranges are in use by running sandboxes; \
-                     stop some, or give the server a larger --userns-pool",
-                    self.pool.count
-                )
+            .ok_or(UsernsError::Exhausted {
+                count: self.pool.count,
             })?;
         taken.insert(id.to_owned(), slot);
         Ok(self.base(slot))
@@ -141,7 +184,7 @@ impl IdRanges {
 
     /// The user namespace of the range starting at `base` (see the type's
     /// text). Blocks for a fork the first time.
-    pub(crate) fn namespace(&self, base: u32) -> Result<Arc<OwnedFd>, String> {
+    pub(crate) fn namespace(&self, base: u32) -> Result<Arc<OwnedFd>, UsernsError> {
         if let Some(made) = self.namespaces.lock().expect("namespace lock").get(&base) {
             return Ok(made.clone());
         }
@@ -157,17 +200,17 @@ impl IdRanges {
 
 /// Takes the user namespace the server passed as descriptor `fd` (in the
 /// shim), checking that it is one.
-pub(super) fn inherited(fd: i32) -> Result<OwnedFd, String> {
+pub(super) fn inherited(fd: i32) -> Result<OwnedFd, UsernsError> {
     // NS_GET_NSTYPE: _IO(0xb7, 0x3).
     const NS_GET_NSTYPE: libc::c_ulong = 0xb703;
     // SAFETY: an ioctl with no argument on a descriptor number; a number that
     // is no descriptor fails with EBADF.
     let kind = unsafe { libc::ioctl(fd, NS_GET_NSTYPE) };
     if kind != libc::CLONE_NEWUSER {
-        return Err(format!(
-            "descriptor {fd} is not the user namespace the server passed: {}",
-            std::io::Error::last_os_error()
-        ));
+        return Err(UsernsError::NotUserns {
+            fd,
+            source: std::io::Error::last_os_error(),
+        });
     }
     // SAFETY: the descriptor is open (the ioctl answered), was inherited for
     // this process alone, and nothing else in the shim owns it.
@@ -185,15 +228,13 @@ pub fn id_map(base: u32) -> String {
 /// exits. The child makes only system calls and allocates nothing, so a
 /// multithreaded process (the server, for a VM's virtiofsd) may call this
 /// too; it blocks until the child is gone.
-pub(crate) fn make(base: u32) -> Result<OwnedFd, String> {
-    let (ready_read, ready_write) =
-        pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {}", e.desc()))?;
-    let (done_read, done_write) =
-        pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(|e| format!("pipe: {}", e.desc()))?;
+pub(crate) fn make(base: u32) -> Result<OwnedFd, UsernsError> {
+    let (ready_read, ready_write) = pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("pipe"))?;
+    let (done_read, done_write) = pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("pipe"))?;
     // SAFETY: the child of a multithreaded process may only make
     // async-signal-safe calls: it unshares, writes a byte, reads one and
     // exits, all plain system calls on descriptors opened before the fork.
-    match unsafe { fork() }.map_err(|e| format!("fork: {}", e.desc()))? {
+    match unsafe { fork() }.map_err(sys("fork"))? {
         ForkResult::Child => {
             drop(ready_read);
             drop(done_write);
@@ -216,17 +257,29 @@ pub(crate) fn make(base: u32) -> Result<OwnedFd, String> {
                 .read(&mut [0u8; 1])
                 .ok()
                 .filter(|n| *n == 1)
-                .ok_or_else(|| "the child could not make a user namespace".to_owned())
+                .ok_or(UsernsError::Child)
                 .and_then(|_| {
                     let map = id_map(base);
                     for file in ["uid_map", "gid_map"] {
                         let path = format!("/proc/{child}/{file}");
-                        fs::write(&path, &map).map_err(|e| format!("write {path}: {e}"))?;
+                        if let Err(source) = fs::write(&path, &map) {
+                            let action = "write";
+                            return Err(UsernsError::Io {
+                                action,
+                                path,
+                                source,
+                            });
+                        }
                     }
                     let path = format!("/proc/{child}/ns/user");
-                    fs::File::open(&path)
-                        .map(OwnedFd::from)
-                        .map_err(|e| format!("open {path}: {e}"))
+                    match fs::File::open(&path) {
+                        Ok(file) => Ok(OwnedFd::from(file)),
+                        Err(source) => Err(UsernsError::Io {
+                            action: "open",
+                            path,
+                            source,
+                        }),
+                    }
                 });
             drop(done_write);
             let _ = waitpid(child, None);
@@ -269,7 +322,7 @@ mod tests {
         let b = ranges.take("b").unwrap();
         assert_eq!(b, a + RANGE_SIZE);
         let full = ranges.take("c").unwrap_err();
-        assert!(full.contains("--userns-pool"), "{full}");
+        assert!(full.to_string().contains("--userns-pool"), "{full}");
         ranges.release("a");
         assert_eq!(ranges.take("c").unwrap(), a);
     }

@@ -16,8 +16,7 @@ use super::layout::VmLayout;
 use super::machine::{self, Boot, Machine};
 use super::saved::SavedMachine;
 use super::{
-    blocking, disk, io_error, qemu, reflink, remove_if_present, shares, start_error, RuntimeError,
-    SandboxSpec, VmRuntime,
+    blocking, disk, qemu, reflink, remove_if_present, shares, RuntimeError, SandboxSpec, VmRuntime,
 };
 use crate::{NetworkLink, SandboxNetwork, TapLink, VolumeBind};
 
@@ -80,6 +79,34 @@ fn log_tail(path: &Path) -> String {
     machine::log_tail(path, 600)
 }
 
+/// Why a guest was not told who it is.
+#[derive(Debug, thiserror::Error)]
+pub enum IdentityError {
+    #[error("read random bytes for the guest")]
+    Entropy(#[source] io::Error),
+    #[error("tell the agent its identity")]
+    Call(#[source] Box<dyn std::error::Error + Send + Sync>),
+    #[error("reconnect to the agent")]
+    Reconnect(#[source] machine::MachineError),
+    #[error("the agent did not answer its identity call, on two sessions (the second waited {IDENTITY_RETRY_TIMEOUT:?})")]
+    Unanswered,
+}
+
+/// A step of bringing `id`'s VM up failed with `source`; the console says why.
+fn boot_error(
+    id: &str,
+    layout: &VmLayout,
+    step: &'static str,
+    source: impl std::error::Error + Send + Sync + 'static,
+) -> RuntimeError {
+    RuntimeError::Boot {
+        id: id.to_owned(),
+        step,
+        console: log_tail(&layout.console()),
+        source: Box::new(source),
+    }
+}
+
 /// Who a VM is, told to its agent after every boot and restore.
 pub(super) struct Identity {
     pub hostname: String,
@@ -112,7 +139,7 @@ impl Identity {
                 resolv_conf,
             }) => Some((tap.clone(), resolv_conf.clone())),
             Some(_) => {
-                return Err(start_error(
+                return Err(RuntimeError::start(
                     &spec.id,
                     "a VM's network is a TAP device, not a namespace",
                 ))
@@ -183,12 +210,12 @@ impl Identity {
         }
     }
 
-    async fn apply(&self, session: &Session, grow_root: bool) -> Result<(), String> {
+    async fn apply(&self, session: &Session, grow_root: bool) -> Result<(), IdentityError> {
         let now = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
             .as_nanos() as u64;
-        let entropy = bridge::random_hex(64).map_err(|e| format!("read random bytes: {e}"))?;
+        let entropy = bridge::random_hex(64).map_err(IdentityError::Entropy)?;
         let request = IdentityRequest {
             hostname: self.hostname.clone(),
             env: self.env.clone(),
@@ -214,12 +241,10 @@ impl Identity {
                 .collect(),
             entrypoint: self.command.clone(),
         };
-        agent(session).identity(&request).await.map_err(|e| {
-            format!(
-                "tell the agent its identity: {}",
-                cove_agent_client::report(&e)
-            )
-        })?;
+        agent(session)
+            .identity(&request)
+            .await
+            .map_err(|e| IdentityError::Call(Box::new(e)))?;
         Ok(())
     }
 }
@@ -264,16 +289,19 @@ impl VmRuntime {
         exited: oneshot::Sender<String>,
     ) -> Result<RunningVm, RuntimeError> {
         let saved = if layout.has_memory() {
-            let saved = SavedMachine::read(&layout.machine())
-                .map_err(io_error(id, format!("read {}", layout.machine().display())))?;
+            let saved = SavedMachine::read(&layout.machine()).map_err(RuntimeError::file(
+                id,
+                "read",
+                layout.machine(),
+            ))?;
             if let Some(why) = saved.incompatibility(self.accelerator) {
-                return Err(start_error(
+                return Err(RuntimeError::start(
                     id,
                     format!("its saved memory cannot be restored: {why}"),
                 ));
             }
             if !identity.volumes.is_empty() {
-                return Err(start_error(
+                return Err(RuntimeError::start(
                     id,
                     "it has volumes, and a VM with volumes boots cold: its saved memory cannot be restored",
                 ));
@@ -284,9 +312,12 @@ impl VmRuntime {
         };
         let disk_bytes = identity.disk_bytes;
         let current_disk =
-            disk::qcow2_size(&layout.disk()).map_err(|e| start_error(id, e.to_string()))?;
+            disk::qcow2_size(&layout.disk()).map_err(|source| RuntimeError::Disk {
+                id: id.to_owned(),
+                source,
+            })?;
         if current_disk > disk_bytes {
-            return Err(start_error(
+            return Err(RuntimeError::start(
                 id,
                 format!("its disk is {current_disk} bytes, more than the {disk_bytes} asked for; disks cannot shrink"),
             ));
@@ -304,11 +335,16 @@ impl VmRuntime {
                 let ram = layout.ram();
                 let prepared =
                     fs::File::create(&ram).and_then(|file| file.set_len(identity.memory_mib << 20));
-                prepared.map_err(io_error(id, format!("make {}", ram.display())))?;
+                prepared.map_err(RuntimeError::file(id, "make", &ram))?;
                 if current_disk < disk_bytes {
                     let (qemu_img, disk) = (self.config.qemu_img.clone(), layout.disk());
-                    blocking(id, move || {
-                        disk::resize(&qemu_img, &disk, disk_bytes).map_err(|e| e.to_string())
+                    blocking(id, move |id| {
+                        disk::resize(&qemu_img, &disk, disk_bytes).map_err(|source| {
+                            RuntimeError::Disk {
+                                id: id.to_owned(),
+                                source,
+                            }
+                        })
                     })
                     .await?;
                 }
@@ -319,10 +355,7 @@ impl VmRuntime {
             // Describes the running machine, for the saves to come.
             SavedMachine::new(self.accelerator, cpus, memory_mib)
                 .write(&layout.machine())
-                .map_err(io_error(
-                    id,
-                    format!("write {}", layout.machine().display()),
-                ))?;
+                .map_err(RuntimeError::file(id, "write", layout.machine()))?;
         }
         // A RAM file just cloned (template, snapshot, fork) has nothing in the
         // page cache, and a restored guest faulting it in page by page is
@@ -332,30 +365,40 @@ impl VmRuntime {
             tokio::task::spawn_blocking(move || reflink::read_ahead(&ram))
         });
         // A QEMU launched here is found by this directory from now on.
-        super::pool::forget_launch(layout).map_err(io_error(
+        super::pool::forget_launch(layout).map_err(RuntimeError::file(
             id,
-            format!("remove {}", layout.launched_in().display()),
+            "remove",
+            layout.launched_in(),
         ))?;
         let jail = self
             .jails
             .make(cpus, memory_mib)
-            .map_err(|reason| start_error(id, reason))?;
+            .map_err(|source| RuntimeError::Confine {
+                id: id.to_owned(),
+                source,
+            })?;
         let shares = if identity.volumes.is_empty() {
             Vec::new()
         } else {
             let started = match self.config.virtiofsd.as_deref() {
-                None => Err(
-                    "it has volumes, and virtiofsd was not found (scripts/vm-setup installs it)"
-                        .to_owned(),
-                ),
-                Some(virtiofsd) => shares::start(virtiofsd, layout, &identity.volumes, &jail).await,
+                None => Err(RuntimeError::Unsupported {
+                    id: id.to_owned(),
+                    what: "volumes".to_owned(),
+                    why: "here: virtiofsd was not found (scripts/vm-setup installs it)".to_owned(),
+                }),
+                Some(virtiofsd) => shares::start(virtiofsd, layout, &identity.volumes, &jail)
+                    .await
+                    .map_err(|source| RuntimeError::Shares {
+                        id: id.to_owned(),
+                        source,
+                    }),
             };
             match started {
                 Ok(shares) => shares,
-                Err(reason) => {
+                Err(error) => {
                     let _ = tokio::task::spawn_blocking(move || jail.release()).await;
                     shares::end(layout);
-                    return Err(start_error(id, reason));
+                    return Err(error);
                 }
             }
         };
@@ -367,16 +410,13 @@ impl VmRuntime {
         let machine = match launched {
             Ok(machine) => machine,
             Err(e) => {
-                let volumes = if share_count > 0 {
-                    format!("; {}", shares::logs(layout, share_count))
-                } else {
-                    String::new()
-                };
+                let mut error = boot_error(id, layout, "launch", e);
+                if let (true, RuntimeError::Boot { console, .. }) = (share_count > 0, &mut error) {
+                    console.push_str("; ");
+                    console.push_str(&shares::logs(layout, share_count));
+                }
                 shares::end(layout);
-                return Err(start_error(
-                    id,
-                    format!("{e}; console: {}{volumes}", log_tail(&layout.console())),
-                ));
+                return Err(error);
             }
         };
         let launched = began.elapsed();
@@ -412,10 +452,7 @@ impl VmRuntime {
             Err(error) => {
                 machine.kill().await;
                 shares::end(layout);
-                return Err(start_error(
-                    id,
-                    format!("{error}; console: {}", log_tail(&layout.console())),
-                ));
+                return Err(boot_error(id, layout, "connect to its agent", error));
             }
         };
         let connected = began.elapsed();
@@ -433,16 +470,13 @@ impl VmRuntime {
             .as_ref()
             .is_some_and(|saved| saved.owner.as_deref() == Some(id));
         if !own_memory || grow_root {
-            if let Err(reason) = self
+            if let Err(error) = self
                 .apply_identity(id, layout, &mut running, identity, grow_root)
                 .await
             {
                 running.machine.kill().await;
                 shares::end(layout);
-                return Err(start_error(
-                    id,
-                    format!("{reason}; console: {}", log_tail(&layout.console())),
-                ));
+                return Err(boot_error(id, layout, "be told who it is", error));
             }
         }
         tracing::debug!(
@@ -471,7 +505,7 @@ impl VmRuntime {
         running: &mut RunningVm,
         identity: &Identity,
         grow_root: bool,
-    ) -> Result<(), String> {
+    ) -> Result<(), IdentityError> {
         for (attempt, bound) in [
             (1, self.config.identity_timeout),
             (2, IDENTITY_RETRY_TIMEOUT),
@@ -488,16 +522,14 @@ impl VmRuntime {
                         .machine
                         .connect_agent(&layout.chardev(), RESTORE_AGENT_TIMEOUT)
                         .await
-                        .map_err(|e| format!("reconnect to the agent: {e}"))?;
+                        .map_err(IdentityError::Reconnect)?;
                     running.session = session;
                     running.driver = driver;
                 }
                 Err(_) => break,
             }
         }
-        Err(format!(
-            "the agent did not answer its identity call, on two sessions (the second waited {IDENTITY_RETRY_TIMEOUT:?})"
-        ))
+        Err(IdentityError::Unanswered)
     }
 
     /// Takes over a VM an earlier server process started, which still runs:
@@ -514,11 +546,14 @@ impl VmRuntime {
         let jail = self.jails.adopt(pid as i32);
         let machine = Machine::adopt(pid, &layout.qmp(), jail, exited)
             .await
-            .map_err(|e| start_error(id, format!("take over qemu (pid {pid}): {e}")))?;
+            .map_err(RuntimeError::machine(
+                id,
+                format!("be taken over (qemu pid {pid})"),
+            ))?;
         let (session, driver) = machine
             .connect_agent(&layout.chardev(), RESTORE_AGENT_TIMEOUT)
             .await
-            .map_err(|e| start_error(id, format!("reconnect to its agent: {e}")))?;
+            .map_err(RuntimeError::machine(id, "reconnect to its agent"))?;
         Ok(RunningVm {
             machine,
             session,

@@ -27,12 +27,12 @@ use std::fs;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::MetadataExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use super::qemu::Accelerator;
-use crate::container::cgroup::{self, CgroupBackend, CgroupLimits};
-use crate::container::IdRanges;
+use crate::container::cgroup::{self, CgroupBackend, CgroupError, CgroupLimits};
+use crate::container::{IdRanges, UsernsError};
 
 /// Where the cgroup controllers are mounted.
 const CGROUP_ROOT: &str = "/sys/fs/cgroup";
@@ -53,6 +53,55 @@ const KVM_DEVICE: &str = "/dev/kvm";
 const KVM_DEVICE_RULE: &str = "c 10:232 rwm";
 
 /// Makes and finds the jails of a runtime's VMs.
+/// Why a VM's processes could not be confined.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfineError {
+    #[error("read random bytes for the VM's name")]
+    Random(#[source] io::Error),
+    #[error(transparent)]
+    Userns(#[from] UsernsError),
+    #[error("make the VM's cgroup")]
+    Cgroup(#[source] CgroupError),
+    #[error("cannot read {}", path.display())]
+    Stat {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("QEMU runs as an unprivileged user and cannot read {} (mode {mode:o}); make it readable by others", path.display())]
+    NotReadable { path: PathBuf, mode: u32 },
+    #[error("QEMU runs as an unprivileged user and cannot reach {}: {} is mode {mode:o}; keep VM assets where others may search (the default is /var/tmp/cove/vm)", path.display(), dir.display())]
+    NotSearchable {
+        path: PathBuf,
+        dir: PathBuf,
+        mode: u32,
+    },
+    #[error("QEMU runs as an unprivileged user and opens {} through its group, but it is mode {mode:o}, group {gid}: give it a group of its own with read and write (udev's default is root:kvm 0660)", device.display())]
+    KvmGroup {
+        device: PathBuf,
+        mode: u32,
+        gid: u32,
+    },
+    #[error("{} contains a NUL byte", path.display())]
+    Nul { path: PathBuf },
+    #[error("the task making the user namespace failed")]
+    Task(#[source] tokio::task::JoinError),
+}
+
+impl ConfineError {
+    /// Whether every id range was in use: a retry after stops may succeed.
+    pub fn is_exhausted(&self) -> bool {
+        matches!(self, Self::Userns(UsernsError::Exhausted { .. }))
+    }
+}
+
+fn stat(path: &Path) -> Result<fs::Metadata, ConfineError> {
+    fs::metadata(path).map_err(|source| ConfineError::Stat {
+        path: path.to_owned(),
+        source,
+    })
+}
+
 pub(super) struct Jails {
     cgroups: Arc<dyn CgroupBackend>,
     ids: Arc<IdRanges>,
@@ -72,7 +121,7 @@ impl std::fmt::Debug for Jails {
 
 impl Jails {
     /// Under KVM, QEMU needs `/dev/kvm` through a group that is not root's.
-    pub fn new(ids: Arc<IdRanges>, accelerator: Accelerator) -> Result<Jails, String> {
+    pub fn new(ids: Arc<IdRanges>, accelerator: Accelerator) -> Result<Jails, ConfineError> {
         let kvm_group = match accelerator {
             Accelerator::Tcg => None,
             Accelerator::Kvm => Some(kvm_group(Path::new(KVM_DEVICE))?),
@@ -87,10 +136,10 @@ impl Jails {
 
     /// A jail for a machine of `cpus` and `memory_mib`: its id range taken
     /// and its cgroup made, with nothing in it yet.
-    pub fn make(&self, cpus: u32, memory_mib: u64) -> Result<Jail, String> {
+    pub fn make(&self, cpus: u32, memory_mib: u64) -> Result<Jail, ConfineError> {
         let name = format!(
             "vm-{}",
-            super::bridge::random_hex(6).map_err(|e| format!("read random bytes: {e}"))?
+            super::bridge::random_hex(6).map_err(ConfineError::Random)?
         );
         let uid = self.ids.take(&name)?;
         let headroom = match self.accelerator {
@@ -119,7 +168,7 @@ impl Jails {
             });
         if let Err(error) = made {
             jail.release();
-            return Err(format!("make the VM's cgroup: {error}"));
+            return Err(ConfineError::Cgroup(error));
         }
         Ok(jail)
     }
@@ -175,26 +224,26 @@ impl Jails {
 
 /// Whether QEMU, as an unprivileged user, can read `path`: every
 /// directory on the way searchable by others, the file readable by them.
-pub(super) fn check_public(path: &Path) -> Result<(), String> {
-    let meta = fs::metadata(path).map_err(|e| e.to_string())?;
+pub(super) fn check_public(path: &Path) -> Result<(), ConfineError> {
+    let meta = stat(path)?;
     if meta.mode() & 0o004 == 0 {
-        return Err(format!(
-            "QEMU runs as an unprivileged user and cannot read it (mode {:o}); make it readable by others",
-            meta.mode() & 0o777
-        ));
+        return Err(ConfineError::NotReadable {
+            path: path.to_owned(),
+            mode: meta.mode() & 0o777,
+        });
     }
     for dir in path
         .ancestors()
         .skip(1)
         .filter(|d| !d.as_os_str().is_empty())
     {
-        let mode = fs::metadata(dir).map_err(|e| e.to_string())?.mode();
+        let mode = stat(dir)?.mode();
         if mode & 0o001 == 0 {
-            return Err(format!(
-                "QEMU runs as an unprivileged user and cannot reach it: {} is mode {:o}; keep VM assets where others may search (the default is /var/tmp/cove/vm)",
-                dir.display(),
-                mode & 0o777
-            ));
+            return Err(ConfineError::NotSearchable {
+                path: path.to_owned(),
+                dir: dir.to_owned(),
+                mode: mode & 0o777,
+            });
         }
     }
     Ok(())
@@ -202,15 +251,15 @@ pub(super) fn check_public(path: &Path) -> Result<(), String> {
 
 /// The group of `/dev/kvm`, which must give its members read and write and
 /// not be root's (a process in root's group reads more than `/dev/kvm`).
-fn kvm_group(device: &Path) -> Result<u32, String> {
-    let meta = fs::metadata(device).map_err(|e| format!("{}: {e}", device.display()))?;
+fn kvm_group(device: &Path) -> Result<u32, ConfineError> {
+    let meta = stat(device)?;
     let mode = meta.mode() & 0o777;
     if meta.gid() == 0 || mode & 0o060 != 0o060 {
-        return Err(format!(
-            "QEMU runs as an unprivileged user and opens {} through its group, but it is mode {mode:o}, group {}: give it a group of its own with read and write (udev's default is root:kvm 0660)",
-            device.display(),
-            meta.gid()
-        ));
+        return Err(ConfineError::KvmGroup {
+            device: device.to_owned(),
+            mode,
+            gid: meta.gid(),
+        });
     }
     Ok(meta.gid())
 }
@@ -260,22 +309,23 @@ impl Jail {
     }
 
     /// The user namespace of the jail's range (virtiofsd's).
-    pub async fn namespace(&self) -> Result<Arc<std::os::fd::OwnedFd>, String> {
+    pub async fn namespace(&self) -> Result<Arc<std::os::fd::OwnedFd>, ConfineError> {
         let (ids, base) = (self.ids.clone(), self.uid);
-        tokio::task::spawn_blocking(move || ids.namespace(base))
+        let made = tokio::task::spawn_blocking(move || ids.namespace(base))
             .await
-            .map_err(|e| format!("make the user namespace: {e}"))?
+            .map_err(ConfineError::Task)?;
+        Ok(made?)
     }
 
     /// What a child needs between fork and exec to enter the jail.
-    pub fn entry(&self) -> Result<Entry, String> {
+    pub fn entry(&self) -> Result<Entry, ConfineError> {
         let procs = self
             .cgroups
             .procs_files(&self.name)
             .iter()
             .map(|path| {
                 CString::new(path.as_os_str().as_bytes())
-                    .map_err(|_| format!("{} contains a NUL byte", path.display()))
+                    .map_err(|_| ConfineError::Nul { path: path.clone() })
             })
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Entry {
@@ -393,10 +443,13 @@ mod tests {
         fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
         check_public(&file).unwrap();
         fs::set_permissions(&file, fs::Permissions::from_mode(0o600)).unwrap();
-        assert!(check_public(&file).unwrap_err().contains("cannot read"));
+        assert!(check_public(&file)
+            .unwrap_err()
+            .to_string()
+            .contains("cannot read"));
         fs::set_permissions(&file, fs::Permissions::from_mode(0o644)).unwrap();
         fs::set_permissions(&open, fs::Permissions::from_mode(0o700)).unwrap();
-        let refused = check_public(&file).unwrap_err();
+        let refused = check_public(&file).unwrap_err().to_string();
         assert!(refused.contains("cannot reach"), "{refused}");
     }
 
@@ -408,7 +461,7 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         fs::set_permissions(&device, fs::Permissions::from_mode(0o600)).unwrap();
         // Made by root here: group 0, mode 0600; both are refused.
-        let refused = kvm_group(&device).unwrap_err();
+        let refused = kvm_group(&device).unwrap_err().to_string();
         assert!(refused.contains("0660"), "{refused}");
         std::os::unix::fs::chown(&device, None, Some(4242)).unwrap();
         assert!(kvm_group(&device).is_err(), "mode 0600");

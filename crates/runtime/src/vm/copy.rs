@@ -9,7 +9,7 @@ use std::time::Instant;
 use super::boot::RunningVm;
 use super::layout::VmLayout;
 use super::saved::SavedMachine;
-use super::{blocking, io_error, other, reflink, remove_if_present, RuntimeError, VmRuntime};
+use super::{blocking, reflink, remove_if_present, RuntimeError, VmRuntime};
 
 /// Forgets saved memory: the device state first, so a half-done discard never
 /// looks like a usable memory.
@@ -41,20 +41,24 @@ impl VmRuntime {
         id: &str,
         vm: &RunningVm,
         state: Option<PathBuf>,
-        work: impl FnOnce() -> Result<T, String> + Send + 'static,
+        work: impl FnOnce(&str) -> Result<T, RuntimeError> + Send + 'static,
     ) -> Result<T, RuntimeError> {
         let began = Instant::now();
         vm.machine
             .pause_vcpus()
             .await
-            .map_err(|e| other(id, format!("stop the vCPUs: {e}")))?;
+            .map_err(RuntimeError::machine(id, "stop the vCPUs"))?;
         let saved = match &state {
-            Some(path) => vm.machine.save_state(path).await.map_err(|e| e.to_string()),
+            Some(path) => vm
+                .machine
+                .save_state(path)
+                .await
+                .map_err(RuntimeError::machine(id, "save the device state")),
             None => Ok(()),
         };
         let result = match saved {
             Ok(()) => blocking(id, work).await,
-            Err(reason) => Err(other(id, format!("save the device state: {reason}"))),
+            Err(error) => Err(error),
         };
         let resumed = vm.machine.resume().await;
         tracing::debug!(
@@ -62,7 +66,7 @@ impl VmRuntime {
             frozen_ms = began.elapsed().as_secs_f64() * 1e3,
             "vm frozen for a copy"
         );
-        resumed.map_err(|e| other(id, format!("continue the vCPUs: {e}")))?;
+        resumed.map_err(RuntimeError::machine(id, "continue the vCPUs"))?;
         result
     }
 
@@ -73,13 +77,14 @@ impl VmRuntime {
         let source = self.layout(id);
         let Some(vm) = self.running(id) else {
             if !source.has_memory() {
-                return Err(other(
-                    id,
-                    "it is neither running nor paused with its memory",
-                ));
+                return Err(RuntimeError::NotRunning { id: id.to_owned() });
             }
-            return blocking(id, move || {
-                clone_saved(&source, &dest).map_err(|e| e.to_string())
+            return blocking(id, move |id| {
+                clone_saved(&source, &dest).map_err(|source_error| RuntimeError::Io {
+                    id: id.to_owned(),
+                    action: format!("copy the saved memory of {}", source.dir.display()),
+                    source: source_error,
+                })
             })
             .await;
         };
@@ -87,25 +92,34 @@ impl VmRuntime {
         // Written out while the VM still runs, so the clone under the freeze
         // has only what was dirtied since to flush.
         let ram = source.ram();
-        blocking(id, move || {
+        blocking(id, move |id| {
             fs::File::open(&ram)
                 .and_then(|file| file.sync_data())
-                .map_err(|e| format!("flush {}: {e}", ram.display()))
+                .map_err(RuntimeError::file(id, "flush", &ram))
         })
         .await?;
         let machine = SavedMachine {
             owner: None,
-            ..SavedMachine::read(&source.machine())
-                .map_err(io_error(id, format!("read {}", source.machine().display())))?
+            ..SavedMachine::read(&source.machine()).map_err(RuntimeError::file(
+                id,
+                "read",
+                source.machine(),
+            ))?
         };
         let state_partial = dest.dir.join("state.partial");
         let (from, to, partial) = (source.clone(), dest.clone(), state_partial.clone());
-        self.with_vm_frozen(id, &vm, Some(state_partial.clone()), move || {
-            remove_if_present(&to.state()).map_err(|e| e.to_string())?;
-            reflink::clone_replacing(&from.ram(), &to.ram())
-                .map_err(|e| format!("clone the RAM file: {e}"))?;
-            reflink::clone_replacing(&from.disk(), &to.disk())
-                .map_err(|e| format!("clone the disk: {e}"))?;
+        self.with_vm_frozen(id, &vm, Some(state_partial.clone()), move |id| {
+            remove_if_present(&to.state()).map_err(RuntimeError::file(id, "remove", to.state()))?;
+            reflink::clone_replacing(&from.ram(), &to.ram()).map_err(RuntimeError::file(
+                id,
+                "clone the RAM file to",
+                to.ram(),
+            ))?;
+            reflink::clone_replacing(&from.disk(), &to.disk()).map_err(RuntimeError::file(
+                id,
+                "clone the disk to",
+                to.disk(),
+            ))?;
             Ok(partial)
         })
         .await
@@ -115,10 +129,11 @@ impl VmRuntime {
         drop(vm);
         machine
             .write(&dest.machine())
-            .map_err(io_error(id, format!("write {}", dest.machine().display())))?;
-        fs::rename(&state_partial, dest.state()).map_err(io_error(
+            .map_err(RuntimeError::file(id, "write", dest.machine()))?;
+        fs::rename(&state_partial, dest.state()).map_err(RuntimeError::file(
             id,
-            format!("move {} in place", dest.state().display()),
+            "move in place",
+            dest.state(),
         ))
     }
 }

@@ -82,7 +82,7 @@ impl VmLayout {
     }
 
     /// Rejects a directory whose sockets the kernel could not bind.
-    pub fn check_socket_paths(&self) -> Result<(), String> {
+    pub fn check_socket_paths(&self) -> Result<(), crate::container::PathRefused> {
         // Volume sockets have at most two more digits than `fs0.sock`.
         for socket in [
             self.qmp(),
@@ -92,10 +92,7 @@ impl VmLayout {
         ] {
             let len = socket.as_os_str().as_bytes().len();
             if len > MAX_SOCKET_PATH {
-                return Err(format!(
-                    "socket path {} is {len} bytes, more than the {MAX_SOCKET_PATH} a unix socket allows; use a shorter data dir",
-                    socket.display()
-                ));
+                return Err(crate::container::PathRefused::SocketTooLong { path: socket, len });
             }
         }
         Ok(())

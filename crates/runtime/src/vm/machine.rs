@@ -50,6 +50,8 @@ pub enum MachineError {
     Exited(String),
     #[error("{0}")]
     Failed(String),
+    #[error("enter the VM's jail")]
+    Jail(#[source] super::confine::ConfineError),
 }
 
 fn io_error(action: impl Into<String>) -> impl FnOnce(io::Error) -> MachineError {
@@ -91,7 +93,7 @@ impl Machine {
     ) -> Result<Machine, MachineError> {
         let opened = Inherited::open(spec, &jail, shares);
         let (inherited, entry) = match opened.and_then(|inherited| {
-            let entry = jail.entry().map_err(MachineError::Failed)?;
+            let entry = jail.entry().map_err(MachineError::Jail)?;
             Ok((inherited, entry))
         }) {
             Ok(ready) => ready,

@@ -48,9 +48,7 @@ use async_trait::async_trait;
 use tokio::sync::oneshot;
 
 use crate::storage::Storage;
-use crate::{
-    blocking, check_id, start_error, AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started,
-};
+use crate::{blocking, check_id, AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
 use boot::{Identity, RunningVm};
 use bridge::Bridge;
 use copy::{clone_saved, discard_memory_files};
@@ -58,9 +56,14 @@ use layout::VmLayout;
 use orphan::{end_orphan, orphan_pid};
 use saved::SavedMachine;
 
-pub use disk::AGENT_IN_GUEST;
+pub use boot::IdentityError;
+pub use confine::ConfineError;
+pub use disk::{DiskError, AGENT_IN_GUEST};
+pub use machine::MachineError;
 pub use qemu::{detect_accelerator, Accelerator, HostFacts};
+pub use qmp::QmpError;
 pub use shares::find_virtiofsd;
+pub use shares::SharesError;
 
 /// Room in a sandbox's subvolume beyond its disk and memory: device state,
 /// logs, qcow2 metadata, and blocks briefly counted twice while a RAM page
@@ -151,17 +154,15 @@ impl std::fmt::Debug for VmRuntime {
     }
 }
 
-fn other(id: &str, reason: impl Into<String>) -> RuntimeError {
-    RuntimeError::Other {
-        id: id.to_owned(),
-        reason: reason.into(),
-    }
-}
-
 fn io_error(id: &str, action: impl Into<String>) -> impl FnOnce(io::Error) -> RuntimeError {
     let id = id.to_owned();
     let action = action.into();
     move |source| RuntimeError::Io { id, action, source }
+}
+
+fn confine_error(id: &str) -> impl FnOnce(confine::ConfineError) -> RuntimeError {
+    let id = id.to_owned();
+    move |source| RuntimeError::Confine { id, source }
 }
 
 fn remove_if_present(path: &Path) -> io::Result<()> {
@@ -191,21 +192,15 @@ impl VmRuntime {
             .accelerator
             .unwrap_or_else(|| detect_accelerator(&facts));
         let tsc_khz = facts.tsc_khz();
-        let jails = confine::Jails::new(config.ids.clone(), accelerator)
-            .map_err(|reason| other(id, reason))?;
+        let jails =
+            confine::Jails::new(config.ids.clone(), accelerator).map_err(confine_error(id))?;
         jails.sweep();
-        for (what, path) in [
-            ("guest kernel", config.kernel()),
-            ("initramfs", config.initramfs()),
-            ("firmware", config.firmware.clone()),
-        ] {
-            confine::check_public(&path)
-                .map_err(|reason| other(id, format!("the {what} {}: {reason}", path.display())))?;
+        for path in [config.kernel(), config.initramfs(), config.firmware.clone()] {
+            confine::check_public(&path).map_err(confine_error(id))?;
         }
         for dir in ["vms", "captures", "vm-templates"] {
             let path = config.storage.root().join(dir);
-            fs::create_dir_all(&path)
-                .map_err(io_error(id, format!("create {}", path.display())))?;
+            fs::create_dir_all(&path).map_err(RuntimeError::file(id, "create", &path))?;
         }
         tracing::info!(accelerator = accelerator.name(), "VM runtime ready");
         Ok(VmRuntime {
@@ -258,7 +253,7 @@ impl VmRuntime {
         let layout = self.layout(id);
         layout
             .check_socket_paths()
-            .map_err(|r| start_error(id, r))?;
+            .map_err(|refused| RuntimeError::start(id, refused.to_string()))?;
         if !layout.dir.exists() {
             let limit = (spec.resources.disk_gib << 30)
                 + 2 * (spec.resources.memory_mib << 20)
@@ -266,11 +261,14 @@ impl VmRuntime {
             self.config
                 .storage
                 .create_limited(&layout.dir, limit)
-                .map_err(|e| other(id, e.to_string()))?;
+                .map_err(RuntimeError::storage(id, "make the sandbox's subvolume"))?;
             fs::set_permissions(&layout.dir, fs::Permissions::from_mode(0o700))
-                .map_err(io_error(id, format!("chmod {}", layout.dir.display())))?;
-            reflink::set_nocow(&layout.dir)
-                .map_err(io_error(id, format!("make {} nocow", layout.dir.display())))?;
+                .map_err(RuntimeError::file(id, "chmod", &layout.dir))?;
+            reflink::set_nocow(&layout.dir).map_err(RuntimeError::file(
+                id,
+                "make nocow",
+                &layout.dir,
+            ))?;
         }
         Ok(layout)
     }
@@ -280,9 +278,9 @@ impl VmRuntime {
     async fn remove_dir(&self, id: &str, dir: &Path) -> Result<(), RuntimeError> {
         let storage = self.config.storage.clone();
         let dir = dir.to_owned();
-        blocking(id, move || {
+        blocking(id, move |id| {
             if dir.exists() && storage.delete_subvolume(&dir).is_err() {
-                fs::remove_dir_all(&dir).map_err(|e| format!("remove {}: {e}", dir.display()))?;
+                fs::remove_dir_all(&dir).map_err(RuntimeError::file(id, "remove", &dir))?;
             }
             Ok(())
         })
@@ -290,12 +288,8 @@ impl VmRuntime {
     }
 
     fn make_capture_dir(&self, id: &str, capture: &VmLayout) -> Result<(), RuntimeError> {
-        fs::create_dir_all(&capture.dir)
-            .map_err(io_error(id, format!("create {}", capture.dir.display())))?;
-        reflink::set_nocow(&capture.dir).map_err(io_error(
-            id,
-            format!("make {} nocow", capture.dir.display()),
-        ))
+        fs::create_dir_all(&capture.dir).map_err(RuntimeError::file(id, "create", &capture.dir))?;
+        reflink::set_nocow(&capture.dir).map_err(RuntimeError::file(id, "make nocow", &capture.dir))
     }
 
     async fn template_for(&self, spec: &SandboxSpec) -> Result<VmLayout, RuntimeError> {
@@ -314,9 +308,10 @@ impl VmRuntime {
     /// The base disk of an image. Its key hashes the whole agent binary, so
     /// the answer is remembered for as long as the agent file looks the same.
     async fn base_for(&self, id: &str, rootfs: &Path) -> Result<PathBuf, RuntimeError> {
-        let stamp = disk::file_stamp(&self.config.agent_binary).map_err(io_error(
+        let stamp = disk::file_stamp(&self.config.agent_binary).map_err(RuntimeError::file(
             id,
-            format!("read {}", self.config.agent_binary.display()),
+            "read",
+            &self.config.agent_binary,
         ))?;
         if let Some((known, base)) = self.bases.lock().expect("bases lock").get(rootfs) {
             if *known == stamp && base.exists() {
@@ -328,8 +323,11 @@ impl VmRuntime {
             rootfs.to_owned(),
             self.config.agent_binary.clone(),
         );
-        let base = blocking(id, move || {
-            disk::ensure_base(&cache, &owned_rootfs, &agent).map_err(|e| e.to_string())
+        let base = blocking(id, move |id| {
+            disk::ensure_base(&cache, &owned_rootfs, &agent).map_err(|source| RuntimeError::Disk {
+                id: id.to_owned(),
+                source,
+            })
         })
         .await?;
         self.bases
@@ -357,29 +355,37 @@ impl Runtime for VmRuntime {
         let cold = !spec.volumes.is_empty();
         if let Some(top) = spec.layers.first() {
             let from = VmLayout::new(top.clone());
-            return blocking(id, move || {
+            return blocking(id, move |id| {
                 if from.has_memory() && !cold {
                     clone_saved(&from, &layout)
                 } else {
                     reflink::clone_file(&from.disk(), &layout.disk())
                 }
-                .map_err(|e| format!("copy the layer {}: {e}", from.dir.display()))
+                .map_err(RuntimeError::file(id, "copy the layer", &from.dir))
             })
             .await;
         }
         if self.config.templates && !cold {
             let template = self.template_for(spec).await?;
-            return blocking(id, move || {
-                clone_saved(&template, &layout)
-                    .map_err(|e| format!("copy the template {}: {e}", template.dir.display()))
+            return blocking(id, move |id| {
+                clone_saved(&template, &layout).map_err(RuntimeError::file(
+                    id,
+                    "copy the template",
+                    &template.dir,
+                ))
             })
             .await;
         }
         let base = self.base_for(id, &spec.rootfs).await?;
         let qemu_img = self.config.qemu_img.clone();
         let bytes = spec.resources.disk_gib << 30;
-        blocking(id, move || {
-            disk::create_overlay(&qemu_img, &base, &layout.disk(), bytes).map_err(|e| e.to_string())
+        blocking(id, move |id| {
+            disk::create_overlay(&qemu_img, &base, &layout.disk(), bytes).map_err(|source| {
+                RuntimeError::Disk {
+                    id: id.to_owned(),
+                    source,
+                }
+            })
         })
         .await
     }
@@ -392,7 +398,7 @@ impl Runtime for VmRuntime {
         let mut claimed = self.pool.claimed(id);
         if claimed.is_none() {
             if self.is_running(id).await {
-                return Err(start_error(id, "already running"));
+                return Err(RuntimeError::AlreadyRunning { id: id.to_owned() });
             }
             if !layout.disk().exists() {
                 self.prepare(spec).await?;
@@ -515,7 +521,7 @@ impl Runtime for VmRuntime {
         let id = spec.id.as_str();
         check_id(id)?;
         if self.running(id).is_some() {
-            return Err(start_error(id, "already running"));
+            return Err(RuntimeError::AlreadyRunning { id: id.to_owned() });
         }
         let layout = self.layout(id);
         let Some(pid) = orphan_pid(&layout) else {
@@ -551,8 +557,13 @@ impl Runtime for VmRuntime {
         let dest = self.capture_layout(capture_id);
         self.make_capture_dir(id, &dest)?;
         let (from, to) = (source.disk(), dest.disk());
-        let copy =
-            move || reflink::clone_file(&from, &to).map_err(|e| format!("clone the disk: {e}"));
+        let copy = move |id: &str| {
+            reflink::clone_file(&from, &to).map_err(RuntimeError::file(
+                id,
+                "clone the disk to",
+                &to,
+            ))
+        };
         let copied = match self.running(id) {
             Some(vm) => {
                 let vm = vm.lock().await;
@@ -584,9 +595,9 @@ impl Runtime for VmRuntime {
     async fn discard_capture(&self, capture_id: &str) -> Result<(), RuntimeError> {
         check_id(capture_id)?;
         let dir = self.capture_layout(capture_id).dir;
-        blocking(capture_id, move || match fs::remove_dir_all(&dir) {
+        blocking(capture_id, move |id| match fs::remove_dir_all(&dir) {
             Err(error) if error.kind() != io::ErrorKind::NotFound => {
-                Err(format!("remove {}: {error}", dir.display()))
+                Err(RuntimeError::file(id, "remove", dir)(error))
             }
             _ => Ok(()),
         })
@@ -598,13 +609,19 @@ impl Runtime for VmRuntime {
         check_id(id)?;
         check_id(capture_id)?;
         if self.is_running(id).await {
-            return Err(other(id, "cannot restore a running sandbox"));
+            return Err(RuntimeError::Running {
+                id: id.to_owned(),
+                action: "be restored",
+            });
         }
         let layout = self.make_dir(spec)?;
         let capture = self.capture_layout(capture_id);
-        blocking(id, move || {
+        blocking(id, move |id| {
             if !capture.disk().exists() {
-                return Err(format!("capture {} does not exist", capture.dir.display()));
+                return Err(RuntimeError::other(
+                    id,
+                    format!("capture {} does not exist", capture.dir.display()),
+                ));
             }
             if capture.has_memory() {
                 clone_saved(&capture, &layout)
@@ -612,7 +629,7 @@ impl Runtime for VmRuntime {
                 discard_memory_files(&layout)
                     .and_then(|()| reflink::clone_replacing(&capture.disk(), &layout.disk()))
             }
-            .map_err(|e| format!("copy the capture {}: {e}", capture.dir.display()))
+            .map_err(RuntimeError::file(id, "copy the capture", &capture.dir))
         })
         .await
     }
@@ -621,7 +638,7 @@ impl Runtime for VmRuntime {
         check_id(id)?;
         let began = Instant::now();
         let Some(vm) = self.take_running(id) else {
-            return Err(other(id, "it is not running"));
+            return Err(RuntimeError::NotRunning { id: id.to_owned() });
         };
         let mut guard = vm.lock().await;
         let layout = self.layout(id);
@@ -638,7 +655,7 @@ impl Runtime for VmRuntime {
                     .lock()
                     .expect("running map lock")
                     .insert(id.to_owned(), vm);
-                return Err(other(id, format!("save its state: {error}")));
+                return Err(RuntimeError::machine(id, "save its state")(error));
             }
         };
         let saved_ms = began.elapsed().as_secs_f64() * 1e3;
@@ -737,13 +754,11 @@ async fn keep_saved_memory(
     });
     machine
         .and_then(|machine| machine.write(&layout.machine()))
-        .map_err(io_error(
-            id,
-            format!("update {}", layout.machine().display()),
-        ))?;
-    fs::rename(partial, layout.state()).map_err(io_error(
+        .map_err(RuntimeError::file(id, "update", layout.machine()))?;
+    fs::rename(partial, layout.state()).map_err(RuntimeError::file(
         id,
-        format!("move {} in place", layout.state().display()),
+        "move in place",
+        layout.state(),
     ))
 }
 
@@ -759,8 +774,11 @@ impl VmRuntime {
             return Ok(());
         }
         let machine_file = layout.machine();
-        let saved = SavedMachine::read(&machine_file)
-            .map_err(io_error(id, format!("read {}", machine_file.display())))?;
+        let saved = SavedMachine::read(&machine_file).map_err(RuntimeError::file(
+            id,
+            "read",
+            &machine_file,
+        ))?;
         if saved.disk_current {
             return Ok(());
         }
@@ -779,14 +797,16 @@ impl VmRuntime {
             ..saved.clone()
         }
         .write(&machine_file)
-        .map_err(io_error(id, format!("update {}", machine_file.display())))?;
-        let disk_bytes =
-            disk::qcow2_size(&layout.disk()).map_err(|e| start_error(id, e.to_string()))?;
+        .map_err(RuntimeError::file(id, "update", &machine_file))?;
+        let disk_bytes = disk::qcow2_size(&layout.disk()).map_err(|source| RuntimeError::Disk {
+            id: id.to_owned(),
+            source,
+        })?;
         // Which NIC backend the memory was saved on is not recorded: a hub
         // port is tried first when the memory is to be saved again, so it
         // stays loadable where it was; a TAP loads either kind.
         let tries: &[bool] = if keep_memory { &[false, true] } else { &[true] };
-        let mut brought_up = Err(other(id, "no attempt to continue it"));
+        let mut brought_up = Err(RuntimeError::other(id, "no attempt to continue it"));
         for &tap in tries {
             let identity = Identity::for_flush(saved.cpus, saved.memory_mib, disk_bytes, tap)
                 .map_err(io_error(id, "name a TAP device for the flush"))?;
@@ -799,7 +819,7 @@ impl VmRuntime {
         let mut vm = brought_up?;
         if !vm.flush_guest_disks().await {
             vm.machine.kill().await;
-            return Err(other(
+            return Err(RuntimeError::other(
                 id,
                 "its agent did not flush the disk it paused with unwritten changes",
             ));
@@ -809,10 +829,10 @@ impl VmRuntime {
                 Ok(partial) => partial,
                 Err(error) => {
                     vm.machine.kill().await;
-                    return Err(other(
+                    return Err(RuntimeError::machine(
                         id,
-                        format!("save its memory again after flushing its disk: {error}"),
-                    ));
+                        "save its memory again after flushing its disk",
+                    )(error));
                 }
             };
             keep_saved_memory(id, &mut vm, &layout, &partial, owner, true).await?;

@@ -296,7 +296,11 @@ impl VmRuntime {
     async fn make_warm(&self, spec: &SandboxSpec) -> Result<WarmVm, RuntimeError> {
         let id = format!(
             "{PREFIX}{}",
-            bridge::random_hex(6).map_err(|e| super::other("-", e.to_string()))?
+            bridge::random_hex(6).map_err(|source| RuntimeError::Io {
+                id: "-".to_owned(),
+                action: "read random bytes for a warm VM's name".to_owned(),
+                source,
+            })?
         );
         // `spec` is already `neutral`: no network, volumes or command.
         let spec = SandboxSpec {
@@ -307,9 +311,12 @@ impl VmRuntime {
             let layout = self.make_dir(&spec)?;
             let template = self.template_for(&spec).await?;
             let to = layout.clone();
-            blocking(&id, move || {
-                clone_saved(&template, &to)
-                    .map_err(|e| format!("copy the template {}: {e}", template.dir.display()))
+            blocking(&id, move |id| {
+                clone_saved(&template, &to).map_err(RuntimeError::file(
+                    id,
+                    "copy the template",
+                    &template.dir,
+                ))
             })
             .await?;
             let identity = Identity::bare(
@@ -358,16 +365,19 @@ impl VmRuntime {
                 continue;
             }
             let (from, to, name) = (warm.dir.clone(), layout.dir.clone(), id.to_owned());
-            let moved = blocking(id, move || {
+            let moved = blocking(id, move |id| {
                 // Written first: from the rename on, the process is found by it.
                 fs::write(
                     VmLayout::new(from.clone()).launched_in(),
                     from.as_os_str().as_bytes(),
                 )
                 .and_then(|()| fs::rename(&from, &to))
-                .map_err(|e| format!("move {} to {}: {e}", from.display(), to.display()))?;
-                std::os::unix::fs::symlink(&name, &from)
-                    .map_err(|e| format!("link {} to {}: {e}", from.display(), to.display()))
+                .map_err(RuntimeError::file(id, "move a warm VM to", &to))?;
+                std::os::unix::fs::symlink(&name, &from).map_err(RuntimeError::file(
+                    id,
+                    "link to its new name",
+                    &from,
+                ))
             })
             .await;
             match moved {
@@ -412,11 +422,16 @@ impl VmRuntime {
                 vm.machine
                     .plug_tap(&tap.device)
                     .await
-                    .map_err(|e| super::start_error(id, format!("plug its NIC in: {e}")))?;
+                    .map_err(RuntimeError::machine(id, "plug its NIC in"))?;
             }
             self.apply_identity(id, &layout, &mut vm, &identity, false)
                 .await
-                .map_err(|reason| super::start_error(id, reason))
+                .map_err(|source| RuntimeError::Boot {
+                    id: id.to_owned(),
+                    step: "be told who it is",
+                    console: super::machine::log_tail(&layout.console(), 600),
+                    source: Box::new(source),
+                })
         }
         .await;
         match started {

@@ -33,7 +33,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 
-use super::confine::{self, Entry, Jail};
+use super::confine::{self, ConfineError, Entry, Jail};
 use super::layout::VmLayout;
 use crate::beneath::{self, MOUNT_ATTR_NODEV, MOUNT_ATTR_NOSUID};
 use crate::VolumeBind;
@@ -41,6 +41,48 @@ use crate::VolumeBind;
 /// Where the volume is mounted in virtiofsd's own mount namespace: a
 /// directory every host has and an unprivileged user can reach.
 const SERVED_AT: &std::ffi::CStr = c"/tmp";
+
+/// Why a VM's volumes could not be served.
+#[derive(Debug, thiserror::Error)]
+pub enum SharesError {
+    #[error(transparent)]
+    Jail(#[from] ConfineError),
+    #[error("cannot {action} {}", path.display())]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{volume}")]
+    Volume {
+        volume: String,
+        #[source]
+        source: beneath::BeneathError,
+    },
+    #[error("{volume}: copy its mount")]
+    Mount {
+        volume: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("start {} for {volume}", virtiofsd.display())]
+    Spawn {
+        virtiofsd: PathBuf,
+        volume: String,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> SharesError {
+    let path = path.to_owned();
+    move |source| SharesError::Io {
+        action,
+        path,
+        source,
+    }
+}
 
 /// The mount tag of the `index`th volume, which the guest mounts it by.
 pub(super) fn tag(index: usize) -> String {
@@ -71,7 +113,7 @@ pub(super) async fn start(
     layout: &VmLayout,
     volumes: &[VolumeBind],
     jail: &Jail,
-) -> Result<Vec<OwnedFd>, String> {
+) -> Result<Vec<OwnedFd>, SharesError> {
     let userns = jail.namespace().await?;
     let entry = jail.entry()?;
     let mut connections = Vec::with_capacity(volumes.len());
@@ -89,17 +131,14 @@ fn start_one(
     volume: &VolumeBind,
     userns: &OwnedFd,
     entry: &Entry,
-) -> Result<OwnedFd, String> {
+) -> Result<OwnedFd, SharesError> {
     let socket = layout.share_socket(index);
     let _ = fs::remove_file(&socket);
-    let listener =
-        UnixListener::bind(&socket).map_err(|e| format!("listen on {}: {e}", socket.display()))?;
+    let listener = UnixListener::bind(&socket).map_err(io("listen on", &socket))?;
     // Waits in the listener's queue until virtiofsd accepts it.
-    let connection = UnixStream::connect(&socket)
-        .map_err(|e| format!("connect to {}: {e}", socket.display()))?;
+    let connection = UnixStream::connect(&socket).map_err(io("connect to", &socket))?;
     let log_path = layout.share_log(index);
-    let log =
-        fs::File::create(&log_path).map_err(|e| format!("create {}: {e}", log_path.display()))?;
+    let log = fs::File::create(&log_path).map_err(io("create", &log_path))?;
     let shared = SharedDir::prepare(volume, userns)?;
     let listening = listener.as_raw_fd();
     let mut command = tokio::process::Command::new(virtiofsd);
@@ -128,9 +167,11 @@ fn start_one(
     unsafe {
         command.pre_exec(move || enter(&entry, tree, listening, userns));
     }
-    let child = command
-        .spawn()
-        .map_err(|e| format!("start {} for {}: {e}", virtiofsd.display(), shared.name))?;
+    let child = command.spawn().map_err(|source| SharesError::Spawn {
+        virtiofsd: virtiofsd.to_owned(),
+        volume: shared.name.clone(),
+        source,
+    })?;
     // Dropped without a kill: it lives as long as QEMU (tokio reaps it).
     drop(child);
     Ok(connection.into())
@@ -156,17 +197,24 @@ struct SharedDir {
 }
 
 impl SharedDir {
-    fn prepare(volume: &VolumeBind, userns: &OwnedFd) -> Result<Self, String> {
+    fn prepare(volume: &VolumeBind, userns: &OwnedFd) -> Result<Self, SharesError> {
         let name = volume_name(volume);
         let subpath = volume.subpath.as_deref().unwrap_or(Path::new(""));
-        let dir = beneath::open_dir(&volume.root, subpath, true)
-            .map_err(|error| format!("{name}: {error}"))?;
+        let dir = beneath::open_dir(&volume.root, subpath, true).map_err(|source| {
+            SharesError::Volume {
+                volume: name.clone(),
+                source,
+            }
+        })?;
         let tree = beneath::clone_tree_mapped(
             dir.as_fd(),
             MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
             Some(userns.as_fd()),
         )
-        .map_err(|error| format!("{name}: copy its mount: {error}"))?;
+        .map_err(|source| SharesError::Mount {
+            volume: name.clone(),
+            source,
+        })?;
         Ok(Self { name, tree })
     }
 }

@@ -19,7 +19,7 @@ use sha2::{Digest, Sha256};
 use super::boot::RunningVm;
 use super::layout::VmLayout;
 use super::saved::SavedMachine;
-use super::{blocking, disk, other, Identity, RuntimeError, VmRuntime};
+use super::{blocking, disk, Identity, RuntimeError, VmRuntime};
 
 const COMPLETE: &str = "complete";
 
@@ -61,11 +61,11 @@ pub(super) async fn ensure(
         return Ok(layout);
     }
     let lock_path = templates.join(format!("{name}.lock"));
-    let lock = blocking(id, move || {
-        let file =
-            File::create(&lock_path).map_err(|e| format!("open {}: {e}", lock_path.display()))?;
-        Flock::lock(file, FlockArg::LockExclusive)
-            .map_err(|(_, errno)| format!("lock {}: {errno}", lock_path.display()))
+    let lock = blocking(id, move |id| {
+        let file = File::create(&lock_path).map_err(RuntimeError::file(id, "open", &lock_path))?;
+        Flock::lock(file, FlockArg::LockExclusive).map_err(|(_, errno)| {
+            RuntimeError::file(id, "lock", &lock_path)(std::io::Error::from(errno))
+        })
     })
     .await?;
     if layout.dir.join(COMPLETE).exists() {
@@ -84,7 +84,10 @@ pub(super) async fn ensure(
         return Err(error);
     }
     let (from, to) = (partial.dir.clone(), layout.dir.clone());
-    blocking(id, move || finish(&from, &to)).await?;
+    blocking(id, move |id| {
+        finish(&from, &to).map_err(RuntimeError::file(id, "finish", &to))
+    })
+    .await?;
     drop(lock);
     tracing::info!(
         template = %layout.dir.display(),
@@ -137,27 +140,32 @@ async fn make(
         // Left by a server that ended mid-boot; we hold the lock, so any QEMU
         // still on it is nobody's.
         end_qemu_of(partial);
-        fs::remove_dir_all(&partial.dir)
-            .map_err(|e| other(id, format!("remove {}: {e}", partial.dir.display())))?;
+        fs::remove_dir_all(&partial.dir).map_err(RuntimeError::file(id, "remove", &partial.dir))?;
     }
-    fs::create_dir_all(&partial.dir)
-        .map_err(|e| other(id, format!("create {}: {e}", partial.dir.display())))?;
-    super::reflink::set_nocow(&partial.dir)
-        .map_err(|e| other(id, format!("make {} nocow: {e}", partial.dir.display())))?;
+    fs::create_dir_all(&partial.dir).map_err(RuntimeError::file(id, "create", &partial.dir))?;
+    super::reflink::set_nocow(&partial.dir).map_err(RuntimeError::file(
+        id,
+        "make nocow",
+        &partial.dir,
+    ))?;
     partial
         .check_socket_paths()
-        .map_err(|reason| other(id, reason))?;
+        .map_err(|refused| RuntimeError::other(id, refused.to_string()))?;
     let base_bytes = fs::metadata(base)
-        .map_err(|e| other(id, format!("read {}: {e}", base.display())))?
+        .map_err(RuntimeError::file(id, "read", base))?
         .len();
     let (qemu_img, base_owned, disk_path) = (
         runtime.config.qemu_img.clone(),
         base.to_owned(),
         partial.disk(),
     );
-    blocking(id, move || {
-        disk::create_overlay(&qemu_img, &base_owned, &disk_path, base_bytes)
-            .map_err(|e| e.to_string())
+    blocking(id, move |id| {
+        disk::create_overlay(&qemu_img, &base_owned, &disk_path, base_bytes).map_err(|source| {
+            RuntimeError::Disk {
+                id: id.to_owned(),
+                source,
+            }
+        })
     })
     .await?;
     let identity = Identity::bare("sandbox", cpus, memory_mib, base_bytes);
@@ -165,7 +173,11 @@ async fn make(
     let mut vm = runtime
         .bring_up(id, partial, &identity, exited)
         .await
-        .map_err(|e| other(id, format!("boot a template: {e}")))?;
+        .map_err(|source| RuntimeError::Preboot {
+            id: id.to_owned(),
+            step: "booted as a template",
+            source: Box::new(source),
+        })?;
     // Every sandbox continues from this memory: what a first command needs
     // (the programs in the guest's page cache, the agent's paths to run
     // them) is done once here rather than in each of them.
@@ -179,9 +191,12 @@ async fn make(
     .await;
     vm.bridge.take();
     vm.machine.quit().await;
-    saved.map_err(|e| other(id, format!("save a template: {e}")))?;
-    SavedMachine::read(&partial.machine())
-        .map_err(|e| other(id, format!("read {}: {e}", partial.machine().display())))?;
+    saved.map_err(RuntimeError::machine(id, "save a template"))?;
+    SavedMachine::read(&partial.machine()).map_err(RuntimeError::file(
+        id,
+        "read",
+        partial.machine(),
+    ))?;
     Ok(())
 }
 
@@ -197,14 +212,13 @@ pub(super) async fn warm_up(vm: &RunningVm) {
 }
 
 /// Keeps only the files a copy needs and moves the template in place.
-fn finish(partial: &Path, dir: &Path) -> Result<(), String> {
+fn finish(partial: &Path, dir: &Path) -> std::io::Result<()> {
     for name in ["qmp.sock", "serial.sock", "agent.sock", "qemu.pid"] {
         let _ = fs::remove_file(partial.join(name));
     }
-    File::create(partial.join(COMPLETE))
-        .map_err(|e| format!("mark {} complete: {e}", partial.display()))?;
+    File::create(partial.join(COMPLETE))?;
     if dir.exists() {
-        fs::remove_dir_all(dir).map_err(|e| format!("remove {}: {e}", dir.display()))?;
+        fs::remove_dir_all(dir)?;
     }
-    fs::rename(partial, dir).map_err(|e| format!("move {} in place: {e}", dir.display()))
+    fs::rename(partial, dir)
 }
