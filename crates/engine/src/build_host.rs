@@ -32,8 +32,8 @@ pub(crate) enum BuildHostError {
     #[error(transparent)]
     Runtime(#[from] cove_runtime::RuntimeError),
     /// The build sandbox's agent failed or refused; what it said.
-    #[error("{0}")]
-    Agent(String),
+    #[error(transparent)]
+    Agent(#[from] super::build::agent::BuildAgentError),
 }
 
 /// A started build sandbox: its id and its agent's socket.

@@ -28,22 +28,58 @@ fn agent(sandbox: &str, socket: &Path) -> AgentClient<UnixSocket> {
     AgentClient::new(sandbox, UnixSocket(socket.to_owned()), ANSWER_LIMIT)
 }
 
-/// The builder's words for what went wrong: an answer past the limit is
-/// the `RUN` step's to fix.
-fn failure(sandbox: &str, error: AgentError) -> String {
+/// What went wrong in a call to a build sandbox's agent, in the builder's
+/// words: an answer past the limit is the `RUN` step's to fix.
+#[derive(Debug, thiserror::Error)]
+pub enum BuildAgentError {
+    #[error(
+        "the agent of build sandbox {sandbox} answered more than {} MiB; \
+         a RUN step's output must stay under that (send it to a file)",
+        limit >> 20
+    )]
+    TooLarge { sandbox: String, limit: usize },
+    #[error("the build sandbox's agent refused the step: {status} {body}")]
+    Refused {
+        status: hyper::StatusCode,
+        body: String,
+    },
+    #[error("talking to the agent of build sandbox {sandbox}: {}", report(source))]
+    Agent {
+        sandbox: String,
+        #[source]
+        source: AgentError,
+    },
+    #[error("looking up {path} in the build sandbox: {status} {body}")]
+    Lookup {
+        path: String,
+        status: hyper::StatusCode,
+        body: String,
+    },
+    #[error("the agent answered {0}")]
+    Answer(#[source] serde_json::Error),
+    #[error("a request to the agent: {0}")]
+    Request(#[source] hyper::http::Error),
+    #[error("{}: {source}", path.display())]
+    Archive {
+        path: std::path::PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("copying into the image: {0}")]
+    Unpack(String),
+}
+
+fn failure(sandbox: &str, error: AgentError) -> BuildAgentError {
     match error {
-        AgentError::TooLarge { limit, .. } => format!(
-            "the agent of build sandbox {sandbox} answered more than {} MiB; \
-             a RUN step's output must stay under that (send it to a file)",
-            limit >> 20
-        ),
-        AgentError::Refused { status, body, .. } => {
-            format!("the build sandbox's agent refused the step: {status} {body}")
-        }
-        error => format!(
-            "talking to the agent of build sandbox {sandbox}: {}",
-            report(&error)
-        ),
+        AgentError::TooLarge { limit, .. } => BuildAgentError::TooLarge {
+            sandbox: sandbox.to_owned(),
+            limit,
+        },
+        AgentError::Refused { status, body, .. } => BuildAgentError::Refused { status, body },
+        source => BuildAgentError::Agent {
+            sandbox: sandbox.to_owned(),
+            source,
+        },
     }
 }
 
@@ -55,7 +91,7 @@ pub async fn execute(
     argv: &[String],
     cwd: Option<&str>,
     envs: &BTreeMap<String, String>,
-) -> Result<Executed, String> {
+) -> Result<Executed, BuildAgentError> {
     let command = argv
         .iter()
         .map(|w| shell_quote(w))
@@ -75,13 +111,13 @@ pub async fn execute(
 
 /// Whether `path` (absolute, in the build sandbox) is a directory; a path
 /// that does not exist is not.
-pub async fn is_dir(sandbox: &str, socket: &Path, path: &str) -> Result<bool, String> {
+pub async fn is_dir(sandbox: &str, socket: &Path, path: &str) -> Result<bool, BuildAgentError> {
     let query: String = url::form_urlencoded::Serializer::new(String::new())
         .append_pair("path", path)
         .finish();
     let request = hyper::Request::get(format!("/files/info?{query}"))
         .body(cove_agent_client::empty())
-        .map_err(|e| e.to_string())?;
+        .map_err(BuildAgentError::Request)?;
     let (status, body) = agent(sandbox, socket)
         .call(request)
         .await
@@ -90,13 +126,13 @@ pub async fn is_dir(sandbox: &str, socket: &Path, path: &str) -> Result<bool, St
         return Ok(false);
     }
     if !status.is_success() {
-        return Err(format!(
-            "looking up {path} in the build sandbox: {status} {}",
-            String::from_utf8_lossy(&body)
-        ));
+        return Err(BuildAgentError::Lookup {
+            path: path.to_owned(),
+            status,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        });
     }
-    let info: serde_json::Value =
-        serde_json::from_slice(&body).map_err(|e| format!("the agent answered {e}"))?;
+    let info: serde_json::Value = serde_json::from_slice(&body).map_err(BuildAgentError::Answer)?;
     Ok(info.get("isDir").and_then(|d| d.as_bool()).unwrap_or(false))
 }
 
@@ -107,10 +143,13 @@ pub async fn unpack(
     socket: &Path,
     archive: &Path,
     owner: Option<&str>,
-) -> Result<(), String> {
+) -> Result<(), BuildAgentError> {
     let file = tokio::fs::File::open(archive)
         .await
-        .map_err(|e| format!("{}: {e}", archive.display()))?;
+        .map_err(|source| BuildAgentError::Archive {
+            path: archive.to_owned(),
+            source,
+        })?;
     let frames = tokio_util::io::ReaderStream::new(file)
         .map_ok(hyper::body::Frame::data)
         .map_err(cove_agent_client::BoxError::from);
@@ -120,10 +159,9 @@ pub async fn unpack(
     let body = http_body_util::StreamBody::new(frames).boxed_unsync();
     match agent(sandbox, socket).unpack(&query, body).await {
         Ok(_) => Ok(()),
-        Err(AgentError::Refused { body, .. }) => Err(format!(
-            "copying into the image: {}",
-            agent_message(body.as_bytes())
-        )),
+        Err(AgentError::Refused { body, .. }) => {
+            Err(BuildAgentError::Unpack(agent_message(body.as_bytes())))
+        }
         Err(error) => Err(failure(sandbox, error)),
     }
 }
@@ -184,7 +222,8 @@ mod tests {
             &BTreeMap::new(),
         )
         .await
-        .unwrap_err();
+        .unwrap_err()
+        .to_string();
         assert!(error.contains("build sandbox build-1"), "{error}");
         assert!(error.contains("8 MiB"), "{error}");
     }
@@ -192,7 +231,10 @@ mod tests {
     #[tokio::test]
     async fn an_endless_header_is_refused() {
         let (_dir, socket) = hostile_agent(b"HTTP/1.1 200 OK\r\nX-Endless: ");
-        let error = is_dir("build-2", &socket, "/").await.unwrap_err();
+        let error = is_dir("build-2", &socket, "/")
+            .await
+            .unwrap_err()
+            .to_string();
         assert!(error.contains("build sandbox build-2"), "{error}");
     }
 
