@@ -87,8 +87,10 @@ pub enum EngineError {
     Runtime {
         id: String,
         operation: &'static str,
+        /// Boxed: a runtime error is large, and every engine result carries
+        /// this type.
         #[source]
-        source: RuntimeError,
+        source: Box<RuntimeError>,
     },
     /// The sandbox network failed at `step` of the operation.
     #[error("sandbox {id} could not {operation}: {step}: {source}")]
@@ -177,7 +179,7 @@ impl EngineError {
         move |source| EngineError::Runtime {
             id,
             operation,
-            source,
+            source: Box::new(source),
         }
     }
 }
@@ -308,7 +310,7 @@ mod tests {
         EngineError::Runtime {
             id: "sb1".into(),
             operation: "start",
-            source,
+            source: Box::new(source),
         }
     }
 

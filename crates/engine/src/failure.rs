@@ -47,7 +47,7 @@ impl Failure {
             Failure::Runtime(source) => EngineError::Runtime {
                 id,
                 operation,
-                source,
+                source: Box::new(source),
             },
             Failure::Network { step, source } => EngineError::Network {
                 id,
