@@ -7,7 +7,7 @@ use axum::response::{IntoResponse, Response};
 
 use crate::{ApiError, AppState};
 
-pub fn bearer(headers: &HeaderMap) -> Option<&str> {
+pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
     let (scheme, token) = value.split_once(' ')?;
     scheme
@@ -15,7 +15,7 @@ pub fn bearer(headers: &HeaderMap) -> Option<&str> {
         .then_some(token.trim())
 }
 
-pub async fn require_api_key(
+pub(crate) async fn require_api_key(
     State(state): State<AppState>,
     request: Request,
     next: Next,
@@ -35,7 +35,7 @@ pub async fn require_api_key(
 }
 
 /// Whether `token` is the server's configured key or a stored one.
-pub async fn key_accepted(state: &AppState, token: &str) -> Result<bool, ApiError> {
+pub(crate) async fn key_accepted(state: &AppState, token: &str) -> Result<bool, ApiError> {
     let from_env = state
         .config
         .env_api_key

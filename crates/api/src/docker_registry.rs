@@ -13,7 +13,7 @@ use crate::{ApiError, AppState};
 /// A registry as the SDK's `DockerRegistry` reads it.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct DockerRegistry {
+pub(crate) struct DockerRegistry {
     id: String,
     name: String,
     url: String,
@@ -64,13 +64,15 @@ impl From<RegistryBody> for RegistryRequest {
 
 type Body = Result<Json<RegistryBody>, axum::extract::rejection::JsonRejection>;
 
-pub async fn list(State(state): State<AppState>) -> Result<Json<Vec<DockerRegistry>>, ApiError> {
+pub(crate) async fn list(
+    State(state): State<AppState>,
+) -> Result<Json<Vec<DockerRegistry>>, ApiError> {
     let all = state.engine.registries().await?;
     Ok(Json(all.into_iter().map(Into::into).collect()))
 }
 
 /// `POST /docker-registry`: 201 with the registry.
-pub async fn create(
+pub(crate) async fn create(
     State(state): State<AppState>,
     body: Body,
 ) -> Result<(StatusCode, Json<DockerRegistry>), ApiError> {
@@ -79,14 +81,14 @@ pub async fn create(
     Ok((StatusCode::CREATED, Json(record.into())))
 }
 
-pub async fn get(
+pub(crate) async fn get(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<DockerRegistry>, ApiError> {
     Ok(Json(state.engine.get_registry(&id).await?.into()))
 }
 
-pub async fn update(
+pub(crate) async fn update(
     State(state): State<AppState>,
     Path(id): Path<String>,
     body: Body,
@@ -98,7 +100,7 @@ pub async fn update(
 }
 
 /// `DELETE /docker-registry/{id}`: 204.
-pub async fn delete(
+pub(crate) async fn delete(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {

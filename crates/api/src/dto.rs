@@ -9,11 +9,11 @@ use serde::{Deserialize, Serialize};
 
 /// Daytona's organisation id is required on every sandbox; a single-tenant cove
 /// server has one organisation.
-pub const ORGANIZATION_ID: &str = "cove";
+pub(crate) const ORGANIZATION_ID: &str = "cove";
 /// The target (region) of every sandbox on this server.
-pub const TARGET: &str = "local";
+pub(crate) const TARGET: &str = "local";
 
-pub fn rfc3339(ms: i64) -> String {
+pub(crate) fn rfc3339(ms: i64) -> String {
     let at = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)
         .unwrap_or(time::OffsetDateTime::UNIX_EPOCH);
     at.format(&time::format_description::well_known::Rfc3339)
@@ -22,7 +22,7 @@ pub fn rfc3339(ms: i64) -> String {
 
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Sandbox {
+pub(crate) struct Sandbox {
     pub id: String,
     pub organization_id: &'static str,
     pub name: String,
@@ -72,7 +72,7 @@ pub struct Sandbox {
 }
 
 impl Sandbox {
-    pub fn from_record(
+    pub(crate) fn from_record(
         record: SandboxRecord,
         toolbox_proxy_url: String,
         accelerator: Option<&'static str>,
@@ -125,7 +125,7 @@ impl Sandbox {
 /// using them is refused by name instead of silently ignored.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct CreateSandboxRequest {
+pub(crate) struct CreateSandboxRequest {
     pub name: Option<String>,
     pub snapshot: Option<String>,
     pub user: Option<String>,
@@ -164,7 +164,7 @@ pub struct CreateSandboxRequest {
 
 impl CreateSandboxRequest {
     /// The first field that asks for something cove cannot do yet.
-    pub fn unsupported(&self) -> Option<&'static str> {
+    pub(crate) fn unsupported(&self) -> Option<&'static str> {
         if self.build_info.as_ref().is_some_and(|b| {
             b.get("dockerfileContent")
                 .and_then(|d| d.as_str())
@@ -192,7 +192,7 @@ impl CreateSandboxRequest {
         None
     }
 
-    pub fn into_engine(self) -> CreateSandbox {
+    pub(crate) fn into_engine(self) -> CreateSandbox {
         let auto_delete = match self.ephemeral {
             Some(true) => Some(0),
             _ => self.auto_delete_interval,
@@ -240,7 +240,7 @@ impl CreateSandboxRequest {
 
 /// `buildInfo.contextHashes`: the uploaded build contexts a Dockerfile's
 /// `COPY`s read.
-pub fn context_hashes(build_info: &serde_json::Value) -> Vec<String> {
+pub(crate) fn context_hashes(build_info: &serde_json::Value) -> Vec<String> {
     build_info
         .get("contextHashes")
         .and_then(|h| h.as_array())
@@ -254,7 +254,7 @@ pub fn context_hashes(build_info: &serde_json::Value) -> Vec<String> {
 }
 
 /// Daytona's comma-separated lists; empty items are dropped.
-pub fn split_list(text: Option<&str>) -> Vec<String> {
+pub(crate) fn split_list(text: Option<&str>) -> Vec<String> {
     text.unwrap_or_default()
         .split(',')
         .map(str::trim)
@@ -270,7 +270,7 @@ fn join_list(items: &[String]) -> Option<String> {
 /// `POST /sandbox/{id}/network-settings`: each field given changes the policy.
 #[derive(Debug, Default, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct NetworkSettingsRequest {
+pub(crate) struct NetworkSettingsRequest {
     pub network_block_all: Option<bool>,
     pub network_allow_list: Option<String>,
     pub domain_allow_list: Option<String>,
@@ -282,7 +282,7 @@ impl NetworkSettingsRequest {
     /// The policy after this change, as the SDK documents it: unblocking
     /// restores general access (clearing the allow lists), and giving an allow
     /// list implies not blocking everything.
-    pub fn apply(self, mut settings: NetworkSettings) -> NetworkSettings {
+    pub(crate) fn apply(self, mut settings: NetworkSettings) -> NetworkSettings {
         if let Some(block) = self.network_block_all {
             settings.block_all = block;
             if !block {
@@ -307,25 +307,25 @@ impl NetworkSettingsRequest {
 
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct SandboxList {
+pub(crate) struct SandboxList {
     pub items: Vec<Sandbox>,
     pub next_cursor: Option<String>,
 }
 
 #[derive(Debug, Deserialize, Serialize)]
-pub struct Labels {
+pub(crate) struct Labels {
     pub labels: BTreeMap<String, String>,
 }
 
 #[derive(Debug, Serialize)]
-pub struct Url {
+pub(crate) struct Url {
     pub url: String,
 }
 
 /// `GET /sandbox/{id}/ports/{port}/preview-url`.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct PortPreviewUrl {
+pub(crate) struct PortPreviewUrl {
     pub sandbox_id: String,
     pub url: String,
     pub token: String,
@@ -334,7 +334,7 @@ pub struct PortPreviewUrl {
 /// `GET /sandbox/{id}/ports/{port}/signed-preview-url`.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct SignedPortPreviewUrl {
+pub(crate) struct SignedPortPreviewUrl {
     pub sandbox_id: String,
     pub port: u16,
     pub token: String,

@@ -32,7 +32,7 @@ impl ApiError {
 }
 
 /// The HTTP status of an engine error of `kind`.
-pub fn status_for(kind: ErrorKind) -> StatusCode {
+pub(crate) fn status_for(kind: ErrorKind) -> StatusCode {
     match kind {
         ErrorKind::NotFound => StatusCode::NOT_FOUND,
         ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
@@ -46,7 +46,7 @@ pub fn status_for(kind: ErrorKind) -> StatusCode {
 
 /// Logs an engine error answered with a server error status, with its whole
 /// chain (`message`); a client error is the client's to act on.
-pub fn log_answered(status: StatusCode, message: &str) {
+pub(crate) fn log_answered(status: StatusCode, message: &str) {
     if status == StatusCode::INTERNAL_SERVER_ERROR || status == StatusCode::BAD_GATEWAY {
         tracing::error!(error = %message, status = status.as_u16(), "request failed");
     } else if status == StatusCode::SERVICE_UNAVAILABLE {
@@ -83,7 +83,7 @@ mod tests {
         EngineError::Runtime {
             id: "sb1".into(),
             operation: "start",
-            source,
+            source: Box::new(source),
         }
     }
 

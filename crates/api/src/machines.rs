@@ -12,7 +12,7 @@ use crate::sandbox::{dto, to_dto, Reply};
 use crate::{ApiError, AppState};
 
 /// `POST /sandbox/{id}/pause` and `POST /vms/{id}/pause`.
-pub async fn pause(
+pub(crate) async fn pause(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -22,7 +22,7 @@ pub async fn pause(
 }
 
 /// `POST /vms/{id}/resume`: continue from memory.
-pub async fn resume(
+pub(crate) async fn resume(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -33,7 +33,7 @@ pub async fn resume(
 
 /// `POST /vms/{id}/start`: seed 001's escape hatch, a paused sandbox boots from
 /// its disk and its memory is discarded.
-pub async fn cold_start(
+pub(crate) async fn cold_start(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -44,7 +44,7 @@ pub async fn cold_start(
 
 /// `POST /sandbox/{id}/archive`: a stopped sandbox's filesystem goes to the
 /// archive; `start` brings it back.
-pub async fn archive(
+pub(crate) async fn archive(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -54,7 +54,7 @@ pub async fn archive(
 }
 
 /// `POST /sandbox/{id}/network-settings`: applies to a running sandbox at once.
-pub async fn network_settings(
+pub(crate) async fn network_settings(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -69,12 +69,12 @@ pub async fn network_settings(
 }
 
 #[derive(Debug, Default, Deserialize)]
-pub struct ForkRequest {
+pub(crate) struct ForkRequest {
     pub name: Option<String>,
 }
 
 /// `POST /sandbox/{id}/fork` `{"name": ...}`: answers with the new sandbox.
-pub async fn fork(
+pub(crate) async fn fork(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -86,7 +86,7 @@ pub async fn fork(
 }
 
 /// `GET /sandbox/{id}/parent`.
-pub async fn parent(
+pub(crate) async fn parent(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -96,7 +96,7 @@ pub async fn parent(
 }
 
 /// `GET /sandbox/{id}/forks`.
-pub async fn forks(
+pub(crate) async fn forks(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -111,7 +111,7 @@ pub async fn forks(
 }
 
 /// `GET /sandbox/{id}/ancestors`: nearest first.
-pub async fn ancestors(
+pub(crate) async fn ancestors(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -126,13 +126,15 @@ pub async fn ancestors(
 }
 
 #[derive(Debug, Serialize)]
-pub struct Reclaimed {
+pub(crate) struct Reclaimed {
     pub id: String,
     pub action: &'static str,
 }
 
 /// `POST /admin/reclaim` (cove extension): reclaims every spot sandbox.
-pub async fn reclaim(State(state): State<AppState>) -> Result<Json<Vec<Reclaimed>>, ApiError> {
+pub(crate) async fn reclaim(
+    State(state): State<AppState>,
+) -> Result<Json<Vec<Reclaimed>>, ApiError> {
     let done = state.engine.reclaim_spot().await?;
     Ok(Json(
         done.into_iter()

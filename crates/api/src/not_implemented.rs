@@ -19,7 +19,7 @@ fn matches_template(template: &str, path: &str) -> bool {
 }
 
 /// The Daytona operation `method path` names, if any, as "METHOD /template".
-pub fn daytona_operation(method: &Method, path: &str) -> Option<&'static str> {
+pub(crate) fn daytona_operation(method: &Method, path: &str) -> Option<&'static str> {
     DAYTONA_OPERATIONS
         .lines()
         .filter(|line| !line.starts_with('#'))
@@ -30,7 +30,7 @@ pub fn daytona_operation(method: &Method, path: &str) -> Option<&'static str> {
         })
 }
 
-pub async fn fallback(method: Method, uri: Uri) -> ApiError {
+pub(crate) async fn fallback(method: Method, uri: Uri) -> ApiError {
     match daytona_operation(&method, uri.path()) {
         Some(operation) => ApiError::new(
             StatusCode::NOT_IMPLEMENTED,

@@ -15,12 +15,12 @@ const DEFAULT_PAGE: usize = 100;
 
 /// Where clients reach the toolbox: the configured public URL, or the host they
 /// used for this request.
-pub fn toolbox_base(state: &AppState, headers: &HeaderMap) -> String {
+pub(crate) fn toolbox_base(state: &AppState, headers: &HeaderMap) -> String {
     format!("{}/toolbox", public_base(state, headers))
 }
 
 /// The URL clients reach this server at, without a trailing slash.
-pub fn public_base(state: &AppState, headers: &HeaderMap) -> String {
+pub(crate) fn public_base(state: &AppState, headers: &HeaderMap) -> String {
     match &state.config.public_url {
         Some(url) => url.trim_end_matches('/').to_owned(),
         None => {
@@ -33,18 +33,18 @@ pub fn public_base(state: &AppState, headers: &HeaderMap) -> String {
     }
 }
 
-pub fn dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) -> Json<Sandbox> {
+pub(crate) fn dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) -> Json<Sandbox> {
     Json(to_dto(state, headers, record))
 }
 
-pub fn to_dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) -> Sandbox {
+pub(crate) fn to_dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) -> Sandbox {
     let accelerator = state.engine.accelerator(&record.id);
     Sandbox::from_record(record, toolbox_base(state, headers), accelerator)
 }
 
-pub type Reply = Result<Json<Sandbox>, ApiError>;
+pub(crate) type Reply = Result<Json<Sandbox>, ApiError>;
 
-pub async fn create(
+pub(crate) async fn create(
     State(state): State<AppState>,
     headers: HeaderMap,
     body: Result<Json<CreateSandboxRequest>, axum::extract::rejection::JsonRejection>,
@@ -60,7 +60,7 @@ pub async fn create(
     Ok(dto(&state, &headers, record))
 }
 
-pub async fn get(
+pub(crate) async fn get(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -70,7 +70,7 @@ pub async fn get(
 }
 
 /// `GET /sandbox?labels={json}&states=a&states=b&cursor=N&limit=N`
-pub async fn list(
+pub(crate) async fn list(
     State(state): State<AppState>,
     headers: HeaderMap,
     RawQuery(query): RawQuery,
@@ -122,7 +122,7 @@ pub async fn list(
     Ok(Json(SandboxList { items, next_cursor }))
 }
 
-pub async fn start(
+pub(crate) async fn start(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -131,7 +131,7 @@ pub async fn start(
     Ok(dto(&state, &headers, record))
 }
 
-pub async fn stop(
+pub(crate) async fn stop(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -140,7 +140,7 @@ pub async fn stop(
     Ok(dto(&state, &headers, record))
 }
 
-pub async fn recover(
+pub(crate) async fn recover(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -149,7 +149,7 @@ pub async fn recover(
     Ok(dto(&state, &headers, record))
 }
 
-pub async fn delete(
+pub(crate) async fn delete(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -158,7 +158,7 @@ pub async fn delete(
     Ok(dto(&state, &headers, record))
 }
 
-pub async fn replace_labels(
+pub(crate) async fn replace_labels(
     State(state): State<AppState>,
     Path(id): Path<String>,
     body: Result<Json<Labels>, axum::extract::rejection::JsonRejection>,
@@ -186,7 +186,7 @@ async fn change(state: AppState, headers: HeaderMap, id: String, change: Setting
     Ok(dto(&state, &headers, record))
 }
 
-pub async fn set_auto_stop(
+pub(crate) async fn set_auto_stop(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path((id, m)): Path<(String, String)>,
@@ -194,7 +194,7 @@ pub async fn set_auto_stop(
     change(state, headers, id, SettingChange::AutoStop(minutes(&m)?)).await
 }
 
-pub async fn set_auto_pause(
+pub(crate) async fn set_auto_pause(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path((id, m)): Path<(String, String)>,
@@ -202,7 +202,7 @@ pub async fn set_auto_pause(
     change(state, headers, id, SettingChange::AutoPause(minutes(&m)?)).await
 }
 
-pub async fn set_auto_archive(
+pub(crate) async fn set_auto_archive(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path((id, m)): Path<(String, String)>,
@@ -210,7 +210,7 @@ pub async fn set_auto_archive(
     change(state, headers, id, SettingChange::AutoArchive(minutes(&m)?)).await
 }
 
-pub async fn set_auto_delete(
+pub(crate) async fn set_auto_delete(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path((id, m)): Path<(String, String)>,
@@ -218,7 +218,7 @@ pub async fn set_auto_delete(
     change(state, headers, id, SettingChange::AutoDelete(minutes(&m)?)).await
 }
 
-pub async fn set_ttl(
+pub(crate) async fn set_ttl(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path((id, m)): Path<(String, String)>,
@@ -226,7 +226,7 @@ pub async fn set_ttl(
     change(state, headers, id, SettingChange::Ttl(minutes(&m)?)).await
 }
 
-pub async fn set_public(
+pub(crate) async fn set_public(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path((id, public)): Path<(String, String)>,
@@ -237,7 +237,7 @@ pub async fn set_public(
     change(state, headers, id, SettingChange::Public(public)).await
 }
 
-pub async fn toolbox_proxy_url(
+pub(crate) async fn toolbox_proxy_url(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,

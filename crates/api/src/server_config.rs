@@ -7,7 +7,7 @@ use axum::Json;
 use crate::sandbox::toolbox_base;
 use crate::AppState;
 
-pub async fn get_config(
+pub(crate) async fn get_config(
     State(state): State<AppState>,
     headers: HeaderMap,
 ) -> Json<serde_json::Value> {

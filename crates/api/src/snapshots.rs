@@ -13,7 +13,7 @@ use crate::{ApiError, AppState};
 /// A snapshot as the SDK's `SnapshotDto` reads it.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Snapshot {
+pub(crate) struct Snapshot {
     id: String,
     organization_id: &'static str,
     general: bool,
@@ -69,7 +69,7 @@ impl From<SnapshotRecord> for Snapshot {
 
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct SnapshotPage {
+pub(crate) struct SnapshotPage {
     items: Vec<Snapshot>,
     total: usize,
     page: usize,
@@ -77,12 +77,12 @@ pub struct SnapshotPage {
 }
 
 #[derive(Debug, Deserialize)]
-pub struct PageQuery {
+pub(crate) struct PageQuery {
     page: Option<usize>,
     limit: Option<usize>,
 }
 
-pub async fn list(
+pub(crate) async fn list(
     State(state): State<AppState>,
     Query(query): Query<PageQuery>,
 ) -> Result<Json<SnapshotPage>, ApiError> {
@@ -107,14 +107,14 @@ pub async fn list(
     }))
 }
 
-pub async fn get(
+pub(crate) async fn get(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
     Ok(Json(state.engine.get_snapshot(&id).await?.into()))
 }
 
-pub async fn delete(
+pub(crate) async fn delete(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
@@ -122,7 +122,7 @@ pub async fn delete(
 }
 
 /// `GET /snapshots/{id}/build-logs-url`: where the SDK reads the build log.
-pub async fn build_logs_url(
+pub(crate) async fn build_logs_url(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -138,14 +138,14 @@ pub async fn build_logs_url(
 }
 
 #[derive(Debug, Deserialize)]
-pub struct FollowQuery {
+pub(crate) struct FollowQuery {
     #[serde(default)]
     follow: bool,
 }
 
 /// `GET /snapshots/{id}/build-logs[?follow=true]`: the build log as text, one
 /// line per line; with `follow` the answer streams until the build ends.
-pub async fn build_logs(
+pub(crate) async fn build_logs(
     State(state): State<AppState>,
     Path(id): Path<String>,
     Query(query): Query<FollowQuery>,
@@ -183,7 +183,7 @@ pub async fn build_logs(
 }
 
 /// `POST /snapshots/{id}/activate`
-pub async fn activate(
+pub(crate) async fn activate(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
@@ -191,7 +191,7 @@ pub async fn activate(
 }
 
 /// `POST /snapshots/{id}/deactivate`: 204, as Daytona answers.
-pub async fn deactivate(
+pub(crate) async fn deactivate(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<axum::http::StatusCode, ApiError> {
@@ -202,7 +202,7 @@ pub async fn deactivate(
 /// `POST /snapshots` as the SDK's `snapshot.create` sends it.
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct CreateSnapshotRequest {
+pub(crate) struct CreateSnapshotRequest {
     name: String,
     image_name: Option<String>,
     build_info: Option<serde_json::Value>,
@@ -215,7 +215,7 @@ pub struct CreateSnapshotRequest {
 
 /// `POST /snapshots`: pulls (or builds) the image, then answers the snapshot,
 /// `active`.
-pub async fn create(
+pub(crate) async fn create(
     State(state): State<AppState>,
     body: Result<Json<CreateSnapshotRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<Snapshot>, ApiError> {
@@ -264,7 +264,7 @@ pub async fn create(
 }
 
 #[derive(Debug, Deserialize)]
-pub struct ImportRequest {
+pub(crate) struct ImportRequest {
     name: String,
     path: String,
 }
@@ -275,7 +275,7 @@ pub struct ImportRequest {
 /// --import-dir`; relative to it, or absolute under it); anything else,
 /// and a symbolic link on the way, is refused with 400 naming that
 /// directory.
-pub async fn import(
+pub(crate) async fn import(
     State(state): State<AppState>,
     body: Result<Json<ImportRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<Snapshot>, ApiError> {
@@ -289,14 +289,14 @@ pub async fn import(
 
 #[derive(Debug, Deserialize)]
 #[serde(rename_all = "camelCase")]
-pub struct SnapshotRequest {
+pub(crate) struct SnapshotRequest {
     name: String,
     #[serde(default)]
     include_memory: bool,
 }
 
 /// `POST /sandbox/{id}/snapshot`
-pub async fn take(
+pub(crate) async fn take(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -311,12 +311,12 @@ pub async fn take(
 }
 
 #[derive(Debug, Deserialize)]
-pub struct RevertRequest {
+pub(crate) struct RevertRequest {
     snapshot: String,
 }
 
 /// `POST /sandbox/{id}/revert` (a cove extension): rewind to a snapshot taken from it.
-pub async fn revert(
+pub(crate) async fn revert(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,

@@ -15,7 +15,7 @@ use crate::{ApiError, AppState};
 /// `SshAccessDto` of Daytona's API.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct SshAccess {
+pub(crate) struct SshAccess {
     pub id: String,
     pub sandbox_id: String,
     pub token: String,
@@ -29,7 +29,7 @@ pub struct SshAccess {
 /// an invalid token answers with an empty one.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct SshAccessValidation {
+pub(crate) struct SshAccessValidation {
     pub valid: bool,
     pub sandbox_id: String,
 }
@@ -70,7 +70,7 @@ fn host_of(authority: &str) -> &str {
 }
 
 /// `POST /sandbox/{id}/ssh-access?expiresInMinutes=N`
-pub async fn create(
+pub(crate) async fn create(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -118,7 +118,7 @@ fn parse_minutes(text: &str) -> Option<i64> {
 }
 
 /// `DELETE /sandbox/{id}/ssh-access[?token=T]`: one token, or all of the sandbox's.
-pub async fn revoke(
+pub(crate) async fn revoke(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path(id): Path<String>,
@@ -133,7 +133,7 @@ pub async fn revoke(
 }
 
 /// `GET /sandbox/ssh-access/validate?token=T`
-pub async fn validate(
+pub(crate) async fn validate(
     State(state): State<AppState>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<SshAccessValidation>, ApiError> {

@@ -17,13 +17,13 @@ use crate::{ApiError, AppState};
 /// a request's host is the sandbox id, reached over the Unix socket of its
 /// agent.
 #[derive(Clone)]
-pub struct AgentClient {
+pub(crate) struct AgentClient {
     sockets: Sockets,
     pool: Pool<Sockets, Body>,
 }
 
 impl AgentClient {
-    pub fn new() -> AgentClient {
+    pub(crate) fn new() -> AgentClient {
         let sockets = Sockets::default();
         AgentClient {
             // hyper's own read buffer, as before: the proxy streams
@@ -34,7 +34,7 @@ impl AgentClient {
     }
 }
 
-pub async fn proxy_root(
+pub(crate) async fn proxy_root(
     state: State<AppState>,
     Path(id): Path<String>,
     request: Request,
@@ -44,7 +44,7 @@ pub async fn proxy_root(
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-pub async fn proxy(
+pub(crate) async fn proxy(
     state: State<AppState>,
     Path((id, _)): Path<(String, String)>,
     request: Request,

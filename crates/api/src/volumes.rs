@@ -13,7 +13,7 @@ use crate::{ApiError, AppState};
 /// made at once, so it is `ready` from its creation.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct Volume {
+pub(crate) struct Volume {
     id: String,
     name: String,
     organization_id: &'static str,
@@ -40,11 +40,11 @@ impl From<VolumeRecord> for Volume {
 }
 
 #[derive(Debug, Deserialize)]
-pub struct CreateVolume {
+pub(crate) struct CreateVolume {
     name: String,
 }
 
-pub async fn create(
+pub(crate) async fn create(
     State(state): State<AppState>,
     Json(request): Json<CreateVolume>,
 ) -> Result<Json<Volume>, ApiError> {
@@ -53,27 +53,27 @@ pub async fn create(
     ))
 }
 
-pub async fn list(State(state): State<AppState>) -> Result<Json<Vec<Volume>>, ApiError> {
+pub(crate) async fn list(State(state): State<AppState>) -> Result<Json<Vec<Volume>>, ApiError> {
     let volumes = state.engine.volumes().await?;
     Ok(Json(volumes.into_iter().map(Volume::from).collect()))
 }
 
 /// By id (or, as cove allows everywhere, by name).
-pub async fn get(
+pub(crate) async fn get(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Volume>, ApiError> {
     Ok(Json(state.engine.volume(&id).await?.into()))
 }
 
-pub async fn get_by_name(
+pub(crate) async fn get_by_name(
     State(state): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<Json<Volume>, ApiError> {
     Ok(Json(state.engine.volume(&name).await?.into()))
 }
 
-pub async fn delete(
+pub(crate) async fn delete(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {

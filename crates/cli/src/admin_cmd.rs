@@ -5,7 +5,7 @@ use reqwest::Method;
 use crate::client::{Client, Connection};
 
 #[derive(clap::Subcommand, Debug)]
-pub enum AdminCommand {
+pub(crate) enum AdminCommand {
     /// Reclaim the capacity of spot sandboxes: persistent VMs are paused, the
     /// others deleted. Prints what was done.
     Reclaim {
@@ -14,7 +14,7 @@ pub enum AdminCommand {
     },
 }
 
-pub async fn run(command: AdminCommand) -> anyhow::Result<()> {
+pub(crate) async fn run(command: AdminCommand) -> anyhow::Result<()> {
     match command {
         AdminCommand::Reclaim { connection } => {
             let client = Client::from_connection(&connection)?;

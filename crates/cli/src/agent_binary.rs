@@ -26,7 +26,7 @@ fn is_dynamic(path: &Path) -> anyhow::Result<bool> {
 }
 
 /// The agent given explicitly, or the one built beside this binary by `cargo agent`.
-pub fn locate(explicit: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+pub(crate) fn locate(explicit: Option<PathBuf>) -> anyhow::Result<PathBuf> {
     let candidates: Vec<PathBuf> = match explicit {
         Some(path) => vec![path],
         None => {

@@ -4,7 +4,7 @@ use anyhow::{bail, Context};
 use serde_json::Value;
 
 #[derive(clap::Args, Clone, Debug)]
-pub struct Connection {
+pub(crate) struct Connection {
     /// The API URL of the server.
     #[arg(
         long,
@@ -18,14 +18,14 @@ pub struct Connection {
 }
 
 #[derive(Clone)]
-pub struct Client {
+pub(crate) struct Client {
     http: reqwest::Client,
     url: String,
     key: String,
 }
 
 impl Client {
-    pub fn new(url: &str, key: &str) -> Client {
+    pub(crate) fn new(url: &str, key: &str) -> Client {
         Client {
             http: reqwest::Client::builder()
                 .no_proxy()
@@ -36,7 +36,7 @@ impl Client {
         }
     }
 
-    pub fn from_connection(connection: &Connection) -> anyhow::Result<Client> {
+    pub(crate) fn from_connection(connection: &Connection) -> anyhow::Result<Client> {
         let key = connection
             .api_key
             .clone()
@@ -62,7 +62,7 @@ impl Client {
         serde_json::from_str(&text).with_context(|| format!("invalid JSON answer: {text}"))
     }
 
-    pub async fn api(
+    pub(crate) async fn api(
         &self,
         method: reqwest::Method,
         path: &str,
@@ -76,17 +76,17 @@ impl Client {
     }
 
     /// The API URL (`http://host:port/api`).
-    pub fn url(&self) -> &str {
+    pub(crate) fn url(&self) -> &str {
         &self.url
     }
 
     /// A request with the key set, for callers that handle the body themselves.
-    pub fn raw(&self, method: reqwest::Method, url: &str) -> reqwest::RequestBuilder {
+    pub(crate) fn raw(&self, method: reqwest::Method, url: &str) -> reqwest::RequestBuilder {
         self.http.request(method, url).bearer_auth(&self.key)
     }
 
     /// A toolbox call on a sandbox, through the proxy URL the sandbox reports.
-    pub async fn toolbox(
+    pub(crate) async fn toolbox(
         &self,
         sandbox: &Value,
         method: reqwest::Method,

@@ -19,7 +19,7 @@ const MIN_CONNECTIONS_PER_LISTENER: u64 = 16;
 
 /// How many connections each listener serves at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct ConnectionCaps {
+pub(crate) struct ConnectionCaps {
     /// The plain HTTP listener (`--listen`).
     pub http: usize,
     /// The HTTPS listener (`--tls-listen`).
@@ -33,7 +33,7 @@ pub struct ConnectionCaps {
 impl ConnectionCaps {
     /// The caps for a descriptor limit of `limit`: half of what is left after
     /// the reserve to HTTP, a quarter each to HTTPS and SSH.
-    pub fn for_limit(limit: u64) -> ConnectionCaps {
+    pub(crate) fn for_limit(limit: u64) -> ConnectionCaps {
         let connections = limit.saturating_sub(Self::reserve(limit)) / DESCRIPTORS_PER_CONNECTION;
         let share = |part: u64| {
             (connections / part).clamp(MIN_CONNECTIONS_PER_LISTENER, MAX_CONNECTIONS_PER_LISTENER)
@@ -50,14 +50,14 @@ impl ConnectionCaps {
     }
 
     /// The reserve kept back from a limit of `limit`.
-    pub fn reserve(limit: u64) -> u64 {
+    pub(crate) fn reserve(limit: u64) -> u64 {
         RESERVE_MIN.max(limit / RESERVE_DIVISOR)
     }
 }
 
 /// Raises the soft descriptor limit to the hard one; answers the limit now
 /// in force (the old one if it could not be raised).
-pub fn raise_limit() -> u64 {
+pub(crate) fn raise_limit() -> u64 {
     use nix::sys::resource::{getrlimit, setrlimit, Resource};
     let (soft, hard) = match getrlimit(Resource::RLIMIT_NOFILE) {
         Ok(limits) => limits,

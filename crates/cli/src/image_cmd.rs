@@ -7,7 +7,7 @@ use anyhow::Context as _;
 use cove_images::ImageStore;
 
 #[derive(clap::Subcommand, Debug)]
-pub enum ImageCommand {
+pub(crate) enum ImageCommand {
     /// Pull a registry image on the server into a snapshot, showing the
     /// download of each layer as a progress bar.
     Pull {
@@ -42,7 +42,7 @@ pub enum ImageCommand {
     },
 }
 
-pub async fn run(command: ImageCommand) -> anyhow::Result<()> {
+pub(crate) async fn run(command: ImageCommand) -> anyhow::Result<()> {
     match command {
         ImageCommand::Pull {
             connection,

@@ -15,7 +15,7 @@ use serde_json::json;
 
 use crate::client::Client;
 
-pub async fn pull(client: &Client, image: &str, name: &str) -> anyhow::Result<()> {
+pub(crate) async fn pull(client: &Client, image: &str, name: &str) -> anyhow::Result<()> {
     let snapshot = client
         .api(
             Method::POST,

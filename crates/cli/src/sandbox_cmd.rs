@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 use crate::client::{Client, Connection};
 
 #[derive(clap::Subcommand, Debug)]
-pub enum SandboxCommand {
+pub(crate) enum SandboxCommand {
     /// Create a sandbox and print it.
     Create {
         #[command(flatten)]
@@ -195,7 +195,7 @@ async fn one_sandbox(
     Ok(())
 }
 
-pub async fn run(command: SandboxCommand) -> anyhow::Result<()> {
+pub(crate) async fn run(command: SandboxCommand) -> anyhow::Result<()> {
     match command {
         SandboxCommand::Create {
             connection,

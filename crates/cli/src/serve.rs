@@ -18,12 +18,12 @@ use cove_runtime::Runtime;
 use cove_store::Store;
 
 /// Where a server keeps its database and sandboxes unless told otherwise.
-pub const DEFAULT_DATA_DIR: &str = "/var/lib/cove";
+pub(crate) const DEFAULT_DATA_DIR: &str = "/var/lib/cove";
 /// The images directory of a server on the default data dir (`<data-dir>/images`).
-pub const DEFAULT_IMAGES_DIR: &str = "/var/lib/cove/images";
+pub(crate) const DEFAULT_IMAGES_DIR: &str = "/var/lib/cove/images";
 
 #[derive(clap::Args, Clone, Debug)]
-pub struct ServeArgs {
+pub(crate) struct ServeArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:3000")]
     pub listen: SocketAddr,
@@ -162,7 +162,7 @@ pub struct ServeArgs {
     pub timer_tick_ms: u64,
 }
 
-pub fn progress_printer() -> impl FnMut(&DefaultImageProgress) {
+pub(crate) fn progress_printer() -> impl FnMut(&DefaultImageProgress) {
     let tty = std::io::stderr().is_terminal();
     move |p: &DefaultImageProgress| {
         if tty {
@@ -601,7 +601,7 @@ async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_
         .context("setting up the sandbox network (needs nftables; or pass --no-network)")
 }
 
-pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let (serve, network, ssh, _data_lock, vm, (engine, storage)) = start(args).await?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     // A server that fails cleans up as one that is told to stop does.

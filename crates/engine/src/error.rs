@@ -98,8 +98,9 @@ pub enum EngineError {
         id: String,
         operation: &'static str,
         step: &'static str,
+        /// Boxed, as a runtime error is.
         #[source]
-        source: NetError,
+        source: Box<NetError>,
     },
     /// The snapshot holding the sandbox's layers went away under it.
     #[error("sandbox {id} could not {operation}: its snapshot {snapshot} no longer exists")]
@@ -121,8 +122,9 @@ pub enum EngineError {
     Archive {
         id: String,
         operation: &'static str,
+        /// Boxed, as a runtime error is.
         #[source]
-        source: ArchiveError,
+        source: Box<ArchiveError>,
     },
     /// Work handed to a task of its own panicked or was cancelled.
     #[error("{what} {id} could not {operation}: its task failed")]
@@ -287,10 +289,9 @@ impl EngineError {
             },
             Self::Runtime { source, .. } => runtime_kind(source),
             Self::Network { source, .. } => network_kind(source),
-            Self::Archive {
-                source: ArchiveError::NotConfigured,
-                ..
-            } => ErrorKind::NotImplemented,
+            Self::Archive { source, .. } if matches!(**source, ArchiveError::NotConfigured) => {
+                ErrorKind::NotImplemented
+            }
             Self::Archive { .. }
             | Self::SnapshotGone { .. }
             | Self::VolumeStorage { .. }

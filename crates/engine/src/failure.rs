@@ -53,12 +53,12 @@ impl Failure {
                 id,
                 operation,
                 step,
-                source,
+                source: Box::new(source),
             },
             Failure::Archive(source) => EngineError::Archive {
                 id,
                 operation,
-                source,
+                source: Box::new(source),
             },
             Failure::SnapshotGone { name } => EngineError::SnapshotGone {
                 id,

@@ -10,7 +10,7 @@ use crate::auth::hash_secret;
 use crate::{now_ms, Engine, EngineError, SandboxRecord};
 
 /// How long a token lives when the client does not say (Daytona's default).
-pub const DEFAULT_SSH_ACCESS_MINUTES: i64 = 60;
+pub(crate) const DEFAULT_SSH_ACCESS_MINUTES: i64 = 60;
 /// The longest a token may live: 30 days.
 pub const MAX_SSH_ACCESS_MINUTES: i64 = 30 * 24 * 60;
 

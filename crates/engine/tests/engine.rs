@@ -61,7 +61,7 @@ async fn a_runtime_error_keeps_its_kind_and_source_through_the_engine() {
     let h = harness().await;
     let s = h.engine.create(named("kinds")).await.unwrap();
     h.engine.stop(&s.id).await.unwrap();
-    let cases: [(fn(&str) -> RuntimeError, ErrorKind); 3] = [
+    let cases: [(cove_runtime::fake::StartFailure, ErrorKind); 3] = [
         (
             |id| RuntimeError::AlreadyRunning { id: id.to_owned() },
             ErrorKind::Conflict,

@@ -9,13 +9,13 @@ use sha2::{Digest as _, Sha256};
 /// A `sha256:<64 hex>` digest. Only sha256 is accepted: it is what every
 /// registry and tool writes, and a strict form keeps digests safe as file names.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct Digest {
+pub(crate) struct Digest {
     hex: String,
 }
 
 impl Digest {
     /// Parses `sha256:<hex>`; `None` for any other algorithm or a malformed value.
-    pub fn parse(text: &str) -> Option<Digest> {
+    pub(crate) fn parse(text: &str) -> Option<Digest> {
         let hex = text.strip_prefix("sha256:")?;
         let well_formed = hex.len() == 64
             && hex
@@ -26,14 +26,14 @@ impl Digest {
         })
     }
 
-    pub fn of_bytes(bytes: &[u8]) -> Digest {
+    pub(crate) fn of_bytes(bytes: &[u8]) -> Digest {
         Digest {
             hex: hex::encode(Sha256::digest(bytes)),
         }
     }
 
     /// The 64 hex characters, without the algorithm.
-    pub fn hex(&self) -> &str {
+    pub(crate) fn hex(&self) -> &str {
         &self.hex
     }
 }

@@ -15,11 +15,11 @@ pub const MAX_MINUTES: i64 = 100 * 366 * 24 * 60;
 /// Auto-stop when a user sets nothing, in minutes.
 pub const DEFAULT_AUTO_STOP: i64 = 15;
 /// Auto-pause of a pausable class when neither auto-pause nor auto-stop is set.
-pub const DEFAULT_AUTO_PAUSE: i64 = 60;
+pub(crate) const DEFAULT_AUTO_PAUSE: i64 = 60;
 /// Auto-archive when a user sets nothing: 7 days.
-pub const DEFAULT_AUTO_ARCHIVE: i64 = 7 * 24 * 60;
+pub(crate) const DEFAULT_AUTO_ARCHIVE: i64 = 7 * 24 * 60;
 /// Auto-archive 0 means the longest interval: 30 days.
-pub const MAX_AUTO_ARCHIVE: i64 = 30 * 24 * 60;
+pub(crate) const MAX_AUTO_ARCHIVE: i64 = 30 * 24 * 60;
 
 /// The intervals of one sandbox after defaults and rules were applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -31,7 +31,7 @@ pub(crate) struct AddressBook {
 impl AddressBook {
     /// Reads the file if there is one. Entries outside the configured range
     /// (the range changed) are dropped: those sandboxes get new addresses.
-    pub fn load(config: &NetworkConfig) -> Result<Self, NetError> {
+    pub(crate) fn load(config: &NetworkConfig) -> Result<Self, NetError> {
         let path = config.addresses_file();
         let offsets = config.sandbox_offsets();
         let mut book = Self {
@@ -107,7 +107,7 @@ impl AddressBook {
     /// The sandbox's offset and MAC, allocating the lowest free offset and a
     /// new MAC if it has none. Returns whether the book changed (and must be
     /// saved); `None` when the range is full.
-    pub fn reserve(&mut self, id: &str) -> Result<Option<(u32, Mac, bool)>, NetError> {
+    pub(crate) fn reserve(&mut self, id: &str) -> Result<Option<(u32, Mac, bool)>, NetError> {
         if let Some((offset, mac)) = self.by_id.get(id) {
             return Ok(Some((*offset, *mac, false)));
         }
@@ -129,7 +129,7 @@ impl AddressBook {
     }
 
     /// Forgets the sandbox's address; returns whether it had one.
-    pub fn release(&mut self, id: &str) -> bool {
+    pub(crate) fn release(&mut self, id: &str) -> bool {
         match self.by_id.remove(id) {
             Some((offset, mac)) => {
                 self.used.remove(&offset);
@@ -140,7 +140,7 @@ impl AddressBook {
         }
     }
 
-    pub fn save(&self, config: &NetworkConfig) -> Result<(), NetError> {
+    pub(crate) fn save(&self, config: &NetworkConfig) -> Result<(), NetError> {
         let mut text = String::with_capacity(self.by_id.len() * 32);
         for (id, (offset, mac)) in &self.by_id {
             text.push_str(&format!(

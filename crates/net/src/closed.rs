@@ -37,7 +37,7 @@ pub(crate) struct ClosedRanges {
 impl ClosedRanges {
     /// The default ranges and the uplink's `subnets`, minus what the operator
     /// `opened`.
-    pub fn new(subnets: &[Ipv4Net], opened: &[Ipv4Net]) -> Self {
+    pub(crate) fn new(subnets: &[Ipv4Net], opened: &[Ipv4Net]) -> Self {
         let mut closed: Vec<Ipv4Net> = DEFAULT_CLOSED
             .iter()
             .map(|(address, prefix)| Ipv4Net::new(*address, *prefix).expect("a valid prefix"))
@@ -54,11 +54,11 @@ impl ClosedRanges {
         }
     }
 
-    pub fn nets(&self) -> &[Ipv4Net] {
+    pub(crate) fn nets(&self) -> &[Ipv4Net] {
         &self.nets
     }
 
-    pub fn contains(&self, address: Ipv4Addr) -> bool {
+    pub(crate) fn contains(&self, address: Ipv4Addr) -> bool {
         self.nets.iter().any(|net| net.contains(&address))
     }
 }

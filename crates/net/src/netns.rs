@@ -88,7 +88,7 @@ impl Namespace {
 
     /// Binds the namespace to `path` (replacing whatever a previous run left
     /// there), so it outlives this process's descriptors and can be joined.
-    pub fn pin(&self, path: &Path) -> Result<(), NetError> {
+    pub(crate) fn pin(&self, path: &Path) -> Result<(), NetError> {
         let at = |what: &str| format!("{what} for network namespace {}", path.display());
         remove(path)?;
         File::create(path).map_err(NetError::io(at("create the mount point")))?;
@@ -156,7 +156,7 @@ struct PoolState {
 }
 
 impl Pool {
-    pub fn new(
+    pub(crate) fn new(
         target: usize,
         host: rtnetlink::Handle,
         config: NetworkConfig,
@@ -179,7 +179,7 @@ impl Pool {
     /// A ready namespace, or a new one when the pool is empty (a burst). The
     /// caller refills the pool when it is done: making a namespace holds the
     /// kernel's rtnl lock, which every step of an attach also needs.
-    pub async fn take(&self) -> Result<Namespace, NetError> {
+    pub(crate) async fn take(&self) -> Result<Namespace, NetError> {
         let ready = self.inner.lock().ready.pop();
         match ready {
             Some(namespace) => Ok(namespace),
@@ -189,7 +189,7 @@ impl Pool {
 
     /// A port name no other port of this run has (for a TAP device), and
     /// the bridge's index.
-    pub fn next_port(&self) -> (String, u32) {
+    pub(crate) fn next_port(&self) -> (String, u32) {
         let n = self.inner.next_name.fetch_add(1, Ordering::Relaxed);
         (self.inner.config.port_name(n), self.inner.bridge_index)
     }
@@ -198,7 +198,7 @@ impl Pool {
     /// namespaces end with their descriptors). A refill in flight finishes
     /// first, deleting what it made: the kernel would end that namespace's
     /// veth only some time after its last descriptor closed.
-    pub async fn close(&self) {
+    pub(crate) async fn close(&self) {
         let ready = self.inner.close();
         for namespace in ready {
             let _ = links::delete_index(&self.inner.host, namespace.host_link).await;
@@ -210,7 +210,7 @@ impl Pool {
     }
 
     /// Tops the pool up in the background.
-    pub fn refill(&self) {
+    pub(crate) fn refill(&self) {
         {
             let mut state = self.inner.lock();
             if state.refilling || state.closed || state.ready.len() >= self.inner.target {

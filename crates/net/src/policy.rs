@@ -8,7 +8,7 @@ use ipnet::Ipv4Net;
 
 /// At most this many entries in each list: each becomes a set element, and the
 /// lists come from API clients.
-pub const MAX_ENTRIES: usize = 1024;
+pub(crate) const MAX_ENTRIES: usize = 1024;
 
 /// What a sandbox may reach outside. The default lets everything out.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -126,12 +126,12 @@ pub(crate) struct CompiledPolicy {
 
 impl CompiledPolicy {
     /// Whether only listed destinations are reachable.
-    pub fn restricted(&self) -> bool {
+    pub(crate) fn restricted(&self) -> bool {
         !self.allow.is_empty() || !self.domains.is_empty()
     }
 
     /// What the resolver does with a query for `name`.
-    pub fn resolve(&self, name: &str) -> Resolution {
+    pub(crate) fn resolve(&self, name: &str) -> Resolution {
         if self.block_all {
             return Resolution::Refuse;
         }
@@ -166,7 +166,7 @@ pub(crate) enum DomainPattern {
 }
 
 impl DomainPattern {
-    pub fn parse(text: &str) -> Result<Self, PolicyError> {
+    pub(crate) fn parse(text: &str) -> Result<Self, PolicyError> {
         let invalid = |reason: &str| PolicyError::InvalidDomain {
             value: text.to_owned(),
             reason: reason.to_owned(),
@@ -212,7 +212,7 @@ impl DomainPattern {
     }
 
     /// `name` must already be normalized.
-    pub fn matches(&self, name: &str) -> bool {
+    pub(crate) fn matches(&self, name: &str) -> bool {
         match self {
             Self::Exact(exact) => name == exact,
             Self::Suffix(suffix) => name

@@ -22,11 +22,14 @@ struct Machine {
 }
 
 /// The fake runtime.
+/// Makes the error a failing start answers, from the sandbox's id.
+pub type StartFailure = fn(&str) -> RuntimeError;
+
 #[derive(Debug, Default)]
 pub struct FakeRuntime {
     machines: Mutex<HashMap<String, Machine>>,
     fail_start: Mutex<Option<String>>,
-    fail_start_with: Mutex<Option<fn(&str) -> RuntimeError>>,
+    fail_start_with: Mutex<Option<StartFailure>>,
     calls: Mutex<Vec<String>>,
 }
 

@@ -28,7 +28,7 @@ const EXEC_TIMEOUT_SECS: u64 = 24 * 60 * 60;
 /// The most of an agent's answer that is read. An `exec`'s whole output
 /// comes back in one `/process/execute` answer; the sandbox, which writes
 /// it, is not trusted to stop. (Heads are bounded by the client.)
-pub const ANSWER_LIMIT: usize = 8 << 20;
+pub(crate) const ANSWER_LIMIT: usize = 8 << 20;
 /// The largest WebSocket message of a PTY session that is read.
 const PTY_MESSAGE_LIMIT: usize = 1 << 20;
 
@@ -52,22 +52,22 @@ pub enum AgentError {
 
 /// The agent of one sandbox.
 #[derive(Clone, Debug)]
-pub struct Agent {
+pub(crate) struct Agent {
     client: AgentClient<UnixSocket>,
     socket: PathBuf,
 }
 
 /// What `/process/execute` answers.
-pub type Executed = ExecuteResponse;
+pub(crate) type Executed = ExecuteResponse;
 
 /// A PTY session on the agent: its id and the attached WebSocket.
-pub struct Pty {
+pub(crate) struct Pty {
     pub id: String,
     pub socket: WebSocketStream<UnixStream>,
 }
 
 impl Agent {
-    pub fn new(sandbox: String, socket: PathBuf) -> Agent {
+    pub(crate) fn new(sandbox: String, socket: PathBuf) -> Agent {
         Agent {
             client: AgentClient::new(sandbox, UnixSocket(socket.clone()), ANSWER_LIMIT),
             socket,
@@ -103,7 +103,7 @@ impl Agent {
     }
 
     /// Runs `command` with the sandbox's shell and waits for it.
-    pub async fn execute(
+    pub(crate) async fn execute(
         &self,
         command: &str,
         envs: &BTreeMap<String, String>,
@@ -118,7 +118,7 @@ impl Agent {
     }
 
     /// Creates a PTY session running the sandbox's login shell and attaches to it.
-    pub async fn open_pty(
+    pub(crate) async fn open_pty(
         &self,
         cols: u16,
         rows: u16,
@@ -157,7 +157,12 @@ impl Agent {
         Ok(Pty { id, socket })
     }
 
-    pub async fn resize_pty(&self, id: &str, cols: u16, rows: u16) -> Result<(), AgentError> {
+    pub(crate) async fn resize_pty(
+        &self,
+        id: &str,
+        cols: u16,
+        rows: u16,
+    ) -> Result<(), AgentError> {
         let body = serde_json::json!({ "cols": cols, "rows": rows }).to_string();
         let path = format!("/process/pty/{id}/resize");
         self.client
@@ -168,7 +173,7 @@ impl Agent {
 
     /// Ends a PTY session and everything its shell started; one that has
     /// already ended is not an error.
-    pub async fn kill_pty(&self, id: &str) -> Result<(), AgentError> {
+    pub(crate) async fn kill_pty(&self, id: &str) -> Result<(), AgentError> {
         let path = format!("/process/pty/{id}");
         let (status, body) = self
             .client
@@ -187,7 +192,7 @@ impl Agent {
     }
 
     /// A byte stream to 127.0.0.1:`port` inside the sandbox.
-    pub async fn tunnel(&self, port: u16) -> Result<TokioIo<Upgraded>, AgentError> {
+    pub(crate) async fn tunnel(&self, port: u16) -> Result<TokioIo<Upgraded>, AgentError> {
         match self.client.tunnel(port).await {
             Ok(upgraded) => Ok(TokioIo::new(upgraded)),
             Err(cove_agent_client::AgentError::TunnelRefused { status, .. })

@@ -23,7 +23,7 @@ use crate::session::{self, error_chain, Target};
 
 /// Why a token opens no sandbox (now); the message is what the client is told.
 #[derive(Debug, thiserror::Error)]
-pub enum Refusal {
+pub(crate) enum Refusal {
     #[error("the SSH access token is unknown, expired or revoked; issue a new one (POST /api/sandbox/{{id}}/ssh-access)")]
     UnknownToken,
     /// A token that was admitted and no longer opens its sandbox.
@@ -42,16 +42,17 @@ pub enum Refusal {
 
 /// What a client that authenticated holds: its token and the sandbox it opens.
 #[derive(Clone, Debug)]
-pub struct Admitted {
+pub(crate) struct Admitted {
     pub token: String,
     pub sandbox_id: String,
 }
 
 /// Told to a client whose token no longer opens its sandbox.
-pub const TOKEN_GONE: &str = "the SSH access token was revoked or has expired; issue a new one \
+pub(crate) const TOKEN_GONE: &str =
+    "the SSH access token was revoked or has expired; issue a new one \
      (POST /api/sandbox/{id}/ssh-access)";
 
-pub struct Connection {
+pub(crate) struct Connection {
     engine: Engine,
     peer: Option<SocketAddr>,
     /// The token and sandbox of a client that was admitted.
@@ -65,7 +66,7 @@ pub struct Connection {
 }
 
 impl Connection {
-    pub fn new(
+    pub(crate) fn new(
         engine: Engine,
         peer: Option<SocketAddr>,
         on_admitted: watch::Sender<Option<Admitted>>,

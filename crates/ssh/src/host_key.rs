@@ -14,7 +14,7 @@ use crate::SshError;
 
 /// Reads the host key at `path`, or makes one there (mode 0600, written to a
 /// temporary file and renamed, so a crash never leaves half a key).
-pub fn load_or_create(path: &Path) -> Result<PrivateKey, SshError> {
+pub(crate) fn load_or_create(path: &Path) -> Result<PrivateKey, SshError> {
     let error = |reason: String| SshError::HostKey {
         path: path.display().to_string(),
         reason,

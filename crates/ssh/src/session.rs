@@ -37,7 +37,7 @@ const FAILED_STATUS: u32 = 255;
 
 /// What a session channel reaches: its sandbox and the connection it is on.
 #[derive(Clone)]
-pub struct Target {
+pub(crate) struct Target {
     pub engine: Engine,
     pub sandbox_id: String,
     pub handle: Handle,
@@ -57,7 +57,7 @@ fn side(value: u32, default: u16) -> u16 {
 }
 
 /// Serves one session channel until it closes.
-pub async fn serve(mut channel: Channel<Msg>, target: Target) {
+pub(crate) async fn serve(mut channel: Channel<Msg>, target: Target) {
     let id = channel.id();
     let mut terminal: Option<Terminal> = None;
     let mut envs = BTreeMap::new();
@@ -312,7 +312,7 @@ fn close_exit_code(reason: &str) -> Option<i32> {
 }
 
 /// An error and its causes on one line.
-pub fn error_chain(error: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

@@ -44,7 +44,7 @@ pub struct DownloadRequest {
     paths: Vec<String>,
 }
 
-pub async fn download(
+pub(crate) async fn download(
     State(state): State<AppState>,
     Query(query): Query<PathQuery>,
 ) -> Result<Response, ApiError> {
@@ -67,7 +67,7 @@ pub async fn download(
         .into_response())
 }
 
-pub async fn bulk_download(
+pub(crate) async fn bulk_download(
     State(state): State<AppState>,
     Json(request): Json<DownloadRequest>,
 ) -> Response {

@@ -40,7 +40,7 @@ pub struct PathQuery {
     path: String,
 }
 
-pub async fn list(
+pub(crate) async fn list(
     State(state): State<AppState>,
     Query(query): Query<ListQuery>,
 ) -> Result<Json<Vec<FileInfo>>, ApiError> {
@@ -62,7 +62,7 @@ pub async fn list(
     Ok(Json(entries))
 }
 
-pub async fn info(
+pub(crate) async fn info(
     State(state): State<AppState>,
     Query(query): Query<PathQuery>,
 ) -> Result<Json<FileInfo>, ApiError> {

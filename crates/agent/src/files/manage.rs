@@ -22,7 +22,7 @@ pub struct DeleteQuery {
     recursive: bool,
 }
 
-pub async fn create_folder(
+pub(crate) async fn create_folder(
     State(state): State<AppState>,
     Query(query): Query<FolderQuery>,
 ) -> Result<StatusCode, ApiError> {
@@ -47,7 +47,7 @@ pub async fn create_folder(
     Ok(StatusCode::CREATED)
 }
 
-pub async fn delete(
+pub(crate) async fn delete(
     State(state): State<AppState>,
     Query(query): Query<DeleteQuery>,
 ) -> Result<StatusCode, ApiError> {

@@ -20,7 +20,7 @@ pub struct PermissionsQuery {
     group: Option<String>,
 }
 
-pub async fn set_permissions(
+pub(crate) async fn set_permissions(
     State(state): State<AppState>,
     Query(query): Query<PermissionsQuery>,
 ) -> Result<StatusCode, ApiError> {

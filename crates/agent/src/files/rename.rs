@@ -21,7 +21,7 @@ pub struct MoveQuery {
     destination: String,
 }
 
-pub async fn move_file(
+pub(crate) async fn move_file(
     State(state): State<AppState>,
     Query(query): Query<MoveQuery>,
 ) -> Result<StatusCode, ApiError> {

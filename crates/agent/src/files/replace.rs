@@ -29,14 +29,14 @@ pub struct ReplaceRequest {
 }
 
 #[derive(Debug, Serialize)]
-pub struct ReplaceResult {
+pub(crate) struct ReplaceResult {
     file: String,
     success: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     error: Option<String>,
 }
 
-pub async fn replace_in_files(
+pub(crate) async fn replace_in_files(
     State(state): State<AppState>,
     Json(request): Json<ReplaceRequest>,
 ) -> Result<Json<Vec<ReplaceResult>>, ApiError> {

@@ -25,7 +25,7 @@ use crate::error::{ApiError, Json, Query};
 use crate::AppState;
 
 /// Longest part of one line kept for matching and answering.
-pub const MAX_LINE: usize = 1 << 20;
+pub(crate) const MAX_LINE: usize = 1 << 20;
 
 #[derive(Debug, Deserialize)]
 pub struct PatternQuery {
@@ -34,18 +34,18 @@ pub struct PatternQuery {
 }
 
 #[derive(Debug, Serialize)]
-pub struct SearchFilesResponse {
+pub(crate) struct SearchFilesResponse {
     files: Vec<String>,
 }
 
 #[derive(Debug, Serialize, PartialEq)]
-pub struct Match {
+pub(crate) struct Match {
     file: String,
     line: u64,
     content: String,
 }
 
-pub async fn search_files(
+pub(crate) async fn search_files(
     State(state): State<AppState>,
     Query(query): Query<PatternQuery>,
 ) -> Result<Json<SearchFilesResponse>, ApiError> {
@@ -68,7 +68,7 @@ pub async fn search_files(
     Ok(Json(SearchFilesResponse { files }))
 }
 
-pub async fn find_in_files(
+pub(crate) async fn find_in_files(
     State(state): State<AppState>,
     Query(query): Query<PatternQuery>,
 ) -> Result<Json<Vec<Match>>, ApiError> {

@@ -36,7 +36,7 @@ pub struct UploadQuery {
 }
 
 #[derive(Debug, Serialize)]
-pub struct UploadedFile {
+pub(crate) struct UploadedFile {
     name: String,
     path: String,
     #[serde(rename = "type")]
@@ -44,7 +44,7 @@ pub struct UploadedFile {
 }
 
 /// An upload failure; the SDK reads the `errors` list of the body.
-pub struct UploadError(ApiError);
+pub(crate) struct UploadError(ApiError);
 
 impl From<ApiError> for UploadError {
     fn from(error: ApiError) -> Self {
@@ -60,7 +60,7 @@ impl IntoResponse for UploadError {
     }
 }
 
-pub async fn bulk_upload(
+pub(crate) async fn bulk_upload(
     State(state): State<AppState>,
     multipart: Result<Multipart, axum::extract::multipart::MultipartRejection>,
 ) -> Result<StatusCode, UploadError> {
@@ -93,7 +93,7 @@ pub async fn bulk_upload(
     Ok(StatusCode::OK)
 }
 
-pub async fn upload_v2(
+pub(crate) async fn upload_v2(
     State(state): State<AppState>,
     Query(query): Query<UploadQuery>,
     multipart: Result<Multipart, axum::extract::multipart::MultipartRejection>,

@@ -19,21 +19,21 @@ use crate::error::ApiError;
 /// A flag that a request handler raises when it is dropped (the client went
 /// away), so a walk on a blocking thread stops instead of running to the end.
 #[derive(Debug, Clone, Default)]
-pub struct Cancel(Arc<AtomicBool>);
+pub(super) struct Cancel(Arc<AtomicBool>);
 
 impl Cancel {
-    pub fn is_raised(&self) -> bool {
+    pub(super) fn is_raised(&self) -> bool {
         self.0.load(Ordering::Relaxed)
     }
 
     /// A guard that raises the flag when dropped.
-    pub fn guard(&self) -> CancelOnDrop {
+    pub(super) fn guard(&self) -> CancelOnDrop {
         CancelOnDrop(self.clone())
     }
 }
 
 #[derive(Debug)]
-pub struct CancelOnDrop(Cancel);
+pub(super) struct CancelOnDrop(Cancel);
 
 impl Drop for CancelOnDrop {
     fn drop(&mut self) {
@@ -42,7 +42,7 @@ impl Drop for CancelOnDrop {
 }
 
 /// One entry the walk reached.
-pub struct Entry<'a> {
+pub(super) struct Entry<'a> {
     pub path: &'a Path,
     pub metadata: &'a Metadata,
     /// 0 for the root, 1 for its children, and so on.
@@ -53,7 +53,7 @@ pub struct Entry<'a> {
 /// and every entry below it. `visit` returns whether to descend into a
 /// directory. A missing or unreadable root is an error naming it; unreadable
 /// entries below it are skipped.
-pub fn walk(
+pub(super) fn walk(
     root: &Path,
     cancel: &Cancel,
     mut visit: impl FnMut(&Entry<'_>) -> bool,

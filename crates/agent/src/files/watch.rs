@@ -46,7 +46,7 @@ use crate::error::{ApiError, Query};
 use crate::AppState;
 
 /// How long the first half of a rename waits for its second half.
-pub const PAIR_WAIT: Duration = Duration::from_millis(50);
+pub(crate) const PAIR_WAIT: Duration = Duration::from_millis(50);
 
 #[derive(Debug, Deserialize)]
 pub struct WatchQuery {
@@ -57,7 +57,7 @@ pub struct WatchQuery {
 
 #[derive(Debug, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
-pub struct Change {
+pub(crate) struct Change {
     #[serde(rename = "type")]
     kind: ChangeKind,
     path: String,
@@ -68,7 +68,7 @@ pub struct Change {
 
 #[derive(Debug, Serialize, PartialEq, Clone, Copy)]
 #[serde(rename_all = "lowercase")]
-pub enum ChangeKind {
+pub(crate) enum ChangeKind {
     Create,
     Modify,
     Delete,
@@ -76,7 +76,7 @@ pub enum ChangeKind {
     Overflow,
 }
 
-pub async fn watch(
+pub(crate) async fn watch(
     State(state): State<AppState>,
     Query(query): Query<WatchQuery>,
     upgrade: Result<WebSocketUpgrade, WebSocketUpgradeRejection>,

@@ -10,13 +10,13 @@ use crate::error::{ApiError, Json, Query};
 use crate::AppState;
 
 #[derive(Debug, Serialize)]
-pub struct BranchList {
+pub(crate) struct BranchList {
     branches: Vec<String>,
     /// The checked-out branch, empty when HEAD is detached.
     current: String,
 }
 
-pub async fn list(
+pub(crate) async fn list(
     State(state): State<AppState>,
     Query(query): Query<PathQuery>,
 ) -> Result<Json<BranchList>, ApiError> {
@@ -42,7 +42,7 @@ pub struct BranchRequest {
 
 /// Creates the branch at HEAD and switches to it, as Daytona's daemon does,
 /// so the next commit lands on it.
-pub async fn create(
+pub(crate) async fn create(
     State(state): State<AppState>,
     Json(request): Json<BranchRequest>,
 ) -> Result<StatusCode, ApiError> {
@@ -57,7 +57,7 @@ pub async fn create(
 }
 
 /// Deletes the branch whether or not it is merged, as Daytona's daemon does.
-pub async fn delete(
+pub(crate) async fn delete(
     State(state): State<AppState>,
     Json(request): Json<BranchRequest>,
 ) -> Result<StatusCode, ApiError> {
@@ -80,7 +80,7 @@ pub struct CheckoutRequest {
 /// Checks out a branch (a remote-only branch gets a local tracking branch) or
 /// any commit. The trailing `--` keeps a name that is also a file from
 /// being taken as a path to restore.
-pub async fn checkout(
+pub(crate) async fn checkout(
     State(state): State<AppState>,
     Json(request): Json<CheckoutRequest>,
 ) -> Result<StatusCode, ApiError> {

@@ -60,12 +60,12 @@ pub struct GetQuery {
 }
 
 #[derive(Debug, Serialize)]
-pub struct ConfigValue {
+pub(crate) struct ConfigValue {
     /// `null` when the key is not set.
     value: Option<String>,
 }
 
-pub async fn get(
+pub(crate) async fn get(
     State(state): State<AppState>,
     Query(query): Query<GetQuery>,
 ) -> Result<Json<ConfigValue>, ApiError> {
@@ -102,7 +102,7 @@ pub struct SetRequest {
     path: Option<String>,
 }
 
-pub async fn set(
+pub(crate) async fn set(
     State(state): State<AppState>,
     Json(request): Json<SetRequest>,
 ) -> Result<StatusCode, ApiError> {
@@ -128,7 +128,7 @@ pub struct UserRequest {
     path: Option<String>,
 }
 
-pub async fn configure_user(
+pub(crate) async fn configure_user(
     State(state): State<AppState>,
     Json(request): Json<UserRequest>,
 ) -> Result<StatusCode, ApiError> {
@@ -152,7 +152,7 @@ pub struct AuthenticateRequest {
 /// Stores the credentials with git's `store` helper (plain text in
 /// `~/.git-credentials`, as the SDK warns) and makes sure that helper is
 /// configured globally. The password travels on git's stdin only.
-pub async fn authenticate(
+pub(crate) async fn authenticate(
     Json(request): Json<AuthenticateRequest>,
 ) -> Result<StatusCode, ApiError> {
     let host = request

@@ -74,7 +74,7 @@ impl GitFailure {
 /// Classifies git's output (stderr and stdout together). The order matters:
 /// a rejected push also says "failed to push", an auth failure also says
 /// "unable to access".
-pub fn classify(output: &str) -> GitFailure {
+pub(super) fn classify(output: &str) -> GitFailure {
     let text = output.to_ascii_lowercase();
     let has = |needles: &[&str]| needles.iter().any(|needle| text.contains(needle));
     if has(&[

@@ -33,7 +33,7 @@ pub struct CloneRequest {
     depth: Option<i64>,
 }
 
-pub async fn clone(
+pub(crate) async fn clone(
     State(state): State<AppState>,
     Json(request): Json<CloneRequest>,
 ) -> Result<StatusCode, ApiError> {
@@ -132,7 +132,7 @@ pub struct PullRequest {
     password: Option<String>,
 }
 
-pub async fn pull(
+pub(crate) async fn pull(
     State(state): State<AppState>,
     Json(request): Json<PullRequest>,
 ) -> Result<StatusCode, ApiError> {
@@ -183,7 +183,7 @@ pub struct PushRequest {
     password: Option<String>,
 }
 
-pub async fn push(
+pub(crate) async fn push(
     State(state): State<AppState>,
     Json(request): Json<PushRequest>,
 ) -> Result<StatusCode, ApiError> {
@@ -243,17 +243,17 @@ async fn has_config(repo: &Path, pattern: &str) -> Result<bool, ApiError> {
 }
 
 #[derive(Debug, Serialize, PartialEq)]
-pub struct Remote {
+pub(crate) struct Remote {
     name: String,
     url: String,
 }
 
 #[derive(Debug, Serialize)]
-pub struct RemoteList {
+pub(crate) struct RemoteList {
     remotes: Vec<Remote>,
 }
 
-pub async fn list(
+pub(crate) async fn list(
     State(state): State<AppState>,
     Query(query): Query<PathQuery>,
 ) -> Result<Json<RemoteList>, ApiError> {
@@ -291,7 +291,7 @@ pub struct AddRemoteRequest {
     overwrite: Option<bool>,
 }
 
-pub async fn add(
+pub(crate) async fn add(
     State(state): State<AppState>,
     Json(request): Json<AddRemoteRequest>,
 ) -> Result<StatusCode, ApiError> {

@@ -19,7 +19,7 @@ pub struct InitRequest {
     initial_branch: Option<String>,
 }
 
-pub async fn init(
+pub(crate) async fn init(
     State(state): State<AppState>,
     Json(request): Json<InitRequest>,
 ) -> Result<StatusCode, ApiError> {
@@ -44,7 +44,7 @@ pub struct AddRequest {
     files: Vec<String>,
 }
 
-pub async fn add(
+pub(crate) async fn add(
     State(state): State<AppState>,
     Json(request): Json<AddRequest>,
 ) -> Result<StatusCode, ApiError> {
@@ -69,11 +69,11 @@ pub struct CommitRequest {
 }
 
 #[derive(Debug, Serialize)]
-pub struct CommitResponse {
+pub(crate) struct CommitResponse {
     hash: String,
 }
 
-pub async fn commit(
+pub(crate) async fn commit(
     State(state): State<AppState>,
     Json(request): Json<CommitRequest>,
 ) -> Result<Json<CommitResponse>, ApiError> {
@@ -100,7 +100,7 @@ pub async fn commit(
 }
 
 #[derive(Debug, Serialize, PartialEq)]
-pub struct CommitInfo {
+pub(crate) struct CommitInfo {
     hash: String,
     author: String,
     email: String,
@@ -113,7 +113,7 @@ pub struct CommitInfo {
 /// separators, which commit messages do not contain in practice.
 const LOG_FORMAT: &str = "--format=%H%x1f%an%x1f%ae%x1f%aI%x1f%B%x1e";
 
-pub async fn history(
+pub(crate) async fn history(
     State(state): State<AppState>,
     Query(query): Query<PathQuery>,
 ) -> Result<Json<Vec<CommitInfo>>, ApiError> {
@@ -155,7 +155,7 @@ pub struct ResetRequest {
     files: Option<Vec<String>>,
 }
 
-pub async fn reset(
+pub(crate) async fn reset(
     State(state): State<AppState>,
     Json(request): Json<ResetRequest>,
 ) -> Result<StatusCode, ApiError> {
@@ -199,7 +199,7 @@ pub struct RestoreRequest {
     source: Option<String>,
 }
 
-pub async fn restore(
+pub(crate) async fn restore(
     State(state): State<AppState>,
     Json(request): Json<RestoreRequest>,
 ) -> Result<StatusCode, ApiError> {

@@ -22,13 +22,16 @@ const ENV_CREDENTIAL_HELPER: &str = "!f() { test \"$1\" = get || exit 0; \
 
 /// Username and password (or token) for one remote operation.
 #[derive(Debug, Default)]
-pub struct Credentials {
+pub(super) struct Credentials {
     pub username: Option<String>,
     pub password: Option<String>,
 }
 
 impl Credentials {
-    pub fn new(username: Option<String>, password: Option<String>) -> Result<Self, ApiError> {
+    pub(super) fn new(
+        username: Option<String>,
+        password: Option<String>,
+    ) -> Result<Self, ApiError> {
         let username = username.filter(|v| !v.is_empty());
         let password = password.filter(|v| !v.is_empty());
         // The credential protocol is line based: a newline would inject keys.
@@ -50,7 +53,7 @@ impl Credentials {
 }
 
 /// One `git` invocation being put together.
-pub struct Git {
+pub(super) struct Git {
     args: Vec<std::ffi::OsString>,
     config: Vec<(String, String)>,
     envs: Vec<(&'static str, String)>,
@@ -62,7 +65,7 @@ pub struct Git {
 
 impl Git {
     /// `git -C <repo> <subcommand>`.
-    pub fn in_repo(repo: &Path, subcommand: &str) -> Self {
+    pub(super) fn in_repo(repo: &Path, subcommand: &str) -> Self {
         let mut git = Self::new(
             subcommand,
             format!("git {subcommand} in {}", repo.display()),
@@ -78,7 +81,7 @@ impl Git {
     }
 
     /// `git <subcommand>` outside any repository; `description` names it in errors.
-    pub fn new(subcommand: &str, description: String) -> Self {
+    pub(super) fn new(subcommand: &str, description: String) -> Self {
         Self {
             args: vec![subcommand.into()],
             // Repositories in a sandbox may belong to another uid (a clone
@@ -92,18 +95,18 @@ impl Git {
         }
     }
 
-    pub fn arg(mut self, arg: impl AsRef<OsStr>) -> Self {
+    pub(super) fn arg(mut self, arg: impl AsRef<OsStr>) -> Self {
         self.args.push(arg.as_ref().to_os_string());
         self
     }
 
-    pub fn args<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(mut self, args: I) -> Self {
+    pub(super) fn args<I: IntoIterator<Item = S>, S: AsRef<OsStr>>(mut self, args: I) -> Self {
         self.args
             .extend(args.into_iter().map(|a| a.as_ref().to_os_string()));
         self
     }
 
-    pub fn arg_if(self, condition: bool, arg: &str) -> Self {
+    pub(super) fn arg_if(self, condition: bool, arg: &str) -> Self {
         if condition {
             self.arg(arg)
         } else {
@@ -112,17 +115,17 @@ impl Git {
     }
 
     /// A configuration value for this run only (`git -c`, but out of sight).
-    pub fn config(mut self, key: &str, value: &str) -> Self {
+    pub(super) fn config(mut self, key: &str, value: &str) -> Self {
         self.config.push((key.into(), value.into()));
         self
     }
 
-    pub fn env(mut self, key: &'static str, value: &str) -> Self {
+    pub(super) fn env(mut self, key: &'static str, value: &str) -> Self {
         self.envs.push((key, value.into()));
         self
     }
 
-    pub fn stdin(mut self, input: Vec<u8>) -> Self {
+    pub(super) fn stdin(mut self, input: Vec<u8>) -> Self {
         self.stdin = Some(input);
         self
     }
@@ -130,7 +133,7 @@ impl Git {
     /// Answers git's credential requests with these and nothing else: the
     /// configured helpers are reset for this run so they neither answer nor
     /// store what we pass.
-    pub fn credentials(mut self, credentials: &Credentials) -> Self {
+    pub(super) fn credentials(mut self, credentials: &Credentials) -> Self {
         if credentials.is_empty() {
             return self;
         }
@@ -150,7 +153,7 @@ impl Git {
 
     /// Runs git and returns its stdout; a non-zero exit is a classified
     /// [`GitError`] carrying git's message.
-    pub async fn run(self) -> Result<String, ApiError> {
+    pub(super) async fn run(self) -> Result<String, ApiError> {
         let description = self.description.clone();
         let secret = self.secret.clone();
         let output = self.output().await?;
@@ -162,7 +165,7 @@ impl Git {
 
     /// Runs git and hands back whatever happened, for commands whose
     /// non-zero exit carries meaning (`git config --get` of an unset key).
-    pub async fn output(self) -> Result<Output, ApiError> {
+    pub(super) async fn output(self) -> Result<Output, ApiError> {
         let mut command = tokio::process::Command::new("git");
         command
             .args(&self.args)
@@ -200,7 +203,7 @@ impl Git {
 
 /// The error for a failed run: git's message, with the password scrubbed in
 /// case git echoed a URL that carried it.
-pub fn failure(output: &Output, command: String, secret: Option<&str>) -> GitError {
+pub(super) fn failure(output: &Output, command: String, secret: Option<&str>) -> GitError {
     let stderr = String::from_utf8_lossy(&output.stderr);
     let stdout = String::from_utf8_lossy(&output.stdout);
     let mut detail = if stderr.trim().is_empty() {
@@ -223,7 +226,7 @@ pub fn failure(output: &Output, command: String, secret: Option<&str>) -> GitErr
 }
 
 /// A URL fit for a message: any `user:password@` part is dropped.
-pub fn redact_url(url: &str) -> String {
+pub(super) fn redact_url(url: &str) -> String {
     match url.split_once("://") {
         Some((scheme, rest)) => {
             let authority_end = rest.find('/').unwrap_or(rest.len());

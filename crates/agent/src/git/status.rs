@@ -16,7 +16,7 @@ const DETACHED_HEAD: &str = "HEAD";
 
 #[derive(Debug, Default, Serialize, PartialEq)]
 #[serde(rename_all = "camelCase")]
-pub struct GitStatus {
+pub(super) struct GitStatus {
     pub current_branch: String,
     pub detached: bool,
     /// `origin/main`, empty when the branch tracks nothing.
@@ -29,7 +29,7 @@ pub struct GitStatus {
 }
 
 #[derive(Debug, Serialize, PartialEq)]
-pub struct FileStatus {
+pub(super) struct FileStatus {
     pub name: String,
     pub staging: &'static str,
     pub worktree: &'static str,
@@ -37,7 +37,7 @@ pub struct FileStatus {
     pub extra: String,
 }
 
-pub async fn status(
+pub(super) async fn status(
     State(state): State<AppState>,
     Query(query): Query<PathQuery>,
 ) -> Result<Json<GitStatus>, ApiError> {
@@ -50,7 +50,7 @@ pub async fn status(
 }
 
 /// Parses NUL-separated porcelain v2 records.
-pub fn parse(output: &str) -> GitStatus {
+pub(super) fn parse(output: &str) -> GitStatus {
     let mut status = GitStatus::default();
     let mut records = output.split('\0').filter(|r| !r.is_empty());
     while let Some(record) = records.next() {

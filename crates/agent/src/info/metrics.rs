@@ -28,12 +28,12 @@ use axum::extract::State;
 use crate::error::{ApiError, Json};
 use crate::AppState;
 
-pub const MIN_WINDOW: Duration = Duration::from_millis(200);
-pub const MAX_WINDOW: Duration = Duration::from_secs(60);
+pub(super) const MIN_WINDOW: Duration = Duration::from_millis(200);
+pub(super) const MAX_WINDOW: Duration = Duration::from_secs(60);
 
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct SystemMetrics {
+pub(super) struct SystemMetrics {
     cpu_count: u32,
     cpu_used_pct: f64,
     mem_total: u64,
@@ -55,7 +55,9 @@ struct CpuSample {
 
 static LAST_SAMPLE: Mutex<Option<CpuSample>> = Mutex::new(None);
 
-pub async fn metrics(State(state): State<AppState>) -> Result<Json<SystemMetrics>, ApiError> {
+pub(super) async fn metrics(
+    State(state): State<AppState>,
+) -> Result<Json<SystemMetrics>, ApiError> {
     let source = Source::detect();
     let previous = *LAST_SAMPLE.lock().unwrap_or_else(|e| e.into_inner());
     let previous = match previous.filter(|p| window_open(p.at.elapsed())) {

@@ -12,24 +12,24 @@ use crate::error::{ApiError, Json};
 const TCP_LISTEN: &str = "0A";
 
 #[derive(Debug, Serialize)]
-pub struct PortList {
+pub(super) struct PortList {
     ports: Vec<u16>,
 }
 
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct PortInUse {
+pub(super) struct PortInUse {
     is_in_use: bool,
 }
 
-pub async fn list() -> Result<Json<PortList>, ApiError> {
+pub(super) async fn list() -> Result<Json<PortList>, ApiError> {
     let ports = listening_ports().await?;
     Ok(Json(PortList {
         ports: ports.into_iter().collect(),
     }))
 }
 
-pub async fn in_use(Path(port): Path<String>) -> Result<Json<PortInUse>, ApiError> {
+pub(super) async fn in_use(Path(port): Path<String>) -> Result<Json<PortInUse>, ApiError> {
     let port: u16 = port
         .parse()
         .ok()

@@ -51,7 +51,7 @@ enum Outcome {
     WorkerEnded(String),
 }
 
-pub async fn serve(mut socket: WebSocket, registry: Arc<Registry>, settings: Arc<Settings>) {
+pub(crate) async fn serve(mut socket: WebSocket, registry: Arc<Registry>, settings: Arc<Settings>) {
     let request = match first_request(&mut socket).await {
         Ok(request) => request,
         Err((code, reason)) => return close(&mut socket, code, reason).await,

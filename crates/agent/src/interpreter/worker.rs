@@ -21,12 +21,12 @@ const EVENT_BACKLOG: usize = 64;
 
 /// One run as the driver reads it.
 #[derive(Debug, Serialize)]
-pub struct RunRequest<'a> {
+pub(super) struct RunRequest<'a> {
     pub code: &'a str,
     pub envs: &'a std::collections::HashMap<String, String>,
 }
 
-pub struct Worker {
+pub(super) struct Worker {
     child: Child,
     requests: ChildStdin,
     events: mpsc::Receiver<String>,
@@ -36,7 +36,7 @@ pub struct Worker {
 
 impl Worker {
     /// Starts `python3` on the driver in `cwd`.
-    pub fn spawn(state_dir: &Path, cwd: &Path) -> io::Result<Self> {
+    pub(super) fn spawn(state_dir: &Path, cwd: &Path) -> io::Result<Self> {
         let driver = write_driver(state_dir)?;
         let mut child = tokio::process::Command::new("python3")
             .arg("-u")
@@ -69,7 +69,7 @@ impl Worker {
         })
     }
 
-    pub async fn send(&mut self, request: &RunRequest<'_>) -> io::Result<()> {
+    pub(super) async fn send(&mut self, request: &RunRequest<'_>) -> io::Result<()> {
         let mut line = serde_json::to_vec(request).map_err(io::Error::other)?;
         line.push(b'\n');
         self.requests.write_all(&line).await?;
@@ -77,21 +77,21 @@ impl Worker {
     }
 
     /// The next event line; `None` once the driver has exited.
-    pub async fn next_event(&mut self) -> Option<String> {
+    pub(super) async fn next_event(&mut self) -> Option<String> {
         self.events.recv().await
     }
 
     /// Ctrl-C for the run: SIGINT to the driver and everything it started.
-    pub fn interrupt(&self) {
+    pub(super) fn interrupt(&self) {
         signal_group(self.group, Signal::SIGINT);
     }
 
-    pub fn group(&self) -> Pid {
+    pub(super) fn group(&self) -> Pid {
         self.group
     }
 
     /// Exit code of a driver that has ended (after [`Self::next_event`] gave `None`).
-    pub async fn exit_code(&mut self) -> i32 {
+    pub(super) async fn exit_code(&mut self) -> i32 {
         self.child
             .wait()
             .await
@@ -106,7 +106,7 @@ impl Drop for Worker {
     }
 }
 
-pub fn signal_group(group: Pid, signal: Signal) {
+pub(super) fn signal_group(group: Pid, signal: Signal) {
     if group.as_raw() > 0 {
         let _ = killpg(group, signal);
     }

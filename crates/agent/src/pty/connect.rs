@@ -14,13 +14,13 @@ use super::{PtySession, Registry};
 use crate::error::ApiError;
 
 /// Subprotocol by which a client asks for the `exited` control message.
-pub const EXIT_CONTROL_SUBPROTOCOL: &str = "X-Daytona-Pty-Exit-Control";
+pub(super) const EXIT_CONTROL_SUBPROTOCOL: &str = "X-Daytona-Pty-Exit-Control";
 
 const CLOSE_NORMAL: u16 = 1000;
 const CLOSE_POLICY: u16 = 1008;
 const CLOSE_INTERNAL: u16 = 1011;
 
-pub async fn serve(
+pub(super) async fn serve(
     session: Arc<PtySession>,
     registry: Weak<Registry>,
     mut socket: WebSocket,

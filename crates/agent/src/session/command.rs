@@ -17,10 +17,10 @@ use super::shell::Session;
 use crate::error::ApiError;
 
 /// One of the limited slots of running asynchronous commands; freed on drop.
-pub struct AsyncSlot(Arc<AtomicUsize>);
+pub(super) struct AsyncSlot(Arc<AtomicUsize>);
 
 impl AsyncSlot {
-    pub fn acquire(running: &Arc<AtomicUsize>, limit: usize) -> Result<Self, ApiError> {
+    pub(super) fn acquire(running: &Arc<AtomicUsize>, limit: usize) -> Result<Self, ApiError> {
         running
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
                 (n < limit).then_some(n + 1)
@@ -40,10 +40,10 @@ impl Drop for AsyncSlot {
 }
 
 /// The write end of an asynchronous command's stdin FIFO.
-pub type InputPipe = pipe::Sender;
+pub(super) type InputPipe = pipe::Sender;
 
 /// Starts `command` in `session`; returns once the shell has been handed it.
-pub async fn start(
+pub(super) async fn start(
     session: &Arc<Session>,
     command: String,
     slot: Option<AsyncSlot>,
@@ -119,7 +119,7 @@ pub async fn start(
 }
 
 /// Sends `data` to the stdin of a running asynchronous command.
-pub async fn send_input(record: &CommandRecord, data: &[u8]) -> Result<(), ApiError> {
+pub(super) async fn send_input(record: &CommandRecord, data: &[u8]) -> Result<(), ApiError> {
     let mut input = record.input.lock().await;
     let Some(pipe) = input.as_mut() else {
         if record.exit_code().is_some() {

@@ -8,7 +8,7 @@ use axum::extract::ws::{CloseFrame, Message, WebSocket};
 
 use super::CommandRecord;
 
-pub async fn stream(record: Arc<CommandRecord>, mut socket: WebSocket) {
+pub(super) async fn stream(record: Arc<CommandRecord>, mut socket: WebSocket) {
     let mut changes = record.subscribe();
     let mut sent = 0;
     loop {

@@ -193,8 +193,8 @@ impl AsyncWrite for Port {
             let fd = self.registered()?;
             let mut guard = ready!(fd.poll_write_ready(cx))?;
             let stale = guard.ready().is_write_closed();
-            // SAFETY: writes from a valid slice.
             let written = guard.try_io(|fd| {
+                // SAFETY: writes from a valid slice, to a descriptor `fd` keeps open.
                 result(unsafe { libc::write(fd.as_raw_fd(), data.as_ptr().cast(), data.len()) })
             });
             let outcome = match written {

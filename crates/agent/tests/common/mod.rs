@@ -13,32 +13,32 @@ use hyper_util::rt::TokioIo;
 use serde_json::Value;
 use tokio::net::UnixStream;
 
-pub struct Agent {
+pub(crate) struct Agent {
     child: Child,
     socket: PathBuf,
     pub work_dir: PathBuf,
     _dir: tempfile::TempDir,
 }
 
-pub struct Reply {
+pub(crate) struct Reply {
     pub status: StatusCode,
     pub headers: HeaderMap,
     pub body: Bytes,
 }
 
 impl Reply {
-    pub fn json(&self) -> Value {
+    pub(crate) fn json(&self) -> Value {
         serde_json::from_slice(&self.body)
             .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&self.body)))
     }
 }
 
 impl Agent {
-    pub fn start() -> Self {
+    pub(crate) fn start() -> Self {
         Self::start_with(&[])
     }
 
-    pub fn start_with(env: &[(&str, &str)]) -> Self {
+    pub(crate) fn start_with(env: &[(&str, &str)]) -> Self {
         let dir = tempfile::tempdir().unwrap();
         let work_dir = dir.path().join("work");
         std::fs::create_dir(&work_dir).unwrap();
@@ -67,15 +67,15 @@ impl Agent {
         }
     }
 
-    pub fn socket(&self) -> &Path {
+    pub(crate) fn socket(&self) -> &Path {
         &self.socket
     }
 
-    pub fn path(&self, relative: &str) -> PathBuf {
+    pub(crate) fn path(&self, relative: &str) -> PathBuf {
         self.work_dir.join(relative)
     }
 
-    pub async fn request(
+    pub(crate) async fn request(
         &self,
         method: Method,
         uri: &str,
@@ -108,15 +108,15 @@ impl Agent {
         }
     }
 
-    pub async fn get(&self, uri: &str) -> Reply {
+    pub(crate) async fn get(&self, uri: &str) -> Reply {
         self.request(Method::GET, uri, None, Bytes::new()).await
     }
 
-    pub async fn delete(&self, uri: &str) -> Reply {
+    pub(crate) async fn delete(&self, uri: &str) -> Reply {
         self.request(Method::DELETE, uri, None, Bytes::new()).await
     }
 
-    pub async fn post_json(&self, uri: &str, body: Value) -> Reply {
+    pub(crate) async fn post_json(&self, uri: &str, body: Value) -> Reply {
         self.request(
             Method::POST,
             uri,
@@ -127,7 +127,10 @@ impl Agent {
     }
 
     /// Opens a WebSocket on `uri` over the agent's socket.
-    pub async fn websocket(&self, uri: &str) -> tokio_tungstenite::WebSocketStream<UnixStream> {
+    pub(crate) async fn websocket(
+        &self,
+        uri: &str,
+    ) -> tokio_tungstenite::WebSocketStream<UnixStream> {
         let stream = UnixStream::connect(&self.socket).await.unwrap();
         let (socket, _) = tokio_tungstenite::client_async(format!("ws://agent{uri}"), stream)
             .await
@@ -144,7 +147,7 @@ impl Drop for Agent {
 }
 
 /// A `multipart/form-data` body and its content type.
-pub fn multipart(parts: &[(&str, Option<&str>, &[u8])], close: bool) -> (String, Vec<u8>) {
+pub(crate) fn multipart(parts: &[(&str, Option<&str>, &[u8])], close: bool) -> (String, Vec<u8>) {
     let boundary = "test-boundary-7MA4YWxkTrZu0gW";
     let mut body = Vec::new();
     for (name, filename, data) in parts {
@@ -171,7 +174,7 @@ pub fn multipart(parts: &[(&str, Option<&str>, &[u8])], close: bool) -> (String,
 }
 
 /// Parts of a multipart response: (Content-Disposition name, filename, body).
-pub fn parse_multipart(content_type: &str, body: &[u8]) -> Vec<(String, String, Vec<u8>)> {
+pub(crate) fn parse_multipart(content_type: &str, body: &[u8]) -> Vec<(String, String, Vec<u8>)> {
     let boundary = content_type.split("boundary=").nth(1).expect("boundary");
     let delimiter = format!("--{boundary}");
     let closing = format!("--{boundary}--\r\n");
@@ -208,6 +211,6 @@ fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
     haystack.windows(needle.len()).position(|w| w == needle)
 }
 
-pub fn exists(path: &Path) -> bool {
+pub(crate) fn exists(path: &Path) -> bool {
     path.symlink_metadata().is_ok()
 }

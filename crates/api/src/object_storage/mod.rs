@@ -29,7 +29,7 @@ use crate::dto::ORGANIZATION_ID;
 use crate::{ApiError, AppState};
 
 /// The one bucket build contexts go to.
-pub const BUCKET: &str = "cove-build-contexts";
+pub(crate) const BUCKET: &str = "cove-build-contexts";
 /// SigV4 needs a region; there is one.
 const REGION: &str = "us-east-1";
 /// A `CompleteMultipartUpload` body is a list of part numbers and ETags.
@@ -38,7 +38,7 @@ const MAX_COMPLETE_BYTES: usize = 4 << 20;
 /// `StorageAccessDto`.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
-pub struct StorageAccess {
+pub(crate) struct StorageAccess {
     access_key: String,
     secret: String,
     session_token: String,
@@ -69,7 +69,7 @@ fn storage_url(state: &AppState, headers: &HeaderMap) -> Option<String> {
 }
 
 /// `GET /api/object-storage/push-access`.
-pub async fn push_access(
+pub(crate) async fn push_access(
     State(state): State<AppState>,
     headers: HeaderMap,
 ) -> Result<Json<StorageAccess>, ApiError> {
@@ -94,7 +94,7 @@ pub async fn push_access(
 }
 
 /// An S3 error: XML with a code, as S3 clients read it.
-pub struct S3Error {
+pub(crate) struct S3Error {
     status: StatusCode,
     code: &'static str,
     message: String,
@@ -218,7 +218,7 @@ fn declared_sha256(headers: &HeaderMap) -> Result<cove_engine::DeclaredSha256, S
 
 /// The query parameters of the S3 operations served.
 #[derive(Debug, Default, Deserialize)]
-pub struct ObjectQuery {
+pub(crate) struct ObjectQuery {
     uploads: Option<String>,
     #[serde(rename = "uploadId")]
     upload_id: Option<String>,
@@ -250,7 +250,7 @@ struct CompletedPart {
 }
 
 /// Every S3 request on an object: `/object-storage/{bucket}/{*key}`.
-pub async fn object(
+pub(crate) async fn object(
     State(state): State<AppState>,
     Path((bucket, key)): Path<(String, String)>,
     Query(query): Query<ObjectQuery>,
@@ -401,7 +401,7 @@ pub async fn object(
 }
 
 /// A request on a bucket rather than an object (listing, ...): not served.
-pub async fn bucket(method: Method, uri: Uri) -> S3Error {
+pub(crate) async fn bucket(method: Method, uri: Uri) -> S3Error {
     S3Error::new(
         StatusCode::NOT_IMPLEMENTED,
         "NotImplemented",

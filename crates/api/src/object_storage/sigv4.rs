@@ -19,7 +19,7 @@ const MAX_SKEW_SECONDS: i64 = 15 * 60;
 
 /// The parts of an `Authorization` header.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Authorization {
+pub(super) struct Authorization {
     pub access_key: String,
     /// `date/region/service/aws4_request`.
     pub scope: String,
@@ -30,7 +30,7 @@ pub struct Authorization {
 
 /// Why a request is not accepted, as S3 names it.
 #[derive(Debug, PartialEq, Eq)]
-pub struct Refusal {
+pub(super) struct Refusal {
     pub code: &'static str,
     pub message: String,
 }
@@ -43,7 +43,7 @@ fn refuse(code: &'static str, message: impl Into<String>) -> Refusal {
 }
 
 /// Reads `Authorization: AWS4-HMAC-SHA256 Credential=..., SignedHeaders=..., Signature=...`.
-pub fn parse_authorization(headers: &HeaderMap) -> Result<Authorization, Refusal> {
+pub(super) fn parse_authorization(headers: &HeaderMap) -> Result<Authorization, Refusal> {
     let value = headers
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
@@ -134,7 +134,7 @@ fn hmac(key: &[u8], data: &[u8]) -> Vec<u8> {
 }
 
 /// The signature a request should carry, signed with `secret`.
-pub fn signature(
+pub(super) fn signature(
     auth: &Authorization,
     secret: &str,
     method: &Method,
@@ -188,7 +188,7 @@ fn header<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
 
 /// Checks the request's date against `now` (Unix seconds) and its signature
 /// against the one made with `secret`.
-pub fn verify(
+pub(super) fn verify(
     auth: &Authorization,
     secret: &str,
     method: &Method,

@@ -30,22 +30,22 @@ use hyper_util::rt::TokioIo;
 
 use crate::{auth, ApiError, AppState};
 
-pub use tunnel::TunnelClient;
-pub use urls::{expire_signed_preview_url, preview_url, signed_preview_url};
+pub(crate) use tunnel::TunnelClient;
+pub(crate) use urls::{expire_signed_preview_url, preview_url, signed_preview_url};
 
 /// The header Daytona's SDK documents for a sandbox's preview token.
-pub const TOKEN_HEADER: &str = "x-daytona-preview-token";
+pub(crate) const TOKEN_HEADER: &str = "x-daytona-preview-token";
 
 /// The tunnel client and the preview tokens already read, by sandbox id
 /// (a token never changes once made, so the cache cannot go stale).
 #[derive(Clone)]
-pub struct Previews {
+pub(crate) struct Previews {
     tunnels: TunnelClient,
     tokens: Arc<Mutex<HashMap<String, String>>>,
 }
 
 impl Previews {
-    pub fn new() -> Previews {
+    pub(crate) fn new() -> Previews {
         Previews {
             tunnels: TunnelClient::new(),
             tokens: Arc::default(),
@@ -83,7 +83,7 @@ struct Target {
     rest: String,
 }
 
-pub fn parse_port(port: &str) -> Result<u16, ApiError> {
+pub(crate) fn parse_port(port: &str) -> Result<u16, ApiError> {
     // The OpenAPI document types the port as a number, so `3000.0` is a port too.
     let number = port
         .parse::<u64>()
@@ -101,7 +101,11 @@ pub fn parse_port(port: &str) -> Result<u16, ApiError> {
 }
 
 /// Takes preview requests by their Host before any other routing.
-pub async fn by_host(State(state): State<AppState>, request: Request, next: Next) -> Response {
+pub(crate) async fn by_host(
+    State(state): State<AppState>,
+    request: Request,
+    next: Next,
+) -> Response {
     let Some(domain) = state.config.preview_domain.as_deref() else {
         return next.run(request).await;
     };
@@ -142,7 +146,7 @@ pub async fn by_host(State(state): State<AppState>, request: Request, next: Next
 }
 
 /// `/preview/{sandboxIdOrSignedToken}/{port}/...`
-pub async fn by_path(State(state): State<AppState>, request: Request) -> Response {
+pub(crate) async fn by_path(State(state): State<AppState>, request: Request) -> Response {
     let raw = request
         .uri()
         .path_and_query()

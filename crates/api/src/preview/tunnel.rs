@@ -16,12 +16,12 @@ use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
 
 /// The most of an agent's refusal of a tunnel that is read: a JSON message.
-pub const REFUSAL_LIMIT: usize = 64 << 10;
+pub(super) const REFUSAL_LIMIT: usize = 64 << 10;
 
 /// Why a tunnel could not be opened, with the status the preview answers.
 #[derive(Debug, thiserror::Error)]
 #[error("{message}")]
-pub struct TunnelError {
+pub(crate) struct TunnelError {
     pub status: StatusCode,
     pub message: String,
 }
@@ -37,13 +37,13 @@ impl TunnelError {
 
 /// The client and the agent sockets it dials, by sandbox id.
 #[derive(Clone)]
-pub struct TunnelClient {
+pub(crate) struct TunnelClient {
     sockets: Sockets,
     pub client: Pool<TunnelDialer, Body>,
 }
 
 impl TunnelClient {
-    pub fn new() -> TunnelClient {
+    pub(crate) fn new() -> TunnelClient {
         let sockets = Sockets::default();
         // Bodies stream both ways untouched; only heads are parsed, and
         // they are bounded (`cove_agent_client::HEAD_LIMIT`, from an agent
@@ -57,7 +57,7 @@ impl TunnelClient {
     /// Remembers where the agent of sandbox `id` listens (it changes when the
     /// sandbox restarts). An id that is none (it names no agent) is not
     /// kept, and its tunnels fail as those of an unknown sandbox.
-    pub fn set_socket(&self, id: &str, socket: PathBuf) {
+    pub(crate) fn set_socket(&self, id: &str, socket: PathBuf) {
         if let Ok(id) = SandboxId::parse(id) {
             self.sockets.set(&id, socket);
         }
@@ -65,14 +65,14 @@ impl TunnelClient {
 
     /// The URI of `path_and_query` on `port` of sandbox `id`: the pool keeps
     /// connections per authority, so each (sandbox, port) has its own.
-    pub fn uri(id: &str, port: u16, path_and_query: &str) -> Option<Uri> {
+    pub(crate) fn uri(id: &str, port: u16, path_and_query: &str) -> Option<Uri> {
         format!("http://{port}.{id}{path_and_query}").parse().ok()
     }
 }
 
 /// Opens a tunnel for a `http://{port}.{sandboxId}` URI.
 #[derive(Clone)]
-pub struct TunnelDialer {
+pub(crate) struct TunnelDialer {
     sockets: Sockets,
 }
 

@@ -16,7 +16,7 @@ const MAX_SIGNED_S: u32 = 24 * 60 * 60;
 
 /// The label of a preview host (`{port}-{target}`), if `host` (lower case,
 /// with or without a port) is directly under the preview domain.
-pub fn preview_label<'h>(host: &'h str, domain: &str) -> Option<&'h str> {
+pub(super) fn preview_label<'h>(host: &'h str, domain: &str) -> Option<&'h str> {
     let name = match host.rsplit_once(':') {
         Some((name, port)) if port.bytes().all(|b| b.is_ascii_digit()) => name,
         _ => host,
@@ -29,7 +29,7 @@ pub fn preview_label<'h>(host: &'h str, domain: &str) -> Option<&'h str> {
 
 /// Whether a preview target can be a signed token (what the engine makes:
 /// 32 lower-case letters and digits), so other targets skip that lookup.
-pub fn looks_like_token(target: &str) -> bool {
+pub(super) fn looks_like_token(target: &str) -> bool {
     target.len() == 32
         && target
             .bytes()
@@ -64,7 +64,7 @@ fn origin(state: &AppState, headers: &HeaderMap) -> (String, String, String) {
 
 /// The preview URL of `port` of `target` (a sandbox id or a signed token):
 /// host-based with a preview domain, else path-based.
-pub fn url_of(state: &AppState, headers: &HeaderMap, target: &str, port: u16) -> String {
+pub(super) fn url_of(state: &AppState, headers: &HeaderMap, target: &str, port: u16) -> String {
     match &state.config.preview_domain {
         Some(domain) => {
             let (scheme, _, listen_port) = origin(state, headers);
@@ -85,7 +85,7 @@ pub fn url_of(state: &AppState, headers: &HeaderMap, target: &str, port: u16) ->
 }
 
 /// `GET /sandbox/{id}/ports/{port}/preview-url`
-pub async fn preview_url(
+pub(crate) async fn preview_url(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path((id, port)): Path<(String, String)>,
@@ -101,7 +101,7 @@ pub async fn preview_url(
 }
 
 /// `GET /sandbox/{id}/ports/{port}/signed-preview-url?expiresInSeconds=N`
-pub async fn signed_preview_url(
+pub(crate) async fn signed_preview_url(
     State(state): State<AppState>,
     headers: HeaderMap,
     Path((id, port)): Path<(String, String)>,
@@ -132,7 +132,7 @@ pub async fn signed_preview_url(
 }
 
 /// `POST /sandbox/{id}/ports/{port}/signed-preview-url/{token}/expire`
-pub async fn expire_signed_preview_url(
+pub(crate) async fn expire_signed_preview_url(
     State(state): State<AppState>,
     Path((id, port, token)): Path<(String, String, String)>,
 ) -> Result<StatusCode, ApiError> {

@@ -36,7 +36,7 @@ async fn agent_peak_rss_mb(client: &Client, sandbox: &serde_json::Value) -> anyh
 }
 
 /// Uploads and downloads `size` bytes `n` times in `sandbox`.
-pub async fn transfer(
+pub(super) async fn transfer(
     client: &Client,
     sandbox: &serde_json::Value,
     n: usize,

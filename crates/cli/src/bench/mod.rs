@@ -18,7 +18,7 @@ use serde_json::{json, Map, Value};
 use crate::client::Client;
 
 #[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Scenario {
+pub(crate) enum Scenario {
     /// Create a sandbox until its first command answers (the sandbox is deleted untimed).
     Create,
     /// Round trip of `true` in a running sandbox.
@@ -56,7 +56,7 @@ impl Scenario {
 }
 
 #[derive(clap::Args, Debug)]
-pub struct BenchArgs {
+pub(crate) struct BenchArgs {
     pub scenario: Scenario,
     /// API URL of a running server; without it a server is started here.
     #[arg(long)]
@@ -85,13 +85,13 @@ pub struct BenchArgs {
 
 /// What one scenario measured: times of each run in milliseconds, and extra
 /// figures it reports by name.
-pub struct Measurement {
+pub(crate) struct Measurement {
     pub samples: Vec<f64>,
     pub extra: Map<String, Value>,
 }
 
 /// Median, p95 and p99 of `samples` in milliseconds (nearest-rank).
-pub fn summarize(samples: &mut [f64]) -> (f64, f64, f64) {
+pub(crate) fn summarize(samples: &mut [f64]) -> (f64, f64, f64) {
     samples.sort_by(f64::total_cmp);
     let rank = |p: f64| {
         let index = ((p / 100.0) * samples.len() as f64).ceil() as usize;
@@ -100,7 +100,7 @@ pub fn summarize(samples: &mut [f64]) -> (f64, f64, f64) {
     (rank(50.0), rank(95.0), rank(99.0))
 }
 
-pub async fn run(args: BenchArgs) -> anyhow::Result<()> {
+pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.n > 0, "--n must be at least 1");
     if args.scenario == Scenario::Net {
         anyhow::ensure!(

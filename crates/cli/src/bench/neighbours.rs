@@ -23,7 +23,7 @@ const RANGE_SIZE: u32 = 65_536;
 
 /// The host resources of one own server.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Slot {
+pub(super) struct Slot {
     pub bridge: String,
     pub network_range: String,
     pub route_table: u32,
@@ -42,7 +42,7 @@ impl Slot {
     }
 
     /// The `cove serve` arguments that give a server this slot.
-    pub fn args(&self) -> Vec<String> {
+    pub(super) fn args(&self) -> Vec<String> {
         vec![
             "--bridge".into(),
             self.bridge.clone(),
@@ -58,7 +58,7 @@ impl Slot {
     /// The first slot whose bridge no server holds and whose range no host
     /// route covers. The bridge lock is what the server takes; a slot picked
     /// here is taken by the server within its start (the caller waits for it).
-    pub fn free() -> anyhow::Result<Slot> {
+    pub(super) fn free() -> anyhow::Result<Slot> {
         let routes = std::fs::read_to_string("/proc/net/route").unwrap_or_default();
         let taken = host_routes(&routes);
         for n in 0..SLOTS {

@@ -18,14 +18,14 @@ const KEY: &str = "cove-bench-key";
 /// The first start may build the default image.
 const READY_TIMEOUT: Duration = Duration::from_secs(600);
 
-pub struct OwnServer {
+pub(super) struct OwnServer {
     child: tokio::process::Child,
     url: String,
     dir: tempfile::TempDir,
 }
 
 impl OwnServer {
-    pub async fn start(images_dir: &Path, extra_args: &[&str]) -> anyhow::Result<OwnServer> {
+    pub(super) async fn start(images_dir: &Path, extra_args: &[&str]) -> anyhow::Result<OwnServer> {
         let slot = Slot::free()?;
         // Short: sandbox sockets live under it and a socket path has 107 bytes.
         let dir = tempfile::Builder::new().prefix("cvb").tempdir_in("/tmp")?;
@@ -75,18 +75,18 @@ impl OwnServer {
         }
     }
 
-    pub fn client(&self) -> Client {
+    pub(super) fn client(&self) -> Client {
         Client::new(&self.url, KEY)
     }
 
     /// The server's peak resident memory so far (VmHWM), in MiB.
-    pub fn peak_rss_mb(&self) -> Option<f64> {
+    pub(super) fn peak_rss_mb(&self) -> Option<f64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()?)).ok()?;
         peak_rss_mb(&status)
     }
 
     /// Ends the server and removes everything it made on the host.
-    pub async fn stop(mut self) -> anyhow::Result<()> {
+    pub(super) async fn stop(mut self) -> anyhow::Result<()> {
         // SIGTERM first: the server removes its sandbox network (bridge,
         // firewall tables, routes) on the way out.
         if let Some(pid) = self.child.id() {
@@ -131,7 +131,7 @@ impl OwnServer {
 }
 
 /// VmHWM of a `/proc/<pid>/status` text, in MiB.
-pub fn peak_rss_mb(status: &str) -> Option<f64> {
+pub(super) fn peak_rss_mb(status: &str) -> Option<f64> {
     let line = status.lines().find(|l| l.starts_with("VmHWM:"))?;
     let kib: f64 = line.split_whitespace().nth(1)?.parse().ok()?;
     Some(kib / 1024.0)

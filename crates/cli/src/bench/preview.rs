@@ -111,7 +111,7 @@ async fn serve_file(
 }
 
 /// Downloads `size` bytes `n` times through the preview URL of `sandbox`.
-pub async fn download(
+pub(super) async fn download(
     client: &Client,
     sandbox: &Value,
     n: usize,

@@ -9,7 +9,7 @@ use serde_json::{json, Map, Value};
 use super::Measurement;
 use crate::client::Client;
 
-pub async fn create_sandbox(client: &Client) -> anyhow::Result<Value> {
+pub(super) async fn create_sandbox(client: &Client) -> anyhow::Result<Value> {
     client
         .api(
             Method::POST,
@@ -19,7 +19,7 @@ pub async fn create_sandbox(client: &Client) -> anyhow::Result<Value> {
         .await
 }
 
-pub async fn run_command(
+pub(super) async fn run_command(
     client: &Client,
     sandbox: &Value,
     command: &str,
@@ -39,7 +39,7 @@ pub async fn run_command(
     Ok(result["result"].as_str().unwrap_or_default().to_owned())
 }
 
-pub async fn delete_sandbox(client: &Client, sandbox: &Value) -> anyhow::Result<()> {
+pub(super) async fn delete_sandbox(client: &Client, sandbox: &Value) -> anyhow::Result<()> {
     let id = sandbox["id"].as_str().context("sandbox without id")?;
     client
         .api(Method::DELETE, &format!("/sandbox/{id}"), None)
@@ -48,7 +48,7 @@ pub async fn delete_sandbox(client: &Client, sandbox: &Value) -> anyhow::Result<
 }
 
 /// Runs `work` in a new sandbox, deleted afterwards whatever happened.
-pub async fn with_sandbox<T>(
+pub(super) async fn with_sandbox<T>(
     client: &Client,
     work: impl AsyncFnOnce(&Value) -> anyhow::Result<T>,
 ) -> anyhow::Result<T> {
@@ -63,7 +63,10 @@ fn ms_since(started: Instant) -> f64 {
 }
 
 /// Create -> first command answered, each in a new sandbox.
-pub async fn create_to_first_command(client: &Client, n: usize) -> anyhow::Result<Measurement> {
+pub(super) async fn create_to_first_command(
+    client: &Client,
+    n: usize,
+) -> anyhow::Result<Measurement> {
     // One unmeasured run warms caches (the image's pages, connections).
     let warm = create_sandbox(client).await?;
     run_command(client, &warm, "true").await?;
@@ -83,7 +86,7 @@ pub async fn create_to_first_command(client: &Client, n: usize) -> anyhow::Resul
 }
 
 /// The round trip of `true` in one running sandbox.
-pub async fn exec_round_trip(client: &Client, n: usize) -> anyhow::Result<Measurement> {
+pub(super) async fn exec_round_trip(client: &Client, n: usize) -> anyhow::Result<Measurement> {
     with_sandbox(client, async |sandbox| {
         for _ in 0..5 {
             run_command(client, sandbox, "true").await?;

@@ -19,7 +19,7 @@ while time.monotonic()<end:\n    time.sleep(0.001)\n    now=time.monotonic();wor
 open('/tmp/worst-gap','w').write(str(worst*1000))\n";
 
 /// Writes `size_mb` in `sandbox`, then takes `n` live snapshots of it.
-pub async fn live(
+pub(super) async fn live(
     client: &Client,
     sandbox: &serde_json::Value,
     n: usize,

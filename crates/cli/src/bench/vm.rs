@@ -68,7 +68,11 @@ const CREATE_SPACING: Duration = Duration::from_secs(3);
 
 /// Create -> first command answered, each in a new VM (from the template),
 /// one every [`CREATE_SPACING`].
-pub async fn create(client: &Client, snapshot: &str, n: usize) -> anyhow::Result<Measurement> {
+pub(super) async fn create(
+    client: &Client,
+    snapshot: &str,
+    n: usize,
+) -> anyhow::Result<Measurement> {
     // The first create may wait for the template to be made; not measured.
     let warm = create_vm(client, snapshot).await?;
     run_command(client, &warm, "true").await?;
@@ -92,7 +96,7 @@ pub async fn create(client: &Client, snapshot: &str, n: usize) -> anyhow::Result
 
 /// Pause (request until `paused`) and resume (request until a command
 /// answers) of one VM, `n` times each; returns (pause, resume) samples.
-pub async fn pause_and_resume(
+pub(super) async fn pause_and_resume(
     client: &Client,
     snapshot: &str,
     n: usize,
@@ -124,7 +128,7 @@ pub async fn pause_and_resume(
 
 /// Fork request -> the child answers a command, `n` times from one parent
 /// whose processes record the longest stop they saw.
-pub async fn fork(client: &Client, snapshot: &str, n: usize) -> anyhow::Result<Measurement> {
+pub(super) async fn fork(client: &Client, snapshot: &str, n: usize) -> anyhow::Result<Measurement> {
     with_vm(client, snapshot, async |parent| {
         let id = id_of(parent)?;
         let secs = 10 + n * 5;
@@ -191,7 +195,11 @@ async fn start_session_command(
 }
 
 /// The pause scenario's figures, with resume's beside them.
-pub async fn pause(client: &Client, snapshot: &str, n: usize) -> anyhow::Result<Measurement> {
+pub(super) async fn pause(
+    client: &Client,
+    snapshot: &str,
+    n: usize,
+) -> anyhow::Result<Measurement> {
     let (samples, mut resumes) = pause_and_resume(client, snapshot, n).await?;
     let (median, p95, _) = summarize(&mut resumes);
     let mut extra = Map::new();
@@ -201,7 +209,11 @@ pub async fn pause(client: &Client, snapshot: &str, n: usize) -> anyhow::Result<
 }
 
 /// The resume scenario's figures, with pause's beside them.
-pub async fn resume(client: &Client, snapshot: &str, n: usize) -> anyhow::Result<Measurement> {
+pub(super) async fn resume(
+    client: &Client,
+    snapshot: &str,
+    n: usize,
+) -> anyhow::Result<Measurement> {
     let (mut pauses, samples) = pause_and_resume(client, snapshot, n).await?;
     let (median, p95, _) = summarize(&mut pauses);
     let mut extra = Map::new();

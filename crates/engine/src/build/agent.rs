@@ -14,14 +14,14 @@ use futures_util::TryStreamExt as _;
 use http_body_util::BodyExt as _;
 
 /// A `RUN` may install a toolchain; it still ends some day.
-pub const RUN_TIMEOUT: Duration = Duration::from_secs(60 * 60);
+pub(crate) const RUN_TIMEOUT: Duration = Duration::from_secs(60 * 60);
 /// The most of an answer of a build sandbox's agent that is read: a `RUN`'s
 /// whole output comes back in `/process/execute`'s JSON. The sandbox runs
 /// the Dockerfile's commands, so its answers are not trusted to end.
-pub const ANSWER_LIMIT: usize = 8 << 20;
+pub(crate) const ANSWER_LIMIT: usize = 8 << 20;
 
 /// What `/process/execute` answers.
-pub type Executed = cove_protocol::ExecuteResponse;
+pub(crate) type Executed = cove_protocol::ExecuteResponse;
 
 /// The agent of build sandbox `sandbox`, listening on `socket`.
 fn agent(sandbox: &str, socket: &Path) -> AgentClient<UnixSocket> {
@@ -31,7 +31,7 @@ fn agent(sandbox: &str, socket: &Path) -> AgentClient<UnixSocket> {
 /// What went wrong in a call to a build sandbox's agent, in the builder's
 /// words: an answer past the limit is the `RUN` step's to fix.
 #[derive(Debug, thiserror::Error)]
-pub enum BuildAgentError {
+pub(crate) enum BuildAgentError {
     #[error(
         "the agent of build sandbox {sandbox} answered more than {} MiB; \
          a RUN step's output must stay under that (send it to a file)",
@@ -85,7 +85,7 @@ fn failure(sandbox: &str, error: AgentError) -> BuildAgentError {
 
 /// Runs `argv` (quoted for the agent's shell) in `cwd` with `envs` added,
 /// in build sandbox `sandbox` whose agent listens on `socket`.
-pub async fn execute(
+pub(crate) async fn execute(
     sandbox: &str,
     socket: &Path,
     argv: &[String],
@@ -111,7 +111,11 @@ pub async fn execute(
 
 /// Whether `path` (absolute, in the build sandbox) is a directory; a path
 /// that does not exist is not.
-pub async fn is_dir(sandbox: &str, socket: &Path, path: &str) -> Result<bool, BuildAgentError> {
+pub(crate) async fn is_dir(
+    sandbox: &str,
+    socket: &Path,
+    path: &str,
+) -> Result<bool, BuildAgentError> {
     let query: String = url::form_urlencoded::Serializer::new(String::new())
         .append_pair("path", path)
         .finish();
@@ -138,7 +142,7 @@ pub async fn is_dir(sandbox: &str, socket: &Path, path: &str) -> Result<bool, Bu
 
 /// Unpacks the tar archive `archive` at the build sandbox's root, every
 /// entry owned by `owner` (Docker's `--chown` form) when given.
-pub async fn unpack(
+pub(crate) async fn unpack(
     sandbox: &str,
     socket: &Path,
     archive: &Path,
@@ -175,7 +179,7 @@ fn agent_message(body: &[u8]) -> String {
 }
 
 /// One word for a POSIX shell.
-pub fn shell_quote(word: &str) -> String {
+pub(crate) fn shell_quote(word: &str) -> String {
     format!("'{}'", word.replace('\'', r"'\''"))
 }
 

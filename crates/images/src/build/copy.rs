@@ -68,7 +68,7 @@ fn io(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CopyE
 }
 
 /// Unpacks the context archives into `into`, later ones over earlier ones.
-pub fn unpack_contexts(archives: &[PathBuf], into: &Path) -> Result<(), CopyError> {
+pub(super) fn unpack_contexts(archives: &[PathBuf], into: &Path) -> Result<(), CopyError> {
     std::fs::create_dir_all(into).map_err(io("creating", into))?;
     for archive in archives {
         let file = File::open(archive).map_err(io("opening build context", archive))?;
@@ -84,7 +84,7 @@ pub fn unpack_contexts(archives: &[PathBuf], into: &Path) -> Result<(), CopyErro
 
 /// `path` made absolute against `workdir` and normalized (`.`, `..` and
 /// repeated slashes resolved), without the leading `/`; empty for the root.
-pub fn image_path(path: &str, workdir: Option<&str>) -> String {
+pub(super) fn image_path(path: &str, workdir: Option<&str>) -> String {
     let joined = if path.starts_with('/') {
         path.to_owned()
     } else {
@@ -151,7 +151,10 @@ fn walk(root: &Path, relative: &Path, out: &mut Vec<PathBuf>) -> Result<(), Copy
 
 /// The context paths `sources` name: globs (`*`, `?`, `[...]`, not across
 /// `/`) expand to what they match, in order; a plain path must exist.
-pub fn resolve_sources(context: &Path, sources: &[String]) -> Result<Vec<PathBuf>, CopyError> {
+pub(super) fn resolve_sources(
+    context: &Path,
+    sources: &[String],
+) -> Result<Vec<PathBuf>, CopyError> {
     let mut everything: Option<Vec<PathBuf>> = None;
     let mut resolved = Vec::new();
     for source in sources {
@@ -204,7 +207,7 @@ pub fn resolve_sources(context: &Path, sources: &[String]) -> Result<Vec<PathBuf
 
 /// How the archive writer treats what it copies.
 #[derive(Clone, Copy, Debug)]
-pub struct Options {
+pub(super) struct Options {
     /// `--chmod`: the mode of every entry.
     pub chmod: Option<u32>,
     /// `ADD`: unpack local tar archives.
@@ -223,7 +226,7 @@ impl From<&Copy> for Options {
 /// Writes the archive of a `COPY`/`ADD` to `out`: `sources` (context paths)
 /// placed at `dest` (an image path from [`image_path`]), which is a
 /// directory when `dest_is_dir`. Answers how many entries it holds.
-pub fn write_archive(
+pub(super) fn write_archive(
     context: &Path,
     sources: &[PathBuf],
     dest: &str,

@@ -308,7 +308,7 @@ fn command(rest: &str) -> Result<Command, DockerfileError> {
 
 /// `ENV KEY=value KEY2="two words" PATH=/x:$PATH` or the old `ENV KEY value`
 /// form; `$VAR` and `${VAR}` expand from `vars` outside single quotes.
-pub fn parse_env(
+pub(super) fn parse_env(
     rest: &str,
     vars: &BTreeMap<String, String>,
 ) -> Result<Vec<(String, String)>, DockerfileError> {
@@ -353,7 +353,7 @@ pub fn parse_env(
 
 /// Expands `$VAR` and `${VAR}` (unset ones are empty), as Docker does in
 /// `WORKDIR`, `USER` and `ENV`.
-pub fn expand(text: &str, vars: &BTreeMap<String, String>) -> String {
+pub(super) fn expand(text: &str, vars: &BTreeMap<String, String>) -> String {
     let mut out = String::new();
     let mut chars = text.chars().peekable();
     while let Some(c) = chars.next() {

@@ -13,11 +13,11 @@ use std::sync::Mutex;
 use tokio::sync::watch;
 
 /// The beginning of a log kept whole (where a build says what it is doing).
-pub const HEAD_BYTES: usize = 256 << 10;
+pub(super) const HEAD_BYTES: usize = 256 << 10;
 /// The end of a log kept (where a build says why it failed).
-pub const TAIL_BYTES: usize = 768 << 10;
+pub(super) const TAIL_BYTES: usize = 768 << 10;
 /// The longest line kept; the rest of a longer one is dropped.
-pub const MAX_LINE_BYTES: usize = 16 << 10;
+pub(super) const MAX_LINE_BYTES: usize = 16 << 10;
 
 /// The log of one build.
 #[derive(Debug)]

@@ -18,12 +18,12 @@ use std::time::Duration;
 use cove_images::Progress;
 use sha2::{Digest, Sha256};
 
-pub const M1: u64 = 1_600_000_000;
-pub const M2: u64 = 1_700_000_000;
+pub(crate) const M1: u64 = 1_600_000_000;
+pub(crate) const M2: u64 = 1_700_000_000;
 
 /// A scratch directory on the disk filesystem (hard links and xattrs need a
 /// real one; /tmp may be tmpfs elsewhere).
-pub fn scratch() -> tempfile::TempDir {
+pub(crate) fn scratch() -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix("cove-images-test-")
         .tempdir_in("/var/tmp")
@@ -31,19 +31,19 @@ pub fn scratch() -> tempfile::TempDir {
 }
 
 /// Unpacking sets owners and file capabilities: only root can. CI runs as root.
-pub fn is_root() -> bool {
+pub(crate) fn is_root() -> bool {
     rustix::process::geteuid().is_root()
 }
 
 /// Writes layer tars entry by entry with raw headers, so tests can write what
 /// `tar::Builder` would refuse (`..`, absolute names).
-pub struct LayerTar {
+pub(crate) struct LayerTar {
     builder: tar::Builder<Vec<u8>>,
     mtime: u64,
 }
 
 impl LayerTar {
-    pub fn new(mtime: u64) -> Self {
+    pub(crate) fn new(mtime: u64) -> Self {
         LayerTar {
             builder: tar::Builder::new(Vec::new()),
             mtime,
@@ -92,11 +92,17 @@ impl LayerTar {
         self
     }
 
-    pub fn dir(&mut self, path: &str, mode: u32, owner: (u64, u64)) -> &mut Self {
+    pub(crate) fn dir(&mut self, path: &str, mode: u32, owner: (u64, u64)) -> &mut Self {
         self.entry(tar::EntryType::Directory, path, None, mode, owner, b"", &[])
     }
 
-    pub fn file(&mut self, path: &str, content: &str, mode: u32, owner: (u64, u64)) -> &mut Self {
+    pub(crate) fn file(
+        &mut self,
+        path: &str,
+        content: &str,
+        mode: u32,
+        owner: (u64, u64),
+    ) -> &mut Self {
         self.entry(
             tar::EntryType::Regular,
             path,
@@ -108,7 +114,7 @@ impl LayerTar {
         )
     }
 
-    pub fn file_xattrs(
+    pub(crate) fn file_xattrs(
         &mut self,
         path: &str,
         content: &str,
@@ -126,7 +132,7 @@ impl LayerTar {
         )
     }
 
-    pub fn symlink(&mut self, path: &str, target: &str) -> &mut Self {
+    pub(crate) fn symlink(&mut self, path: &str, target: &str) -> &mut Self {
         self.entry(
             tar::EntryType::Symlink,
             path,
@@ -138,7 +144,7 @@ impl LayerTar {
         )
     }
 
-    pub fn hardlink(&mut self, path: &str, target: &str) -> &mut Self {
+    pub(crate) fn hardlink(&mut self, path: &str, target: &str) -> &mut Self {
         self.entry(
             tar::EntryType::Link,
             path,
@@ -150,49 +156,49 @@ impl LayerTar {
         )
     }
 
-    pub fn fifo(&mut self, path: &str, mode: u32) -> &mut Self {
+    pub(crate) fn fifo(&mut self, path: &str, mode: u32) -> &mut Self {
         self.entry(tar::EntryType::Fifo, path, None, mode, (0, 0), b"", &[])
     }
 
-    pub fn char_device(&mut self, path: &str) -> &mut Self {
+    pub(crate) fn char_device(&mut self, path: &str) -> &mut Self {
         self.entry(tar::EntryType::Char, path, None, 0o666, (0, 0), b"", &[])
     }
 
-    pub fn whiteout(&mut self, path: &str) -> &mut Self {
+    pub(crate) fn whiteout(&mut self, path: &str) -> &mut Self {
         self.entry(tar::EntryType::Regular, path, None, 0, (0, 0), b"", &[])
     }
 
-    pub fn finish(&mut self) -> Vec<u8> {
+    pub(crate) fn finish(&mut self) -> Vec<u8> {
         let builder = std::mem::replace(&mut self.builder, tar::Builder::new(Vec::new()));
         builder.into_inner().unwrap()
     }
 }
 
 #[derive(Clone, Copy, Debug)]
-pub enum Compression {
+pub(crate) enum Compression {
     None,
     Gzip,
     Zstd,
 }
 
-pub struct Layer {
+pub(crate) struct Layer {
     pub tar: Vec<u8>,
     pub compression: Compression,
 }
 
 #[derive(Clone, Debug)]
-pub struct Descriptor {
+pub(crate) struct Descriptor {
     pub media_type: &'static str,
     pub digest: String,
     pub size: usize,
 }
 
-pub fn sha256(bytes: &[u8]) -> String {
+pub(crate) fn sha256(bytes: &[u8]) -> String {
     format!("sha256:{}", hex::encode(Sha256::digest(bytes)))
 }
 
 /// Writes a blob into a layout and describes it.
-pub fn write_blob(layout: &Path, media_type: &'static str, bytes: &[u8]) -> Descriptor {
+pub(crate) fn write_blob(layout: &Path, media_type: &'static str, bytes: &[u8]) -> Descriptor {
     let digest = sha256(bytes);
     let dir = layout.join("blobs/sha256");
     std::fs::create_dir_all(&dir).unwrap();
@@ -204,13 +210,13 @@ pub fn write_blob(layout: &Path, media_type: &'static str, bytes: &[u8]) -> Desc
     }
 }
 
-pub fn descriptor_json(d: &Descriptor) -> serde_json::Value {
+pub(crate) fn descriptor_json(d: &Descriptor) -> serde_json::Value {
     serde_json::json!({"mediaType": d.media_type, "digest": d.digest, "size": d.size})
 }
 
 /// Writes one image (layers, config, manifest) into a layout's blobs; returns
 /// the manifest's descriptor and the config digest (the image id).
-pub fn write_image(layout: &Path, layers: &[Layer], arch: &str) -> (Descriptor, String) {
+pub(crate) fn write_image(layout: &Path, layers: &[Layer], arch: &str) -> (Descriptor, String) {
     let mut layer_descs = Vec::new();
     let mut diff_ids = Vec::new();
     for layer in layers {
@@ -268,7 +274,7 @@ pub fn write_image(layout: &Path, layers: &[Layer], arch: &str) -> (Descriptor, 
 }
 
 /// Writes an index blob over platform manifests: `(descriptor, arch)`.
-pub fn write_platform_index(layout: &Path, manifests: &[(Descriptor, &str)]) -> Descriptor {
+pub(crate) fn write_platform_index(layout: &Path, manifests: &[(Descriptor, &str)]) -> Descriptor {
     let entries: Vec<_> = manifests
         .iter()
         .map(|(d, arch)| {
@@ -290,7 +296,7 @@ pub fn write_platform_index(layout: &Path, manifests: &[(Descriptor, &str)]) -> 
 }
 
 /// Writes `index.json` and `oci-layout`, naming each entry by a tag.
-pub fn write_layout_index(layout: &Path, entries: &[(Descriptor, &str)]) {
+pub(crate) fn write_layout_index(layout: &Path, entries: &[(Descriptor, &str)]) {
     let manifests: Vec<_> = entries
         .iter()
         .map(|(d, tag)| {
@@ -314,7 +320,7 @@ pub fn write_layout_index(layout: &Path, entries: &[(Descriptor, &str)]) {
 
 /// A `security.capability` value granting cap_net_raw, effective
 /// (struct vfs_cap_data, revision 2).
-pub fn net_raw_capability() -> Vec<u8> {
+pub(crate) fn net_raw_capability() -> Vec<u8> {
     let mut v = Vec::new();
     v.extend(0x0200_0001u32.to_le_bytes());
     v.extend((1u32 << 13).to_le_bytes());
@@ -327,7 +333,7 @@ pub fn net_raw_capability() -> Vec<u8> {
 /// The main test image: three layers (gzip, zstd, plain) with whiteouts, an
 /// opaque directory, modes, owners, setuid, symlinks, hard links within and
 /// across layers, xattrs, a FIFO and a device node.
-pub fn sample_layers(second: Compression) -> Vec<Layer> {
+pub(crate) fn sample_layers(second: Compression) -> Vec<Layer> {
     let capability = net_raw_capability();
     let layer1 = LayerTar::new(M1)
         .dir("./", 0o755, (0, 0))
@@ -396,7 +402,7 @@ pub fn sample_layers(second: Compression) -> Vec<Layer> {
 }
 
 /// What `sample_layers` must flatten to (from `listing`).
-pub const SAMPLE_TREE: &str = "\
+pub(crate) const SAMPLE_TREE: &str = "\
 / dir 755 0:0
 /bin dir 755 0:0
 /bin/ping file 755 0:0 \"ping\" security.capability=0100000200200000000000000000000000000000
@@ -432,7 +438,7 @@ pub const SAMPLE_TREE: &str = "\
 
 /// One line per entry: path, type, mode, owner, then content, link target,
 /// hard link group (`#n`, numbered in order of appearance) and xattrs.
-pub fn listing(root: &Path) -> String {
+pub(crate) fn listing(root: &Path) -> String {
     let mut out = String::new();
     let mut inodes: HashMap<u64, usize> = HashMap::new();
     let mut counts: HashMap<u64, usize> = HashMap::new();
@@ -504,7 +510,7 @@ fn collect(root: &Path, rel: &Path, out: &mut Vec<(PathBuf, std::fs::Metadata)>)
 }
 
 /// The xattrs of a file (not following symlinks), sorted.
-pub fn xattrs(path: &Path) -> Vec<(String, Vec<u8>)> {
+pub(crate) fn xattrs(path: &Path) -> Vec<(String, Vec<u8>)> {
     let mut names = vec![0u8; 65536];
     let Ok(len) = rustix::fs::llistxattr(path, &mut names[..]) else {
         return Vec::new();
@@ -522,25 +528,25 @@ pub fn xattrs(path: &Path) -> Vec<(String, Vec<u8>)> {
     out
 }
 
-pub fn mtime(path: &Path) -> u64 {
+pub(crate) fn mtime(path: &Path) -> u64 {
     std::fs::symlink_metadata(path).unwrap().mtime() as u64
 }
 
 /// Collects progress events for later checks.
 #[derive(Clone, Default)]
-pub struct Events(Arc<Mutex<Vec<Progress>>>);
+pub(crate) struct Events(Arc<Mutex<Vec<Progress>>>);
 
 impl Events {
-    pub fn sink(&self) -> impl Fn(&Progress) + Send + Sync + 'static {
+    pub(crate) fn sink(&self) -> impl Fn(&Progress) + Send + Sync + 'static {
         let events = self.0.clone();
         move |p: &Progress| events.lock().unwrap().push(p.clone())
     }
 
-    pub fn all(&self) -> Vec<Progress> {
+    pub(crate) fn all(&self) -> Vec<Progress> {
         self.0.lock().unwrap().clone()
     }
 
-    pub fn count(&self, pred: impl Fn(&Progress) -> bool) -> usize {
+    pub(crate) fn count(&self, pred: impl Fn(&Progress) -> bool) -> usize {
         self.all().iter().filter(|p| pred(p)).count()
     }
 }
@@ -556,7 +562,7 @@ fn have(program: &str) -> bool {
 
 /// `true` when the named programs exist. Otherwise the test is skipped
 /// with the reason, or fails under `COVE_TEST_STRICT=1` (`cove-testenv`).
-pub fn tools(programs: &[&str]) -> bool {
+pub(crate) fn tools(programs: &[&str]) -> bool {
     let missing: Vec<&str> = programs.iter().copied().filter(|p| !have(p)).collect();
     if missing.is_empty() {
         return true;
@@ -569,13 +575,13 @@ pub fn tools(programs: &[&str]) -> bool {
 }
 
 /// Skips (or, under `COVE_TEST_STRICT=1`, fails) a test that needs root.
-pub fn root() -> bool {
+pub(crate) fn root() -> bool {
     cove_testenv::root("unpacking images")
 }
 
 /// A `docker-registry` (CNCF distribution) serving on a free loopback port
 /// from its own temporary storage; killed (by PID) when dropped.
-pub struct Registry {
+pub(crate) struct Registry {
     child: Child,
     pub port: u16,
     dir: tempfile::TempDir,
@@ -583,7 +589,7 @@ pub struct Registry {
 
 impl Registry {
     /// Starts a registry; with `user`, it requires that basic-auth login.
-    pub fn start(user: Option<(&str, &str)>) -> Registry {
+    pub(crate) fn start(user: Option<(&str, &str)>) -> Registry {
         let dir = scratch();
         let port = free_port();
         let mut config = format!(
@@ -624,18 +630,18 @@ impl Registry {
         panic!("the registry did not start: {}", registry.log());
     }
 
-    pub fn host(&self) -> String {
+    pub(crate) fn host(&self) -> String {
         format!("127.0.0.1:{}", self.port)
     }
 
-    pub fn log(&self) -> String {
+    pub(crate) fn log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("registry.log")).unwrap_or_default()
     }
 
     /// Copies `oci:<layout>:<tag>` to `<this registry>/<repo>` with skopeo and
     /// returns the digest of the manifest as pushed (skopeo may rewrite it,
     /// e.g. compress a plain layer).
-    pub fn push(&self, layout: &Path, tag: &str, repo: &str, extra: &[&str]) -> String {
+    pub(crate) fn push(&self, layout: &Path, tag: &str, repo: &str, extra: &[&str]) -> String {
         let dest = format!("docker://{}/{repo}", self.host());
         let digest_file = self.dir.path().join("pushed.digest");
         let digest_arg = format!("--digestfile={}", digest_file.display());
@@ -656,7 +662,7 @@ impl Drop for Registry {
     }
 }
 
-pub fn skopeo(args: &[&str]) {
+pub(crate) fn skopeo(args: &[&str]) {
     let out = Command::new("skopeo")
         .arg("--insecure-policy")
         .args(args)
@@ -670,7 +676,7 @@ pub fn skopeo(args: &[&str]) {
 }
 
 /// A loopback port nothing listens on right now.
-pub fn free_port() -> u16 {
+pub(crate) fn free_port() -> u16 {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     listener.local_addr().unwrap().port()
 }

@@ -34,7 +34,7 @@ const NFTA_DATA_VALUE: u16 = 1;
 
 /// nftables address families (`NFPROTO_*`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Family {
+pub(crate) enum Family {
     Inet = 1,
     Bridge = 7,
 }
@@ -42,7 +42,7 @@ pub enum Family {
 /// One set element: a key, the end of its range for interval sets, and a
 /// timeout for sets with timeouts.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub struct Element {
+pub(crate) struct Element {
     pub key: Vec<u8>,
     pub key_end: Option<Vec<u8>>,
     pub timeout_ms: Option<u64>,
@@ -56,7 +56,7 @@ pub enum Change {
 
 /// One message of a batch: add or delete elements of one set.
 #[derive(Clone, Debug)]
-pub struct SetChange<'a> {
+pub(crate) struct SetChange<'a> {
     pub change: Change,
     pub family: Family,
     pub table: &'a str,
@@ -65,7 +65,7 @@ pub struct SetChange<'a> {
 }
 
 /// A netlink socket for nftables in the namespace it was opened in.
-pub struct ElementSocket {
+pub(crate) struct ElementSocket {
     socket: Socket,
     seq: u32,
     buffer: Vec<u8>,
@@ -104,7 +104,7 @@ impl BatchError {
 }
 
 impl ElementSocket {
-    pub fn open() -> io::Result<Self> {
+    pub(crate) fn open() -> io::Result<Self> {
         let mut socket = Socket::new(NETLINK_NETFILTER)?;
         socket.bind(&SocketAddr::new(0, 0))?;
         // Acknowledgements of a large batch must fit; they are read right after.
@@ -118,7 +118,7 @@ impl ElementSocket {
 
     /// Applies every change or none (the kernel aborts the whole batch on the
     /// first error). Changes with no elements are skipped.
-    pub fn apply(&mut self, changes: &[SetChange<'_>]) -> Result<(), BatchError> {
+    pub(crate) fn apply(&mut self, changes: &[SetChange<'_>]) -> Result<(), BatchError> {
         let changes: Vec<&SetChange<'_>> =
             changes.iter().filter(|c| !c.elements.is_empty()).collect();
         if changes.is_empty() {

@@ -163,7 +163,7 @@ pub(crate) struct Firewall {
 }
 
 impl Firewall {
-    pub fn open(config: &NetworkConfig) -> Result<Self, NetError> {
+    pub(crate) fn open(config: &NetworkConfig) -> Result<Self, NetError> {
         let socket = ElementSocket::open().map_err(|source| NetError::Io {
             action: "open an nftables netlink socket".into(),
             source,
@@ -174,7 +174,7 @@ impl Firewall {
         })
     }
 
-    pub fn apply(&self, changes: &[Changes]) -> Result<(), BatchError> {
+    pub(crate) fn apply(&self, changes: &[Changes]) -> Result<(), BatchError> {
         let messages: Vec<SetChange<'_>> = changes
             .iter()
             .map(|c| SetChange {

@@ -41,7 +41,7 @@ pub(crate) struct Refused {
 
 impl PerSource {
     /// `what` names the resource in the log line of a refusal.
-    pub fn new(what: &'static str, cap: usize) -> Arc<Self> {
+    pub(super) fn new(what: &'static str, cap: usize) -> Arc<Self> {
         Arc::new(Self {
             what,
             cap,
@@ -52,7 +52,7 @@ impl PerSource {
     /// A unit for `source`, or a refusal if it holds `cap` already. A refused
     /// source is logged once (at debug: a sandbox can make this happen at
     /// will) until it has given back everything it held.
-    pub fn try_take(self: &Arc<Self>, source: Ipv4Addr) -> Result<Slot, Refused> {
+    pub(super) fn try_take(self: &Arc<Self>, source: Ipv4Addr) -> Result<Slot, Refused> {
         let mut held = self.lock();
         let holding = held.entry(source).or_default();
         if holding.count >= self.cap {
@@ -72,7 +72,7 @@ impl PerSource {
 
     /// How many units `source` holds.
     #[cfg(test)]
-    pub fn held(&self, source: Ipv4Addr) -> usize {
+    pub(super) fn held(&self, source: Ipv4Addr) -> usize {
         self.lock().get(&source).map_or(0, |h| h.count)
     }
 

@@ -76,7 +76,7 @@ struct Context {
 impl Resolver {
     /// Binds both sockets on `listen` (the gateway, which must be on a local
     /// interface already) and starts serving.
-    pub async fn start(
+    pub(crate) async fn start(
         listen: SocketAddrV4,
         upstreams: Vec<SocketAddrV4>,
         mark: u32,

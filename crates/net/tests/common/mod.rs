@@ -25,18 +25,18 @@ use cove_net::{Network, NetworkConfig, Uplink};
 use hickory_proto::op::{Message, MessageType, OpCode, Query, ResponseCode};
 use hickory_proto::rr::{rdata::A, Name, RData, Record, RecordType};
 
-pub const ALLOWED_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
-pub const DENIED_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
-pub const DNS_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 53);
+pub(crate) const ALLOWED_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 10);
+pub(crate) const DENIED_IP: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 10);
+pub(crate) const DNS_IP: Ipv4Addr = Ipv4Addr::new(198, 51, 100, 53);
 /// A cloud host's metadata service (its credentials), faked.
-pub const METADATA_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
+pub(crate) const METADATA_IP: Ipv4Addr = Ipv4Addr::new(169, 254, 169, 254);
 /// A host on the cloud host's private network, faked.
-pub const PRIVATE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 5);
-pub const CONNECT_TIMEOUT: Duration = Duration::from_millis(1500);
+pub(crate) const PRIVATE_IP: Ipv4Addr = Ipv4Addr::new(192, 168, 77, 5);
+pub(crate) const CONNECT_TIMEOUT: Duration = Duration::from_millis(1500);
 
 /// Whether the tests can run here; says why not when they cannot.
 /// Skipped, or failed under `COVE_TEST_STRICT=1` (`cove-testenv`), without.
-pub fn can_run() -> bool {
+pub(crate) fn can_run() -> bool {
     cove_testenv::root("the network tests (namespaces, links, nftables)")
         && cove_testenv::program("nft", "apt-get install nftables")
 }
@@ -66,7 +66,7 @@ fn output(args: &[&str]) -> String {
 
 /// One test's world: the fake internet, a state dir and a network config
 /// whose names and numbers no other test uses.
-pub struct World {
+pub(crate) struct World {
     pub tag: String,
     pub config: NetworkConfig,
     pub state: PathBuf,
@@ -81,7 +81,7 @@ pub struct World {
 }
 
 impl World {
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         static NEXT: AtomicU32 = AtomicU32::new(0);
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
         let pid = std::process::id();
@@ -169,13 +169,13 @@ impl World {
     }
 
     /// The uplink's far end, on the host's LAN (its subnet is the uplink's).
-    pub fn uplink_neighbour(&self) -> Ipv4Addr {
+    pub(crate) fn uplink_neighbour(&self) -> Ipv4Addr {
         self.config.uplink.gateway
     }
 
     /// This world's bridge forwarding entries for `mac`, as `bridge fdb`
     /// shows them (`MAC dev PORT master BRIDGE static sticky`).
-    pub fn fdb_entries(&self, mac: &str) -> Vec<String> {
+    pub(crate) fn fdb_entries(&self, mac: &str) -> Vec<String> {
         output(&["bridge", "fdb", "show", "br", &self.tag])
             .lines()
             .filter(|line| line.starts_with(mac))
@@ -183,21 +183,21 @@ impl World {
             .collect()
     }
 
-    pub async fn network(&self) -> Network {
+    pub(crate) async fn network(&self) -> Network {
         self.try_network().await.expect("set up the network")
     }
 
-    pub async fn try_network(&self) -> Result<Network, cove_net::NetError> {
+    pub(crate) async fn try_network(&self) -> Result<Network, cove_net::NetError> {
         Network::new(self.config.clone()).await
     }
 
     /// Elements of this world's nftables tables, as `nft` lists them.
-    pub fn nft_tables(&self) -> String {
+    pub(crate) fn nft_tables(&self) -> String {
         output(&["nft", "list", "table", "inet", &self.tag])
             + &output(&["nft", "list", "table", "bridge", &self.tag])
     }
 
-    pub fn link_exists(&self, name: &str) -> bool {
+    pub(crate) fn link_exists(&self, name: &str) -> bool {
         Command::new("ip")
             .args(["link", "show", name])
             .output()
@@ -205,14 +205,14 @@ impl World {
     }
 
     /// A link's index, which a recreated link of the same name does not share.
-    pub fn ifindex(&self, name: &str) -> Option<String> {
+    pub(crate) fn ifindex(&self, name: &str) -> Option<String> {
         std::fs::read_to_string(format!("/sys/class/net/{name}/ifindex"))
             .ok()
             .map(|s| s.trim().to_owned())
     }
 
     /// Links whose names start with this world's bridge name, except the uplink.
-    pub fn links(&self) -> Vec<String> {
+    pub(crate) fn links(&self) -> Vec<String> {
         output(&["ip", "-o", "link", "show"])
             .lines()
             .filter_map(|line| line.split(": ").nth(1))
@@ -221,7 +221,7 @@ impl World {
             .collect()
     }
 
-    pub fn rules(&self) -> String {
+    pub(crate) fn rules(&self) -> String {
         output(&["ip", "rule", "show"])
             .lines()
             .filter(|l| l.contains(&format!("lookup {}", self.config.route_table)))
@@ -229,7 +229,7 @@ impl World {
             .join("\n")
     }
 
-    pub fn routes(&self) -> String {
+    pub(crate) fn routes(&self) -> String {
         output(&[
             "ip",
             "route",
@@ -239,7 +239,7 @@ impl World {
         ])
     }
 
-    pub fn netns_files(&self) -> Vec<String> {
+    pub(crate) fn netns_files(&self) -> Vec<String> {
         std::fs::read_dir(self.state.join("netns"))
             .map(|d| {
                 d.filter_map(|e| e.ok())
@@ -249,7 +249,7 @@ impl World {
             .unwrap_or_default()
     }
 
-    pub fn mounts_under_state(&self) -> Vec<String> {
+    pub(crate) fn mounts_under_state(&self) -> Vec<String> {
         let state = self.state.to_string_lossy().into_owned();
         std::fs::read_to_string("/proc/self/mountinfo")
             .unwrap_or_default()
@@ -293,14 +293,14 @@ impl Drop for World {
 }
 
 /// Enters the network namespace at `path` for the rest of this thread's life.
-pub fn enter(path: &Path) {
+pub(crate) fn enter(path: &Path) {
     let file = std::fs::File::open(path).expect("open the namespace");
     nix::sched::setns(file.as_fd(), nix::sched::CloneFlags::CLONE_NEWNET).expect("setns");
 }
 
 /// Runs blocking `work` on a fresh thread inside the namespace at `netns` (a
 /// fresh thread, so no pooled thread is left in it).
-pub async fn inside<T: Send + 'static>(
+pub(crate) async fn inside<T: Send + 'static>(
     netns: &Path,
     work: impl FnOnce() -> T + Send + 'static,
 ) -> T {
@@ -319,7 +319,7 @@ pub async fn inside<T: Send + 'static>(
 
 /// The MAC of `eth0` in the namespace at `netns`, as `ip` prints it (not
 /// from /sys, which stays the host's after entering only a network namespace).
-pub fn eth0_mac(netns: &Path) -> String {
+pub(crate) fn eth0_mac(netns: &Path) -> String {
     let shown = output(&[
         "nsenter",
         &format!("--net={}", netns.display()),
@@ -338,7 +338,7 @@ pub fn eth0_mac(netns: &Path) -> String {
 }
 
 /// `aa:bb:cc:dd:ee:ff` as bytes.
-pub fn parse_mac(text: &str) -> [u8; 6] {
+pub(crate) fn parse_mac(text: &str) -> [u8; 6] {
     let mut mac = [0u8; 6];
     for (byte, part) in mac.iter_mut().zip(text.trim().split(':')) {
         *byte = u8::from_str_radix(part, 16).unwrap();
@@ -349,7 +349,7 @@ pub fn parse_mac(text: &str) -> [u8; 6] {
 /// Sends one raw Ethernet frame out of `eth0` (index 2) of this thread's
 /// namespace, as a sandbox with CAP_NET_RAW can.
 #[allow(unsafe_code)]
-pub fn send_frame(frame: &[u8]) -> std::io::Result<()> {
+pub(crate) fn send_frame(frame: &[u8]) -> std::io::Result<()> {
     // SAFETY: a plain socket call; the descriptor is owned right after.
     let fd = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0) };
     if fd < 0 {
@@ -383,7 +383,7 @@ pub fn send_frame(frame: &[u8]) -> std::io::Result<()> {
 
 /// An Ethernet frame carrying a UDP datagram (to port 9, "discard") from
 /// `source` to `destination`, sent from `from_mac` to `to_mac`.
-pub fn udp_frame(
+pub(crate) fn udp_frame(
     from_mac: [u8; 6],
     to_mac: [u8; 6],
     source: Ipv4Addr,
@@ -429,7 +429,7 @@ pub fn udp_frame(
 }
 
 /// GET / from `address:port`: the body, or why it failed.
-pub fn http_get(address: Ipv4Addr, port: u16) -> Result<String, String> {
+pub(crate) fn http_get(address: Ipv4Addr, port: u16) -> Result<String, String> {
     let target = SocketAddr::from((address, port));
     let mut stream = TcpStream::connect_timeout(&target, CONNECT_TIMEOUT)
         .map_err(|e| format!("connect {target}: {e}"))?;
@@ -458,7 +458,10 @@ fn a_query(name: &str) -> Vec<u8> {
 }
 
 /// Asks the resolver at `server` for the A records of `name`, over UDP.
-pub fn resolve(server: Ipv4Addr, name: &str) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
+pub(crate) fn resolve(
+    server: Ipv4Addr,
+    name: &str,
+) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
     let socket = UdpSocket::bind("0.0.0.0:0").map_err(|e| e.to_string())?;
     socket
         .set_read_timeout(Some(Duration::from_secs(3)))
@@ -474,7 +477,10 @@ pub fn resolve(server: Ipv4Addr, name: &str) -> Result<(ResponseCode, Vec<Ipv4Ad
 }
 
 /// The same over TCP.
-pub fn resolve_tcp(server: Ipv4Addr, name: &str) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
+pub(crate) fn resolve_tcp(
+    server: Ipv4Addr,
+    name: &str,
+) -> Result<(ResponseCode, Vec<Ipv4Addr>), String> {
     let target = SocketAddr::from((server, 53));
     let mut stream = TcpStream::connect_timeout(&target, CONNECT_TIMEOUT)
         .map_err(|e| format!("connect {target}: {e}"))?;

@@ -59,7 +59,7 @@ fn io_err<'a>(action: &'static str, path: &'a Path) -> impl FnOnce(io::Error) ->
 
 /// The limits written into a sandbox's cgroup, computed from its [`Resources`].
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct CgroupLimits {
+pub(crate) struct CgroupLimits {
     /// `None` means no CPU limit.
     pub cpu_quota_us: Option<u64>,
     pub cpu_period_us: u64,
@@ -70,7 +70,7 @@ pub struct CgroupLimits {
 
 impl CgroupLimits {
     /// Zero CPUs or zero memory means "no limit", never "nothing".
-    pub fn new(resources: &Resources, pids_max: u64) -> Self {
+    pub(crate) fn new(resources: &Resources, pids_max: u64) -> Self {
         let cpu = u64::from(resources.cpu);
         Self {
             cpu_quota_us: (cpu > 0).then(|| cpu.saturating_mul(CPU_PERIOD_US)),
@@ -82,7 +82,7 @@ impl CgroupLimits {
     }
 
     /// The value of v2's `cpu.max`.
-    pub fn v2_cpu_max(&self) -> String {
+    pub(crate) fn v2_cpu_max(&self) -> String {
         match self.cpu_quota_us {
             Some(quota) => format!("{quota} {}", self.cpu_period_us),
             None => format!("max {}", self.cpu_period_us),
@@ -90,14 +90,14 @@ impl CgroupLimits {
     }
 
     /// The value of v1's `cpu.cfs_quota_us` (-1 is unlimited).
-    pub fn v1_cpu_quota(&self) -> String {
+    pub(crate) fn v1_cpu_quota(&self) -> String {
         self.cpu_quota_us
             .map_or_else(|| "-1".to_string(), |q| q.to_string())
     }
 }
 
 /// One cgroup version's way to make, join, empty and remove a sandbox's cgroup.
-pub trait CgroupBackend: Send + Sync {
+pub(crate) trait CgroupBackend: Send + Sync {
     /// Makes the sandbox's cgroup (or reuses an existing one) and writes its limits.
     fn create(&self, id: &str, limits: &CgroupLimits) -> Result<(), CgroupError>;
     /// The `cgroup.procs` files a process writes its pid into to join the sandbox.
@@ -125,7 +125,7 @@ pub trait CgroupBackend: Send + Sync {
 }
 
 /// Picks v2 when `root` is a unified mount (has `cgroup.controllers`), else v1.
-pub fn detect(root: &Path, parent: &str) -> Box<dyn CgroupBackend> {
+pub(crate) fn detect(root: &Path, parent: &str) -> Box<dyn CgroupBackend> {
     if root.join("cgroup.controllers").exists() {
         Box::new(CgroupV2 {
             root: root.to_path_buf(),
@@ -140,7 +140,7 @@ pub fn detect(root: &Path, parent: &str) -> Box<dyn CgroupBackend> {
 }
 
 /// Kills everything in the cgroup and waits until it is empty, then removes it.
-pub fn kill_and_remove(backend: &dyn CgroupBackend, id: &str) -> Result<(), CgroupError> {
+pub(crate) fn kill_and_remove(backend: &dyn CgroupBackend, id: &str) -> Result<(), CgroupError> {
     const DEADLINE: Duration = Duration::from_secs(10);
     let started = Instant::now();
     let mut pause = Duration::from_micros(100);
@@ -180,7 +180,7 @@ fn read_pids(path: &Path) -> Result<Vec<i32>, CgroupError> {
     }
 }
 
-pub fn parse_pids(text: &str) -> Vec<i32> {
+pub(crate) fn parse_pids(text: &str) -> Vec<i32> {
     text.lines()
         .filter_map(|line| line.trim().parse().ok())
         .collect()
@@ -201,7 +201,7 @@ fn kill_pids(pids: &[i32]) {
 }
 
 /// cgroup v1: one directory per controller, `{root}/{controller}/{parent}/{id}`.
-pub struct CgroupV1 {
+pub(crate) struct CgroupV1 {
     pub root: PathBuf,
     pub parent: String,
 }
@@ -353,7 +353,7 @@ impl CgroupBackend for CgroupV1 {
 }
 
 /// cgroup v2: one directory, `{root}/{parent}/{id}`.
-pub struct CgroupV2 {
+pub(crate) struct CgroupV2 {
     pub root: PathBuf,
     pub parent: String,
 }

@@ -11,7 +11,7 @@ use super::step::StepError;
 /// The capabilities a container keeps, by number (linux/capability.h): Docker's default
 /// set without NET_RAW (13), which would let the sandbox forge packets; ping uses ICMP
 /// datagram sockets instead (`allow_unprivileged_ping`).
-pub const KEPT_CAPS: [(u32, &str); 13] = [
+pub(super) const KEPT_CAPS: [(u32, &str); 13] = [
     (0, "CHOWN"),
     (1, "DAC_OVERRIDE"),
     (3, "FOWNER"),
@@ -29,7 +29,7 @@ pub const KEPT_CAPS: [(u32, &str); 13] = [
 const CAP_MKNOD: u32 = 27;
 
 /// The capability bits to keep; MKNOD only where a device cgroup confines the nodes made.
-pub fn kept_caps(keep_mknod: bool) -> u64 {
+pub(super) fn kept_caps(keep_mknod: bool) -> u64 {
     KEPT_CAPS
         .iter()
         .filter(|(cap, _)| keep_mknod || *cap != CAP_MKNOD)
@@ -47,7 +47,7 @@ fn os_err(step: impl Into<String>) -> StepError {
 /// ping works without CAP_NET_RAW; a new network namespace allows none ("1 0"). Called in
 /// the sandbox's network namespace: /proc/sys/net shows the namespace of the caller, and
 /// the shim is root in the user namespace that owns it.
-pub fn allow_unprivileged_ping() -> Result<(), StepError> {
+pub(super) fn allow_unprivileged_ping() -> Result<(), StepError> {
     const PING_GROUP_RANGE: &str = "/proc/sys/net/ipv4/ping_group_range";
     std::fs::write(PING_GROUP_RANGE, "0 2147483647").map_err(super::step::io(|| {
         format!("allow unprivileged ping ({PING_GROUP_RANGE})")
@@ -56,7 +56,7 @@ pub fn allow_unprivileged_ping() -> Result<(), StepError> {
 
 /// Cuts the bounding set, clears the ambient set and sets effective = permitted =
 /// inheritable = `keep`. Root keeps exactly these across execve.
-pub fn drop_capabilities(keep: u64) -> Result<(), StepError> {
+pub(super) fn drop_capabilities(keep: u64) -> Result<(), StepError> {
     for cap in 0..64u32 {
         if keep & (1 << cap) != 0 {
             continue;
@@ -67,7 +67,7 @@ pub fn drop_capabilities(keep: u64) -> Result<(), StepError> {
             if std::io::Error::last_os_error().raw_os_error() == Some(libc::EINVAL) {
                 break; // past the kernel's last capability
             }
-            return Err(os_err(&format!(
+            return Err(os_err(format!(
                 "drop capability {cap} from the bounding set"
             )));
         }
@@ -104,7 +104,7 @@ struct CapData {
 
 /// Makes every permitted capability effective again (after `setfsuid` cleared
 /// the file-system ones).
-pub fn raise_effective() -> Result<(), StepError> {
+pub(super) fn raise_effective() -> Result<(), StepError> {
     let mut header = CapHeader {
         version: LINUX_CAPABILITY_VERSION_3,
         pid: 0,
@@ -168,7 +168,7 @@ fn write_caps(data: &[CapData; 2], step: &str) -> Result<(), StepError> {
 }
 
 /// Sets no_new_privs and installs the filters (seccompiler sets no_new_privs itself too).
-pub fn confine_syscalls(filters: &[BpfProgram]) -> Result<(), StepError> {
+pub(super) fn confine_syscalls(filters: &[BpfProgram]) -> Result<(), StepError> {
     // SAFETY: prctl with integer arguments only.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
         return Err(os_err("set no_new_privs"));

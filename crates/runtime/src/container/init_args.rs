@@ -9,7 +9,7 @@ use std::path::PathBuf;
 use serde::{Deserialize, Serialize};
 
 /// The first argument that selects the shim in the `cove` binary.
-pub const SUBCOMMAND: &str = "__container-init";
+pub(super) const SUBCOMMAND: &str = "__container-init";
 
 /// Environment the agent gets under whatever the sandbox spec adds. Without
 /// `COVE_WORKDIR` the agent starts commands in its user's home.
@@ -23,10 +23,10 @@ const BASE_ENV: [(&str, &str); 3] = [
 ];
 
 /// Names the inherited listening socket; set by the container init, never by the spec.
-pub use cove_protocol::env::LISTEN_FD as LISTEN_FD_ENV;
+pub(super) use cove_protocol::env::LISTEN_FD as LISTEN_FD_ENV;
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct InitArgs {
+pub(super) struct InitArgs {
     pub id: String,
     pub hostname: String,
     /// The read-only lower layer.
@@ -63,7 +63,7 @@ pub struct InitArgs {
 
 /// One cgroup directory of the sandbox and where it appears inside.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct CgroupView {
+pub(crate) struct CgroupView {
     /// The host directory (`/sys/fs/cgroup/memory/cove/{id}`).
     pub host: PathBuf,
     /// Its path under the container's `/sys/fs/cgroup` (`memory`; empty for v2).
@@ -71,7 +71,7 @@ pub struct CgroupView {
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct InitNetwork {
+pub(super) struct InitNetwork {
     /// A network namespace file to `setns` into.
     pub netns: PathBuf,
     /// Bind-mounted over the container's `/etc/resolv.conf`.
@@ -79,19 +79,19 @@ pub struct InitNetwork {
 }
 
 impl InitArgs {
-    pub fn encode(&self) -> String {
+    pub(super) fn encode(&self) -> String {
         serde_json::to_string(self).expect("init args are plain data")
     }
 
     /// Reads the document the server wrote to the shim's stdin.
-    pub fn decode(json: &[u8]) -> Result<Self, serde_json::Error> {
+    pub(super) fn decode(json: &[u8]) -> Result<Self, serde_json::Error> {
         serde_json::from_slice(json)
     }
 }
 
 /// The agent's environment: the base, then the spec's variables (which win), minus the
 /// listen fd variable, which only the container init may set.
-pub fn agent_env(spec: &crate::SandboxSpec) -> Vec<(String, String)> {
+pub(super) fn agent_env(spec: &crate::SandboxSpec) -> Vec<(String, String)> {
     let mut env: Vec<(String, String)> = BASE_ENV
         .iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -128,7 +128,7 @@ pub fn agent_env(spec: &crate::SandboxSpec) -> Vec<(String, String)> {
 
 /// A line from the shim that is no report.
 #[derive(Debug, PartialEq, Eq, thiserror::Error)]
-pub enum UnreadableReport {
+pub(super) enum UnreadableReport {
     #[error("bad pid in shim report {line:?}")]
     BadPid { line: String },
     #[error("unexpected shim report {line:?}")]
@@ -137,7 +137,7 @@ pub enum UnreadableReport {
 
 /// What the shim answers on its stdout, one line.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ShimReport {
+pub(super) enum ShimReport {
     /// The agent was exec'd; the host pid of the container's init.
     Ready {
         init_pid: i32,
@@ -146,7 +146,7 @@ pub enum ShimReport {
 }
 
 impl ShimReport {
-    pub fn to_line(&self) -> String {
+    pub(super) fn to_line(&self) -> String {
         match self {
             Self::Ready { init_pid } => format!("ready {init_pid}\n"),
             // One line: the server reads exactly one.
@@ -154,7 +154,7 @@ impl ShimReport {
         }
     }
 
-    pub fn parse(line: &str) -> Result<Self, UnreadableReport> {
+    pub(super) fn parse(line: &str) -> Result<Self, UnreadableReport> {
         let line = line.trim_end_matches('\n');
         if let Some(pid) = line.strip_prefix("ready ") {
             let init_pid = pid.parse().map_err(|_| UnreadableReport::BadPid {

@@ -7,47 +7,47 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 
 /// `sun_path` is 108 bytes including the terminating NUL.
-pub const MAX_SOCKET_PATH: usize = 107;
+pub(super) const MAX_SOCKET_PATH: usize = 107;
 
 #[derive(Clone, Debug)]
-pub struct SandboxLayout {
+pub(super) struct SandboxLayout {
     pub dir: PathBuf,
 }
 
 impl SandboxLayout {
-    pub fn new(state_dir: &Path, id: &str) -> Self {
+    pub(super) fn new(state_dir: &Path, id: &str) -> Self {
         Self {
             dir: state_dir.join(id),
         }
     }
 
-    pub fn upper(&self) -> PathBuf {
+    pub(super) fn upper(&self) -> PathBuf {
         self.dir.join("upper")
     }
 
-    pub fn work(&self) -> PathBuf {
+    pub(super) fn work(&self) -> PathBuf {
         self.dir.join("work")
     }
 
     /// Mount point of the overlay; stays an empty directory on the host.
-    pub fn rootfs(&self) -> PathBuf {
+    pub(super) fn rootfs(&self) -> PathBuf {
         self.dir.join("rootfs")
     }
 
-    pub fn run(&self) -> PathBuf {
+    pub(super) fn run(&self) -> PathBuf {
         self.dir.join("run")
     }
 
-    pub fn agent_socket(&self) -> PathBuf {
+    pub(super) fn agent_socket(&self) -> PathBuf {
         self.run().join("agent.sock")
     }
 
-    pub fn console(&self) -> PathBuf {
+    pub(super) fn console(&self) -> PathBuf {
         self.dir.join("console.log")
     }
 
     /// The directories `prepare` makes.
-    pub fn dirs(&self) -> [PathBuf; 4] {
+    pub(super) fn dirs(&self) -> [PathBuf; 4] {
         [self.upper(), self.work(), self.rootfs(), self.run()]
     }
 }
@@ -62,7 +62,7 @@ pub enum PathRefused {
 }
 
 /// Rejects a socket path the kernel could not bind, with the reason.
-pub fn check_socket_path(path: &Path) -> Result<(), PathRefused> {
+pub(super) fn check_socket_path(path: &Path) -> Result<(), PathRefused> {
     let len = path.as_os_str().as_bytes().len();
     if len > MAX_SOCKET_PATH {
         return Err(PathRefused::SocketTooLong {
@@ -74,7 +74,7 @@ pub fn check_socket_path(path: &Path) -> Result<(), PathRefused> {
 }
 
 /// Rejects a path that would break overlayfs's comma- and colon-separated options.
-pub fn check_overlay_path(path: &Path) -> Result<(), PathRefused> {
+pub(super) fn check_overlay_path(path: &Path) -> Result<(), PathRefused> {
     let bytes = path.as_os_str().as_bytes();
     if bytes.iter().any(|b| matches!(b, b',' | b':' | b'\\')) {
         return Err(PathRefused::OverlaySeparator {

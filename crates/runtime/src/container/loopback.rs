@@ -4,7 +4,7 @@
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
-pub fn loopback_up() -> Result<(), super::step::StepError> {
+pub(super) fn loopback_up() -> Result<(), super::step::StepError> {
     let err = |step: &str| super::step::StepError::Io {
         step: format!("{step} of lo"),
         source: std::io::Error::last_os_error(),

@@ -21,7 +21,7 @@ use super::step::StepError;
 const TTY_GID: u32 = 5;
 
 /// Where the agent binary appears inside every container.
-pub const AGENT_PATH: &str = "/run/cove/cove-agent";
+pub(super) const AGENT_PATH: &str = "/run/cove/cove-agent";
 
 /// Character devices of /dev: name, major, minor.
 const DEVICES: [(&str, u64, u64); 6] = [
@@ -75,7 +75,7 @@ fn io_step<T>(result: std::io::Result<T>, what: impl FnOnce() -> String) -> Resu
 }
 
 /// The overlayfs mount options; the paths were checked for separators by the server.
-pub fn overlay_options(lower: &Path, upper: &Path, work: &Path) -> String {
+pub(super) fn overlay_options(lower: &Path, upper: &Path, work: &Path) -> String {
     format!(
         "lowerdir={},upperdir={},workdir={}",
         lower.display(),
@@ -132,7 +132,7 @@ fn mkdir(path: &Path) -> Result<(), StepError> {
 /// `userns` is the sandbox's user namespace (ids 0.. are host ids `args.id_base`..):
 /// layers and volumes are mounted idmapped through it, and what the kernel makes
 /// (tmpfs roots, device nodes, ptys) is owned by the sandbox's root, not the host's.
-pub fn build(args: &InitArgs, userns: &OwnedFd) -> Result<(), StepError> {
+pub(super) fn build(args: &InitArgs, userns: &OwnedFd) -> Result<(), StepError> {
     let layout = SandboxLayout {
         dir: args.sandbox_dir.clone(),
     };

@@ -559,7 +559,7 @@ fn emit_verdict(verdict: Verdict, out: &mut BpfProgram) {
 /// The program to install: a call of another ABI kills the process (i386's
 /// `int 0x80` numbers mean other calls); an x86_64 one is looked up in the
 /// ranges; anything unlisted answers EPERM.
-pub fn seccomp_filters() -> Result<Vec<BpfProgram>, super::step::StepError> {
+pub(super) fn seccomp_filters() -> Result<Vec<BpfProgram>, super::step::StepError> {
     let mut program = vec![
         statement(LD_W_ABS, DATA_ARCH),
         jump(JMP_JEQ_K, AUDIT_ARCH_X86_64, 1, 0),

@@ -92,7 +92,7 @@ fn report(report: &ShimReport) {
 
 /// Makes the shim `command` will spawn inherit descriptor `fd` (it is
 /// close-on-exec in the server), at the same number.
-pub fn inherit(command: &mut tokio::process::Command, fd: i32) {
+pub(super) fn inherit(command: &mut tokio::process::Command, fd: i32) {
     // SAFETY: runs in the child between fork and exec, where only async-signal-safe
     // calls are allowed: fcntl is one system call with integer arguments.
     unsafe {
@@ -109,7 +109,7 @@ pub fn inherit(command: &mut tokio::process::Command, fd: i32) {
 /// (a runtime worker, living as long as the server) ends: a server that crashes or
 /// stops takes its containers with it, and restart recovery brings them back, so no
 /// container runs unsupervised. The container init has the same signal for the shim.
-pub fn die_with_parent(command: &mut tokio::process::Command) {
+pub(super) fn die_with_parent(command: &mut tokio::process::Command) {
     // SAFETY: runs in the child between fork and exec, where only async-signal-safe
     // calls are allowed: prctl is one system call with integer arguments.
     unsafe {

@@ -12,7 +12,7 @@ use nix::errno::Errno;
 use super::userns::UsernsError;
 
 #[derive(Debug, thiserror::Error)]
-pub enum StepError {
+pub(super) enum StepError {
     /// A system call failed.
     #[error("{step}")]
     Sys {
@@ -57,7 +57,7 @@ pub enum StepError {
 
 impl StepError {
     /// The step and every cause, on one line: what the shim reports.
-    pub fn report(&self) -> String {
+    pub(super) fn report(&self) -> String {
         let mut line = self.to_string();
         let mut source = std::error::Error::source(self);
         while let Some(cause) = source {
@@ -70,7 +70,7 @@ impl StepError {
 }
 
 /// A system call's failure in `step` (described lazily: only a failure pays).
-pub fn sys(step: impl FnOnce() -> String) -> impl FnOnce(Errno) -> StepError {
+pub(super) fn sys(step: impl FnOnce() -> String) -> impl FnOnce(Errno) -> StepError {
     move |source| StepError::Sys {
         step: step(),
         source,
@@ -78,7 +78,7 @@ pub fn sys(step: impl FnOnce() -> String) -> impl FnOnce(Errno) -> StepError {
 }
 
 /// A file operation's failure in `step`.
-pub fn io(step: impl FnOnce() -> String) -> impl FnOnce(std::io::Error) -> StepError {
+pub(super) fn io(step: impl FnOnce() -> String) -> impl FnOnce(std::io::Error) -> StepError {
     move |source| StepError::Io {
         step: step(),
         source,

@@ -27,7 +27,7 @@ use nix::sys::wait::waitpid;
 use nix::unistd::{fork, pipe2, ForkResult};
 
 /// Ids one sandbox maps: every 16-bit uid and gid an image can hold.
-pub const RANGE_SIZE: u32 = 65536;
+pub(super) const RANGE_SIZE: u32 = 65536;
 
 /// Why `--userns-pool` was refused.
 #[derive(Debug, thiserror::Error)]
@@ -218,7 +218,7 @@ pub(super) fn inherited(fd: i32) -> Result<OwnedFd, UsernsError> {
 }
 
 /// The map line of a range: its ids 0..65536 are host ids `base`...
-pub fn id_map(base: u32) -> String {
+pub(super) fn id_map(base: u32) -> String {
     format!("0 {base} {RANGE_SIZE}\n")
 }
 

@@ -40,7 +40,7 @@ const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
 impl RunningVm {
     /// Has the agent write out what the guest holds in its page cache;
     /// whether it did, within [`SYNC_TIMEOUT`].
-    pub async fn flush_guest_disks(&self) -> bool {
+    pub(super) async fn flush_guest_disks(&self) -> bool {
         let synced = tokio::time::timeout(SYNC_TIMEOUT, agent(&self.session).sync()).await;
         matches!(synced, Ok(Ok(_)))
     }
@@ -131,7 +131,7 @@ pub(super) struct Identity {
 
 impl Identity {
     /// A VM joins the network through a TAP device only.
-    pub fn of(spec: &SandboxSpec) -> Result<Identity, RuntimeError> {
+    pub(super) fn of(spec: &SandboxSpec) -> Result<Identity, RuntimeError> {
         let network = match &spec.network {
             None => None,
             Some(SandboxNetwork {
@@ -160,7 +160,7 @@ impl Identity {
 
     /// A machine of this size with no network, no volumes, no environment
     /// and nothing to start.
-    pub fn bare(hostname: &str, cpus: u32, memory_mib: u64, disk_bytes: u64) -> Identity {
+    pub(super) fn bare(hostname: &str, cpus: u32, memory_mib: u64, disk_bytes: u64) -> Identity {
         Identity {
             hostname: hostname.to_owned(),
             env: BTreeMap::new(),
@@ -177,7 +177,7 @@ impl Identity {
     /// Enough to continue a paused VM of this size for a moment, to flush
     /// its disk: bare, its NIC on the hub port or, with `tap`, on a TAP of
     /// its own on no bridge.
-    pub fn for_flush(
+    pub(super) fn for_flush(
         cpus: u32,
         memory_mib: u64,
         disk_bytes: u64,

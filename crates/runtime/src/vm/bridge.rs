@@ -47,16 +47,16 @@ const FAST_REPEATS: u32 = 100;
 /// The most of an answer to the runtime's own calls that is read (its
 /// body; heads are bounded by the client): they answer small JSON, and the
 /// guest is not trusted to stop.
-pub const ANSWER_LIMIT: usize = 1 << 20;
+pub(super) const ANSWER_LIMIT: usize = 1 << 20;
 
 /// One yamux stream to the agent.
-pub type AgentStream = Compat<yamux::Stream>;
+pub(super) type AgentStream = Compat<yamux::Stream>;
 
 type OpenRequest = oneshot::Sender<Result<yamux::Stream, yamux::ConnectionError>>;
 
 /// A live yamux session with the agent of one QEMU process.
 #[derive(Debug, Clone)]
-pub struct Session {
+pub(super) struct Session {
     open: mpsc::Sender<OpenRequest>,
 }
 
@@ -64,7 +64,7 @@ impl Session {
     /// Connects to QEMU's chardev socket and shakes hands with the agent,
     /// waiting for it at most `timeout` (a booting guest needs seconds). The
     /// returned task drives the session and ends with it.
-    pub async fn connect(
+    pub(super) async fn connect(
         chardev: &Path,
         timeout: Duration,
     ) -> io::Result<(Session, tokio::task::JoinHandle<()>)> {
@@ -92,7 +92,7 @@ impl Session {
     }
 
     /// Opens a new stream to the agent (one HTTP connection).
-    pub async fn open(&self) -> io::Result<AgentStream> {
+    pub(super) async fn open(&self) -> io::Result<AgentStream> {
         let closed = || io::Error::new(io::ErrorKind::NotConnected, "the agent session ended");
         let (reply, answer) = oneshot::channel();
         self.open.send(reply).await.map_err(|_| closed())?;
@@ -109,7 +109,7 @@ fn nonce() -> io::Result<String> {
 }
 
 /// `bytes` random bytes from the kernel, as hex digits.
-pub fn random_hex(bytes: usize) -> io::Result<String> {
+pub(super) fn random_hex(bytes: usize) -> io::Result<String> {
     use std::io::Read as _;
     let mut buf = vec![0u8; bytes];
     std::fs::File::open("/dev/urandom")?.read_exact(&mut buf)?;
@@ -208,7 +208,7 @@ async fn drive(
 /// stream of the session. Dropping it stops accepting, ends every
 /// connection it carries and removes the socket file.
 #[derive(Debug)]
-pub struct Bridge {
+pub(super) struct Bridge {
     socket: PathBuf,
     accept: tokio::task::JoinHandle<()>,
 }
@@ -223,7 +223,7 @@ impl Drop for Bridge {
 
 impl Bridge {
     /// Binds `socket` (replacing a stale file) and serves it over `session`.
-    pub fn serve(socket: &Path, session: Session) -> io::Result<Bridge> {
+    pub(super) fn serve(socket: &Path, session: Session) -> io::Result<Bridge> {
         match std::fs::remove_file(socket) {
             Err(error) if error.kind() != io::ErrorKind::NotFound => return Err(error),
             _ => {}

@@ -121,7 +121,7 @@ impl std::fmt::Debug for Jails {
 
 impl Jails {
     /// Under KVM, QEMU needs `/dev/kvm` through a group that is not root's.
-    pub fn new(ids: Arc<IdRanges>, accelerator: Accelerator) -> Result<Jails, ConfineError> {
+    pub(super) fn new(ids: Arc<IdRanges>, accelerator: Accelerator) -> Result<Jails, ConfineError> {
         let kvm_group = match accelerator {
             Accelerator::Tcg => None,
             Accelerator::Kvm => Some(kvm_group(Path::new(KVM_DEVICE))?),
@@ -136,7 +136,7 @@ impl Jails {
 
     /// A jail for a machine of `cpus` and `memory_mib`: its id range taken
     /// and its cgroup made, with nothing in it yet.
-    pub fn make(&self, cpus: u32, memory_mib: u64) -> Result<Jail, ConfineError> {
+    pub(super) fn make(&self, cpus: u32, memory_mib: u64) -> Result<Jail, ConfineError> {
         let name = format!(
             "vm-{}",
             super::bridge::random_hex(6).map_err(ConfineError::Random)?
@@ -176,7 +176,7 @@ impl Jails {
     /// The jail of a running QEMU process an earlier server started, read
     /// from `/proc`: its cgroup and its user. `None` for a process that is
     /// in no VM cgroup (started before VMs were confined) or is gone.
-    pub fn adopt(&self, pid: i32) -> Option<Jail> {
+    pub(super) fn adopt(&self, pid: i32) -> Option<Jail> {
         let cgroups = fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
         let name = vm_cgroup_name(&cgroups)?;
         let status = fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
@@ -196,7 +196,7 @@ impl Jails {
     /// Removes the cgroups no process is in any more (of VMs that ended
     /// while no server watched them). One made in the last minute is left
     /// alone: another server on this host may be about to start its QEMU.
-    pub fn sweep(&self) {
+    pub(super) fn sweep(&self) {
         let Some(parent) = self.cgroups.describe("-").parent().map(Path::to_path_buf) else {
             return;
         };
@@ -304,12 +304,12 @@ impl std::fmt::Debug for Jail {
 impl Jail {
     /// The first host id of the range: QEMU's uid and gid, and root of the
     /// virtiofsds' user namespace.
-    pub fn uid(&self) -> u32 {
+    pub(super) fn uid(&self) -> u32 {
         self.uid
     }
 
     /// The user namespace of the jail's range (virtiofsd's).
-    pub async fn namespace(&self) -> Result<Arc<std::os::fd::OwnedFd>, ConfineError> {
+    pub(super) async fn namespace(&self) -> Result<Arc<std::os::fd::OwnedFd>, ConfineError> {
         let (ids, base) = (self.ids.clone(), self.uid);
         let made = tokio::task::spawn_blocking(move || ids.namespace(base))
             .await
@@ -318,7 +318,7 @@ impl Jail {
     }
 
     /// What a child needs between fork and exec to enter the jail.
-    pub fn entry(&self) -> Result<Entry, ConfineError> {
+    pub(super) fn entry(&self) -> Result<Entry, ConfineError> {
         let procs = self
             .cgroups
             .procs_files(&self.name)
@@ -337,7 +337,7 @@ impl Jail {
 
     /// Kills what is left in the cgroup, removes it and frees the ids.
     /// Blocks (up to seconds while processes die).
-    pub fn release(self) {
+    pub(super) fn release(self) {
         if let Err(error) = cgroup::kill_and_remove(self.cgroups.as_ref(), &self.name) {
             tracing::warn!(cgroup = self.name, %error, "removing a VM's cgroup");
         }
@@ -356,7 +356,7 @@ pub(super) struct Entry {
 
 impl Entry {
     /// Moves the calling process into the jail's cgroup. Async-signal-safe.
-    pub fn join_cgroup(&self) -> io::Result<()> {
+    pub(super) fn join_cgroup(&self) -> io::Result<()> {
         for procs in &self.procs {
             // SAFETY: a NUL-terminated path prepared before the fork.
             let fd = unsafe { libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC) };
@@ -378,7 +378,7 @@ impl Entry {
     /// Turns the calling process (root) into the jail's user: its uid and
     /// gid, only the jail's supplementary groups, no capabilities left, and
     /// no way to gain privileges by exec. Async-signal-safe.
-    pub fn become_user(&self) -> io::Result<()> {
+    pub(super) fn become_user(&self) -> io::Result<()> {
         no_new_privileges()?;
         let groups: &[libc::gid_t] = &self.groups;
         // SAFETY: a slice of gids that lives across the call.

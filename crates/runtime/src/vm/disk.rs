@@ -77,7 +77,7 @@ fn run(command: &mut Command) -> Result<(), DiskError> {
 /// The cache key of the base made from `rootfs` with `agent`: the image's
 /// path and the time it was finished (images are never changed after), and
 /// the agent's contents.
-pub fn base_key(rootfs: &Path, agent: &Path) -> Result<String, DiskError> {
+pub(super) fn base_key(rootfs: &Path, agent: &Path) -> Result<String, DiskError> {
     let mut hash = Sha256::new();
     hash.update(BASE_FORMAT.to_le_bytes());
     let rootfs = rootfs
@@ -132,7 +132,7 @@ fn tree_bytes(dir: &Path) -> io::Result<(u64, u64)> {
 /// Returns the base made from `rootfs` with `agent`, building it first if
 /// needed. Blocking (seconds the first time). Concurrent callers, in this
 /// process or another, wait for one build.
-pub fn ensure_base(cache: &Path, rootfs: &Path, agent: &Path) -> Result<PathBuf, DiskError> {
+pub(super) fn ensure_base(cache: &Path, rootfs: &Path, agent: &Path) -> Result<PathBuf, DiskError> {
     let bases = cache.join("bases");
     fs::create_dir_all(&bases).map_err(io_error(&bases, "create"))?;
     let key = base_key(rootfs, agent)?;
@@ -251,7 +251,7 @@ fn tool(candidates: &[&'static str]) -> Result<&'static str, DiskError> {
 }
 
 /// Makes `dest` a qcow2 of `bytes` over the raw `base`.
-pub fn create_overlay(
+pub(super) fn create_overlay(
     qemu_img: &Path,
     base: &Path,
     dest: &Path,
@@ -265,7 +265,7 @@ pub fn create_overlay(
 }
 
 /// Grows a qcow2 that no process has open.
-pub fn resize(qemu_img: &Path, disk: &Path, bytes: u64) -> Result<(), DiskError> {
+pub(super) fn resize(qemu_img: &Path, disk: &Path, bytes: u64) -> Result<(), DiskError> {
     run(Command::new(qemu_img)
         .args(["resize", "-q", "-f", "qcow2"])
         .arg(disk)
@@ -273,7 +273,7 @@ pub fn resize(qemu_img: &Path, disk: &Path, bytes: u64) -> Result<(), DiskError>
 }
 
 /// The virtual size of a qcow2 file, from its header.
-pub fn qcow2_size(path: &Path) -> Result<u64, DiskError> {
+pub(super) fn qcow2_size(path: &Path) -> Result<u64, DiskError> {
     let mut header = [0u8; 32];
     File::open(path)
         .and_then(|mut f| f.read_exact(&mut header))
@@ -289,7 +289,7 @@ pub fn qcow2_size(path: &Path) -> Result<u64, DiskError> {
 }
 
 /// A size stamp of a file (length and modification time), for cache keys.
-pub fn file_stamp(path: &Path) -> io::Result<String> {
+pub(super) fn file_stamp(path: &Path) -> io::Result<String> {
     let metadata = fs::metadata(path)?;
     let modified = metadata
         .modified()?

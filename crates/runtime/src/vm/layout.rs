@@ -24,65 +24,65 @@ use std::path::{Path, PathBuf};
 const MAX_SOCKET_PATH: usize = 107;
 
 #[derive(Clone, Debug)]
-pub struct VmLayout {
+pub(super) struct VmLayout {
     pub dir: PathBuf,
 }
 
 impl VmLayout {
-    pub fn new(dir: PathBuf) -> VmLayout {
+    pub(super) fn new(dir: PathBuf) -> VmLayout {
         VmLayout { dir }
     }
 
-    pub fn disk(&self) -> PathBuf {
+    pub(super) fn disk(&self) -> PathBuf {
         self.dir.join("disk.qcow2")
     }
-    pub fn ram(&self) -> PathBuf {
+    pub(super) fn ram(&self) -> PathBuf {
         self.dir.join("ram")
     }
-    pub fn state(&self) -> PathBuf {
+    pub(super) fn state(&self) -> PathBuf {
         self.dir.join("state")
     }
-    pub fn machine(&self) -> PathBuf {
+    pub(super) fn machine(&self) -> PathBuf {
         self.dir.join("machine.json")
     }
-    pub fn qmp(&self) -> PathBuf {
+    pub(super) fn qmp(&self) -> PathBuf {
         self.dir.join("qmp.sock")
     }
-    pub fn chardev(&self) -> PathBuf {
+    pub(super) fn chardev(&self) -> PathBuf {
         self.dir.join("serial.sock")
     }
-    pub fn agent_socket(&self) -> PathBuf {
+    pub(super) fn agent_socket(&self) -> PathBuf {
         self.dir.join("agent.sock")
     }
-    pub fn pid_file(&self) -> PathBuf {
+    pub(super) fn pid_file(&self) -> PathBuf {
         self.dir.join("qemu.pid")
     }
-    pub fn console(&self) -> PathBuf {
+    pub(super) fn console(&self) -> PathBuf {
         self.dir.join("console.log")
     }
     /// Where the QEMU running on these files was launched, when that was
     /// another directory (a warm VM taken by a sandbox: see `pool`).
-    pub fn launched_in(&self) -> PathBuf {
+    pub(super) fn launched_in(&self) -> PathBuf {
         self.dir.join("launched-in")
     }
-    pub fn qemu_log(&self) -> PathBuf {
+    pub(super) fn qemu_log(&self) -> PathBuf {
         self.dir.join("qemu.log")
     }
     /// The vhost-user socket of the `index`th volume's virtiofsd.
-    pub fn share_socket(&self, index: usize) -> PathBuf {
+    pub(super) fn share_socket(&self, index: usize) -> PathBuf {
         self.dir.join(format!("fs{index}.sock"))
     }
-    pub fn share_log(&self, index: usize) -> PathBuf {
+    pub(super) fn share_log(&self, index: usize) -> PathBuf {
         self.dir.join(format!("fs{index}.log"))
     }
 
     /// Whether memory is saved here: `state` is written last and removed first.
-    pub fn has_memory(&self) -> bool {
+    pub(super) fn has_memory(&self) -> bool {
         self.state().exists() && self.ram().exists() && self.machine().exists()
     }
 
     /// Rejects a directory whose sockets the kernel could not bind.
-    pub fn check_socket_paths(&self) -> Result<(), crate::container::PathRefused> {
+    pub(super) fn check_socket_paths(&self) -> Result<(), crate::container::PathRefused> {
         // Volume sockets have at most two more digits than `fs0.sock`.
         for socket in [
             self.qmp(),
@@ -100,7 +100,7 @@ impl VmLayout {
 }
 
 /// The directory of a VM sandbox under the storage root.
-pub fn sandbox_dir(storage_root: &Path, id: &str) -> PathBuf {
+pub(super) fn sandbox_dir(storage_root: &Path, id: &str) -> PathBuf {
     storage_root.join("vms").join(id)
 }
 

@@ -61,7 +61,7 @@ fn io_error(action: impl Into<String>) -> impl FnOnce(io::Error) -> MachineError
 
 /// How a machine begins.
 #[derive(Clone, Debug)]
-pub enum Boot {
+pub(super) enum Boot {
     /// From its disk.
     Cold,
     /// From memory: the RAM file already holds it; this is its device state.
@@ -70,7 +70,7 @@ pub enum Boot {
 
 /// A QEMU process this runtime started.
 #[derive(Debug)]
-pub struct Machine {
+pub(super) struct Machine {
     pub pid: u32,
     qmp: Qmp,
     /// `Some(description)` once the process has exited.
@@ -83,7 +83,7 @@ impl Machine {
     /// runs at once. `shares` are sockets connected to the virtiofsd of each
     /// of `spec.shares`. `exited` learns how the process ended, whenever it
     /// does. On failure nothing is left running and the jail is released.
-    pub async fn launch(
+    pub(super) async fn launch(
         program: &Path,
         spec: &MachineSpec,
         boot: &Boot,
@@ -183,7 +183,7 @@ impl Machine {
     /// through its pid file), as it runs: its QMP socket accepts a new
     /// client once the old one is gone. It is not our child, so its end is
     /// noticed by polling; `exited` learns of it as for [`Machine::launch`].
-    pub async fn adopt(
+    pub(super) async fn adopt(
         pid: u32,
         qmp_socket: &Path,
         jail: Option<Jail>,
@@ -206,7 +206,7 @@ impl Machine {
     }
 
     /// Whether the process has exited, and how.
-    pub fn exited(&self) -> Option<String> {
+    pub(super) fn exited(&self) -> Option<String> {
         self.exit.borrow().clone()
     }
 
@@ -221,20 +221,20 @@ impl Machine {
     }
 
     /// Runs the vCPUs (after a restore, or a [`Machine::pause_vcpus`]).
-    pub async fn resume(&self) -> Result<(), MachineError> {
+    pub(super) async fn resume(&self) -> Result<(), MachineError> {
         self.qmp.execute("cont", json!({})).await?;
         Ok(())
     }
 
     /// Stops the vCPUs; block devices are flushed before this returns.
-    pub async fn pause_vcpus(&self) -> Result<(), MachineError> {
+    pub(super) async fn pause_vcpus(&self) -> Result<(), MachineError> {
         self.qmp.execute("stop", json!({})).await?;
         Ok(())
     }
 
     /// Saves the device state of a paused machine to `path`; the RAM stays in
     /// its file (`x-ignore-shared`). The machine may be resumed afterwards.
-    pub async fn save_state(&self, path: &Path) -> Result<(), MachineError> {
+    pub(super) async fn save_state(&self, path: &Path) -> Result<(), MachineError> {
         let file = OpenOptions::new()
             .write(true)
             .create(true)
@@ -293,7 +293,7 @@ impl Machine {
 
     /// Connects the NIC, launched on a hub port that leads nowhere, to the
     /// TAP device `device`: the TAP becomes a second port of that hub.
-    pub async fn plug_tap(&self, device: &str) -> Result<(), MachineError> {
+    pub(super) async fn plug_tap(&self, device: &str) -> Result<(), MachineError> {
         let tap = tap::open(device).map_err(io_error(format!("open TAP device {device}")))?;
         self.qmp.pass_fd("uplink", tap.as_fd()).await?;
         self.qmp
@@ -312,7 +312,7 @@ impl Machine {
     }
 
     /// Grows the root disk while the machine runs; the guest sees the change.
-    pub async fn resize_disk(&self, bytes: u64) -> Result<(), MachineError> {
+    pub(super) async fn resize_disk(&self, bytes: u64) -> Result<(), MachineError> {
         self.qmp
             .execute(
                 "block_resize",
@@ -325,7 +325,7 @@ impl Machine {
     /// Connects to the agent and shakes hands, waiting for it at most
     /// `timeout` or until QEMU exits. Returns the session and the task that
     /// drives it.
-    pub async fn connect_agent(
+    pub(super) async fn connect_agent(
         &self,
         chardev: &Path,
         timeout: Duration,
@@ -341,7 +341,7 @@ impl Machine {
     }
 
     /// Asks QEMU to exit and waits for it; kills it if it does not.
-    pub async fn quit(&self) {
+    pub(super) async fn quit(&self) {
         let _ = self.qmp.execute("quit", json!({})).await;
         let mut exit = self.exit.clone();
         let waited = tokio::time::timeout(QUIT_TIMEOUT, exit.wait_for(Option::is_some))
@@ -353,7 +353,7 @@ impl Machine {
     }
 
     /// Kills QEMU and waits until it is gone.
-    pub async fn kill(&self) {
+    pub(super) async fn kill(&self) {
         if self.exited().is_none() {
             kill_pid(self.pid);
         }

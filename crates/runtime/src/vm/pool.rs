@@ -154,7 +154,7 @@ impl Pool {
     }
 
     /// The machine `prepare` took for sandbox `id`.
-    pub fn claimed(&self, id: &str) -> Option<WarmVm> {
+    pub(super) fn claimed(&self, id: &str) -> Option<WarmVm> {
         self.claimed.lock().expect("pool lock").remove(id)
     }
 }

@@ -25,20 +25,20 @@ use std::path::{Path, PathBuf};
 
 /// Changes whenever the device set or its order changes, which makes memory
 /// saved before unusable.
-pub const LAYOUT_VERSION: u32 = 2;
+pub(super) const LAYOUT_VERSION: u32 = 2;
 /// The id QEMU gives the agent's serial port; `VSERPORT_CHANGE` events name it.
-pub const AGENT_PORT_ID: &str = "coveport";
+pub(super) const AGENT_PORT_ID: &str = "coveport";
 /// The name the guest sees for the agent's port.
-pub const AGENT_PORT_NAME: &str = "cove.agent";
+pub(super) const AGENT_PORT_NAME: &str = "cove.agent";
 /// The QMP device id of the root disk, for `block_resize`.
-pub const ROOT_DRIVE: &str = "root";
+pub(super) const ROOT_DRIVE: &str = "root";
 /// The MAC of a NIC with no network behind it; a networked guest is given
 /// its own by its agent (a restored NIC keeps the MAC of the saved one).
-pub const UNPLUGGED_MAC: [u8; 6] = [0x02, 0x76, 0, 0, 0, 0];
+pub(super) const UNPLUGGED_MAC: [u8; 6] = [0x02, 0x76, 0, 0, 0, 0];
 
 /// What the guest's NIC is plugged into.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Nic {
+pub(super) enum Nic {
     /// A hub port with no other port: frames go nowhere.
     Unplugged,
     /// The sandbox's TAP device, a port of cove's bridge.
@@ -46,7 +46,7 @@ pub enum Nic {
 }
 
 /// `aa:bb:cc:dd:ee:ff`.
-pub fn mac_text(mac: &[u8; 6]) -> String {
+pub(super) fn mac_text(mac: &[u8; 6]) -> String {
     mac.iter()
         .map(|b| format!("{b:02x}"))
         .collect::<Vec<_>>()
@@ -128,7 +128,7 @@ pub fn detect_accelerator(facts: &HostFacts) -> Accelerator {
 
 /// Everything one QEMU process is started with.
 #[derive(Clone, Debug)]
-pub struct MachineSpec {
+pub(super) struct MachineSpec {
     pub accelerator: Accelerator,
     /// For TCG: the host's TSC frequency, which the guest must be told or it
     /// may hang calibrating its timer.
@@ -157,7 +157,7 @@ pub struct MachineSpec {
 
 /// The numbers of the descriptors QEMU inherits (see the module's text).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Descriptors {
+pub(super) struct Descriptors {
     /// The RAM file, read and write.
     pub ram: i32,
     /// The root disk (qcow2), read and write.
@@ -175,7 +175,8 @@ pub struct Descriptors {
 }
 
 /// The `-sandbox` argument: QEMU's own seccomp filter.
-pub const SANDBOX: &str = "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
+pub(super) const SANDBOX: &str =
+    "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny";
 
 /// A value inside a QEMU option list, where a comma is written twice.
 fn option_value(text: &str) -> String {
@@ -183,7 +184,7 @@ fn option_value(text: &str) -> String {
 }
 
 /// The guest kernel's command line.
-pub fn kernel_cmdline(spec: &MachineSpec) -> String {
+pub(super) fn kernel_cmdline(spec: &MachineSpec) -> String {
     let mut words = vec![
         "console=ttyS0".to_owned(),
         "quiet".into(),
@@ -215,7 +216,7 @@ pub fn kernel_cmdline(spec: &MachineSpec) -> String {
 /// The `-name` argument, which names the QMP socket the process serves:
 /// how a QEMU process is recognised as the one of a sandbox from its
 /// command line.
-pub fn name_argument(qmp_socket: &Path) -> String {
+pub(super) fn name_argument(qmp_socket: &Path) -> String {
     option_value(&format!("cove:{}", qmp_socket.display()))
 }
 
@@ -225,7 +226,7 @@ fn fd_path(fd: i32) -> String {
 }
 
 /// QEMU's arguments (without the program).
-pub fn arguments(spec: &MachineSpec, fds: &Descriptors) -> Vec<OsString> {
+pub(super) fn arguments(spec: &MachineSpec, fds: &Descriptors) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
     let mut push = |parts: &[&str]| args.extend(parts.iter().map(OsString::from));
     let path = |p: &Path| p.to_string_lossy().into_owned();

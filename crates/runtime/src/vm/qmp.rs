@@ -52,7 +52,7 @@ type Pending = Arc<Mutex<HashMap<u64, oneshot::Sender<Value>>>>;
 
 /// A connected, negotiated QMP session.
 #[derive(Debug)]
-pub struct Qmp {
+pub(super) struct Qmp {
     writer: tokio::sync::Mutex<OwnedWriteHalf>,
     pending: Pending,
     next_id: std::sync::atomic::AtomicU64,
@@ -67,7 +67,7 @@ impl Drop for Qmp {
 
 impl Qmp {
     /// Connects to `socket`, reads the greeting and leaves negotiation mode.
-    pub async fn connect(socket: &Path) -> Result<Qmp, QmpError> {
+    pub(super) async fn connect(socket: &Path) -> Result<Qmp, QmpError> {
         let stream = UnixStream::connect(socket).await?;
         let (read, write) = stream.into_split();
         let mut lines = BufReader::new(read);
@@ -90,13 +90,13 @@ impl Qmp {
     }
 
     /// Runs one command; answers its `return` value.
-    pub async fn execute(&self, command: &str, arguments: Value) -> Result<Value, QmpError> {
+    pub(super) async fn execute(&self, command: &str, arguments: Value) -> Result<Value, QmpError> {
         self.run(command, arguments, None).await
     }
 
     /// Hands QEMU a copy of `fd` under `name` (`getfd`), for a later
     /// command to use (`fd:NAME` in a migration URI, `fd` of a netdev).
-    pub async fn pass_fd(&self, name: &str, fd: BorrowedFd<'_>) -> Result<(), QmpError> {
+    pub(super) async fn pass_fd(&self, name: &str, fd: BorrowedFd<'_>) -> Result<(), QmpError> {
         self.run("getfd", json!({ "fdname": name }), Some(fd))
             .await
             .map(|_| ())

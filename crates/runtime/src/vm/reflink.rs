@@ -21,7 +21,7 @@ const FS_NOCOW_FL: libc::c_long = 0x0080_0000;
 /// for) costs much less this way. Clones still share blocks (a shared
 /// block is copied once when written), but only between files that are
 /// both NOCOW, so every directory that holds VM files gets this.
-pub fn set_nocow(dir: &Path) -> io::Result<()> {
+pub(super) fn set_nocow(dir: &Path) -> io::Result<()> {
     let handle = File::open(dir)?;
     let mut flags: libc::c_long = 0;
     // SAFETY: FS_IOC_GETFLAGS writes one long.
@@ -42,7 +42,7 @@ pub fn set_nocow(dir: &Path) -> io::Result<()> {
 /// Makes `dest` (which must not exist) a copy of `source` sharing its blocks.
 /// Both must be on one filesystem that supports reflinks. Pending writes to
 /// `source` (a running VM's RAM file has them) are flushed by the kernel first.
-pub fn clone_file(source: &Path, dest: &Path) -> io::Result<()> {
+pub(super) fn clone_file(source: &Path, dest: &Path) -> io::Result<()> {
     let from = File::open(source)?;
     let to = OpenOptions::new()
         .write(true)
@@ -62,7 +62,7 @@ pub fn clone_file(source: &Path, dest: &Path) -> io::Result<()> {
 /// Reads the data of `path` (a sparse file: holes are skipped) so that it is
 /// in the page cache. A plain read: `readahead(2)` only starts the I/O, and a
 /// guest faulting pages in while it runs measured slower than this.
-pub fn read_ahead(path: &Path) -> io::Result<()> {
+pub(super) fn read_ahead(path: &Path) -> io::Result<()> {
     use nix::unistd::{lseek, Whence};
     use std::os::unix::fs::FileExt;
     let file = File::open(path)?;
@@ -93,7 +93,7 @@ pub fn read_ahead(path: &Path) -> io::Result<()> {
 }
 
 /// Like [`clone_file`], replacing `dest` if it exists.
-pub fn clone_replacing(source: &Path, dest: &Path) -> io::Result<()> {
+pub(super) fn clone_replacing(source: &Path, dest: &Path) -> io::Result<()> {
     match fs::remove_file(dest) {
         Err(error) if error.kind() != io::ErrorKind::NotFound => return Err(error),
         _ => {}

@@ -11,7 +11,7 @@ use serde::{Deserialize, Serialize};
 use super::qemu::{Accelerator, LAYOUT_VERSION};
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SavedMachine {
+pub(super) struct SavedMachine {
     pub layout: u32,
     pub accelerator: String,
     pub cpus: u32,
@@ -37,7 +37,7 @@ fn flushed() -> bool {
 }
 
 impl SavedMachine {
-    pub fn new(accelerator: Accelerator, cpus: u32, memory_mib: u64) -> SavedMachine {
+    pub(super) fn new(accelerator: Accelerator, cpus: u32, memory_mib: u64) -> SavedMachine {
         SavedMachine {
             layout: LAYOUT_VERSION,
             accelerator: accelerator.name().to_owned(),
@@ -48,18 +48,18 @@ impl SavedMachine {
         }
     }
 
-    pub fn read(path: &Path) -> io::Result<SavedMachine> {
+    pub(super) fn read(path: &Path) -> io::Result<SavedMachine> {
         let text = fs::read(path)?;
         serde_json::from_slice(&text).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
     }
 
-    pub fn write(&self, path: &Path) -> io::Result<()> {
+    pub(super) fn write(&self, path: &Path) -> io::Result<()> {
         let text = serde_json::to_vec(self).map_err(io::Error::other)?;
         fs::write(path, text)
     }
 
     /// Why this memory cannot be restored here, if it cannot.
-    pub fn incompatibility(&self, accelerator: Accelerator) -> Option<String> {
+    pub(super) fn incompatibility(&self, accelerator: Accelerator) -> Option<String> {
         if self.layout != LAYOUT_VERSION {
             return Some(format!(
                 "it was saved with device layout {} and this runtime has {LAYOUT_VERSION}",
