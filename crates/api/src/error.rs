@@ -83,7 +83,7 @@ mod tests {
         EngineError::Runtime {
             id: "sb1".into(),
             operation: "start",
-            source: Box::new(source),
+            source,
         }
     }
 

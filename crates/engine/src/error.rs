@@ -87,10 +87,8 @@ pub enum EngineError {
     Runtime {
         id: String,
         operation: &'static str,
-        /// Boxed: a runtime error is large, and every engine result carries
-        /// this type.
         #[source]
-        source: Box<RuntimeError>,
+        source: RuntimeError,
     },
     /// The sandbox network failed at `step` of the operation.
     #[error("sandbox {id} could not {operation}: {step}: {source}")]
@@ -98,9 +96,8 @@ pub enum EngineError {
         id: String,
         operation: &'static str,
         step: &'static str,
-        /// Boxed, as a runtime error is.
         #[source]
-        source: Box<NetError>,
+        source: NetError,
     },
     /// The snapshot holding the sandbox's layers went away under it.
     #[error("sandbox {id} could not {operation}: its snapshot {snapshot} no longer exists")]
@@ -122,9 +119,8 @@ pub enum EngineError {
     Archive {
         id: String,
         operation: &'static str,
-        /// Boxed, as a runtime error is.
         #[source]
-        source: Box<ArchiveError>,
+        source: ArchiveError,
     },
     /// Work handed to a task of its own panicked or was cancelled.
     #[error("{what} {id} could not {operation}: its task failed")]
@@ -181,7 +177,7 @@ impl EngineError {
         move |source| EngineError::Runtime {
             id,
             operation,
-            source: Box::new(source),
+            source,
         }
     }
 }
@@ -289,9 +285,10 @@ impl EngineError {
             },
             Self::Runtime { source, .. } => runtime_kind(source),
             Self::Network { source, .. } => network_kind(source),
-            Self::Archive { source, .. } if matches!(**source, ArchiveError::NotConfigured) => {
-                ErrorKind::NotImplemented
-            }
+            Self::Archive {
+                source: ArchiveError::NotConfigured,
+                ..
+            } => ErrorKind::NotImplemented,
             Self::Archive { .. }
             | Self::SnapshotGone { .. }
             | Self::VolumeStorage { .. }
@@ -311,7 +308,7 @@ mod tests {
         EngineError::Runtime {
             id: "sb1".into(),
             operation: "start",
-            source: Box::new(source),
+            source,
         }
     }
 

@@ -47,18 +47,18 @@ impl Failure {
             Failure::Runtime(source) => EngineError::Runtime {
                 id,
                 operation,
-                source: Box::new(source),
+                source,
             },
             Failure::Network { step, source } => EngineError::Network {
                 id,
                 operation,
                 step,
-                source: Box::new(source),
+                source,
             },
             Failure::Archive(source) => EngineError::Archive {
                 id,
                 operation,
-                source: Box::new(source),
+                source,
             },
             Failure::SnapshotGone { name } => EngineError::SnapshotGone {
                 id,

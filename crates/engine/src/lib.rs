@@ -5,6 +5,10 @@
 //! runtime, and records where the sandbox landed. Every front end (HTTP API, CLI
 //! through the API, timers) goes through [`Engine`]; none of them touches the store
 //! or a runtime directly. It knows nothing of HTTP or JSON.
+// EngineError keeps each cause whole as its source, so a caller can downcast
+// it (to a RuntimeError, a NetError); errors are the cold path, so their size
+// in every Result is accepted.
+#![allow(clippy::result_large_err)]
 
 mod activity;
 mod archive;

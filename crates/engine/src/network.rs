@@ -147,7 +147,7 @@ impl Engine {
                         id: record.id.clone(),
                         operation: "change its network policy",
                         step: "apply the policy",
-                        source: Box::new(source),
+                        source,
                     })?;
             }
         }
