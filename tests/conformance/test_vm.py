@@ -474,6 +474,10 @@ def own_vm_server(*extra_args: str) -> Iterator[tuple[CoveServer, Path]]:
     server.start()
     try:
         yield server, data_dir
+    except BaseException:
+        # What the server said is gone with its data dir: show its end.
+        print(f"\nthe test's own server's log ends:\n{server.log_tail()}")
+        raise
     finally:
         try:
             if server.proc is not None:
