@@ -45,7 +45,7 @@ impl FakeRuntime {
 
     /// Makes every following `start` fail with the error `make` gives for
     /// the sandbox's id (of any kind), or succeed again with `None`.
-    pub fn fail_start_with(&self, make: Option<fn(&str) -> RuntimeError>) {
+    pub fn fail_start_with(&self, make: Option<StartFailure>) {
         *self.fail_start_with.lock().unwrap() = make;
     }
 
