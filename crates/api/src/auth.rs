@@ -41,5 +41,5 @@ pub(crate) async fn key_accepted(state: &AppState, token: &str) -> Result<bool, 
         .env_api_key
         .as_deref()
         .is_some_and(|key| key == token);
-    Ok(from_env || state.engine.verify_api_key(token).await?)
+    Ok(from_env || state.engine.access().verify_api_key(token).await?)
 }

@@ -67,7 +67,7 @@ type Body = Result<Json<RegistryBody>, axum::extract::rejection::JsonRejection>;
 pub(crate) async fn list(
     State(state): State<AppState>,
 ) -> Result<Json<Vec<DockerRegistry>>, ApiError> {
-    let all = state.engine.registries().await?;
+    let all = state.engine.snapshots().registries().await?;
     Ok(Json(all.into_iter().map(Into::into).collect()))
 }
 
@@ -77,7 +77,11 @@ pub(crate) async fn create(
     body: Body,
 ) -> Result<(StatusCode, Json<DockerRegistry>), ApiError> {
     let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let record = state.engine.create_registry(body.into()).await?;
+    let record = state
+        .engine
+        .snapshots()
+        .create_registry(body.into())
+        .await?;
     Ok((StatusCode::CREATED, Json(record.into())))
 }
 
@@ -85,7 +89,9 @@ pub(crate) async fn get(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<DockerRegistry>, ApiError> {
-    Ok(Json(state.engine.get_registry(&id).await?.into()))
+    Ok(Json(
+        state.engine.snapshots().get_registry(&id).await?.into(),
+    ))
 }
 
 pub(crate) async fn update(
@@ -95,7 +101,12 @@ pub(crate) async fn update(
 ) -> Result<Json<DockerRegistry>, ApiError> {
     let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
     Ok(Json(
-        state.engine.update_registry(&id, body.into()).await?.into(),
+        state
+            .engine
+            .snapshots()
+            .update_registry(&id, body.into())
+            .await?
+            .into(),
     ))
 }
 
@@ -104,6 +115,6 @@ pub(crate) async fn delete(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    state.engine.delete_registry(&id).await?;
+    state.engine.snapshots().delete_registry(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -93,7 +93,7 @@ impl Sandbox {
             gpu: record.gpu,
             memory: (record.memory_mib + 1023) / 1024,
             disk: record.disk_gib,
-            state: record.state.as_str(),
+            state: record.state.wire(),
             desired_state: record.desired_state.as_str(),
             recoverable: record.state == cove_engine::SandboxState::Error,
             error_reason: record.error_reason,

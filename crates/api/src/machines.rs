@@ -17,7 +17,7 @@ pub(crate) async fn pause(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.pause(&id).await?;
+    let record = state.engine.sandboxes().pause(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -27,7 +27,7 @@ pub(crate) async fn resume(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.resume(&id).await?;
+    let record = state.engine.sandboxes().resume(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -38,7 +38,7 @@ pub(crate) async fn cold_start(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.cold_start(&id).await?;
+    let record = state.engine.sandboxes().cold_start(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -49,7 +49,7 @@ pub(crate) async fn archive(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.archive(&id).await?;
+    let record = state.engine.sandboxes().archive(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -63,6 +63,7 @@ pub(crate) async fn network_settings(
     let Json(change) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let record = state
         .engine
+        .sandboxes()
         .set_network_settings(&id, |current| change.apply(current))
         .await?;
     Ok(dto(&state, &headers, record))
@@ -81,7 +82,11 @@ pub(crate) async fn fork(
     body: Option<Json<ForkRequest>>,
 ) -> Reply {
     let request = body.map(|Json(b)| b).unwrap_or_default();
-    let child = state.engine.fork(&id, request.name.as_deref()).await?;
+    let child = state
+        .engine
+        .sandboxes()
+        .fork(&id, request.name.as_deref())
+        .await?;
     Ok(dto(&state, &headers, child))
 }
 
@@ -91,7 +96,7 @@ pub(crate) async fn parent(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.fork_parent(&id).await?;
+    let record = state.engine.sandboxes().fork_parent(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -101,7 +106,7 @@ pub(crate) async fn forks(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Vec<Sandbox>>, ApiError> {
-    let records = state.engine.forks(&id).await?;
+    let records = state.engine.sandboxes().forks(&id).await?;
     Ok(Json(
         records
             .into_iter()
@@ -116,7 +121,7 @@ pub(crate) async fn ancestors(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Vec<Sandbox>>, ApiError> {
-    let records = state.engine.fork_ancestors(&id).await?;
+    let records = state.engine.sandboxes().fork_ancestors(&id).await?;
     Ok(Json(
         records
             .into_iter()
@@ -135,7 +140,7 @@ pub(crate) struct Reclaimed {
 pub(crate) async fn reclaim(
     State(state): State<AppState>,
 ) -> Result<Json<Vec<Reclaimed>>, ApiError> {
-    let done = state.engine.reclaim_spot().await?;
+    let done = state.engine.sandboxes().reclaim_spot().await?;
     Ok(Json(
         done.into_iter()
             .map(|(id, action)| Reclaimed { id, action })

@@ -38,7 +38,7 @@ pub(crate) fn dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) 
 }
 
 pub(crate) fn to_dto(state: &AppState, headers: &HeaderMap, record: SandboxRecord) -> Sandbox {
-    let accelerator = state.engine.accelerator(&record.id);
+    let accelerator = state.engine.sandboxes().accelerator(&record.id);
     Sandbox::from_record(record, toolbox_base(state, headers), accelerator)
 }
 
@@ -56,7 +56,11 @@ pub(crate) async fn create(
             format!("{what} is not implemented by cove yet"),
         ));
     }
-    let record = state.engine.create(request.into_engine()).await?;
+    let record = state
+        .engine
+        .sandboxes()
+        .create(request.into_engine())
+        .await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -65,7 +69,7 @@ pub(crate) async fn get(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.get(&id).await?;
+    let record = state.engine.sandboxes().get(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -104,11 +108,12 @@ pub(crate) async fn list(
     }
     let matching: Vec<SandboxRecord> = state
         .engine
+        .sandboxes()
         .list()
         .await?
         .into_iter()
         .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
-        .filter(|s| states.is_empty() || states.iter().any(|st| st == s.state.as_str()))
+        .filter(|s| states.is_empty() || states.iter().any(|st| st == s.state.wire()))
         .collect();
     let total = matching.len();
     let items: Vec<Sandbox> = matching
@@ -127,7 +132,7 @@ pub(crate) async fn start(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.start(&id).await?;
+    let record = state.engine.sandboxes().start(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -136,7 +141,7 @@ pub(crate) async fn stop(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.stop(&id).await?;
+    let record = state.engine.sandboxes().stop(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -145,7 +150,7 @@ pub(crate) async fn recover(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.recover(&id).await?;
+    let record = state.engine.sandboxes().recover(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -154,7 +159,7 @@ pub(crate) async fn delete(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.delete(&id).await?;
+    let record = state.engine.sandboxes().delete(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -166,6 +171,7 @@ pub(crate) async fn replace_labels(
     let Json(Labels { labels }) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let record = state
         .engine
+        .sandboxes()
         .change(&id, SettingChange::Labels(labels))
         .await?;
     Ok(Json(Labels {
@@ -182,7 +188,7 @@ fn minutes(value: &str) -> Result<i64, ApiError> {
 }
 
 async fn change(state: AppState, headers: HeaderMap, id: String, change: SettingChange) -> Reply {
-    let record = state.engine.change(&id, change).await?;
+    let record = state.engine.sandboxes().change(&id, change).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -242,7 +248,7 @@ pub(crate) async fn toolbox_proxy_url(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Url>, ApiError> {
-    state.engine.get(&id).await?;
+    state.engine.sandboxes().get(&id).await?;
     Ok(Json(Url {
         url: toolbox_base(&state, &headers),
     }))

@@ -91,7 +91,7 @@ pub(crate) async fn list(
     if page == 0 || limit == 0 {
         return Err(ApiError::bad_request("page and limit start at 1"));
     }
-    let all = state.engine.snapshots().await?;
+    let all = state.engine.snapshots().list().await?;
     let total = all.len();
     let items = all
         .into_iter()
@@ -111,14 +111,14 @@ pub(crate) async fn get(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
-    Ok(Json(state.engine.get_snapshot(&id).await?.into()))
+    Ok(Json(state.engine.snapshots().get(&id).await?.into()))
 }
 
 pub(crate) async fn delete(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
-    Ok(Json(state.engine.delete_snapshot(&id).await?.into()))
+    Ok(Json(state.engine.snapshots().delete(&id).await?.into()))
 }
 
 /// `GET /snapshots/{id}/build-logs-url`: where the SDK reads the build log.
@@ -127,7 +127,7 @@ pub(crate) async fn build_logs_url(
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<crate::dto::Url>, ApiError> {
-    let snapshot = state.engine.get_snapshot(&id).await?;
+    let snapshot = state.engine.snapshots().get(&id).await?;
     Ok(Json(crate::dto::Url {
         url: format!(
             "{}/api/snapshots/{}/build-logs",
@@ -150,7 +150,7 @@ pub(crate) async fn build_logs(
     Path(id): Path<String>,
     Query(query): Query<FollowQuery>,
 ) -> Result<axum::response::Response, ApiError> {
-    let log = state.engine.build_log(&id).await?;
+    let log = state.engine.snapshots().build_log(&id).await?;
     let text_plain = [(
         axum::http::header::CONTENT_TYPE,
         "text/plain; charset=utf-8",
@@ -187,7 +187,7 @@ pub(crate) async fn activate(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
-    Ok(Json(state.engine.activate_snapshot(&id).await?.into()))
+    Ok(Json(state.engine.snapshots().activate(&id).await?.into()))
 }
 
 /// `POST /snapshots/{id}/deactivate`: 204, as Daytona answers.
@@ -195,7 +195,7 @@ pub(crate) async fn deactivate(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<axum::http::StatusCode, ApiError> {
-    state.engine.deactivate_snapshot(&id).await?;
+    state.engine.snapshots().deactivate(&id).await?;
     Ok(axum::http::StatusCode::NO_CONTENT)
 }
 
@@ -245,6 +245,7 @@ pub(crate) async fn create(
     };
     let snapshot = state
         .engine
+        .snapshots()
         .create_image_snapshot(ImageSnapshotRequest {
             name: request.name,
             image: request.image_name,
@@ -282,6 +283,7 @@ pub(crate) async fn import(
     let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let snapshot = state
         .engine
+        .snapshots()
         .import_image_snapshot(&request.name, std::path::Path::new(&request.path))
         .await?;
     Ok(Json(snapshot.into()))
@@ -305,6 +307,7 @@ pub(crate) async fn take(
     let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let record = state
         .engine
+        .sandboxes()
         .snapshot(&id, &request.name, request.include_memory)
         .await?;
     Ok(dto(&state, &headers, record))
@@ -323,6 +326,10 @@ pub(crate) async fn revert(
     body: Result<Json<RevertRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Reply {
     let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let record = state.engine.revert(&id, &request.snapshot).await?;
+    let record = state
+        .engine
+        .sandboxes()
+        .revert(&id, &request.snapshot)
+        .await?;
     Ok(dto(&state, &headers, record))
 }

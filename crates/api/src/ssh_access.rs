@@ -90,7 +90,11 @@ pub(crate) async fn create(
             ))
         })?),
     };
-    let IssuedSshAccess { token, record } = state.engine.create_ssh_access(&id, minutes).await?;
+    let IssuedSshAccess { token, record } = state
+        .engine
+        .access()
+        .create_ssh_access(&id, minutes)
+        .await?;
     let host = ssh_host(&state, &headers);
     let host = if host.contains(':') {
         format!("[{host}]")
@@ -127,6 +131,7 @@ pub(crate) async fn revoke(
     let token = query_param(&query, "token").filter(|t| !t.is_empty());
     let record = state
         .engine
+        .access()
         .revoke_ssh_access(&id, token.as_deref())
         .await?;
     Ok(dto(&state, &headers, record))
@@ -139,7 +144,7 @@ pub(crate) async fn validate(
 ) -> Result<Json<SshAccessValidation>, ApiError> {
     let token =
         query_param(&query, "token").ok_or_else(|| ApiError::bad_request("token is required"))?;
-    let sandbox = state.engine.validate_ssh_access(&token).await?;
+    let sandbox = state.engine.access().validate_ssh_access(&token).await?;
     Ok(Json(SshAccessValidation {
         valid: sandbox.is_some(),
         sandbox_id: sandbox.unwrap_or_default(),

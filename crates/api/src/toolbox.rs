@@ -59,7 +59,7 @@ async fn forward(
     id: String,
     mut request: Request,
 ) -> Result<Response, ApiError> {
-    let (id, endpoint) = state.engine.toolbox(&id).await?;
+    let (id, endpoint) = state.engine.sandboxes().toolbox(&id).await?;
     let AgentEndpoint::Unix(socket) = endpoint;
     let id = SandboxId::parse(&id).map_err(|e| ApiError::bad_request(e.to_string()))?;
     state.toolbox.sockets.set(&id, socket);

@@ -49,12 +49,12 @@ pub(crate) async fn create(
     Json(request): Json<CreateVolume>,
 ) -> Result<Json<Volume>, ApiError> {
     Ok(Json(
-        state.engine.create_volume(&request.name).await?.into(),
+        state.engine.volumes().create(&request.name).await?.into(),
     ))
 }
 
 pub(crate) async fn list(State(state): State<AppState>) -> Result<Json<Vec<Volume>>, ApiError> {
-    let volumes = state.engine.volumes().await?;
+    let volumes = state.engine.volumes().list().await?;
     Ok(Json(volumes.into_iter().map(Volume::from).collect()))
 }
 
@@ -63,20 +63,20 @@ pub(crate) async fn get(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<Json<Volume>, ApiError> {
-    Ok(Json(state.engine.volume(&id).await?.into()))
+    Ok(Json(state.engine.volumes().get(&id).await?.into()))
 }
 
 pub(crate) async fn get_by_name(
     State(state): State<AppState>,
     Path(name): Path<String>,
 ) -> Result<Json<Volume>, ApiError> {
-    Ok(Json(state.engine.volume(&name).await?.into()))
+    Ok(Json(state.engine.volumes().get(&name).await?.into()))
 }
 
 pub(crate) async fn delete(
     State(state): State<AppState>,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    state.engine.delete_volume(&id).await?;
+    state.engine.volumes().delete(&id).await?;
     Ok(StatusCode::OK)
 }

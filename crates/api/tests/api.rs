@@ -46,7 +46,8 @@ async fn api_with_tls(tls_port: Option<u16>) -> Api {
         ("daytona-vm-small", SandboxClass::LinuxVm),
     ] {
         engine
-            .register_snapshot(&SnapshotRecord::for_image(name, "/rootfs", class, 0))
+            .snapshots()
+            .register(&SnapshotRecord::for_image(name, "/rootfs", class, 0))
             .await
             .unwrap();
     }

@@ -371,7 +371,8 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     let engine = Engine::new(config.clone(), store, runtimes);
     let now = cove_engine::now_ms();
     engine
-        .register_snapshot(&SnapshotRecord {
+        .snapshots()
+        .register(&SnapshotRecord {
             id: "cove-default".into(),
             cpu: config.default_cpu,
             memory_mib: config.default_memory_gib * 1024,
@@ -394,7 +395,8 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         ("daytona-vm-large", 2, 4096),
     ] {
         engine
-            .register_snapshot(&SnapshotRecord {
+            .snapshots()
+            .register(&SnapshotRecord {
                 cpu,
                 memory_mib,
                 disk_gib: config.default_disk_gib,
@@ -420,7 +422,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
 
     let env_api_key = args.api_key.clone().filter(|k| !k.is_empty());
     if env_api_key.is_none() {
-        if let Some(key) = engine.ensure_api_key().await? {
+        if let Some(key) = engine.access().ensure_api_key().await? {
             eprintln!("created an API key; it is shown once, keep it:\n\n    {key}\n");
         }
     }
@@ -465,7 +467,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         ));
     }
     let addr = listener.local_addr()?;
-    let timers = engine.clone();
+    let timers = engine.sandboxes().clone();
     tokio::spawn(async move { timers.run_timers().await });
     let serve = tokio::spawn(cove_api::listener::serve(
         listener,
@@ -638,7 +640,7 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
 /// start: unmounting it lets its loop device go, rather than leaving both
 /// behind a server that is gone.
 async fn release_storage(engine: &Engine, storage: &Storage) {
-    match engine.list().await {
+    match engine.sandboxes().list().await {
         Ok(sandboxes) if sandboxes.is_empty() => match storage.unmount() {
             Ok(()) => {
                 tracing::info!(storage = %storage.root().display(), "no sandbox left; storage unmounted")

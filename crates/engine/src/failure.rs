@@ -1,6 +1,6 @@
 //! What failed inside an operation on a sandbox, before the operation names it.
 //!
-//! An operation's effect (boot, pause, stop, archive, restore ...) drives the
+//! An operation's effect (start, pause, stop, archive, revert ...) drives the
 //! runtime, the network and the archive in turn; [`Failure`] is whichever of
 //! them failed, with its error as it came. The operation turns it into the
 //! [`EngineError`] the caller sees ([`Failure::named`]), which keeps that

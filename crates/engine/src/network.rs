@@ -1,18 +1,13 @@
-//! Sandbox networking: each started sandbox is attached to cove's network (an
-//! address and an egress policy; a container gets its own namespace, a VM a
-//! TAP device its guest configures) right before its runtime starts it,
-//! detached when it stops or pauses, and its address is released when it is
-//! deleted. Policy changes on a running sandbox apply live.
+//! The node's network as the engine holds it, and the check that turns a
+//! sandbox's network settings into an egress policy. Attaching sandboxes is
+//! the sandboxes part's (`sandboxes/network.rs`).
 
 use std::sync::Arc;
 
-use cove_lifecycle::{SandboxClass, SandboxState};
-use cove_net::{Link, LinkKind, Policy, PolicyError};
-use cove_runtime::{NetworkLink, SandboxNetwork, TapLink};
-use cove_store::{NetworkSettings, SandboxRecord};
+use cove_net::{Policy, PolicyError};
+use cove_store::NetworkSettings;
 
-use crate::failure::Failure;
-use crate::{Engine, EngineError};
+use crate::EngineError;
 
 /// The node's network, shared by the engine and the server that made it.
 #[derive(Clone)]
@@ -53,107 +48,4 @@ pub fn policy(settings: &NetworkSettings) -> Result<Policy, EngineError> {
         invalid(field, e)
     })?;
     Ok(policy)
-}
-
-impl Engine {
-    /// The network every sandbox joins; `None` on a server without one.
-    pub(crate) fn network(&self) -> Option<&Arc<cove_net::Network>> {
-        self.inner.config.network.as_ref().map(|n| &n.0)
-    }
-
-    /// Attaches a sandbox that is about to start; `None` without networking.
-    pub(crate) async fn attach_network(
-        &self,
-        record: &SandboxRecord,
-    ) -> Result<Option<SandboxNetwork>, Failure> {
-        let Some(network) = self.network() else {
-            return Ok(None);
-        };
-        let policy = policy(&record.network)?;
-        let kind = match record.class {
-            SandboxClass::Container => LinkKind::Namespace,
-            SandboxClass::LinuxVm => LinkKind::Tap,
-        };
-        let attachment = network
-            .attach_as(&record.id, &policy, kind)
-            .await
-            .map_err(Failure::network("attach it to the network"))?;
-        let link = match &attachment.link {
-            Link::Namespace(path) => NetworkLink::Namespace(path.clone()),
-            Link::Tap(device) => NetworkLink::Tap(TapLink {
-                device: device.clone(),
-                mac: attachment.guest_mac(),
-                address: attachment.address,
-                prefix_len: attachment.prefix_len,
-                gateway: attachment.gateway,
-            }),
-        };
-        Ok(Some(SandboxNetwork {
-            link,
-            resolv_conf: attachment.resolv_conf,
-        }))
-    }
-
-    /// Takes a sandbox that no longer runs off the network (keeps its address).
-    pub(crate) async fn detach_network(&self, record: &SandboxRecord) -> Result<(), Failure> {
-        match self.network() {
-            Some(network) => network
-                .detach(&record.id)
-                .await
-                .map_err(Failure::network("detach it from the network")),
-            None => Ok(()),
-        }
-    }
-
-    /// Gives up a deleted sandbox's address.
-    pub(crate) async fn release_network(&self, record: &SandboxRecord) -> Result<(), Failure> {
-        match self.network() {
-            Some(network) => network
-                .release(&record.id)
-                .await
-                .map_err(Failure::network("release its network address")),
-            None => Ok(()),
-        }
-    }
-
-    /// Replaces a sandbox's egress policy; a running sandbox gets it at once.
-    /// `change` turns the current settings (read under the sandbox's lock, so
-    /// concurrent partial changes both apply) into the new ones.
-    pub async fn set_network_settings(
-        &self,
-        id_or_name: &str,
-        change: impl FnOnce(NetworkSettings) -> NetworkSettings,
-    ) -> Result<SandboxRecord, EngineError> {
-        let id = self.get(id_or_name).await?.id;
-        let lock = self.lock_for(&id);
-        let _guard = lock.lock().await;
-        let mut record = self.get(&id).await?;
-        let settings = change(record.network.clone());
-        let checked = policy(&settings)?;
-        if self.network().is_none() && settings != NetworkSettings::default() {
-            return Err(EngineError::NotImplemented {
-                what: format!(
-                    "network policies for {} sandboxes on this server (no sandbox networking)",
-                    record.class
-                ),
-            });
-        }
-        if record.state == SandboxState::Started {
-            if let Some(network) = self.network() {
-                network
-                    .set_policy(&record.id, &checked)
-                    .await
-                    .map_err(|source| EngineError::Network {
-                        id: record.id.clone(),
-                        operation: "change its network policy",
-                        step: "apply the policy",
-                        source,
-                    })?;
-            }
-        }
-        record.network = settings;
-        record.updated_at_ms = crate::now_ms();
-        self.inner.store.save_sandbox(&record).await?;
-        Ok(record)
-    }
 }

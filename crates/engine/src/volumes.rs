@@ -4,12 +4,14 @@
 //! sandbox mounts cannot be deleted.
 
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 use cove_lifecycle::SandboxClass;
 use cove_store::{SandboxRecord, SnapshotRecord, StoreError, VolumeMount, VolumeRecord};
 
-use crate::create::check_name;
-use crate::{now_ms, Engine, EngineError};
+use crate::checks::check_name;
+use crate::shared::Shared;
+use crate::{now_ms, EngineError};
 
 /// Paths a volume may not cover: the kernel's and the agent's.
 const RESERVED: &[&str] = &["/proc", "/sys", "/dev", "/run"];
@@ -61,9 +63,19 @@ fn check_subpath(subpath: &str) -> Result<(), EngineError> {
     }
 }
 
-impl Engine {
+/// Volumes: directories sandboxes mount. Cheap to clone.
+#[derive(Clone)]
+pub struct Volumes {
+    shared: Arc<Shared>,
+}
+
+impl Volumes {
+    pub(crate) fn new(shared: Arc<Shared>) -> Volumes {
+        Volumes { shared }
+    }
+
     fn volumes_dir(&self) -> Result<&Path, EngineError> {
-        self.inner
+        self.shared
             .config
             .volumes_dir
             .as_deref()
@@ -77,7 +89,7 @@ impl Engine {
     }
 
     /// Makes a volume (an empty directory) named `name`.
-    pub async fn create_volume(&self, name: &str) -> Result<VolumeRecord, EngineError> {
+    pub async fn create(&self, name: &str) -> Result<VolumeRecord, EngineError> {
         check_name(name)?;
         let now = now_ms();
         let record = VolumeRecord {
@@ -89,7 +101,7 @@ impl Engine {
         };
         let dir = self.volume_dir(&record.id)?;
         self.make_volume_dir(&record.id, &dir).await?;
-        if let Err(error) = self.inner.store.insert_volume(&record).await {
+        if let Err(error) = self.shared.store.insert_volume(&record).await {
             self.remove_volume_dir(&dir).await;
             return Err(match error {
                 StoreError::Duplicate { name } => EngineError::VolumeTaken { name },
@@ -100,13 +112,13 @@ impl Engine {
         Ok(record)
     }
 
-    pub async fn volumes(&self) -> Result<Vec<VolumeRecord>, EngineError> {
-        Ok(self.inner.store.list_volumes().await?)
+    pub async fn list(&self) -> Result<Vec<VolumeRecord>, EngineError> {
+        Ok(self.shared.store.list_volumes().await?)
     }
 
     /// The volume with this id or name.
-    pub async fn volume(&self, id_or_name: &str) -> Result<VolumeRecord, EngineError> {
-        self.inner
+    pub async fn get(&self, id_or_name: &str) -> Result<VolumeRecord, EngineError> {
+        self.shared
             .store
             .find_volume(id_or_name)
             .await?
@@ -116,10 +128,10 @@ impl Engine {
     }
 
     /// Deletes a volume and its files; refused while a sandbox mounts it.
-    pub async fn delete_volume(&self, id_or_name: &str) -> Result<(), EngineError> {
-        let volume = self.volume(id_or_name).await?;
+    pub async fn delete(&self, id_or_name: &str) -> Result<(), EngineError> {
+        let volume = self.get(id_or_name).await?;
         let users: Vec<String> = self
-            .inner
+            .shared
             .store
             .list_sandboxes()
             .await?
@@ -133,7 +145,7 @@ impl Engine {
                 users,
             });
         }
-        self.inner.store.delete_volume(&volume.id).await?;
+        self.shared.store.delete_volume(&volume.id).await?;
         let dir = self.volume_dir(&volume.id)?;
         self.remove_volume_dir(&dir).await;
         tracing::info!(volume = %volume.id, name = %volume.name, "volume deleted");
@@ -146,7 +158,7 @@ impl Engine {
         tokio::fs::create_dir_all(&parent)
             .await
             .map_err(EngineError::io("create", &parent))?;
-        let Some(quota) = self.inner.config.volume_quota.clone() else {
+        let Some(quota) = self.shared.config.volume_quota.clone() else {
             return tokio::fs::create_dir(dir)
                 .await
                 .map_err(EngineError::io("create", dir));
@@ -171,7 +183,7 @@ impl Engine {
     /// volume made without a quota).
     async fn remove_volume_dir(&self, dir: &Path) {
         let owned = dir.to_owned();
-        let storage = self.inner.config.volume_quota.clone().map(|q| q.storage);
+        let storage = self.shared.config.volume_quota.clone().map(|q| q.storage);
         let removed = tokio::task::spawn_blocking(move || {
             let subvolume = storage.as_ref().map(|s| s.delete_subvolume(&owned));
             match subvolume {
@@ -217,7 +229,7 @@ impl Engine {
             }
             SandboxClass::LinuxVm => {}
         }
-        if let Some(what) = self.runtime(snapshot.class)?.volumes_unavailable() {
+        if let Some(what) = self.shared.runtime(snapshot.class)?.volumes_unavailable() {
             return Err(EngineError::NotImplemented { what });
         }
         let mut resolved: Vec<VolumeMount> = Vec::with_capacity(mounts.len());
@@ -232,11 +244,11 @@ impl Engine {
                     format!("{} is used twice", mount.mount_path),
                 ));
             }
-            let volume = self.volume(&mount.volume_id).await?;
+            let volume = self.get(&mount.volume_id).await?;
             if let Some(subpath) = &mount.subpath {
                 self.make_subpath(&volume, subpath).await?;
             }
-            self.inner.store.touch_volume(&volume.id, now_ms()).await?;
+            self.shared.store.touch_volume(&volume.id, now_ms()).await?;
             resolved.push(VolumeMount {
                 volume_id: volume.id,
                 mount_path: mount.mount_path.clone(),
@@ -278,8 +290,8 @@ impl Engine {
 
     /// The volumes a sandbox's runtime mounts: each volume's directory and
     /// the subpath in it, which the runtime opens without following links.
-    pub(crate) fn volume_binds(&self, record: &SandboxRecord) -> Vec<cove_runtime::VolumeBind> {
-        let Some(dir) = self.inner.config.volumes_dir.as_deref() else {
+    pub(crate) fn binds(&self, record: &SandboxRecord) -> Vec<cove_runtime::VolumeBind> {
+        let Some(dir) = self.shared.config.volumes_dir.as_deref() else {
             return Vec::new();
         };
         record

@@ -31,7 +31,8 @@ async fn harness() -> Harness {
     let fake = Arc::new(FakeRuntime::new());
     let engine = engine_on(store.clone(), fake.clone()).await;
     engine
-        .register_snapshot(&SnapshotRecord::for_image(
+        .snapshots()
+        .register(&SnapshotRecord::for_image(
             "cove-default",
             "/rootfs",
             SandboxClass::Container,
@@ -59,8 +60,8 @@ async fn a_runtime_error_keeps_its_kind_and_source_through_the_engine() {
     use cove_engine::ErrorKind;
     use cove_runtime::RuntimeError;
     let h = harness().await;
-    let s = h.engine.create(named("kinds")).await.unwrap();
-    h.engine.stop(&s.id).await.unwrap();
+    let s = h.engine.sandboxes().create(named("kinds")).await.unwrap();
+    h.engine.sandboxes().stop(&s.id).await.unwrap();
     let cases: [(cove_runtime::fake::StartFailure, ErrorKind); 3] = [
         (
             |id| RuntimeError::AlreadyRunning { id: id.to_owned() },
@@ -85,7 +86,7 @@ async fn a_runtime_error_keeps_its_kind_and_source_through_the_engine() {
     ];
     for (make, kind) in cases {
         h.fake.fail_start_with(Some(make));
-        let error = h.engine.start(&s.id).await.unwrap_err();
+        let error = h.engine.sandboxes().start(&s.id).await.unwrap_err();
         assert_eq!(error.kind(), kind, "{error}");
         // The runtime's error is the engine error's source, as it was made,
         // and what it wraps comes after it in the chain.
@@ -103,46 +104,46 @@ async fn a_runtime_error_keeps_its_kind_and_source_through_the_engine() {
             assert!(source.source().unwrap().is::<std::io::Error>());
         }
         // The record says why, with the whole chain.
-        let record = h.engine.get(&s.id).await.unwrap();
+        let record = h.engine.sandboxes().get(&s.id).await.unwrap();
         assert_eq!(
             record.error_reason.as_deref(),
             Some(format!("start failed: {}", cove_engine::describe(source)).as_str())
         );
         h.fake.fail_start_with(None);
-        h.engine.recover(&s.id).await.unwrap();
-        h.engine.stop(&s.id).await.unwrap();
+        h.engine.sandboxes().recover(&s.id).await.unwrap();
+        h.engine.sandboxes().stop(&s.id).await.unwrap();
     }
 }
 
 #[tokio::test]
 async fn create_stop_start_delete() {
     let h = harness().await;
-    let s = h.engine.create(named("one")).await.unwrap();
+    let s = h.engine.sandboxes().create(named("one")).await.unwrap();
     assert_eq!(s.state, SandboxState::Started);
     assert_eq!((s.cpu, s.memory_mib, s.disk_gib), (1, 1024, 3));
     assert!(h.fake.is_running(&s.id).await);
-    assert_eq!(h.engine.get("one").await.unwrap().id, s.id);
+    assert_eq!(h.engine.sandboxes().get("one").await.unwrap().id, s.id);
 
-    let stopped = h.engine.stop(&s.id).await.unwrap();
+    let stopped = h.engine.sandboxes().stop(&s.id).await.unwrap();
     assert_eq!(stopped.state, SandboxState::Stopped);
     assert!(!h.fake.is_running(&s.id).await);
     // Stop again is a no-op, not an error.
     assert_eq!(
-        h.engine.stop(&s.id).await.unwrap().state,
+        h.engine.sandboxes().stop(&s.id).await.unwrap().state,
         SandboxState::Stopped
     );
 
     assert_eq!(
-        h.engine.start("one").await.unwrap().state,
+        h.engine.sandboxes().start("one").await.unwrap().state,
         SandboxState::Started
     );
     assert!(h.fake.is_running(&s.id).await);
 
-    let deleted = h.engine.delete("one").await.unwrap();
+    let deleted = h.engine.sandboxes().delete("one").await.unwrap();
     assert_eq!(deleted.state, SandboxState::Destroyed);
     assert!(h.fake.machines().is_empty());
     assert!(matches!(
-        h.engine.get(&s.id).await,
+        h.engine.sandboxes().get(&s.id).await,
         Err(EngineError::SandboxNotFound { .. })
     ));
 }
@@ -151,13 +152,18 @@ async fn create_stop_start_delete() {
 async fn a_failed_create_leaves_nothing() {
     let h = harness().await;
     h.fake.fail_start(Some("no luck"));
-    let err = h.engine.create(named("broken")).await.unwrap_err();
+    let err = h
+        .engine
+        .sandboxes()
+        .create(named("broken"))
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("no luck"), "{err}");
-    assert!(h.engine.list().await.unwrap().is_empty());
+    assert!(h.engine.sandboxes().list().await.unwrap().is_empty());
     assert!(h.fake.machines().is_empty());
     // The name is free again.
     h.fake.fail_start(None);
-    h.engine.create(named("broken")).await.unwrap();
+    h.engine.sandboxes().create(named("broken")).await.unwrap();
 }
 
 #[tokio::test]
@@ -167,7 +173,7 @@ async fn bad_requests_are_refused_by_name() {
         snapshot: Some("nope".into()),
         ..Default::default()
     };
-    let err = h.engine.create(unknown).await.unwrap_err();
+    let err = h.engine.sandboxes().create(unknown).await.unwrap_err();
     assert_eq!(err.to_string(), "snapshot nope not found");
     assert_eq!(err.kind(), cove_engine::ErrorKind::NotFound);
 
@@ -175,7 +181,7 @@ async fn bad_requests_are_refused_by_name() {
         memory_gib: Some(64),
         ..Default::default()
     };
-    let err = h.engine.create(big).await.unwrap_err();
+    let err = h.engine.sandboxes().create(big).await.unwrap_err();
     assert_eq!(
         err.to_string(),
         "memory 64 is above this server's ceiling of 8"
@@ -188,49 +194,55 @@ async fn bad_requests_are_refused_by_name() {
     };
     assert!(h
         .engine
+        .sandboxes()
         .create(windows)
         .await
         .unwrap_err()
         .to_string()
         .contains("no Windows image"));
 
-    h.engine.create(named("taken")).await.unwrap();
-    let err = h.engine.create(named("taken")).await.unwrap_err();
+    h.engine.sandboxes().create(named("taken")).await.unwrap();
+    let err = h
+        .engine
+        .sandboxes()
+        .create(named("taken"))
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), cove_engine::ErrorKind::Conflict);
 
-    let bad_name = h.engine.create(named("a b")).await.unwrap_err();
+    let bad_name = h.engine.sandboxes().create(named("a b")).await.unwrap_err();
     assert_eq!(bad_name.kind(), cove_engine::ErrorKind::BadRequest);
     let both = CreateSandbox {
         auto_pause: Some(5),
         ..Default::default()
     };
     assert_eq!(
-        h.engine.create(both).await.unwrap_err().kind(),
+        h.engine.sandboxes().create(both).await.unwrap_err().kind(),
         cove_engine::ErrorKind::BadRequest
     );
     // Nothing half-made by any of these.
-    assert_eq!(h.engine.list().await.unwrap().len(), 1);
+    assert_eq!(h.engine.sandboxes().list().await.unwrap().len(), 1);
     assert_eq!(h.fake.machines().len(), 1);
 }
 
 #[tokio::test]
 async fn a_crash_is_an_error_and_recover_starts_it() {
     let h = harness().await;
-    let s = h.engine.create(named("crashy")).await.unwrap();
+    let s = h.engine.sandboxes().create(named("crashy")).await.unwrap();
     h.fake.crash(&s.id);
     let mut state = SandboxState::Started;
     for _ in 0..100 {
-        state = h.engine.get(&s.id).await.unwrap().state;
+        state = h.engine.sandboxes().get(&s.id).await.unwrap().state;
         if state == SandboxState::Error {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(5)).await;
     }
     assert_eq!(state, SandboxState::Error);
-    let record = h.engine.get(&s.id).await.unwrap();
+    let record = h.engine.sandboxes().get(&s.id).await.unwrap();
     assert!(record.error_reason.unwrap().contains("exited unexpectedly"));
     // Start from error is not allowed; recover is.
-    let err = h.engine.start(&s.id).await.unwrap_err();
+    let err = h.engine.sandboxes().start(&s.id).await.unwrap_err();
     assert_eq!(
         err.to_string(),
         format!(
@@ -239,7 +251,7 @@ async fn a_crash_is_an_error_and_recover_starts_it() {
         )
     );
     assert_eq!(
-        h.engine.recover(&s.id).await.unwrap().state,
+        h.engine.sandboxes().recover(&s.id).await.unwrap().state,
         SandboxState::Started
     );
 }
@@ -247,11 +259,11 @@ async fn a_crash_is_an_error_and_recover_starts_it() {
 #[tokio::test]
 async fn stop_does_not_count_as_a_crash() {
     let h = harness().await;
-    let s = h.engine.create(named("calm")).await.unwrap();
-    h.engine.stop(&s.id).await.unwrap();
+    let s = h.engine.sandboxes().create(named("calm")).await.unwrap();
+    h.engine.sandboxes().stop(&s.id).await.unwrap();
     tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     assert_eq!(
-        h.engine.get(&s.id).await.unwrap().state,
+        h.engine.sandboxes().get(&s.id).await.unwrap().state,
         SandboxState::Stopped
     );
 }
@@ -263,10 +275,10 @@ async fn ephemeral_is_deleted_on_stop() {
         auto_delete: Some(0),
         ..named("brief")
     };
-    let s = h.engine.create(request).await.unwrap();
-    let after = h.engine.stop(&s.id).await.unwrap();
+    let s = h.engine.sandboxes().create(request).await.unwrap();
+    let after = h.engine.sandboxes().stop(&s.id).await.unwrap();
     assert_eq!(after.state, SandboxState::Destroyed);
-    assert!(h.engine.list().await.unwrap().is_empty());
+    assert!(h.engine.sandboxes().list().await.unwrap().is_empty());
     assert!(h.fake.machines().is_empty());
 }
 
@@ -275,6 +287,7 @@ async fn timers_stop_idle_sandboxes_and_honour_ttl() {
     let h = harness().await;
     let idle = h
         .engine
+        .sandboxes()
         .create(CreateSandbox {
             auto_stop: Some(1),
             ..named("idle")
@@ -283,6 +296,7 @@ async fn timers_stop_idle_sandboxes_and_honour_ttl() {
         .unwrap();
     let ttl = h
         .engine
+        .sandboxes()
         .create(CreateSandbox {
             auto_stop: Some(0),
             ttl_minutes: Some(2),
@@ -294,34 +308,47 @@ async fn timers_stop_idle_sandboxes_and_honour_ttl() {
 
     assert!(h
         .engine
+        .sandboxes()
         .check_timers(now + 30_000)
         .await
         .unwrap()
         .is_empty());
-    let fired = h.engine.check_timers(now + MINUTE_MS + 1000).await.unwrap();
+    let fired = h
+        .engine
+        .sandboxes()
+        .check_timers(now + MINUTE_MS + 1000)
+        .await
+        .unwrap();
     assert!(fired.contains(&(idle.id.clone(), "auto-stop")), "{fired:?}");
     assert_eq!(
-        h.engine.get(&idle.id).await.unwrap().state,
+        h.engine.sandboxes().get(&idle.id).await.unwrap().state,
         SandboxState::Stopped
     );
 
-    let fired = h.engine.check_timers(now + 3 * MINUTE_MS).await.unwrap();
+    let fired = h
+        .engine
+        .sandboxes()
+        .check_timers(now + 3 * MINUTE_MS)
+        .await
+        .unwrap();
     assert!(fired.contains(&(ttl.id.clone(), "ttl")), "{fired:?}");
-    assert!(h.engine.get(&ttl.id).await.is_err());
+    assert!(h.engine.sandboxes().get(&ttl.id).await.is_err());
 }
 
 #[tokio::test]
 async fn setters_keep_the_rules_and_reset_ttl() {
     let h = harness().await;
-    let s = h.engine.create(named("set")).await.unwrap();
+    let s = h.engine.sandboxes().create(named("set")).await.unwrap();
     let r = h
         .engine
+        .sandboxes()
         .change(&s.id, SettingChange::AutoStop(30))
         .await
         .unwrap();
     assert_eq!(r.timers.auto_stop, 30);
     let err = h
         .engine
+        .sandboxes()
         .change(&s.id, SettingChange::AutoPause(5))
         .await
         .unwrap_err();
@@ -329,15 +356,22 @@ async fn setters_keep_the_rules_and_reset_ttl() {
     let before = cove_engine::now_ms();
     let r = h
         .engine
+        .sandboxes()
         .change(&s.id, SettingChange::Ttl(10))
         .await
         .unwrap();
     assert!(r.ttl_deadline_ms.unwrap() >= before + 10 * MINUTE_MS);
-    let r = h.engine.change(&s.id, SettingChange::Ttl(0)).await.unwrap();
+    let r = h
+        .engine
+        .sandboxes()
+        .change(&s.id, SettingChange::Ttl(0))
+        .await
+        .unwrap();
     assert_eq!(r.ttl_deadline_ms, None);
     let labels = [("a".to_string(), "b".to_string())].into_iter().collect();
     let r = h
         .engine
+        .sandboxes()
         .change(&s.id, SettingChange::Labels(labels))
         .await
         .unwrap();
@@ -347,9 +381,9 @@ async fn setters_keep_the_rules_and_reset_ttl() {
 #[tokio::test]
 async fn a_restart_brings_sandboxes_back_once() {
     let h = harness().await;
-    let running = h.engine.create(named("running")).await.unwrap();
-    let stopped = h.engine.create(named("stopped")).await.unwrap();
-    h.engine.stop(&stopped.id).await.unwrap();
+    let running = h.engine.sandboxes().create(named("running")).await.unwrap();
+    let stopped = h.engine.sandboxes().create(named("stopped")).await.unwrap();
+    h.engine.sandboxes().stop(&stopped.id).await.unwrap();
 
     // A new engine on the same store, as after a server restart; its runtime has
     // lost every process.
@@ -377,25 +411,26 @@ async fn a_restart_brings_sandboxes_back_once() {
     let engine = engine_on(h.store.clone(), fake.clone()).await;
     engine.recover_after_restart().await.unwrap();
     assert_eq!(
-        engine.get(&running.id).await.unwrap().state,
+        engine.sandboxes().get(&running.id).await.unwrap().state,
         SandboxState::Started
     );
     assert!(fake.is_running(&running.id).await);
     assert_eq!(
-        engine.get(&stopped.id).await.unwrap().state,
+        engine.sandboxes().get(&stopped.id).await.unwrap().state,
         SandboxState::Stopped
     );
     assert!(!fake.is_running(&stopped.id).await);
-    assert_eq!(engine.list().await.unwrap().len(), 2);
+    assert_eq!(engine.sandboxes().list().await.unwrap().len(), 2);
 }
 
 #[tokio::test]
 async fn snapshots_capture_stack_revert_and_refuse_what_would_break() {
     use cove_engine::ErrorKind;
     let h = harness().await;
-    let source = h.engine.create(named("source")).await.unwrap();
+    let source = h.engine.sandboxes().create(named("source")).await.unwrap();
     let after = h
         .engine
+        .sandboxes()
         .snapshot(&source.id, "snap-a", false)
         .await
         .unwrap();
@@ -404,19 +439,21 @@ async fn snapshots_capture_stack_revert_and_refuse_what_would_break() {
         SandboxState::Started,
         "a live snapshot keeps it running"
     );
-    let snap = h.engine.get_snapshot("snap-a").await.unwrap();
+    let snap = h.engine.snapshots().get("snap-a").await.unwrap();
     assert_eq!(snap.source_sandbox.as_deref(), Some(source.id.as_str()));
     assert_eq!(snap.layers, [format!("/captures/{}", snap.id)]);
     assert_eq!(snap.rootfs, "/rootfs");
 
     let err = h
         .engine
+        .sandboxes()
         .snapshot(&source.id, "snap-a", false)
         .await
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Conflict);
     let err = h
         .engine
+        .sandboxes()
         .snapshot(&source.id, "mem", true)
         .await
         .unwrap_err();
@@ -425,14 +462,19 @@ async fn snapshots_capture_stack_revert_and_refuse_what_would_break() {
 
     let child = h
         .engine
+        .sandboxes()
         .create(CreateSandbox {
             snapshot: Some("snap-a".into()),
             ..named("child")
         })
         .await
         .unwrap();
-    h.engine.snapshot(&child.id, "snap-b", false).await.unwrap();
-    let stacked = h.engine.get_snapshot("snap-b").await.unwrap();
+    h.engine
+        .sandboxes()
+        .snapshot(&child.id, "snap-b", false)
+        .await
+        .unwrap();
+    let stacked = h.engine.snapshots().get("snap-b").await.unwrap();
     assert_eq!(stacked.layers.len(), 2);
     assert_eq!(
         stacked.layers[1], snap.layers[0],
@@ -440,17 +482,27 @@ async fn snapshots_capture_stack_revert_and_refuse_what_would_break() {
     );
 
     // The child cannot revert to its parent's snapshot; the source can.
-    let err = h.engine.revert(&child.id, "snap-a").await.unwrap_err();
+    let err = h
+        .engine
+        .sandboxes()
+        .revert(&child.id, "snap-a")
+        .await
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::BadRequest);
-    let reverted = h.engine.revert(&source.id, "snap-a").await.unwrap();
+    let reverted = h
+        .engine
+        .sandboxes()
+        .revert(&source.id, "snap-a")
+        .await
+        .unwrap();
     assert_eq!(reverted.state, SandboxState::Started);
     assert!(h
         .fake
         .calls()
-        .contains(&format!("restore {} {}", source.id, snap.id)));
+        .contains(&format!("revert {} {}", source.id, snap.id)));
 
     // In use by a sandbox and by a stacked snapshot: refused, naming both.
-    let err = h.engine.delete_snapshot("snap-a").await.unwrap_err();
+    let err = h.engine.snapshots().delete("snap-a").await.unwrap_err();
     assert_eq!(err.kind(), ErrorKind::Conflict);
     assert!(
         err.to_string().contains("snapshot snap-b") && err.to_string().contains("sandbox child"),
@@ -458,19 +510,20 @@ async fn snapshots_capture_stack_revert_and_refuse_what_would_break() {
     );
     assert_eq!(
         h.engine
-            .delete_snapshot("cove-default")
+            .snapshots()
+            .delete("cove-default")
             .await
             .unwrap_err()
             .kind(),
         ErrorKind::BadRequest
     );
 
-    h.engine.delete(&child.id).await.unwrap();
-    h.engine.delete_snapshot("snap-b").await.unwrap();
-    h.engine.delete_snapshot("snap-a").await.unwrap();
+    h.engine.sandboxes().delete(&child.id).await.unwrap();
+    h.engine.snapshots().delete("snap-b").await.unwrap();
+    h.engine.snapshots().delete("snap-a").await.unwrap();
     assert!(h.fake.calls().contains(&format!("discard {}", snap.id)));
     assert_eq!(
-        h.engine.get_snapshot("snap-a").await.unwrap_err().kind(),
+        h.engine.snapshots().get("snap-a").await.unwrap_err().kind(),
         ErrorKind::NotFound
     );
 }
@@ -478,32 +531,53 @@ async fn snapshots_capture_stack_revert_and_refuse_what_would_break() {
 #[tokio::test]
 async fn revoking_ssh_access_tells_its_holders() {
     let h = harness().await;
-    let s = h.engine.create(named("ssh-watch")).await.unwrap();
-    let issued = h.engine.create_ssh_access(&s.id, None).await.unwrap();
-    let mut revocations = h.engine.ssh_access_revocations();
+    let s = h
+        .engine
+        .sandboxes()
+        .create(named("ssh-watch"))
+        .await
+        .unwrap();
+    let issued = h
+        .engine
+        .access()
+        .create_ssh_access(&s.id, None)
+        .await
+        .unwrap();
+    let mut revocations = h.engine.access().ssh_access_revocations();
     // Revoking nothing is no news.
     h.engine
+        .access()
         .revoke_ssh_access(&s.id, Some("not-a-token"))
         .await
         .unwrap();
     assert!(!revocations.has_changed().unwrap());
     h.engine
+        .access()
         .revoke_ssh_access(&s.id, Some(&issued.token))
         .await
         .unwrap();
     assert!(revocations.has_changed().unwrap());
     revocations.borrow_and_update();
     // Deleting a sandbox takes its tokens with it.
-    h.engine.create_ssh_access(&s.id, None).await.unwrap();
-    h.engine.delete(&s.id).await.unwrap();
+    h.engine
+        .access()
+        .create_ssh_access(&s.id, None)
+        .await
+        .unwrap();
+    h.engine.sandboxes().delete(&s.id).await.unwrap();
     assert!(revocations.has_changed().unwrap());
 }
 
 #[tokio::test]
 async fn ssh_access_is_issued_validated_expires_and_is_revoked() {
     let h = harness().await;
-    let s = h.engine.create(named("ssh")).await.unwrap();
-    let issued = h.engine.create_ssh_access("ssh", Some(5)).await.unwrap();
+    let s = h.engine.sandboxes().create(named("ssh")).await.unwrap();
+    let issued = h
+        .engine
+        .access()
+        .create_ssh_access("ssh", Some(5))
+        .await
+        .unwrap();
     assert_eq!(issued.record.sandbox_id, s.id);
     assert!(issued.token.len() >= 32, "{}", issued.token);
     assert_eq!(
@@ -513,16 +587,34 @@ async fn ssh_access_is_issued_validated_expires_and_is_revoked() {
     // Only the hash is stored.
     assert_ne!(issued.record.token_hash, issued.token);
     assert_eq!(
-        h.engine.validate_ssh_access(&issued.token).await.unwrap(),
+        h.engine
+            .access()
+            .validate_ssh_access(&issued.token)
+            .await
+            .unwrap(),
         Some(s.id.clone())
     );
-    assert_eq!(h.engine.validate_ssh_access("unknown").await.unwrap(), None);
-    assert_eq!(h.engine.validate_ssh_access("").await.unwrap(), None);
-    // A token outlives a stop and start of its sandbox.
-    h.engine.stop(&s.id).await.unwrap();
-    h.engine.start(&s.id).await.unwrap();
     assert_eq!(
-        h.engine.validate_ssh_access(&issued.token).await.unwrap(),
+        h.engine
+            .access()
+            .validate_ssh_access("unknown")
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(
+        h.engine.access().validate_ssh_access("").await.unwrap(),
+        None
+    );
+    // A token outlives a stop and start of its sandbox.
+    h.engine.sandboxes().stop(&s.id).await.unwrap();
+    h.engine.sandboxes().start(&s.id).await.unwrap();
+    assert_eq!(
+        h.engine
+            .access()
+            .validate_ssh_access(&issued.token)
+            .await
+            .unwrap(),
         Some(s.id.clone())
     );
 
@@ -530,12 +622,14 @@ async fn ssh_access_is_issued_validated_expires_and_is_revoked() {
     let expires = issued.record.expires_at_ms;
     assert!(h
         .engine
+        .access()
         .validate_ssh_access_at(&issued.token, expires - 1)
         .await
         .unwrap()
         .is_some());
     assert_eq!(
         h.engine
+            .access()
             .validate_ssh_access_at(&issued.token, expires)
             .await
             .unwrap(),
@@ -543,37 +637,69 @@ async fn ssh_access_is_issued_validated_expires_and_is_revoked() {
     );
 
     // Two tokens: revoking one leaves the other; revoking all ends both.
-    let second = h.engine.create_ssh_access(&s.id, None).await.unwrap();
+    let second = h
+        .engine
+        .access()
+        .create_ssh_access(&s.id, None)
+        .await
+        .unwrap();
     assert_ne!(second.token, issued.token);
     assert_eq!(
         second.record.expires_at_ms - second.record.created_at_ms,
         60 * MINUTE_MS
     );
     h.engine
+        .access()
         .revoke_ssh_access("ssh", Some(&issued.token))
         .await
         .unwrap();
     assert_eq!(
-        h.engine.validate_ssh_access(&issued.token).await.unwrap(),
+        h.engine
+            .access()
+            .validate_ssh_access(&issued.token)
+            .await
+            .unwrap(),
         None
     );
     assert!(h
         .engine
+        .access()
         .validate_ssh_access(&second.token)
         .await
         .unwrap()
         .is_some());
-    let third = h.engine.create_ssh_access(&s.id, Some(1)).await.unwrap();
-    h.engine.revoke_ssh_access(&s.id, None).await.unwrap();
+    let third = h
+        .engine
+        .access()
+        .create_ssh_access(&s.id, Some(1))
+        .await
+        .unwrap();
+    h.engine
+        .access()
+        .revoke_ssh_access(&s.id, None)
+        .await
+        .unwrap();
     for token in [&second.token, &third.token] {
-        assert_eq!(h.engine.validate_ssh_access(token).await.unwrap(), None);
+        assert_eq!(
+            h.engine.access().validate_ssh_access(token).await.unwrap(),
+            None
+        );
     }
 
     // A deleted sandbox's tokens go with it.
-    let fourth = h.engine.create_ssh_access(&s.id, Some(1)).await.unwrap();
-    h.engine.delete(&s.id).await.unwrap();
+    let fourth = h
+        .engine
+        .access()
+        .create_ssh_access(&s.id, Some(1))
+        .await
+        .unwrap();
+    h.engine.sandboxes().delete(&s.id).await.unwrap();
     assert_eq!(
-        h.engine.validate_ssh_access(&fourth.token).await.unwrap(),
+        h.engine
+            .access()
+            .validate_ssh_access(&fourth.token)
+            .await
+            .unwrap(),
         None
     );
 }
@@ -581,10 +707,11 @@ async fn ssh_access_is_issued_validated_expires_and_is_revoked() {
 #[tokio::test]
 async fn ssh_access_refuses_bad_lifetimes_and_unknown_sandboxes() {
     let h = harness().await;
-    h.engine.create(named("ssh")).await.unwrap();
+    h.engine.sandboxes().create(named("ssh")).await.unwrap();
     for minutes in [0, -1, cove_engine::MAX_SSH_ACCESS_MINUTES + 1] {
         let error = h
             .engine
+            .access()
             .create_ssh_access("ssh", Some(minutes))
             .await
             .unwrap_err();
@@ -601,10 +728,15 @@ async fn ssh_access_refuses_bad_lifetimes_and_unknown_sandboxes() {
     }
     for error in [
         h.engine
+            .access()
             .create_ssh_access("nope", Some(5))
             .await
             .unwrap_err(),
-        h.engine.revoke_ssh_access("nope", None).await.unwrap_err(),
+        h.engine
+            .access()
+            .revoke_ssh_access("nope", None)
+            .await
+            .unwrap_err(),
     ] {
         assert!(
             matches!(error, EngineError::SandboxNotFound { .. }),
@@ -618,6 +750,7 @@ async fn a_finished_build_log_outlives_the_server() {
     let h = harness().await;
     let snapshot = h
         .engine
+        .snapshots()
         .create_image_snapshot(cove_engine::ImageSnapshotRequest {
             name: "logged".into(),
             dockerfile: Some("FROM cove-default\nENV A=1\n".into()),
@@ -625,7 +758,7 @@ async fn a_finished_build_log_outlives_the_server() {
         })
         .await
         .unwrap();
-    let live = h.engine.build_log(&snapshot.id).await.unwrap();
+    let live = h.engine.snapshots().build_log(&snapshot.id).await.unwrap();
     loop {
         let (_, done) = live.read_all();
         if done {
@@ -637,10 +770,10 @@ async fn a_finished_build_log_outlives_the_server() {
     assert!(written.iter().any(|l| l == "build complete"), "{written:?}");
     // A new server on the same store reads the same lines.
     let restarted = engine_on(h.store.clone(), h.fake.clone()).await;
-    let kept = restarted.build_log("logged").await.unwrap();
+    let kept = restarted.snapshots().build_log("logged").await.unwrap();
     assert_eq!(kept.read_all(), (written, true));
     // Deleting the snapshot deletes its log.
-    restarted.delete_snapshot("logged").await.unwrap();
+    restarted.snapshots().delete("logged").await.unwrap();
     assert_eq!(h.store.find_build_log(&snapshot.id).await.unwrap(), None);
 }
 
@@ -681,7 +814,7 @@ async fn a_restart_clears_build_scratch_but_keeps_uploaded_contexts() {
 #[tokio::test]
 async fn a_restart_destroys_the_build_sandboxes_a_crash_left() {
     let h = harness().await;
-    let kept = h.engine.create(named("kept")).await.unwrap();
+    let kept = h.engine.sandboxes().create(named("kept")).await.unwrap();
     let fake = Arc::new(FakeRuntime::new());
     let spec = |id: &str| {
         cove_runtime::SandboxSpec::bare(
@@ -707,7 +840,7 @@ async fn a_restart_destroys_the_build_sandboxes_a_crash_left() {
     assert_eq!(fake.machines(), [kept.id.as_str()]);
     assert!(fake.calls().contains(&format!("destroy {leftover}")));
     assert_eq!(
-        engine.get(&kept.id).await.unwrap().state,
+        engine.sandboxes().get(&kept.id).await.unwrap().state,
         SandboxState::Started
     );
 }
@@ -776,10 +909,11 @@ async fn build_context_uploads_are_bounded_and_leave_nothing_when_refused() {
     let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
     let engine = context_engine(dir.path(), store);
     let contexts = dir.path().join("contexts");
-    let grant = engine.issue_push_grant("cove").unwrap();
+    let grant = engine.snapshots().issue_push_grant("cove").unwrap();
     let key = "cove/0123abcd/context.tar";
 
     let error = engine
+        .snapshots()
         .put_context(&grant, key, body(&[600, 600, 600]), None)
         .await
         .unwrap_err();
@@ -797,17 +931,24 @@ async fn build_context_uploads_are_bounded_and_leave_nothing_when_refused() {
     assert_eq!(files_under(&contexts), Vec::<String>::new());
 
     // Parts that fit one by one but not together: the whole upload goes.
-    let upload = engine.start_context_upload(&grant, key).await.unwrap();
+    let upload = engine
+        .snapshots()
+        .start_context_upload(&grant, key)
+        .await
+        .unwrap();
     engine
+        .snapshots()
         .put_context_part(&grant, key, &upload, 1, body(&[600]), None)
         .await
         .unwrap();
     // The same part sent again counts once.
     engine
+        .snapshots()
         .put_context_part(&grant, key, &upload, 1, body(&[600]), None)
         .await
         .unwrap();
     let error = engine
+        .snapshots()
         .put_context_part(&grant, key, &upload, 2, body(&[300, 300]), None)
         .await
         .unwrap_err();
@@ -817,39 +958,65 @@ async fn build_context_uploads_are_bounded_and_leave_nothing_when_refused() {
     );
     assert_eq!(files_under(&contexts), Vec::<String>::new());
     let gone = engine
+        .snapshots()
         .put_context_part(&grant, key, &upload, 3, body(&[1]), None)
         .await
         .unwrap_err();
     assert_eq!(gone.kind(), ErrorKind::BadRequest, "{gone}");
 
     // At most two uploads in parts per grant.
-    let first = engine.start_context_upload(&grant, key).await.unwrap();
-    engine.start_context_upload(&grant, key).await.unwrap();
-    let error = engine.start_context_upload(&grant, key).await.unwrap_err();
+    let first = engine
+        .snapshots()
+        .start_context_upload(&grant, key)
+        .await
+        .unwrap();
+    engine
+        .snapshots()
+        .start_context_upload(&grant, key)
+        .await
+        .unwrap();
+    let error = engine
+        .snapshots()
+        .start_context_upload(&grant, key)
+        .await
+        .unwrap_err();
     assert!(
         matches!(error, EngineError::TooManyUploads { limit: 2 }),
         "{error}"
     );
     engine
+        .snapshots()
         .abort_context_upload(&grant, key, &first)
         .await
         .unwrap();
-    let upload = engine.start_context_upload(&grant, key).await.unwrap();
+    let upload = engine
+        .snapshots()
+        .start_context_upload(&grant, key)
+        .await
+        .unwrap();
 
     // Within the limit: stored.
     engine
+        .snapshots()
         .put_context_part(&grant, key, &upload, 1, body(&[500]), None)
         .await
         .unwrap();
     engine
+        .snapshots()
         .put_context_part(&grant, key, &upload, 2, body(&[500]), None)
         .await
         .unwrap();
     engine
+        .snapshots()
         .complete_context_upload(&grant, key, &upload, &[1, 2])
         .await
         .unwrap();
-    let stored = engine.head_context(&grant, key).await.unwrap().unwrap();
+    let stored = engine
+        .snapshots()
+        .head_context(&grant, key)
+        .await
+        .unwrap()
+        .unwrap();
     assert_eq!(stored.size, 1000);
 }
 
@@ -887,6 +1054,7 @@ async fn imports_read_nothing_outside_the_import_directory() {
         "/etc/passwd".into(),
     ] {
         let error = engine
+            .snapshots()
             .import_image_snapshot("stolen", &path)
             .await
             .unwrap_err();
@@ -903,6 +1071,7 @@ async fn imports_read_nothing_outside_the_import_directory() {
     }
     // Inside: read, and refused only for not being an image.
     let error = engine
+        .snapshots()
         .import_image_snapshot("junk", std::path::Path::new("junk.tar"))
         .await
         .unwrap_err();

@@ -31,7 +31,8 @@ async fn harness() -> Harness {
         ("daytona-vm-small", SandboxClass::LinuxVm),
     ] {
         engine
-            .register_snapshot(&SnapshotRecord::for_image(name, "/rootfs", class, 0))
+            .snapshots()
+            .register(&SnapshotRecord::for_image(name, "/rootfs", class, 0))
             .await
             .unwrap();
     }
@@ -61,7 +62,7 @@ fn calls_for(fake: &FakeRuntime, id: &str) -> Vec<String> {
 #[tokio::test]
 async fn vm_defaults_to_auto_pause_and_is_persistent() {
     let h = harness().await;
-    let s = h.engine.create(vm("v")).await.unwrap();
+    let s = h.engine.sandboxes().create(vm("v")).await.unwrap();
     assert_eq!(s.class, SandboxClass::LinuxVm);
     assert!(s.persistent);
     assert_eq!((s.timers.auto_pause, s.timers.auto_stop), (60, 0));
@@ -73,7 +74,7 @@ async fn vm_defaults_to_auto_pause_and_is_persistent() {
         ..vm("both")
     };
     assert!(matches!(
-        h.engine.create(both).await,
+        h.engine.sandboxes().create(both).await,
         Err(EngineError::Timers(_))
     ));
     let ephemeral = CreateSandbox {
@@ -81,14 +82,14 @@ async fn vm_defaults_to_auto_pause_and_is_persistent() {
         auto_delete: Some(0),
         ..vm("eph")
     };
-    let err = h.engine.create(ephemeral).await.unwrap_err();
+    let err = h.engine.sandboxes().create(ephemeral).await.unwrap_err();
     assert!(err.to_string().contains("cannot pause"), "{err}");
     // An ephemeral VM is not persistent and falls back to auto-stop.
     let eph = CreateSandbox {
         auto_delete: Some(0),
         ..vm("eph2")
     };
-    let eph = h.engine.create(eph).await.unwrap();
+    let eph = h.engine.sandboxes().create(eph).await.unwrap();
     assert!(!eph.persistent);
     assert_eq!((eph.timers.auto_pause, eph.timers.auto_stop), (0, 15));
 }
@@ -96,25 +97,30 @@ async fn vm_defaults_to_auto_pause_and_is_persistent() {
 #[tokio::test]
 async fn pause_then_start_resumes_from_memory() {
     let h = harness().await;
-    let s = h.engine.create(vm("p")).await.unwrap();
-    let paused = h.engine.pause(&s.id).await.unwrap();
+    let s = h.engine.sandboxes().create(vm("p")).await.unwrap();
+    let paused = h.engine.sandboxes().pause(&s.id).await.unwrap();
     assert_eq!(paused.state, SandboxState::Paused);
     assert!(!h.fake.is_running(&s.id).await);
     // Pausing a paused sandbox is a no-op.
     assert_eq!(
-        h.engine.pause(&s.id).await.unwrap().state,
+        h.engine.sandboxes().pause(&s.id).await.unwrap().state,
         SandboxState::Paused
     );
     // A toolbox call on a paused sandbox is refused (409), not sent anywhere.
     assert!(matches!(
-        h.engine.toolbox(&s.id).await,
+        h.engine.sandboxes().toolbox(&s.id).await,
         Err(EngineError::NotStarted { .. })
     ));
     // A snapshot of a paused sandbox: resume first.
-    let err = h.engine.snapshot(&s.id, "snap", false).await.unwrap_err();
+    let err = h
+        .engine
+        .sandboxes()
+        .snapshot(&s.id, "snap", false)
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("resume it first"), "{err}");
 
-    let started = h.engine.start(&s.id).await.unwrap();
+    let started = h.engine.sandboxes().start(&s.id).await.unwrap();
     assert_eq!(started.state, SandboxState::Started);
     // The machine continued from its memory: no stop (which would drop it) in between.
     assert_eq!(
@@ -126,9 +132,9 @@ async fn pause_then_start_resumes_from_memory() {
 #[tokio::test]
 async fn cold_start_discards_memory() {
     let h = harness().await;
-    let s = h.engine.create(vm("c")).await.unwrap();
-    h.engine.pause(&s.id).await.unwrap();
-    let started = h.engine.cold_start(&s.id).await.unwrap();
+    let s = h.engine.sandboxes().create(vm("c")).await.unwrap();
+    h.engine.sandboxes().pause(&s.id).await.unwrap();
+    let started = h.engine.sandboxes().cold_start(&s.id).await.unwrap();
     assert_eq!(started.state, SandboxState::Started);
     let calls = calls_for(&h.fake, &s.id);
     assert_eq!(
@@ -143,13 +149,14 @@ async fn pause_needs_persistent_and_a_pausable_class() {
     let h = harness().await;
     let eph = h
         .engine
+        .sandboxes()
         .create(CreateSandbox {
             auto_delete: Some(0),
             ..vm("e")
         })
         .await
         .unwrap();
-    let err = h.engine.pause(&eph.id).await.unwrap_err();
+    let err = h.engine.sandboxes().pause(&eph.id).await.unwrap_err();
     assert!(matches!(err, EngineError::NotPersistent { .. }), "{err}");
     assert_eq!(err.kind(), cove_engine::ErrorKind::Conflict);
 
@@ -157,30 +164,35 @@ async fn pause_needs_persistent_and_a_pausable_class() {
         persistent: Some(false),
         ..vm("np")
     };
-    let np = h.engine.create(not_persistent).await.unwrap();
+    let np = h.engine.sandboxes().create(not_persistent).await.unwrap();
     assert!(matches!(
-        h.engine.pause(&np.id).await,
+        h.engine.sandboxes().pause(&np.id).await,
         Err(EngineError::NotPersistent { .. })
     ));
 
     let container = h
         .engine
+        .sandboxes()
         .create(CreateSandbox {
             name: Some("ct".into()),
             ..CreateSandbox::default()
         })
         .await
         .unwrap();
-    let err = h.engine.pause(&container.id).await.unwrap_err();
+    let err = h.engine.sandboxes().pause(&container.id).await.unwrap_err();
     assert!(err.to_string().contains("do not support pause"), "{err}");
 }
 
 #[tokio::test]
 async fn memory_snapshot_records_memory_and_needs_a_started_vm() {
     let h = harness().await;
-    let s = h.engine.create(vm("m")).await.unwrap();
-    h.engine.snapshot(&s.id, "warm", true).await.unwrap();
-    let snap = h.engine.get_snapshot("warm").await.unwrap();
+    let s = h.engine.sandboxes().create(vm("m")).await.unwrap();
+    h.engine
+        .sandboxes()
+        .snapshot(&s.id, "warm", true)
+        .await
+        .unwrap();
+    let snap = h.engine.snapshots().get("warm").await.unwrap();
     assert!(snap.has_memory);
     assert_eq!(snap.class, SandboxClass::LinuxVm);
     assert!(h
@@ -191,6 +203,7 @@ async fn memory_snapshot_records_memory_and_needs_a_started_vm() {
     // A sandbox made from it is a VM too.
     let child = h
         .engine
+        .sandboxes()
         .create(CreateSandbox {
             name: Some("from-warm".into()),
             snapshot: Some("warm".into()),
@@ -200,16 +213,26 @@ async fn memory_snapshot_records_memory_and_needs_a_started_vm() {
         .unwrap();
     assert_eq!(child.class, SandboxClass::LinuxVm);
 
-    h.engine.stop(&s.id).await.unwrap();
-    let err = h.engine.snapshot(&s.id, "cold", true).await.unwrap_err();
+    h.engine.sandboxes().stop(&s.id).await.unwrap();
+    let err = h
+        .engine
+        .sandboxes()
+        .snapshot(&s.id, "cold", true)
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("needs a started sandbox"), "{err}");
 }
 
 #[tokio::test]
 async fn fork_makes_an_independent_child_and_a_tree() {
     let h = harness().await;
-    let parent = h.engine.create(vm("parent")).await.unwrap();
-    let child = h.engine.fork(&parent.id, Some("child")).await.unwrap();
+    let parent = h.engine.sandboxes().create(vm("parent")).await.unwrap();
+    let child = h
+        .engine
+        .sandboxes()
+        .fork(&parent.id, Some("child"))
+        .await
+        .unwrap();
     assert_eq!(child.state, SandboxState::Started);
     assert_eq!(child.parent_id.as_deref(), Some(parent.id.as_str()));
     assert_eq!(child.name, "child");
@@ -217,15 +240,16 @@ async fn fork_makes_an_independent_child_and_a_tree() {
     // The child continued from the copied memory; the parent runs on.
     assert_eq!(calls_for(&h.fake, &child.id), ["fork", "resume"]);
     assert_eq!(
-        h.engine.get(&parent.id).await.unwrap().state,
+        h.engine.sandboxes().get(&parent.id).await.unwrap().state,
         SandboxState::Started
     );
     assert!(h.fake.is_running(&parent.id).await);
 
-    let grandchild = h.engine.fork("child", None).await.unwrap();
+    let grandchild = h.engine.sandboxes().fork("child", None).await.unwrap();
     assert_eq!(grandchild.name, grandchild.id);
     let ancestors: Vec<String> = h
         .engine
+        .sandboxes()
         .fork_ancestors(&grandchild.id)
         .await
         .unwrap()
@@ -234,11 +258,17 @@ async fn fork_makes_an_independent_child_and_a_tree() {
         .collect();
     assert_eq!(ancestors, ["child", "parent"]);
     assert_eq!(
-        h.engine.fork_parent(&grandchild.id).await.unwrap().id,
+        h.engine
+            .sandboxes()
+            .fork_parent(&grandchild.id)
+            .await
+            .unwrap()
+            .id,
         child.id
     );
     let forks: Vec<String> = h
         .engine
+        .sandboxes()
         .forks(&parent.id)
         .await
         .unwrap()
@@ -246,29 +276,29 @@ async fn fork_makes_an_independent_child_and_a_tree() {
         .map(|s| s.name)
         .collect();
     assert_eq!(forks, ["child"]);
-    assert!(h.engine.fork_parent(&parent.id).await.is_err());
+    assert!(h.engine.sandboxes().fork_parent(&parent.id).await.is_err());
 
     // A parent with children cannot be deleted; once they are gone it can.
-    let err = h.engine.delete(&parent.id).await.unwrap_err();
+    let err = h.engine.sandboxes().delete(&parent.id).await.unwrap_err();
     assert!(matches!(err, EngineError::HasForks { .. }), "{err}");
     assert!(err.to_string().contains("child"), "{err}");
-    h.engine.delete(&grandchild.id).await.unwrap();
-    h.engine.delete(&child.id).await.unwrap();
-    h.engine.delete(&parent.id).await.unwrap();
+    h.engine.sandboxes().delete(&grandchild.id).await.unwrap();
+    h.engine.sandboxes().delete(&child.id).await.unwrap();
+    h.engine.sandboxes().delete(&parent.id).await.unwrap();
     assert!(h.fake.machines().is_empty());
 
     // Taken names and stopped parents are refused, leaving nothing behind.
-    let a = h.engine.create(vm("a")).await.unwrap();
+    let a = h.engine.sandboxes().create(vm("a")).await.unwrap();
     assert!(matches!(
-        h.engine.fork(&a.id, Some("a")).await,
+        h.engine.sandboxes().fork(&a.id, Some("a")).await,
         Err(EngineError::NameTaken { .. })
     ));
-    h.engine.stop(&a.id).await.unwrap();
+    h.engine.sandboxes().stop(&a.id).await.unwrap();
     assert!(matches!(
-        h.engine.fork(&a.id, Some("b")).await,
+        h.engine.sandboxes().fork(&a.id, Some("b")).await,
         Err(EngineError::Transition { .. })
     ));
-    assert_eq!(h.engine.list().await.unwrap().len(), 1);
+    assert_eq!(h.engine.sandboxes().list().await.unwrap().len(), 1);
 }
 
 #[tokio::test]
@@ -276,15 +306,21 @@ async fn containers_cannot_fork() {
     let h = harness().await;
     let c = h
         .engine
+        .sandboxes()
         .create(CreateSandbox {
             name: Some("c".into()),
             ..CreateSandbox::default()
         })
         .await
         .unwrap();
-    let err = h.engine.fork(&c.id, Some("f")).await.unwrap_err();
+    let err = h
+        .engine
+        .sandboxes()
+        .fork(&c.id, Some("f"))
+        .await
+        .unwrap_err();
     assert!(err.to_string().contains("do not support fork"), "{err}");
-    assert_eq!(h.engine.list().await.unwrap().len(), 1);
+    assert_eq!(h.engine.sandboxes().list().await.unwrap().len(), 1);
 }
 
 #[tokio::test]
@@ -292,6 +328,7 @@ async fn spot_sandboxes_are_paused_or_deleted_on_reclaim() {
     let h = harness().await;
     let keep = h
         .engine
+        .sandboxes()
         .create(CreateSandbox {
             spot: true,
             ..vm("spot-vm")
@@ -300,6 +337,7 @@ async fn spot_sandboxes_are_paused_or_deleted_on_reclaim() {
         .unwrap();
     let gone = h
         .engine
+        .sandboxes()
         .create(CreateSandbox {
             spot: true,
             name: Some("spot-ct".into()),
@@ -307,19 +345,19 @@ async fn spot_sandboxes_are_paused_or_deleted_on_reclaim() {
         })
         .await
         .unwrap();
-    let other = h.engine.create(vm("not-spot")).await.unwrap();
-    let mut reclaimed = h.engine.reclaim_spot().await.unwrap();
+    let other = h.engine.sandboxes().create(vm("not-spot")).await.unwrap();
+    let mut reclaimed = h.engine.sandboxes().reclaim_spot().await.unwrap();
     reclaimed.sort();
     let mut expected = vec![(keep.id.clone(), "paused"), (gone.id.clone(), "deleted")];
     expected.sort();
     assert_eq!(reclaimed, expected);
     assert_eq!(
-        h.engine.get(&keep.id).await.unwrap().state,
+        h.engine.sandboxes().get(&keep.id).await.unwrap().state,
         SandboxState::Paused
     );
-    assert!(h.engine.get(&gone.id).await.is_err());
+    assert!(h.engine.sandboxes().get(&gone.id).await.is_err());
     assert_eq!(
-        h.engine.get(&other.id).await.unwrap().state,
+        h.engine.sandboxes().get(&other.id).await.unwrap().state,
         SandboxState::Started
     );
 }
@@ -329,6 +367,7 @@ async fn auto_pause_timer_pauses_an_idle_vm() {
     let h = harness().await;
     let s = h
         .engine
+        .sandboxes()
         .create(CreateSandbox {
             auto_pause: Some(1),
             ..vm("idle")
@@ -336,10 +375,10 @@ async fn auto_pause_timer_pauses_an_idle_vm() {
         .await
         .unwrap();
     let later = cove_engine::now_ms() + 2 * cove_lifecycle::MINUTE_MS;
-    let fired = h.engine.check_timers(later).await.unwrap();
+    let fired = h.engine.sandboxes().check_timers(later).await.unwrap();
     assert_eq!(fired, [(s.id.clone(), "auto-pause")]);
     assert_eq!(
-        h.engine.get(&s.id).await.unwrap().state,
+        h.engine.sandboxes().get(&s.id).await.unwrap().state,
         SandboxState::Paused
     );
 }
@@ -353,7 +392,8 @@ async fn a_class_without_a_runtime_is_refused_and_leaves_nothing() {
         HashMap::from([(SandboxClass::Container, fake.clone() as Arc<dyn Runtime>)]);
     let engine = Engine::new(EngineConfig::default(), store, runtimes);
     engine
-        .register_snapshot(&SnapshotRecord::for_image(
+        .snapshots()
+        .register(&SnapshotRecord::for_image(
             "daytona-vm-small",
             "/rootfs",
             SandboxClass::LinuxVm,
@@ -361,9 +401,46 @@ async fn a_class_without_a_runtime_is_refused_and_leaves_nothing() {
         ))
         .await
         .unwrap();
-    let err = engine.create(vm("v")).await.unwrap_err();
+    let err = engine.sandboxes().create(vm("v")).await.unwrap_err();
     assert_eq!(err.kind(), cove_engine::ErrorKind::NotImplemented, "{err}");
     assert!(err.to_string().contains("linux-vm"), "{err}");
-    assert!(engine.list().await.unwrap().is_empty());
+    assert!(engine.sandboxes().list().await.unwrap().is_empty());
     assert!(fake.machines().is_empty());
+}
+
+#[tokio::test]
+async fn a_failed_fork_leaves_no_child_and_the_parent_running() {
+    let h = harness().await;
+    let parent = h.engine.sandboxes().create(vm("parent")).await.unwrap();
+    h.fake.fail_start(Some("no luck"));
+    let err = h
+        .engine
+        .sandboxes()
+        .fork(&parent.id, Some("child"))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("no luck"), "{err}");
+    // The saga undid the child: no row, no machine; the parent runs on.
+    let left: Vec<String> = h
+        .engine
+        .sandboxes()
+        .list()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(left, ["parent"]);
+    assert_eq!(h.fake.machines(), [parent.id.clone()]);
+    assert_eq!(
+        h.engine.sandboxes().get(&parent.id).await.unwrap().state,
+        SandboxState::Started
+    );
+    // The name is free again.
+    h.fake.fail_start(None);
+    h.engine
+        .sandboxes()
+        .fork(&parent.id, Some("child"))
+        .await
+        .unwrap();
 }

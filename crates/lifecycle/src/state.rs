@@ -3,7 +3,9 @@
 use std::fmt;
 use std::str::FromStr;
 
-/// The actual state of a sandbox. Names match Daytona's lower-case wire names.
+/// The actual state of a sandbox. Each has one meaning and its own name
+/// ([`SandboxState::as_str`], stored and logged); the name the SDKs see is
+/// [`SandboxState::wire`], Daytona's lower-case one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum SandboxState {
     Creating,
@@ -18,14 +20,17 @@ pub enum SandboxState {
     Forking,
     Archiving,
     Archived,
-    Restoring,
+    /// Bringing an archived sandbox's storage back (a start from `archived`).
+    Unarchiving,
+    /// Rewinding a sandbox's filesystem to one of its own snapshots.
+    Reverting,
     Destroying,
     Destroyed,
     Error,
 }
 
 impl SandboxState {
-    pub const ALL: [SandboxState; 16] = [
+    pub const ALL: [SandboxState; 17] = [
         Self::Creating,
         Self::Starting,
         Self::Started,
@@ -38,7 +43,8 @@ impl SandboxState {
         Self::Forking,
         Self::Archiving,
         Self::Archived,
-        Self::Restoring,
+        Self::Unarchiving,
+        Self::Reverting,
         Self::Destroying,
         Self::Destroyed,
         Self::Error,
@@ -58,10 +64,20 @@ impl SandboxState {
             Self::Forking => "forking",
             Self::Archiving => "archiving",
             Self::Archived => "archived",
-            Self::Restoring => "restoring",
+            Self::Unarchiving => "unarchiving",
+            Self::Reverting => "reverting",
             Self::Destroying => "destroying",
             Self::Destroyed => "destroyed",
             Self::Error => "error",
+        }
+    }
+
+    /// The name the SDKs know: Daytona has one state, `restoring`, for both
+    /// bringing a sandbox back from the archive and reverting it.
+    pub fn wire(self) -> &'static str {
+        match self {
+            Self::Unarchiving | Self::Reverting => "restoring",
+            other => other.as_str(),
         }
     }
 
@@ -78,7 +94,8 @@ impl SandboxState {
                 | Self::Snapshotting
                 | Self::Forking
                 | Self::Archiving
-                | Self::Restoring
+                | Self::Unarchiving
+                | Self::Reverting
                 | Self::Destroying
         )
     }
@@ -98,6 +115,12 @@ impl fmt::Display for SandboxState {
 impl FromStr for SandboxState {
     type Err = UnknownName;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
+        // Stores written before `restoring` was split. Read as unarchiving,
+        // a sandbox found there after a restart is recovered as it was then:
+        // back to `archived` if the archive holds it, else started again.
+        if s == "restoring" {
+            return Ok(Self::Unarchiving);
+        }
         Self::ALL
             .into_iter()
             .find(|state| state.as_str() == s)
@@ -209,5 +232,16 @@ mod tests {
             assert_eq!(desired.as_str().parse::<DesiredState>(), Ok(desired));
         }
         assert!("STARTED".parse::<SandboxState>().is_err());
+    }
+
+    #[test]
+    fn the_sdk_sees_one_restoring_for_unarchive_and_revert() {
+        assert_eq!(SandboxState::Unarchiving.wire(), "restoring");
+        assert_eq!(SandboxState::Reverting.wire(), "restoring");
+        assert_eq!(SandboxState::Paused.wire(), "paused");
+        assert_eq!("restoring".parse(), Ok(SandboxState::Unarchiving));
+        let wire: std::collections::BTreeSet<_> =
+            SandboxState::ALL.iter().map(|s| s.wire()).collect();
+        assert_eq!(wire.len(), SandboxState::ALL.len() - 1);
     }
 }

@@ -147,7 +147,7 @@ pub fn plan(
         (Operation::Start | Operation::Resume, S::Paused) => {
             Ok(run(S::Resuming, S::Started, D::Started))
         }
-        (Operation::Start, S::Archived) => Ok(run(S::Restoring, S::Started, D::Started)),
+        (Operation::Start, S::Archived) => Ok(run(S::Unarchiving, S::Started, D::Started)),
         (Operation::Start, S::Error) => Err(not_allowed(" (recover it first)")),
 
         (Operation::Resume, S::Started) => Ok(Transition::AlreadyThere),
@@ -167,8 +167,8 @@ pub fn plan(
         }
         (Operation::Snapshot, S::Started) => Ok(run(S::Snapshotting, S::Started, D::Started)),
         (Operation::Snapshot, S::Stopped) => Ok(run(S::Snapshotting, S::Stopped, D::Stopped)),
-        (Operation::Revert, S::Started) => Ok(run(S::Restoring, S::Started, D::Started)),
-        (Operation::Revert, S::Stopped) => Ok(run(S::Restoring, S::Stopped, D::Stopped)),
+        (Operation::Revert, S::Started) => Ok(run(S::Reverting, S::Started, D::Started)),
+        (Operation::Revert, S::Stopped) => Ok(run(S::Reverting, S::Stopped, D::Stopped)),
 
         (Operation::Fork, S::Started) => Ok(run(S::Forking, S::Started, D::Started)),
 
@@ -238,7 +238,7 @@ mod tests {
             (
                 O::Start,
                 S::Archived,
-                Some((S::Restoring, S::Started, D::Started)),
+                Some((S::Unarchiving, S::Started, D::Started)),
             ),
             (O::Stop, S::Stopped, None),
             (
@@ -259,12 +259,12 @@ mod tests {
             (
                 O::Revert,
                 S::Started,
-                Some((S::Restoring, S::Started, D::Started)),
+                Some((S::Reverting, S::Started, D::Started)),
             ),
             (
                 O::Revert,
                 S::Stopped,
-                Some((S::Restoring, S::Stopped, D::Stopped)),
+                Some((S::Reverting, S::Stopped, D::Stopped)),
             ),
             (O::Archive, S::Archived, None),
             (

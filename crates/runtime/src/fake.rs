@@ -163,8 +163,8 @@ impl Runtime for FakeRuntime {
         Ok(())
     }
 
-    async fn restore(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError> {
-        self.record("restore", &format!("{} {capture_id}", spec.id));
+    async fn revert(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError> {
+        self.record("revert", &format!("{} {capture_id}", spec.id));
         let running = self
             .machines
             .lock()
@@ -174,7 +174,7 @@ impl Runtime for FakeRuntime {
         if running {
             return Err(RuntimeError::Running {
                 id: spec.id.clone(),
-                action: "be restored",
+                action: "be reverted",
             });
         }
         Ok(())

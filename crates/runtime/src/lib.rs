@@ -175,7 +175,7 @@ pub trait Runtime: Send + Sync + 'static {
     /// Replaces the writable layer of a stopped sandbox with a writable copy of a
     /// capture taken from it. A capture that holds memory becomes the sandbox's
     /// saved memory, so its next `start` continues from it.
-    async fn restore(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError>;
+    async fn revert(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError>;
 
     /// Writes the sandbox's own storage (what it wrote; not its image or snapshot
     /// layers) to `dest` as one file, for archiving. The sandbox is stopped.
@@ -199,7 +199,7 @@ pub trait Runtime: Send + Sync + 'static {
 
     // What follows is for classes that keep memory (VMs). For them `start`
     // continues from saved memory when the sandbox's storage holds some (after
-    // `pause`, `fork`, a `restore` of a memory capture, or a `prepare` whose top
+    // `pause`, `fork`, a `revert` to a memory capture, or a `prepare` whose top
     // layer holds memory) and boots from disk otherwise.
 
     /// Ends the machine with its memory and device state saved in its storage;

@@ -387,7 +387,7 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
         "child\nunsynced-but-stopped"
     );
     rt.stop("vm-d").await.unwrap();
-    rt.restore(&d, "cap-1").await.unwrap();
+    rt.revert(&d, "cap-1").await.unwrap();
     rt.start(&d).await.unwrap();
     assert_eq!(exec_ok(&d_socket, "cat /root/who").await, "from-a");
     assert_counting(&d_socket, &counter, 0).await;

@@ -90,11 +90,12 @@ impl Connection {
         };
         let sandbox_id = self
             .engine
+            .access()
             .validate_ssh_access(token)
             .await
             .map_err(internal)?
             .ok_or(Refusal::UnknownToken)?;
-        let sandbox = match self.engine.get(&sandbox_id).await {
+        let sandbox = match self.engine.sandboxes().get(&sandbox_id).await {
             Ok(sandbox) => sandbox,
             Err(error) if error.kind() == ErrorKind::NotFound => {
                 return Err(Refusal::SandboxGone { id: sandbox_id })
@@ -117,7 +118,12 @@ impl Connection {
         let Some(admitted) = &self.admitted else {
             return Err(Refusal::NotAdmitted);
         };
-        match self.engine.validate_ssh_access(&admitted.token).await {
+        match self
+            .engine
+            .access()
+            .validate_ssh_access(&admitted.token)
+            .await
+        {
             Ok(Some(sandbox_id)) if sandbox_id == admitted.sandbox_id => {}
             Ok(_) => return Err(Refusal::TokenGone),
             Err(error) => {
@@ -245,7 +251,7 @@ impl russh::server::Handler for Connection {
         // The tunnel is opened in a task of its own: the connection must keep
         // reading while the agent answers.
         tokio::spawn(async move {
-            let agent = match target.engine.toolbox(&target.sandbox_id).await {
+            let agent = match target.engine.sandboxes().toolbox(&target.sandbox_id).await {
                 Ok((_, cove_runtime::AgentEndpoint::Unix(socket))) => {
                     crate::agent::Agent::new(target.sandbox_id.clone(), socket)
                 }

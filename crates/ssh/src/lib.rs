@@ -254,7 +254,7 @@ impl Client {
             let _ = closer.shutdown(std::net::Shutdown::Both);
         };
         // Subscribed before the token is first checked: no revocation is missed.
-        let mut revocations = self.engine.ssh_access_revocations();
+        let mut revocations = self.engine.access().ssh_access_revocations();
         let started = tokio::time::timeout_at(
             self.auth_deadline,
             russh::server::run_stream(config, socket, handler),
@@ -318,7 +318,7 @@ impl Client {
                         let _ = (&mut session).await;
                         return;
                     }
-                    match self.engine.validate_ssh_access(&admitted.token).await {
+                    match self.engine.access().validate_ssh_access(&admitted.token).await {
                         Ok(Some(id)) if id == admitted.sandbox_id => continue,
                         Ok(_) => {
                             tracing::info!(%peer, sandbox = %admitted.sandbox_id, "ssh access revoked; closing its connection");

@@ -123,8 +123,11 @@ async fn finish(channel: &Channel<Msg>, status: u32) {
 
 /// The sandbox's agent, if the sandbox still runs (and counts as activity).
 async fn agent(target: &Target) -> Result<Agent, cove_engine::EngineError> {
-    let (id, cove_runtime::AgentEndpoint::Unix(socket)) =
-        target.engine.toolbox(&target.sandbox_id).await?;
+    let (id, cove_runtime::AgentEndpoint::Unix(socket)) = target
+        .engine
+        .sandboxes()
+        .toolbox(&target.sandbox_id)
+        .await?;
     Ok(Agent::new(id, socket))
 }
 
@@ -238,7 +241,7 @@ async fn run_shell(
         let message = tokio::select! {
             message = from_pty.next() => message,
             _ = touch.tick() => {
-                target.engine.touch(&target.sandbox_id);
+                target.engine.sandboxes().touch(&target.sandbox_id);
                 continue;
             }
         };

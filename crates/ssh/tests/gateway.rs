@@ -37,7 +37,8 @@ async fn harness(max_unauthenticated: usize) -> Harness {
         HashMap::from([(SandboxClass::Container, fake as Arc<dyn Runtime>)]);
     let engine = Engine::new(EngineConfig::default(), store.clone(), runtimes);
     engine
-        .register_snapshot(&SnapshotRecord::for_image(
+        .snapshots()
+        .register(&SnapshotRecord::for_image(
             "cove-default",
             "/rootfs",
             SandboxClass::Container,
@@ -45,7 +46,12 @@ async fn harness(max_unauthenticated: usize) -> Harness {
         ))
         .await
         .unwrap();
-    let sandbox = engine.create(CreateSandbox::default()).await.unwrap().id;
+    let sandbox = engine
+        .sandboxes()
+        .create(CreateSandbox::default())
+        .await
+        .unwrap()
+        .id;
     let config = GatewayConfig {
         auth_timeout: AUTH_TIMEOUT,
         max_unauthenticated,
@@ -103,6 +109,7 @@ async fn clients_that_never_authenticate_are_dropped() {
     // An honest client still gets in.
     let token = h
         .engine
+        .access()
         .create_ssh_access(&h.sandbox, None)
         .await
         .unwrap()
@@ -169,12 +176,14 @@ async fn revoking_a_token_closes_its_live_connection() {
     let h = harness(64).await;
     let token = h
         .engine
+        .access()
         .create_ssh_access(&h.sandbox, None)
         .await
         .unwrap()
         .token;
     let other = h
         .engine
+        .access()
         .create_ssh_access(&h.sandbox, None)
         .await
         .unwrap()
@@ -184,6 +193,7 @@ async fn revoking_a_token_closes_its_live_connection() {
     client.channel_open_session().await.unwrap();
 
     h.engine
+        .access()
         .revoke_ssh_access(&h.sandbox, Some(&token))
         .await
         .unwrap();

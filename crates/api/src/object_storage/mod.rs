@@ -81,7 +81,7 @@ pub(crate) async fn push_access(
              --tls-key, or serve it behind TLS with --public-url https://...",
         ));
     };
-    let grant = state.engine.issue_push_grant(ORGANIZATION_ID)?;
+    let grant = state.engine.snapshots().issue_push_grant(ORGANIZATION_ID)?;
     Ok(Json(StorageAccess {
         access_key: grant.access_key,
         secret: grant.secret,
@@ -168,13 +168,17 @@ fn authenticate(
 ) -> Result<PushGrant, S3Error> {
     let forbidden = |r: sigv4::Refusal| S3Error::new(StatusCode::FORBIDDEN, r.code, r.message);
     let auth = sigv4::parse_authorization(headers).map_err(forbidden)?;
-    let grant = state.engine.push_grant(&auth.access_key).ok_or_else(|| {
-        S3Error::new(
-            StatusCode::FORBIDDEN,
-            "InvalidAccessKeyId",
-            "unknown or expired access key; ask /api/object-storage/push-access again",
-        )
-    })?;
+    let grant = state
+        .engine
+        .snapshots()
+        .push_grant(&auth.access_key)
+        .ok_or_else(|| {
+            S3Error::new(
+                StatusCode::FORBIDDEN,
+                "InvalidAccessKeyId",
+                "unknown or expired access key; ask /api/object-storage/push-access again",
+            )
+        })?;
     let token = headers
         .get("x-amz-security-token")
         .and_then(|t| t.to_str().ok());
@@ -269,7 +273,7 @@ pub(crate) async fn object(
     }
     let engine = &state.engine;
     match (&method, &query) {
-        (&Method::HEAD, _) => match engine.head_context(&grant, &key).await? {
+        (&Method::HEAD, _) => match engine.snapshots().head_context(&grant, &key).await? {
             None => Ok(StatusCode::NOT_FOUND.into_response()),
             Some(object) => {
                 let modified = time::OffsetDateTime::from_unix_timestamp(object.modified_ms / 1000)
@@ -307,6 +311,7 @@ pub(crate) async fn object(
             })?;
             let declared = declared_sha256(&headers)?;
             let etag = engine
+                .snapshots()
                 .put_context_part(
                     &grant,
                     &key,
@@ -328,6 +333,7 @@ pub(crate) async fn object(
         ) => {
             let declared = declared_sha256(&headers)?;
             let etag = engine
+                .snapshots()
                 .put_context(&grant, &key, body.into_data_stream(), declared)
                 .await?;
             Ok(with_etag(&etag))
@@ -338,7 +344,10 @@ pub(crate) async fn object(
                 uploads: Some(_), ..
             },
         ) => {
-            let upload = engine.start_context_upload(&grant, &key).await?;
+            let upload = engine
+                .snapshots()
+                .start_context_upload(&grant, &key)
+                .await?;
             Ok(xml(
                 StatusCode::OK,
                 format!(
@@ -367,6 +376,7 @@ pub(crate) async fn object(
                 })?;
             let parts: Vec<u32> = complete.parts.iter().map(|p| p.number).collect();
             let etag = engine
+                .snapshots()
                 .complete_context_upload(&grant, &key, upload, &parts)
                 .await?;
             Ok(xml(
@@ -385,7 +395,10 @@ pub(crate) async fn object(
                 ..
             },
         ) => {
-            engine.abort_context_upload(&grant, &key, upload).await?;
+            engine
+                .snapshots()
+                .abort_context_upload(&grant, &key, upload)
+                .await?;
             Ok(StatusCode::NO_CONTENT.into_response())
         }
         _ => Err(S3Error::new(

@@ -58,7 +58,7 @@ async fn token_of(state: &AppState, id: &str) -> Result<String, ApiError> {
     if let Some(token) = state.previews.tokens.lock().unwrap().get(id) {
         return Ok(token.clone());
     }
-    let (record, token) = state.engine.preview_token(id).await?;
+    let (record, token) = state.engine.access().preview_token(id).await?;
     state
         .previews
         .tokens
@@ -215,7 +215,7 @@ async fn authorize(
     headers: &HeaderMap,
 ) -> Result<(String, Grant), ApiError> {
     if urls::looks_like_token(&target.target) {
-        if let Some(signed) = state.engine.signed_preview(&target.target).await? {
+        if let Some(signed) = state.engine.access().signed_preview(&target.target).await? {
             if signed.port != target.port {
                 return Err(ApiError::new(
                     StatusCode::FORBIDDEN,
@@ -238,7 +238,7 @@ async fn authorize(
             return Ok((signed.sandbox_id, Grant::Open));
         }
     }
-    let record = state.engine.get(&target.target).await?;
+    let record = state.engine.sandboxes().get(&target.target).await?;
     if record.public {
         return Ok((record.id, Grant::Open));
     }
@@ -287,7 +287,7 @@ async fn serve(
         (Grant::Open, None) => false,
     };
     // Not `engine.toolbox`: a preview must not reset the idle clock.
-    let (record, endpoint) = state.engine.agent(&id).await?;
+    let (record, endpoint) = state.engine.sandboxes().agent(&id).await?;
     let AgentEndpoint::Unix(socket) = endpoint;
     state.previews.tunnels.set_socket(&record.id, socket);
     let port = target.port;

@@ -91,7 +91,7 @@ pub(crate) async fn preview_url(
     Path((id, port)): Path<(String, String)>,
 ) -> Result<Json<PortPreviewUrl>, ApiError> {
     let port = parse_port(&port)?;
-    let record = state.engine.get(&id).await?;
+    let record = state.engine.sandboxes().get(&id).await?;
     let token = token_of(&state, &record.id).await?;
     Ok(Json(PortPreviewUrl {
         url: url_of(&state, &headers, &record.id, port),
@@ -122,7 +122,11 @@ pub(crate) async fn signed_preview_url(
                 })?;
         }
     }
-    let signed = state.engine.sign_preview(&id, port, expires_in).await?;
+    let signed = state
+        .engine
+        .access()
+        .sign_preview(&id, port, expires_in)
+        .await?;
     Ok(Json(SignedPortPreviewUrl {
         url: url_of(&state, &headers, &signed.token, port),
         sandbox_id: signed.sandbox_id,
@@ -139,6 +143,7 @@ pub(crate) async fn expire_signed_preview_url(
     let port = parse_port(&port)?;
     state
         .engine
+        .access()
         .expire_signed_preview(&id, port, &token)
         .await?;
     Ok(StatusCode::OK)

@@ -604,14 +604,14 @@ impl Runtime for VmRuntime {
         .await
     }
 
-    async fn restore(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError> {
+    async fn revert(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError> {
         let id = spec.id.as_str();
         check_id(id)?;
         check_id(capture_id)?;
         if self.is_running(id).await {
             return Err(RuntimeError::Running {
                 id: id.to_owned(),
-                action: "be restored",
+                action: "be reverted",
             });
         }
         let layout = self.make_dir(spec)?;

@@ -5,10 +5,10 @@
 //! with cove: unlike the toolbox it does not reset the idle clock, so a web
 //! page left open does not keep a sandbox running forever.
 
-use cove_runtime::AgentEndpoint;
 use cove_store::SignedPreview;
 
-use crate::{now_ms, Engine, EngineError, SandboxRecord, SandboxState};
+use super::Access;
+use crate::{now_ms, EngineError, SandboxRecord};
 
 /// Random lower-case letters and digits: tokens end up in host names, which
 /// browsers lower-case, and in URL paths.
@@ -24,15 +24,15 @@ fn random_token(len: usize) -> String {
 /// 32 characters of 36 symbols: about 165 bits.
 const TOKEN_LEN: usize = 32;
 
-impl Engine {
+impl Access {
     /// The sandbox and its preview token, made on first use and stable after.
     pub async fn preview_token(
         &self,
         id_or_name: &str,
     ) -> Result<(SandboxRecord, String), EngineError> {
-        let record = self.get(id_or_name).await?;
+        let record = self.shared.sandbox(id_or_name).await?;
         let token = self
-            .inner
+            .shared
             .store
             .preview_token(&record.id, &random_token(TOKEN_LEN))
             .await?;
@@ -46,7 +46,7 @@ impl Engine {
         port: u16,
         expires_in_s: u32,
     ) -> Result<SignedPreview, EngineError> {
-        let record = self.get(id_or_name).await?;
+        let record = self.shared.sandbox(id_or_name).await?;
         let now = now_ms();
         let signed = SignedPreview {
             token: random_token(TOKEN_LEN),
@@ -54,7 +54,7 @@ impl Engine {
             port,
             expires_at_ms: now + i64::from(expires_in_s) * 1000,
         };
-        self.inner.store.add_signed_preview(&signed, now).await?;
+        self.shared.store.add_signed_preview(&signed, now).await?;
         Ok(signed)
     }
 
@@ -65,9 +65,9 @@ impl Engine {
         port: u16,
         token: &str,
     ) -> Result<(), EngineError> {
-        let record = self.get(id_or_name).await?;
+        let record = self.shared.sandbox(id_or_name).await?;
         if self
-            .inner
+            .shared
             .store
             .expire_signed_preview(&record.id, port, token, now_ms())
             .await?
@@ -83,30 +83,7 @@ impl Engine {
 
     /// The signed preview with this token, expired or not.
     pub async fn signed_preview(&self, token: &str) -> Result<Option<SignedPreview>, EngineError> {
-        Ok(self.inner.store.signed_preview(token).await?)
-    }
-
-    /// Where the agent of a started sandbox listens, without counting as an
-    /// interaction (see the module comment).
-    pub async fn agent(
-        &self,
-        id_or_name: &str,
-    ) -> Result<(SandboxRecord, AgentEndpoint), EngineError> {
-        let record = self.get(id_or_name).await?;
-        if record.state != SandboxState::Started {
-            return Err(EngineError::NotStarted {
-                id: record.id,
-                state: record.state,
-            });
-        }
-        let running = self.inner.running.lock().unwrap().get(&record.id).cloned();
-        match running {
-            Some(running) => Ok((record, running.agent)),
-            None => Err(EngineError::NotStarted {
-                id: record.id,
-                state: record.state,
-            }),
-        }
+        Ok(self.shared.store.signed_preview(token).await?)
     }
 }
 

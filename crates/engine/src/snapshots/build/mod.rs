@@ -6,6 +6,7 @@
 //! server left.
 
 pub(crate) mod agent;
+mod host;
 
 use std::path::PathBuf;
 
@@ -15,8 +16,9 @@ use cove_store::SnapshotRecord;
 
 pub use cove_images::build::{BuildLog, DockerfilePlan};
 
-use crate::build_host::{BuildHostError, EngineBuildHost};
-use crate::{Engine, EngineError};
+use super::Snapshots;
+use crate::EngineError;
+use host::{BuildHostError, EngineBuildHost};
 
 /// Parses a Dockerfile into the steps cove can build: a malformed one is
 /// [`EngineError::Invalid`], one with an instruction cove does not build is
@@ -64,7 +66,7 @@ pub(crate) fn stored_settings(
     }
 }
 
-impl Engine {
+impl Snapshots {
     /// Builds `plan`, whose `COPY`s and `ADD`s read the uploaded build
     /// contexts `contexts`, writing what happens to `log`.
     pub(crate) async fn build_image(
@@ -94,14 +96,14 @@ impl Engine {
                 cmd: base.image.cmd,
             },
         };
-        let host = EngineBuildHost::new(self.clone());
+        let host = EngineBuildHost::new(self.shared.clone());
         Ok(cove_images::build::build(&host, plan, base, context.as_ref(), contexts, log).await?)
     }
 
     /// The snapshot a `FROM` names: one on this server (a snapshot or an
     /// image already pulled), else an image pulled from its registry.
     async fn build_base(&self, name: &str) -> Result<SnapshotRecord, EngineError> {
-        let base = match self.inner.store.find_snapshot(name).await? {
+        let base = match self.shared.store.find_snapshot(name).await? {
             Some(found) => found,
             None => self.image_snapshot(name).await?,
         };
@@ -129,7 +131,7 @@ impl Engine {
     /// sandbox record, so nothing else would ever end its processes or
     /// remove its cgroup and directory. Call at start, before any build.
     pub(crate) async fn remove_leftover_build_sandboxes(&self) -> Result<(), EngineError> {
-        let Ok(runtime) = self.runtime(SandboxClass::Container).cloned() else {
+        let Ok(runtime) = self.shared.runtime(SandboxClass::Container).cloned() else {
             return Ok(());
         };
         let ids = match runtime.sandbox_ids().await {
@@ -142,7 +144,7 @@ impl Engine {
         for id in ids {
             if !id.starts_with(cove_images::build::BUILD_SANDBOX_PREFIX)
                 || self
-                    .inner
+                    .shared
                     .store
                     .find_sandbox(&id)
                     .await?
@@ -158,7 +160,7 @@ impl Engine {
                     tracing::error!(build = %id, %error, "removing a build sandbox an earlier server left")
                 }
             }
-            if let Some(network) = self.network() {
+            if let Some(network) = self.shared.network() {
                 if let Err(error) = network.release(&id).await {
                     tracing::error!(build = %id, %error, "releasing a leftover build sandbox's address");
                 }

@@ -3,12 +3,13 @@
 
 use cove_lifecycle::{due_action, TimerView};
 
-use crate::{now_ms, Engine, EngineError};
+use super::Sandboxes;
+use crate::{now_ms, EngineError};
 
-impl Engine {
+impl Sandboxes {
     /// Checks timers every tick, forever.
     pub async fn run_timers(&self) {
-        let mut tick = tokio::time::interval(self.inner.config.timer_tick);
+        let mut tick = tokio::time::interval(self.shared.config.timer_tick);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             tick.tick().await;
@@ -21,9 +22,9 @@ impl Engine {
     /// One pass: flushes the idle clocks, then runs every due timer. Returns what ran,
     /// as (sandbox id, timer name).
     pub async fn check_timers(&self, now: i64) -> Result<Vec<(String, &'static str)>, EngineError> {
-        self.inner.activity.flush(&self.inner.store).await?;
+        self.shared.activity.flush(&self.shared.store).await?;
         let mut fired = Vec::new();
-        for record in self.inner.store.list_sandboxes().await? {
+        for record in self.shared.store.list_sandboxes().await? {
             let view = TimerView {
                 state: record.state,
                 settings: record.timers,

@@ -18,11 +18,12 @@ use sha2::{Digest as _, Sha256};
 
 use cove_images::build::BuiltImage;
 
-use crate::build::{parse_dockerfile, stored_settings, BuildLog};
-use crate::create::sized;
-use crate::{now_ms, Engine, EngineError};
+use super::build::{parse_dockerfile, stored_settings, BuildLog};
+use super::Snapshots;
+use crate::checks::sized;
+use crate::{now_ms, EngineError};
 
-impl Engine {
+impl Snapshots {
     /// The snapshot of a registry image, pulled on first use. Its name is the
     /// normalized reference (`docker.io/library/python:3.12-slim`).
     pub async fn image_snapshot(&self, reference: &str) -> Result<SnapshotRecord, EngineError> {
@@ -42,7 +43,7 @@ impl Engine {
     ) -> Result<SnapshotRecord, EngineError> {
         let name =
             cove_images::normalize_reference(reference).map_err(|e| image_error(reference, e))?;
-        if let Some(found) = self.inner.store.find_snapshot(&name).await? {
+        if let Some(found) = self.shared.store.find_snapshot(&name).await? {
             match found.state {
                 SnapshotState::Active => return Ok(found),
                 SnapshotState::Inactive => {
@@ -60,8 +61,8 @@ impl Engine {
             .pull(reference, credentials.as_ref(), progress)
             .await
             .map_err(|e| image_error(reference, e))?;
-        let snapshot = snapshot_of(self, &name, &pulled);
-        self.inner.store.save_snapshot(&snapshot).await?;
+        let snapshot = snapshot_of(&self.shared.config, &name, &pulled);
+        self.shared.store.save_snapshot(&snapshot).await?;
         tracing::info!(image = %name, rootfs = %pulled.rootfs.display(), "image snapshot ready");
         Ok(snapshot)
     }
@@ -89,7 +90,7 @@ impl Engine {
                 .map(|b| format!("{b:02x}"))
                 .collect::<String>()
         );
-        if let Some(found) = self.inner.store.find_snapshot(&name).await? {
+        if let Some(found) = self.shared.store.find_snapshot(&name).await? {
             return Ok(found);
         }
         let log = self.new_build_log(&name);
@@ -98,7 +99,7 @@ impl Engine {
             log.line(format!("error: {error}"));
         }
         self.finish_log(&name, &log).await;
-        let config = &self.inner.config;
+        let config = &self.shared.config;
         let snapshot = built_snapshot(
             SnapshotRecord {
                 cpu: config.default_cpu,
@@ -109,15 +110,14 @@ impl Engine {
             },
             built?,
         );
-        self.inner.store.save_snapshot(&snapshot).await?;
+        self.shared.store.save_snapshot(&snapshot).await?;
         tracing::info!(snapshot = %name, layers = snapshot.layers.len(), "image built");
         Ok(snapshot)
     }
 
     fn new_build_log(&self, snapshot_id: &str) -> Arc<BuildLog> {
         let log = Arc::new(BuildLog::default());
-        self.inner
-            .builds
+        self.builds
             .lock()
             .unwrap()
             .insert(snapshot_id.to_owned(), log.clone());
@@ -128,7 +128,7 @@ impl Engine {
     /// Kept first, so whoever sees the log end can also read it back.
     async fn finish_log(&self, snapshot_id: &str, log: &BuildLog) {
         let (lines, _) = log.read_all();
-        if let Err(error) = self.inner.store.save_build_log(snapshot_id, &lines).await {
+        if let Err(error) = self.shared.store.save_build_log(snapshot_id, &lines).await {
             tracing::error!(snapshot = %snapshot_id, %error, "keeping a build log");
         }
         log.finish();
@@ -138,11 +138,11 @@ impl Engine {
     /// one once its build has ended (under this server or an earlier one);
     /// else what its state says.
     pub async fn build_log(&self, id_or_name: &str) -> Result<Arc<BuildLog>, EngineError> {
-        let snapshot = self.get_snapshot(id_or_name).await?;
-        if let Some(log) = self.inner.builds.lock().unwrap().get(&snapshot.id) {
+        let snapshot = self.get(id_or_name).await?;
+        if let Some(log) = self.builds.lock().unwrap().get(&snapshot.id) {
             return Ok(log.clone());
         }
-        if let Some(lines) = self.inner.store.find_build_log(&snapshot.id).await? {
+        if let Some(lines) = self.shared.store.find_build_log(&snapshot.id).await? {
             return Ok(Arc::new(BuildLog::finished(lines)));
         }
         let lines = match (snapshot.state, snapshot.error_reason) {
@@ -265,7 +265,7 @@ pub struct ImageSnapshotRequest {
     pub disk_gib: Option<i64>,
 }
 
-impl Engine {
+impl Snapshots {
     /// Registers snapshot `name` made from a registry image (returned
     /// `active` once pulled) or a Dockerfile (returned `building`; see
     /// `start_build`).
@@ -275,7 +275,7 @@ impl Engine {
     ) -> Result<SnapshotRecord, EngineError> {
         check_snapshot_name(&request.name)?;
         if self
-            .inner
+            .shared
             .store
             .find_snapshot(&request.name)
             .await?
@@ -284,7 +284,7 @@ impl Engine {
             return Err(EngineError::SnapshotTaken { name: request.name });
         }
         let class = request.class.unwrap_or(SandboxClass::Container);
-        self.runtime(class)?;
+        self.shared.runtime(class)?;
         match (&request.image, &request.dockerfile) {
             (Some(image), None) => self.start_pull(&request, class, image).await,
             (None, Some(text)) => {
@@ -306,7 +306,7 @@ impl Engine {
         request: &ImageSnapshotRequest,
         class: SandboxClass,
     ) -> Result<SnapshotRecord, EngineError> {
-        let config = &self.inner.config;
+        let config = &self.shared.config;
         let defaults = SnapshotRecord {
             cpu: config.default_cpu,
             memory_mib: config.default_memory_gib * 1024,
@@ -380,7 +380,7 @@ impl Engine {
             let source = match pulled {
                 Ok(source) => source,
                 Err(error) => {
-                    self.inner.builds.lock().unwrap().remove(&snapshot.id);
+                    self.builds.lock().unwrap().remove(&snapshot.id);
                     return Err(error);
                 }
             };
@@ -421,18 +421,18 @@ impl Engine {
     /// snapshot was deleted meanwhile.
     async fn record_finished(&self, record: &SnapshotRecord) {
         let still_there = matches!(
-            self.inner.store.find_snapshot(&record.id).await,
+            self.shared.store.find_snapshot(&record.id).await,
             Ok(Some(_))
         );
         if still_there {
-            if let Err(error) = self.inner.store.save_snapshot(record).await {
+            if let Err(error) = self.shared.store.save_snapshot(record).await {
                 tracing::error!(snapshot = %record.name, %error, "recording a build or pull");
             }
         }
     }
 
     async fn insert_new_snapshot(&self, snapshot: &SnapshotRecord) -> Result<(), EngineError> {
-        self.inner
+        self.shared
             .store
             .insert_snapshot(snapshot)
             .await
@@ -455,14 +455,14 @@ impl Engine {
     ) -> Result<SnapshotRecord, EngineError> {
         check_snapshot_name(name)?;
         let import_dir =
-            self.inner
+            self.shared
                 .config
                 .import_dir
                 .clone()
                 .ok_or_else(|| EngineError::NotImplemented {
                     what: "image imports without an import directory (serve --import-dir)".into(),
                 })?;
-        if self.inner.store.find_snapshot(name).await?.is_some() {
+        if self.shared.store.find_snapshot(name).await?.is_some() {
             return Err(EngineError::SnapshotTaken {
                 name: name.to_owned(),
             });
@@ -491,7 +491,7 @@ impl Engine {
             },
             other => image_error(&path.display().to_string(), other),
         })?;
-        let snapshot = snapshot_of(self, name, &pulled);
+        let snapshot = snapshot_of(&self.shared.config, name, &pulled);
         self.insert_new_snapshot(&snapshot).await?;
         tracing::info!(snapshot = %name, from = %path.display(), "image imported");
         Ok(snapshot)
@@ -526,7 +526,7 @@ impl Engine {
     }
 
     fn image_store(&self) -> Result<cove_images::ImageStore, EngineError> {
-        self.inner
+        self.shared
             .config
             .images
             .clone()
@@ -556,7 +556,11 @@ fn check_snapshot_name(name: &str) -> Result<(), EngineError> {
 }
 
 /// An active container snapshot of an unpacked image.
-fn snapshot_of(engine: &Engine, name: &str, pulled: &cove_images::PulledImage) -> SnapshotRecord {
+fn snapshot_of(
+    config: &crate::EngineConfig,
+    name: &str,
+    pulled: &cove_images::PulledImage,
+) -> SnapshotRecord {
     let env: BTreeMap<String, String> = pulled
         .config
         .env
@@ -564,7 +568,6 @@ fn snapshot_of(engine: &Engine, name: &str, pulled: &cove_images::PulledImage) -
         .filter_map(|entry| entry.split_once('='))
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
-    let config = &engine.inner.config;
     SnapshotRecord {
         id: format!("{name}@{}", pulled.id),
         cpu: config.default_cpu,

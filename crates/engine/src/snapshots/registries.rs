@@ -6,7 +6,8 @@ use cove_store::DockerRegistryRecord;
 
 pub use cove_images::registry_host;
 
-use crate::{now_ms, Engine, EngineError};
+use super::Snapshots;
+use crate::{now_ms, EngineError};
 
 /// What a user asked a registry to be; on update, a `None` password keeps
 /// the stored one.
@@ -26,7 +27,7 @@ fn invalid(field: &'static str, reason: impl Into<String>) -> EngineError {
     }
 }
 
-impl Engine {
+impl Snapshots {
     pub async fn create_registry(
         &self,
         request: RegistryRequest,
@@ -45,17 +46,17 @@ impl Engine {
             updated_at_ms: now,
             ..checked(request)?
         };
-        self.inner.store.save_registry(&record).await?;
+        self.shared.store.save_registry(&record).await?;
         tracing::info!(registry = %record.name, url = %record.url, "docker registry added");
         Ok(record)
     }
 
     pub async fn registries(&self) -> Result<Vec<DockerRegistryRecord>, EngineError> {
-        Ok(self.inner.store.list_registries().await?)
+        Ok(self.shared.store.list_registries().await?)
     }
 
     pub async fn get_registry(&self, id: &str) -> Result<DockerRegistryRecord, EngineError> {
-        self.inner
+        self.shared
             .store
             .find_registry(id)
             .await?
@@ -81,13 +82,13 @@ impl Engine {
             updated_at_ms: now_ms(),
             ..checked(request)?
         };
-        self.inner.store.save_registry(&record).await?;
+        self.shared.store.save_registry(&record).await?;
         Ok(record)
     }
 
     pub async fn delete_registry(&self, id: &str) -> Result<DockerRegistryRecord, EngineError> {
         let record = self.get_registry(id).await?;
-        self.inner.store.delete_registry(&record.id).await?;
+        self.shared.store.delete_registry(&record.id).await?;
         tracing::info!(registry = %record.name, "docker registry removed");
         Ok(record)
     }
@@ -103,7 +104,7 @@ impl Engine {
         };
         let (host, path) = full.split_once('/').unwrap_or((full.as_str(), ""));
         let host = registry_host(host).unwrap_or_default();
-        let registries = self.inner.store.list_registries().await?;
+        let registries = self.shared.store.list_registries().await?;
         let on_host: Vec<&DockerRegistryRecord> = registries
             .iter()
             .filter(|r| registry_host(&r.url).is_ok_and(|h| h == host))

@@ -14,8 +14,9 @@ use cove_images::build::{BuildHost, Executed, StepSandbox};
 use cove_lifecycle::SandboxClass;
 use cove_store::{BuildStepRecord, NetworkSettings};
 
-use crate::build::agent;
-use crate::{now_ms, Engine, EngineError};
+use super::agent;
+use crate::shared::Shared;
+use crate::{now_ms, EngineError};
 
 /// What went wrong on the engine's side of a build.
 #[derive(Debug, thiserror::Error)]
@@ -33,7 +34,7 @@ pub(crate) enum BuildHostError {
     Runtime(#[from] cove_runtime::RuntimeError),
     /// The build sandbox's agent failed or refused; what it said.
     #[error(transparent)]
-    Agent(#[from] super::build::agent::BuildAgentError),
+    Agent(#[from] super::agent::BuildAgentError),
 }
 
 /// A started build sandbox: its id and its agent's socket.
@@ -44,16 +45,16 @@ pub(crate) struct BuildSandbox {
 
 /// Build steps on this engine's container runtime, network and store.
 pub(crate) struct EngineBuildHost {
-    engine: Engine,
+    shared: std::sync::Arc<Shared>,
 }
 
 impl EngineBuildHost {
-    pub(crate) fn new(engine: Engine) -> EngineBuildHost {
-        EngineBuildHost { engine }
+    pub(crate) fn new(shared: std::sync::Arc<Shared>) -> EngineBuildHost {
+        EngineBuildHost { shared }
     }
 
     fn runtime(&self) -> Result<std::sync::Arc<dyn cove_runtime::Runtime>, EngineError> {
-        Ok(self.engine.runtime(SandboxClass::Container)?.clone())
+        Ok(self.shared.runtime(SandboxClass::Container)?.clone())
     }
 }
 
@@ -64,8 +65,7 @@ impl BuildHost for EngineBuildHost {
 
     async fn cached_layer(&self, key: &str) -> Result<Option<String>, BuildHostError> {
         let found = self
-            .engine
-            .inner
+            .shared
             .store
             .find_build_step(key)
             .await
@@ -79,7 +79,7 @@ impl BuildHost for EngineBuildHost {
         capture_id: &str,
         layer: &Path,
     ) -> Result<String, BuildHostError> {
-        let store = &self.engine.inner.store;
+        let store = &self.shared.store;
         let layer = layer.display().to_string();
         let step = BuildStepRecord {
             cache_key: key.to_owned(),
@@ -105,7 +105,7 @@ impl BuildHost for EngineBuildHost {
 
     async fn start(&self, sandbox: &StepSandbox) -> Result<BuildSandbox, BuildHostError> {
         let runtime = self.runtime()?;
-        let ceilings = &self.engine.inner.config.ceilings;
+        let ceilings = &self.shared.config.ceilings;
         let mut spec = cove_runtime::SandboxSpec {
             id: sandbox.id.clone(),
             hostname: "build".into(),
@@ -124,7 +124,7 @@ impl BuildHost for EngineBuildHost {
             // A build step runs its RUN command, not the image's entrypoint.
             command: Vec::new(),
         };
-        if let Some(network) = self.engine.network() {
+        if let Some(network) = self.shared.network() {
             let policy = crate::network::policy(&NetworkSettings::default())?;
             let attachment = network
                 .attach(&spec.id, &policy)
@@ -202,7 +202,7 @@ impl BuildHost for EngineBuildHost {
             }
             Err(error) => tracing::error!(build = %id, %error, "removing a build sandbox"),
         }
-        if let Some(network) = self.engine.network() {
+        if let Some(network) = self.shared.network() {
             if let Err(error) = network.release(id).await {
                 tracing::error!(build = %id, %error, "releasing a build sandbox's address");
             }

@@ -2,7 +2,8 @@
 
 use sha2::{Digest, Sha256};
 
-use crate::{now_ms, Engine, EngineError};
+use super::Access;
+use crate::{now_ms, EngineError};
 
 /// The stored form of an API key.
 pub fn hash_api_key(key: &str) -> String {
@@ -20,11 +21,11 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-impl Engine {
+impl Access {
     /// Creates a key if none is stored yet and returns it; it is shown once and
     /// never stored in clear.
     pub async fn ensure_api_key(&self) -> Result<Option<String>, EngineError> {
-        if !self.inner.store.api_key_hashes().await?.is_empty() {
+        if !self.shared.store.api_key_hashes().await?.is_empty() {
             return Ok(None);
         }
         use rand::Rng;
@@ -33,23 +34,23 @@ impl Engine {
             "cove_{}",
             bytes.iter().map(|b| format!("{b:02x}")).collect::<String>()
         );
-        self.inner
+        self.shared
             .store
             .add_api_key_hash(&hash_api_key(&key), now_ms())
             .await?;
-        *self.inner.api_keys.write().unwrap() = None;
+        *self.api_keys.write().unwrap() = None;
         Ok(Some(key))
     }
 
     /// Whether `key` is one of the stored keys.
     pub async fn verify_api_key(&self, key: &str) -> Result<bool, EngineError> {
         let hash = hash_api_key(key);
-        let cached = self.inner.api_keys.read().unwrap().clone();
+        let cached = self.api_keys.read().unwrap().clone();
         let hashes = match cached {
             Some(hashes) => hashes,
             None => {
-                let hashes = self.inner.store.api_key_hashes().await?;
-                *self.inner.api_keys.write().unwrap() = Some(hashes.clone());
+                let hashes = self.shared.store.api_key_hashes().await?;
+                *self.api_keys.write().unwrap() = Some(hashes.clone());
                 hashes
             }
         };

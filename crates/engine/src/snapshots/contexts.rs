@@ -25,8 +25,9 @@ use rand::distributions::{Alphanumeric, DistString as _};
 use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt as _;
 
+use super::Snapshots;
 use crate::config::ContextLimits;
-use crate::{now_ms, Engine, EngineError};
+use crate::{now_ms, EngineError};
 
 /// How long push credentials are good for. The SDK retries an upload for at
 /// most four minutes with the credentials it was given.
@@ -206,11 +207,10 @@ where
     Ok((*size, digest))
 }
 
-impl Engine {
+impl Snapshots {
     fn contexts(&self) -> Result<&ContextStore, EngineError> {
-        self.inner
-            .contexts
-            .as_ref()
+        self.contexts
+            .as_deref()
             .ok_or_else(|| EngineError::NotImplemented {
                 what: "build contexts (this server has no contexts directory)".into(),
             })

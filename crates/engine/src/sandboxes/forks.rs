@@ -6,12 +6,13 @@
 //! new sandbox: it is either `started` when `fork` returns or it never existed.
 
 use cove_lifecycle::{plan, DesiredState, Operation, SandboxState, Transition};
-use cove_store::{SandboxRecord, StoreError};
+use cove_store::SandboxRecord;
 
-use crate::create::check_name;
-use crate::{now_ms, Engine, EngineError};
+use super::Sandboxes;
+use crate::checks::check_name;
+use crate::{now_ms, EngineError};
 
-impl Engine {
+impl Sandboxes {
     /// Forks started sandbox `id_or_name` into a new sandbox named `name` (or
     /// its id). Returns the child, `started`.
     pub async fn fork(
@@ -20,7 +21,7 @@ impl Engine {
         name: Option<&str>,
     ) -> Result<SandboxRecord, EngineError> {
         let parent_id = self.get(id_or_name).await?.id;
-        let lock = self.lock_for(&parent_id);
+        let lock = self.shared.lock_for(&parent_id);
         let _guard = lock.lock().await;
         let mut parent = self.get(&parent_id).await?;
         if !parent.volumes.is_empty() {
@@ -47,39 +48,16 @@ impl Engine {
             .await
             .map_err(|failure| failure.named(&parent.id, "fork"))?;
 
-        let now = now_ms();
-        let mut child = SandboxRecord {
-            id: child_id.clone(),
-            name: child_name.clone(),
-            state: SandboxState::Creating,
-            desired_state: DesiredState::Started,
-            error_reason: None,
-            parent_id: Some(parent.id.clone()),
-            ttl_deadline_ms: (parent.ttl_minutes > 0)
-                .then(|| now + parent.ttl_minutes * cove_lifecycle::MINUTE_MS),
-            created_at_ms: now,
-            updated_at_ms: now,
-            state_since_ms: now,
-            last_activity_ms: now,
-            ..parent.clone()
-        };
-        let child_lock = self.lock_for(&child_id);
+        let child = child_of(&parent, child_id.clone(), child_name);
+        // Checked before the child's row exists.
+        let runtime = self.shared.runtime(parent.class)?.clone();
+        let child_lock = self.shared.lock_for(&child_id);
         let _child_guard = child_lock.lock().await;
-        self.inner
-            .store
-            .insert_sandbox(&child)
-            .await
-            .map_err(|e| match e {
-                StoreError::Duplicate { .. } => EngineError::NameTaken {
-                    name: child_name.clone(),
-                },
-                other => other.into(),
-            })?;
+        let saga = self.begin_new(child, "fork").await?;
 
         parent.state = during;
-        self.save_state(&mut parent).await?;
-        let runtime = self.runtime(parent.class)?.clone();
-        let spec = self.spec(&child, &snapshot);
+        self.shared.save_state(&mut parent).await?;
+        let spec = self.spec(saga.record(), &snapshot);
         let copied = runtime.fork(&parent.id, &spec).await;
         // The parent is running again whatever became of the child, unless the
         // copy ended it.
@@ -89,30 +67,16 @@ impl Engine {
             parent.error_reason = Some("the sandbox ended while it was forked".into());
             SandboxState::Error
         };
-        self.save_state(&mut parent).await?;
+        self.shared.save_state(&mut parent).await?;
         let made = match copied {
-            Ok(()) => self.start_machine(runtime.as_ref(), &child, spec).await,
+            Ok(()) => {
+                self.start_machine(runtime.as_ref(), saga.record(), spec)
+                    .await
+            }
             Err(error) => Err(error.into()),
         };
-        let started = match made {
-            Ok(started) => started,
-            Err(error) => {
-                if let Err(cleanup) = runtime.destroy(&child_id).await {
-                    let cleanup = crate::error::describe(&cleanup);
-                    tracing::error!(sandbox = %child_id, error = %cleanup, "cleanup after a failed fork");
-                }
-                if let Err(cleanup) = self.release_network(&child).await {
-                    let cleanup = crate::error::describe(&cleanup);
-                    tracing::error!(sandbox = %child_id, error = %cleanup, "cleanup after a failed fork");
-                }
-                self.inner.store.delete_sandbox(&child_id).await?;
-                return Err(error.named(&parent.id, "fork"));
-            }
-        };
-        self.register_running(&child_id, started);
-        child.state = SandboxState::Started;
-        self.save_state(&mut child).await?;
-        tracing::info!(parent = %parent.id, child = %child_id, name = %child.name, "forked");
+        let child = saga.finish(made, &parent.id, "fork").await?;
+        tracing::info!(parent = %parent.id, child = %child.id, name = %child.name, "forked");
         Ok(child)
     }
 
@@ -165,7 +129,7 @@ impl Engine {
     /// Refuses to delete a sandbox that still has fork children.
     pub(crate) async fn check_no_forks(&self, record: &SandboxRecord) -> Result<(), EngineError> {
         let children: Vec<String> = self
-            .inner
+            .shared
             .store
             .list_sandboxes()
             .await?
@@ -181,5 +145,26 @@ impl Engine {
                 children,
             })
         }
+    }
+}
+
+/// The record of a new fork of `parent`: its settings, a new identity, and
+/// its own clocks.
+fn child_of(parent: &SandboxRecord, id: String, name: String) -> SandboxRecord {
+    let now = now_ms();
+    SandboxRecord {
+        id,
+        name,
+        state: SandboxState::Creating,
+        desired_state: DesiredState::Started,
+        error_reason: None,
+        parent_id: Some(parent.id.clone()),
+        ttl_deadline_ms: (parent.ttl_minutes > 0)
+            .then(|| now + parent.ttl_minutes * cove_lifecycle::MINUTE_MS),
+        created_at_ms: now,
+        updated_at_ms: now,
+        state_since_ms: now,
+        last_activity_ms: now,
+        ..parent.clone()
     }
 }

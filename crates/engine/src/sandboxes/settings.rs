@@ -5,7 +5,8 @@ use std::collections::BTreeMap;
 use cove_lifecycle::{MAX_MINUTES, MINUTE_MS};
 use cove_store::SandboxRecord;
 
-use crate::{now_ms, Engine, EngineError};
+use super::Sandboxes;
+use crate::{now_ms, EngineError};
 
 /// One setting a user changes on an existing sandbox.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -20,14 +21,14 @@ pub enum SettingChange {
     Public(bool),
 }
 
-impl Engine {
+impl Sandboxes {
     pub async fn change(
         &self,
         id_or_name: &str,
         change: SettingChange,
     ) -> Result<SandboxRecord, EngineError> {
         let id = self.get(id_or_name).await?.id;
-        let lock = self.lock_for(&id);
+        let lock = self.shared.lock_for(&id);
         let _guard = lock.lock().await;
         let mut record = self.get(&id).await?;
         let class = record.class;
@@ -63,7 +64,7 @@ impl Engine {
         let now = now_ms();
         record.updated_at_ms = now;
         record.last_activity_ms = record.last_activity_ms.max(now);
-        self.inner.store.save_sandbox(&record).await?;
+        self.shared.store.save_sandbox(&record).await?;
         Ok(record)
     }
 }

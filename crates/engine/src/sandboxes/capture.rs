@@ -8,20 +8,13 @@
 use cove_lifecycle::{Operation, SandboxClass};
 use cove_store::{SandboxRecord, SnapshotRecord, SnapshotState, StoreError};
 
-use crate::create::check_name;
+use super::effect::{CaptureRequest, Effect};
+use super::Sandboxes;
+use crate::checks::check_name;
 use crate::failure::Failure;
-use crate::operations::Effect;
-use crate::{now_ms, Engine, EngineError};
+use crate::{now_ms, EngineError};
 
-/// What a user asked a capture to be.
-#[derive(Clone, Debug)]
-pub(crate) struct CaptureRequest {
-    name: String,
-    /// Capture the machine's memory too (a started VM).
-    memory: bool,
-}
-
-impl Engine {
+impl Sandboxes {
     /// Captures the filesystem of a sandbox (started or stopped) as snapshot `name`.
     /// A started sandbox keeps running. Returns the sandbox, back in its state.
     pub async fn snapshot(
@@ -61,7 +54,7 @@ impl Engine {
                 instead: "take one without memory",
             });
         }
-        if self.inner.store.find_snapshot(name).await?.is_some() {
+        if self.shared.store.find_snapshot(name).await?.is_some() {
             return Err(EngineError::SnapshotTaken {
                 name: name.to_owned(),
             });
@@ -75,14 +68,14 @@ impl Engine {
     }
 
     /// Rewinds a sandbox to a snapshot taken from it; a started sandbox is
-    /// started again on the restored filesystem.
+    /// started again on the reverted filesystem.
     pub async fn revert(
         &self,
         id_or_name: &str,
         snapshot: &str,
     ) -> Result<SandboxRecord, EngineError> {
         let record = self.get(id_or_name).await?;
-        let found = self.get_snapshot(snapshot).await?;
+        let found = self.snapshots.get(snapshot).await?;
         let capture_id = match (&found.source_sandbox, &found.capture_id) {
             (Some(source), Some(capture)) if *source == record.id => capture.clone(),
             _ => {
@@ -95,126 +88,8 @@ impl Engine {
                 })
             }
         };
-        self.run_effect(
-            &record.id,
-            Operation::Revert,
-            Effect::Restore { capture_id },
-        )
-        .await
-    }
-
-    /// The snapshot with this id or name.
-    pub async fn get_snapshot(&self, id_or_name: &str) -> Result<SnapshotRecord, EngineError> {
-        self.inner
-            .store
-            .find_snapshot(id_or_name)
-            .await?
-            .ok_or_else(|| EngineError::SnapshotNotFound {
-                name: id_or_name.to_owned(),
-            })
-    }
-
-    /// Makes an inactive snapshot usable again for new sandboxes.
-    pub async fn activate_snapshot(&self, id_or_name: &str) -> Result<SnapshotRecord, EngineError> {
-        let mut snapshot = self.get_snapshot(id_or_name).await?;
-        if snapshot.state != SnapshotState::Inactive {
-            return Err(EngineError::Invalid {
-                field: "snapshot",
-                reason: format!(
-                    "snapshot {} is {}; only an inactive snapshot can be activated",
-                    snapshot.name,
-                    snapshot.state.as_str()
-                ),
-            });
-        }
-        snapshot.state = SnapshotState::Active;
-        snapshot.updated_at_ms = now_ms();
-        self.inner.store.save_snapshot(&snapshot).await?;
-        tracing::info!(snapshot = %snapshot.name, "snapshot activated");
-        Ok(snapshot)
-    }
-
-    /// Keeps a snapshot (and the sandboxes made from it) but refuses new
-    /// sandboxes from it until it is activated again.
-    pub async fn deactivate_snapshot(
-        &self,
-        id_or_name: &str,
-    ) -> Result<SnapshotRecord, EngineError> {
-        let mut snapshot = self.get_snapshot(id_or_name).await?;
-        if snapshot.general {
-            return Err(EngineError::Invalid {
-                field: "snapshot",
-                reason: format!(
-                    "{} is provided by the server and cannot be deactivated",
-                    snapshot.name
-                ),
-            });
-        }
-        if snapshot.state != SnapshotState::Active {
-            return Err(EngineError::Invalid {
-                field: "snapshot",
-                reason: format!(
-                    "snapshot {} is {}; only an active snapshot can be deactivated",
-                    snapshot.name,
-                    snapshot.state.as_str()
-                ),
-            });
-        }
-        snapshot.state = SnapshotState::Inactive;
-        snapshot.updated_at_ms = now_ms();
-        self.inner.store.save_snapshot(&snapshot).await?;
-        tracing::info!(snapshot = %snapshot.name, "snapshot deactivated");
-        Ok(snapshot)
-    }
-
-    /// Deletes a snapshot nothing depends on: no sandbox runs on it and no other
-    /// snapshot is stacked on it.
-    pub async fn delete_snapshot(&self, id_or_name: &str) -> Result<SnapshotRecord, EngineError> {
-        let snapshot = self.get_snapshot(id_or_name).await?;
-        if snapshot.general {
-            return Err(EngineError::Invalid {
-                field: "snapshot",
-                reason: format!(
-                    "{} is provided by the server and cannot be deleted",
-                    snapshot.name
-                ),
-            });
-        }
-        let mut users: Vec<String> = Vec::new();
-        let all = self.inner.store.list_snapshots().await?;
-        // Only a snapshot that owns its top layer (a capture) can pull it from
-        // under others; built images share cached layers they do not own.
-        let top = snapshot
-            .capture_id
-            .as_ref()
-            .and_then(|_| snapshot.layers.first());
-        for other in all.iter().filter(|o| o.id != snapshot.id) {
-            if top.is_some_and(|layer| other.layers.contains(layer)) {
-                users.push(format!("snapshot {}", other.name));
-            }
-        }
-        for sandbox in self.inner.store.list_sandboxes().await? {
-            if sandbox.snapshot == snapshot.name {
-                users.push(format!("sandbox {}", sandbox.name));
-            }
-        }
-        if !users.is_empty() {
-            return Err(EngineError::InUse {
-                what: format!("snapshot {}", snapshot.name),
-                users,
-            });
-        }
-        if let Some(capture) = &snapshot.capture_id {
-            let runtime = self.runtime(snapshot.class)?;
-            runtime
-                .discard_capture(capture)
-                .await
-                .map_err(EngineError::runtime(&snapshot.id, "delete its snapshot"))?;
-        }
-        self.inner.store.delete_snapshot(&snapshot.id).await?;
-        self.inner.builds.lock().unwrap().remove(&snapshot.id);
-        tracing::info!(snapshot = %snapshot.name, "snapshot deleted");
-        Ok(snapshot)
+        self.run_effect(&record.id, Operation::Revert, Effect::Revert { capture_id })
+            .await
     }
 
     /// The snapshot a sandbox was created from, which holds its lower layers.
@@ -222,7 +97,7 @@ impl Engine {
         &self,
         record: &SandboxRecord,
     ) -> Result<SnapshotRecord, Failure> {
-        self.inner
+        self.shared
             .store
             .find_snapshot(&record.snapshot)
             .await
@@ -238,7 +113,7 @@ impl Engine {
         record: &SandboxRecord,
         request: CaptureRequest,
     ) -> Result<(), Failure> {
-        let runtime = self.runtime(record.class)?.clone();
+        let runtime = self.shared.runtime(record.class)?.clone();
         let base = self.own_snapshot(record).await?;
         let capture_id = uuid::Uuid::new_v4().to_string();
         let layer = if request.memory {
@@ -271,7 +146,7 @@ impl Engine {
             created_at_ms: now,
             updated_at_ms: now,
         };
-        if let Err(error) = self.inner.store.insert_snapshot(&snapshot).await {
+        if let Err(error) = self.shared.store.insert_snapshot(&snapshot).await {
             // No orphan capture when the name was taken meanwhile.
             let _ = runtime.discard_capture(&capture_id).await;
             return Err(match error {

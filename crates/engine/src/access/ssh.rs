@@ -6,8 +6,9 @@ use rand::Rng;
 
 pub use cove_store::SshAccessRecord;
 
-use crate::auth::hash_secret;
-use crate::{now_ms, Engine, EngineError, SandboxRecord};
+use super::keys::hash_secret;
+use super::Access;
+use crate::{now_ms, EngineError, SandboxRecord};
 
 /// How long a token lives when the client does not say (Daytona's default).
 pub(crate) const DEFAULT_SSH_ACCESS_MINUTES: i64 = 60;
@@ -28,7 +29,7 @@ fn new_token() -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
-impl Engine {
+impl Access {
     /// Issues a token for the sandbox with this id or name, valid for
     /// `expires_in_minutes` (default 60, at most 30 days).
     pub async fn create_ssh_access(
@@ -43,10 +44,10 @@ impl Engine {
                 reason: format!("must be between 1 and {MAX_SSH_ACCESS_MINUTES}, got {minutes}"),
             });
         }
-        let sandbox = self.get(id_or_name).await?;
+        let sandbox = self.shared.sandbox(id_or_name).await?;
         let now = now_ms();
         // Expired rows are useless; issuing is a fine moment to drop them.
-        self.inner.store.prune_ssh_access(now).await?;
+        self.shared.store.prune_ssh_access(now).await?;
         let token = new_token();
         let record = SshAccessRecord {
             id: uuid::Uuid::new_v4().to_string(),
@@ -56,7 +57,7 @@ impl Engine {
             created_at_ms: now,
             updated_at_ms: now,
         };
-        self.inner.store.add_ssh_access(&record).await?;
+        self.shared.store.add_ssh_access(&record).await?;
         tracing::info!(sandbox = %record.sandbox_id, access = %record.id, minutes, "ssh access issued");
         Ok(IssuedSshAccess { token, record })
     }
@@ -68,16 +69,16 @@ impl Engine {
         id_or_name: &str,
         token: Option<&str>,
     ) -> Result<SandboxRecord, EngineError> {
-        let sandbox = self.get(id_or_name).await?;
+        let sandbox = self.shared.sandbox(id_or_name).await?;
         let hash = token.map(hash_secret);
         let revoked = self
-            .inner
+            .shared
             .store
             .revoke_ssh_access(&sandbox.id, hash.as_deref())
             .await?;
         tracing::info!(sandbox = %sandbox.id, revoked, "ssh access revoked");
         if revoked > 0 {
-            self.ssh_access_revoked();
+            self.shared.ssh_access_revoked();
         }
         Ok(sandbox)
     }
@@ -86,13 +87,7 @@ impl Engine {
     /// their sandbox); a holder of a token re-validates it then. The SSH
     /// gateway closes a live connection whose token no longer validates.
     pub fn ssh_access_revocations(&self) -> tokio::sync::watch::Receiver<u64> {
-        self.inner.ssh_revocations.subscribe()
-    }
-
-    pub(crate) fn ssh_access_revoked(&self) {
-        self.inner
-            .ssh_revocations
-            .send_modify(|n| *n = n.wrapping_add(1));
+        self.shared.ssh_revocations.subscribe()
     }
 
     /// The id of the sandbox `token` opens, if it is known, unexpired and its
@@ -111,7 +106,7 @@ impl Engine {
             return Ok(None);
         }
         let Some(access) = self
-            .inner
+            .shared
             .store
             .find_ssh_access(&hash_secret(token))
             .await?

@@ -1,0 +1,317 @@
+//! Creating a sandbox: check everything first, then make it, and on any failure
+//! leave nothing behind.
+
+use std::collections::BTreeMap;
+
+use cove_lifecycle::{
+    DesiredState, SandboxClass, TimerSettings, Transition, MAX_MINUTES, MINUTE_MS,
+};
+use cove_store::{SandboxRecord, SnapshotState};
+
+use super::Sandboxes;
+use crate::checks::{check_name, sized};
+use crate::{now_ms, EngineError};
+
+/// What a user asked for. `None` means "the default".
+#[derive(Clone, Debug, Default)]
+pub struct CreateSandbox {
+    pub name: Option<String>,
+    pub snapshot: Option<String>,
+    pub user: Option<String>,
+    pub env: BTreeMap<String, String>,
+    pub labels: BTreeMap<String, String>,
+    pub public: bool,
+    pub cpu: Option<i64>,
+    pub gpu: Option<i64>,
+    pub memory_gib: Option<i64>,
+    pub disk_gib: Option<i64>,
+    pub auto_stop: Option<i64>,
+    pub auto_pause: Option<i64>,
+    pub auto_archive: Option<i64>,
+    pub auto_delete: Option<i64>,
+    pub ttl_minutes: Option<i64>,
+    /// May pause (cove extension, as in seed 001); defaults to "not ephemeral".
+    pub persistent: Option<bool>,
+    /// cove may reclaim it: paused if persistent, deleted otherwise.
+    pub spot: bool,
+    /// Expose /dev/kvm inside the sandbox (nested virtualization).
+    pub kvm: bool,
+    /// A Dockerfile to build the sandbox's image from (the SDK's `image=`),
+    /// instead of a snapshot.
+    pub dockerfile: Option<String>,
+    /// The uploaded build contexts its `COPY`s read (`buildInfo.contextHashes`).
+    pub build_contexts: Vec<String>,
+    /// Egress policy (networkBlockAll, networkAllowList, domainAllowList).
+    pub network: cove_store::NetworkSettings,
+    /// Volumes to mount, by id or name.
+    pub volumes: Vec<cove_store::VolumeMount>,
+}
+
+impl Sandboxes {
+    /// Creates and starts a sandbox. It is either `started` when this returns, or it
+    /// does not exist at all.
+    pub async fn create(&self, request: CreateSandbox) -> Result<SandboxRecord, EngineError> {
+        let snapshot = self.snapshot_for(&request).await?;
+        let record = self.new_record(request, &snapshot).await?;
+        // Checked before the row exists: no half-made sandbox for a class this
+        // server cannot run.
+        let runtime = self.shared.runtime(record.class)?.clone();
+        let lock = self.shared.lock_for(&record.id);
+        let _guard = lock.lock().await;
+        let saga = self.begin_new(record, "create").await?;
+        let spec = self.spec(saga.record(), &snapshot);
+        let made = async {
+            runtime.prepare(&spec).await?;
+            self.start_machine(runtime.as_ref(), saga.record(), spec)
+                .await
+        }
+        .await;
+        let id = saga.record().id.clone();
+        let record = saga.finish(made, &id, "be created").await?;
+        tracing::info!(sandbox = %record.id, name = %record.name, snapshot = %record.snapshot, "created");
+        Ok(record)
+    }
+
+    /// The active snapshot a new sandbox is made from: the one named, the
+    /// server's default, or one built from the request's Dockerfile.
+    async fn snapshot_for(
+        &self,
+        request: &CreateSandbox,
+    ) -> Result<cove_store::SnapshotRecord, EngineError> {
+        let config = &self.shared.config;
+        let snapshot_name = request
+            .snapshot
+            .clone()
+            .unwrap_or_else(|| config.default_snapshot.clone());
+        if snapshot_name.to_ascii_lowercase().starts_with("windows") {
+            return Err(EngineError::NoWindows {
+                name: snapshot_name,
+            });
+        }
+        let snapshot = match &request.dockerfile {
+            Some(text) => {
+                self.snapshots
+                    .dockerfile_snapshot(text, &request.build_contexts)
+                    .await?
+            }
+            None => self
+                .shared
+                .store
+                .find_snapshot(&snapshot_name)
+                .await?
+                .ok_or(EngineError::SnapshotNotFound {
+                    name: snapshot_name,
+                })?,
+        };
+        if snapshot.state != SnapshotState::Active {
+            return Err(EngineError::SnapshotNotActive {
+                name: snapshot.name.clone(),
+                state: snapshot.state.as_str(),
+            });
+        }
+        Ok(snapshot)
+    }
+
+    /// The record of a new sandbox, `creating`, once every field of the
+    /// request is checked.
+    async fn new_record(
+        &self,
+        request: CreateSandbox,
+        snapshot: &cove_store::SnapshotRecord,
+    ) -> Result<SandboxRecord, EngineError> {
+        self.check_machine(&request, snapshot.class)?;
+        let (cpu, memory_mib, disk_gib) = sized(
+            self.shared.config.ceilings,
+            (request.cpu, request.memory_gib, request.disk_gib),
+            snapshot,
+        )?;
+        let user = self.user_for(request.user.as_deref(), snapshot)?;
+        let (timers, persistent) = timers_for(&request, snapshot.class)?;
+        let ttl_minutes = request.ttl_minutes.unwrap_or(0);
+        if !(0..=MAX_MINUTES).contains(&ttl_minutes) {
+            return Err(EngineError::Invalid {
+                field: "ttlMinutes",
+                reason: format!("must be 0 (off) to {MAX_MINUTES}, got {ttl_minutes}"),
+            });
+        }
+        check_env(&request.env)?;
+        let id = uuid::Uuid::new_v4().to_string();
+        let name = request.name.clone().unwrap_or_else(|| id.clone());
+        check_name(&name)?;
+        let volumes = self
+            .volumes
+            .resolve_mounts(snapshot, &request.volumes)
+            .await?;
+        let now = now_ms();
+        let Transition::Run { during, .. } = Transition::create() else {
+            unreachable!("create always runs")
+        };
+        Ok(SandboxRecord {
+            id,
+            name,
+            snapshot: snapshot.name.clone(),
+            class: snapshot.class,
+            state: during,
+            desired_state: DesiredState::Started,
+            error_reason: None,
+            os_user: user,
+            cpu,
+            gpu: 0,
+            memory_mib,
+            disk_gib,
+            env: request.env,
+            labels: request.labels,
+            public: request.public,
+            timers,
+            ttl_minutes,
+            ttl_deadline_ms: (ttl_minutes > 0).then(|| now + ttl_minutes * MINUTE_MS),
+            created_at_ms: now,
+            updated_at_ms: now,
+            state_since_ms: now,
+            last_activity_ms: now,
+            persistent,
+            spot: request.spot,
+            parent_id: None,
+            network: request.network,
+            volumes,
+        })
+    }
+
+    /// Refuses what no sandbox here can have: a bad network policy (or one
+    /// without networking), nested KVM, a GPU.
+    fn check_machine(
+        &self,
+        request: &CreateSandbox,
+        class: cove_lifecycle::SandboxClass,
+    ) -> Result<(), EngineError> {
+        crate::network::policy(&request.network)?;
+        if request.network != cove_store::NetworkSettings::default()
+            && self.shared.network().is_none()
+        {
+            return Err(EngineError::NotImplemented {
+                what: format!(
+                    "network policies for {class} sandboxes on this server (no sandbox networking)"
+                ),
+            });
+        }
+        if request.kvm {
+            return Err(EngineError::Invalid {
+                field: "kvm",
+                reason: "cove does not offer nested virtualization: /dev/kvm cannot be \
+                         exposed inside a sandbox on this server; create it without kvm"
+                    .into(),
+            });
+        }
+        if let Some(gpu) = request.gpu.filter(|gpu| *gpu != 0) {
+            return Err(EngineError::AboveCeiling {
+                field: "gpu",
+                requested: gpu,
+                ceiling: 0,
+            });
+        }
+        Ok(())
+    }
+
+    /// The user a sandbox runs as: the image's USER, else the server's; root
+    /// may always be asked for.
+    fn user_for(
+        &self,
+        requested: Option<&str>,
+        snapshot: &cove_store::SnapshotRecord,
+    ) -> Result<String, EngineError> {
+        let os_user = &self.shared.config.os_user;
+        let image_user = snapshot.image.user.as_ref();
+        let default_user = image_user.unwrap_or(os_user);
+        let user = requested.unwrap_or(default_user);
+        if user != os_user && Some(user) != image_user.map(String::as_str) {
+            return Err(EngineError::Invalid {
+                field: "user",
+                reason: format!(
+                    "{user:?} does not exist here; sandboxes of snapshot {} run as {default_user:?}",
+                    snapshot.name
+                ),
+            });
+        }
+        Ok(user.to_owned())
+    }
+
+    pub(crate) fn spec(
+        &self,
+        record: &SandboxRecord,
+        snapshot: &cove_store::SnapshotRecord,
+    ) -> cove_runtime::SandboxSpec {
+        cove_runtime::SandboxSpec {
+            id: record.id.clone(),
+            hostname: record.name.chars().take(63).collect(),
+            rootfs: snapshot.rootfs.clone().into(),
+            layers: snapshot.layers.iter().map(Into::into).collect(),
+            resources: cove_runtime::Resources {
+                cpu: record.cpu as u32,
+                memory_mib: record.memory_mib as u64,
+                disk_gib: record.disk_gib as u64,
+            },
+            // The image's variables first, the sandbox's own over them.
+            env: snapshot
+                .env
+                .iter()
+                .filter(|(k, _)| !record.env.contains_key(*k))
+                .chain(record.env.iter())
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect(),
+            network: None,
+            volumes: self.volumes.binds(record),
+            workdir: snapshot.image.workdir.clone(),
+            user: (record.os_user != self.shared.config.os_user).then(|| record.os_user.clone()),
+            command: snapshot.image.command(),
+        }
+    }
+}
+
+/// The timers of a new sandbox, and whether it is persistent (may pause).
+fn timers_for(
+    request: &CreateSandbox,
+    class: SandboxClass,
+) -> Result<(TimerSettings, bool), EngineError> {
+    let ephemeral = request.auto_delete == Some(0);
+    if ephemeral && request.persistent == Some(true) {
+        return Err(EngineError::Invalid {
+            field: "persistent",
+            reason: "an ephemeral sandbox (autoDeleteInterval 0) cannot be persistent".into(),
+        });
+    }
+    let persistent = request.persistent.unwrap_or(!ephemeral);
+    let mut auto_stop = request.auto_stop;
+    if !persistent {
+        if request.auto_pause.is_some_and(|minutes| minutes != 0) {
+            return Err(EngineError::Invalid {
+                field: "autoPauseInterval",
+                reason: "a sandbox that is not persistent cannot pause".into(),
+            });
+        }
+        // Without pause, idle sandboxes stop as containers do.
+        if auto_stop.is_none() && request.auto_pause.is_none() {
+            auto_stop = Some(cove_lifecycle::DEFAULT_AUTO_STOP);
+        }
+    }
+    let timers = TimerSettings::resolve(
+        class,
+        auto_stop,
+        request.auto_pause,
+        request.auto_archive,
+        request.auto_delete,
+    )?;
+    Ok((timers, persistent))
+}
+
+/// Variable names the environment can hold.
+fn check_env(env: &BTreeMap<String, String>) -> Result<(), EngineError> {
+    for key in env.keys() {
+        if key.is_empty() || key.contains('=') || key.contains('\0') {
+            return Err(EngineError::Invalid {
+                field: "env",
+                reason: format!("{key:?} is not a valid variable name"),
+            });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,201 @@
+//! The side effects behind lifecycle operations: an operation (see
+//! `operations.rs`) picks one as a value, records the transient state, and
+//! applies it here.
+
+use cove_runtime::Runtime;
+use cove_store::SandboxRecord;
+
+use super::Sandboxes;
+use crate::archive::ArchiveError;
+use crate::failure::Failure;
+
+/// The side effect behind an operation.
+#[derive(Clone, Debug)]
+pub(crate) enum Effect {
+    /// Start the machine: from its saved memory if it has some (a resume),
+    /// else from its disk.
+    Start,
+    /// Start from disk, discarding saved memory.
+    ColdStart,
+    /// Bring the storage back from the archive, then start.
+    Unarchive,
+    /// Save memory and end the machine.
+    Pause,
+    /// End the machine; its disk stays.
+    Stop,
+    /// End the machine and remove everything it had.
+    Delete,
+    /// Move the stopped sandbox's storage to the archive.
+    Archive,
+    /// Capture the writable layer as a new snapshot.
+    Capture(CaptureRequest),
+    /// Replace the writable layer with a capture taken from the sandbox.
+    Revert { capture_id: String },
+}
+
+/// What a user asked a capture to be.
+#[derive(Clone, Debug)]
+pub(crate) struct CaptureRequest {
+    pub(super) name: String,
+    /// Capture the machine's memory too (a started VM).
+    pub(super) memory: bool,
+}
+
+impl Sandboxes {
+    pub(super) async fn apply(
+        &self,
+        effect: Effect,
+        record: &SandboxRecord,
+    ) -> Result<(), Failure> {
+        let runtime = self.shared.runtime(record.class)?.clone();
+        let runtime = runtime.as_ref();
+        let id = &record.id;
+        match effect {
+            Effect::Start | Effect::ColdStart | Effect::Unarchive => {
+                self.start_effect(runtime, record, &effect).await
+            }
+            Effect::Pause => {
+                self.forget_running(id);
+                runtime.pause(id).await?;
+                self.detach_network(record).await
+            }
+            Effect::Stop => {
+                self.forget_running(id);
+                runtime.stop(id).await?;
+                self.detach_network(record).await
+            }
+            Effect::Delete => self.delete_effect(runtime, record).await,
+            Effect::Archive => self.archive_effect(runtime, record).await,
+            Effect::Capture(request) => self.capture(record, request).await,
+            Effect::Revert { capture_id } => self.revert_effect(runtime, record, &capture_id).await,
+        }
+    }
+
+    /// Starts the machine, after bringing its storage back for an unarchive
+    /// and dropping its memory for a cold start.
+    async fn start_effect(
+        &self,
+        runtime: &dyn Runtime,
+        record: &SandboxRecord,
+        effect: &Effect,
+    ) -> Result<(), Failure> {
+        let snapshot = self.own_snapshot(record).await?;
+        let spec = self.spec(record, &snapshot);
+        if matches!(effect, Effect::Unarchive) {
+            self.unarchive(runtime, &spec).await?;
+        }
+        // A leftover of an earlier run (a crash, a failed stop) must not
+        // linger. A paused machine is not running, and stopping it would
+        // drop the memory it is about to continue from.
+        self.forget_running(&record.id);
+        let keeps_memory = record.class.can_pause() && matches!(effect, Effect::Start);
+        if !keeps_memory || runtime.is_running(&record.id).await {
+            runtime.stop(&record.id).await?;
+        }
+        if matches!(effect, Effect::ColdStart) {
+            runtime.discard_memory(&record.id).await?;
+        }
+        let started = self.start_machine(runtime, record, spec).await?;
+        self.register_running(&record.id, started);
+        Ok(())
+    }
+
+    async fn delete_effect(
+        &self,
+        runtime: &dyn Runtime,
+        record: &SandboxRecord,
+    ) -> Result<(), Failure> {
+        self.forget_running(&record.id);
+        runtime.destroy(&record.id).await?;
+        self.release_network(record).await?;
+        // Only an archived sandbox has a copy there; an unreachable archive
+        // must not keep a sandbox from being deleted.
+        if let Some(archive) = &self.shared.config.archive {
+            if let Err(error) = archive.remove(&record.id).await {
+                tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "left its archive copy");
+            }
+        }
+        Ok(())
+    }
+
+    async fn archive_effect(
+        &self,
+        runtime: &dyn Runtime,
+        record: &SandboxRecord,
+    ) -> Result<(), Failure> {
+        let archive = self
+            .shared
+            .config
+            .archive
+            .clone()
+            .ok_or(ArchiveError::NotConfigured)?;
+        let file = archive.scratch_file(&record.id);
+        let moved = async {
+            runtime.export_storage(&record.id, &file).await?;
+            let bytes = archive.upload(&record.id, &file).await?;
+            tracing::info!(sandbox = %record.id, bytes, to = archive.location(), "archived");
+            Ok::<(), Failure>(())
+        }
+        .await;
+        let _ = tokio::fs::remove_file(&file).await;
+        moved?;
+        // Only once the archive holds it does the local copy go. From here
+        // the sandbox is archived whatever the cleanup says: its data is
+        // safe in the archive, and a start unarchives it from there.
+        if let Err(error) = self.release_network(record).await {
+            tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "after archiving");
+        }
+        if let Err(error) = runtime.destroy(&record.id).await {
+            tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "removing the local copy after archiving");
+        }
+        Ok(())
+    }
+
+    /// Puts a capture of the sandbox back as its writable layer; a machine
+    /// that ran is started again on it.
+    async fn revert_effect(
+        &self,
+        runtime: &dyn Runtime,
+        record: &SandboxRecord,
+        capture_id: &str,
+    ) -> Result<(), Failure> {
+        let own = self.own_snapshot(record).await?;
+        let spec = self.spec(record, &own);
+        let was_running = runtime.is_running(&record.id).await;
+        self.forget_running(&record.id);
+        runtime.stop(&record.id).await?;
+        self.detach_network(record).await?;
+        runtime.revert(&spec, capture_id).await?;
+        if was_running {
+            let started = self.start_machine(runtime, record, spec).await?;
+            self.register_running(&record.id, started);
+        }
+        Ok(())
+    }
+
+    /// Brings an archived sandbox's storage back from the archive.
+    async fn unarchive(
+        &self,
+        runtime: &dyn Runtime,
+        spec: &cove_runtime::SandboxSpec,
+    ) -> Result<(), Failure> {
+        let archive = self
+            .shared
+            .config
+            .archive
+            .clone()
+            .ok_or(ArchiveError::NotConfigured)?;
+        let file = archive.scratch_file(&spec.id);
+        let brought = async {
+            archive.download(&spec.id, &file).await?;
+            runtime.import_storage(spec, &file).await?;
+            Ok::<(), Failure>(())
+        }
+        .await;
+        let _ = tokio::fs::remove_file(&file).await;
+        brought?;
+        archive.remove(&spec.id).await?;
+        tracing::info!(sandbox = %spec.id, "unarchived");
+        Ok(())
+    }
+}

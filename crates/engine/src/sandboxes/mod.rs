@@ -1,0 +1,97 @@
+//! The sandboxes part of the engine: every sandbox's lifecycle.
+//!
+//! It takes an operation, asks the lifecycle whether it is allowed, records
+//! the transient state, drives the runtime and the network, and records where
+//! the sandbox landed. Creating and forking share one saga (`saga.rs`);
+//! captures and reverts, timers and the recovery after a restart are here too.
+
+mod capture;
+mod create;
+mod effect;
+mod forks;
+mod network;
+mod operations;
+mod recovery;
+mod running;
+mod saga;
+mod settings;
+mod timers;
+
+use std::sync::Arc;
+
+use cove_runtime::AgentEndpoint;
+use cove_store::SandboxRecord;
+
+use crate::shared::Shared;
+use crate::{EngineError, SandboxState, Snapshots, Volumes};
+
+pub use create::CreateSandbox;
+
+pub use settings::SettingChange;
+
+/// Sandboxes and what they run. Cheap to clone; clones share everything.
+#[derive(Clone)]
+pub struct Sandboxes {
+    shared: Arc<Shared>,
+    /// Where a sandbox's image comes from (and a Dockerfile is built).
+    snapshots: Snapshots,
+    /// What a sandbox mounts.
+    volumes: Volumes,
+}
+
+impl Sandboxes {
+    pub(crate) fn new(shared: Arc<Shared>, snapshots: Snapshots, volumes: Volumes) -> Sandboxes {
+        Sandboxes {
+            shared,
+            snapshots,
+            volumes,
+        }
+    }
+
+    /// The sandbox with this id or name.
+    pub async fn get(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
+        self.shared.sandbox(id_or_name).await
+    }
+
+    /// Every sandbox, oldest first.
+    pub async fn list(&self) -> Result<Vec<SandboxRecord>, EngineError> {
+        self.shared.sandboxes().await
+    }
+
+    /// Where the agent of a started sandbox listens; counts as an interaction.
+    pub async fn toolbox(&self, id_or_name: &str) -> Result<(String, AgentEndpoint), EngineError> {
+        let (record, agent) = self.agent(id_or_name).await?;
+        self.touch(&record.id);
+        Ok((record.id, agent))
+    }
+
+    /// Where the agent of a started sandbox listens, without counting as an
+    /// interaction (previews are application traffic, not use of cove).
+    pub async fn agent(
+        &self,
+        id_or_name: &str,
+    ) -> Result<(SandboxRecord, AgentEndpoint), EngineError> {
+        let record = self.get(id_or_name).await?;
+        let running = (record.state == SandboxState::Started)
+            .then(|| self.shared.running(&record.id))
+            .flatten();
+        match running {
+            Some(running) => Ok((record, running.agent)),
+            None => Err(EngineError::NotStarted {
+                id: record.id,
+                state: record.state,
+            }),
+        }
+    }
+
+    /// How a running VM executes ("kvm" or "tcg"); `None` for containers and
+    /// for sandboxes that are not running.
+    pub fn accelerator(&self, id: &str) -> Option<&'static str> {
+        self.shared.running(id).and_then(|r| r.accelerator)
+    }
+
+    /// Resets the idle clock of a sandbox.
+    pub fn touch(&self, id: &str) {
+        self.shared.activity.touch(id, crate::now_ms());
+    }
+}

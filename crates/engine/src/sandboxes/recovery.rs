@@ -1,0 +1,190 @@
+//! Bringing sandboxes back after the server itself restarted.
+//!
+//! A running machine that outlived the server and that its runtime can take
+//! over (a VM: QEMU runs on in its own process group) is taken over as it
+//! runs. Nothing else a runtime made is trusted across a restart: whatever a
+//! sandbox was doing, its leftover processes are ended, and it is brought to
+//! the state the user last asked for. No sandbox is lost and none is made twice.
+//! Build sandboxes (never sandbox records) are all destroyed: their builds
+//! ended with the server that ran them.
+
+use cove_lifecycle::{DesiredState, SandboxState};
+use cove_store::SandboxRecord;
+
+use super::Sandboxes;
+use crate::EngineError;
+
+impl Sandboxes {
+    /// Reconciles every stored sandbox with its runtime (after the snapshots
+    /// part ended the builds of the last server).
+    pub(crate) async fn recover_after_restart(&self) -> Result<(), EngineError> {
+        for record in self.shared.store.list_sandboxes().await? {
+            let Ok(runtime) = self.shared.runtime(record.class).cloned() else {
+                tracing::warn!(sandbox = %record.id, class = %record.class, "no runtime for its class");
+                continue;
+            };
+            self.recover_one(runtime.as_ref(), record).await?;
+        }
+        Ok(())
+    }
+
+    /// Brings one sandbox to the state its user asked for.
+    async fn recover_one(
+        &self,
+        runtime: &dyn cove_runtime::Runtime,
+        mut record: SandboxRecord,
+    ) -> Result<(), EngineError> {
+        let id = record.id.clone();
+        match record.state {
+            // Half-made or half-deleted: finish the job, it never existed for the user
+            // or the user wanted it gone.
+            SandboxState::Creating | SandboxState::Destroying => {
+                if let Err(error) = runtime.destroy(&id).await {
+                    record.state = SandboxState::Error;
+                    record.error_reason = Some(format!(
+                        "cleanup after a restart failed: {}",
+                        crate::error::describe(&error)
+                    ));
+                    self.shared.save_state(&mut record).await?;
+                    return Ok(());
+                }
+                self.shared.store.delete_sandbox(&id).await?;
+                tracing::info!(sandbox = %id, "removed a sandbox left half-made or half-deleted");
+            }
+            // Interrupted while moving to or from the archive: if the archive
+            // holds its copy, that is where its data is (the local copy may
+            // be gone); a start unarchives it.
+            SandboxState::Archiving | SandboxState::Unarchiving
+                if self.archive_holds(&id).await =>
+            {
+                let _ = runtime.stop(&id).await;
+                record.state = SandboxState::Archived;
+                self.shared.save_state(&mut record).await?;
+                tracing::info!(sandbox = %id, "back to archived after a server restart");
+                if record.desired_state == DesiredState::Started {
+                    if let Err(error) = self.start(&id).await {
+                        tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "unarchive failed");
+                    }
+                }
+            }
+            // A paused machine's memory is on disk and nothing runs: keep it.
+            SandboxState::Paused if !runtime.is_running(&id).await => {}
+            // A machine that outlived the server (a VM) is taken over as
+            // it runs, its processes intact.
+            SandboxState::Started
+                if record.desired_state == DesiredState::Started
+                    && self.reattach(runtime, &record).await => {}
+            _ => self.end_leftovers(runtime, record).await?,
+        }
+        Ok(())
+    }
+
+    /// Ends what is left of a sandbox's machine, then starts it again if it
+    /// was (or was becoming) started, or marks an interrupted one stopped.
+    async fn end_leftovers(
+        &self,
+        runtime: &dyn cove_runtime::Runtime,
+        mut record: SandboxRecord,
+    ) -> Result<(), EngineError> {
+        let id = record.id.clone();
+        if let Err(error) = runtime.stop(&id).await {
+            record.state = SandboxState::Error;
+            record.error_reason = Some(format!(
+                "ending leftovers after a restart failed: {}",
+                crate::error::describe(&error)
+            ));
+            self.shared.save_state(&mut record).await?;
+            return Ok(());
+        }
+        let was = record.state;
+        if record.desired_state == DesiredState::Started
+            && matches!(
+                was,
+                SandboxState::Started
+                    | SandboxState::Starting
+                    | SandboxState::Unarchiving
+                    | SandboxState::Reverting
+            )
+        {
+            record.state = SandboxState::Stopped;
+            self.shared.save_state(&mut record).await?;
+            match self.start(&id).await {
+                Ok(_) => {
+                    tracing::info!(sandbox = %id, "restarted after a server restart")
+                }
+                Err(error) => {
+                    tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "restart failed")
+                }
+            }
+        } else if was.is_transient() {
+            record.state = SandboxState::Stopped;
+            self.shared.save_state(&mut record).await?;
+            tracing::info!(sandbox = %id, %was, "marked stopped after a server restart");
+        }
+        Ok(())
+    }
+
+    /// Whether the runtime took the sandbox over as it runs; if so it is
+    /// registered as running, as after a start.
+    async fn reattach(&self, runtime: &dyn cove_runtime::Runtime, record: &SandboxRecord) -> bool {
+        let spec = match self.own_snapshot(record).await {
+            Ok(snapshot) => self.spec(record, &snapshot),
+            Err(error) => {
+                tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "cannot take it over");
+                return false;
+            }
+        };
+        match runtime.reattach(&spec).await {
+            // Its TAP device went with the old server's network (a new
+            // server clears every port it finds). A VM with volumes cannot
+            // pause (QEMU cannot save a virtio-fs device): it is stopped and
+            // booted again by the caller, on a fresh TAP device.
+            Ok(Some(started)) if self.shared.network().is_some() && !record.volumes.is_empty() => {
+                drop(started);
+                tracing::info!(sandbox = %record.id, "its volumes keep it from pausing onto the new network; it is restarted");
+                false
+            }
+            // Any other: a pause and a resume on a fresh TAP device keeps
+            // every process and puts the machine back on the network.
+            Ok(Some(started)) if self.shared.network().is_some() && record.class.can_pause() => {
+                drop(started);
+                let replugged = async {
+                    runtime.pause(&record.id).await?;
+                    self.start_machine(runtime, record, spec).await
+                }
+                .await;
+                match replugged {
+                    Ok(started) => {
+                        self.register_running(&record.id, started);
+                        tracing::info!(sandbox = %record.id, "still running after a server restart, on the network again");
+                        true
+                    }
+                    Err(error) => {
+                        tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "putting it back on the network failed; it is restarted");
+                        false
+                    }
+                }
+            }
+            Ok(Some(started)) => {
+                self.register_running(&record.id, started);
+                tracing::info!(sandbox = %record.id, "still running after a server restart");
+                true
+            }
+            Ok(None) => false,
+            Err(error) => {
+                tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "taking it over failed; it is restarted");
+                false
+            }
+        }
+    }
+
+    async fn archive_holds(&self, id: &str) -> bool {
+        match &self.shared.config.archive {
+            Some(archive) => archive.holds(id).await.unwrap_or_else(|error| {
+                tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "cannot tell whether it is archived");
+                false
+            }),
+            None => false,
+        }
+    }
+}

@@ -1,0 +1,75 @@
+//! Starting a sandbox's machine on the network, and watching it run: a
+//! machine that ends by itself puts its sandbox in `error`.
+
+use cove_lifecycle::SandboxState;
+use cove_runtime::Started;
+use cove_store::SandboxRecord;
+
+use super::Sandboxes;
+use crate::failure::Failure;
+
+impl Sandboxes {
+    /// Starts a sandbox's machine on the network: attached right before, and
+    /// detached again if the start fails.
+    pub(crate) async fn start_machine(
+        &self,
+        runtime: &dyn cove_runtime::Runtime,
+        record: &SandboxRecord,
+        mut spec: cove_runtime::SandboxSpec,
+    ) -> Result<Started, Failure> {
+        spec.network = self.attach_network(record).await?;
+        match runtime.start(&spec).await {
+            Ok(started) => Ok(started),
+            Err(error) => {
+                if let Err(detach) = self.detach_network(record).await {
+                    let detach = crate::error::describe(&detach);
+                    tracing::warn!(sandbox = %record.id, error = %detach, "after a failed start");
+                }
+                Err(error.into())
+            }
+        }
+    }
+
+    /// Remembers a started sandbox and watches for its end.
+    pub(crate) fn register_running(&self, id: &str, started: Started) {
+        let generation = self
+            .shared
+            .set_running(id, started.agent, started.accelerator);
+        let sandboxes = self.clone();
+        let id = id.to_owned();
+        let exited = started.exited;
+        tokio::spawn(async move {
+            let why = exited
+                .await
+                .unwrap_or_else(|_| "its runtime dropped it".into());
+            sandboxes.on_exit(&id, generation, &why).await;
+        });
+    }
+
+    pub(crate) fn forget_running(&self, id: &str) {
+        self.shared.forget_running(id, None);
+    }
+
+    /// A sandbox ended by itself (not by stop or delete, which forget it first).
+    async fn on_exit(&self, id: &str, generation: u64, why: &str) {
+        let lock = self.shared.lock_for(id);
+        let _guard = lock.lock().await;
+        if !self.shared.forget_running(id, Some(generation)) {
+            return;
+        }
+        let Ok(mut record) = self.get(id).await else {
+            return;
+        };
+        if record.state == SandboxState::Started {
+            if let Err(error) = self.detach_network(&record).await {
+                tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "after an unexpected exit");
+            }
+            record.state = SandboxState::Error;
+            record.error_reason = Some(format!("the sandbox exited unexpectedly: {why}"));
+            if let Err(error) = self.shared.save_state(&mut record).await {
+                tracing::error!(sandbox = %id, error = %crate::error::describe(&error), "recording an unexpected exit");
+            }
+            tracing::warn!(sandbox = %id, why, "exited unexpectedly");
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! What every part of the engine shares: the configuration, the store, the
+//! runtimes, one lock per sandbox, the sandboxes that run and their idle clocks.
+//!
+//! Parts hold an `Arc<Shared>`; nothing here knows of sandboxes' operations,
+//! snapshots' builds or access tokens.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use cove_lifecycle::SandboxClass;
+use cove_runtime::{AgentEndpoint, Runtime};
+use cove_store::{SandboxRecord, Store};
+
+use crate::activity::Activity;
+use crate::{now_ms, EngineConfig, EngineError};
+
+/// A sandbox the runtime reported running, and which start it came from.
+#[derive(Clone, Debug)]
+pub(crate) struct Running {
+    pub(crate) agent: AgentEndpoint,
+    /// How a VM executes ("kvm" or "tcg"); `None` for containers.
+    pub(crate) accelerator: Option<&'static str>,
+    /// Tells a late exit notice of an earlier start from the current one.
+    pub(crate) generation: u64,
+}
+
+pub(crate) struct Shared {
+    pub(crate) config: EngineConfig,
+    pub(crate) store: Store,
+    runtimes: HashMap<SandboxClass, Arc<dyn Runtime>>,
+    /// One lock per sandbox: operations on a sandbox run one after the other.
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    running: Mutex<HashMap<String, Running>>,
+    generation: AtomicU64,
+    pub(crate) activity: Activity,
+    /// Bumped whenever SSH access tokens go away (revoked, or with their
+    /// sandbox): live SSH connections re-check their token when it changes.
+    pub(crate) ssh_revocations: tokio::sync::watch::Sender<u64>,
+}
+
+impl Shared {
+    pub(crate) fn new(
+        config: EngineConfig,
+        store: Store,
+        runtimes: HashMap<SandboxClass, Arc<dyn Runtime>>,
+    ) -> Shared {
+        Shared {
+            config,
+            store,
+            runtimes,
+            locks: Mutex::default(),
+            running: Mutex::default(),
+            generation: AtomicU64::default(),
+            activity: Activity::default(),
+            ssh_revocations: tokio::sync::watch::Sender::new(0),
+        }
+    }
+
+    pub(crate) fn runtime(&self, class: SandboxClass) -> Result<&Arc<dyn Runtime>, EngineError> {
+        self.runtimes
+            .get(&class)
+            .ok_or(EngineError::ClassUnavailable {
+                class: class.as_str(),
+            })
+    }
+
+    pub(crate) fn lock_for(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        self.locks
+            .lock()
+            .unwrap()
+            .entry(id.to_owned())
+            .or_default()
+            .clone()
+    }
+
+    /// Forgets a deleted sandbox: its lock, its idle clock.
+    pub(crate) fn forget(&self, id: &str) {
+        self.activity.forget(id);
+        self.locks.lock().unwrap().remove(id);
+    }
+
+    /// The sandbox with this id or name.
+    pub(crate) async fn sandbox(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
+        let mut record = self.store.find_sandbox(id_or_name).await?.ok_or_else(|| {
+            EngineError::SandboxNotFound {
+                id: id_or_name.to_owned(),
+            }
+        })?;
+        self.activity.apply(&mut record);
+        Ok(record)
+    }
+
+    /// Every sandbox, oldest first.
+    pub(crate) async fn sandboxes(&self) -> Result<Vec<SandboxRecord>, EngineError> {
+        let mut records = self.store.list_sandboxes().await?;
+        for record in &mut records {
+            self.activity.apply(record);
+        }
+        Ok(records)
+    }
+
+    /// Records a sandbox's new state, which also resets its idle clock.
+    pub(crate) async fn save_state(&self, record: &mut SandboxRecord) -> Result<(), EngineError> {
+        let now = now_ms();
+        record.state_since_ms = now;
+        record.updated_at_ms = now;
+        // A state change is an event: it resets the idle clock.
+        record.last_activity_ms = record.last_activity_ms.max(now);
+        self.store.save_sandbox(record).await?;
+        Ok(())
+    }
+
+    /// The network every sandbox joins; `None` on a server without one.
+    pub(crate) fn network(&self) -> Option<&Arc<cove_net::Network>> {
+        self.config.network.as_ref().map(|n| &n.0)
+    }
+
+    /// Remembers a started sandbox; returns the generation of this start.
+    pub(crate) fn set_running(
+        &self,
+        id: &str,
+        agent: AgentEndpoint,
+        accelerator: Option<&'static str>,
+    ) -> u64 {
+        let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
+        self.running.lock().unwrap().insert(
+            id.to_owned(),
+            Running {
+                agent,
+                accelerator,
+                generation,
+            },
+        );
+        generation
+    }
+
+    /// Forgets a sandbox's start if it is still the one of `generation`
+    /// (any start with `None`); whether it was forgotten.
+    pub(crate) fn forget_running(&self, id: &str, generation: Option<u64>) -> bool {
+        let mut running = self.running.lock().unwrap();
+        match (running.get(id), generation) {
+            (Some(current), Some(generation)) if current.generation != generation => false,
+            (Some(_), _) => running.remove(id).is_some(),
+            (None, _) => false,
+        }
+    }
+
+    pub(crate) fn running(&self, id: &str) -> Option<Running> {
+        self.running.lock().unwrap().get(id).cloned()
+    }
+
+    /// Tells live SSH connections that tokens went away.
+    pub(crate) fn ssh_access_revoked(&self) {
+        self.ssh_revocations.send_modify(|n| *n = n.wrapping_add(1));
+    }
+}
