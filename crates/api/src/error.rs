@@ -80,11 +80,7 @@ mod tests {
     use cove_runtime::RuntimeError;
 
     fn runtime(source: RuntimeError) -> EngineError {
-        EngineError::Runtime {
-            id: "sb1".into(),
-            operation: "start",
-            source,
-        }
+        EngineError::runtime("sb1", "start")(source)
     }
 
     #[test]

@@ -169,7 +169,7 @@ impl EngineError {
     }
 
     /// Sandbox `id`'s runtime failed to do `operation`.
-    pub(crate) fn runtime(
+    pub fn runtime(
         id: &str,
         operation: &'static str,
     ) -> impl FnOnce(RuntimeError) -> EngineError {
@@ -305,11 +305,7 @@ mod tests {
     use std::error::Error as _;
 
     fn runtime(source: RuntimeError) -> EngineError {
-        EngineError::Runtime {
-            id: "sb1".into(),
-            operation: "start",
-            source,
-        }
+        EngineError::runtime("sb1", "start")(source)
     }
 
     #[test]

@@ -431,7 +431,7 @@ async fn a_failed_fork_leaves_no_child_and_the_parent_running() {
         .map(|s| s.name)
         .collect();
     assert_eq!(left, ["parent"]);
-    assert_eq!(h.fake.machines(), [parent.id.clone()]);
+    assert_eq!(h.fake.machines(), vec![parent.id.clone()]);
     assert_eq!(
         h.engine.sandboxes().get(&parent.id).await.unwrap().state,
         SandboxState::Started

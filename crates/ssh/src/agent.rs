@@ -208,27 +208,11 @@ impl Agent {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-    /// An agent that answers every connection with `head` and then bytes
-    /// that never stop.
+    /// An agent at a socket that answers every connection with `head` and
+    /// then bytes that never stop.
     fn hostile_agent(head: &'static [u8]) -> (tempfile::TempDir, Agent) {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("agent.sock");
-        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
-        tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let mut request = [0u8; 4096];
-                    let _ = stream.read(&mut request).await;
-                    let chunk = vec![b'x'; 64 << 10];
-                    let mut written = stream.write_all(head).await;
-                    while written.is_ok() {
-                        written = stream.write_all(&chunk).await;
-                    }
-                });
-            }
-        });
+        let (dir, socket) = cove_agent_client::testing::hostile_agent(head);
         (dir, Agent::new("sbx-1".into(), socket))
     }
 

@@ -12,28 +12,7 @@ use tokio::net::{UnixListener, UnixStream};
 use super::*;
 use crate::UnixSocket;
 
-/// An agent that answers every connection with `head` and then bytes that
-/// never stop: an endless body after a whole head, an endless header after
-/// a partial one.
-fn hostile_agent(head: &'static [u8]) -> (tempfile::TempDir, PathBuf) {
-    let dir = tempfile::tempdir().unwrap();
-    let socket = dir.path().join("agent.sock");
-    let listener = UnixListener::bind(&socket).unwrap();
-    tokio::spawn(async move {
-        while let Ok((mut stream, _)) = listener.accept().await {
-            tokio::spawn(async move {
-                let mut request = [0u8; 4096];
-                let _ = stream.read(&mut request).await;
-                let chunk = vec![b'x'; 64 << 10];
-                let mut written = stream.write_all(head).await;
-                while written.is_ok() {
-                    written = stream.write_all(&chunk).await;
-                }
-            });
-        }
-    });
-    (dir, socket)
-}
+use crate::testing::hostile_agent;
 
 /// The limits cove's callers set: tunnel refusals and heads (64 KiB), the
 /// VM runtime's calls (1 MiB), SSH `exec` and the builder's `RUN` (8 MiB).

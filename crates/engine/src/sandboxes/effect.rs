@@ -123,12 +123,7 @@ impl Sandboxes {
         runtime: &dyn Runtime,
         record: &SandboxRecord,
     ) -> Result<(), Failure> {
-        let archive = self
-            .shared
-            .config
-            .archive
-            .clone()
-            .ok_or(ArchiveError::NotConfigured)?;
+        let archive = self.archive_store()?;
         let file = archive.scratch_file(&record.id);
         let moved = async {
             runtime.export_storage(&record.id, &file).await?;
@@ -173,18 +168,21 @@ impl Sandboxes {
         Ok(())
     }
 
+    fn archive_store(&self) -> Result<crate::Archive, ArchiveError> {
+        self.shared
+            .config
+            .archive
+            .clone()
+            .ok_or(ArchiveError::NotConfigured)
+    }
+
     /// Brings an archived sandbox's storage back from the archive.
     async fn unarchive(
         &self,
         runtime: &dyn Runtime,
         spec: &cove_runtime::SandboxSpec,
     ) -> Result<(), Failure> {
-        let archive = self
-            .shared
-            .config
-            .archive
-            .clone()
-            .ok_or(ArchiveError::NotConfigured)?;
+        let archive = self.archive_store()?;
         let file = archive.scratch_file(&spec.id);
         let brought = async {
             archive.download(&spec.id, &file).await?;

@@ -186,30 +186,8 @@ pub(crate) fn shell_quote(word: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
-    /// An agent that answers every connection with `head` and then bytes that
-    /// never stop: an endless body after a whole head, an endless header
-    /// after a partial one.
-    fn hostile_agent(head: &'static [u8]) -> (tempfile::TempDir, std::path::PathBuf) {
-        let dir = tempfile::tempdir().unwrap();
-        let socket = dir.path().join("agent.sock");
-        let listener = tokio::net::UnixListener::bind(&socket).unwrap();
-        tokio::spawn(async move {
-            while let Ok((mut stream, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let mut request = [0u8; 4096];
-                    let _ = stream.read(&mut request).await;
-                    let chunk = vec![b'x'; 64 << 10];
-                    let mut written = stream.write_all(head).await;
-                    while written.is_ok() {
-                        written = stream.write_all(&chunk).await;
-                    }
-                });
-            }
-        });
-        (dir, socket)
-    }
+    use cove_agent_client::testing::hostile_agent;
 
     /// Attack: a `RUN` that prints gigabytes made the server read the
     /// agent's whole answer into memory. Now reading stops at the limit
