@@ -91,7 +91,17 @@ impl Machine {
         shares: Vec<OwnedFd>,
         exited: oneshot::Sender<String>,
     ) -> Result<Machine, MachineError> {
-        let opened = Inherited::open(spec, &jail, shares);
+        let tap = match &spec.nic {
+            Nic::Unplugged => None,
+            Nic::Tap { device, .. } => match tap::open(device).await {
+                Ok(tap) => Some(tap),
+                Err(error) => {
+                    release(jail).await;
+                    return Err(io_error(format!("open TAP device {device}"))(error));
+                }
+            },
+        };
+        let opened = Inherited::open(spec, &jail, tap, shares);
         let (inherited, entry) = match opened.and_then(|inherited| {
             let entry = jail.entry().map_err(MachineError::Jail)?;
             Ok((inherited, entry))
@@ -294,7 +304,9 @@ impl Machine {
     /// Connects the NIC, launched on a hub port that leads nowhere, to the
     /// TAP device `device`: the TAP becomes a second port of that hub.
     pub(super) async fn plug_tap(&self, device: &str) -> Result<(), MachineError> {
-        let tap = tap::open(device).map_err(io_error(format!("open TAP device {device}")))?;
+        let tap = tap::open(device)
+            .await
+            .map_err(io_error(format!("open TAP device {device}")))?;
         self.qmp.pass_fd("uplink", tap.as_fd()).await?;
         self.qmp
             .execute(
@@ -372,10 +384,12 @@ struct Inherited {
 
 impl Inherited {
     /// Opens what `spec` names for QEMU: the files it writes made its
-    /// jail's user's, the sockets bound afresh, the TAP device attached.
+    /// jail's user's, the sockets bound afresh; `tap` is the TAP device of
+    /// `spec.nic`, already attached.
     fn open(
         spec: &MachineSpec,
         jail: &Jail,
+        tap: Option<OwnedFd>,
         shares: Vec<OwnedFd>,
     ) -> Result<Inherited, MachineError> {
         let mut held = Vec::new();
@@ -414,12 +428,7 @@ impl Inherited {
         let console = hold(owned_file(&spec.console_log, true)?);
         let qmp = hold(listener(&spec.qmp_socket)?);
         let agent = hold(listener(&spec.agent_chardev)?);
-        let tap = match &spec.nic {
-            Nic::Unplugged => None,
-            Nic::Tap { device, .. } => Some(hold(
-                tap::open(device).map_err(io_error(format!("open TAP device {device}")))?,
-            )),
-        };
+        let tap = tap.map(&mut hold);
         let shares = shares.into_iter().map(&mut hold).collect();
         Ok(Inherited {
             numbers: Descriptors {
