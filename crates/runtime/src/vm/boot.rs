@@ -7,13 +7,13 @@ use std::io;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use cove_agent_client::{AgentClient, BoxFuture, Dial};
 use cove_protocol::{GuestNetwork, GuestVolume, IdentityRequest};
 use tokio::sync::oneshot;
 
-use super::bridge::{self, AgentStream, Bridge, Session};
+use super::bridge::{self, Session};
 use super::layout::VmLayout;
 use super::machine::{self, Boot, Machine};
+use super::running::{agent, RunningVm};
 use super::saved::SavedMachine;
 use super::{
     blocking, disk, qemu, reflink, remove_if_present, shares, RuntimeError, SandboxSpec, VmRuntime,
@@ -24,55 +24,6 @@ use crate::{NetworkLink, SandboxNetwork, TapLink, VolumeBind};
 const RESTORE_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the repeated identity call may take, on the second session.
 const IDENTITY_RETRY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// A VM this runtime started and that runs.
-pub(super) struct RunningVm {
-    pub machine: Machine,
-    pub session: Session,
-    /// Serves `agent.sock`; dropped to stop it.
-    pub bridge: Option<Bridge>,
-    pub driver: tokio::task::JoinHandle<()>,
-}
-
-/// How long the agent may take to flush its disks.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
-
-impl RunningVm {
-    /// Has the agent write out what the guest holds in its page cache;
-    /// whether it did, within [`SYNC_TIMEOUT`].
-    pub(super) async fn flush_guest_disks(&self) -> bool {
-        let synced = tokio::time::timeout(SYNC_TIMEOUT, agent(&self.session).sync()).await;
-        matches!(synced, Ok(Ok(_)))
-    }
-}
-
-/// The agent of a VM, reached over its session's streams (the runtime's own
-/// calls; the server's go through the bridge's socket).
-#[derive(Clone)]
-pub(super) struct OverSession(Session);
-
-impl Dial for OverSession {
-    type Io = AgentStream;
-    type Error = io::Error;
-
-    fn dial(&self, _: &str) -> BoxFuture<io::Result<AgentStream>> {
-        let session = self.0.clone();
-        Box::pin(async move { session.open().await })
-    }
-}
-
-/// A client of the agent on `session`, its answers bounded at
-/// [`bridge::ANSWER_LIMIT`].
-pub(super) fn agent(session: &Session) -> AgentClient<OverSession> {
-    AgentClient::new("vm", OverSession(session.clone()), bridge::ANSWER_LIMIT)
-}
-
-impl Drop for RunningVm {
-    fn drop(&mut self) {
-        self.bridge.take();
-        self.driver.abort();
-    }
-}
 
 /// The end of a log, for errors.
 fn log_tail(path: &Path) -> String {
@@ -365,7 +316,7 @@ impl VmRuntime {
             tokio::task::spawn_blocking(move || reflink::read_ahead(&ram))
         });
         // A QEMU launched here is found by this directory from now on.
-        super::pool::forget_launch(layout).map_err(RuntimeError::file(
+        super::orphan::forget_launch(layout).map_err(RuntimeError::file(
             id,
             "remove",
             layout.launched_in(),

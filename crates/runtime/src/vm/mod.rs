@@ -4,7 +4,8 @@
 //! Module map: `qemu` (the command line, the accelerator), `qmp` (the QMP
 //! client), `machine` (one QEMU process: launch, save, restore, quit),
 //! `bridge` (the agent channel: yamux over virtio-serial, served to the
-//! server as a Unix socket), `boot` (a VM brought up and told who it is),
+//! server as a Unix socket), `running` (a VM that runs: its QEMU process
+//! and agent session), `boot` (a VM brought up and told who it is),
 //! `copy` (freezing a VM while its files are cloned), `disk` (base images,
 //! qcow2), `reflink` (block sharing copies), `layout` (a sandbox's files),
 //! `saved` (`machine.json`), `template` (pre-booted machines that new
@@ -31,6 +32,7 @@ mod pool;
 mod qemu;
 mod qmp;
 mod reflink;
+mod running;
 mod saved;
 mod shares;
 mod tap;
@@ -49,11 +51,12 @@ use tokio::sync::oneshot;
 
 use crate::storage::Storage;
 use crate::{blocking, check_id, AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
-use boot::{Identity, RunningVm};
+use boot::Identity;
 use bridge::Bridge;
 use copy::{clone_saved, discard_memory_files};
 use layout::VmLayout;
-use orphan::{end_orphan, orphan_pid};
+use orphan::{end_orphan, forget_launch, orphan_pid};
+use running::RunningVm;
 use saved::SavedMachine;
 
 pub use boot::IdentityError;
@@ -495,7 +498,7 @@ impl Runtime for VmRuntime {
             end_orphan(&self.jails, pid, false).await;
         }
         shares::end(&layout);
-        if let Err(error) = pool::forget_launch(&layout) {
+        if let Err(error) = forget_launch(&layout) {
             tracing::warn!(sandbox = id, %error, "removing the old name of a warm VM");
         }
         self.remove_dir(id, &layout.dir).await

@@ -33,18 +33,20 @@
 
 use std::collections::HashMap;
 use std::fs;
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{oneshot, Notify};
 
-use super::boot::{Identity, RunningVm};
+use super::boot::Identity;
 use super::bridge;
+use super::copy::clone_saved;
 use super::layout::VmLayout;
 use super::orphan::{end_orphan, orphan_pid};
-use super::{blocking, clone_saved, template, RuntimeError, VmRuntime};
+use super::running::RunningVm;
+use super::{blocking, template, RuntimeError, VmRuntime};
 use crate::SandboxSpec;
 
 /// What names a waiting machine's directory.
@@ -157,22 +159,6 @@ impl Pool {
     pub(super) fn claimed(&self, id: &str) -> Option<WarmVm> {
         self.claimed.lock().expect("pool lock").remove(id)
     }
-}
-
-/// Forgets where the QEMU process of `layout` was launched, once it is gone
-/// (or another is about to be launched there): the `launched-in` record and
-/// the symbolic link that kept the old name.
-pub(super) fn forget_launch(layout: &VmLayout) -> std::io::Result<()> {
-    let record = layout.launched_in();
-    let launched = match fs::read(&record) {
-        Ok(launched) => PathBuf::from(std::ffi::OsString::from_vec(launched)),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(error) => return Err(error),
-    };
-    if launched.is_symlink() {
-        fs::remove_file(&launched)?;
-    }
-    fs::remove_file(record)
 }
 
 /// What a waiting machine is made from: `spec`'s image and resources, and
