@@ -450,11 +450,11 @@ impl Inherited {
 }
 
 /// Releases a jail off the async threads (it waits for processes to die).
-async fn release(jail: Jail) {
+pub(super) async fn release(jail: Jail) {
     let _ = tokio::task::spawn_blocking(move || jail.release()).await;
 }
 
-fn kill_pid(pid: u32) {
+pub(super) fn kill_pid(pid: u32) {
     if pid > 0 {
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid as i32),
