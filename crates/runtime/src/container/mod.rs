@@ -27,7 +27,7 @@ mod userns;
 use std::collections::HashMap;
 use std::fs;
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -303,6 +303,147 @@ impl ContainerRuntime {
 }
 
 /// Writes the shim's settings to its stdin and closes it: the shim reads to the end.
+/// The network namespace a container's init joins, if it has a network.
+fn init_network(spec: &SandboxSpec) -> Result<Option<init_args::InitNetwork>, RuntimeError> {
+    match &spec.network {
+        None => Ok(None),
+        Some(SandboxNetwork {
+            link: NetworkLink::Namespace(netns),
+            resolv_conf,
+        }) => Ok(Some(init_args::InitNetwork {
+            netns: netns.clone(),
+            resolv_conf: resolv_conf.clone(),
+        })),
+        Some(_) => Err(RuntimeError::start(
+            &spec.id,
+            "a container joins a network namespace, not a TAP device",
+        )),
+    }
+}
+
+impl ContainerRuntime {
+    /// Takes a host id range and its user namespace for the sandbox of
+    /// `spec`, and makes its cgroup; on failure gives the range back.
+    async fn confine(&self, spec: &SandboxSpec) -> Result<(u32, Arc<OwnedFd>), RuntimeError> {
+        let id = spec.id.as_str();
+        let id_base = self.ids.take(id).map_err(|exhausted| RuntimeError::Busy {
+            id: id.to_owned(),
+            reason: exhausted.to_string(),
+        })?;
+        let ids = self.ids.clone();
+        let userns = blocking(id, move |id| {
+            ids.namespace(id_base)
+                .map_err(|source| RuntimeError::Userns {
+                    id: id.to_owned(),
+                    source,
+                })
+        })
+        .await
+        .inspect_err(|_| self.ids.release(id))?;
+        let limits = CgroupLimits::new(&spec.resources, self.config.pids_max);
+        self.cgroups.create(id, &limits).map_err(|err| {
+            self.ids.release(id);
+            cgroup_error(id)(err)
+        })?;
+        Ok((id_base, userns))
+    }
+
+    /// What the shim is told to make of the sandbox of `spec`.
+    fn init_args(
+        &self,
+        spec: &SandboxSpec,
+        layout: &SandboxLayout,
+        network: Option<init_args::InitNetwork>,
+        id_base: u32,
+        userns_fd: i32,
+    ) -> InitArgs {
+        let id = spec.id.as_str();
+        let mut env = init_args::agent_env(spec);
+        if let Some(qgroup) =
+            (self.config.storage.as_ref()).and_then(|storage| storage.qgroup_sysfs_dir(&layout.dir))
+        {
+            // The container's read-only /sys shows it; the agent reads its disk there.
+            env.push((DISK_QGROUP_ENV.to_owned(), qgroup.display().to_string()));
+        }
+        InitArgs {
+            id: id.to_string(),
+            hostname: spec.hostname.clone(),
+            rootfs: spec.rootfs.clone(),
+            layers: spec.layers.clone(),
+            sandbox_dir: layout.dir.clone(),
+            agent_binary: self.config.agent_binary.clone(),
+            cgroup_procs: self.cgroups.procs_files(id),
+            cgroup_views: self.cgroups.views(id),
+            env,
+            keep_mknod: self.cgroups.confines_devices(),
+            network,
+            volumes: spec.volumes.clone(),
+            id_base,
+            userns_fd,
+        }
+    }
+
+    /// Starts the shim with the user namespace `userns` and sends it `args`;
+    /// on failure ends what it may have started in the cgroup.
+    async fn spawn_shim(
+        &self,
+        id: &str,
+        args: &InitArgs,
+        console: fs::File,
+        userns: &OwnedFd,
+    ) -> Result<Child, RuntimeError> {
+        let mut command = Command::new(&self.config.init_exe);
+        command
+            .arg(SUBCOMMAND)
+            .env_clear()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(console);
+        shim::die_with_parent(&mut command);
+        shim::inherit(&mut command, userns.as_raw_fd());
+        let spawned = match command.spawn() {
+            Ok(mut child) => {
+                let sent = send_args(&mut child, args).await;
+                sent.map(|()| child).map_err(|source| {
+                    (
+                        source,
+                        format!("send the settings to {}", self.config.init_exe.display()),
+                    )
+                })
+            }
+            Err(source) => Err((source, format!("spawn {}", self.config.init_exe.display()))),
+        };
+        match spawned {
+            Ok(child) => Ok(child),
+            Err((source, action)) => {
+                let _ = self.kill_all(id).await;
+                Err(RuntimeError::Io {
+                    id: id.to_string(),
+                    action,
+                    source,
+                })
+            }
+        }
+    }
+
+    /// Waits for the shim's end in the background; the receiver learns how
+    /// it ended.
+    fn watch_shim(&self, id: &str, mut child: Child) -> oneshot::Receiver<String> {
+        let (exited_tx, exited_rx) = oneshot::channel();
+        let (done_tx, done_rx) = watch::channel(false);
+        self.shims
+            .lock()
+            .expect("shim map lock")
+            .insert(id.to_string(), done_rx);
+        tokio::spawn(async move {
+            let description = describe_exit(child.wait().await);
+            let _ = done_tx.send(true);
+            let _ = exited_tx.send(description);
+        });
+        exited_rx
+    }
+}
+
 async fn send_args(child: &mut Child, args: &InitArgs) -> io::Result<()> {
     use tokio::io::AsyncWriteExt;
     let mut stdin = child.stdin.take().expect("stdin is piped");
@@ -344,121 +485,22 @@ impl Runtime for ContainerRuntime {
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
         let began = Instant::now();
         let id = spec.id.as_str();
-        let network = match &spec.network {
-            None => None,
-            Some(SandboxNetwork {
-                link: NetworkLink::Namespace(netns),
-                resolv_conf,
-            }) => Some(init_args::InitNetwork {
-                netns: netns.clone(),
-                resolv_conf: resolv_conf.clone(),
-            }),
-            Some(_) => {
-                return Err(RuntimeError::start(
-                    id,
-                    "a container joins a network namespace, not a TAP device",
-                ))
-            }
-        };
+        let network = init_network(spec)?;
         let layout = self.make_dirs(spec)?;
         if self.is_running(id).await {
             return Err(RuntimeError::AlreadyRunning { id: id.to_owned() });
         }
-        let id_base = self.ids.take(id).map_err(|exhausted| RuntimeError::Busy {
-            id: id.to_owned(),
-            reason: exhausted.to_string(),
-        })?;
-        let ids = self.ids.clone();
-        let userns = blocking(id, move |id| {
-            ids.namespace(id_base)
-                .map_err(|source| RuntimeError::Userns {
-                    id: id.to_owned(),
-                    source,
-                })
-        })
-        .await
-        .inspect_err(|_| self.ids.release(id))?;
-        let limits = CgroupLimits::new(&spec.resources, self.config.pids_max);
-        self.cgroups.create(id, &limits).map_err(|err| {
-            self.ids.release(id);
-            cgroup_error(id)(err)
-        })?;
-
+        let (id_base, userns) = self.confine(spec).await?;
         let console_path = layout.console();
         let console = fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&console_path)
             .map_err(RuntimeError::file(id, "open", &console_path))?;
-        let mut env = init_args::agent_env(spec);
-        if let Some(qgroup) =
-            (self.config.storage.as_ref()).and_then(|storage| storage.qgroup_sysfs_dir(&layout.dir))
-        {
-            // The container's read-only /sys shows it; the agent reads its disk there.
-            env.push((DISK_QGROUP_ENV.to_owned(), qgroup.display().to_string()));
-        }
-        let args = InitArgs {
-            id: id.to_string(),
-            hostname: spec.hostname.clone(),
-            rootfs: spec.rootfs.clone(),
-            layers: spec.layers.clone(),
-            sandbox_dir: layout.dir.clone(),
-            agent_binary: self.config.agent_binary.clone(),
-            cgroup_procs: self.cgroups.procs_files(id),
-            cgroup_views: self.cgroups.views(id),
-            env,
-            keep_mknod: self.cgroups.confines_devices(),
-            network,
-            volumes: spec.volumes.clone(),
-            id_base,
-            userns_fd: userns.as_raw_fd(),
-        };
-        let mut command = Command::new(&self.config.init_exe);
-        command
-            .arg(SUBCOMMAND)
-            .env_clear()
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(console);
-        shim::die_with_parent(&mut command);
-        shim::inherit(&mut command, userns.as_raw_fd());
-        let spawned = command.spawn();
-        let spawned = match spawned {
-            Ok(mut child) => {
-                let sent = send_args(&mut child, &args).await;
-                sent.map(|()| child).map_err(|source| {
-                    (
-                        source,
-                        format!("send the settings to {}", self.config.init_exe.display()),
-                    )
-                })
-            }
-            Err(source) => Err((source, format!("spawn {}", self.config.init_exe.display()))),
-        };
-        let mut child = match spawned {
-            Ok(child) => child,
-            Err((source, action)) => {
-                let _ = self.kill_all(id).await;
-                return Err(RuntimeError::Io {
-                    id: id.to_string(),
-                    action,
-                    source,
-                });
-            }
-        };
+        let args = self.init_args(spec, &layout, network, id_base, userns.as_raw_fd());
+        let mut child = self.spawn_shim(id, &args, console, &userns).await?;
         let init_pid = self.await_shim(id, &mut child, &console_path).await?;
-
-        let (exited_tx, exited_rx) = oneshot::channel();
-        let (done_tx, done_rx) = watch::channel(false);
-        self.shims
-            .lock()
-            .expect("shim map lock")
-            .insert(id.to_string(), done_rx);
-        tokio::spawn(async move {
-            let description = describe_exit(child.wait().await);
-            let _ = done_tx.send(true);
-            let _ = exited_tx.send(description);
-        });
+        let exited_rx = self.watch_shim(id, child);
         tracing::debug!(
             sandbox = id,
             init_pid,

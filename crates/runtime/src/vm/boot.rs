@@ -2,19 +2,24 @@
 //! connected, and the sandbox's identity told to it.
 
 use std::collections::BTreeMap;
+use std::convert::Infallible;
 use std::fs;
 use std::io;
+use std::os::fd::OwnedFd;
 use std::path::Path;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use cove_agent_client::{AgentClient, BoxFuture, Dial};
 use cove_protocol::{GuestNetwork, GuestVolume, IdentityRequest};
 use tokio::sync::oneshot;
 
-use super::bridge::{self, AgentStream, Bridge, Session};
+use super::bridge::{self, Session};
+use super::guard::StartGuard;
 use super::layout::VmLayout;
 use super::machine::{self, Boot, Machine};
+use super::orphan::forget_launch;
+use super::running::{agent, RunningVm};
 use super::saved::SavedMachine;
+use super::start::{decide, Plan, StartFacts, VmStart, Wanted};
 use super::{
     blocking, disk, qemu, reflink, remove_if_present, shares, RuntimeError, SandboxSpec, VmRuntime,
 };
@@ -24,55 +29,6 @@ use crate::{NetworkLink, SandboxNetwork, TapLink, VolumeBind};
 const RESTORE_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the repeated identity call may take, on the second session.
 const IDENTITY_RETRY_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// A VM this runtime started and that runs.
-pub(super) struct RunningVm {
-    pub machine: Machine,
-    pub session: Session,
-    /// Serves `agent.sock`; dropped to stop it.
-    pub bridge: Option<Bridge>,
-    pub driver: tokio::task::JoinHandle<()>,
-}
-
-/// How long the agent may take to flush its disks.
-const SYNC_TIMEOUT: Duration = Duration::from_secs(10);
-
-impl RunningVm {
-    /// Has the agent write out what the guest holds in its page cache;
-    /// whether it did, within [`SYNC_TIMEOUT`].
-    pub(super) async fn flush_guest_disks(&self) -> bool {
-        let synced = tokio::time::timeout(SYNC_TIMEOUT, agent(&self.session).sync()).await;
-        matches!(synced, Ok(Ok(_)))
-    }
-}
-
-/// The agent of a VM, reached over its session's streams (the runtime's own
-/// calls; the server's go through the bridge's socket).
-#[derive(Clone)]
-pub(super) struct OverSession(Session);
-
-impl Dial for OverSession {
-    type Io = AgentStream;
-    type Error = io::Error;
-
-    fn dial(&self, _: &str) -> BoxFuture<io::Result<AgentStream>> {
-        let session = self.0.clone();
-        Box::pin(async move { session.open().await })
-    }
-}
-
-/// A client of the agent on `session`, its answers bounded at
-/// [`bridge::ANSWER_LIMIT`].
-pub(super) fn agent(session: &Session) -> AgentClient<OverSession> {
-    AgentClient::new("vm", OverSession(session.clone()), bridge::ANSWER_LIMIT)
-}
-
-impl Drop for RunningVm {
-    fn drop(&mut self) {
-        self.bridge.take();
-        self.driver.abort();
-    }
-}
 
 /// The end of a log, for errors.
 fn log_tail(path: &Path) -> String {
@@ -93,7 +49,7 @@ pub enum IdentityError {
 }
 
 /// A step of bringing `id`'s VM up failed with `source`; the console says why.
-fn boot_error(
+pub(super) fn boot_error(
     id: &str,
     layout: &VmLayout,
     step: &'static str,
@@ -104,6 +60,66 @@ fn boot_error(
         step,
         console: log_tail(&layout.console()),
         source: Box::new(source),
+    }
+}
+
+/// What every step of a start needs to know.
+#[derive(Clone, Copy)]
+struct Steps<'a> {
+    id: &'a str,
+    layout: &'a VmLayout,
+    identity: &'a Identity,
+    /// A restore of saved memory; else a cold boot.
+    restore: bool,
+    plan: Plan,
+}
+
+/// A step of a start failed; made an error once the guard has ended what
+/// the start began, so that the console's end is read after QEMU is gone.
+enum Failure {
+    Runtime(RuntimeError),
+    Boot {
+        step: &'static str,
+        source: Box<dyn std::error::Error + Send + Sync>,
+        /// How many virtiofsds ran, whose logs are added to the console's.
+        shares: usize,
+    },
+}
+
+impl Failure {
+    fn boot(
+        step: &'static str,
+        source: impl std::error::Error + Send + Sync + 'static,
+        shares: usize,
+    ) -> Failure {
+        Failure::Boot {
+            step,
+            source: Box::new(source),
+            shares,
+        }
+    }
+
+    fn into_error(self, id: &str, layout: &VmLayout) -> RuntimeError {
+        match self {
+            Failure::Runtime(error) => error,
+            Failure::Boot {
+                step,
+                source,
+                shares,
+            } => {
+                let mut console = log_tail(&layout.console());
+                if shares > 0 {
+                    console.push_str("; ");
+                    console.push_str(&shares::logs(layout, shares));
+                }
+                RuntimeError::Boot {
+                    id: id.to_owned(),
+                    step,
+                    console,
+                    source,
+                }
+            }
+        }
     }
 }
 
@@ -194,6 +210,16 @@ impl Identity {
         })
     }
 
+    /// What a machine of this identity asks for, for the start's decision.
+    pub(super) fn wanted(&self) -> Wanted {
+        Wanted {
+            cpus: self.cpus,
+            memory_mib: self.memory_mib,
+            disk_bytes: self.disk_bytes,
+            volumes: !self.volumes.is_empty(),
+        }
+    }
+
     fn nic(&self) -> qemu::Nic {
         match &self.network {
             Some((tap, _)) => qemu::Nic::Tap {
@@ -279,6 +305,44 @@ impl VmRuntime {
         }
     }
 
+    /// The facts a start of the machine in `layout` decides from (see
+    /// `start`): with `warm`, none of its files are read.
+    pub(super) fn start_facts<'a, W>(
+        &self,
+        id: &'a str,
+        layout: &VmLayout,
+        wanted: Wanted,
+        warm: Option<W>,
+    ) -> Result<StartFacts<'a, W>, RuntimeError> {
+        let mut facts = StartFacts {
+            id,
+            accelerator: self.accelerator,
+            warm,
+            saved: None,
+            disk_bytes: None,
+            wanted,
+        };
+        if facts.warm.is_some() {
+            return Ok(facts);
+        }
+        if layout.has_memory() {
+            let saved = SavedMachine::read(&layout.machine()).map_err(RuntimeError::file(
+                id,
+                "read",
+                layout.machine(),
+            ))?;
+            facts.saved = Some(saved);
+        }
+        if layout.disk().exists() {
+            let size = disk::qcow2_size(&layout.disk()).map_err(|source| RuntimeError::Disk {
+                id: id.to_owned(),
+                source,
+            })?;
+            facts.disk_bytes = Some(size);
+        }
+        Ok(facts)
+    }
+
     /// Boots or restores the machine in `layout`, connects its agent and
     /// tells it who it is. On failure nothing of the machine is left running.
     pub(super) async fn bring_up(
@@ -288,196 +352,132 @@ impl VmRuntime {
         identity: &Identity,
         exited: oneshot::Sender<String>,
     ) -> Result<RunningVm, RuntimeError> {
-        let saved = if layout.has_memory() {
-            let saved = SavedMachine::read(&layout.machine()).map_err(RuntimeError::file(
-                id,
-                "read",
-                layout.machine(),
-            ))?;
-            if let Some(why) = saved.incompatibility(self.accelerator) {
-                return Err(RuntimeError::start(
-                    id,
-                    format!("its saved memory cannot be restored: {why}"),
-                ));
-            }
-            if !identity.volumes.is_empty() {
-                return Err(RuntimeError::start(
-                    id,
-                    "it has volumes, and a VM with volumes boots cold: its saved memory cannot be restored",
-                ));
-            }
-            Some(saved)
-        } else {
-            None
+        let facts = self.start_facts::<Infallible>(id, layout, identity.wanted(), None)?;
+        let (restore, plan) = match decide(facts) {
+            Ok(VmStart::Warm(never)) => match never {},
+            Ok(VmStart::Restore(plan)) => (true, plan),
+            Ok(VmStart::Cold(plan)) => (false, plan),
+            Err(refusal) => return Err(RuntimeError::start(id, refusal.reason())),
         };
-        let disk_bytes = identity.disk_bytes;
-        let current_disk =
-            disk::qcow2_size(&layout.disk()).map_err(|source| RuntimeError::Disk {
-                id: id.to_owned(),
-                source,
-            })?;
-        if current_disk > disk_bytes {
-            return Err(RuntimeError::start(
-                id,
-                format!("its disk is {current_disk} bytes, more than the {disk_bytes} asked for; disks cannot shrink"),
-            ));
-        }
-        let (cpus, memory_mib, boot) = match &saved {
-            Some(saved) => (
-                saved.cpus,
-                saved.memory_mib,
-                Boot::Restore {
-                    state: layout.state(),
-                },
-            ),
-            None => {
-                // A cold boot starts from zeroed memory (a sparse file).
-                let ram = layout.ram();
-                let prepared =
-                    fs::File::create(&ram).and_then(|file| file.set_len(identity.memory_mib << 20));
-                prepared.map_err(RuntimeError::file(id, "make", &ram))?;
-                if current_disk < disk_bytes {
-                    let (qemu_img, disk) = (self.config.qemu_img.clone(), layout.disk());
-                    blocking(id, move |id| {
-                        disk::resize(&qemu_img, &disk, disk_bytes).map_err(|source| {
-                            RuntimeError::Disk {
-                                id: id.to_owned(),
-                                source,
-                            }
-                        })
-                    })
-                    .await?;
-                }
-                (identity.cpus, identity.memory_mib, Boot::Cold)
-            }
-        };
-        if saved.is_none() {
-            // Describes the running machine, for the saves to come.
-            SavedMachine::new(self.accelerator, cpus, memory_mib)
-                .write(&layout.machine())
-                .map_err(RuntimeError::file(id, "write", layout.machine()))?;
+        let guard = self
+            .bring_up_planned(id, layout, identity, restore, plan, exited)
+            .await?;
+        guard
+            .commit()
+            .ok_or_else(|| RuntimeError::other(id, "its start ended without its agent"))
+    }
+
+    /// Carries out a decided restore (`restore`) or cold boot: the files
+    /// made ready, QEMU launched, its agent connected and told who it is.
+    /// Returns the guard of the running VM, for the caller to commit; on
+    /// failure nothing of the machine is left running.
+    pub(super) async fn bring_up_planned(
+        &self,
+        id: &str,
+        layout: &VmLayout,
+        identity: &Identity,
+        restore: bool,
+        plan: Plan,
+        exited: oneshot::Sender<String>,
+    ) -> Result<StartGuard, RuntimeError> {
+        if !restore {
+            self.prepare_cold_boot(id, layout, &plan).await?;
         }
         // A RAM file just cloned (template, snapshot, fork) has nothing in the
         // page cache, and a restored guest faulting it in page by page is
         // slow; reading it in while QEMU starts and loads its state is not.
-        let warmed = saved.as_ref().map(|_| {
+        let warmed = restore.then(|| {
             let ram = layout.ram();
             tokio::task::spawn_blocking(move || reflink::read_ahead(&ram))
         });
         // A QEMU launched here is found by this directory from now on.
-        super::pool::forget_launch(layout).map_err(RuntimeError::file(
-            id,
-            "remove",
-            layout.launched_in(),
-        ))?;
+        forget_launch(layout).map_err(RuntimeError::file(id, "remove", layout.launched_in()))?;
         let jail = self
             .jails
-            .make(cpus, memory_mib)
+            .make(plan.cpus, plan.memory_mib)
             .map_err(|source| RuntimeError::Confine {
                 id: id.to_owned(),
                 source,
             })?;
-        let shares = if identity.volumes.is_empty() {
-            Vec::new()
-        } else {
-            let started = match self.config.virtiofsd.as_deref() {
-                None => Err(RuntimeError::Unsupported {
+        let mut guard = StartGuard::jailed(layout.clone(), jail);
+        let steps = Steps {
+            id,
+            layout,
+            identity,
+            restore,
+            plan,
+        };
+        match self
+            .launch_and_connect(&steps, &mut guard, exited, warmed)
+            .await
+        {
+            Ok(()) => Ok(guard),
+            Err(failure) => {
+                guard.abort().await;
+                Err(failure.into_error(id, layout))
+            }
+        }
+    }
+
+    /// Before a cold boot: zeroed memory (a sparse file), the disk grown,
+    /// and `machine.json` describing the running machine, for the saves
+    /// to come.
+    async fn prepare_cold_boot(
+        &self,
+        id: &str,
+        layout: &VmLayout,
+        plan: &Plan,
+    ) -> Result<(), RuntimeError> {
+        let ram = layout.ram();
+        let prepared = fs::File::create(&ram).and_then(|file| file.set_len(plan.memory_mib << 20));
+        prepared.map_err(RuntimeError::file(id, "make", &ram))?;
+        if let Some(disk_bytes) = plan.grow_disk_to {
+            let (qemu_img, disk) = (self.config.qemu_img.clone(), layout.disk());
+            blocking(id, move |id| {
+                disk::resize(&qemu_img, &disk, disk_bytes).map_err(|source| RuntimeError::Disk {
                     id: id.to_owned(),
-                    what: "volumes".to_owned(),
-                    why: "here: virtiofsd was not found (scripts/vm-setup installs it)".to_owned(),
-                }),
-                Some(virtiofsd) => shares::start(virtiofsd, layout, &identity.volumes, &jail)
-                    .await
-                    .map_err(|source| RuntimeError::Shares {
-                        id: id.to_owned(),
-                        source,
-                    }),
-            };
-            match started {
-                Ok(shares) => shares,
-                Err(error) => {
-                    let _ = tokio::task::spawn_blocking(move || jail.release()).await;
-                    shares::end(layout);
-                    return Err(error);
-                }
-            }
-        };
+                    source,
+                })
+            })
+            .await?;
+        }
+        SavedMachine::new(self.accelerator, plan.cpus, plan.memory_mib)
+            .write(&layout.machine())
+            .map_err(RuntimeError::file(id, "write", layout.machine()))
+    }
+
+    /// The steps of a start that `guard` ends if one fails: virtiofsds,
+    /// QEMU, the agent's session, the identity call.
+    async fn launch_and_connect(
+        &self,
+        steps: &Steps<'_>,
+        guard: &mut StartGuard,
+        exited: oneshot::Sender<String>,
+        warmed: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    ) -> Result<(), Failure> {
+        let Steps { id, layout, .. } = *steps;
+        let shares = self.start_shares(steps, guard).await?;
         let share_count = shares.len();
-        let mut spec = self.machine_spec(layout, cpus, memory_mib, identity.nic(), saved.is_some());
-        spec.shares = (0..share_count).map(shares::tag).collect();
         let began = Instant::now();
-        let launched = Machine::launch(&self.config.qemu, &spec, &boot, jail, shares, exited).await;
-        let machine = match launched {
-            Ok(machine) => machine,
-            Err(e) => {
-                let mut error = boot_error(id, layout, "launch", e);
-                if let (true, RuntimeError::Boot { console, .. }) = (share_count > 0, &mut error) {
-                    console.push_str("; ");
-                    console.push_str(&shares::logs(layout, share_count));
-                }
-                shares::end(layout);
-                return Err(error);
-            }
-        };
+        let machine = self
+            .launch_machine(steps, guard, shares, exited)
+            .await
+            .map_err(|e| Failure::boot("launch", e, share_count))?;
+        guard.launched(machine);
         let launched = began.elapsed();
         if let Some(warmed) = warmed {
             if let Ok(Err(error)) = warmed.await {
                 tracing::debug!(sandbox = id, %error, "could not read the RAM file ahead");
             }
         }
-        let connected = async {
-            let agent_timeout = if saved.is_some() {
-                // From here the memory diverges from the saved state.
-                remove_if_present(&layout.state()).map_err(|source| machine::MachineError::Io {
-                    action: format!("remove {}", layout.state().display()),
-                    source,
-                })?;
-                machine.resume().await?;
-                // Disks become writable (active) only once the VM runs; the
-                // guest is told of the new size and the agent waits for it.
-                if current_disk < disk_bytes {
-                    machine.resize_disk(disk_bytes).await?;
-                }
-                RESTORE_AGENT_TIMEOUT
-            } else {
-                self.config.boot_timeout
-            };
-            machine
-                .connect_agent(&layout.chardev(), agent_timeout)
-                .await
-        }
-        .await;
-        let (session, driver) = match connected {
-            Ok(connected) => connected,
-            Err(error) => {
-                machine.kill().await;
-                shares::end(layout);
-                return Err(boot_error(id, layout, "connect to its agent", error));
-            }
-        };
+        self.connect(steps, guard)
+            .await
+            .map_err(|e| Failure::boot("connect to its agent", e, 0))?;
         let connected = began.elapsed();
-        let mut running = RunningVm {
-            machine,
-            session,
-            bridge: None,
-            driver,
-        };
-        // A boot may follow a disk resize; a restore grew the disk just now or not at all.
-        let grow_root = saved.is_none() || current_disk < disk_bytes;
-        // A sandbox resuming its own paused memory still is who it was, and
-        // its clock came with the hello: it needs no identity call.
-        let own_memory = saved
-            .as_ref()
-            .is_some_and(|saved| saved.owner.as_deref() == Some(id));
-        if !own_memory || grow_root {
-            if let Err(error) = self
-                .apply_identity(id, layout, &mut running, identity, grow_root)
+        if let (Some(grow_root), Some(running)) = (steps.plan.identity, guard.running_mut()) {
+            self.apply_identity(id, layout, running, steps.identity, grow_root)
                 .await
-            {
-                running.machine.kill().await;
-                shares::end(layout);
-                return Err(boot_error(id, layout, "be told who it is", error));
-            }
+                .map_err(|e| Failure::boot("be told who it is", e, 0))?;
         }
         tracing::debug!(
             sandbox = id,
@@ -486,7 +486,112 @@ impl VmRuntime {
             identity_applied_ms = began.elapsed().as_secs_f64() * 1e3,
             "vm brought up"
         );
-        Ok(running)
+        Ok(())
+    }
+
+    /// Starts a virtiofsd for each volume, in the guard's jail.
+    async fn start_shares(
+        &self,
+        steps: &Steps<'_>,
+        guard: &StartGuard,
+    ) -> Result<Vec<OwnedFd>, Failure> {
+        let Steps {
+            id,
+            layout,
+            identity,
+            ..
+        } = *steps;
+        if identity.volumes.is_empty() {
+            return Ok(Vec::new());
+        }
+        let Some(virtiofsd) = self.config.virtiofsd.as_deref() else {
+            return Err(Failure::Runtime(RuntimeError::Unsupported {
+                id: id.to_owned(),
+                what: "volumes".to_owned(),
+                why: "here: virtiofsd was not found (scripts/vm-setup installs it)".to_owned(),
+            }));
+        };
+        let jail = guard
+            .jail()
+            .ok_or_else(|| Failure::Runtime(RuntimeError::other(id, "its jail is gone")))?;
+        shares::start(virtiofsd, layout, &identity.volumes, jail)
+            .await
+            .map_err(|source| {
+                Failure::Runtime(RuntimeError::Shares {
+                    id: id.to_owned(),
+                    source,
+                })
+            })
+    }
+
+    /// Launches QEMU in the guard's jail; a restore is left paused.
+    async fn launch_machine(
+        &self,
+        steps: &Steps<'_>,
+        guard: &mut StartGuard,
+        shares: Vec<OwnedFd>,
+        exited: oneshot::Sender<String>,
+    ) -> Result<Machine, machine::MachineError> {
+        let Steps {
+            layout,
+            identity,
+            restore,
+            plan,
+            ..
+        } = *steps;
+        let nic = identity.nic();
+        let mut spec = self.machine_spec(layout, plan.cpus, plan.memory_mib, nic, restore);
+        spec.shares = (0..shares.len()).map(shares::tag).collect();
+        let boot = if restore {
+            Boot::Restore {
+                state: layout.state(),
+            }
+        } else {
+            Boot::Cold
+        };
+        let jail = guard
+            .jail_for_launch()
+            .ok_or_else(|| machine::MachineError::Failed("its jail is gone".to_owned()))?;
+        Machine::launch(&self.config.qemu, &spec, &boot, jail, shares, exited).await
+    }
+
+    /// Connects the guard's machine to its agent: a restore is resumed first
+    /// (its memory diverges from the saved state from here) and its disk
+    /// grown once it runs, when it is to grow.
+    async fn connect(
+        &self,
+        steps: &Steps<'_>,
+        guard: &mut StartGuard,
+    ) -> Result<(), machine::MachineError> {
+        let Steps {
+            layout,
+            restore,
+            plan,
+            ..
+        } = *steps;
+        let machine = guard
+            .machine()
+            .ok_or_else(|| machine::MachineError::Failed("no machine was launched".to_owned()))?;
+        let agent_timeout = if restore {
+            remove_if_present(&layout.state()).map_err(|source| machine::MachineError::Io {
+                action: format!("remove {}", layout.state().display()),
+                source,
+            })?;
+            machine.resume().await?;
+            // Disks become writable (active) only once the VM runs; the
+            // guest is told of the new size and the agent waits for it.
+            if let Some(disk_bytes) = plan.grow_disk_to {
+                machine.resize_disk(disk_bytes).await?;
+            }
+            RESTORE_AGENT_TIMEOUT
+        } else {
+            self.config.boot_timeout
+        };
+        let (session, driver) = machine
+            .connect_agent(&layout.chardev(), agent_timeout)
+            .await?;
+        guard.connected(session, driver);
+        Ok(())
     }
 
     /// Tells a restored or booted guest who it is. Rarely (seen in fork

@@ -6,8 +6,8 @@ use std::io;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use super::boot::RunningVm;
 use super::layout::VmLayout;
+use super::running::RunningVm;
 use super::saved::SavedMachine;
 use super::{blocking, reflink, remove_if_present, RuntimeError, VmRuntime};
 

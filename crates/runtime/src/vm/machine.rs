@@ -91,92 +91,46 @@ impl Machine {
         shares: Vec<OwnedFd>,
         exited: oneshot::Sender<String>,
     ) -> Result<Machine, MachineError> {
-        let opened = Inherited::open(spec, &jail, shares);
-        let (inherited, entry) = match opened.and_then(|inherited| {
-            let entry = jail.entry().map_err(MachineError::Jail)?;
-            Ok((inherited, entry))
-        }) {
-            Ok(ready) => ready,
+        // Until the process runs, a failure releases the jail here; from
+        // then on the process's exit does.
+        let child = match spawn(program, spec, &jail, shares).await {
+            Ok(child) => child,
             Err(error) => {
                 release(jail).await;
                 return Err(error);
             }
         };
-        let log_path = spec.qemu_log.clone();
-        let log = match File::create(&log_path) {
-            Ok(log) => log,
-            Err(error) => {
-                release(jail).await;
-                return Err(io_error(format!("create {}", log_path.display()))(error));
-            }
-        };
-        let mut command = tokio::process::Command::new(program);
-        command
-            .args(qemu::arguments(spec, &inherited.numbers))
-            .env_clear()
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(log)
-            // Its own process group: a signal to the server's group (a
-            // terminal's Ctrl-C) must not end the VMs, which outlive it.
-            .process_group(0);
-        let keep = inherited.raw();
-        // SAFETY: the closure runs in the child between fork and exec, where
-        // only async-signal-safe calls are allowed: `Entry` and the list of
-        // descriptor numbers were prepared before the fork, and joining the
-        // cgroup, clearing close-on-exec and changing ids are plain system
-        // calls that allocate nothing.
-        unsafe {
-            command.pre_exec(move || {
-                entry.join_cgroup()?;
-                for fd in &keep {
-                    if libc::fcntl(*fd, libc::F_SETFD, 0) != 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                }
-                entry.become_user()
-            });
-        }
-        let mut child = match command.spawn() {
-            Ok(child) => child,
-            Err(error) => {
-                release(jail).await;
-                return Err(io_error(format!("start {}", program.display()))(error));
-            }
-        };
-        // QEMU has its copies; the runtime keeps none.
-        drop(inherited);
         let pid = child.id().unwrap_or_default();
-        let (exit_tx, exit) = watch::channel(None);
-        let log_for_exit = log_path.clone();
-        tokio::spawn(async move {
-            let status = child.wait().await;
-            let description = describe_exit(status, &log_for_exit);
-            release(jail).await;
-            let _ = exit_tx.send(Some(description.clone()));
-            let _ = exited.send(description);
-        });
-        let machine = async {
-            std::fs::write(&spec.pid_file, pid.to_string())
-                .map_err(io_error(format!("write {}", spec.pid_file.display())))?;
-            let qmp = connect_qmp(&spec.qmp_socket, &exit).await?;
-            let machine = Machine {
-                pid,
-                qmp,
-                exit: exit.clone(),
-            };
-            if let Boot::Restore { state } = boot {
-                machine.load_state(state).await?;
-            }
-            Ok(machine)
-        }
-        .await;
+        let exit = watch_exit(child, jail, spec.qemu_log.clone(), exited);
+        let machine = Machine::attach(pid, spec, boot, &exit).await;
         if machine.is_err() {
             kill_pid(pid);
             let mut exit = exit.clone();
             let _ = tokio::time::timeout(QUIT_TIMEOUT, exit.wait_for(Option::is_some)).await;
         }
         machine
+    }
+
+    /// Connects to the QMP of the QEMU process `pid` just started and, for
+    /// a restore, loads the device state.
+    async fn attach(
+        pid: u32,
+        spec: &MachineSpec,
+        boot: &Boot,
+        exit: &watch::Receiver<Option<String>>,
+    ) -> Result<Machine, MachineError> {
+        std::fs::write(&spec.pid_file, pid.to_string())
+            .map_err(io_error(format!("write {}", spec.pid_file.display())))?;
+        let qmp = connect_qmp(&spec.qmp_socket, exit).await?;
+        let machine = Machine {
+            pid,
+            qmp,
+            exit: exit.clone(),
+        };
+        if let Boot::Restore { state } = boot {
+            machine.load_state(state).await?;
+        }
+        Ok(machine)
     }
 
     /// Takes over a QEMU process an earlier server started (`pid`, found
@@ -294,7 +248,9 @@ impl Machine {
     /// Connects the NIC, launched on a hub port that leads nowhere, to the
     /// TAP device `device`: the TAP becomes a second port of that hub.
     pub(super) async fn plug_tap(&self, device: &str) -> Result<(), MachineError> {
-        let tap = tap::open(device).map_err(io_error(format!("open TAP device {device}")))?;
+        let tap = tap::open(device)
+            .await
+            .map_err(io_error(format!("open TAP device {device}")))?;
         self.qmp.pass_fd("uplink", tap.as_fd()).await?;
         self.qmp
             .execute(
@@ -364,6 +320,81 @@ impl Machine {
     }
 }
 
+/// Starts QEMU in `jail` with the descriptors `spec` names (its TAP device
+/// attached first, see `tap`); the runtime keeps none of them. Leaves the
+/// jail to the caller.
+async fn spawn(
+    program: &Path,
+    spec: &MachineSpec,
+    jail: &Jail,
+    shares: Vec<OwnedFd>,
+) -> Result<tokio::process::Child, MachineError> {
+    let tap = match &spec.nic {
+        Nic::Unplugged => None,
+        Nic::Tap { device, .. } => Some(
+            tap::open(device)
+                .await
+                .map_err(io_error(format!("open TAP device {device}")))?,
+        ),
+    };
+    let inherited = Inherited::open(spec, jail, tap, shares)?;
+    let entry = jail.entry().map_err(MachineError::Jail)?;
+    let log = File::create(&spec.qemu_log)
+        .map_err(io_error(format!("create {}", spec.qemu_log.display())))?;
+    let mut command = tokio::process::Command::new(program);
+    command
+        .args(qemu::arguments(spec, &inherited.numbers))
+        .env_clear()
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(log)
+        // Its own process group: a signal to the server's group (a
+        // terminal's Ctrl-C) must not end the VMs, which outlive it.
+        .process_group(0);
+    let keep = inherited.raw();
+    // SAFETY: the closure runs in the child between fork and exec, where
+    // only async-signal-safe calls are allowed: `Entry` and the list of
+    // descriptor numbers were prepared before the fork, and joining the
+    // cgroup, clearing close-on-exec and changing ids are plain system
+    // calls that allocate nothing.
+    unsafe {
+        command.pre_exec(move || {
+            entry.join_cgroup()?;
+            for fd in &keep {
+                if libc::fcntl(*fd, libc::F_SETFD, 0) != 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            entry.become_user()
+        });
+    }
+    let child = command
+        .spawn()
+        .map_err(io_error(format!("start {}", program.display())))?;
+    // QEMU has its copies; the runtime keeps none.
+    drop(inherited);
+    Ok(child)
+}
+
+/// Waits for QEMU's end in the background: then releases its jail and
+/// tells the returned watch and `exited` how it ended.
+fn watch_exit(
+    mut child: tokio::process::Child,
+    jail: Jail,
+    log: PathBuf,
+    exited: oneshot::Sender<String>,
+) -> watch::Receiver<Option<String>> {
+    let (exit_tx, exit) = watch::channel(None);
+    tokio::spawn(async move {
+        let status = child.wait().await;
+        let description = describe_exit(status, &log);
+        release(jail).await;
+        let _ = exit_tx.send(Some(description.clone()));
+        let _ = exited.send(description);
+    });
+    exit
+}
+
 /// The descriptors a QEMU process inherits, open until it has them.
 struct Inherited {
     numbers: Descriptors,
@@ -372,10 +403,12 @@ struct Inherited {
 
 impl Inherited {
     /// Opens what `spec` names for QEMU: the files it writes made its
-    /// jail's user's, the sockets bound afresh, the TAP device attached.
+    /// jail's user's, the sockets bound afresh; `tap` is the TAP device of
+    /// `spec.nic`, already attached.
     fn open(
         spec: &MachineSpec,
         jail: &Jail,
+        tap: Option<OwnedFd>,
         shares: Vec<OwnedFd>,
     ) -> Result<Inherited, MachineError> {
         let mut held = Vec::new();
@@ -414,12 +447,7 @@ impl Inherited {
         let console = hold(owned_file(&spec.console_log, true)?);
         let qmp = hold(listener(&spec.qmp_socket)?);
         let agent = hold(listener(&spec.agent_chardev)?);
-        let tap = match &spec.nic {
-            Nic::Unplugged => None,
-            Nic::Tap { device, .. } => Some(hold(
-                tap::open(device).map_err(io_error(format!("open TAP device {device}")))?,
-            )),
-        };
+        let tap = tap.map(&mut hold);
         let shares = shares.into_iter().map(&mut hold).collect();
         Ok(Inherited {
             numbers: Descriptors {
@@ -441,11 +469,11 @@ impl Inherited {
 }
 
 /// Releases a jail off the async threads (it waits for processes to die).
-async fn release(jail: Jail) {
+pub(super) async fn release(jail: Jail) {
     let _ = tokio::task::spawn_blocking(move || jail.release()).await;
 }
 
-fn kill_pid(pid: u32) {
+pub(super) fn kill_pid(pid: u32) {
     if pid > 0 {
         let _ = nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(pid as i32),

@@ -4,7 +4,10 @@
 //! Module map: `qemu` (the command line, the accelerator), `qmp` (the QMP
 //! client), `machine` (one QEMU process: launch, save, restore, quit),
 //! `bridge` (the agent channel: yamux over virtio-serial, served to the
-//! server as a Unix socket), `boot` (a VM brought up and told who it is),
+//! server as a Unix socket), `running` (a VM that runs: its QEMU process
+//! and agent session), `start` (how a VM starts, decided as a value:
+//! warm, restore or cold), `guard` (what a start has begun, ended if it
+//! fails), `boot` (a VM brought up and told who it is),
 //! `copy` (freezing a VM while its files are cloned), `disk` (base images,
 //! qcow2), `reflink` (block sharing copies), `layout` (a sandbox's files),
 //! `saved` (`machine.json`), `template` (pre-booted machines that new
@@ -24,6 +27,7 @@ mod bridge;
 mod confine;
 mod copy;
 mod disk;
+mod guard;
 mod layout;
 mod machine;
 mod orphan;
@@ -31,8 +35,10 @@ mod pool;
 mod qemu;
 mod qmp;
 mod reflink;
+mod running;
 mod saved;
 mod shares;
+mod start;
 mod tap;
 mod template;
 
@@ -49,12 +55,14 @@ use tokio::sync::oneshot;
 
 use crate::storage::Storage;
 use crate::{blocking, check_id, AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
-use boot::{Identity, RunningVm};
+use boot::Identity;
 use bridge::Bridge;
 use copy::{clone_saved, discard_memory_files};
 use layout::VmLayout;
-use orphan::{end_orphan, orphan_pid};
+use orphan::{end_orphan, forget_launch, orphan_pid};
+use running::RunningVm;
 use saved::SavedMachine;
+use start::{VmStart, Wanted};
 
 pub use boot::IdentityError;
 pub use confine::ConfineError;
@@ -395,38 +403,24 @@ impl Runtime for VmRuntime {
         let id = spec.id.as_str();
         check_id(id)?;
         let layout = self.layout(id);
-        let mut claimed = self.pool.claimed(id);
-        if claimed.is_none() {
-            if self.is_running(id).await {
-                return Err(RuntimeError::AlreadyRunning { id: id.to_owned() });
-            }
-            if !layout.disk().exists() {
-                self.prepare(spec).await?;
-                claimed = self.pool.claimed(id);
-            }
-        }
-        let warm = claimed.is_some();
-        let restoring = warm || layout.has_memory();
-        let (mut vm, exited_rx) = match claimed {
-            Some(claimed) => self.start_warm(spec, claimed).await?,
-            None => {
-                let identity = Identity::of(spec)?;
-                let (exited_tx, exited_rx) = oneshot::channel();
-                let vm = self.bring_up(id, &layout, &identity, exited_tx).await?;
-                (vm, exited_rx)
-            }
+        let warm = self.claimed_or_prepared(spec, &layout).await?;
+        let (taken, restoring) = (warm.is_some(), warm.is_some() || layout.has_memory());
+        let (mut guard, exited_rx) = self.start_decided(spec, &layout, warm).await?;
+        let served = match guard.running_mut() {
+            Some(vm) => Bridge::serve(&layout.agent_socket(), vm.session.clone())
+                .map(|bridge| vm.bridge = Some(bridge)),
+            None => Err(io::Error::other("the VM has no agent session")),
         };
-        let bridge = Bridge::serve(&layout.agent_socket(), vm.session.clone());
-        match bridge {
-            Ok(bridge) => vm.bridge = Some(bridge),
-            Err(error) => {
-                vm.machine.kill().await;
-                return Err(io_error(
-                    id,
-                    format!("serve {}", layout.agent_socket().display()),
-                )(error));
-            }
+        if let Err(error) = served {
+            guard.abort().await;
+            return Err(io_error(
+                id,
+                format!("serve {}", layout.agent_socket().display()),
+            )(error));
         }
+        let vm = guard
+            .commit()
+            .ok_or_else(|| RuntimeError::other(id, "its start ended without its agent"))?;
         self.running
             .lock()
             .expect("running map lock")
@@ -435,7 +429,7 @@ impl Runtime for VmRuntime {
             sandbox = id,
             accelerator = self.accelerator.name(),
             from_memory = restoring,
-            warm,
+            warm = taken,
             elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
             "vm started"
         );
@@ -495,7 +489,7 @@ impl Runtime for VmRuntime {
             end_orphan(&self.jails, pid, false).await;
         }
         shares::end(&layout);
-        if let Err(error) = pool::forget_launch(&layout) {
+        if let Err(error) = forget_launch(&layout) {
             tracing::warn!(sandbox = id, %error, "removing the old name of a warm VM");
         }
         self.remove_dir(id, &layout.dir).await
@@ -720,6 +714,55 @@ impl Runtime for VmRuntime {
             "vm forked"
         );
         Ok(())
+    }
+}
+
+impl VmRuntime {
+    /// The warm VM `prepare` took for `spec`, if it took one; the sandbox's
+    /// files are made first where its disk is missing (a start without a
+    /// create: the engine prepares only at a create).
+    async fn claimed_or_prepared(
+        &self,
+        spec: &SandboxSpec,
+        layout: &VmLayout,
+    ) -> Result<Option<pool::WarmVm>, RuntimeError> {
+        let id = spec.id.as_str();
+        if let Some(warm) = self.pool.claimed(id) {
+            return Ok(Some(warm));
+        }
+        if self.is_running(id).await {
+            return Err(RuntimeError::AlreadyRunning { id: id.to_owned() });
+        }
+        if !layout.disk().exists() {
+            self.prepare(spec).await?;
+            return Ok(self.pool.claimed(id));
+        }
+        Ok(None)
+    }
+
+    /// Gathers the facts, decides how `spec`'s VM starts (see `start`) and
+    /// starts it that way. Returns the guard of the running VM, for the
+    /// caller to commit, and what learns of its end.
+    async fn start_decided(
+        &self,
+        spec: &SandboxSpec,
+        layout: &VmLayout,
+        warm: Option<pool::WarmVm>,
+    ) -> Result<(guard::StartGuard, oneshot::Receiver<String>), RuntimeError> {
+        let id = spec.id.as_str();
+        let facts = self.start_facts(id, layout, Wanted::of(spec), warm)?;
+        let (restore, plan) = match start::decide(facts) {
+            Ok(VmStart::Warm(warm)) => return self.start_warm(spec, warm).await,
+            Ok(VmStart::Restore(plan)) => (true, plan),
+            Ok(VmStart::Cold(plan)) => (false, plan),
+            Err(refusal) => return Err(RuntimeError::start(id, refusal.reason())),
+        };
+        let identity = Identity::of(spec)?;
+        let (exited_tx, exited_rx) = oneshot::channel();
+        let guard = self
+            .bring_up_planned(id, layout, &identity, restore, plan, exited_tx)
+            .await?;
+        Ok((guard, exited_rx))
     }
 }
 

@@ -1,9 +1,12 @@
 //! QEMU processes another server process started: after a restart they
 //! still run (in their own process groups) and are found by their pid files.
+//! Also the `launched-in` record of a directory whose QEMU was launched in
+//! another (a warm VM a sandbox took: see `pool`), by which one is found.
 
 use std::ffi::OsString;
 use std::fs;
 use std::os::unix::ffi::OsStringExt;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use super::confine::Jails;
@@ -74,4 +77,20 @@ async fn end_process(pid: i32, graceful: bool) {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
+}
+
+/// Forgets where the QEMU process of `layout` was launched, once it is gone
+/// (or another is about to be launched there): the `launched-in` record and
+/// the symbolic link that kept the old name.
+pub(super) fn forget_launch(layout: &VmLayout) -> std::io::Result<()> {
+    let record = layout.launched_in();
+    let launched = match fs::read(&record) {
+        Ok(launched) => PathBuf::from(OsString::from_vec(launched)),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(error) => return Err(error),
+    };
+    if launched.is_symlink() {
+        fs::remove_file(&launched)?;
+    }
+    fs::remove_file(record)
 }

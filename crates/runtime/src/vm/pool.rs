@@ -33,18 +33,21 @@
 
 use std::collections::HashMap;
 use std::fs;
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::ffi::OsStrExt;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio::sync::{oneshot, Notify};
 
-use super::boot::{Identity, RunningVm};
+use super::boot::{boot_error, Identity};
 use super::bridge;
+use super::copy::clone_saved;
+use super::guard::StartGuard;
 use super::layout::VmLayout;
 use super::orphan::{end_orphan, orphan_pid};
-use super::{blocking, clone_saved, template, RuntimeError, VmRuntime};
+use super::running::RunningVm;
+use super::{blocking, template, RuntimeError, VmRuntime};
 use crate::SandboxSpec;
 
 /// What names a waiting machine's directory.
@@ -159,20 +162,12 @@ impl Pool {
     }
 }
 
-/// Forgets where the QEMU process of `layout` was launched, once it is gone
-/// (or another is about to be launched there): the `launched-in` record and
-/// the symbolic link that kept the old name.
-pub(super) fn forget_launch(layout: &VmLayout) -> std::io::Result<()> {
-    let record = layout.launched_in();
-    let launched = match fs::read(&record) {
-        Ok(launched) => PathBuf::from(std::ffi::OsString::from_vec(launched)),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(error) => return Err(error),
-    };
-    if launched.is_symlink() {
-        fs::remove_file(&launched)?;
-    }
-    fs::remove_file(record)
+/// Whether a create of `spec` may take a waiting machine: only one that
+/// would continue from the template anyway (templates on, no snapshot
+/// layers, no volumes) into a `fresh` directory (none yet, its sockets
+/// bindable). Which machine fits is then [`Fit`]'s to say.
+fn may_take_warm(templates: bool, spec: &SandboxSpec, fresh: bool) -> bool {
+    templates && spec.layers.is_empty() && spec.volumes.is_empty() && fresh
 }
 
 /// What a waiting machine is made from: `spec`'s image and resources, and
@@ -350,12 +345,8 @@ impl VmRuntime {
     pub(super) async fn claim_warm(&self, spec: &SandboxSpec) -> bool {
         let id = spec.id.as_str();
         let layout = self.layout(id);
-        if !self.config.templates
-            || !spec.layers.is_empty()
-            || !spec.volumes.is_empty()
-            || layout.dir.exists()
-            || layout.check_socket_paths().is_err()
-        {
+        let fresh = !layout.dir.exists() && layout.check_socket_paths().is_ok();
+        if !may_take_warm(self.config.templates, spec, fresh) {
             return false;
         }
         let fit = Fit::of(spec);
@@ -407,40 +398,47 @@ impl VmRuntime {
     }
 
     /// Makes the machine `claim_warm` took the sandbox of `spec`: its NIC on
-    /// the sandbox's TAP device, its identity told. On failure it is ended.
+    /// the sandbox's TAP device, its identity told. Returns the guard of the
+    /// running VM, for the caller to commit; on failure the VM is ended.
     pub(super) async fn start_warm(
         &self,
         spec: &SandboxSpec,
         warm: WarmVm,
-    ) -> Result<(RunningVm, oneshot::Receiver<String>), RuntimeError> {
-        let id = spec.id.as_str();
-        let layout = self.layout(id);
-        let WarmVm { mut vm, exited, .. } = warm;
-        let started = async {
-            let identity = Identity::of(spec)?;
-            if let Some((tap, _)) = &identity.network {
-                vm.machine
-                    .plug_tap(&tap.device)
-                    .await
-                    .map_err(RuntimeError::machine(id, "plug its NIC in"))?;
-            }
-            self.apply_identity(id, &layout, &mut vm, &identity, false)
-                .await
-                .map_err(|source| RuntimeError::Boot {
-                    id: id.to_owned(),
-                    step: "be told who it is",
-                    console: super::machine::log_tail(&layout.console(), 600),
-                    source: Box::new(source),
-                })
-        }
-        .await;
-        match started {
-            Ok(()) => Ok((vm, exited)),
+    ) -> Result<(StartGuard, oneshot::Receiver<String>), RuntimeError> {
+        let layout = self.layout(&spec.id);
+        let WarmVm { vm, exited, .. } = warm;
+        let mut guard = StartGuard::running(layout.clone(), vm);
+        match self.hand_over(spec, &layout, &mut guard).await {
+            Ok(()) => Ok((guard, exited)),
             Err(error) => {
-                vm.machine.kill().await;
+                guard.abort().await;
                 Err(error)
             }
         }
+    }
+
+    /// Plugs the NIC of the guard's warm VM into the sandbox's TAP device
+    /// and tells it who it is.
+    async fn hand_over(
+        &self,
+        spec: &SandboxSpec,
+        layout: &VmLayout,
+        guard: &mut StartGuard,
+    ) -> Result<(), RuntimeError> {
+        let id = spec.id.as_str();
+        let identity = Identity::of(spec)?;
+        let vm = guard
+            .running_mut()
+            .ok_or_else(|| RuntimeError::other(id, "the warm VM is gone"))?;
+        if let Some((tap, _)) = &identity.network {
+            vm.machine
+                .plug_tap(&tap.device)
+                .await
+                .map_err(RuntimeError::machine(id, "plug its NIC in"))?;
+        }
+        self.apply_identity(id, layout, vm, &identity, false)
+            .await
+            .map_err(|source| boot_error(id, layout, "be told who it is", source))
     }
 }
 
@@ -463,6 +461,41 @@ mod tests {
     fn wanted(pool: &Pool) -> Vec<u64> {
         let wanted = pool.wanted.lock().unwrap();
         wanted.iter().map(|s| s.resources.memory_mib).collect()
+    }
+
+    #[test]
+    fn only_a_fresh_create_from_the_template_takes_a_waiting_machine() {
+        let spec = sized(1024);
+        assert!(may_take_warm(true, &spec, true));
+        assert!(!may_take_warm(false, &spec, true), "templates off");
+        assert!(!may_take_warm(true, &spec, false), "its directory exists");
+        let layered = SandboxSpec {
+            layers: vec!["/snapshots/s1".into()],
+            ..sized(1024)
+        };
+        assert!(!may_take_warm(true, &layered, true), "a snapshot's layers");
+        let with_volume = SandboxSpec {
+            volumes: vec![crate::VolumeBind {
+                root: "/volumes/v".into(),
+                subpath: None,
+                target: "/data".into(),
+            }],
+            ..sized(1024)
+        };
+        assert!(!may_take_warm(true, &with_volume, true), "volumes");
+    }
+
+    #[test]
+    fn a_waiting_machine_fits_only_its_image_and_resources() {
+        let pool = Pool::default();
+        assert!(pool.take(&Fit::of(&sized(1024))).is_none(), "an empty pool");
+        assert_eq!(Fit::of(&sized(1024)), Fit::of(&neutral(&sized(1024))));
+        assert_ne!(Fit::of(&sized(1024)), Fit::of(&sized(256)));
+        let other_image = SandboxSpec {
+            rootfs: "/images/alpine".into(),
+            ..sized(1024)
+        };
+        assert_ne!(Fit::of(&sized(1024)), Fit::of(&other_image));
     }
 
     #[test]

@@ -225,10 +225,38 @@ fn fd_path(fd: i32) -> String {
     format!("/proc/self/fd/{fd}")
 }
 
-/// QEMU's arguments (without the program).
+/// QEMU's arguments (without the program): the machine, then its devices,
+/// then the control socket.
 pub(super) fn arguments(spec: &MachineSpec, fds: &Descriptors) -> Vec<OsString> {
     let mut args: Vec<OsString> = Vec::new();
-    let mut push = |parts: &[&str]| args.extend(parts.iter().map(OsString::from));
+    machine_arguments(&mut args, spec, fds);
+    device_arguments(&mut args, fds);
+    nic_and_share_arguments(&mut args, spec, fds);
+    push(
+        &mut args,
+        &[
+            "-chardev",
+            &format!("socket,id=qmp,fd={},server=on,wait=off", fds.qmp),
+            "-mon",
+            "chardev=qmp,mode=control",
+        ],
+    );
+    if spec.incoming {
+        // Paused after the state loads, so the runtime can adjust the disk
+        // and connect before the guest runs.
+        push(&mut args, &["-incoming", "defer", "-S"]);
+    }
+    args
+}
+
+fn push(args: &mut Vec<OsString>, parts: &[&str]) {
+    args.extend(parts.iter().map(OsString::from));
+}
+
+/// The machine: its name, sandboxing, accelerator, CPUs, memory (the RAM
+/// file), firmware, kernel and command line.
+fn machine_arguments(args: &mut Vec<OsString>, spec: &MachineSpec, fds: &Descriptors) {
+    let mut push = |parts: &[&str]| push(args, parts);
     let path = |p: &Path| p.to_string_lossy().into_owned();
     let (accel, cpu) = match spec.accelerator {
         Accelerator::Kvm => ("kvm", "host"),
@@ -256,6 +284,11 @@ pub(super) fn arguments(spec: &MachineSpec, fds: &Descriptors) -> Vec<OsString> 
     push(&["-kernel", &path(&spec.kernel)]);
     push(&["-initrd", &path(&spec.initramfs)]);
     push(&["-append", &kernel_cmdline(spec)]);
+}
+
+/// The console, the root disk, the agent's port and the RNG.
+fn device_arguments(args: &mut Vec<OsString>, fds: &Descriptors) {
+    let mut push = |parts: &[&str]| push(args, parts);
     push(&[
         "-chardev",
         &format!("file,id=console,path={},append=on", fd_path(fds.console)),
@@ -279,6 +312,12 @@ pub(super) fn arguments(spec: &MachineSpec, fds: &Descriptors) -> Vec<OsString> 
         &format!("virtserialport,id={AGENT_PORT_ID},chardev=agent,name={AGENT_PORT_NAME}"),
     ]);
     push(&["-device", "virtio-rng-device"]);
+}
+
+/// The NIC (on its TAP device, or on a hub port that leads nowhere) and a
+/// virtio-fs device for each share.
+fn nic_and_share_arguments(args: &mut Vec<OsString>, spec: &MachineSpec, fds: &Descriptors) {
+    let mut push = |parts: &[&str]| push(args, parts);
     let (netdev, mac) = match &spec.nic {
         Nic::Unplugged => ("hubport,id=net0,hubid=0".to_owned(), UNPLUGGED_MAC),
         // No vhost: it would need /dev/vhost-net and adds nothing under TCG.
@@ -307,18 +346,6 @@ pub(super) fn arguments(spec: &MachineSpec, fds: &Descriptors) -> Vec<OsString> 
             ),
         ]);
     }
-    push(&[
-        "-chardev",
-        &format!("socket,id=qmp,fd={},server=on,wait=off", fds.qmp),
-        "-mon",
-        "chardev=qmp,mode=control",
-    ]);
-    if spec.incoming {
-        // Paused after the state loads, so the runtime can adjust the disk
-        // and connect before the guest runs.
-        push(&["-incoming", "defer", "-S"]);
-    }
-    args
 }
 
 #[cfg(test)]

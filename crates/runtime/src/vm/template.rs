@@ -16,10 +16,11 @@ use std::path::Path;
 use nix::fcntl::{Flock, FlockArg};
 use sha2::{Digest, Sha256};
 
-use super::boot::RunningVm;
+use super::boot::Identity;
 use super::layout::VmLayout;
+use super::running::{self, RunningVm};
 use super::saved::SavedMachine;
-use super::{blocking, disk, Identity, RuntimeError, VmRuntime};
+use super::{blocking, disk, RuntimeError, VmRuntime};
 
 const COMPLETE: &str = "complete";
 
@@ -184,7 +185,7 @@ async fn make(
     warm_up(&vm).await;
     let saved = async {
         // What the boot wrote reaches the disk, not only the guest's cache.
-        let _ = super::boot::agent(&vm.session).sync().await;
+        let _ = running::agent(&vm.session).sync().await;
         vm.machine.pause_vcpus().await?;
         vm.machine.save_state(&partial.state()).await
     }
@@ -202,7 +203,7 @@ async fn make(
 
 /// Runs [`WARM_UP_COMMANDS`] in a machine; one that fails is only logged.
 pub(super) async fn warm_up(vm: &RunningVm) {
-    let agent = super::boot::agent(&vm.session);
+    let agent = running::agent(&vm.session);
     for command in WARM_UP_COMMANDS {
         let request = cove_protocol::ExecuteRequest::new(command);
         if let Err(error) = agent.execute(&request).await {
