@@ -134,7 +134,10 @@ impl Drop for StartGuard {
         }
         let running = self.running.as_ref().map(|vm| &vm.machine);
         if let Some(machine) = running.or(self.machine.as_ref()) {
-            machine::kill_pid(machine.pid);
+            // Not once it is gone: its pid may be another process's by now.
+            if machine.exited().is_none() {
+                machine::kill_pid(machine.pid);
+            }
         }
         if let Some(jail) = self.jail.take() {
             // Releasing waits for the cgroup's processes to die.
