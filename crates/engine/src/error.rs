@@ -169,10 +169,7 @@ impl EngineError {
     }
 
     /// Sandbox `id`'s runtime failed to do `operation`.
-    pub fn runtime(
-        id: &str,
-        operation: &'static str,
-    ) -> impl FnOnce(RuntimeError) -> EngineError {
+    pub fn runtime(id: &str, operation: &'static str) -> impl FnOnce(RuntimeError) -> EngineError {
         let id = id.to_owned();
         move |source| EngineError::Runtime {
             id,
