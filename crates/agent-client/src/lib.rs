@@ -17,7 +17,6 @@ mod client;
 mod dial;
 mod error;
 mod pool;
-#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
 pub use client::{empty, full, read_bounded, AgentClient, Body};

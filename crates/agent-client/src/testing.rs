@@ -1,5 +1,6 @@
-//! Fake agents for tests, of this crate and of its users (their
-//! dev-dependencies turn on the `testing` feature).
+//! Fake agents for tests, of this crate and of its users. Compiled in
+//! always (a feature would rebuild every user for its tests); nothing in a
+//! server calls it.
 
 use std::path::PathBuf;
 
@@ -9,7 +10,7 @@ use tokio::net::UnixListener;
 /// An agent on a Unix socket that answers every connection with `head` and
 /// then bytes that never stop: an endless body after a whole head, an
 /// endless header after a partial one. The socket lives as long as the
-/// directory returned.
+/// directory returned; it needs a Tokio runtime.
 pub fn hostile_agent(head: &'static [u8]) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().expect("a temporary directory");
     let socket = dir.path().join("agent.sock");
