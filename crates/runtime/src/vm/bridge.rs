@@ -357,20 +357,6 @@ mod tests {
         assert!(matches!(error, AgentError::Unanswered { .. }), "{error:?}");
     }
 
-    /// The runtime's client over the session's streams.
-    #[derive(Clone)]
-    struct OverSession(Session);
-
-    impl Dial for OverSession {
-        type Io = AgentStream;
-        type Error = io::Error;
-
-        fn dial(&self, _: &str) -> BoxFuture<io::Result<AgentStream>> {
-            let session = self.0.clone();
-            Box::pin(async move { session.open().await })
-        }
-    }
-
     /// A fake agent: answers the hello, then serves yamux streams that echo
     /// an HTTP response.
     async fn fake_agent(listener: UnixListener) {
@@ -455,7 +441,7 @@ mod tests {
         let (session, _driver) = Session::connect(&chardev, Duration::from_secs(10))
             .await
             .unwrap();
-        let agent = AgentClient::new("vm-3", OverSession(session.clone()), ANSWER_LIMIT);
+        let agent = super::super::running::agent(&session);
         let length: usize = agent
             .post_json("/x", &serde_json::json!({ "x": 1 }))
             .await
