@@ -548,12 +548,8 @@ fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64, pool: usiz
         memory_mib: 1024,
         disk_gib: disk_gib as u64,
     };
-    let spec = cove_runtime::SandboxSpec::bare(
-        "template-warmup",
-        "template",
-        rootfs.to_path_buf(),
-        resources,
-    );
+    let id = cove_runtime::SandboxId::parse("template-warmup").expect("a plain name is an id");
+    let spec = cove_runtime::SandboxSpec::bare(id, "template", rootfs.to_path_buf(), resources);
     tokio::spawn(async move {
         let began = std::time::Instant::now();
         match vm.warm_template(&spec).await {

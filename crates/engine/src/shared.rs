@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use cove_lifecycle::SandboxClass;
-use cove_runtime::{AgentEndpoint, Runtime};
+use cove_runtime::{AgentEndpoint, Runtime, RuntimeError, SandboxId};
 use cove_store::{SandboxRecord, Store};
 
 use crate::activity::Activity;
@@ -154,4 +154,12 @@ impl Shared {
     pub(crate) fn ssh_access_revoked(&self) {
         self.ssh_revocations.send_modify(|n| *n = n.wrapping_add(1));
     }
+}
+
+/// A stored sandbox's id, as the runtime takes it. The engine made it (a
+/// UUID, or `build-` and one), so only a corrupt store fails here.
+pub(crate) fn sandbox_id(id: &str) -> Result<SandboxId, EngineError> {
+    SandboxId::parse(id).map_err(|_| {
+        EngineError::runtime(id, "reach its machine")(RuntimeError::InvalidId { id: id.to_owned() })
+    })
 }

@@ -121,12 +121,12 @@ async fn create_stop_start_delete() {
     let s = h.engine.sandboxes().create(named("one")).await.unwrap();
     assert_eq!(s.state, SandboxState::Started);
     assert_eq!((s.cpu, s.memory_mib, s.disk_gib), (1, 1024, 3));
-    assert!(h.fake.is_running(&s.id).await);
+    assert!(h.fake.is_running(&sid(&s.id)).await);
     assert_eq!(h.engine.sandboxes().get("one").await.unwrap().id, s.id);
 
     let stopped = h.engine.sandboxes().stop(&s.id).await.unwrap();
     assert_eq!(stopped.state, SandboxState::Stopped);
-    assert!(!h.fake.is_running(&s.id).await);
+    assert!(!h.fake.is_running(&sid(&s.id)).await);
     // Stop again is a no-op, not an error.
     assert_eq!(
         h.engine.sandboxes().stop(&s.id).await.unwrap().state,
@@ -137,7 +137,7 @@ async fn create_stop_start_delete() {
         h.engine.sandboxes().start("one").await.unwrap().state,
         SandboxState::Started
     );
-    assert!(h.fake.is_running(&s.id).await);
+    assert!(h.fake.is_running(&sid(&s.id)).await);
 
     let deleted = h.engine.sandboxes().delete("one").await.unwrap();
     assert_eq!(deleted.state, SandboxState::Destroyed);
@@ -390,7 +390,7 @@ async fn a_restart_brings_sandboxes_back_once() {
     let fake = Arc::new(FakeRuntime::new());
     for id in [&running.id, &stopped.id] {
         let spec = cove_runtime::SandboxSpec {
-            id: id.clone(),
+            id: sid(id),
             hostname: "x".into(),
             rootfs: "/rootfs".into(),
             layers: vec![],
@@ -414,12 +414,12 @@ async fn a_restart_brings_sandboxes_back_once() {
         engine.sandboxes().get(&running.id).await.unwrap().state,
         SandboxState::Started
     );
-    assert!(fake.is_running(&running.id).await);
+    assert!(fake.is_running(&sid(&running.id)).await);
     assert_eq!(
         engine.sandboxes().get(&stopped.id).await.unwrap().state,
         SandboxState::Stopped
     );
-    assert!(!fake.is_running(&stopped.id).await);
+    assert!(!fake.is_running(&sid(&stopped.id)).await);
     assert_eq!(engine.sandboxes().list().await.unwrap().len(), 2);
 }
 
@@ -818,7 +818,7 @@ async fn a_restart_destroys_the_build_sandboxes_a_crash_left() {
     let fake = Arc::new(FakeRuntime::new());
     let spec = |id: &str| {
         cove_runtime::SandboxSpec::bare(
-            id,
+            sid(id),
             "x",
             "/rootfs".into(),
             cove_runtime::Resources {
@@ -833,7 +833,7 @@ async fn a_restart_destroys_the_build_sandboxes_a_crash_left() {
         fake.prepare(&spec(id)).await.unwrap();
     }
     fake.start(&spec(leftover)).await.unwrap();
-    assert!(fake.is_running(leftover).await);
+    assert!(fake.is_running(&sid(leftover)).await);
 
     let engine = engine_on(h.store.clone(), fake.clone()).await;
     engine.recover_after_restart().await.unwrap();
@@ -1077,4 +1077,9 @@ async fn imports_read_nothing_outside_the_import_directory() {
         .unwrap_err();
     assert!(matches!(error, EngineError::Image { .. }), "{error}");
     assert!(error.to_string().contains("junk.tar"), "{error}");
+}
+
+/// A sandbox id the test names.
+fn sid(id: &str) -> cove_runtime::SandboxId {
+    cove_runtime::SandboxId::parse(id).expect("the test's ids are valid")
 }

@@ -100,7 +100,7 @@ async fn pause_then_start_resumes_from_memory() {
     let s = h.engine.sandboxes().create(vm("p")).await.unwrap();
     let paused = h.engine.sandboxes().pause(&s.id).await.unwrap();
     assert_eq!(paused.state, SandboxState::Paused);
-    assert!(!h.fake.is_running(&s.id).await);
+    assert!(!h.fake.is_running(&sid(&s.id)).await);
     // Pausing a paused sandbox is a no-op.
     assert_eq!(
         h.engine.sandboxes().pause(&s.id).await.unwrap().state,
@@ -243,9 +243,14 @@ async fn fork_makes_an_independent_child_and_a_tree() {
         h.engine.sandboxes().get(&parent.id).await.unwrap().state,
         SandboxState::Started
     );
-    assert!(h.fake.is_running(&parent.id).await);
+    assert!(h.fake.is_running(&sid(&parent.id)).await);
 
-    let grandchild = h.engine.sandboxes().fork("child", None).await.unwrap();
+    let grandchild = h
+        .engine
+        .sandboxes()
+        .fork(&sid("child"), None)
+        .await
+        .unwrap();
     assert_eq!(grandchild.name, grandchild.id);
     let ancestors: Vec<String> = h
         .engine
@@ -443,4 +448,9 @@ async fn a_failed_fork_leaves_no_child_and_the_parent_running() {
         .fork(&parent.id, Some("child"))
         .await
         .unwrap();
+}
+
+/// A sandbox id the test names.
+fn sid(id: &str) -> cove_runtime::SandboxId {
+    cove_runtime::SandboxId::parse(id).expect("the test's ids are valid")
 }

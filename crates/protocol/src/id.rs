@@ -68,6 +68,15 @@ impl fmt::Display for SandboxId {
     }
 }
 
+/// A checked id reads as the string it is.
+impl std::ops::Deref for SandboxId {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
 impl AsRef<str> for SandboxId {
     fn as_ref(&self) -> &str {
         &self.0

@@ -135,7 +135,7 @@ async fn measure(
     );
 
     let began = Instant::now();
-    runtime.pause(&id).await.expect("pause");
+    runtime.pause(&sid(&id)).await.expect("pause");
     let pause_ms = ms(began.elapsed());
     let began = Instant::now();
     runtime.start(&sandbox).await.expect("resume");
@@ -151,7 +151,7 @@ async fn measure(
 
     let child = spec(&format!("f-{memory_mib}"), memory_mib);
     let began = Instant::now();
-    runtime.fork(&id, &child).await.expect("fork");
+    runtime.fork(&sid(&id), &child).await.expect("fork");
     let fork_ms = ms(began.elapsed());
     runtime.start(&child).await.expect("start the child");
     exec(&socket(&child.id), "echo hi").await;
@@ -211,7 +211,7 @@ async fn main() {
             memory_mib,
             disk_gib: 2,
         };
-        SandboxSpec::bare(id, id, rootfs.clone(), resources)
+        SandboxSpec::bare(sid(id), id, rootfs.clone(), resources)
     };
     let mut rows = Vec::new();
     for &memory_mib in &sizes {
@@ -259,11 +259,16 @@ async fn main() {
         }
     }
     for id in &ids {
-        if let Err(error) = runtime.destroy(id).await {
+        if let Err(error) = runtime.destroy(&sid(id)).await {
             eprintln!("destroy {id}: {error}");
         }
     }
     if let Err(error) = storage.unmount() {
         eprintln!("unmount the storage: {error}");
     }
+}
+
+/// A sandbox id the example names.
+fn sid(id: &str) -> cove_runtime::SandboxId {
+    cove_runtime::SandboxId::parse(id).expect("the example's ids are valid")
 }

@@ -10,6 +10,7 @@ use std::sync::Mutex;
 use async_trait::async_trait;
 use tokio::sync::oneshot;
 
+use crate::SandboxId;
 use crate::{AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
 
 #[derive(Debug, Default)]
@@ -83,7 +84,7 @@ impl Runtime for FakeRuntime {
         self.machines
             .lock()
             .unwrap()
-            .entry(spec.id.clone())
+            .entry(spec.id.to_string())
             .or_default();
         Ok(())
     }
@@ -93,7 +94,7 @@ impl Runtime for FakeRuntime {
             .machines
             .lock()
             .unwrap()
-            .get(&spec.id)
+            .get(spec.id.as_str())
             .is_some_and(|m| m.memory);
         self.record(if resumes { "resume" } else { "start" }, &spec.id);
         if let Some(make) = *self.fail_start_with.lock().unwrap() {
@@ -101,15 +102,15 @@ impl Runtime for FakeRuntime {
         }
         if let Some(reason) = self.fail_start.lock().unwrap().clone() {
             return Err(RuntimeError::Start {
-                id: spec.id.clone(),
+                id: spec.id.to_string(),
                 reason,
             });
         }
         let mut machines = self.machines.lock().unwrap();
         let machine = machines
-            .get_mut(&spec.id)
+            .get_mut(spec.id.as_str())
             .ok_or_else(|| RuntimeError::Other {
-                id: spec.id.clone(),
+                id: spec.id.to_string(),
                 reason: "started before it was prepared".into(),
             })?;
         let (exit, exited) = oneshot::channel();
@@ -123,7 +124,8 @@ impl Runtime for FakeRuntime {
         })
     }
 
-    async fn stop(&self, id: &str) -> Result<(), RuntimeError> {
+    async fn stop(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let id = id.as_str();
         self.record("stop", id);
         if let Some(machine) = self.machines.lock().unwrap().get_mut(id) {
             machine.running = false;
@@ -135,13 +137,15 @@ impl Runtime for FakeRuntime {
         Ok(())
     }
 
-    async fn destroy(&self, id: &str) -> Result<(), RuntimeError> {
+    async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let id = id.as_str();
         self.record("destroy", id);
         self.machines.lock().unwrap().remove(id);
         Ok(())
     }
 
-    async fn is_running(&self, id: &str) -> bool {
+    async fn is_running(&self, id: &SandboxId) -> bool {
+        let id = id.as_str();
         self.machines
             .lock()
             .unwrap()
@@ -153,7 +157,8 @@ impl Runtime for FakeRuntime {
         Ok(self.machines())
     }
 
-    async fn capture(&self, id: &str, capture_id: &str) -> Result<PathBuf, RuntimeError> {
+    async fn capture(&self, id: &SandboxId, capture_id: &str) -> Result<PathBuf, RuntimeError> {
+        let id = id.as_str();
         self.record("capture", &format!("{id} {capture_id}"));
         Ok(PathBuf::from(format!("/captures/{capture_id}")))
     }
@@ -169,18 +174,19 @@ impl Runtime for FakeRuntime {
             .machines
             .lock()
             .unwrap()
-            .get(&spec.id)
+            .get(spec.id.as_str())
             .is_some_and(|m| m.running);
         if running {
             return Err(RuntimeError::Running {
-                id: spec.id.clone(),
+                id: spec.id.to_string(),
                 action: "be reverted",
             });
         }
         Ok(())
     }
 
-    async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
+    async fn pause(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let id = id.as_str();
         self.record("pause", id);
         let mut machines = self.machines.lock().unwrap();
         match machines.get_mut(id) {
@@ -196,7 +202,8 @@ impl Runtime for FakeRuntime {
         }
     }
 
-    async fn discard_memory(&self, id: &str) -> Result<(), RuntimeError> {
+    async fn discard_memory(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let id = id.as_str();
         self.record("discard-memory", id);
         if let Some(machine) = self.machines.lock().unwrap().get_mut(id) {
             machine.memory = false;
@@ -206,25 +213,27 @@ impl Runtime for FakeRuntime {
 
     async fn capture_with_memory(
         &self,
-        id: &str,
+        id: &SandboxId,
         capture_id: &str,
     ) -> Result<PathBuf, RuntimeError> {
+        let (sandbox, id) = (id, id.as_str());
         self.record("capture-memory", &format!("{id} {capture_id}"));
-        if !self.is_running(id).await {
+        if !self.is_running(sandbox).await {
             return Err(RuntimeError::NotRunning { id: id.to_owned() });
         }
         Ok(PathBuf::from(format!("/captures/{capture_id}")))
     }
 
-    async fn fork(&self, parent: &str, child: &SandboxSpec) -> Result<(), RuntimeError> {
+    async fn fork(&self, parent: &SandboxId, child: &SandboxSpec) -> Result<(), RuntimeError> {
         self.record("fork", &format!("{parent} {}", child.id));
         if !self.is_running(parent).await {
+            let parent = parent.as_str();
             return Err(RuntimeError::NotRunning {
                 id: parent.to_owned(),
             });
         }
         let mut machines = self.machines.lock().unwrap();
-        machines.entry(child.id.clone()).or_default().memory = true;
+        machines.entry(child.id.to_string()).or_default().memory = true;
         Ok(())
     }
 }

@@ -17,6 +17,7 @@ use std::path::{Path, PathBuf};
 
 use async_trait::async_trait;
 
+pub use cove_protocol::SandboxId;
 pub use error::RuntimeError;
 
 /// Resources of one sandbox, already checked against the server's ceilings.
@@ -30,8 +31,9 @@ pub struct Resources {
 /// Everything a backend needs to make and boot one sandbox.
 #[derive(Clone, Debug)]
 pub struct SandboxSpec {
-    /// Globally unique id; names every host object the backend makes.
-    pub id: String,
+    /// Globally unique id, checked once when it was made; names every host
+    /// object the backend makes.
+    pub id: SandboxId,
     pub hostname: String,
     /// The read-only root filesystem the sandbox starts from.
     pub rootfs: PathBuf,
@@ -61,9 +63,14 @@ pub struct SandboxSpec {
 impl SandboxSpec {
     /// A sandbox of `rootfs` with `resources` and nothing else: no layers,
     /// environment, network, volumes, user, workdir or command.
-    pub fn bare(id: &str, hostname: &str, rootfs: PathBuf, resources: Resources) -> SandboxSpec {
+    pub fn bare(
+        id: SandboxId,
+        hostname: &str,
+        rootfs: PathBuf,
+        resources: Resources,
+    ) -> SandboxSpec {
         SandboxSpec {
-            id: id.to_owned(),
+            id,
             hostname: hostname.to_owned(),
             rootfs,
             layers: Vec::new(),
@@ -148,11 +155,11 @@ pub trait Runtime: Send + Sync + 'static {
     /// Boots the sandbox from its storage; returns once the agent accepts connections.
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError>;
     /// Ends every process of the sandbox and keeps its storage.
-    async fn stop(&self, id: &str) -> Result<(), RuntimeError>;
+    async fn stop(&self, id: &SandboxId) -> Result<(), RuntimeError>;
     /// Removes everything `prepare` and `start` made: processes, mounts, cgroups, files.
-    async fn destroy(&self, id: &str) -> Result<(), RuntimeError>;
+    async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError>;
     /// Whether any process of the sandbox is alive.
-    async fn is_running(&self, id: &str) -> bool;
+    async fn is_running(&self, id: &SandboxId) -> bool;
     /// The ids of every sandbox this runtime holds storage for, whether the
     /// engine knows it or not (restart recovery destroys the build
     /// sandboxes a crashed server left). Backends that keep none say none.
@@ -169,7 +176,7 @@ pub trait Runtime: Send + Sync + 'static {
     /// Captures the sandbox's writable layer, consistently, as the read-only layer
     /// `capture_id`; a running sandbox keeps running (it is frozen for the
     /// instant of the copy). Returns the layer's path.
-    async fn capture(&self, id: &str, capture_id: &str) -> Result<PathBuf, RuntimeError>;
+    async fn capture(&self, id: &SandboxId, capture_id: &str) -> Result<PathBuf, RuntimeError>;
     /// Deletes the layer made by `capture`.
     async fn discard_capture(&self, capture_id: &str) -> Result<(), RuntimeError>;
     /// Replaces the writable layer of a stopped sandbox with a writable copy of a
@@ -179,7 +186,7 @@ pub trait Runtime: Send + Sync + 'static {
 
     /// Writes the sandbox's own storage (what it wrote; not its image or snapshot
     /// layers) to `dest` as one file, for archiving. The sandbox is stopped.
-    async fn export_storage(&self, id: &str, _dest: &Path) -> Result<(), RuntimeError> {
+    async fn export_storage(&self, id: &SandboxId, _dest: &Path) -> Result<(), RuntimeError> {
         Err(unsupported(id, "archiving"))
     }
     /// Rebuilds the storage of an archived (destroyed) sandbox from a file
@@ -204,18 +211,18 @@ pub trait Runtime: Send + Sync + 'static {
 
     /// Ends the machine with its memory and device state saved in its storage;
     /// every process continues where it was at the next `start`.
-    async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
+    async fn pause(&self, id: &SandboxId) -> Result<(), RuntimeError> {
         Err(unsupported(id, "pause"))
     }
     /// Forgets the memory a paused sandbox saved, so its next `start` boots.
-    async fn discard_memory(&self, _id: &str) -> Result<(), RuntimeError> {
+    async fn discard_memory(&self, _id: &SandboxId) -> Result<(), RuntimeError> {
         Ok(())
     }
     /// Like `capture`, with the machine's memory: a sandbox whose top layer is this
     /// capture continues from it instead of booting. The machine keeps running.
     async fn capture_with_memory(
         &self,
-        id: &str,
+        id: &SandboxId,
         _capture_id: &str,
     ) -> Result<PathBuf, RuntimeError> {
         Err(unsupported(id, "memory snapshots"))
@@ -223,7 +230,7 @@ pub trait Runtime: Send + Sync + 'static {
     /// Makes `child`'s storage a copy of running sandbox `parent`'s disk and
     /// memory, freezing the parent only while it is copied. The caller then
     /// `start`s the child, which continues from that memory.
-    async fn fork(&self, parent: &str, _child: &SandboxSpec) -> Result<(), RuntimeError> {
+    async fn fork(&self, parent: &SandboxId, _child: &SandboxSpec) -> Result<(), RuntimeError> {
         Err(unsupported(parent, "fork"))
     }
 }
@@ -252,6 +259,6 @@ pub(crate) async fn blocking<T: Send + 'static>(
         })?
 }
 
-fn unsupported(id: &str, what: &str) -> RuntimeError {
-    RuntimeError::unsupported(id, what)
+fn unsupported(id: impl AsRef<str>, what: &str) -> RuntimeError {
+    RuntimeError::unsupported(id.as_ref(), what)
 }

@@ -76,7 +76,7 @@ impl Harness {
 
     fn spec(&self, id: &str) -> SandboxSpec {
         SandboxSpec {
-            id: id.to_string(),
+            id: sid(id),
             hostname: format!("host-{id}"),
             rootfs: self.rootfs.clone(),
             layers: Vec::new(),
@@ -337,7 +337,7 @@ async fn agent_answers_in_its_own_namespaces() {
     )
     .await;
     assert_eq!(code, 0);
-    h.runtime.destroy("ns1").await.unwrap();
+    h.runtime.destroy(&sid("ns1")).await.unwrap();
 }
 
 #[tokio::test]
@@ -351,8 +351,8 @@ async fn files_survive_stop_and_start() {
         "echo kept > /root/note && echo gone > /run/scratch && echo tmp > /tmp/t",
     )
     .await;
-    h.runtime.stop("p1").await.unwrap();
-    assert!(!h.runtime.is_running("p1").await);
+    h.runtime.stop(&sid("p1")).await.unwrap();
+    assert!(!h.runtime.is_running(&sid("p1")).await);
     let exited = tokio::time::timeout(Duration::from_secs(5), started.exited)
         .await
         .unwrap()
@@ -363,9 +363,9 @@ async fn files_survive_stop_and_start() {
     assert_eq!(exec_ok(&socket, "cat /root/note /tmp/t").await, "kept\ntmp");
     let (code, _) = exec(&socket, "test -e /run/scratch").await;
     assert_ne!(code, 0, "/run is a fresh tmpfs on each start");
-    h.runtime.stop("p1").await.unwrap();
-    h.runtime.stop("p1").await.unwrap();
-    h.runtime.destroy("p1").await.unwrap();
+    h.runtime.stop(&sid("p1")).await.unwrap();
+    h.runtime.stop(&sid("p1")).await.unwrap();
+    h.runtime.destroy(&sid("p1")).await.unwrap();
 }
 
 #[tokio::test]
@@ -380,8 +380,8 @@ async fn memory_limit_kills_the_hog_not_the_container() {
     assert_eq!(code, 137, "600 MB in 256 MiB must be OOM-killed: {output}");
     assert_eq!(get(&socket, "/version").await.0, 200);
     assert_eq!(exec_ok(&socket, "echo alive").await, "alive");
-    assert!(h.runtime.is_running("m1").await);
-    h.runtime.destroy("m1").await.unwrap();
+    assert!(h.runtime.is_running(&sid("m1")).await);
+    h.runtime.destroy(&sid("m1")).await.unwrap();
 }
 
 #[tokio::test]
@@ -395,16 +395,16 @@ async fn destroy_leaves_nothing_behind() {
     assert!(pids.len() >= 3, "init, server and sleep at least: {pids:?}");
     assert!(!h.cgroup_dirs("d1").is_empty());
 
-    h.runtime.destroy("d1").await.unwrap();
+    h.runtime.destroy(&sid("d1")).await.unwrap();
     h.assert_nothing_left("d1", &pids);
-    assert!(!h.runtime.is_running("d1").await);
+    assert!(!h.runtime.is_running(&sid("d1")).await);
     tokio::time::timeout(Duration::from_secs(5), started.exited)
         .await
         .unwrap()
         .unwrap();
     // Idempotent, also for a sandbox that never existed.
-    h.runtime.destroy("d1").await.unwrap();
-    h.runtime.destroy("never").await.unwrap();
+    h.runtime.destroy(&sid("d1")).await.unwrap();
+    h.runtime.destroy(&sid("never")).await.unwrap();
 }
 
 #[tokio::test]
@@ -428,9 +428,9 @@ async fn sandboxes_do_not_see_each_other() {
         !h.rootfs.join("root/only-a").exists(),
         "the image was written to"
     );
-    h.runtime.destroy("a1").await.unwrap();
+    h.runtime.destroy(&sid("a1")).await.unwrap();
     assert_eq!(exec_ok(&socket_b, "echo still").await, "still");
-    h.runtime.destroy("b1").await.unwrap();
+    h.runtime.destroy(&sid("b1")).await.unwrap();
 }
 
 #[tokio::test]
@@ -467,9 +467,9 @@ async fn stop_kills_running_commands() {
     let all = pids_in(&files);
 
     let began = Instant::now();
-    h.runtime.stop("s1").await.unwrap();
+    h.runtime.stop(&sid("s1")).await.unwrap();
     eprintln!("stop() took {:?}", began.elapsed());
-    assert!(!h.runtime.is_running("s1").await);
+    assert!(!h.runtime.is_running(&sid("s1")).await);
     let left: Vec<_> = all
         .iter()
         .filter(|p| alive(**p))
@@ -492,7 +492,7 @@ async fn stop_kills_running_commands() {
         h.state.path().join("s1/upper").is_dir(),
         "stop keeps the layer"
     );
-    h.runtime.destroy("s1").await.unwrap();
+    h.runtime.destroy(&sid("s1")).await.unwrap();
 }
 
 #[tokio::test]
@@ -506,8 +506,8 @@ async fn start_failure_is_reported_and_cleaned_up() {
     let err = h.runtime.start(&spec).await.unwrap_err().to_string();
     assert!(err.contains("f1") && err.contains("overlay"), "{err}");
     assert!(h.cgroup_dirs("f1").is_empty(), "{:?}", h.cgroup_dirs("f1"));
-    assert!(!h.runtime.is_running("f1").await);
-    h.runtime.destroy("f1").await.unwrap();
+    assert!(!h.runtime.is_running(&sid("f1")).await);
+    h.runtime.destroy(&sid("f1")).await.unwrap();
 }
 
 #[tokio::test]
@@ -520,9 +520,9 @@ async fn a_fresh_runtime_finds_and_destroys_a_running_sandbox() {
     exec_ok(&socket, "sleep 1000 > /dev/null 2>&1 &").await;
     let pids = pids_in(&h.runtime.cgroup_procs_files("c1"));
     let fresh = ContainerRuntime::new(h.config.clone()).unwrap();
-    assert!(fresh.is_running("c1").await);
-    fresh.destroy("c1").await.unwrap();
-    assert!(!fresh.is_running("c1").await);
+    assert!(fresh.is_running(&sid("c1")).await);
+    fresh.destroy(&sid("c1")).await.unwrap();
+    assert!(!fresh.is_running(&sid("c1")).await);
     h.assert_nothing_left("c1", &pids);
     let exited = tokio::time::timeout(Duration::from_secs(5), started.exited)
         .await
@@ -545,7 +545,7 @@ async fn a_fresh_runtime_lists_what_a_crash_left_so_it_can_be_destroyed() {
     let pids = pids_in(&h.runtime.cgroup_procs_files(id));
     let fresh = ContainerRuntime::new(h.config.clone()).unwrap();
     assert_eq!(fresh.sandbox_ids().await.unwrap(), [id]);
-    fresh.destroy(id).await.unwrap();
+    fresh.destroy(&sid(id)).await.unwrap();
     h.assert_nothing_left(id, &pids);
     assert_eq!(fresh.sandbox_ids().await.unwrap(), Vec::<String>::new());
 }
@@ -568,7 +568,7 @@ async fn start_time_is_logged() {
         let AgentEndpoint::Unix(socket) = started.agent;
         assert_eq!(exec_ok(&socket, "echo ok").await, "ok");
         firsts.push(began.elapsed());
-        h.runtime.destroy(&id).await.unwrap();
+        h.runtime.destroy(&sid(&id)).await.unwrap();
     }
     starts.sort();
     firsts.sort();
@@ -648,8 +648,8 @@ async fn a_sandbox_joins_the_network_prepared_for_it() {
     assert!(!resolv.contains("10.123.0.1"), "{resolv}");
 
     // The network outlives the sandbox: it belongs to the network side.
-    h.runtime.destroy("n1").await.unwrap();
-    h.runtime.destroy("n2").await.unwrap();
+    h.runtime.destroy(&sid("n1")).await.unwrap();
+    h.runtime.destroy(&sid("n2")).await.unwrap();
     assert!(netns.path().exists());
     h.assert_nothing_left("n1", &BTreeSet::new());
 }
@@ -811,7 +811,7 @@ async fn the_agent_runs_under_an_allow_list_that_answers_eperm() {
     }
     // The agent still answers after the stop and detach.
     assert_eq!(exec_ok(&socket, "echo alive").await, "alive");
-    h.runtime.destroy("f1").await.unwrap();
+    h.runtime.destroy(&sid("f1")).await.unwrap();
 }
 
 /// A shell command running a Python script given on stdin.
@@ -894,7 +894,7 @@ async fn refused_syscalls_answer_eperm_inside_the_sandbox() {
     for (name, result) in expected {
         assert_eq!(results.get(name), Some(&result), "{name}: {output}");
     }
-    h.runtime.destroy("p1").await.unwrap();
+    h.runtime.destroy(&sid("p1")).await.unwrap();
 }
 
 /// One echo request to 127.0.0.1 over an ICMP datagram socket (unprivileged ping);
@@ -941,8 +941,8 @@ async fn no_raw_sockets_but_ping_works() {
             format!("import os\nos.setgroups([]); os.setgid(65534); os.setuid(65534)\n{ICMP_ECHO}");
         assert_eq!(exec_ok(socket, &python(&as_nobody)).await, "reply type 0");
     }
-    h.runtime.destroy("i1").await.unwrap();
-    h.runtime.destroy("i2").await.unwrap();
+    h.runtime.destroy(&sid("i1")).await.unwrap();
+    h.runtime.destroy(&sid("i2")).await.unwrap();
 }
 
 #[tokio::test]
@@ -989,5 +989,10 @@ print(sorted(results)[-1], child.stdout.strip(), os.waitstatus_to_exitcode(statu
         exec_ok(&socket, "setsid sh -c 'sleep 0.1 & wait; echo done' | cat").await,
         "done"
     );
-    h.runtime.destroy("w1").await.unwrap();
+    h.runtime.destroy(&sid("w1")).await.unwrap();
+}
+
+/// A sandbox id the test names.
+fn sid(id: &str) -> cove_runtime::SandboxId {
+    cove_runtime::SandboxId::parse(id).expect("the test's ids are valid")
 }

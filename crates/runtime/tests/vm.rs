@@ -83,7 +83,7 @@ impl Harness {
 
     fn spec(&self, id: &str, memory_mib: u64) -> SandboxSpec {
         SandboxSpec {
-            id: id.to_owned(),
+            id: sid(id),
             hostname: format!("host-{id}"),
             rootfs: self.rootfs.clone(),
             layers: Vec::new(),
@@ -282,9 +282,9 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     let before = count(&socket).await;
     assert_clock_is_right(&socket).await;
     let began = Instant::now();
-    rt.pause("vm-a").await.unwrap();
+    rt.pause(&sid("vm-a")).await.unwrap();
     eprintln!("pause: {}", ms(began.elapsed()));
-    assert!(!rt.is_running("vm-a").await);
+    assert!(!rt.is_running(&sid("vm-a")).await);
     assert!(h.qemus().is_empty(), "a paused VM has no process");
     let began = Instant::now();
     rt.start(&a).await.unwrap();
@@ -293,14 +293,14 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     assert_counting(&socket, &counter, before).await;
     // The guest's clock stopped while it was paused; the host set it again.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    rt.pause("vm-a").await.unwrap();
+    rt.pause(&sid("vm-a")).await.unwrap();
     tokio::time::sleep(Duration::from_secs(5)).await;
     rt.start(&a).await.unwrap();
     assert_clock_is_right(&socket).await;
     exec_ok(&socket, "echo from-a > /root/who && sync").await;
 
     // A memory snapshot: a new sandbox made from it runs the same counter.
-    let capture = rt.capture_with_memory("vm-a", "cap-1").await.unwrap();
+    let capture = rt.capture_with_memory(&sid("vm-a"), "cap-1").await.unwrap();
     let at_capture = count(&socket).await;
     let mut b = h.spec("vm-b", 256);
     b.layers = vec![capture.clone()];
@@ -322,7 +322,7 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     // A fork: the child continues the parent's processes, then both diverge.
     let c = h.spec("vm-c", 256);
     let began = Instant::now();
-    rt.fork("vm-a", &c).await.unwrap();
+    rt.fork(&sid("vm-a"), &c).await.unwrap();
     let forked = began.elapsed();
     rt.start(&c).await.unwrap();
     let c_socket = h.socket("vm-c");
@@ -359,8 +359,8 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
 
     // Stop and start: a cold boot from the intact disk, memory gone.
     exec_ok(&c_socket, "echo unsynced-but-stopped > /root/late").await;
-    rt.stop("vm-c").await.unwrap();
-    assert!(!rt.is_running("vm-c").await);
+    rt.stop(&sid("vm-c")).await.unwrap();
+    assert!(!rt.is_running(&sid("vm-c")).await);
     let began = Instant::now();
     rt.start(&c).await.unwrap();
     eprintln!("cold boot after stop -> agent: {}", ms(began.elapsed()));
@@ -376,7 +376,7 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     // A disk capture of a running VM; a sandbox made from it boots with
     // what was written (the agent flushes first), then a revert to the
     // memory snapshot brings its processes back.
-    let disk_capture = rt.capture("vm-c", "cap-2").await.unwrap();
+    let disk_capture = rt.capture(&sid("vm-c"), "cap-2").await.unwrap();
     let mut d = h.spec("vm-d", 256);
     d.layers = vec![disk_capture.clone()];
     rt.prepare(&d).await.unwrap();
@@ -386,7 +386,7 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
         exec_ok(&d_socket, "cat /root/who /root/late").await,
         "child\nunsynced-but-stopped"
     );
-    rt.stop("vm-d").await.unwrap();
+    rt.stop(&sid("vm-d")).await.unwrap();
     rt.revert(&d, "cap-1").await.unwrap();
     rt.start(&d).await.unwrap();
     assert_eq!(exec_ok(&d_socket, "cat /root/who").await, "from-a");
@@ -405,7 +405,7 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
         .expect("the exit is reported")
         .unwrap();
     assert!(why.contains("signal 9"), "{why}");
-    assert!(!rt.is_running("vm-b").await);
+    assert!(!rt.is_running(&sid("vm-b")).await);
 
     // After a server restart, a new runtime finds the VM still running and
     // can stop it.
@@ -415,21 +415,21 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
         assets().unwrap().2,
     ))
     .unwrap();
-    assert!(again.is_running("vm-a").await);
-    again.stop("vm-a").await.unwrap();
-    assert!(!again.is_running("vm-a").await);
+    assert!(again.is_running(&sid("vm-a")).await);
+    again.stop(&sid("vm-a")).await.unwrap();
+    assert!(!again.is_running(&sid("vm-a")).await);
     assert!(qemus_under(&h.storage.root().join("vms").join("vm-a")).is_empty());
-    assert!(again.is_running("vm-d").await);
-    again.destroy("vm-d").await.unwrap();
+    assert!(again.is_running(&sid("vm-d")).await);
+    again.destroy(&sid("vm-d")).await.unwrap();
     assert!(qemus_under(&h.storage.root().join("vms").join("vm-d")).is_empty());
     assert!(!h.storage.root().join("vms").join("vm-d").exists());
     drop(again);
 
     // Destroy: no process, no files.
     for id in ["vm-a", "vm-b", "vm-c", "vm-d"] {
-        rt.destroy(id).await.unwrap();
+        rt.destroy(&sid(id)).await.unwrap();
         assert!(!h.storage.root().join("vms").join(id).exists(), "{id}");
-        rt.destroy(id).await.unwrap();
+        rt.destroy(&sid(id)).await.unwrap();
     }
     rt.discard_capture("cap-1").await.unwrap();
     rt.discard_capture("cap-2").await.unwrap();
@@ -485,7 +485,7 @@ async fn vms_repeat_unanswered_identity_calls_and_flush_paused_disks_late() {
     // entrypoint it inherited running is not started a second time.
     let mut b = h.spec("vm-s", 256);
     entrypoint(&mut b);
-    rt.fork("vm-r", &b).await.unwrap();
+    rt.fork(&sid("vm-r"), &b).await.unwrap();
     rt.start(&b).await.unwrap();
     let child = h.socket("vm-s");
     assert_eq!(
@@ -501,8 +501,8 @@ async fn vms_repeat_unanswered_identity_calls_and_flush_paused_disks_late() {
     // alone, and a stop that drops the memory, have the paused VM flush it
     // first: a write the guest never synced is on the disk afterwards.
     exec_ok(&child, "echo kept > /root/unflushed").await;
-    rt.pause("vm-s").await.unwrap();
-    let disk_only = rt.capture("vm-s", "cap-flushed").await.unwrap();
+    rt.pause(&sid("vm-s")).await.unwrap();
+    let disk_only = rt.capture(&sid("vm-s"), "cap-flushed").await.unwrap();
     assert!(h.qemus_of("vm-s").is_empty(), "the flush left QEMU running");
     let mut c = h.spec("vm-t", 256);
     c.layers = vec![disk_only];
@@ -516,18 +516,23 @@ async fn vms_repeat_unanswered_identity_calls_and_flush_paused_disks_late() {
     rt.start(&b).await.unwrap();
     assert_eq!(exec_ok(&child, "pgrep -c -x sleep").await, "1");
     exec_ok(&child, "echo again > /root/unflushed").await;
-    rt.pause("vm-s").await.unwrap();
-    rt.stop("vm-s").await.unwrap();
+    rt.pause(&sid("vm-s")).await.unwrap();
+    rt.stop(&sid("vm-s")).await.unwrap();
     assert!(h.qemus_of("vm-s").is_empty(), "the flush left QEMU running");
     rt.start(&b).await.unwrap();
     // A cold boot: the entrypoint starts afresh, and the file is there.
     assert_eq!(exec_ok(&child, "cat /root/unflushed").await, "again");
 
-    rt.destroy("vm-t").await.unwrap();
+    rt.destroy(&sid("vm-t")).await.unwrap();
     rt.discard_capture("cap-flushed").await.unwrap();
     for id in ["vm-r", "vm-s"] {
-        rt.destroy(id).await.unwrap();
+        rt.destroy(&sid(id)).await.unwrap();
         assert!(!h.storage.root().join("vms").join(id).exists(), "{id}");
     }
     assert!(h.qemus().is_empty(), "left running: {:?}", h.qemus());
+}
+
+/// A sandbox id the test names.
+fn sid(id: &str) -> cove_runtime::SandboxId {
+    cove_runtime::SandboxId::parse(id).expect("the test's ids are valid")
 }

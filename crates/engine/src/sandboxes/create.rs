@@ -10,6 +10,7 @@ use cove_store::{SandboxRecord, SnapshotState};
 
 use super::Sandboxes;
 use crate::checks::{check_name, sized};
+use crate::shared::sandbox_id;
 use crate::{now_ms, EngineError};
 
 /// What a user asked for. `None` means "the default".
@@ -56,10 +57,10 @@ impl Sandboxes {
         // Checked before the row exists: no half-made sandbox for a class this
         // server cannot run.
         let runtime = self.shared.runtime(record.class)?.clone();
+        let spec = self.spec(&record, &snapshot)?;
         let lock = self.shared.lock_for(&record.id);
         let _guard = lock.lock().await;
         let saga = self.begin_new(record, "create").await?;
-        let spec = self.spec(saga.record(), &snapshot);
         let made = async {
             runtime.prepare(&spec).await?;
             self.start_machine(runtime.as_ref(), saga.record(), spec)
@@ -239,9 +240,9 @@ impl Sandboxes {
         &self,
         record: &SandboxRecord,
         snapshot: &cove_store::SnapshotRecord,
-    ) -> cove_runtime::SandboxSpec {
-        cove_runtime::SandboxSpec {
-            id: record.id.clone(),
+    ) -> Result<cove_runtime::SandboxSpec, EngineError> {
+        Ok(cove_runtime::SandboxSpec {
+            id: sandbox_id(&record.id)?,
             hostname: record.name.chars().take(63).collect(),
             rootfs: snapshot.rootfs.clone().into(),
             layers: snapshot.layers.iter().map(Into::into).collect(),
@@ -263,7 +264,7 @@ impl Sandboxes {
             workdir: snapshot.image.workdir.clone(),
             user: (record.os_user != self.shared.config.os_user).then(|| record.os_user.clone()),
             command: snapshot.image.command(),
-        }
+        })
     }
 }
 

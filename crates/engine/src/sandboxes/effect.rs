@@ -8,6 +8,7 @@ use cove_store::SandboxRecord;
 use super::Sandboxes;
 use crate::archive::ArchiveError;
 use crate::failure::Failure;
+use crate::shared::sandbox_id;
 
 /// The side effect behind an operation.
 #[derive(Clone, Debug)]
@@ -56,12 +57,12 @@ impl Sandboxes {
             }
             Effect::Pause => {
                 self.forget_running(id);
-                runtime.pause(id).await?;
+                runtime.pause(&sandbox_id(id)?).await?;
                 self.detach_network(record).await
             }
             Effect::Stop => {
                 self.forget_running(id);
-                runtime.stop(id).await?;
+                runtime.stop(&sandbox_id(id)?).await?;
                 self.detach_network(record).await
             }
             Effect::Delete => self.delete_effect(runtime, record).await,
@@ -80,7 +81,7 @@ impl Sandboxes {
         effect: &Effect,
     ) -> Result<(), Failure> {
         let snapshot = self.own_snapshot(record).await?;
-        let spec = self.spec(record, &snapshot);
+        let spec = self.spec(record, &snapshot)?;
         if matches!(effect, Effect::Unarchive) {
             self.unarchive(runtime, &spec).await?;
         }
@@ -89,11 +90,11 @@ impl Sandboxes {
         // drop the memory it is about to continue from.
         self.forget_running(&record.id);
         let keeps_memory = record.class.can_pause() && matches!(effect, Effect::Start);
-        if !keeps_memory || runtime.is_running(&record.id).await {
-            runtime.stop(&record.id).await?;
+        if !keeps_memory || runtime.is_running(&sandbox_id(&record.id)?).await {
+            runtime.stop(&sandbox_id(&record.id)?).await?;
         }
         if matches!(effect, Effect::ColdStart) {
-            runtime.discard_memory(&record.id).await?;
+            runtime.discard_memory(&sandbox_id(&record.id)?).await?;
         }
         let started = self.start_machine(runtime, record, spec).await?;
         self.register_running(&record.id, started);
@@ -106,7 +107,7 @@ impl Sandboxes {
         record: &SandboxRecord,
     ) -> Result<(), Failure> {
         self.forget_running(&record.id);
-        runtime.destroy(&record.id).await?;
+        runtime.destroy(&sandbox_id(&record.id)?).await?;
         self.release_network(record).await?;
         // Only an archived sandbox has a copy there; an unreachable archive
         // must not keep a sandbox from being deleted.
@@ -126,7 +127,9 @@ impl Sandboxes {
         let archive = self.archive_store()?;
         let file = archive.scratch_file(&record.id);
         let moved = async {
-            runtime.export_storage(&record.id, &file).await?;
+            runtime
+                .export_storage(&sandbox_id(&record.id)?, &file)
+                .await?;
             let bytes = archive.upload(&record.id, &file).await?;
             tracing::info!(sandbox = %record.id, bytes, to = archive.location(), "archived");
             Ok::<(), Failure>(())
@@ -140,7 +143,7 @@ impl Sandboxes {
         if let Err(error) = self.release_network(record).await {
             tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "after archiving");
         }
-        if let Err(error) = runtime.destroy(&record.id).await {
+        if let Err(error) = runtime.destroy(&sandbox_id(&record.id)?).await {
             tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "removing the local copy after archiving");
         }
         Ok(())
@@ -155,10 +158,10 @@ impl Sandboxes {
         capture_id: &str,
     ) -> Result<(), Failure> {
         let own = self.own_snapshot(record).await?;
-        let spec = self.spec(record, &own);
-        let was_running = runtime.is_running(&record.id).await;
+        let spec = self.spec(record, &own)?;
+        let was_running = runtime.is_running(&sandbox_id(&record.id)?).await;
         self.forget_running(&record.id);
-        runtime.stop(&record.id).await?;
+        runtime.stop(&sandbox_id(&record.id)?).await?;
         self.detach_network(record).await?;
         runtime.revert(&spec, capture_id).await?;
         if was_running {

@@ -10,6 +10,7 @@ use cove_store::SandboxRecord;
 
 use super::Sandboxes;
 use crate::checks::check_name;
+use crate::shared::sandbox_id;
 use crate::{now_ms, EngineError};
 
 impl Sandboxes {
@@ -51,17 +52,18 @@ impl Sandboxes {
         let child = child_of(&parent, child_id.clone(), child_name);
         // Checked before the child's row exists.
         let runtime = self.shared.runtime(parent.class)?.clone();
+        let parent_sandbox = sandbox_id(&parent.id)?;
+        let spec = self.spec(&child, &snapshot)?;
         let child_lock = self.shared.lock_for(&child_id);
         let _child_guard = child_lock.lock().await;
         let saga = self.begin_new(child, "fork").await?;
 
         parent.state = during;
         self.shared.save_state(&mut parent).await?;
-        let spec = self.spec(saga.record(), &snapshot);
-        let copied = runtime.fork(&parent.id, &spec).await;
+        let copied = runtime.fork(&parent_sandbox, &spec).await;
         // The parent is running again whatever became of the child, unless the
         // copy ended it.
-        parent.state = if runtime.is_running(&parent.id).await {
+        parent.state = if runtime.is_running(&parent_sandbox).await {
             SandboxState::Started
         } else {
             parent.error_reason = Some("the sandbox ended while it was forked".into());

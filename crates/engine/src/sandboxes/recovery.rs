@@ -12,6 +12,7 @@ use cove_lifecycle::{DesiredState, SandboxState};
 use cove_store::SandboxRecord;
 
 use super::Sandboxes;
+use crate::shared::sandbox_id;
 use crate::EngineError;
 
 impl Sandboxes {
@@ -39,7 +40,7 @@ impl Sandboxes {
             // Half-made or half-deleted: finish the job, it never existed for the user
             // or the user wanted it gone.
             SandboxState::Creating | SandboxState::Destroying => {
-                if let Err(error) = runtime.destroy(&id).await {
+                if let Err(error) = runtime.destroy(&sandbox_id(&id)?).await {
                     record.state = SandboxState::Error;
                     record.error_reason = Some(format!(
                         "cleanup after a restart failed: {}",
@@ -57,7 +58,7 @@ impl Sandboxes {
             SandboxState::Archiving | SandboxState::Unarchiving
                 if self.archive_holds(&id).await =>
             {
-                let _ = runtime.stop(&id).await;
+                let _ = runtime.stop(&sandbox_id(&id)?).await;
                 record.state = SandboxState::Archived;
                 self.shared.save_state(&mut record).await?;
                 tracing::info!(sandbox = %id, "back to archived after a server restart");
@@ -68,7 +69,7 @@ impl Sandboxes {
                 }
             }
             // A paused machine's memory is on disk and nothing runs: keep it.
-            SandboxState::Paused if !runtime.is_running(&id).await => {}
+            SandboxState::Paused if !runtime.is_running(&sandbox_id(&id)?).await => {}
             // A machine that outlived the server (a VM) is taken over as
             // it runs, its processes intact.
             SandboxState::Started
@@ -87,7 +88,7 @@ impl Sandboxes {
         mut record: SandboxRecord,
     ) -> Result<(), EngineError> {
         let id = record.id.clone();
-        if let Err(error) = runtime.stop(&id).await {
+        if let Err(error) = runtime.stop(&sandbox_id(&id)?).await {
             record.state = SandboxState::Error;
             record.error_reason = Some(format!(
                 "ending leftovers after a restart failed: {}",
@@ -128,7 +129,13 @@ impl Sandboxes {
     /// registered as running, as after a start.
     async fn reattach(&self, runtime: &dyn cove_runtime::Runtime, record: &SandboxRecord) -> bool {
         let spec = match self.own_snapshot(record).await {
-            Ok(snapshot) => self.spec(record, &snapshot),
+            Ok(snapshot) => match self.spec(record, &snapshot) {
+                Ok(spec) => spec,
+                Err(error) => {
+                    tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "cannot take it over");
+                    return false;
+                }
+            },
             Err(error) => {
                 tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "cannot take it over");
                 return false;
@@ -149,7 +156,7 @@ impl Sandboxes {
             Ok(Some(started)) if self.shared.network().is_some() && record.class.can_pause() => {
                 drop(started);
                 let replugged = async {
-                    runtime.pause(&record.id).await?;
+                    runtime.pause(&sandbox_id(&record.id)?).await?;
                     self.start_machine(runtime, record, spec).await
                 }
                 .await;

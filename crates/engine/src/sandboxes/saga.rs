@@ -8,6 +8,7 @@ use cove_store::{SandboxRecord, StoreError};
 
 use super::Sandboxes;
 use crate::failure::Failure;
+use crate::shared::sandbox_id;
 use crate::EngineError;
 
 /// A new sandbox whose row is stored: until [`Saga::finish`] it is undone
@@ -80,7 +81,10 @@ impl Saga<'_> {
         let id = &self.record.id;
         let sandboxes = self.sandboxes;
         let destroyed = match sandboxes.shared.runtime(self.record.class) {
-            Ok(runtime) => runtime.destroy(id).await.map_err(Failure::from),
+            Ok(runtime) => runtime
+                .destroy(&sandbox_id(id)?)
+                .await
+                .map_err(Failure::from),
             Err(error) => Err(error.into()),
         };
         let released = sandboxes.release_network(&self.record).await;

@@ -216,7 +216,7 @@ mod tests {
     #[test]
     fn spec_env_overrides_base_but_not_the_listen_fd() {
         let mut spec = crate::SandboxSpec {
-            id: "a".into(),
+            id: crate::SandboxId::parse("a").unwrap(),
             hostname: "a".into(),
             rootfs: "/".into(),
             layers: vec![],

@@ -39,6 +39,7 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::{oneshot, watch};
 
+use crate::SandboxId;
 use crate::{
     blocking, check_id, AgentEndpoint, NetworkLink, Runtime, RuntimeError, SandboxNetwork,
     SandboxSpec, Started,
@@ -195,7 +196,6 @@ impl ContainerRuntime {
 
     fn make_dirs(&self, spec: &SandboxSpec) -> Result<SandboxLayout, RuntimeError> {
         let id = spec.id.as_str();
-        check_id(id)?;
         let layout = self.layout(id);
         for path in spec.layers.iter().chain([&spec.rootfs, &layout.dir]) {
             layout::check_overlay_path(path)
@@ -487,7 +487,7 @@ impl Runtime for ContainerRuntime {
         let id = spec.id.as_str();
         let network = init_network(spec)?;
         let layout = self.make_dirs(spec)?;
-        if self.is_running(id).await {
+        if self.is_running(&spec.id).await {
             return Err(RuntimeError::AlreadyRunning { id: id.to_owned() });
         }
         let (id_base, userns) = self.confine(spec).await?;
@@ -514,13 +514,13 @@ impl Runtime for ContainerRuntime {
         })
     }
 
-    async fn stop(&self, id: &str) -> Result<(), RuntimeError> {
-        check_id(id)?;
+    async fn stop(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let id = id.as_str();
         self.kill_all(id).await
     }
 
-    async fn destroy(&self, id: &str) -> Result<(), RuntimeError> {
-        check_id(id)?;
+    async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let id = id.as_str();
         self.kill_all(id).await?;
         let dir = self.layout(id).dir;
         blocking(id, move |id| match fs::remove_dir_all(&dir) {
@@ -532,14 +532,14 @@ impl Runtime for ContainerRuntime {
         .await
     }
 
-    async fn capture(&self, id: &str, capture_id: &str) -> Result<PathBuf, RuntimeError> {
-        check_id(id)?;
+    async fn capture(&self, id: &SandboxId, capture_id: &str) -> Result<PathBuf, RuntimeError> {
+        let (sandbox, id) = (id, id.as_str());
         check_id(capture_id)?;
         let storage = self.storage(id)?.clone();
         let source = self.layout(id).dir;
         let dest = self.capture_dir(capture_id);
         let cgroups = Arc::clone(&self.cgroups);
-        let running = self.is_running(id).await;
+        let running = self.is_running(sandbox).await;
         blocking(id, move |id| {
             if let Some(parent) = dest.parent() {
                 fs::create_dir_all(parent).map_err(RuntimeError::file(id, "create", parent))?;
@@ -579,9 +579,8 @@ impl Runtime for ContainerRuntime {
 
     async fn revert(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError> {
         let id = spec.id.as_str();
-        check_id(id)?;
         check_id(capture_id)?;
-        if self.is_running(id).await {
+        if self.is_running(&spec.id).await {
             return Err(RuntimeError::Running {
                 id: id.to_owned(),
                 action: "be reverted",
@@ -611,8 +610,9 @@ impl Runtime for ContainerRuntime {
         .await
     }
 
-    async fn is_running(&self, id: &str) -> bool {
-        check_id(id).is_ok() && self.cgroups.pids(id).is_ok_and(|pids| !pids.is_empty())
+    async fn is_running(&self, id: &SandboxId) -> bool {
+        let id = id.as_str();
+        self.cgroups.pids(id).is_ok_and(|pids| !pids.is_empty())
     }
 
     async fn sandbox_ids(&self) -> Result<Vec<String>, RuntimeError> {
@@ -643,9 +643,9 @@ impl Runtime for ContainerRuntime {
         self.config.storage.is_some()
     }
 
-    async fn export_storage(&self, id: &str, dest: &Path) -> Result<(), RuntimeError> {
-        check_id(id)?;
-        if self.is_running(id).await {
+    async fn export_storage(&self, id: &SandboxId, dest: &Path) -> Result<(), RuntimeError> {
+        let (sandbox, id) = (id, id.as_str());
+        if self.is_running(sandbox).await {
             return Err(RuntimeError::Running {
                 id: id.to_owned(),
                 action: "be archived",
@@ -679,7 +679,6 @@ impl Runtime for ContainerRuntime {
 
     async fn import_storage(&self, spec: &SandboxSpec, src: &Path) -> Result<(), RuntimeError> {
         let id = spec.id.as_str();
-        check_id(id)?;
         let storage = self.storage(id)?.clone();
         let dir = self.layout(id).dir;
         let incoming = self.capture_dir(&format!("incoming-{id}"));

@@ -54,6 +54,7 @@ use async_trait::async_trait;
 use tokio::sync::oneshot;
 
 use crate::storage::Storage;
+use crate::SandboxId;
 use crate::{blocking, check_id, AgentEndpoint, Runtime, RuntimeError, SandboxSpec, Started};
 use boot::Identity;
 use bridge::Bridge;
@@ -257,7 +258,6 @@ impl VmRuntime {
     /// memory and some slack. Made once.
     fn make_dir(&self, spec: &SandboxSpec) -> Result<VmLayout, RuntimeError> {
         let id = spec.id.as_str();
-        check_id(id)?;
         let layout = self.layout(id);
         layout
             .check_socket_paths()
@@ -350,7 +350,6 @@ impl VmRuntime {
 impl Runtime for VmRuntime {
     async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
         let id = spec.id.as_str();
-        check_id(id)?;
         if self.claim_warm(spec).await {
             return Ok(());
         }
@@ -401,7 +400,6 @@ impl Runtime for VmRuntime {
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
         let began = Instant::now();
         let id = spec.id.as_str();
-        check_id(id)?;
         let layout = self.layout(id);
         let warm = self.claimed_or_prepared(spec, &layout).await?;
         let (taken, restoring) = (warm.is_some(), warm.is_some() || layout.has_memory());
@@ -448,8 +446,8 @@ impl Runtime for VmRuntime {
         })
     }
 
-    async fn stop(&self, id: &str) -> Result<(), RuntimeError> {
-        check_id(id)?;
+    async fn stop(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let id = id.as_str();
         let layout = self.layout(id);
         if let Some(vm) = self.take_running(id) {
             let mut vm = vm.lock().await;
@@ -475,8 +473,8 @@ impl Runtime for VmRuntime {
         Ok(())
     }
 
-    async fn destroy(&self, id: &str) -> Result<(), RuntimeError> {
-        check_id(id)?;
+    async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let id = id.as_str();
         let layout = self.layout(id);
         if let Some(warm) = self.pool.claimed(id) {
             warm.vm.machine.kill().await;
@@ -495,10 +493,8 @@ impl Runtime for VmRuntime {
         self.remove_dir(id, &layout.dir).await
     }
 
-    async fn is_running(&self, id: &str) -> bool {
-        if check_id(id).is_err() {
-            return false;
-        }
+    async fn is_running(&self, id: &SandboxId) -> bool {
+        let id = id.as_str();
         if let Some(vm) = self.running(id) {
             let vm = vm.lock().await;
             if vm.machine.exited().is_none() {
@@ -513,7 +509,6 @@ impl Runtime for VmRuntime {
 
     async fn reattach(&self, spec: &SandboxSpec) -> Result<Option<Started>, RuntimeError> {
         let id = spec.id.as_str();
-        check_id(id)?;
         if self.running(id).is_some() {
             return Err(RuntimeError::AlreadyRunning { id: id.to_owned() });
         }
@@ -544,8 +539,8 @@ impl Runtime for VmRuntime {
         }))
     }
 
-    async fn capture(&self, id: &str, capture_id: &str) -> Result<PathBuf, RuntimeError> {
-        check_id(id)?;
+    async fn capture(&self, id: &SandboxId, capture_id: &str) -> Result<PathBuf, RuntimeError> {
+        let id = id.as_str();
         check_id(capture_id)?;
         let source = self.layout(id);
         let dest = self.capture_layout(capture_id);
@@ -600,9 +595,8 @@ impl Runtime for VmRuntime {
 
     async fn revert(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError> {
         let id = spec.id.as_str();
-        check_id(id)?;
         check_id(capture_id)?;
-        if self.is_running(id).await {
+        if self.is_running(&spec.id).await {
             return Err(RuntimeError::Running {
                 id: id.to_owned(),
                 action: "be reverted",
@@ -628,8 +622,8 @@ impl Runtime for VmRuntime {
         .await
     }
 
-    async fn pause(&self, id: &str) -> Result<(), RuntimeError> {
-        check_id(id)?;
+    async fn pause(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let id = id.as_str();
         let began = Instant::now();
         let Some(vm) = self.take_running(id) else {
             return Err(RuntimeError::NotRunning { id: id.to_owned() });
@@ -672,9 +666,9 @@ impl Runtime for VmRuntime {
         Ok(())
     }
 
-    async fn discard_memory(&self, id: &str) -> Result<(), RuntimeError> {
-        check_id(id)?;
-        if self.is_running(id).await {
+    async fn discard_memory(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let (sandbox, id) = (id, id.as_str());
+        if self.is_running(sandbox).await {
             // A running VM's RAM file is its live memory, not a saved one.
             return Ok(());
         }
@@ -688,10 +682,10 @@ impl Runtime for VmRuntime {
 
     async fn capture_with_memory(
         &self,
-        id: &str,
+        id: &SandboxId,
         capture_id: &str,
     ) -> Result<PathBuf, RuntimeError> {
-        check_id(id)?;
+        let id = id.as_str();
         check_id(capture_id)?;
         let dest = self.capture_layout(capture_id);
         self.make_capture_dir(id, &dest)?;
@@ -702,8 +696,8 @@ impl Runtime for VmRuntime {
         Ok(dest.dir)
     }
 
-    async fn fork(&self, parent: &str, child: &SandboxSpec) -> Result<(), RuntimeError> {
-        check_id(parent)?;
+    async fn fork(&self, parent: &SandboxId, child: &SandboxSpec) -> Result<(), RuntimeError> {
+        let parent = parent.as_str();
         let began = Instant::now();
         let dest = self.make_dir(child)?;
         self.copy_memory(parent, dest).await?;
@@ -730,7 +724,7 @@ impl VmRuntime {
         if let Some(warm) = self.pool.claimed(id) {
             return Ok(Some(warm));
         }
-        if self.is_running(id).await {
+        if self.is_running(&spec.id).await {
             return Err(RuntimeError::AlreadyRunning { id: id.to_owned() });
         }
         if !layout.disk().exists() {

@@ -48,6 +48,7 @@ use super::layout::VmLayout;
 use super::orphan::{end_orphan, orphan_pid};
 use super::running::RunningVm;
 use super::{blocking, template, RuntimeError, VmRuntime};
+use crate::SandboxId;
 use crate::SandboxSpec;
 
 /// What names a waiting machine's directory.
@@ -173,7 +174,13 @@ fn may_take_warm(templates: bool, spec: &SandboxSpec, fresh: bool) -> bool {
 /// What a waiting machine is made from: `spec`'s image and resources, and
 /// nothing of the sandbox that asked (its identity comes when one is taken).
 fn neutral(spec: &SandboxSpec) -> SandboxSpec {
-    SandboxSpec::bare("warm", "sandbox", spec.rootfs.clone(), spec.resources)
+    // Its id is replaced by the waiting machine's own (`make_warm`).
+    SandboxSpec::bare(
+        spec.id.clone(),
+        "sandbox",
+        spec.rootfs.clone(),
+        spec.resources,
+    )
 }
 
 impl VmRuntime {
@@ -299,7 +306,7 @@ impl VmRuntime {
         );
         // `spec` is already `neutral`: no network, volumes or command.
         let spec = SandboxSpec {
-            id: id.clone(),
+            id: SandboxId::parse(&id).map_err(|_| RuntimeError::InvalidId { id: id.clone() })?,
             ..spec.clone()
         };
         let made = async {
@@ -454,7 +461,12 @@ mod tests {
         };
         SandboxSpec {
             env: vec![("A".into(), "1".into())],
-            ..SandboxSpec::bare("s", "someone", "/images/debian".into(), resources)
+            ..SandboxSpec::bare(
+                crate::SandboxId::parse("s").unwrap(),
+                "someone",
+                "/images/debian".into(),
+                resources,
+            )
         }
     }
 

@@ -15,6 +15,7 @@ use cove_lifecycle::SandboxClass;
 use cove_store::{BuildStepRecord, NetworkSettings};
 
 use super::agent;
+use crate::shared::sandbox_id;
 use crate::shared::Shared;
 use crate::{now_ms, EngineError};
 
@@ -107,7 +108,7 @@ impl BuildHost for EngineBuildHost {
         let runtime = self.runtime()?;
         let ceilings = &self.shared.config.ceilings;
         let mut spec = cove_runtime::SandboxSpec {
-            id: sandbox.id.clone(),
+            id: sandbox_id(&sandbox.id)?,
             hostname: "build".into(),
             rootfs: sandbox.rootfs.clone(),
             layers: sandbox.layers.clone(),
@@ -142,7 +143,7 @@ impl BuildHost for EngineBuildHost {
         let started = runtime.start(&spec).await?;
         let cove_runtime::AgentEndpoint::Unix(socket) = started.agent;
         Ok(BuildSandbox {
-            id: spec.id,
+            id: spec.id.into_string(),
             socket,
         })
     }
@@ -182,7 +183,7 @@ impl BuildHost for EngineBuildHost {
     }
 
     async fn stop(&self, sandbox: &BuildSandbox) -> Result<(), BuildHostError> {
-        Ok(self.runtime()?.stop(&sandbox.id).await?)
+        Ok(self.runtime()?.stop(&sandbox_id(&sandbox.id)?).await?)
     }
 
     async fn capture(
@@ -190,13 +191,19 @@ impl BuildHost for EngineBuildHost {
         sandbox: &BuildSandbox,
         capture_id: &str,
     ) -> Result<PathBuf, BuildHostError> {
-        Ok(self.runtime()?.capture(&sandbox.id, capture_id).await?)
+        Ok(self
+            .runtime()?
+            .capture(&sandbox_id(&sandbox.id)?, capture_id)
+            .await?)
     }
 
     async fn destroy(&self, id: &str) {
-        match self.runtime() {
-            Ok(runtime) => {
-                if let Err(error) = runtime.destroy(id).await {
+        match self
+            .runtime()
+            .and_then(|runtime| Ok((runtime, sandbox_id(id)?)))
+        {
+            Ok((runtime, sandbox)) => {
+                if let Err(error) = runtime.destroy(&sandbox).await {
                     tracing::error!(build = %id, %error, "removing a build sandbox");
                 }
             }

@@ -17,6 +17,7 @@ use cove_store::SnapshotRecord;
 pub use cove_images::build::{BuildLog, DockerfilePlan};
 
 use super::Snapshots;
+use crate::shared::sandbox_id;
 use crate::EngineError;
 use host::{BuildHostError, EngineBuildHost};
 
@@ -152,7 +153,7 @@ impl Snapshots {
             {
                 continue;
             }
-            match runtime.destroy(&id).await {
+            match runtime.destroy(&sandbox_id(&id)?).await {
                 Ok(()) => {
                     tracing::info!(build = %id, "removed a build sandbox an earlier server left")
                 }
