@@ -228,6 +228,11 @@ pub(super) fn id_map(base: u32) -> String {
 /// exits. The child makes only system calls and allocates nothing, so a
 /// multithreaded process (the server, for a VM's virtiofsd) may call this
 /// too; it blocks until the child is gone.
+///
+/// The child is released by a byte, never by end of file: a child forked
+/// by another thread's call at the same moment holds copies of this call's
+/// pipe ends (they close on exec, and these children never exec), so an end
+/// of file would wait for that other child, which may be waiting for ours.
 pub(crate) fn make(base: u32) -> Result<OwnedFd, UsernsError> {
     let (ready_read, ready_write) = pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("pipe"))?;
     let (done_read, done_write) = pipe2(nix::fcntl::OFlag::O_CLOEXEC).map_err(sys("pipe"))?;
@@ -281,7 +286,8 @@ pub(crate) fn make(base: u32) -> Result<OwnedFd, UsernsError> {
                         }),
                     }
                 });
-            drop(done_write);
+            // A child that already exited does not read it (EPIPE, ignored).
+            let _ = fs::File::from(done_write).write_all(b"d");
             let _ = waitpid(child, None);
             made
         }
@@ -341,6 +347,33 @@ mod tests {
         assert!(!ranges.claim("b", 5), "below the pool");
         assert!(ranges.claim("b", a + RANGE_SIZE));
         assert!(ranges.take("c").is_err(), "the claim holds its range");
+    }
+
+    /// Two creates at once made two of these at once, each child holding the
+    /// other's pipe ends: both waited for an end of file forever.
+    #[test]
+    fn namespaces_made_at_once_on_many_threads_all_finish() {
+        if !cove_testenv::root("making user namespaces") {
+            return;
+        }
+        let (done, finished) = std::sync::mpsc::channel();
+        for thread in 0..4u32 {
+            let done = done.clone();
+            std::thread::spawn(move || {
+                for _ in 0..25 {
+                    let made = make(100_000 + thread * RANGE_SIZE);
+                    done.send(made.map(drop).map_err(|e| e.to_string()))
+                        .unwrap();
+                }
+            });
+        }
+        drop(done);
+        for _ in 0..100 {
+            let made = finished
+                .recv_timeout(std::time::Duration::from_secs(20))
+                .expect("every namespace is made, none waits forever");
+            made.unwrap();
+        }
     }
 
     #[test]
