@@ -12,7 +12,6 @@ use super::effect::{CaptureRequest, Effect};
 use super::Sandboxes;
 use crate::checks::check_name;
 use crate::failure::Failure;
-use crate::shared::sandbox_id;
 use crate::{now_ms, EngineError};
 
 impl Sandboxes {
@@ -112,17 +111,16 @@ impl Sandboxes {
     pub(crate) async fn capture(
         &self,
         record: &SandboxRecord,
+        sandbox: &cove_runtime::SandboxId,
         request: CaptureRequest,
     ) -> Result<(), Failure> {
         let runtime = self.shared.runtime(record.class)?.clone();
         let base = self.own_snapshot(record).await?;
         let capture_id = uuid::Uuid::new_v4().to_string();
         let layer = if request.memory {
-            runtime
-                .capture_with_memory(&sandbox_id(&record.id)?, &capture_id)
-                .await
+            runtime.capture_with_memory(sandbox, &capture_id).await
         } else {
-            runtime.capture(&sandbox_id(&record.id)?, &capture_id).await
+            runtime.capture(sandbox, &capture_id).await
         }?;
         let now = now_ms();
         let snapshot = SnapshotRecord {

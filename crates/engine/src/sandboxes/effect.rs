@@ -2,7 +2,7 @@
 //! `operations.rs`) picks one as a value, records the transient state, and
 //! applies it here.
 
-use cove_runtime::Runtime;
+use cove_runtime::{Runtime, SandboxId};
 use cove_store::SandboxRecord;
 
 use super::Sandboxes;
@@ -51,23 +51,25 @@ impl Sandboxes {
         let runtime = self.shared.runtime(record.class)?.clone();
         let runtime = runtime.as_ref();
         let id = &record.id;
+        // Parsed once: the effects below name the machine by it.
+        let sandbox = sandbox_id(id)?;
         match effect {
             Effect::Start | Effect::ColdStart | Effect::Unarchive => {
                 self.start_effect(runtime, record, &effect).await
             }
             Effect::Pause => {
                 self.forget_running(id);
-                runtime.pause(&sandbox_id(id)?).await?;
+                runtime.pause(&sandbox).await?;
                 self.detach_network(record).await
             }
             Effect::Stop => {
                 self.forget_running(id);
-                runtime.stop(&sandbox_id(id)?).await?;
+                runtime.stop(&sandbox).await?;
                 self.detach_network(record).await
             }
-            Effect::Delete => self.delete_effect(runtime, record).await,
-            Effect::Archive => self.archive_effect(runtime, record).await,
-            Effect::Capture(request) => self.capture(record, request).await,
+            Effect::Delete => self.delete_effect(runtime, record, &sandbox).await,
+            Effect::Archive => self.archive_effect(runtime, record, &sandbox).await,
+            Effect::Capture(request) => self.capture(record, &sandbox, request).await,
             Effect::Revert { capture_id } => self.revert_effect(runtime, record, &capture_id).await,
         }
     }
@@ -90,11 +92,11 @@ impl Sandboxes {
         // drop the memory it is about to continue from.
         self.forget_running(&record.id);
         let keeps_memory = record.class.can_pause() && matches!(effect, Effect::Start);
-        if !keeps_memory || runtime.is_running(&sandbox_id(&record.id)?).await {
-            runtime.stop(&sandbox_id(&record.id)?).await?;
+        if !keeps_memory || runtime.is_running(&spec.id).await {
+            runtime.stop(&spec.id).await?;
         }
         if matches!(effect, Effect::ColdStart) {
-            runtime.discard_memory(&sandbox_id(&record.id)?).await?;
+            runtime.discard_memory(&spec.id).await?;
         }
         let started = self.start_machine(runtime, record, spec).await?;
         self.register_running(&record.id, started);
@@ -105,9 +107,10 @@ impl Sandboxes {
         &self,
         runtime: &dyn Runtime,
         record: &SandboxRecord,
+        sandbox: &SandboxId,
     ) -> Result<(), Failure> {
         self.forget_running(&record.id);
-        runtime.destroy(&sandbox_id(&record.id)?).await?;
+        runtime.destroy(sandbox).await?;
         self.release_network(record).await?;
         // Only an archived sandbox has a copy there; an unreachable archive
         // must not keep a sandbox from being deleted.
@@ -123,13 +126,12 @@ impl Sandboxes {
         &self,
         runtime: &dyn Runtime,
         record: &SandboxRecord,
+        sandbox: &SandboxId,
     ) -> Result<(), Failure> {
         let archive = self.archive_store()?;
         let file = archive.scratch_file(&record.id);
         let moved = async {
-            runtime
-                .export_storage(&sandbox_id(&record.id)?, &file)
-                .await?;
+            runtime.export_storage(sandbox, &file).await?;
             let bytes = archive.upload(&record.id, &file).await?;
             tracing::info!(sandbox = %record.id, bytes, to = archive.location(), "archived");
             Ok::<(), Failure>(())
@@ -143,7 +145,7 @@ impl Sandboxes {
         if let Err(error) = self.release_network(record).await {
             tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "after archiving");
         }
-        if let Err(error) = runtime.destroy(&sandbox_id(&record.id)?).await {
+        if let Err(error) = runtime.destroy(sandbox).await {
             tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "removing the local copy after archiving");
         }
         Ok(())
@@ -159,9 +161,9 @@ impl Sandboxes {
     ) -> Result<(), Failure> {
         let own = self.own_snapshot(record).await?;
         let spec = self.spec(record, &own)?;
-        let was_running = runtime.is_running(&sandbox_id(&record.id)?).await;
+        let was_running = runtime.is_running(&spec.id).await;
         self.forget_running(&record.id);
-        runtime.stop(&sandbox_id(&record.id)?).await?;
+        runtime.stop(&spec.id).await?;
         self.detach_network(record).await?;
         runtime.revert(&spec, capture_id).await?;
         if was_running {

@@ -9,9 +9,11 @@
 //! ended with the server that ran them.
 
 use cove_lifecycle::{DesiredState, SandboxState};
+use cove_runtime::SandboxId;
 use cove_store::SandboxRecord;
 
 use super::Sandboxes;
+use crate::failure::Failure;
 use crate::shared::sandbox_id;
 use crate::EngineError;
 
@@ -24,7 +26,13 @@ impl Sandboxes {
                 tracing::warn!(sandbox = %record.id, class = %record.class, "no runtime for its class");
                 continue;
             };
-            self.recover_one(runtime.as_ref(), record).await?;
+            // A row no machine can be named by (a corrupt store) is left
+            // as it is rather than keep every other sandbox from coming back.
+            let Ok(sandbox) = sandbox_id(&record.id) else {
+                tracing::warn!(sandbox = %record.id, "not a valid sandbox id; left as it is");
+                continue;
+            };
+            self.recover_one(runtime.as_ref(), &sandbox, record).await?;
         }
         Ok(())
     }
@@ -33,6 +41,7 @@ impl Sandboxes {
     async fn recover_one(
         &self,
         runtime: &dyn cove_runtime::Runtime,
+        sandbox: &SandboxId,
         mut record: SandboxRecord,
     ) -> Result<(), EngineError> {
         let id = record.id.clone();
@@ -40,7 +49,7 @@ impl Sandboxes {
             // Half-made or half-deleted: finish the job, it never existed for the user
             // or the user wanted it gone.
             SandboxState::Creating | SandboxState::Destroying => {
-                if let Err(error) = runtime.destroy(&sandbox_id(&id)?).await {
+                if let Err(error) = runtime.destroy(sandbox).await {
                     record.state = SandboxState::Error;
                     record.error_reason = Some(format!(
                         "cleanup after a restart failed: {}",
@@ -58,7 +67,7 @@ impl Sandboxes {
             SandboxState::Archiving | SandboxState::Unarchiving
                 if self.archive_holds(&id).await =>
             {
-                let _ = runtime.stop(&sandbox_id(&id)?).await;
+                let _ = runtime.stop(sandbox).await;
                 record.state = SandboxState::Archived;
                 self.shared.save_state(&mut record).await?;
                 tracing::info!(sandbox = %id, "back to archived after a server restart");
@@ -69,13 +78,13 @@ impl Sandboxes {
                 }
             }
             // A paused machine's memory is on disk and nothing runs: keep it.
-            SandboxState::Paused if !runtime.is_running(&sandbox_id(&id)?).await => {}
+            SandboxState::Paused if !runtime.is_running(sandbox).await => {}
             // A machine that outlived the server (a VM) is taken over as
             // it runs, its processes intact.
             SandboxState::Started
                 if record.desired_state == DesiredState::Started
                     && self.reattach(runtime, &record).await => {}
-            _ => self.end_leftovers(runtime, record).await?,
+            _ => self.end_leftovers(runtime, sandbox, record).await?,
         }
         Ok(())
     }
@@ -85,10 +94,11 @@ impl Sandboxes {
     async fn end_leftovers(
         &self,
         runtime: &dyn cove_runtime::Runtime,
+        sandbox: &SandboxId,
         mut record: SandboxRecord,
     ) -> Result<(), EngineError> {
         let id = record.id.clone();
-        if let Err(error) = runtime.stop(&sandbox_id(&id)?).await {
+        if let Err(error) = runtime.stop(sandbox).await {
             record.state = SandboxState::Error;
             record.error_reason = Some(format!(
                 "ending leftovers after a restart failed: {}",
@@ -128,14 +138,12 @@ impl Sandboxes {
     /// Whether the runtime took the sandbox over as it runs; if so it is
     /// registered as running, as after a start.
     async fn reattach(&self, runtime: &dyn cove_runtime::Runtime, record: &SandboxRecord) -> bool {
-        let spec = match self.own_snapshot(record).await {
-            Ok(snapshot) => match self.spec(record, &snapshot) {
-                Ok(spec) => spec,
-                Err(error) => {
-                    tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "cannot take it over");
-                    return false;
-                }
-            },
+        let spec = async {
+            let snapshot = self.own_snapshot(record).await?;
+            Ok::<_, Failure>(self.spec(record, &snapshot)?)
+        };
+        let spec = match spec.await {
+            Ok(spec) => spec,
             Err(error) => {
                 tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "cannot take it over");
                 return false;
@@ -156,7 +164,7 @@ impl Sandboxes {
             Ok(Some(started)) if self.shared.network().is_some() && record.class.can_pause() => {
                 drop(started);
                 let replugged = async {
-                    runtime.pause(&sandbox_id(&record.id)?).await?;
+                    runtime.pause(&spec.id).await?;
                     self.start_machine(runtime, record, spec).await
                 }
                 .await;

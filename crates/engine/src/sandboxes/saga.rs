@@ -3,7 +3,7 @@
 //! is either `started` or never existed.
 
 use cove_lifecycle::SandboxState;
-use cove_runtime::Started;
+use cove_runtime::{SandboxId, Started};
 use cove_store::{SandboxRecord, StoreError};
 
 use super::Sandboxes;
@@ -17,6 +17,9 @@ use crate::EngineError;
 pub(super) struct Saga<'a> {
     sandboxes: &'a Sandboxes,
     record: SandboxRecord,
+    /// The record's id, checked before the row was stored: the undo never
+    /// fails for want of it.
+    sandbox: SandboxId,
     /// What made it ("create", "fork"), for the logs of an undo.
     what: &'static str,
 }
@@ -29,6 +32,7 @@ impl Sandboxes {
         record: SandboxRecord,
         what: &'static str,
     ) -> Result<Saga<'_>, EngineError> {
+        let sandbox = sandbox_id(&record.id)?;
         self.shared
             .store
             .insert_sandbox(&record)
@@ -42,6 +46,7 @@ impl Sandboxes {
         Ok(Saga {
             sandboxes: self,
             record,
+            sandbox,
             what,
         })
     }
@@ -81,10 +86,7 @@ impl Saga<'_> {
         let id = &self.record.id;
         let sandboxes = self.sandboxes;
         let destroyed = match sandboxes.shared.runtime(self.record.class) {
-            Ok(runtime) => runtime
-                .destroy(&sandbox_id(id)?)
-                .await
-                .map_err(Failure::from),
+            Ok(runtime) => runtime.destroy(&self.sandbox).await.map_err(Failure::from),
             Err(error) => Err(error.into()),
         };
         let released = sandboxes.release_network(&self.record).await;

@@ -40,7 +40,7 @@ pub(crate) enum BuildHostError {
 
 /// A started build sandbox: its id and its agent's socket.
 pub(crate) struct BuildSandbox {
-    id: String,
+    id: cove_runtime::SandboxId,
     socket: PathBuf,
 }
 
@@ -143,7 +143,7 @@ impl BuildHost for EngineBuildHost {
         let started = runtime.start(&spec).await?;
         let cove_runtime::AgentEndpoint::Unix(socket) = started.agent;
         Ok(BuildSandbox {
-            id: spec.id.into_string(),
+            id: spec.id,
             socket,
         })
     }
@@ -183,7 +183,7 @@ impl BuildHost for EngineBuildHost {
     }
 
     async fn stop(&self, sandbox: &BuildSandbox) -> Result<(), BuildHostError> {
-        Ok(self.runtime()?.stop(&sandbox_id(&sandbox.id)?).await?)
+        Ok(self.runtime()?.stop(&sandbox.id).await?)
     }
 
     async fn capture(
@@ -191,10 +191,7 @@ impl BuildHost for EngineBuildHost {
         sandbox: &BuildSandbox,
         capture_id: &str,
     ) -> Result<PathBuf, BuildHostError> {
-        Ok(self
-            .runtime()?
-            .capture(&sandbox_id(&sandbox.id)?, capture_id)
-            .await?)
+        Ok(self.runtime()?.capture(&sandbox.id, capture_id).await?)
     }
 
     async fn destroy(&self, id: &str) {

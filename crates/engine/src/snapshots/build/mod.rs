@@ -153,7 +153,12 @@ impl Snapshots {
             {
                 continue;
             }
-            match runtime.destroy(&sandbox_id(&id)?).await {
+            // The runtime lists only names that are ids; one that is not is
+            // none of cove's to remove.
+            let Ok(sandbox) = sandbox_id(&id) else {
+                continue;
+            };
+            match runtime.destroy(&sandbox).await {
                 Ok(()) => {
                     tracing::info!(build = %id, "removed a build sandbox an earlier server left")
                 }
