@@ -7,6 +7,7 @@
 
 use std::fs::{self, File};
 use std::io::{BufRead, BufReader};
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -26,11 +27,20 @@ pub const DEFAULT_PACKAGES: &[&str] = &[
     "ca-certificates",
     "bash",
     "less",
+    "sudo",
 ];
+/// The user the default image's sandboxes run as, as in Daytona's default
+/// snapshot: uid 1000, home `/home/daytona`, passwordless `sudo`.
+pub const DEFAULT_USER: &str = "daytona";
+const DEFAULT_UID: &str = "1000";
 const DEFAULT_MIRROR: &str = "http://deb.debian.org/debian";
 /// The file a finished default root filesystem holds. cove-runtime's VM
 /// disk cache keys on its time (`vm/disk.rs` names the same file).
 pub const COMPLETE_MARKER: &str = ".complete";
+/// What a finished image's marker says. An image whose marker says anything
+/// else was built by an older cove (without the default user, say) and is
+/// built again.
+const IMAGE_VERSION: &str = "cove-default 2\n";
 
 /// One step of the default image's build, for a progress display.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -50,7 +60,8 @@ impl ImageStore {
     }
 
     pub fn default_is_built(&self) -> bool {
-        self.default_rootfs().join(COMPLETE_MARKER).exists()
+        fs::read_to_string(self.default_rootfs().join(COMPLETE_MARKER))
+            .is_ok_and(|marker| marker == IMAGE_VERSION)
     }
 
     /// Returns the default root filesystem, building it first if needed. Blocking:
@@ -80,8 +91,9 @@ impl ImageStore {
         run_debootstrap(&partial.join("rootfs"), &mirror, &log_path, &mut progress)?;
         finish_rootfs(&partial.join("rootfs"))
             .map_err(io_err(&partial, "finish the root filesystem"))?;
+        add_default_user(&partial.join("rootfs"))?;
         let complete = partial.join("rootfs").join(COMPLETE_MARKER);
-        File::create(&complete).map_err(io_err(&complete, "mark complete"))?;
+        fs::write(&complete, IMAGE_VERSION).map_err(io_err(&complete, "mark complete"))?;
         let target = rootfs.parent().expect("rootfs has a parent");
         if target.exists() {
             fs::remove_dir_all(target).map_err(io_err(target, "remove an old image"))?;
@@ -144,6 +156,32 @@ fn run_debootstrap(
     Ok(())
 }
 
+/// Adds the default user with the host's `useradd`, which works inside the
+/// root filesystem (`--root`), so the image's own `/etc/skel` and groups are
+/// used; then lets it use `sudo` without a password.
+fn add_default_user(rootfs: &Path) -> Result<()> {
+    let status = Command::new("useradd")
+        .arg("--root")
+        .arg(rootfs)
+        .args(["--create-home", "--uid", DEFAULT_UID, "--user-group"])
+        .args(["--shell", "/bin/bash", "--groups", "sudo", DEFAULT_USER])
+        .stdin(Stdio::null())
+        .status()
+        .map_err(io_err(rootfs, "run useradd in"))?;
+    if !status.success() {
+        return Err(ImageError::Io {
+            path: rootfs.to_owned(),
+            action: "add the default user to",
+            source: std::io::Error::other(format!("useradd: {status}")),
+        });
+    }
+    let sudoers = rootfs.join("etc/sudoers.d").join(DEFAULT_USER);
+    fs::write(&sudoers, format!("{DEFAULT_USER} ALL=(ALL) NOPASSWD:ALL\n"))
+        .and_then(|()| fs::set_permissions(&sudoers, fs::Permissions::from_mode(0o440)))
+        .map_err(io_err(&sudoers, "write"))?;
+    Ok(())
+}
+
 /// Trims caches and removes what debootstrap copied from the host.
 fn finish_rootfs(rootfs: &Path) -> std::io::Result<()> {
     for dir in ["var/lib/apt/lists", "var/cache/apt/archives"] {
@@ -178,6 +216,11 @@ mod tests {
         assert!(!store.default_is_built());
         fs::create_dir_all(store.default_rootfs()).unwrap();
         File::create(store.default_rootfs().join(COMPLETE_MARKER)).unwrap();
+        assert!(
+            !store.default_is_built(),
+            "an image from an older cove is built again"
+        );
+        fs::write(store.default_rootfs().join(COMPLETE_MARKER), IMAGE_VERSION).unwrap();
         let mut calls = 0;
         let rootfs = store.ensure_default(|_| calls += 1).unwrap();
         assert_eq!(rootfs, store.default_rootfs());

@@ -40,11 +40,15 @@ mod progress;
 mod registry;
 mod stack;
 mod store;
+mod users;
 
 pub use config::ImageConfig;
-pub use default_image::{DefaultImageProgress, COMPLETE_MARKER, DEFAULT_PACKAGES, DEFAULT_SUITE};
+pub use default_image::{
+    DefaultImageProgress, COMPLETE_MARKER, DEFAULT_PACKAGES, DEFAULT_SUITE, DEFAULT_USER,
+};
 pub use error::{ErrorKind, ImageError, Result};
 pub use flatten::flatten;
 pub use progress::Progress;
 pub use registry::{normalize_reference, registry_host, Credentials, MAX_CONFIG_BYTES};
 pub use store::{ImageStore, PulledImage};
+pub use users::{image_users, PASSWD_LIMIT};
