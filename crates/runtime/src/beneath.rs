@@ -95,10 +95,21 @@ pub fn open_root(root: &Path) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
+/// Directories made inside a volume (subpaths): writable by every user of
+/// every sandbox sharing it, as the volume's root is.
+pub const SHARED_DIR_MODE: u32 = 0o777;
+/// Directories made in a sandbox's own tree (mount points).
+pub const PRIVATE_DIR_MODE: u32 = 0o755;
+
 /// The directory `relative` under `root`, as an `O_PATH` descriptor; with
-/// `create`, missing directories are made (mode 0755) one at a time. Refuses
-/// `..`, absolute paths, symlinks and non-directories anywhere on the way.
-pub fn open_dir(root: &Path, relative: &Path, create: bool) -> Result<OwnedFd, BeneathError> {
+/// `create: Some(mode)`, missing directories are made with that mode (the
+/// umask aside) one at a time. Refuses `..`, absolute paths, symlinks and
+/// non-directories anywhere on the way.
+pub fn open_dir(
+    root: &Path,
+    relative: &Path,
+    create: Option<u32>,
+) -> Result<OwnedFd, BeneathError> {
     let root_fd = open_root(root).map_err(|source| BeneathError::Io {
         path: PathBuf::from("."),
         source,
@@ -107,7 +118,11 @@ pub fn open_dir(root: &Path, relative: &Path, create: bool) -> Result<OwnedFd, B
 }
 
 /// [`open_dir`] from an already open trusted root.
-pub fn open_dir_at(root: &OwnedFd, relative: &Path, create: bool) -> Result<OwnedFd, BeneathError> {
+pub fn open_dir_at(
+    root: &OwnedFd,
+    relative: &Path,
+    create: Option<u32>,
+) -> Result<OwnedFd, BeneathError> {
     let mut walked = PathBuf::new();
     let mut current: Option<OwnedFd> = None;
     for component in relative.components() {
@@ -140,7 +155,7 @@ pub fn open_dir_at(root: &OwnedFd, relative: &Path, create: bool) -> Result<Owne
 fn step(
     parent: &OwnedFd,
     name: &CStr,
-    create: bool,
+    create: Option<u32>,
     walked: &Path,
 ) -> Result<OwnedFd, BeneathError> {
     let mut made = false;
@@ -149,11 +164,13 @@ fn step(
         match openat2_dir(parent, name) {
             Ok(fd) => return Ok(fd),
             Err(err) => match err.raw_os_error() {
-                Some(libc::ENOENT) if create && !made => {
-                    mkdirat(parent, name).map_err(|source| BeneathError::Io {
-                        path: walked.to_owned(),
-                        source,
-                    })?;
+                Some(libc::ENOENT) if create.is_some() && !made => {
+                    mkdirat(parent, name, create.unwrap_or(PRIVATE_DIR_MODE)).map_err(
+                        |source| BeneathError::Io {
+                            path: walked.to_owned(),
+                            source,
+                        },
+                    )?;
                     made = true;
                 }
                 Some(libc::ENOENT) => {
@@ -213,10 +230,18 @@ fn openat2_dir(parent: &OwnedFd, name: &CStr) -> io::Result<OwnedFd> {
     Ok(unsafe { OwnedFd::from_raw_fd(fd as libc::c_int) })
 }
 
-fn mkdirat(parent: &OwnedFd, name: &CStr) -> io::Result<()> {
+/// Makes `name` in `parent` with `mode` exactly (a `fchmodat` after the
+/// `mkdirat`, which the umask would cut).
+fn mkdirat(parent: &OwnedFd, name: &CStr, mode: u32) -> io::Result<()> {
     // SAFETY: a directory descriptor, a NUL-terminated name and a mode.
-    let rc = unsafe { libc::mkdirat(parent.as_raw_fd(), name.as_ptr(), 0o755) };
+    let rc = unsafe { libc::mkdirat(parent.as_raw_fd(), name.as_ptr(), mode) };
     if rc == 0 {
+        // SAFETY: as above; AT_SYMLINK_NOFOLLOW is not supported by
+        // fchmodat, but the entry was made a directory by this call.
+        let rc = unsafe { libc::fchmodat(parent.as_raw_fd(), name.as_ptr(), mode, 0) };
+        if rc != 0 {
+            return Err(io::Error::last_os_error());
+        }
         return Ok(());
     }
     let err = io::Error::last_os_error();
@@ -365,17 +390,37 @@ mod tests {
     }
 
     fn refusal(root: &Path, relative: &str, create: bool) -> BeneathError {
-        open_dir(root, Path::new(relative), create).unwrap_err()
+        open_dir(
+            root,
+            Path::new(relative),
+            create.then_some(PRIVATE_DIR_MODE),
+        )
+        .unwrap_err()
     }
 
     #[test]
     fn plain_directories_open_and_missing_ones_are_made_one_at_a_time() {
         let dir = tree();
-        open_dir(dir.path(), Path::new("a/b"), false).unwrap();
-        open_dir(dir.path(), Path::new("./a/./b"), false).unwrap();
-        open_dir(dir.path(), Path::new(""), false).unwrap();
-        open_dir(dir.path(), Path::new("a/new/deeper"), true).unwrap();
+        open_dir(dir.path(), Path::new("a/b"), None).unwrap();
+        open_dir(dir.path(), Path::new("./a/./b"), None).unwrap();
+        open_dir(dir.path(), Path::new(""), None).unwrap();
+        open_dir(dir.path(), Path::new("a/new/deeper"), Some(SHARED_DIR_MODE)).unwrap();
         assert!(dir.path().join("a/new/deeper").is_dir());
+        // Made with the mode asked for, whatever the umask.
+        use std::os::unix::fs::PermissionsExt as _;
+        for made in ["a/new", "a/new/deeper"] {
+            let mode = fs::metadata(dir.path().join(made))
+                .unwrap()
+                .permissions()
+                .mode();
+            assert_eq!(mode & 0o7777, SHARED_DIR_MODE, "{made}");
+        }
+        open_dir(dir.path(), Path::new("a/own"), Some(PRIVATE_DIR_MODE)).unwrap();
+        let mode = fs::metadata(dir.path().join("a/own"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o7777, PRIVATE_DIR_MODE);
         assert!(matches!(
             refusal(dir.path(), "a/missing", false),
             BeneathError::Missing { path } if path == Path::new("a/missing")

@@ -1,5 +1,5 @@
 //! The last steps of the container init before it becomes the agent: capabilities cut to
-//! Docker's default set less NET_RAW, no_new_privs, and the seccomp programs of
+//! Docker's default set less NET_RAW, and the seccomp programs of
 //! `seccomp`; and, in the shim, the network namespace setting that lets ping work without
 //! NET_RAW. Owns no files.
 #![allow(unsafe_code)]
@@ -167,14 +167,37 @@ fn write_caps(data: &[CapData; 2], step: &str) -> Result<(), StepError> {
     Ok(())
 }
 
-/// Sets no_new_privs and installs the filters (seccompiler sets no_new_privs itself too).
+/// Installs the filters without `no_new_privs`, as Docker does, so a setuid
+/// program (`sudo` for the default user) can still become the sandbox's root,
+/// which holds nothing root does not already hold there: the capabilities cut
+/// by [`drop_capabilities`], this filter, and the user namespace. Without
+/// `no_new_privs` the kernel wants CAP_SYS_ADMIN in the caller's user
+/// namespace, so this runs before the capabilities are cut; the filters allow
+/// what that cut needs (`capset`, `prctl`).
 pub(super) fn confine_syscalls(filters: &[BpfProgram]) -> Result<(), StepError> {
-    // SAFETY: prctl with integer arguments only.
-    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
-        return Err(os_err("set no_new_privs"));
-    }
     for filter in filters {
-        seccompiler::apply_filter(filter).map_err(StepError::Seccomp)?;
+        let len = u16::try_from(filter.len()).map_err(|_| StepError::Io {
+            step: "install a seccomp filter: the program is too long".into(),
+            source: std::io::ErrorKind::InvalidInput.into(),
+        })?;
+        let program = libc::sock_fprog {
+            len,
+            // seccompiler's `sock_filter` has the kernel's layout, as libc's does.
+            filter: filter.as_ptr().cast::<libc::sock_filter>().cast_mut(),
+        };
+        // SAFETY: `program` points at `filter`, which outlives the call; the
+        // kernel copies the program and writes nothing back.
+        let rc = unsafe {
+            libc::syscall(
+                libc::SYS_seccomp,
+                libc::SECCOMP_SET_MODE_FILTER,
+                0,
+                &program as *const libc::sock_fprog,
+            )
+        };
+        if rc != 0 {
+            return Err(os_err("install a seccomp filter"));
+        }
     }
     Ok(())
 }

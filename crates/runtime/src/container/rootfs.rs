@@ -204,8 +204,9 @@ pub(super) fn build(args: &InitArgs, userns: &OwnedFd) -> Result<(), StepError> 
     })?;
     step(chdir("/"), || "enter /".to_string())?;
     if let Some(network) = &args.network {
-        resolv_conf(&network.resolv_conf, owner)?;
+        etc_file(RESOLV_CONF, &network.resolv_conf, owner)?;
     }
+    etc_file(HOSTS, &hosts(&args.hostname), owner)?;
     mask_paths()
 }
 
@@ -336,8 +337,8 @@ fn mount_volume(
     use std::os::fd::AsFd;
 
     let subpath = volume.subpath.as_deref().unwrap_or(Path::new(""));
-    let source =
-        beneath::open_dir(&volume.root, subpath, true).map_err(|source| StepError::Beneath {
+    let source = beneath::open_dir(&volume.root, subpath, Some(beneath::SHARED_DIR_MODE)).map_err(
+        |source| StepError::Beneath {
             step: format!(
                 "volume {} mounted at {}: subpath {}",
                 volume
@@ -349,15 +350,18 @@ fn mount_volume(
                 subpath.display()
             ),
             source,
-        })?;
+        },
+    )?;
     let relative = volume.target.strip_prefix("/").unwrap_or(&volume.target);
     let target = owner.in_root(|| {
-        beneath::open_dir(root, relative, true).map_err(|source| StepError::Beneath {
-            step: format!(
-                "volume mount path {} in the sandbox",
-                volume.target.display()
-            ),
-            source,
+        beneath::open_dir(root, relative, Some(beneath::PRIVATE_DIR_MODE)).map_err(|source| {
+            StepError::Beneath {
+                step: format!(
+                    "volume mount path {} in the sandbox",
+                    volume.target.display()
+                ),
+                source,
+            }
         })
     })?;
     let tree = beneath::clone_tree_mapped(
@@ -376,27 +380,37 @@ fn mount_volume(
     }))
 }
 
-/// Where the sandbox's resolv.conf lives, on the /run tmpfs.
-const RESOLV_CONF_SOURCE: &str = "/run/cove/resolv.conf";
+/// The files of `/etc` cove puts over the image's (see [`etc_file`]).
+const RESOLV_CONF: &str = "resolv.conf";
+const HOSTS: &str = "hosts";
 
-/// Puts the network's resolv.conf over `/etc/resolv.conf` (a bind mount, as
-/// Docker does, so the sandbox's own layer keeps its file). The image's copy
-/// is never used: debootstrap copies the host's, and queries to the host's
-/// resolvers would bypass cove's. Runs after pivot_root, so a symlink there
-/// resolves inside the container, never on the host.
-fn resolv_conf(content: &str, owner: Owner) -> Result<(), StepError> {
-    let source = Path::new(RESOLV_CONF_SOURCE);
-    io_step(fs::write(source, content), || {
+/// The sandbox's `/etc/hosts`, as Docker writes it: localhost, and its own
+/// name, so programs that look it up (`sudo` does) find it.
+fn hosts(hostname: &str) -> String {
+    format!(
+        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n127.0.1.1\t{hostname}\n"
+    )
+}
+
+/// Puts `content` over `/etc/<name>` (a bind mount of a file on the /run
+/// tmpfs, as Docker does, so the sandbox's own layer keeps its file). For
+/// resolv.conf the image's copy is never used: debootstrap copies the
+/// host's, and queries to the host's resolvers would bypass cove's. Runs
+/// after pivot_root, so a symlink there resolves inside the container, never
+/// on the host.
+fn etc_file(name: &str, content: &str, owner: Owner) -> Result<(), StepError> {
+    let source = Path::new("/run/cove").join(name);
+    io_step(fs::write(&source, content), || {
         format!("write {}", source.display())
     })?;
-    owner.chown(source)?;
-    let target = Path::new("/etc/resolv.conf");
+    owner.chown(&source)?;
+    let target = Path::new("/etc").join(name);
     mkdir(Path::new("/etc"))?;
-    let is_file = fs::symlink_metadata(target).is_ok_and(|m| m.file_type().is_file());
+    let is_file = fs::symlink_metadata(&target).is_ok_and(|m| m.file_type().is_file());
     if !is_file {
         // A dangling symlink (to systemd-resolved, say) or nothing: a plain
         // file to mount on.
-        match fs::remove_file(target) {
+        match fs::remove_file(&target) {
             Err(err) if err.kind() != std::io::ErrorKind::NotFound => {
                 return Err(super::step::io(|| format!("remove {}", target.display()))(
                     err,
@@ -405,12 +419,12 @@ fn resolv_conf(content: &str, owner: Owner) -> Result<(), StepError> {
             _ => {}
         }
         owner.in_root(|| {
-            io_step(fs::File::create(target), || {
+            io_step(fs::File::create(&target), || {
                 format!("create {}", target.display())
             })
         })?;
     }
-    bind(source, target, MsFlags::empty())
+    bind(&source, &target, MsFlags::empty())
 }
 
 fn build_dev(dev: &Path, owner: Owner) -> Result<(), StepError> {

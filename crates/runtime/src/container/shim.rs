@@ -341,8 +341,8 @@ fn container_init(
             CString::new("cove-agent").expect("no NUL"),
             CString::new("init").expect("no NUL"),
         ];
-        harden::drop_capabilities(keep_caps)?;
         harden::confine_syscalls(filters)?;
+        harden::drop_capabilities(keep_caps)?;
         execve(&path, &argv, env).map_err(sys(|| format!("execve {AGENT_PATH}")))
     })();
     match result {

@@ -34,9 +34,6 @@ pub(super) enum StepError {
         #[source]
         source: crate::beneath::BeneathError,
     },
-    /// The seccomp program could not be installed.
-    #[error("install seccomp filter")]
-    Seccomp(#[source] seccompiler::Error),
     /// The sandbox's user namespace was not what the server passed.
     #[error(transparent)]
     Userns(#[from] UsernsError),

@@ -200,12 +200,11 @@ impl SharedDir {
     fn prepare(volume: &VolumeBind, userns: &OwnedFd) -> Result<Self, SharesError> {
         let name = volume_name(volume);
         let subpath = volume.subpath.as_deref().unwrap_or(Path::new(""));
-        let dir = beneath::open_dir(&volume.root, subpath, true).map_err(|source| {
-            SharesError::Volume {
+        let dir = beneath::open_dir(&volume.root, subpath, Some(beneath::SHARED_DIR_MODE))
+            .map_err(|source| SharesError::Volume {
                 volume: name.clone(),
                 source,
-            }
-        })?;
+            })?;
         let tree = beneath::clone_tree_mapped(
             dir.as_fd(),
             MOUNT_ATTR_NOSUID | MOUNT_ATTR_NODEV,
