@@ -38,8 +38,14 @@ fn main() -> anyhow::Result<()> {
             let found = cove_agent::user::lookup(user)
                 .map_err(|e| anyhow::anyhow!("the sandbox user {user:?}: {e}"))?;
             settings.home_dir = found.home.clone();
+            // Commands start in the home, or at the root where it does not
+            // exist (`nobody`'s is /nonexistent), as Docker's do.
             if agent_env.workdir.is_none() {
-                settings.work_dir = found.home.clone();
+                settings.work_dir = if found.home.is_dir() {
+                    found.home.clone()
+                } else {
+                    "/".into()
+                };
             }
             Some(found)
         }

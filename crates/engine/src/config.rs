@@ -20,7 +20,8 @@ pub struct EngineConfig {
     pub default_cpu: i64,
     pub default_memory_gib: i64,
     pub default_disk_gib: i64,
-    /// The user the toolbox runs commands as.
+    /// The user sandboxes run as when neither the create nor the image
+    /// names one and the image has it (`daytona`); root otherwise.
     pub os_user: String,
     /// How often timers are checked.
     pub timer_tick: Duration,
@@ -79,7 +80,7 @@ impl Default for EngineConfig {
             default_cpu: 1,
             default_memory_gib: 1,
             default_disk_gib: 3,
-            os_user: "root".into(),
+            os_user: cove_images::DEFAULT_USER.into(),
             timer_tick: Duration::from_secs(1),
             archive: None,
             images: None,

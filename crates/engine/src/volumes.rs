@@ -3,6 +3,7 @@
 //! Each is a directory `{volumes_dir}/{id}` on the node; a volume some
 //! sandbox mounts cannot be deleted.
 
+use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
@@ -12,6 +13,9 @@ use cove_store::{SandboxRecord, SnapshotRecord, StoreError, VolumeMount, VolumeR
 use crate::checks::check_name;
 use crate::shared::Shared;
 use crate::{now_ms, EngineError};
+
+/// The mode of a new volume's root directory.
+const VOLUME_ROOT_MODE: u32 = 0o777;
 
 /// Paths a volume may not cover: the kernel's and the agent's.
 const RESERVED: &[&str] = &["/proc", "/sys", "/dev", "/run"];
@@ -153,7 +157,19 @@ impl Volumes {
     }
 
     /// A new volume's directory: with a quota, a subvolume capped at its size.
+    /// Its root is writable by every user (mode 0777), as Daytona's volumes
+    /// are: the sandboxes sharing it may run as different users (the default
+    /// `daytona`, root, an image's own).
     async fn make_volume_dir(&self, id: &str, dir: &Path) -> Result<(), EngineError> {
+        self.make_empty_volume_dir(id, dir).await?;
+        // The directory was made just now, inside the server's own tree: no
+        // sandbox has seen it yet.
+        tokio::fs::set_permissions(dir, std::fs::Permissions::from_mode(VOLUME_ROOT_MODE))
+            .await
+            .map_err(EngineError::io("open up", dir))
+    }
+
+    async fn make_empty_volume_dir(&self, id: &str, dir: &Path) -> Result<(), EngineError> {
         let parent = dir.parent().unwrap_or(dir).to_owned();
         tokio::fs::create_dir_all(&parent)
             .await
@@ -266,7 +282,12 @@ impl Volumes {
         let root = self.volume_dir(&volume.id)?;
         let relative = PathBuf::from(subpath);
         let made = tokio::task::spawn_blocking(move || {
-            cove_runtime::beneath::open_dir(&root, &relative, true).map(drop)
+            cove_runtime::beneath::open_dir(
+                &root,
+                &relative,
+                Some(cove_runtime::beneath::SHARED_DIR_MODE),
+            )
+            .map(drop)
         })
         .await
         .map_err(|source| EngineError::Task {

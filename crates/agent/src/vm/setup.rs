@@ -43,6 +43,25 @@ pub fn routes(sessions: Arc<Registry>) -> Router {
         .with_state(sessions)
 }
 
+const HOSTS: &str = "/etc/hosts";
+
+/// `/etc/hosts` with the machine's own name on 127.0.1.1 (Debian's habit),
+/// in place of whatever name a template or fork parent left there, so
+/// programs that look their host up (`sudo` does) find it.
+fn own_name_in_hosts(hosts: &str, hostname: &str) -> String {
+    let mut out: String = if hosts.trim().is_empty() {
+        "127.0.0.1\tlocalhost\n::1\tlocalhost ip6-localhost ip6-loopback\n".into()
+    } else {
+        hosts
+            .lines()
+            .filter(|line| !line.starts_with("127.0.1.1"))
+            .map(|line| format!("{line}\n"))
+            .collect()
+    };
+    out.push_str(&format!("127.0.1.1\t{hostname}\n"));
+    out
+}
+
 /// The variables the last identity call set, with the values they replaced
 /// (`None`: the variable did not exist), so the next call can undo them.
 static APPLIED_ENV: Mutex<Vec<(String, Option<String>)>> = Mutex::new(Vec::new());
@@ -83,6 +102,11 @@ async fn apply_identity(
     }
     nix::unistd::sethostname(&request.hostname)
         .map_err(|e| ApiError::BadRequest(format!("hostname {:?}: {e}", request.hostname)))?;
+    let hosts = own_name_in_hosts(
+        &std::fs::read_to_string(HOSTS).unwrap_or_default(),
+        &request.hostname,
+    );
+    std::fs::write(HOSTS, hosts).map_err(|e| ApiError::internal("write /etc/hosts", e))?;
     replace_env(&request.env);
     let network = request.network;
     tokio::task::spawn_blocking(move || super::network::configure(network.as_ref()))
@@ -199,6 +223,17 @@ fn decode_hex(text: &str) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_hosts_file_names_this_machine_once() {
+        let fresh = own_name_in_hosts("", "box-a");
+        assert!(fresh.contains("127.0.0.1\tlocalhost\n"));
+        assert!(fresh.ends_with("127.0.1.1\tbox-a\n"));
+        let renamed = own_name_in_hosts(&fresh, "box-b");
+        assert!(!renamed.contains("box-a"));
+        assert_eq!(renamed.matches("127.0.1.1").count(), 1);
+        assert!(renamed.contains("127.0.0.1\tlocalhost\n"));
+    }
 
     #[test]
     fn hex_decodes_or_refuses() {

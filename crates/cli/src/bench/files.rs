@@ -14,7 +14,8 @@ use super::Measurement;
 use crate::client::Client;
 
 const CHUNK: usize = 1 << 20;
-const PATH: &str = "/root/cove-bench.bin";
+// In /tmp: every user may write there (containers run as `daytona`, VMs as root).
+const PATH: &str = "/tmp/cove-bench.bin";
 
 fn mb_per_s(bytes: u64, ms: f64) -> f64 {
     (bytes as f64 / 1e6) / (ms / 1000.0)

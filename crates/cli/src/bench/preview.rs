@@ -21,7 +21,7 @@ use super::Measurement;
 use crate::client::Client;
 
 const PORT: u16 = 8765;
-const DIR: &str = "/root/cove-preview";
+const DIR: &str = "/tmp/cove-preview";
 const FILE: &str = "big.bin";
 /// Small-request round trips measured besides the downloads.
 const SMALL_RUNS: usize = 50;

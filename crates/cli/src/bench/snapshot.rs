@@ -32,7 +32,7 @@ pub(super) async fn live(
     run_command(
         client,
         sandbox,
-        &format!("dd if=/dev/zero of=/root/big bs=1M count={size_mb} status=none"),
+        &format!("dd if=/dev/zero of=$HOME/big bs=1M count={size_mb} status=none"),
     )
     .await?;
     // Long enough to span every snapshot below.

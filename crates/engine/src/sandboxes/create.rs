@@ -126,7 +126,7 @@ impl Sandboxes {
             (request.cpu, request.memory_gib, request.disk_gib),
             snapshot,
         )?;
-        let user = self.user_for(request.user.as_deref(), snapshot)?;
+        let user = self.user_for(request.user.as_deref(), snapshot).await?;
         let (timers, persistent) = timers_for(&request, snapshot.class)?;
         let ttl_minutes = request.ttl_minutes.unwrap_or(0);
         if !(0..=MAX_MINUTES).contains(&ttl_minutes) {
@@ -213,27 +213,49 @@ impl Sandboxes {
         Ok(())
     }
 
-    /// The user a sandbox runs as: the image's USER, else the server's; root
-    /// may always be asked for.
-    fn user_for(
+    /// The user a container sandbox runs as: the one asked for if the image has it
+    /// (root and numeric ids always do, as with Docker's `USER`), else the
+    /// image's `USER`, else the server's default user (`daytona`) where the
+    /// image has one, else root.
+    async fn user_for(
         &self,
         requested: Option<&str>,
         snapshot: &cove_store::SnapshotRecord,
     ) -> Result<String, EngineError> {
-        let os_user = &self.shared.config.os_user;
-        let image_user = snapshot.image.user.as_ref();
-        let default_user = image_user.unwrap_or(os_user);
-        let user = requested.unwrap_or(default_user);
-        if user != os_user && Some(user) != image_user.map(String::as_str) {
-            return Err(EngineError::Invalid {
-                field: "user",
-                reason: format!(
-                    "{user:?} does not exist here; sandboxes of snapshot {} run as {default_user:?}",
-                    snapshot.name
-                ),
-            });
+        if snapshot.class == SandboxClass::LinuxVm {
+            // A VM resumes from a template booted before its user is known,
+            // so its agent cannot become one yet: VMs run as root.
+            return match requested.filter(|user| !user.is_empty() && *user != "root") {
+                None => Ok("root".to_owned()),
+                Some(user) => Err(EngineError::NotImplemented {
+                    what: format!("running a VM sandbox as {user:?} (VM sandboxes run as root)"),
+                }),
+            };
         }
-        Ok(user.to_owned())
+        let users = image_users(snapshot).await;
+        let known = |name: &str| users.iter().any(|user| user == name);
+        let os_user = &self.shared.config.os_user;
+        let default_user = match &snapshot.image.user {
+            Some(user) => user.clone(),
+            None if known(os_user) => os_user.clone(),
+            None => "root".to_owned(),
+        };
+        let Some(user) = requested.filter(|user| !user.is_empty()) else {
+            return Ok(default_user);
+        };
+        let name = user.split_once(':').map_or(user, |(name, _)| name);
+        // Without a readable /etc/passwd the agent checks, as the sandbox starts.
+        if users.is_empty() || known(name) || name.parse::<u32>().is_ok() || user == default_user {
+            return Ok(user.to_owned());
+        }
+        Err(EngineError::Invalid {
+            field: "user",
+            reason: format!(
+                "{name:?} is not in the /etc/passwd of snapshot {}; its sandboxes run as \
+                 {default_user:?} unless asked for another user of that file",
+                snapshot.name
+            ),
+        })
     }
 
     pub(crate) fn spec(
@@ -262,9 +284,29 @@ impl Sandboxes {
             network: None,
             volumes: self.volumes.binds(record),
             workdir: snapshot.image.workdir.clone(),
-            user: (record.os_user != self.shared.config.os_user).then(|| record.os_user.clone()),
+            user: (record.os_user != "root").then(|| record.os_user.clone()),
             command: snapshot.image.command(),
         })
+    }
+}
+
+/// The user names of a snapshot's image, its captured layers first; none
+/// when they cannot be read (the agent then checks the user as it starts).
+async fn image_users(snapshot: &cove_store::SnapshotRecord) -> Vec<String> {
+    let roots: Vec<std::path::PathBuf> = snapshot
+        .layers
+        .iter()
+        .chain(std::iter::once(&snapshot.rootfs))
+        .map(Into::into)
+        .collect();
+    let read = tokio::task::spawn_blocking(move || cove_images::image_users(&roots)).await;
+    match read {
+        Ok(Ok(users)) => users,
+        Ok(Err(error)) => {
+            tracing::warn!(snapshot = %snapshot.name, %error, "reading the image's users");
+            Vec::new()
+        }
+        Err(_) => Vec::new(),
     }
 }
 

@@ -575,11 +575,11 @@ fn snapshot_of(
         disk_gib: config.default_disk_gib,
         size_bytes: i64::try_from(pulled.size_bytes).ok(),
         env,
-        // What its containers run. Its USER is not taken over: the sandbox
-        // user is the server's unless a Dockerfile build sets one.
+        // What its containers run, and as whom (its USER; without one, root
+        // unless it has the server's default user).
         image: cove_store::ImageSettings {
             workdir: pulled.config.working_dir.clone().filter(|d| !d.is_empty()),
-            user: None,
+            user: pulled.config.user.clone(),
             entrypoint: pulled.config.entrypoint.clone(),
             cmd: pulled.config.cmd.clone(),
         },
