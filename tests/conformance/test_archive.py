@@ -28,9 +28,10 @@ from conftest import CoveServer, free_port, new_data_dir, remove_data_dir
 def archive_round_trip(cove: CoveServer, daytona, tag: str) -> None:
     sandbox = daytona.create()
     try:
-        sandbox.fs.upload_file(f"kept {tag}".encode(), "/root/kept.txt")
+        sandbox.fs.upload_file(f"kept {tag}".encode(), "kept.txt")
         # A deletion in the writable layer (an overlayfs whiteout) must survive too.
-        sandbox.process.exec("rm /etc/motd && mkdir -p /srv/deep/tree && echo x > /srv/deep/tree/f")
+        # (The default user changes the image through sudo, as on Daytona.)
+        sandbox.process.exec("sudo rm /etc/motd && sudo mkdir -p /srv/deep/tree && echo x | sudo tee /srv/deep/tree/f")
         sandbox.stop()
         sandbox.archive()
         assert cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "archived"
@@ -38,7 +39,7 @@ def archive_round_trip(cove: CoveServer, daytona, tag: str) -> None:
         assert not (cove.data_dir / "storage" / "sandboxes" / sandbox.id).exists()
 
         sandbox.start(timeout=120)
-        assert sandbox.fs.download_file("/root/kept.txt") == f"kept {tag}".encode()
+        assert sandbox.fs.download_file("kept.txt") == f"kept {tag}".encode()
         r = sandbox.process.exec("test ! -e /etc/motd && cat /srv/deep/tree/f")
         assert (r.exit_code, r.result.strip()) == (0, "x"), r.result
     finally:
@@ -115,14 +116,14 @@ def test_archive_to_s3_compatible_storage(s3):
         daytona = server.client()
         sandbox = daytona.create()
         try:
-            sandbox.fs.upload_file(b"in s3", "/root/s3.txt")
+            sandbox.fs.upload_file(b"in s3", "s3.txt")
             sandbox.stop()
             sandbox.archive()
             # The object is in the bucket, under the configured prefix.
             listing = requests.get(f"{endpoint}/{bucket}?list-type=2&prefix=cove/", timeout=10).text
             assert f"cove/sandboxes/{sandbox.id}/storage" in listing, listing
             sandbox.start(timeout=120)
-            assert sandbox.fs.download_file("/root/s3.txt") == b"in s3"
+            assert sandbox.fs.download_file("s3.txt") == b"in s3"
             listing = requests.get(f"{endpoint}/{bucket}?list-type=2&prefix=cove/", timeout=10).text
             assert sandbox.id not in listing
         finally:

@@ -15,7 +15,9 @@ import pytest
 from daytona import (
     DaytonaBadRequestError,
     DaytonaConflictError,
+    CreateSandboxFromSnapshotParams,
     DaytonaError,
+    DaytonaFileAccessDeniedError,
     DaytonaFileNotFoundError,
     DaytonaNotFoundError,
 )
@@ -30,12 +32,22 @@ def sandbox(request, sandboxes):
     return sandbox_of_class(request, sandboxes)
 
 
+@pytest.fixture(params=SANDBOX_CLASSES)
+def root_sandbox(request, sandboxes):
+    """A fresh container running as root, or this module's VM (VMs run as
+    root): for what only root may do to files of the image or of others."""
+    if request.param == "vm":
+        return request.getfixturevalue("module_vm")
+    return sandboxes(CreateSandboxFromSnapshotParams(os_user="root"))
+
+
 def write(sandbox, files: dict[str, str]) -> None:
     for path, text in files.items():
         sandbox.fs.upload_file(text.encode(), path)
 
 
-def test_move_files_renames_and_refuses_conflicts(sandbox):
+def test_move_files_renames_and_refuses_conflicts(root_sandbox):
+    sandbox = root_sandbox
     write(sandbox, {"/tmp/mv/src/a.txt": "a", "/tmp/mv/b.txt": "b"})
     sandbox.fs.move_files("/tmp/mv/src", "/tmp/mv/dst")
     assert sandbox.fs.download_file("/tmp/mv/dst/a.txt") == b"a"
@@ -49,7 +61,8 @@ def test_move_files_renames_and_refuses_conflicts(sandbox):
     assert any(f.name == "sources.list.d" for f in sandbox.fs.list_files("/tmp/mv/apt"))
 
 
-def test_set_file_permissions_changes_mode_and_owner(sandbox):
+def test_set_file_permissions_changes_mode_and_owner(root_sandbox):
+    sandbox = root_sandbox
     write(sandbox, {"/tmp/perm/run.sh": "#!/bin/sh\necho ran\n"})
     sandbox.fs.set_file_permissions("/tmp/perm/run.sh", mode="750")
     info = sandbox.fs.get_file_info("/tmp/perm/run.sh")
@@ -62,6 +75,19 @@ def test_set_file_permissions_changes_mode_and_owner(sandbox):
         sandbox.fs.set_file_permissions("/tmp/perm/run.sh", mode="9x")
     with pytest.raises(DaytonaFileNotFoundError):
         sandbox.fs.set_file_permissions("/tmp/perm/gone", mode="644")
+
+
+def test_the_default_user_may_not_give_its_files_away(sandboxes):
+    sandbox = sandboxes()
+    write(sandbox, {"mine.txt": "x"})
+    sandbox.fs.set_file_permissions("mine.txt", mode="600")
+    assert sandbox.fs.get_file_info("mine.txt").permissions == "0600"
+    with pytest.raises(DaytonaFileAccessDeniedError):
+        sandbox.fs.set_file_permissions("mine.txt", owner="nobody")
+    assert sandbox.fs.get_file_info("mine.txt").owner == "daytona"
+    # Nor move what belongs to root.
+    with pytest.raises(DaytonaFileAccessDeniedError):
+        sandbox.fs.move_files("/etc/apt", "/tmp/apt")
 
 
 TREE = {
@@ -224,7 +250,7 @@ def test_metrics_are_the_sandbox_limits_not_the_hosts(daytona, sandboxes):
     assert before.mem_total == 1024**3
     assert before.disk_total == 3 * 1024**3
     assert 0 < before.mem_used < before.mem_total
-    sandbox.process.exec("head -c 64000000 /dev/urandom > /root/fill.bin && sync")
+    sandbox.process.exec("head -c 64000000 /dev/urandom > fill.bin && sync")
     after = sandbox.get_metrics_latest()
     # The quota group counts what the sandbox wrote.
     assert after.disk_used - before.disk_used >= 60_000_000

@@ -71,7 +71,7 @@ def test_a_sandboxs_environment_is_in_no_command_line(sandboxes):
 def test_containers_die_with_a_crashed_server_and_come_back(own_server):
     client = own_server.client()
     sandbox = client.create(CreateSandboxFromSnapshotParams(name="orphan-" + uuid.uuid4().hex[:6]))
-    sandbox.fs.upload_file(b"kept", "/root/kept.txt")
+    sandbox.fs.upload_file(b"kept", "kept.txt")
     assert cgroup_procs(sandbox.id), "the running sandbox has no process in its cgroup"
 
     own_server.proc.send_signal(signal.SIGKILL)
@@ -84,7 +84,7 @@ def test_containers_die_with_a_crashed_server_and_come_back(own_server):
     again = own_server.client().get(sandbox.id)
     if again.state != SandboxState.STARTED:
         again.start(timeout=60)
-    assert again.fs.download_file("/root/kept.txt") == b"kept"
+    assert again.fs.download_file("kept.txt") == b"kept"
 
 
 def test_a_server_with_no_sandbox_left_unmounts_its_storage():

@@ -9,12 +9,22 @@ import uuid
 from pathlib import Path
 
 import pytest
-from daytona import SessionExecuteRequest
+from daytona import CreateSandboxFromSnapshotParams, SessionExecuteRequest
+
+
+# This module is about what root inside a sandbox cannot do, so its sandboxes
+# run as root; the default user's walls are test_default_user.py's.
+AS_ROOT = CreateSandboxFromSnapshotParams(os_user="root")
+
+
+@pytest.fixture
+def sandbox(sandboxes):
+    return sandboxes(AS_ROOT)
 
 
 @pytest.fixture
 def pair(sandboxes):
-    return sandboxes(), sandboxes()
+    return sandboxes(AS_ROOT), sandboxes(AS_ROOT)
 
 
 def test_files_are_not_shared(pair):

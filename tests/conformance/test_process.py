@@ -216,6 +216,7 @@ def test_ninth_shell_and_seventeenth_background_command_are_refused(sandbox):
 
 
 def test_info_endpoints(sandbox):
-    assert sandbox.get_user_home_dir() == "/root"
+    # Containers run as the default user, VMs as root.
+    assert sandbox.get_user_home_dir() == {"daytona": "/home/daytona", "root": "/root"}[sandbox.user]
     assert sandbox.get_work_dir() == sandbox.process.exec("pwd").result.strip()
     assert InfoApi(sandbox._toolbox_api).get_version()["version"]

@@ -9,8 +9,8 @@ def test_restart_keeps_sandboxes_and_files(own_server):
     client = own_server.client()
     running = client.create(CreateSandboxFromSnapshotParams(name="keep-running"))
     stopped = client.create(CreateSandboxFromSnapshotParams(name="keep-stopped"))
-    running.fs.upload_file(b"survives restarts", "/root/persist.txt")
-    stopped.fs.upload_file(b"stopped too", "/root/persist.txt")
+    running.fs.upload_file(b"survives restarts", "persist.txt")
+    stopped.fs.upload_file(b"stopped too", "persist.txt")
     stopped.stop()
 
     assert own_server.stop() == 0, own_server.log_tail()
@@ -25,11 +25,11 @@ def test_restart_keeps_sandboxes_and_files(own_server):
     if again.state == SandboxState.STOPPED:
         again.start()
     assert again.state == SandboxState.STARTED
-    assert again.fs.download_file("/root/persist.txt") == b"survives restarts"
+    assert again.fs.download_file("persist.txt") == b"survives restarts"
     assert again.process.exec("echo up").result.strip() == "up"
 
     # A sandbox the user stopped stays stopped, and starts with its disk.
     still = client.get(stopped.id)
     assert still.state == SandboxState.STOPPED
     still.start()
-    assert still.fs.download_file("/root/persist.txt") == b"stopped too"
+    assert still.fs.download_file("persist.txt") == b"stopped too"

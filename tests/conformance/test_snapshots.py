@@ -54,7 +54,7 @@ def test_live_snapshot_keeps_the_sandbox_running_and_revert_rewinds(cove, sandbo
     session = unique("s")
     sandbox.process.create_session(session)
     sandbox.process.execute_session_command(session, SessionExecuteRequest(command="sleep 300", run_async=True))
-    sandbox.fs.upload_file(b"v1", "/root/state.txt")
+    sandbox.fs.upload_file(b"v1", "state.txt")
     name = unique("live")
     sandbox.create_snapshot(name)
     snapshot_names.append(name)
@@ -62,31 +62,31 @@ def test_live_snapshot_keeps_the_sandbox_running_and_revert_rewinds(cove, sandbo
     # The machine kept running through the snapshot.
     assert "sleep 300" in sandbox.process.exec("ps -eo args").result
 
-    sandbox.fs.upload_file(b"v2", "/root/state.txt")
-    sandbox.process.exec("touch /root/added-later")
+    sandbox.fs.upload_file(b"v2", "state.txt")
+    sandbox.process.exec("touch added-later")
     reply = cove.request("POST", f"/sandbox/{sandbox.id}/revert", json={"snapshot": name})
     assert reply.status_code == 200, reply.text
     assert reply.json()["state"] == "started"
-    assert sandbox.fs.download_file("/root/state.txt") == b"v1"
-    assert sandbox.process.exec("test -e /root/added-later").exit_code == 1
+    assert sandbox.fs.download_file("state.txt") == b"v1"
+    assert sandbox.process.exec("test -e added-later").exit_code == 1
 
 
 def test_snapshots_stack(sandboxes, snapshot_names):
     first = sandboxes()
-    first.fs.upload_file(b"one", "/root/one")
+    first.fs.upload_file(b"one", "one")
     a = unique("a")
     first.create_snapshot(a)
     snapshot_names.append(a)
     second = sandboxes(CreateSandboxFromSnapshotParams(snapshot=a))
-    second.fs.upload_file(b"two", "/root/two")
-    second.process.exec("rm /root/one")
+    second.fs.upload_file(b"two", "two")
+    second.process.exec("rm one")
     b = unique("b")
     second.create_snapshot(b)
     snapshot_names.append(b)
     third = sandboxes(CreateSandboxFromSnapshotParams(snapshot=b))
-    assert third.fs.download_file("/root/two") == b"two"
+    assert third.fs.download_file("two") == b"two"
     # A deletion in a middle layer stays deleted.
-    assert third.process.exec("test -e /root/one").exit_code == 1
+    assert third.process.exec("test -e one").exit_code == 1
 
 
 def test_snapshot_rules(cove, sandboxes, daytona, snapshot_names):

@@ -96,7 +96,7 @@ def test_volume_errors(cove, daytona, sandboxes, volume):
 def test_a_symlink_in_the_sandbox_cannot_redirect_a_mount(cove, sandboxes, volume):
     # A snapshot whose files hold a symlink to a host-looking path.
     source = sandboxes()
-    source.process.exec("ln -s /etc /root/evil")
+    source.process.exec("ln -s /etc /home/daytona/evil")
     name = unique("evil")
     source.stop()
     reply = cove.request("POST", f"/sandbox/{source.id}/snapshot", json={"name": name})
@@ -106,7 +106,7 @@ def test_a_symlink_in_the_sandbox_cannot_redirect_a_mount(cove, sandboxes, volum
         reply = cove.request(
             "POST",
             "/sandbox",
-            json={"snapshot": name, "volumes": [{"volumeId": volume.id, "mountPath": "/root/evil/x"}]},
+            json={"snapshot": name, "volumes": [{"volumeId": volume.id, "mountPath": "/home/daytona/evil/x"}]},
         )
         assert reply.status_code >= 400, reply.text
         assert "symlink" in reply.json()["message"]
