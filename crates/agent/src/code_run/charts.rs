@@ -158,7 +158,7 @@ pub(super) fn read(path: &Path) -> Vec<Chart> {
 
 /// Every complete line of `bytes` that is a chart, at most [`MAX_CHARTS`];
 /// a last line without its newline was cut off by the bound and is dropped.
-pub(super) fn parse(bytes: &[u8]) -> Vec<Chart> {
+pub fn parse(bytes: &[u8]) -> Vec<Chart> {
     let complete = match bytes.iter().rposition(|&b| b == b'\n') {
         Some(end) => &bytes[..end],
         None => return Vec::new(),

@@ -23,7 +23,7 @@ use axum::routing::post;
 use axum::Router;
 use serde::{Deserialize, Serialize};
 
-pub use charts::{Chart, ChartElement};
+pub use charts::{parse as parse_charts, Chart, ChartElement};
 pub use runtime::Language;
 
 use crate::error::{ApiError, Json};
