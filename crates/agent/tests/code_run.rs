@@ -35,7 +35,8 @@ async fn python_gets_argv_and_envs_and_answers_output_and_exit_code() {
             "code": "import os, sys\nprint(sys.argv[1:])\nprint(os.environ['GREETING'])\nprint(os.getcwd())\nsys.exit(3)",
             "language": "python",
             "argv": ["a", "b c"],
-            "envs": {"GREETING": "hello there"},
+            // A caller's variable cannot take the prelude's directory away.
+            "envs": {"GREETING": "hello there", "COVE_CODE_RUN_DIR": "/nowhere"},
         }),
     )
     .await;

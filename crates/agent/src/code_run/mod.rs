@@ -99,15 +99,20 @@ async fn code_run(
     write(&code_file, &request.code)?;
 
     let mut command = std::process::Command::new(&invocation.program);
-    command.args(&invocation.args).args(&request.argv);
+    command
+        .args(&invocation.args)
+        .args(&request.argv)
+        .env("PWD", &settings.work_dir)
+        .envs(&request.envs);
     if language == Language::Python {
         write(&run_dir.path.join("cove_code_run.py"), PYTHON_PRELUDE)?;
-        command
-            .env("COVE_CODE_RUN_DIR", &run_dir.path)
+        // After the caller's variables: the prelude must find its directory.
+        command.env("COVE_CODE_RUN_DIR", &run_dir.path);
+        if !request.envs.contains_key("PYTHONUNBUFFERED") {
             // Unbuffered, so stdout and stderr keep their order in `result`.
-            .env("PYTHONUNBUFFERED", "1");
+            command.env("PYTHONUNBUFFERED", "1");
+        }
     }
-    command.env("PWD", &settings.work_dir).envs(&request.envs);
     let finished = crate::execute::run(command, &settings.work_dir, deadline).await?;
 
     let charts = if language == Language::Python {

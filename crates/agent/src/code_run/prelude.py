@@ -155,11 +155,15 @@ class Charts:
         if self.reported >= MAX_FIGURES:
             return
         self.reported += 1
-        png = figure_png(figure)
-        try:
-            chart = describe_figure(figure)
-        except Exception:  # noqa: BLE001
-            chart = {"type": "unknown"}
+        # Whatever matplotlib or numpy warns about while we read the figure
+        # is ours, not the program's output.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            png = figure_png(figure)
+            try:
+                chart = describe_figure(figure)
+            except Exception:  # noqa: BLE001
+                chart = {"type": "unknown"}
         if png is not None:
             chart["png"] = png
         line = json.dumps(chart, allow_nan=False, separators=(",", ":"))
@@ -286,7 +290,7 @@ def box_element(box):
             "third_quartile": number(box.get("q3")),
             "max": number(box.get("whishi")),
             "outliers": [
-                v for v in (number(f) for f in list(box.get("fliers", []))[:MAX_POINTS]) if v is not None
+                v for v in (number(f) for f in box.get("fliers", [])[:MAX_POINTS]) if v is not None
             ],
         }
     )
@@ -315,7 +319,8 @@ def scale_of(axis):
 
 def points(data):
     kept = []
-    for row in list(data)[:MAX_POINTS]:
+    # Sliced first: a plot of millions of points is listed only as far as kept.
+    for row in data[:MAX_POINTS]:
         pair = [number(v) for v in list(row)[:2]]
         if len(pair) == 2 and None not in pair:
             kept.append(pair)
