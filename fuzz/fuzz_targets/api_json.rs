@@ -1,7 +1,9 @@
 //! Fuzz target `api_json`: every request body and query string the toolbox
 //! API parses (`cove_agent::requests`), from arbitrary bytes, as the agent's
 //! extractors do (`serde_json` for bodies, `serde_urlencoded` for queries).
-//! Nothing may panic; a parse error is an answer like any other.
+//! Nothing may panic; a parse error is an answer like any other. The same
+//! bytes go to code-run's chart side channel parser, which reads what a
+//! user's program wrote.
 //!
 //! The control API's own bodies (create sandbox, volumes, snapshots) are
 //! parsed in cove-api, whose dependencies (the engine, SQLite, object_store
@@ -22,6 +24,7 @@ macro_rules! parse_all {
 fuzz_target!(|data: &[u8]| {
     parse_all!(serde_json::from_slice, data;
         bodies::ExecuteRequest,
+        bodies::CodeRunRequest,
         bodies::DownloadRequest,
         bodies::ReplaceRequest,
         bodies::BranchRequest,
@@ -67,4 +70,5 @@ fuzz_target!(|data: &[u8]| {
         queries::LogsQuery,
         queries::UnpackQuery,
     );
+    let _ = cove_agent::code_run::parse_charts(data);
 });

@@ -25,7 +25,7 @@ pub async fn start(sessions: &Registry, argv: &[String]) {
         tracing::warn!(%error, "could not make the entrypoint session");
         return;
     }
-    match sessions.exec(SESSION, command.clone(), true).await {
+    match sessions.exec(SESSION, command.clone(), true, true).await {
         Ok(_) => tracing::info!(%command, "started the image's entrypoint"),
         Err(error) => tracing::warn!(%error, %command, "could not start the image's entrypoint"),
     }

@@ -62,6 +62,12 @@ pub enum ApiError {
         #[source]
         source: io::Error,
     },
+    /// `/process/code-run` for a language whose program the sandbox lacks.
+    #[error("running {language} code needs {wanted} on PATH, which this sandbox does not have; install it in the image")]
+    RuntimeMissing {
+        language: &'static str,
+        wanted: String,
+    },
     /// A `/cove/unpack` stream that was refused or failed; its kind decides.
     #[error(transparent)]
     Unpack(#[from] crate::unpack::UnpackError),
@@ -103,6 +109,7 @@ impl ApiError {
             Self::Git(error) => error.failure.status(),
             Self::ContextNotFound(_) => StatusCode::NOT_FOUND,
             Self::PortUnreachable { .. } => StatusCode::BAD_GATEWAY,
+            Self::RuntimeMissing { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Unpack(error) => error.status(),
         }
     }
@@ -126,6 +133,7 @@ impl ApiError {
             Self::ContextNotFound(_) => "NOT_FOUND",
             Self::PortUnreachable { .. } => "BAD_GATEWAY",
             Self::NotImplemented(_) => "NOT_IMPLEMENTED",
+            Self::RuntimeMissing { .. } => "UNPROCESSABLE_ENTITY",
             Self::Unpack(error) => error.code(),
         }
     }

@@ -1,13 +1,22 @@
 //! `POST /process/execute`: one command, one shell, output collected in the
 //! order it was produced, a deadline that kills the command's whole process
-//! group.
+//! group. [`run`] is also how `/process/code-run` runs its program.
+//!
+//! A command that leaves a background process holding its output open (`cmd &`)
+//! is answered [`EXIT_GRACE`] after it exits, not at its deadline: the SDK's
+//! users start servers that way. The background process keeps running, and
+//! the agent keeps its output pipe open (reading and discarding) so it never
+//! writes into a closed pipe.
 //!
 //! This is on the benchmark path: per request there is one pipe, one spawn and
 //! one read loop, nothing else.
 
 use std::collections::BTreeMap;
+use std::ffi::OsStr;
 use std::os::unix::process::{CommandExt as _, ExitStatusExt as _};
+use std::path::{Path, PathBuf};
 use std::process::{ExitStatus, Stdio};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::extract::State;
@@ -17,12 +26,27 @@ use cove_protocol::execute::{ExecuteRequest, ExecuteResponse, PATH};
 use nix::sys::signal::{killpg, Signal};
 use nix::unistd::Pid;
 use tokio::io::AsyncReadExt as _;
+use tokio::net::unix::pipe;
+use tokio::time::Instant;
 
 use crate::error::{ApiError, Json};
 use crate::AppState;
 
 /// Exit code reported when the deadline killed the command, as `timeout(1)` does.
 pub const TIMED_OUT_EXIT_CODE: i32 = 124;
+
+/// How long output is still collected after the command has exited while a
+/// process it started keeps the output open: enough for what that process
+/// prints at once (a server's "listening on"), short enough that `cmd &`
+/// answers promptly.
+pub const EXIT_GRACE: Duration = Duration::from_secs(1);
+
+/// Most outputs the agent keeps draining for background processes at once;
+/// beyond it such an output is closed, and its writers get `EPIPE`. One file
+/// descriptor and one idle task each.
+const MAX_DETACHED_OUTPUTS: usize = 256;
+
+static DETACHED_OUTPUTS: AtomicUsize = AtomicUsize::new(0);
 
 pub fn routes() -> Router<AppState> {
     Router::new().route(PATH, post(execute))
@@ -41,13 +65,6 @@ async fn execute(
         Some(seconds) if seconds > 0 => Duration::from_secs(seconds),
         _ => settings.default_exec_timeout,
     };
-
-    // One pipe for stdout and stderr keeps them in the order they were written.
-    let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
-        .map_err(|e| ApiError::internal("creating output pipe", e.into()))?;
-    let writer_for_stderr = writer
-        .try_clone()
-        .map_err(|e| ApiError::internal("duplicating output pipe", e))?;
     let mut command = match direct_program(&request.command, request.envs.as_ref()) {
         Some((program, args)) => {
             let mut command = std::process::Command::new(program);
@@ -60,35 +77,67 @@ async fn execute(
             command
         }
     };
+    command.envs(request.envs.iter().flatten());
+    let finished = run(command, &cwd, deadline).await?;
+    Ok(Json(ExecuteResponse {
+        exit_code: finished.exit_code,
+        result: String::from_utf8_lossy(&finished.output).into_owned(),
+        timed_out: finished.timed_out,
+    }))
+}
+
+/// How a command run by [`run`] ended.
+#[derive(Debug)]
+pub struct Finished {
+    /// Standard output and error, in the order they were written.
+    pub output: Vec<u8>,
+    pub exit_code: i32,
+    /// The deadline killed the command ([`TIMED_OUT_EXIT_CODE`]).
+    pub timed_out: bool,
+}
+
+/// Runs `command` in `cwd` as the leader of a new process group, stdin from
+/// `/dev/null`, stdout and stderr on one pipe, until it exits (plus
+/// [`EXIT_GRACE`] if a process it started holds the pipe) or until `deadline`,
+/// which kills the group.
+pub async fn run(
+    mut command: std::process::Command,
+    cwd: &Path,
+    deadline: Duration,
+) -> Result<Finished, ApiError> {
+    // One pipe for stdout and stderr keeps them in the order they were written.
+    let (reader, writer) = nix::unistd::pipe2(nix::fcntl::OFlag::O_CLOEXEC)
+        .map_err(|e| ApiError::internal("creating output pipe", e.into()))?;
+    let writer_for_stderr = writer
+        .try_clone()
+        .map_err(|e| ApiError::internal("duplicating output pipe", e))?;
     command
-        .current_dir(&cwd)
-        .envs(request.envs.iter().flatten())
+        .current_dir(cwd)
         .stdin(Stdio::null())
         .stdout(Stdio::from(writer))
         .stderr(Stdio::from(writer_for_stderr))
         .process_group(0);
     let mut command = tokio::process::Command::from(command);
-    let mut child = command.spawn().map_err(|e| spawn_error(&cwd, e))?;
+    let mut child = command.spawn().map_err(|e| spawn_error(cwd, e))?;
     // Our copies of the write end must close, or the read below never ends.
     drop(command);
     let pgid = child.id().map(|pid| Pid::from_raw(pid as i32));
-    let mut output = tokio::net::unix::pipe::Receiver::from_owned_fd(reader)
+    let mut output = pipe::Receiver::from_owned_fd(reader)
         .map_err(|e| ApiError::internal("reading command output", e))?;
 
     let mut result = Vec::new();
-    let finished = tokio::time::timeout(deadline, async {
-        // A background process that keeps the pipe open keeps us reading;
-        // the SDK documents that behaviour.
-        output.read_to_end(&mut result).await?;
-        child.wait().await
-    })
+    let deadline = Instant::now() + deadline;
+    let ended = tokio::time::timeout_at(
+        deadline,
+        collect(&mut child, &mut output, &mut result, deadline),
+    )
     .await;
-    let response = match finished {
+    let finished = match ended {
         Ok(status) => {
             let status = status.map_err(|e| ApiError::internal("waiting for command", e))?;
-            ExecuteResponse {
+            Finished {
+                output: result,
                 exit_code: exit_code(status),
-                result: String::from_utf8_lossy(&result).into_owned(),
                 timed_out: false,
             }
         }
@@ -97,14 +146,71 @@ async fn execute(
                 let _ = killpg(pgid, Signal::SIGKILL);
             }
             let _ = child.wait().await;
-            ExecuteResponse {
+            Finished {
+                output: result,
                 exit_code: TIMED_OUT_EXIT_CODE,
-                result: String::from_utf8_lossy(&result).into_owned(),
                 timed_out: true,
             }
         }
     };
-    Ok(Json(response))
+    // Open only if a process outside the group (or one started in the
+    // background) still holds it.
+    detach(output);
+    Ok(finished)
+}
+
+/// Reads `output` into `result` until the pipe closes and the child has
+/// exited; if the child exits first, reads on for at most [`EXIT_GRACE`]
+/// (never past `deadline`). A command whose output closes with it is answered
+/// at once.
+async fn collect(
+    child: &mut tokio::process::Child,
+    output: &mut pipe::Receiver,
+    result: &mut Vec<u8>,
+    deadline: Instant,
+) -> std::io::Result<ExitStatus> {
+    let mut buffer = vec![0; 64 * 1024];
+    let status = loop {
+        tokio::select! {
+            read = output.read(&mut buffer) => match read {
+                Ok(n) if n > 0 => result.extend_from_slice(&buffer[..n]),
+                // End of file (or a broken pipe): only the exit is left.
+                _ => return child.wait().await,
+            },
+            status = child.wait() => break status?,
+        }
+    };
+    let grace_over = (Instant::now() + EXIT_GRACE).min(deadline);
+    loop {
+        tokio::select! {
+            read = output.read(&mut buffer) => match read {
+                Ok(n) if n > 0 => result.extend_from_slice(&buffer[..n]),
+                _ => return Ok(status),
+            },
+            () = tokio::time::sleep_until(grace_over) => return Ok(status),
+        }
+    }
+}
+
+/// Keeps reading (and discarding) an output pipe some background process may
+/// still hold, so it never writes into a closed pipe, until that process
+/// closes it; returns at once. Past [`MAX_DETACHED_OUTPUTS`] the pipe is closed.
+fn detach(mut output: pipe::Receiver) {
+    let reserved = DETACHED_OUTPUTS.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| {
+        (n < MAX_DETACHED_OUTPUTS).then_some(n + 1)
+    });
+    if reserved.is_err() {
+        return;
+    }
+    tokio::spawn(async move {
+        let mut sink = vec![0; 16 * 1024];
+        while let Ok(n) = output.read(&mut sink).await {
+            if n == 0 {
+                break;
+            }
+        }
+        DETACHED_OUTPUTS.fetch_sub(1, Ordering::AcqRel);
+    });
 }
 
 /// Words a shell would treat specially somewhere in a simple command; a
@@ -129,7 +235,7 @@ const SHELL_ONLY: &[&str] = &[
 pub fn direct_program(
     command: &str,
     envs: Option<&BTreeMap<String, String>>,
-) -> Option<(std::path::PathBuf, Vec<String>)> {
+) -> Option<(PathBuf, Vec<String>)> {
     if !command.chars().all(is_plain) || envs.is_some_and(|e| e.contains_key("PATH")) {
         return None;
     }
@@ -139,14 +245,19 @@ pub fn direct_program(
         return None;
     }
     let path = std::env::var_os("PATH")?;
-    let program = std::env::split_paths(&path)
-        .map(|dir| dir.join(first))
+    let program = find_on_path(first, &path)?;
+    Some((program, words.map(str::to_owned).collect()))
+}
+
+/// The first executable file `name` in the directories of `path` (a `PATH` value).
+pub fn find_on_path(name: &str, path: &OsStr) -> Option<PathBuf> {
+    std::env::split_paths(path)
+        .map(|dir| dir.join(name))
         .find(|candidate| {
             use std::os::unix::fs::PermissionsExt as _;
             std::fs::metadata(candidate)
                 .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-        })?;
-    Some((program, words.map(str::to_owned).collect()))
+        })
 }
 
 /// Exit status as a shell reports it: the code, or 128 + the killing signal.
@@ -157,12 +268,12 @@ pub fn exit_code(status: ExitStatus) -> i32 {
         .unwrap_or(-1)
 }
 
-fn spawn_error(cwd: &std::path::Path, error: std::io::Error) -> ApiError {
+fn spawn_error(cwd: &Path, error: std::io::Error) -> ApiError {
     // The only path a spawn touches besides the shell is the working directory.
     if !cwd.is_dir() {
         return ApiError::io(cwd, error);
     }
-    ApiError::internal("starting the shell", error)
+    ApiError::internal("starting the command", error)
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 //! the routes and JSON shapes are the SDK's (`daytona==0.226.1`). This crate
 //! knows nothing about sandboxes, containers or the server.
 
+pub mod code_run;
 pub mod config;
 pub mod entrypoint;
 pub mod error;
@@ -36,6 +37,7 @@ pub use config::Settings;
 pub mod requests {
     /// Request bodies (JSON; the interpreter's first WebSocket message too).
     pub mod bodies {
+        pub use crate::code_run::CodeRunRequest;
         pub use crate::files::download::DownloadRequest;
         pub use crate::files::replace::ReplaceRequest;
         pub use crate::git::branches::{BranchRequest, CheckoutRequest};
@@ -93,6 +95,7 @@ pub fn app(state: AppState) -> Router {
     Router::new()
         .merge(system::routes())
         .merge(execute::routes())
+        .merge(code_run::routes())
         .merge(session::routes())
         .merge(files::routes())
         .merge(info::routes())

@@ -98,6 +98,88 @@ async fn execute_timeout_kills_the_process_group() {
 }
 
 #[tokio::test]
+async fn execute_returns_when_its_command_exits_and_leaves_the_background_running() {
+    let agent = Agent::start();
+    let pid_file = agent.path("background.pid");
+    // The background process holds the output pipe open for 30 s.
+    let command = format!(
+        "echo early; (sleep 0.2; echo late; echo $(exec sh -c 'echo $PPID') > {}; exec sleep 30) &",
+        pid_file.display()
+    );
+    let started = Instant::now();
+    let reply = agent
+        .post_json(
+            "/process/execute",
+            json!({"command": command, "timeout": 20}),
+        )
+        .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "held until the deadline: {:?}",
+        started.elapsed()
+    );
+    let body = reply.json();
+    assert_eq!(body, json!({"exitCode": 0, "result": "early\nlate\n"}));
+    let pid: i32 = std::fs::read_to_string(&pid_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the background process was killed"
+    );
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    );
+}
+
+#[tokio::test]
+async fn a_background_process_may_write_after_the_answer() {
+    let agent = Agent::start();
+    let marker = agent.path("wrote-later");
+    // Written after the answer: a closed pipe would kill the subshell
+    // (SIGPIPE) before it touches the marker.
+    let command = format!(
+        "(sleep 2; echo after; echo more >&2; touch {}) &",
+        marker.display()
+    );
+    let reply = agent
+        .post_json("/process/execute", json!({"command": command}))
+        .await;
+    assert_eq!(reply.json(), json!({"exitCode": 0, "result": ""}));
+    for _ in 0..100 {
+        if marker.exists() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(marker.exists(), "the background process died writing");
+}
+
+#[tokio::test]
+async fn commands_whose_output_closes_with_them_are_not_held() {
+    let agent = Agent::start();
+    let started = Instant::now();
+    for _ in 0..5 {
+        let reply = agent
+            .post_json(
+                "/process/execute",
+                json!({"command": "echo hi; echo there"}),
+            )
+            .await;
+        assert_eq!(reply.json()["result"], "hi\nthere\n");
+    }
+    // Five runs held for the exit grace (1 s each) would take 5 s.
+    assert!(
+        started.elapsed() < Duration::from_millis(2500),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+#[tokio::test]
 async fn execute_with_missing_cwd_is_404_naming_it() {
     let agent = Agent::start();
     let reply = agent

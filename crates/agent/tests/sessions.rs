@@ -128,14 +128,90 @@ async fn input_reaches_an_async_command() {
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+    // The input is echoed into stdout, as Daytona's daemon does.
     assert_eq!(
         agent.get(&format!("{uri}/logs")).await.json()["stdout"],
-        "got hello\n"
+        "hello\ngot hello\n"
     );
     let late = agent
         .post_json(&format!("{uri}/input"), json!({"data": "x"}))
         .await;
     assert_eq!(late.status, 410);
+}
+
+/// The stdout a log stream carries, markers removed; panics on stderr.
+fn stdout_of(stream: &[u8]) -> String {
+    let text = String::from_utf8(stream.to_vec()).unwrap();
+    assert!(!text.contains("\x02\x02\x02"), "stderr in {text:?}");
+    text.replace("\x01\x01\x01", "")
+}
+
+async fn follow_until(
+    socket: &mut tokio_tungstenite::WebSocketStream<tokio::net::UnixStream>,
+    stream: &mut Vec<u8>,
+    wanted: Option<&str>,
+) {
+    while wanted.is_none_or(|wanted| !stdout_of(stream).contains(wanted)) {
+        match socket.next().await {
+            Some(Ok(Message::Binary(data))) => stream.extend_from_slice(&data),
+            Some(Ok(Message::Close(_))) | None => return,
+            Some(Ok(_)) => {}
+            Some(Err(e)) => panic!("{e}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn input_is_echoed_between_prompt_and_reply_with_its_newline_added() {
+    let agent = Agent::start();
+    create(&agent, "s").await;
+    let id = exec_async(
+        &agent,
+        "s",
+        r#"echo "Name?"; read name; echo "Hello $name""#,
+    )
+    .await;
+    let uri = format!("/process/session/s/command/{id}");
+    let mut socket = agent.websocket(&format!("{uri}/logs?follow=true")).await;
+    let mut stream = Vec::new();
+    follow_until(&mut socket, &mut stream, Some("Name?\n")).await;
+    // No newline: the agent adds it, or `read` would wait for ever.
+    let sent = agent
+        .post_json(&format!("{uri}/input"), json!({"data": "Alice"}))
+        .await;
+    assert_eq!(sent.status, 204, "{:?}", sent.body);
+    follow_until(&mut socket, &mut stream, None).await;
+    assert_eq!(stdout_of(&stream), "Name?\nAlice\nHello Alice\n");
+    let logs = agent.get(&format!("{uri}/logs")).await.json();
+    assert_eq!(logs["stdout"], "Name?\nAlice\nHello Alice\n");
+    assert_eq!(logs["output"], "Name?\nAlice\nHello Alice\n");
+}
+
+#[tokio::test]
+async fn suppressed_input_is_not_echoed() {
+    let agent = Agent::start();
+    create(&agent, "s").await;
+    let reply = agent
+        .post_json(
+            "/process/session/s/exec",
+            json!({"command": "read secret; echo got ${#secret}", "runAsync": true, "suppressInputEcho": true}),
+        )
+        .await;
+    let id = reply.json()["cmdId"].as_str().unwrap().to_owned();
+    let uri = format!("/process/session/s/command/{id}");
+    agent
+        .post_json(&format!("{uri}/input"), json!({"data": "hunter2\n"}))
+        .await;
+    for _ in 0..100 {
+        if !agent.get(&uri).await.json()["exitCode"].is_null() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(
+        agent.get(&format!("{uri}/logs")).await.json()["stdout"],
+        "got 7\n"
+    );
 }
 
 #[tokio::test]

@@ -1,6 +1,12 @@
 //! Starting one session command and collecting its output: per-command FIFOs
 //! for stdout and stderr (and stdin of asynchronous commands) in the session's
 //! private dir, read by one task that fills the [`CommandRecord`].
+//!
+//! Input sent to a command is echoed into its stdout log, as Daytona's daemon
+//! does (unless the command was started with `suppressInputEcho`): the
+//! collecting task appends the echo after everything the command had written
+//! before the input was sent, and the input is written only then, so a log
+//! reader sees prompt, echo and reply in that order.
 
 use std::os::fd::{AsFd, AsRawFd as _};
 use std::path::PathBuf;
@@ -10,7 +16,7 @@ use std::sync::Arc;
 use nix::sys::stat::Mode;
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::net::unix::pipe;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use super::log::{CommandRecord, Stream};
 use super::shell::Session;
@@ -39,14 +45,24 @@ impl Drop for AsyncSlot {
     }
 }
 
-/// The write end of an asynchronous command's stdin FIFO.
-pub(super) type InputPipe = pipe::Sender;
+/// How input reaches a running asynchronous command.
+pub(super) struct Input {
+    /// The write end of its stdin FIFO.
+    pipe: pipe::Sender,
+    /// To the collecting task, which appends the echo and answers; `None`
+    /// when the command was started with `suppressInputEcho`.
+    echo: Option<mpsc::UnboundedSender<Echo>>,
+}
+
+/// Input to echo into the log, and who waits for it to be there.
+type Echo = (Vec<u8>, oneshot::Sender<()>);
 
 /// Starts `command` in `session`; returns once the shell has been handed it.
 pub(super) async fn start(
     session: &Arc<Session>,
     command: String,
     slot: Option<AsyncSlot>,
+    echo_input: bool,
     max_log_bytes: usize,
 ) -> Result<Arc<CommandRecord>, ApiError> {
     let id = uuid::Uuid::new_v4().to_string();
@@ -92,23 +108,25 @@ pub(super) async fn start(
         is_async,
         max_log_bytes,
     ));
+    let (echo, echoes) = mpsc::unbounded_channel();
     if is_async {
         // Read-write so opening never blocks, whether or not the command reads.
-        let input = pipe::OpenOptions::new()
+        let pipe = pipe::OpenOptions::new()
             .read_write(true)
             .open_sender(&stdin_path)
             .map_err(setup)?;
-        *record.input.lock().await = Some(input);
+        let echo = echo_input.then_some(echo);
+        *record.input.lock().await = Some(Input { pipe, echo });
     }
 
     let status = session.expect_status(&id)?;
     session.add_command(record.clone());
     tokio::spawn(collect(
         record.clone(),
-        out,
-        err,
+        (out, err),
         writers,
         status,
+        echoes,
         slot,
         files,
     ));
@@ -118,10 +136,12 @@ pub(super) async fn start(
     Ok(record)
 }
 
-/// Sends `data` to the stdin of a running asynchronous command.
+/// Sends `data` to the stdin of a running asynchronous command, with a
+/// newline added when it lacks one (the SDK sends a line without its end), and
+/// echoes it into the stdout log first.
 pub(super) async fn send_input(record: &CommandRecord, data: &[u8]) -> Result<(), ApiError> {
     let mut input = record.input.lock().await;
-    let Some(pipe) = input.as_mut() else {
+    let Some(input) = input.as_mut() else {
         if record.exit_code().is_some() {
             return Err(ApiError::CommandCompleted(record.id.clone()));
         }
@@ -130,7 +150,21 @@ pub(super) async fn send_input(record: &CommandRecord, data: &[u8]) -> Result<()
             record.id
         )));
     };
-    pipe.write_all(data)
+    let mut line = data.to_vec();
+    if !line.ends_with(b"\n") {
+        line.push(b'\n');
+    }
+    if let Some(echo) = &input.echo {
+        let (appended, done) = oneshot::channel();
+        // The collecting task answers every echo it receives, also while the
+        // command ends; a send fails only once it no longer takes any.
+        if echo.send((line.clone(), appended)).is_ok() {
+            let _ = done.await;
+        }
+    }
+    input
+        .pipe
+        .write_all(&line)
         .await
         .map_err(|e| ApiError::internal("writing command input", e))
 }
@@ -139,10 +173,10 @@ pub(super) async fn send_input(record: &CommandRecord, data: &[u8]) -> Result<()
 /// inherited its output has closed it.
 async fn collect(
     record: Arc<CommandRecord>,
-    mut out: pipe::Receiver,
-    mut err: pipe::Receiver,
+    (mut out, mut err): (pipe::Receiver, pipe::Receiver),
     writers: (pipe::Sender, pipe::Sender),
     mut status: oneshot::Receiver<i32>,
+    mut echoes: mpsc::UnboundedReceiver<Echo>,
     slot: Option<AsyncSlot>,
     files: Vec<PathBuf>,
 ) {
@@ -159,10 +193,24 @@ async fn collect(
                 Ok(n) if n > 0 => record.append(Stream::Stderr, &err_buf[..n]),
                 _ => err_open = false,
             },
+            Some((input, appended)) = echoes.recv(), if held.is_some() => {
+                // What the command wrote before the input was sent comes first.
+                drain(&out, &record, Stream::Stdout);
+                drain(&err, &record, Stream::Stderr);
+                record.append(Stream::Stdout, &input);
+                let _ = appended.send(());
+            },
             code = &mut status, if held.is_some() => {
                 // Everything the command wrote before exiting is in the FIFOs now.
                 drain(&out, &record, Stream::Stdout);
                 drain(&err, &record, Stream::Stderr);
+                // A sender of input may hold `record.input` while it waits for
+                // its echo: answer it before taking the lock.
+                echoes.close();
+                while let Ok((input, appended)) = echoes.try_recv() {
+                    record.append(Stream::Stdout, &input);
+                    let _ = appended.send(());
+                }
                 record.input.lock().await.take();
                 held = None;
                 for file in &files {

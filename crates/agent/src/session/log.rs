@@ -29,7 +29,7 @@ pub struct CommandRecord {
     pub command: String,
     pub is_async: bool,
     /// Stdin of a running asynchronous command; `None` otherwise.
-    pub input: tokio::sync::Mutex<Option<super::command::InputPipe>>,
+    pub(super) input: tokio::sync::Mutex<Option<super::command::Input>>,
     max_bytes_per_stream: usize,
     state: Mutex<CommandState>,
     changed: watch::Sender<()>,

@@ -91,6 +91,7 @@ impl Registry {
         id: &str,
         command: String,
         is_async: bool,
+        echo_input: bool,
     ) -> Result<Arc<CommandRecord>, ApiError> {
         let session = self.get(id)?;
         let slot = if is_async {
@@ -101,7 +102,14 @@ impl Registry {
         } else {
             None
         };
-        command::start(&session, command, slot, self.settings.max_log_bytes).await
+        command::start(
+            &session,
+            command,
+            slot,
+            echo_input,
+            self.settings.max_log_bytes,
+        )
+        .await
     }
 
     pub async fn send_input(

@@ -47,6 +47,9 @@ pub struct SessionExecuteRequest {
     run_async: bool,
     #[serde(default, rename = "async")]
     is_async: bool,
+    /// Input sent to the command is not echoed into its log.
+    #[serde(default)]
+    suppress_input_echo: bool,
 }
 
 #[derive(Debug, Serialize)]
@@ -154,7 +157,12 @@ async fn exec(
     let is_async = request.run_async || request.is_async;
     let record = state
         .sessions
-        .exec(&session_id, request.command, is_async)
+        .exec(
+            &session_id,
+            request.command,
+            is_async,
+            !request.suppress_input_echo,
+        )
         .await?;
     if is_async {
         // The SDK deserializes 200 and 202 only; 202 says "still running".
