@@ -100,7 +100,7 @@ impl Sandbox {
             backup_state: "None",
             auto_stop_interval: record.timers.auto_stop,
             auto_pause_interval: record.timers.auto_pause,
-            auto_archive_interval: record.timers.auto_archive,
+            auto_archive_interval: record.timers.archive_after(),
             auto_delete_interval: record.timers.auto_delete,
             ttl_minutes: record.ttl_minutes,
             auto_destroy_at: record.ttl_deadline_ms.map(rfc3339),

@@ -302,6 +302,32 @@ async fn list_filters_by_labels_and_pages() {
 }
 
 #[tokio::test]
+async fn auto_archive_zero_reads_back_as_the_longest_interval() {
+    let api = api().await;
+    let (status, made) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "arch", "autoArchiveInterval": 0})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{made}");
+    assert_eq!(made["autoArchiveInterval"], 43200);
+    for (set, kept) in [(60, 60), (0, 43200), (100000, 43200)] {
+        let (status, body) = api
+            .call(
+                "POST",
+                &format!("/api/sandbox/arch/autoarchive/{set}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let (_, read) = api.call("GET", "/api/sandbox/arch", None).await;
+        assert_eq!(read["autoArchiveInterval"], kept, "set {set}");
+    }
+}
+
+#[tokio::test]
 async fn setters() {
     let api = api().await;
     api.call("POST", "/api/sandbox", Some(json!({"name": "s"})))
