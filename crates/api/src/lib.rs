@@ -18,6 +18,7 @@ mod preview;
 mod sandbox;
 mod server_config;
 mod snapshots;
+mod sort;
 mod ssh_access;
 mod toolbox;
 mod volumes;

@@ -73,7 +73,9 @@ pub(crate) async fn get(
     Ok(dto(&state, &headers, record))
 }
 
-/// `GET /sandbox?labels={json}&states=a&states=b&cursor=N&limit=N`
+/// `GET /sandbox?labels={json}&states=a&states=b&sort=F&order=D&cursor=N&limit=N`:
+/// sorted by the store, then filtered, then paged, so consecutive pages of
+/// one order neither repeat nor skip a sandbox.
 pub(crate) async fn list(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -83,6 +85,8 @@ pub(crate) async fn list(
     let mut states: Vec<String> = Vec::new();
     let mut cursor = 0usize;
     let mut limit = DEFAULT_PAGE;
+    let mut sort = None;
+    let mut order = None;
     for (key, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
         match key.as_ref() {
             "labels" => {
@@ -103,13 +107,16 @@ pub(crate) async fn list(
                     .filter(|l| *l > 0)
                     .ok_or_else(|| ApiError::bad_request(format!("invalid limit {value:?}")))?
             }
+            "sort" => sort = Some(value.into_owned()),
+            "order" => order = Some(value.into_owned()),
             _ => {}
         }
     }
+    let order = crate::sort::sandbox_order(sort.as_deref(), order.as_deref())?;
     let matching: Vec<SandboxRecord> = state
         .engine
         .sandboxes()
-        .list()
+        .list_ordered(order)
         .await?
         .into_iter()
         .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))

@@ -80,6 +80,8 @@ pub(crate) struct SnapshotPage {
 pub(crate) struct PageQuery {
     page: Option<usize>,
     limit: Option<usize>,
+    sort: Option<String>,
+    order: Option<String>,
 }
 
 pub(crate) async fn list(
@@ -91,7 +93,8 @@ pub(crate) async fn list(
     if page == 0 || limit == 0 {
         return Err(ApiError::bad_request("page and limit start at 1"));
     }
-    let all = state.engine.snapshots().list().await?;
+    let mut all = state.engine.snapshots().list().await?;
+    crate::sort::sort_snapshots(&mut all, query.sort.as_deref(), query.order.as_deref())?;
     let total = all.len();
     let items = all
         .into_iter()
