@@ -214,6 +214,8 @@ pub(crate) struct CreateSnapshotRequest {
     disk: Option<i64>,
     sandbox_class: Option<String>,
     entrypoint: Option<Vec<String>>,
+    /// The region the snapshot is for: this server's one, or none.
+    region_id: Option<String>,
 }
 
 /// `POST /snapshots`: pulls (or builds) the image, then answers the snapshot,
@@ -223,6 +225,7 @@ pub(crate) async fn create(
     body: Result<Json<CreateSnapshotRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<Snapshot>, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    crate::regions::check("regionId", request.region_id.as_deref())?;
     if request.entrypoint.as_ref().is_some_and(|e| !e.is_empty()) {
         return Err(ApiError::new(
             axum::http::StatusCode::NOT_IMPLEMENTED,

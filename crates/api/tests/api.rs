@@ -370,6 +370,57 @@ async fn lists_sort_as_asked_on_every_page() {
 }
 
 #[tokio::test]
+async fn one_region_is_listed_and_only_it_is_a_target() {
+    let api = api().await;
+    for path in ["/api/regions", "/api/shared-regions"] {
+        let (status, regions) = api.call("GET", path, None).await;
+        assert_eq!(status, StatusCode::OK, "{regions}");
+        let regions = regions.as_array().unwrap();
+        assert_eq!(regions.len(), 1, "{regions:?}");
+        assert_eq!(regions[0]["id"], "local");
+        assert_eq!(regions[0]["name"], "local");
+        assert_eq!(regions[0]["regionType"], "shared");
+        assert!(regions[0]["createdAt"].is_string());
+    }
+    let (status, body) = api
+        .call("POST", "/api/sandbox", Some(json!({"target": "eu"})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let message = body["message"].as_str().unwrap();
+    assert!(
+        message.contains("\"eu\"") && message.contains("\"local\""),
+        "{message}"
+    );
+    assert!(api.fake.machines().is_empty());
+    let (status, made) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "here", "target": "local"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{made}");
+    assert_eq!(made["target"], "local");
+    assert_eq!(
+        listed_names(&api, "regionIds=local").await,
+        ["here"].map(String::from)
+    );
+    assert!(listed_names(&api, "regionIds=eu").await.is_empty());
+    let (status, body) = api
+        .call(
+            "POST",
+            "/api/snapshots",
+            Some(json!({"name": "x", "imageName": "alpine:3", "regionId": "eu"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(
+        body["message"].as_str().unwrap().contains("regionId"),
+        "{body}"
+    );
+}
+
+#[tokio::test]
 async fn auto_archive_zero_reads_back_as_the_longest_interval() {
     let api = api().await;
     let (status, made) = api
