@@ -80,15 +80,44 @@ impl Settings {
         }
     }
 
-    /// Resolves a request path: absolute paths stay, relative ones join the work dir.
+    /// Resolves a request path: absolute paths stay, relative ones join the
+    /// work dir; either way cleaned as Go's `filepath.Join` cleans what
+    /// Daytona's daemon answers, so `.` lists `/home/u/.bashrc`, never
+    /// `/home/u/./.bashrc`.
     pub fn resolve(&self, path: &str) -> PathBuf {
         let path = Path::new(path);
         if path.is_absolute() {
-            path.to_path_buf()
+            clean(path)
         } else {
-            self.work_dir.join(path)
+            clean(&self.work_dir.join(path))
         }
     }
+}
+
+/// `path` without `.` components, repeated or trailing separators, or
+/// `..` after a name (it removes the name; at the root it stays the root):
+/// Go's `filepath.Clean`, lexical as Daytona's is, so a `..` after a
+/// symbolic link removes the link's name rather than leaving its target.
+fn clean(path: &Path) -> PathBuf {
+    use std::path::Component;
+    let mut parts: Vec<Component> = Vec::new();
+    for component in path.components() {
+        match component {
+            Component::CurDir => {}
+            Component::ParentDir => match parts.last() {
+                Some(Component::Normal(_)) => {
+                    parts.pop();
+                }
+                Some(Component::RootDir | Component::Prefix(_)) => {}
+                _ => parts.push(component),
+            },
+            other => parts.push(other),
+        }
+    }
+    if parts.is_empty() {
+        return PathBuf::from(".");
+    }
+    parts.iter().collect()
 }
 
 /// Removes the agent's private variables from its own environment so every
@@ -116,4 +145,53 @@ fn first_shell(names: &[&str]) -> PathBuf {
         }
     }
     PathBuf::from("/bin/sh")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(work_dir: &str) -> Settings {
+        Settings::from_env(&AgentEnv {
+            workdir: Some(work_dir.to_owned()),
+            ..AgentEnv::default()
+        })
+    }
+
+    #[test]
+    fn request_paths_resolve_clean() {
+        let settings = settings("/home/u");
+        for (given, resolved) in [
+            (".", "/home/u"),
+            ("./", "/home/u"),
+            ("./a/./b", "/home/u/a/b"),
+            ("a//b/", "/home/u/a/b"),
+            ("..", "/home"),
+            ("a/../b", "/home/u/b"),
+            ("../../../..", "/"),
+            ("/", "/"),
+            ("/tmp/./x", "/tmp/x"),
+            ("/tmp/x/..", "/tmp"),
+            ("/../etc", "/etc"),
+            ("//tmp///x", "/tmp/x"),
+            ("/tmp/.hidden", "/tmp/.hidden"),
+            ("/tmp/..x", "/tmp/..x"),
+        ] {
+            assert_eq!(
+                settings.resolve(given),
+                PathBuf::from(resolved),
+                "{given:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_work_dir_given_unclean_is_cleaned_too() {
+        assert_eq!(
+            settings("/work/./dir/").resolve("."),
+            PathBuf::from("/work/dir")
+        );
+        assert_eq!(clean(Path::new("a/..")), PathBuf::from("."));
+        assert_eq!(clean(Path::new("../a")), PathBuf::from("../a"));
+    }
 }

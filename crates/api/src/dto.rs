@@ -10,7 +10,8 @@ use serde::{Deserialize, Serialize};
 /// Daytona's organisation id is required on every sandbox; a single-tenant cove
 /// server has one organisation.
 pub(crate) const ORGANIZATION_ID: &str = "cove";
-/// The target (region) of every sandbox on this server.
+/// The target (region) of every sandbox on this server, its one region
+/// (`GET /regions`).
 pub(crate) const TARGET: &str = "local";
 
 pub(crate) fn rfc3339(ms: i64) -> String {
@@ -100,7 +101,7 @@ impl Sandbox {
             backup_state: "None",
             auto_stop_interval: record.timers.auto_stop,
             auto_pause_interval: record.timers.auto_pause,
-            auto_archive_interval: record.timers.auto_archive,
+            auto_archive_interval: record.timers.archive_after(),
             auto_delete_interval: record.timers.auto_delete,
             ttl_minutes: record.ttl_minutes,
             auto_destroy_at: record.ttl_deadline_ms.map(rfc3339),
@@ -160,6 +161,8 @@ pub(crate) struct CreateSandboxRequest {
     pub secrets: Vec<serde_json::Value>,
     pub outbound_proxy_url: Option<String>,
     pub linked_sandbox: Option<serde_json::Value>,
+    /// The region to create in: this server's one (`regions.rs`) or none.
+    pub target: Option<String>,
 }
 
 impl CreateSandboxRequest {

@@ -15,9 +15,11 @@ mod machines;
 mod not_implemented;
 mod object_storage;
 mod preview;
+mod regions;
 mod sandbox;
 mod server_config;
 mod snapshots;
+mod sort;
 mod ssh_access;
 mod toolbox;
 mod volumes;
@@ -56,6 +58,8 @@ pub struct AppState {
     config: Arc<ApiConfig>,
     toolbox: toolbox::AgentClient,
     previews: preview::Previews,
+    /// When this server started: the creation time its one region reports.
+    started_at_ms: i64,
 }
 
 impl AppState {
@@ -65,6 +69,7 @@ impl AppState {
             config: Arc::new(config),
             toolbox: toolbox::AgentClient::new(),
             previews: preview::Previews::new(),
+            started_at_ms: cove_engine::now_ms(),
         }
     }
 }
@@ -73,6 +78,8 @@ impl AppState {
 pub fn app(state: AppState) -> Router {
     let api = Router::new()
         .route("/config", get(server_config::get_config))
+        .route("/regions", get(regions::list))
+        .route("/shared-regions", get(regions::list))
         .route("/sandbox", post(sandbox::create).get(sandbox::list))
         .route("/sandbox/{id}", get(sandbox::get).delete(sandbox::delete))
         .route("/sandbox/{id}/start", post(sandbox::start))

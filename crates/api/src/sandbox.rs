@@ -50,6 +50,7 @@ pub(crate) async fn create(
     body: Result<Json<CreateSandboxRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Reply {
     let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    crate::regions::check("target", request.target.as_deref())?;
     if let Some(what) = request.unsupported() {
         return Err(ApiError::new(
             StatusCode::NOT_IMPLEMENTED,
@@ -73,7 +74,9 @@ pub(crate) async fn get(
     Ok(dto(&state, &headers, record))
 }
 
-/// `GET /sandbox?labels={json}&states=a&states=b&cursor=N&limit=N`
+/// `GET /sandbox?labels={json}&states=a&states=b&regionIds=r&sort=F&order=D&cursor=N&limit=N`:
+/// sorted by the store, then filtered, then paged, so consecutive pages of
+/// one order neither repeat nor skip a sandbox.
 pub(crate) async fn list(
     State(state): State<AppState>,
     headers: HeaderMap,
@@ -81,8 +84,11 @@ pub(crate) async fn list(
 ) -> Result<Json<SandboxList>, ApiError> {
     let mut labels: BTreeMap<String, String> = BTreeMap::new();
     let mut states: Vec<String> = Vec::new();
+    let mut regions: Vec<String> = Vec::new();
     let mut cursor = 0usize;
     let mut limit = DEFAULT_PAGE;
+    let mut sort = None;
+    let mut order = None;
     for (key, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
         match key.as_ref() {
             "labels" => {
@@ -91,6 +97,7 @@ pub(crate) async fn list(
                 })?
             }
             "states" => states.push(value.into_owned()),
+            "regionIds" | "regions" => regions.push(value.into_owned()),
             "cursor" => {
                 cursor = value
                     .parse()
@@ -103,15 +110,21 @@ pub(crate) async fn list(
                     .filter(|l| *l > 0)
                     .ok_or_else(|| ApiError::bad_request(format!("invalid limit {value:?}")))?
             }
+            "sort" => sort = Some(value.into_owned()),
+            "order" => order = Some(value.into_owned()),
             _ => {}
         }
     }
+    let order = crate::sort::sandbox_order(sort.as_deref(), order.as_deref())?;
+    // Every sandbox is in this server's one region.
+    let in_region = regions.is_empty() || regions.iter().any(|r| crate::regions::is_known(r));
     let matching: Vec<SandboxRecord> = state
         .engine
         .sandboxes()
-        .list()
+        .list_ordered(order)
         .await?
         .into_iter()
+        .filter(|_| in_region)
         .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
         .filter(|s| states.is_empty() || states.iter().any(|st| st == s.state.wire()))
         .collect();

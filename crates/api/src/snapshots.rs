@@ -80,6 +80,8 @@ pub(crate) struct SnapshotPage {
 pub(crate) struct PageQuery {
     page: Option<usize>,
     limit: Option<usize>,
+    sort: Option<String>,
+    order: Option<String>,
 }
 
 pub(crate) async fn list(
@@ -91,7 +93,8 @@ pub(crate) async fn list(
     if page == 0 || limit == 0 {
         return Err(ApiError::bad_request("page and limit start at 1"));
     }
-    let all = state.engine.snapshots().list().await?;
+    let mut all = state.engine.snapshots().list().await?;
+    crate::sort::sort_snapshots(&mut all, query.sort.as_deref(), query.order.as_deref())?;
     let total = all.len();
     let items = all
         .into_iter()
@@ -211,6 +214,8 @@ pub(crate) struct CreateSnapshotRequest {
     disk: Option<i64>,
     sandbox_class: Option<String>,
     entrypoint: Option<Vec<String>>,
+    /// The region the snapshot is for: this server's one, or none.
+    region_id: Option<String>,
 }
 
 /// `POST /snapshots`: pulls (or builds) the image, then answers the snapshot,
@@ -220,6 +225,7 @@ pub(crate) async fn create(
     body: Result<Json<CreateSnapshotRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<Snapshot>, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    crate::regions::check("regionId", request.region_id.as_deref())?;
     if request.entrypoint.as_ref().is_some_and(|e| !e.is_empty()) {
         return Err(ApiError::new(
             axum::http::StatusCode::NOT_IMPLEMENTED,

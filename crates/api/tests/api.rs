@@ -290,15 +290,160 @@ async fn list_filters_by_labels_and_pages() {
         .iter()
         .map(|s| s["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["a", "c"]);
+    // Daytona's default order: newest first.
+    assert_eq!(names, ["c", "a"]);
     assert!(page["nextCursor"].is_null());
     let (_, first) = api.call("GET", "/api/sandbox?limit=2", None).await;
     assert_eq!(first["items"].as_array().unwrap().len(), 2);
     assert_eq!(first["nextCursor"], "2");
     let (_, second) = api.call("GET", "/api/sandbox?limit=2&cursor=2", None).await;
-    assert_eq!(second["items"][0]["name"], "c");
+    assert_eq!(second["items"][0]["name"], "a");
     let (status, _) = api.call("GET", "/api/sandbox?labels=notjson", None).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
+}
+
+/// The names of a `GET` of sandboxes, every page followed.
+async fn listed_names(api: &Api, query: &str) -> Vec<String> {
+    let mut names = Vec::new();
+    let mut cursor: Option<String> = None;
+    loop {
+        let path = match &cursor {
+            Some(cursor) => format!("/api/sandbox?{query}&cursor={cursor}"),
+            None => format!("/api/sandbox?{query}"),
+        };
+        let (status, page) = api.call("GET", &path, None).await;
+        assert_eq!(status, StatusCode::OK, "{page}");
+        for item in page["items"].as_array().unwrap() {
+            names.push(item["name"].as_str().unwrap().to_owned());
+        }
+        match page["nextCursor"].as_str() {
+            Some(next) => cursor = Some(next.to_owned()),
+            None => return names,
+        }
+    }
+}
+
+#[tokio::test]
+async fn lists_sort_as_asked_on_every_page() {
+    let api = api().await;
+    for (name, cpu) in [("b", 2), ("d", 1), ("a", 2), ("c", 1)] {
+        let (status, body) = api
+            .call(
+                "POST",
+                "/api/sandbox",
+                Some(json!({"name": name, "cpu": cpu})),
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+    }
+    for (query, expected) in [
+        ("sort=name&order=asc", ["a", "b", "c", "d"]),
+        ("sort=name&order=desc", ["d", "c", "b", "a"]),
+        ("sort=createdAt&order=asc", ["b", "d", "a", "c"]),
+        ("sort=createdAt&order=desc", ["c", "a", "d", "b"]),
+        ("sort=createdAt", ["c", "a", "d", "b"]),
+        ("order=asc", ["b", "d", "a", "c"]),
+        // Equal CPUs keep creation order, in the same direction.
+        ("sort=cpu&order=asc", ["d", "c", "b", "a"]),
+        ("sort=cpu&order=desc", ["a", "b", "c", "d"]),
+    ] {
+        for limit in [1, 3, 100] {
+            let query = format!("{query}&limit={limit}");
+            assert_eq!(listed_names(&api, &query).await, expected, "{query}");
+        }
+    }
+    let (status, body) = api.call("GET", "/api/sandbox?sort=size", None).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let message = body["message"].as_str().unwrap();
+    assert!(
+        message.contains("\"size\"") && message.contains("lastActivityAt"),
+        "{message}"
+    );
+    let (status, body) = api
+        .call("GET", "/api/sandbox?sort=name&order=up", None)
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(
+        body["message"].as_str().unwrap().contains("asc, desc"),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn one_region_is_listed_and_only_it_is_a_target() {
+    let api = api().await;
+    for path in ["/api/regions", "/api/shared-regions"] {
+        let (status, regions) = api.call("GET", path, None).await;
+        assert_eq!(status, StatusCode::OK, "{regions}");
+        let regions = regions.as_array().unwrap();
+        assert_eq!(regions.len(), 1, "{regions:?}");
+        assert_eq!(regions[0]["id"], "local");
+        assert_eq!(regions[0]["name"], "local");
+        assert_eq!(regions[0]["regionType"], "shared");
+        assert!(regions[0]["createdAt"].is_string());
+    }
+    let (status, body) = api
+        .call("POST", "/api/sandbox", Some(json!({"target": "eu"})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    let message = body["message"].as_str().unwrap();
+    assert!(
+        message.contains("\"eu\"") && message.contains("\"local\""),
+        "{message}"
+    );
+    assert!(api.fake.machines().is_empty());
+    let (status, made) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "here", "target": "local"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{made}");
+    assert_eq!(made["target"], "local");
+    assert_eq!(
+        listed_names(&api, "regionIds=local").await,
+        ["here"].map(String::from)
+    );
+    assert!(listed_names(&api, "regionIds=eu").await.is_empty());
+    let (status, body) = api
+        .call(
+            "POST",
+            "/api/snapshots",
+            Some(json!({"name": "x", "imageName": "alpine:3", "regionId": "eu"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(
+        body["message"].as_str().unwrap().contains("regionId"),
+        "{body}"
+    );
+}
+
+#[tokio::test]
+async fn auto_archive_zero_reads_back_as_the_longest_interval() {
+    let api = api().await;
+    let (status, made) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "arch", "autoArchiveInterval": 0})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{made}");
+    assert_eq!(made["autoArchiveInterval"], 43200);
+    for (set, kept) in [(60, 60), (0, 43200), (100000, 43200)] {
+        let (status, body) = api
+            .call(
+                "POST",
+                &format!("/api/sandbox/arch/autoarchive/{set}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::OK, "{body}");
+        let (_, read) = api.call("GET", "/api/sandbox/arch", None).await;
+        assert_eq!(read["autoArchiveInterval"], kept, "set {set}");
+    }
 }
 
 #[tokio::test]

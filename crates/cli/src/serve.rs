@@ -563,9 +563,10 @@ fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64, pool: usiz
     });
 }
 
-/// A CIDR as `--allow-private-egress` takes it: `a.b.c.d/n` or a bare address.
+/// A CIDR as `--allow-private-egress` takes it: `a.b.c.d/n` or a bare address;
+/// host bits are refused, not masked, since the operator wrote the range.
 fn parse_cidr(text: &str) -> Result<cove_net::Ipv4Net, cove_net::PolicyError> {
-    cove_net::Policy::parse_cidr(text)
+    cove_net::Policy::parse_exact_cidr(text)
 }
 
 /// cove's sandbox network over the configured (or the host's default) uplink.

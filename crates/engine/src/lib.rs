@@ -42,8 +42,8 @@ pub use archive::{Archive, ArchiveError};
 pub use config::{Ceilings, ContextLimits, EngineConfig, VolumeQuota};
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
-    DockerRegistryRecord, NetworkSettings, SandboxRecord, SignedPreview, SnapshotRecord,
-    VolumeMount, VolumeRecord,
+    DockerRegistryRecord, NetworkSettings, SandboxOrder, SandboxRecord, SandboxSortField,
+    SignedPreview, SnapshotRecord, SortDirection, VolumeMount, VolumeRecord,
 };
 pub use error::{describe, EngineError, ErrorKind};
 pub use network::{policy as network_policy, NetworkHandle};

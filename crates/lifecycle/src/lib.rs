@@ -12,6 +12,6 @@ mod transition;
 pub use state::{DesiredState, SandboxClass, SandboxState};
 pub use timers::{
     due_action, TimerAction, TimerSettings, TimerSettingsError, TimerView, DEFAULT_AUTO_STOP,
-    MAX_MINUTES, MINUTE_MS,
+    MAX_AUTO_ARCHIVE, MAX_MINUTES, MINUTE_MS,
 };
 pub use transition::{plan, Operation, Transition, TransitionError};

@@ -18,8 +18,9 @@ pub const DEFAULT_AUTO_STOP: i64 = 15;
 pub(crate) const DEFAULT_AUTO_PAUSE: i64 = 60;
 /// Auto-archive when a user sets nothing: 7 days.
 pub(crate) const DEFAULT_AUTO_ARCHIVE: i64 = 7 * 24 * 60;
-/// Auto-archive 0 means the longest interval: 30 days.
-pub(crate) const MAX_AUTO_ARCHIVE: i64 = 30 * 24 * 60;
+/// The longest auto-archive interval, 30 days; 0 asks for it, and a longer
+/// one is cut to it (Daytona's `maxAutoArchiveInterval`).
+pub const MAX_AUTO_ARCHIVE: i64 = 30 * 24 * 60;
 
 /// The intervals of one sandbox after defaults and rules were applied.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,7 +29,9 @@ pub struct TimerSettings {
     pub auto_stop: i64,
     /// Minutes idle before a pause; 0 disables it.
     pub auto_pause: i64,
-    /// Minutes stopped before an archive; 0 means [`MAX_AUTO_ARCHIVE`].
+    /// Minutes stopped before an archive, 1 to [`MAX_AUTO_ARCHIVE`]: a
+    /// request for 0 (or more) is kept as [`MAX_AUTO_ARCHIVE`], as Daytona
+    /// keeps and answers it.
     pub auto_archive: i64,
     /// Minutes stopped before a delete; 0 deletes on stop, -1 disables it.
     pub auto_delete: i64,
@@ -83,7 +86,7 @@ impl TimerSettings {
         let settings = TimerSettings {
             auto_stop,
             auto_pause,
-            auto_archive: auto_archive.unwrap_or(DEFAULT_AUTO_ARCHIVE),
+            auto_archive: resolve_auto_archive(auto_archive.unwrap_or(DEFAULT_AUTO_ARCHIVE)),
             auto_delete,
         };
         settings.check(class)?;
@@ -115,16 +118,25 @@ impl TimerSettings {
         at_least("autoPauseInterval", 0, Some(self.auto_pause))?;
         at_least("autoArchiveInterval", 0, Some(self.auto_archive))?;
         at_least("autoDeleteInterval", -1, Some(self.auto_delete))?;
+        self.auto_archive = resolve_auto_archive(self.auto_archive);
         self.check(class)?;
         Ok(self)
     }
 
-    fn archive_after(&self) -> i64 {
-        if self.auto_archive == 0 {
-            MAX_AUTO_ARCHIVE
-        } else {
-            self.auto_archive
-        }
+    /// Minutes stopped before an archive, as a client reads it; rows stored
+    /// before 0 was resolved at write time still hold 0.
+    pub fn archive_after(&self) -> i64 {
+        resolve_auto_archive(self.auto_archive)
+    }
+}
+
+/// The auto-archive interval a request for `minutes` (already checked to be
+/// at least 0) stands for: 0 is the maximum, and nothing exceeds it.
+fn resolve_auto_archive(minutes: i64) -> i64 {
+    if minutes == 0 {
+        MAX_AUTO_ARCHIVE
+    } else {
+        minutes.min(MAX_AUTO_ARCHIVE)
     }
 }
 
@@ -408,6 +420,34 @@ mod tests {
         let mut no_archive = v;
         no_archive.can_archive = false;
         assert_eq!(due_action(&no_archive, 300 * day), None);
+        // A row written before 0 was resolved at write time still means 30 days.
+        let mut legacy = view(SandboxState::Stopped, s);
+        legacy.settings.auto_archive = 0;
+        assert_eq!(due_action(&legacy, 30 * day - 1), None);
+        assert_eq!(
+            due_action(&legacy, 30 * day),
+            Some(TimerAction::AutoArchive)
+        );
+    }
+
+    #[test]
+    fn auto_archive_zero_and_beyond_are_kept_as_the_maximum() {
+        for (asked, kept) in [
+            (0, MAX_AUTO_ARCHIVE),
+            (1, 1),
+            (MAX_AUTO_ARCHIVE, MAX_AUTO_ARCHIVE),
+            (MAX_AUTO_ARCHIVE + 1, MAX_AUTO_ARCHIVE),
+            (MAX_MINUTES, MAX_AUTO_ARCHIVE),
+        ] {
+            let created = TimerSettings::resolve(Container, None, None, Some(asked), None).unwrap();
+            assert_eq!(created.auto_archive, kept, "create with {asked}");
+            let set = created.with(Container, |t| t.auto_archive = asked).unwrap();
+            assert_eq!(set.auto_archive, kept, "set to {asked}");
+        }
+        assert_eq!(MAX_AUTO_ARCHIVE, 43_200);
+        assert!(TimerSettings::resolve(Container, None, None, Some(-1), None).is_err());
+        let created = TimerSettings::resolve(Container, None, None, None, None).unwrap();
+        assert!(created.with(Container, |t| t.auto_archive = -1).is_err());
     }
 
     #[test]

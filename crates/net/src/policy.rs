@@ -37,28 +37,23 @@ pub enum PolicyError {
 
 impl Policy {
     /// Parses one CIDR as an API client writes it: `a.b.c.d/n`, or a bare
-    /// address for `/32`. Host bits must be zero, so a typo is not widened.
+    /// address for `/32`. Host bits are masked, as Daytona's runner does when
+    /// it applies `networkAllowList`: `192.168.1.0/16` is `192.168.0.0/16`
+    /// (the prefix length is what decides the range).
     pub fn parse_cidr(text: &str) -> Result<Ipv4Net, PolicyError> {
-        let value = text.trim();
-        let invalid = |reason: &str| PolicyError::InvalidCidr {
-            value: text.to_owned(),
-            reason: reason.to_owned(),
-        };
-        if value.contains(':') {
-            return Err(invalid("only IPv4 is supported"));
-        }
-        let net = match value.parse::<Ipv4Net>() {
-            Ok(net) => net,
-            Err(_) => match value.parse::<Ipv4Addr>() {
-                Ok(address) => Ipv4Net::from(address),
-                Err(_) => return Err(invalid("expected an IPv4 address or a.b.c.d/n")),
-            },
-        };
+        parse_unmasked(text).map(|net| net.trunc())
+    }
+
+    /// Parses one CIDR as [`Policy::parse_cidr`] does, but refuses host bits
+    /// instead of masking them: for an operator's own settings, where
+    /// `10.0.0.1/8` is more likely a typo than a range.
+    pub fn parse_exact_cidr(text: &str) -> Result<Ipv4Net, PolicyError> {
+        let net = parse_unmasked(text)?;
         if net.trunc() != net {
-            return Err(invalid(&format!(
-                "host bits are set; the network is {}",
-                net.trunc()
-            )));
+            return Err(PolicyError::InvalidCidr {
+                value: text.to_owned(),
+                reason: format!("host bits are set; the network is {}", net.trunc()),
+            });
         }
         Ok(net)
     }
@@ -112,6 +107,27 @@ impl Policy {
             deny: Ipv4Net::aggregate(&self.deny_cidrs),
             domains,
         })
+    }
+}
+
+/// One CIDR (or a bare address, `/32`) as written, host bits kept.
+fn parse_unmasked(text: &str) -> Result<Ipv4Net, PolicyError> {
+    let value = text.trim();
+    let invalid = |reason: &str| PolicyError::InvalidCidr {
+        value: text.to_owned(),
+        reason: reason.to_owned(),
+    };
+    if value.contains(':') {
+        return Err(invalid("only IPv4 is supported"));
+    }
+    match value.parse::<Ipv4Net>() {
+        Ok(net) => Ok(net),
+        Err(_) => match value.parse::<Ipv4Addr>() {
+            Ok(address) => Ok(Ipv4Net::from(address)),
+            Err(_) => Err(invalid(
+                "expected an IPv4 network a.b.c.d/n (n from 0 to 32), e.g. 192.168.1.0/24",
+            )),
+        },
     }
 }
 
@@ -246,17 +262,51 @@ mod tests {
     }
 
     #[test]
+    fn host_bits_are_masked_as_daytonas_runner_does() {
+        for (given, network) in [
+            ("192.168.1.0/16", "192.168.0.0/16"),
+            ("10.1.2.3/8", "10.0.0.0/8"),
+            ("198.51.100.77/24", "198.51.100.0/24"),
+            ("1.2.3.4/0", "0.0.0.0/0"),
+            ("1.2.3.4/32", "1.2.3.4/32"),
+        ] {
+            assert_eq!(Policy::parse_cidr(given).unwrap(), net(network), "{given}");
+        }
+        assert_eq!(
+            Policy::parse_cidr_list("192.168.1.0/16,10.9.9.9/8").unwrap(),
+            vec![net("192.168.0.0/16"), net("10.0.0.0/8")]
+        );
+    }
+
+    #[test]
+    fn exact_cidrs_refuse_host_bits() {
+        assert_eq!(
+            Policy::parse_exact_cidr("10.0.0.0/8").unwrap(),
+            net("10.0.0.0/8")
+        );
+        let err = Policy::parse_exact_cidr("10.0.0.1/8")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("10.0.0.1/8"), "{err}");
+        assert!(err.contains("host bits"), "{err}");
+        assert!(err.contains("10.0.0.0/8"), "{err}");
+    }
+
+    #[test]
     fn bad_cidrs_are_named() {
         for (bad, reason) in [
             ("10.0.0.0/33", "expected"),
             ("banana", "expected"),
-            ("10.0.0.1/8", "host bits"),
+            ("10.0.0.300/8", "expected"),
+            ("10.0.0/8", "expected"),
             ("::1/128", "IPv4"),
         ] {
-            let err = Policy::parse_cidr(bad).unwrap_err();
-            let message = err.to_string();
-            assert!(message.contains(bad), "{message} should name {bad}");
-            assert!(message.contains(reason), "{message} should say {reason}");
+            for parse in [Policy::parse_cidr, Policy::parse_exact_cidr] {
+                let err = parse(bad).unwrap_err();
+                let message = err.to_string();
+                assert!(message.contains(bad), "{message} should name {bad}");
+                assert!(message.contains(reason), "{message} should say {reason}");
+            }
         }
         let err = Policy::parse_cidr_list("10.0.0.0/8,300.1.1.1").unwrap_err();
         assert!(err.to_string().contains("300.1.1.1"), "{err}");

@@ -25,6 +25,7 @@ pub use records::{
     BuildStepRecord, DockerRegistryRecord, ImageSettings, NetworkSettings, SandboxRecord,
     SnapshotRecord, SnapshotState, VolumeMount, VolumeRecord,
 };
+pub use sandboxes::{SandboxOrder, SandboxSortField, SortDirection};
 pub use ssh_access::SshAccessRecord;
 
 #[derive(Debug, thiserror::Error)]

@@ -66,6 +66,67 @@ fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
     })
 }
 
+/// What a list of sandboxes is ordered by: one of their columns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SandboxSortField {
+    Id,
+    Name,
+    State,
+    Snapshot,
+    Cpu,
+    Memory,
+    Disk,
+    CreatedAt,
+    UpdatedAt,
+    LastActivityAt,
+}
+
+impl SandboxSortField {
+    fn column(self) -> &'static str {
+        match self {
+            Self::Id => "id",
+            Self::Name => "name",
+            Self::State => "state",
+            Self::Snapshot => "snapshot",
+            Self::Cpu => "cpu",
+            Self::Memory => "memory_mib",
+            Self::Disk => "disk_gib",
+            Self::CreatedAt => "created_at_ms",
+            Self::UpdatedAt => "updated_at_ms",
+            Self::LastActivityAt => "last_activity_ms",
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum SortDirection {
+    Ascending,
+    Descending,
+}
+
+/// A field and a direction.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SandboxOrder {
+    pub field: SandboxSortField,
+    pub direction: SortDirection,
+}
+
+/// The statement of [`Store::list_sandboxes_ordered`]: the field, then
+/// creation time and rowid (which orders rows made in the same millisecond)
+/// as tie-breaks, all in one direction. Only names from the closed
+/// [`SandboxSortField`] reach the text.
+fn ordered_sql(order: SandboxOrder) -> String {
+    let direction = match order.direction {
+        SortDirection::Ascending => "ASC",
+        SortDirection::Descending => "DESC",
+    };
+    format!(
+        "SELECT {COLUMNS} FROM sandboxes ORDER BY {column} {direction}, \
+         created_at_ms {direction}, rowid {direction}",
+        column = order.field.column()
+    )
+}
+
 impl Store {
     /// Inserts a new sandbox; a taken name or id is [`StoreError::Duplicate`].
     pub async fn insert_sandbox(&self, s: &SandboxRecord) -> Result<(), StoreError> {
@@ -139,6 +200,18 @@ impl Store {
     pub async fn list_sandboxes(&self) -> Result<Vec<SandboxRecord>, StoreError> {
         let sql = crate::list_sql("sandboxes", COLUMNS);
         let rows = sqlx::query(&sql).fetch_all(&self.pool).await?;
+        rows.iter().map(from_row).collect()
+    }
+
+    /// Every sandbox in `order`; rows equal in its field keep creation order
+    /// in the same direction, so pages cut from it are stable.
+    pub async fn list_sandboxes_ordered(
+        &self,
+        order: SandboxOrder,
+    ) -> Result<Vec<SandboxRecord>, StoreError> {
+        let rows = sqlx::query(&ordered_sql(order))
+            .fetch_all(&self.pool)
+            .await?;
         rows.iter().map(from_row).collect()
     }
 

@@ -3,7 +3,10 @@
 use std::collections::BTreeMap;
 
 use cove_lifecycle::{DesiredState, SandboxClass, SandboxState, TimerSettings};
-use cove_store::{SandboxRecord, SnapshotRecord, SnapshotState, Store};
+use cove_store::{
+    SandboxOrder, SandboxRecord, SandboxSortField, SnapshotRecord, SnapshotState, SortDirection,
+    Store,
+};
 
 fn sandbox(id: &str, name: &str) -> SandboxRecord {
     SandboxRecord {
@@ -266,4 +269,70 @@ async fn memory_kept_in_gib_before_is_read_in_mib_after_migrating() {
     let store = Store::open(&path).await.unwrap();
     let snapshot = store.find_snapshot("big").await.unwrap().unwrap();
     assert_eq!((snapshot.cpu, snapshot.memory_mib), (2, 4096));
+}
+
+#[tokio::test]
+async fn sandboxes_list_in_any_order_with_stable_ties() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    // Inserted in an order that is neither by name nor by creation time; two
+    // made in the same millisecond, told apart by insertion.
+    for (id, name, created, cpu, activity) in [
+        ("id-1", "bravo", 20, 2, 500),
+        ("id-2", "alpha", 30, 1, 100),
+        ("id-3", "delta", 10, 2, 300),
+        ("id-4", "charlie", 30, 4, 200),
+    ] {
+        let mut record = sandbox(id, name);
+        record.created_at_ms = created;
+        record.cpu = cpu;
+        record.last_activity_ms = activity;
+        record.parent_id = None;
+        store.insert_sandbox(&record).await.unwrap();
+    }
+    let names = |order| {
+        let store = store.clone();
+        async move {
+            store
+                .list_sandboxes_ordered(order)
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|s| s.name)
+                .collect::<Vec<_>>()
+        }
+    };
+    use SandboxSortField::*;
+    use SortDirection::*;
+    for (field, direction, expected) in [
+        (Name, Ascending, ["alpha", "bravo", "charlie", "delta"]),
+        (Name, Descending, ["delta", "charlie", "bravo", "alpha"]),
+        (CreatedAt, Ascending, ["delta", "bravo", "alpha", "charlie"]),
+        (
+            CreatedAt,
+            Descending,
+            ["charlie", "alpha", "bravo", "delta"],
+        ),
+        // Equal CPUs fall back to creation time, in the same direction.
+        (Cpu, Ascending, ["alpha", "delta", "bravo", "charlie"]),
+        (Cpu, Descending, ["charlie", "bravo", "delta", "alpha"]),
+        (
+            LastActivityAt,
+            Descending,
+            ["bravo", "delta", "charlie", "alpha"],
+        ),
+        (Id, Descending, ["charlie", "delta", "alpha", "bravo"]),
+    ] {
+        let order = SandboxOrder { field, direction };
+        assert_eq!(names(order).await, expected, "{order:?}");
+    }
+    // The old entry point keeps its order: oldest first.
+    let oldest_first: Vec<_> = store
+        .list_sandboxes()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|s| s.name)
+        .collect();
+    assert_eq!(oldest_first, ["delta", "bravo", "alpha", "charlie"]);
 }

@@ -121,6 +121,7 @@ impl Sandboxes {
         snapshot: &cove_store::SnapshotRecord,
     ) -> Result<SandboxRecord, EngineError> {
         self.check_machine(&request, snapshot.class)?;
+        let network = crate::network::normalised(request.network.clone())?;
         let (cpu, memory_mib, disk_gib) = sized(
             self.shared.config.ceilings,
             (request.cpu, request.memory_gib, request.disk_gib),
@@ -173,7 +174,7 @@ impl Sandboxes {
             persistent,
             spot: request.spot,
             parent_id: None,
-            network: request.network,
+            network,
             volumes,
         })
     }

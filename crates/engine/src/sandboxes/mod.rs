@@ -20,7 +20,7 @@ mod timers;
 use std::sync::Arc;
 
 use cove_runtime::AgentEndpoint;
-use cove_store::SandboxRecord;
+use cove_store::{SandboxOrder, SandboxRecord, SandboxSortField, SortDirection};
 
 use crate::shared::Shared;
 use crate::{EngineError, SandboxState, Snapshots, Volumes};
@@ -56,6 +56,30 @@ impl Sandboxes {
     /// Every sandbox, oldest first.
     pub async fn list(&self) -> Result<Vec<SandboxRecord>, EngineError> {
         self.shared.sandboxes().await
+    }
+
+    /// Every sandbox in `order`, which the store's query gives (ties in
+    /// creation order), so any page cut from the list is consistent.
+    pub async fn list_ordered(
+        &self,
+        order: SandboxOrder,
+    ) -> Result<Vec<SandboxRecord>, EngineError> {
+        let mut records = self.shared.store.list_sandboxes_ordered(order).await?;
+        for record in &mut records {
+            self.shared.activity.apply(record);
+        }
+        if order.field == SandboxSortField::LastActivityAt {
+            // Recent interactions are held in memory until the next timer
+            // tick; the stored column may lag them. A stable sort keeps the
+            // query's order among equals.
+            match order.direction {
+                SortDirection::Ascending => records.sort_by_key(|r| r.last_activity_ms),
+                SortDirection::Descending => {
+                    records.sort_by_key(|r| std::cmp::Reverse(r.last_activity_ms))
+                }
+            }
+        }
+        Ok(records)
     }
 
     /// Where the agent of a started sandbox listens; counts as an interaction.

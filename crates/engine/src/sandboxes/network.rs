@@ -82,7 +82,7 @@ impl Sandboxes {
         let lock = self.shared.lock_for(&id);
         let _guard = lock.lock().await;
         let mut record = self.get(&id).await?;
-        let settings = change(record.network.clone());
+        let settings = crate::network::normalised(change(record.network.clone()))?;
         let checked = policy(&settings)?;
         if self.shared.network().is_none() && settings != NetworkSettings::default() {
             return Err(EngineError::NotImplemented {
