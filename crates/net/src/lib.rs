@@ -178,6 +178,33 @@ struct State {
     by_address: HashMap<Ipv4Addr, String>,
     /// Ids with an attach or detach under way.
     busy: HashSet<String>,
+    /// Pairs of sandboxes that reach each other, and answer by name.
+    links: Vec<Pairing>,
+}
+
+/// Two linked sandboxes: each reaches the other, and cove's resolver answers
+/// the other's name with its address.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Pairing {
+    ends: [LinkEnd; 2],
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct LinkEnd {
+    id: String,
+    name: String,
+    address: Ipv4Addr,
+}
+
+impl Pairing {
+    /// The end that is not `id`, if `id` is one of them.
+    fn peer_of(&self, id: &str) -> Option<&LinkEnd> {
+        match &self.ends {
+            [a, b] if a.id == id => Some(b),
+            [a, b] if b.id == id => Some(a),
+            _ => None,
+        }
+    }
 }
 
 struct Sandbox {
@@ -243,7 +270,7 @@ impl Network {
         );
         let bridge_index = links::create_bridge(&host, &config).await?;
         links::enable_forwarding(&config)?;
-        links::install_routing(&host, &config, uplink_index).await?;
+        links::install_routing(&host, &config, uplink_index, bridge_index).await?;
         nft::run_nft(&nft::ruleset(&config, &closed)).await?;
 
         let shared = Arc::new(Shared {
@@ -253,6 +280,7 @@ impl Network {
                 book: AddressBook::load(&config)?,
                 attached: HashMap::new(),
                 by_address: HashMap::new(),
+                links: Vec::new(),
                 busy: HashSet::new(),
             }),
             config,
@@ -472,6 +500,67 @@ impl Network {
         Ok(())
     }
 
+    /// Links two attached sandboxes (`(id, name)` each): each may reach the
+    /// other, which cove's resolver names for it, whatever their egress
+    /// policies say; every other sandbox stays out of reach. The link lasts
+    /// until [`Network::unlink`] or the release of either; linking a pair
+    /// again changes nothing.
+    pub fn link(&self, a: (&str, &str), b: (&str, &str)) -> Result<(), NetError> {
+        check_id(a.0)?;
+        check_id(b.0)?;
+        let mut state = self.shared.lock();
+        let end = |(id, name): (&str, &str)| {
+            state
+                .attached
+                .get(id)
+                .map(|sandbox| LinkEnd {
+                    id: id.to_owned(),
+                    name: name.to_owned(),
+                    address: sandbox.address,
+                })
+                .ok_or_else(|| NetError::NotAttached { id: id.to_owned() })
+        };
+        let link = Pairing {
+            ends: [end(a)?, end(b)?],
+        };
+        if state.links.contains(&link) {
+            return Ok(());
+        }
+        let [first, second] = &link.ends;
+        self.shared
+            .firewall
+            .apply(&[nft::link_changes(
+                Change::Add,
+                first.address,
+                second.address,
+            )])
+            .map_err(NetError::firewall(format!(
+                "link sandboxes {} and {}",
+                a.0, b.0
+            )))?;
+        state.links.push(link);
+        Ok(())
+    }
+
+    /// Ends every link of `id`; a sandbox with none is not an error.
+    pub fn unlink(&self, id: &str) -> Result<(), NetError> {
+        let mut state = self.shared.lock();
+        let (gone, kept): (Vec<Pairing>, Vec<Pairing>) = std::mem::take(&mut state.links)
+            .into_iter()
+            .partition(|link| link.peer_of(id).is_some());
+        state.links = kept;
+        let changes: Vec<_> = gone
+            .iter()
+            .map(|link| {
+                nft::link_changes(Change::Delete, link.ends[0].address, link.ends[1].address)
+            })
+            .collect();
+        self.shared
+            .firewall
+            .apply(&changes)
+            .map_err(NetError::firewall(format!("unlink sandbox {id}")))
+    }
+
     /// The attached sandboxes' ids and addresses.
     pub fn attached(&self) -> Vec<(String, Ipv4Addr)> {
         let state = self.shared.lock();
@@ -529,9 +618,11 @@ impl Network {
         netns::remove(&config.netns_dir().join(id))
     }
 
-    /// Detaches the sandbox and gives up its address (for a deleted sandbox).
+    /// Detaches the sandbox, ends its links and gives up its address (for a
+    /// deleted sandbox).
     pub async fn release(&self, id: &str) -> Result<(), NetError> {
         self.detach(id).await?;
+        self.unlink(id)?;
         let mut state = self.shared.lock();
         if state.book.release(id) {
             state.book.save(&self.shared.config)?;
@@ -637,13 +728,23 @@ impl Shared {
 impl resolver::Policies for Shared {
     fn resolution(&self, source: Ipv4Addr, name: &str) -> Resolution {
         let state = self.lock();
-        match state
+        let Some((id, sandbox)) = state
             .by_address
             .get(&source)
-            .and_then(|id| state.attached.get(id))
-        {
-            Some(sandbox) => sandbox.policy.resolve(name),
-            None => Resolution::Refuse,
+            .and_then(|id| Some((id, state.attached.get(id)?)))
+        else {
+            return Resolution::Refuse;
+        };
+        // A linked sandbox answers by its name, whatever the policy says.
+        let wanted = name.trim_end_matches('.');
+        let peer = state
+            .links
+            .iter()
+            .filter_map(|link| link.peer_of(id))
+            .find(|peer| peer.name.eq_ignore_ascii_case(wanted));
+        match peer {
+            Some(peer) => Resolution::Peer(peer.address),
+            None => sandbox.policy.resolve(name),
         }
     }
 
@@ -740,5 +841,23 @@ mod tests {
         for bad in ["", ".", "..", "a/b", "a b", &"x".repeat(129)] {
             assert!(check_id(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_pairing_names_each_end_the_other_and_no_one_else() {
+        let end = |id: &str, last| LinkEnd {
+            id: id.into(),
+            name: format!("name-{id}"),
+            address: Ipv4Addr::new(10, 77, 0, last),
+        };
+        let pairing = Pairing {
+            ends: [end("a", 2), end("b", 3)],
+        };
+        assert_eq!(pairing.peer_of("a").map(|p| p.id.as_str()), Some("b"));
+        assert_eq!(
+            pairing.peer_of("b").map(|p| p.name.as_str()),
+            Some("name-a")
+        );
+        assert_eq!(pairing.peer_of("c"), None);
     }
 }

@@ -240,7 +240,16 @@ pub(crate) fn enable_forwarding(config: &NetworkConfig) -> Result<(), NetError> 
             "1",
         )?;
     }
-    Ok(())
+    // Sandbox ports are isolated, so one sandbox's ARP for another reaches
+    // only the host. Answering it with the bridge's own MAC (private-VLAN
+    // proxy ARP) sends their packets through the host's firewall, which lets
+    // through only linked pairs (the ICMP redirects that would tell the
+    // sender to go direct are dropped by the firewall's `output` chain).
+    let bridge = &config.bridge;
+    write_sysctl(
+        &format!("/proc/sys/net/ipv4/conf/{bridge}/proxy_arp_pvlan"),
+        "1",
+    )
 }
 
 pub(crate) fn write_sysctl(path: &str, value: &str) -> Result<(), NetError> {
@@ -258,12 +267,28 @@ fn sandbox_table_route(
         .build()
 }
 
-/// Installs the two rules and the route of the sandboxes' routing table,
+/// The sandboxes' own range, back out of the bridge: the only way one
+/// sandbox reaches another (through the host, whose firewall lets linked
+/// pairs pass and drops the rest).
+fn sandbox_range_route(
+    config: &NetworkConfig,
+    bridge_index: u32,
+) -> rtnetlink::packet_route::route::RouteMessage {
+    RouteMessageBuilder::<Ipv4Addr>::new()
+        .destination_prefix(config.range.network(), config.range.prefix_len())
+        .output_interface(bridge_index)
+        .scope(rtnetlink::packet_route::route::RouteScope::Link)
+        .table_id(config.route_table)
+        .build()
+}
+
+/// Installs the two rules and the routes of the sandboxes' routing table,
 /// replacing those of a previous run.
 pub(crate) async fn install_routing(
     handle: &Handle,
     config: &NetworkConfig,
     uplink_index: u32,
+    bridge_index: u32,
 ) -> Result<(), NetError> {
     remove_rules(handle, config).await?;
     let rule = || {
@@ -303,6 +328,17 @@ pub(crate) async fn install_routing(
         .map_err(NetError::netlink(format!(
             "add default route via {} dev {} to table {}",
             config.uplink.gateway, config.uplink.interface, config.route_table
+        )))?;
+    // (Gone with the bridge: nothing to remove at shutdown.)
+    handle
+        .route()
+        .add(sandbox_range_route(config, bridge_index))
+        .replace()
+        .execute()
+        .await
+        .map_err(NetError::netlink(format!(
+            "add route {} dev {} to table {}",
+            config.range, config.bridge, config.route_table
         )))
 }
 

@@ -168,6 +168,8 @@ impl CompiledPolicy {
 pub(crate) enum Resolution {
     /// Ask upstream; with `admit`, the A records answered become reachable.
     Forward { admit: bool },
+    /// Answer this address: the name is a linked sandbox's.
+    Peer(Ipv4Addr),
     /// Answer NXDOMAIN without asking anyone: the name is not allowed.
     NotFound,
     /// Answer REFUSED: the sandbox may not resolve at all.

@@ -35,6 +35,8 @@ pub struct SandboxRecord {
     pub spot: bool,
     /// The sandbox this one was forked from.
     pub parent_id: Option<String>,
+    /// The sandbox this (ephemeral) one shares a private network with.
+    pub linked_sandbox_id: Option<String>,
     /// Its egress policy, as the user gave it.
     pub network: NetworkSettings,
     /// The volumes it mounts.

@@ -40,6 +40,7 @@ fn sandbox(id: &str, name: &str) -> SandboxRecord {
         persistent: true,
         spot: false,
         parent_id: Some("id-parent".into()),
+        linked_sandbox_id: Some("id-owner".into()),
         network: cove_store::NetworkSettings {
             block_all: false,
             allow_list: vec!["10.0.0.0/8".into()],

@@ -37,6 +37,8 @@ pub(crate) const DENIED: &str = "denied";
 pub(crate) const LEARNED: &str = "learned";
 pub(crate) const PORTS: &str = "ports";
 pub(crate) const CLOSED: &str = "closed";
+/// `a . b` for every pair of linked sandboxes, both ways round.
+pub(crate) const LINKED: &str = "linked";
 
 /// The whole ruleset of one network. Deleting the tables first (after making
 /// sure they exist, so the delete cannot fail) makes loading it idempotent and
@@ -67,8 +69,10 @@ table inet {table} {{
     set {DENIED} {{ type ipv4_addr . ipv4_addr; flags interval; }}
     set {LEARNED} {{ type ipv4_addr . ipv4_addr; flags timeout; }}
     set {CLOSED} {{ type ipv4_addr; flags interval;{closed_elements} }}
+    set {LINKED} {{ type ipv4_addr . ipv4_addr; }}
     chain forward {{
         type filter hook forward priority filter; policy accept;
+        iifname "{bridge}" oifname "{bridge}" ip saddr . ip daddr @{LINKED} accept
         iifname "{bridge}" jump egress
         oifname "{bridge}" ct state established,related accept
         oifname "{bridge}" drop
@@ -83,6 +87,10 @@ table inet {table} {{
         ip saddr . ip daddr @{ALLOWED} accept
         ip saddr . ip daddr @{LEARNED} accept
         ip saddr @{RESTRICTED} drop
+    }}
+    chain output {{
+        type filter hook output priority filter; policy accept;
+        oifname "{bridge}" icmp type redirect drop
     }}
     chain input {{
         type filter hook input priority filter; policy accept;
@@ -329,6 +337,15 @@ pub(crate) fn policy_diff(
     deletes
 }
 
+/// Opens (or closes) the way between two linked sandboxes, both directions.
+pub(crate) fn link_changes(change: Change, a: Ipv4Addr, b: Ipv4Addr) -> Changes {
+    Changes::inet(
+        change,
+        LINKED,
+        vec![learned(a, b, None), learned(b, a, None)],
+    )
+}
+
 pub(crate) fn learned_changes(change: Change, elements: Vec<Element>) -> Changes {
     Changes::inet(change, LEARNED, elements)
 }
@@ -428,5 +445,32 @@ mod tests {
         let closed_at = text.find("ip daddr @closed drop").unwrap();
         assert!(closed_at < text.find("@allowed accept").unwrap());
         assert!(closed_at < text.find("@learned accept").unwrap());
+        // Bridge to bridge, only linked pairs pass; the rest falls to egress,
+        // whose first test for such a packet (not to the uplink) drops it.
+        let linked = text
+            .find("iifname \"cove0\" oifname \"cove0\" ip saddr . ip daddr @linked accept")
+            .unwrap();
+        assert!(linked < text.find("iifname \"cove0\" jump egress").unwrap());
+        assert!(text.contains("oifname != \"up0\" drop"));
+        assert!(text.contains("oifname \"cove0\" icmp type redirect drop"));
+    }
+
+    #[test]
+    fn a_link_opens_both_ways_and_only_between_its_ends() {
+        let (a, b) = (Ipv4Addr::new(10, 77, 0, 2), Ipv4Addr::new(10, 77, 0, 3));
+        let changes = link_changes(Change::Add, a, b);
+        assert_eq!(changes.set, LINKED);
+        let keys: Vec<Vec<u8>> = changes.elements.iter().map(|e| e.key.clone()).collect();
+        assert_eq!(
+            keys,
+            [
+                [a.octets(), b.octets()].concat(),
+                [b.octets(), a.octets()].concat()
+            ]
+        );
+        assert!(changes
+            .elements
+            .iter()
+            .all(|e| e.timeout_ms.is_none() && e.key_end.is_none()));
     }
 }

@@ -230,6 +230,7 @@ async fn answer(
     let name = question.name().to_ascii();
     let source = *peer.ip();
     match context.policies.resolution(source, &name) {
+        Resolution::Peer(address) => peer_reply(&request, question, address),
         Resolution::Refuse => refuse(ResponseCode::Refused),
         Resolution::NotFound => refuse(ResponseCode::NXDomain),
         Resolution::Forward { admit } => {
@@ -246,6 +247,38 @@ async fn answer(
             Some(response)
         }
     }
+}
+
+/// How long a linked sandbox's address may be cached: it stays the
+/// sandbox's for its life, but the link may end.
+const PEER_TTL: u32 = 5;
+
+/// The answer for a linked sandbox's name: its address for an A question,
+/// no records (but no error) for any other type.
+fn peer_reply(
+    request: &Message,
+    question: &hickory_proto::op::Query,
+    address: Ipv4Addr,
+) -> Option<Vec<u8>> {
+    use hickory_proto::rr::{rdata::A, Record, RecordType};
+    let mut message = Message::new();
+    message
+        .set_id(request.id())
+        .set_message_type(MessageType::Response)
+        .set_op_code(request.op_code())
+        .set_authoritative(true)
+        .set_recursion_desired(request.recursion_desired())
+        .set_recursion_available(true)
+        .set_response_code(ResponseCode::NoError);
+    message.add_query(question.clone());
+    if question.query_type() == RecordType::A {
+        message.add_answer(Record::from_rdata(
+            question.name().clone(),
+            PEER_TTL,
+            RData::A(A(address)),
+        ));
+    }
+    message.to_vec().ok()
 }
 
 /// An answer with only the question and a response code.
