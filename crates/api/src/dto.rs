@@ -67,6 +67,8 @@ pub(crate) struct Sandbox {
     pub persistent: bool,
     /// cove extension: the sandbox this one was forked from.
     pub parent_sandbox_id: Option<String>,
+    /// The sandbox this one shares a private network with.
+    pub linked_sandbox_id: Option<String>,
     /// cove extension: how a running VM executes, "kvm" or "tcg".
     pub accelerator: Option<&'static str>,
     pub toolbox_proxy_url: String,
@@ -114,6 +116,7 @@ impl Sandbox {
             spot: record.spot,
             persistent: record.persistent,
             parent_sandbox_id: record.parent_id,
+            linked_sandbox_id: record.linked_sandbox_id,
             accelerator,
             toolbox_proxy_url,
             id: record.id,
@@ -160,7 +163,9 @@ pub(crate) struct CreateSandboxRequest {
     #[serde(default)]
     pub secrets: Vec<serde_json::Value>,
     pub outbound_proxy_url: Option<String>,
-    pub linked_sandbox: Option<serde_json::Value>,
+    /// The id or name of the sandbox to share a private network with; the
+    /// new sandbox must be ephemeral.
+    pub linked_sandbox: Option<String>,
     /// The region to create in: this server's one (`regions.rs`) or none.
     pub target: Option<String>,
 }
@@ -184,13 +189,6 @@ impl CreateSandboxRequest {
             .is_some_and(|url| !url.is_empty())
         {
             return Some("outbound proxies (outboundProxyUrl)");
-        }
-        if self
-            .linked_sandbox
-            .as_ref()
-            .is_some_and(|linked| !linked.is_null())
-        {
-            return Some("linked sandboxes");
         }
         None
     }
@@ -237,6 +235,7 @@ impl CreateSandboxRequest {
                 .map(context_hashes)
                 .unwrap_or_default(),
             volumes: self.volumes,
+            linked_sandbox: self.linked_sandbox.filter(|linked| !linked.is_empty()),
         }
     }
 }

@@ -46,6 +46,9 @@ pub struct CreateSandbox {
     pub network: cove_store::NetworkSettings,
     /// Volumes to mount, by id or name.
     pub volumes: Vec<cove_store::VolumeMount>,
+    /// The sandbox (id or name) to share a private network with; the new
+    /// sandbox must be ephemeral.
+    pub linked_sandbox: Option<String>,
 }
 
 impl Sandboxes {
@@ -128,6 +131,7 @@ impl Sandboxes {
             snapshot,
         )?;
         let user = self.user_for(request.user.as_deref(), snapshot).await?;
+        let linked_sandbox_id = self.link_target(&request).await?;
         let (timers, persistent) = timers_for(&request, snapshot.class)?;
         let ttl_minutes = request.ttl_minutes.unwrap_or(0);
         if !(0..=MAX_MINUTES).contains(&ttl_minutes) {
@@ -174,6 +178,7 @@ impl Sandboxes {
             persistent,
             spot: request.spot,
             parent_id: None,
+            linked_sandbox_id,
             network,
             volumes,
         })
@@ -212,6 +217,52 @@ impl Sandboxes {
             });
         }
         Ok(())
+    }
+
+    /// The sandbox a new one links to, checked as Daytona does: the new one
+    /// is ephemeral, and the one it links to exists and is linked to nobody.
+    /// It must be running too: the link is its network's.
+    async fn link_target(&self, request: &CreateSandbox) -> Result<Option<String>, EngineError> {
+        let Some(wanted) = request.linked_sandbox.as_deref() else {
+            return Ok(None);
+        };
+        let invalid = |reason: String| EngineError::Invalid {
+            field: "linkedSandbox",
+            reason,
+        };
+        if request.auto_delete != Some(0) {
+            return Err(invalid(
+                "a linked sandbox must be ephemeral: create it with autoDeleteInterval 0 \
+                 (ephemeral=True)"
+                    .into(),
+            ));
+        }
+        if self.shared.network().is_none() {
+            return Err(EngineError::NotImplemented {
+                what: "linking sandboxes on a server without the sandbox network".into(),
+            });
+        }
+        let target = self
+            .shared
+            .store
+            .find_sandbox(wanted)
+            .await?
+            .ok_or_else(|| EngineError::SandboxNotFound {
+                id: wanted.to_owned(),
+            })?;
+        if let Some(owner) = &target.linked_sandbox_id {
+            return Err(invalid(format!(
+                "sandbox {} is itself linked (to {owner}); link to that one instead",
+                target.name
+            )));
+        }
+        if target.state != cove_lifecycle::SandboxState::Started {
+            return Err(EngineError::NotStarted {
+                id: target.id,
+                state: target.state,
+            });
+        }
+        Ok(Some(target.id))
     }
 
     /// The user a container sandbox runs as: the one asked for if the image has it

@@ -161,6 +161,8 @@ fn child_of(parent: &SandboxRecord, id: String, name: String) -> SandboxRecord {
         desired_state: DesiredState::Started,
         error_reason: None,
         parent_id: Some(parent.id.clone()),
+        // A fork is nobody's link: links are made at create only.
+        linked_sandbox_id: None,
         ttl_deadline_ms: (parent.ttl_minutes > 0)
             .then(|| now + parent.ttl_minutes * cove_lifecycle::MINUTE_MS),
         created_at_ms: now,

@@ -32,6 +32,7 @@ impl Sandboxes {
             .attach_as(&record.id, &policy, kind)
             .await
             .map_err(Failure::network("attach it to the network"))?;
+        self.relink(network, record).await;
         let link = match &attachment.link {
             Link::Namespace(path) => NetworkLink::Namespace(path.clone()),
             Link::Tap(device) => NetworkLink::Tap(TapLink {
@@ -46,6 +47,46 @@ impl Sandboxes {
             link,
             resolv_conf: attachment.resolv_conf,
         }))
+    }
+
+    /// Links a sandbox that was just attached with the sandbox it is linked
+    /// to and those linked to it, wherever the other end runs too (a link
+    /// is kept while the server runs; a restart makes it again as each end
+    /// starts), so the end that is not running links when it starts. A link
+    /// that cannot be made is logged, not fatal: the sandbox runs, unlinked.
+    async fn relink(&self, network: &cove_net::Network, record: &SandboxRecord) {
+        let store = &self.shared.store;
+        let owner = match &record.linked_sandbox_id {
+            Some(owner) => store
+                .find_sandbox(owner)
+                .await
+                .map(|found| found.into_iter().collect()),
+            None => Ok(Vec::new()),
+        };
+        let linked_here = store.list_sandboxes().await.map(|all| {
+            all.into_iter()
+                .filter(|other| other.linked_sandbox_id.as_deref() == Some(&record.id))
+                .collect::<Vec<_>>()
+        });
+        let peers = match (owner, linked_here) {
+            (Ok(mut owner), Ok(linked_here)) => {
+                owner.extend(linked_here);
+                owner
+            }
+            (Err(error), _) | (_, Err(error)) => {
+                tracing::warn!(sandbox = %record.id, %error, "finding the sandboxes linked to it");
+                return;
+            }
+        };
+        for peer in peers {
+            match network.link((&peer.id, &peer.name), (&record.id, &record.name)) {
+                Ok(()) | Err(cove_net::NetError::NotAttached { .. }) => {}
+                Err(error) => {
+                    let error = crate::error::describe(&error);
+                    tracing::warn!(sandbox = %record.id, peer = %peer.id, %error, "linking it");
+                }
+            }
+        }
     }
 
     /// Takes a sandbox that no longer runs off the network (keeps its address).
