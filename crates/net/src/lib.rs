@@ -123,6 +123,8 @@ pub struct Network {
     _bridge_lock: nix::fcntl::Flock<std::fs::File>,
     shared: Arc<Shared>,
     host: rtnetlink::Handle,
+    /// The bridge's interface index, for the host's neighbour entries.
+    bridge_index: u32,
     pool: netns::Pool,
     resolver: Mutex<Option<Resolver>>,
 }
@@ -308,6 +310,7 @@ impl Network {
             ),
             shared,
             host,
+            bridge_index,
             resolver: Mutex::new(Some(resolver)),
         })
     }
@@ -443,6 +446,7 @@ impl Network {
                     }
                 }
             }
+            links::pin_neighbour(&self.host, self.bridge_index, address, mac).await?;
             self.shared
                 .firewall
                 .apply(&nft::sandbox_changes(
@@ -465,6 +469,7 @@ impl Network {
                 for change in nft::sandbox_changes(Change::Delete, &port, mac, address, policy) {
                     let _ = self.shared.firewall.apply(&[change]);
                 }
+                let _ = links::unpin_neighbour(&self.host, self.bridge_index, address).await;
                 if let Some(index) = made_link {
                     let _ = links::delete_index(&self.host, index).await;
                 }
@@ -613,6 +618,7 @@ impl Network {
                     "delete the firewall elements of sandbox {id}"
                 )))?;
             self.shared.forget_learned(sandbox.address, sandbox.learned);
+            links::unpin_neighbour(&self.host, self.bridge_index, sandbox.address).await?;
             links::delete_link(&self.host, &sandbox.port).await?;
         }
         netns::remove(&config.netns_dir().join(id))

@@ -512,6 +512,46 @@ pub(crate) async fn pin_mac(
     )))
 }
 
+/// Tells the host, on the bridge, which MAC a sandbox's address has (a
+/// permanent neighbour entry), so it never asks: an address that served
+/// another sandbox before keeps no stale MAC in the host's cache, which
+/// would hold the host's packets to the new one (DNS answers, a linked
+/// sandbox's traffic) until the kernel gave up on the old MAC.
+pub(crate) async fn pin_neighbour(
+    handle: &Handle,
+    bridge_index: u32,
+    address: Ipv4Addr,
+    mac: [u8; 6],
+) -> Result<(), NetError> {
+    use rtnetlink::packet_route::neighbour::NeighbourState;
+    handle
+        .neighbours()
+        .add(bridge_index, IpAddr::V4(address))
+        .link_layer_address(&mac)
+        .state(NeighbourState::Permanent)
+        .replace()
+        .execute()
+        .await
+        .map_err(NetError::netlink(format!(
+            "pin {address} to {} on the bridge",
+            crate::addresses::mac_text(&mac)
+        )))
+}
+
+/// Removes what [`pin_neighbour`] made; a missing entry is not an error.
+pub(crate) async fn unpin_neighbour(
+    handle: &Handle,
+    bridge_index: u32,
+    address: Ipv4Addr,
+) -> Result<(), NetError> {
+    let mut request = handle.neighbours().add(bridge_index, IpAddr::V4(address));
+    let message = request.message_mut().clone();
+    match handle.neighbours().del(message).execute().await {
+        Err(err) if errno(&err) == Some(libc::ENOENT) => Ok(()),
+        other => other.map_err(NetError::netlink(format!("unpin {address} on the bridge"))),
+    }
+}
+
 /// Inside a sandbox's namespace (`lo` and `eth0` are up already): the MAC
 /// and address of `eth0`, the default route via the gateway.
 pub(crate) async fn configure_inside(

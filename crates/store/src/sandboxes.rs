@@ -205,6 +205,13 @@ impl Store {
         rows.iter().map(from_row).collect()
     }
 
+    /// The sandboxes linked to `id` (whose `linked_sandbox_id` it is).
+    pub async fn sandboxes_linked_to(&self, id: &str) -> Result<Vec<SandboxRecord>, StoreError> {
+        let sql = format!("SELECT {COLUMNS} FROM sandboxes WHERE linked_sandbox_id = ?1");
+        let rows = sqlx::query(&sql).bind(id).fetch_all(&self.pool).await?;
+        rows.iter().map(from_row).collect()
+    }
+
     /// Every sandbox in `order`; rows equal in its field keep creation order
     /// in the same direction, so pages cut from it are stable.
     pub async fn list_sandboxes_ordered(

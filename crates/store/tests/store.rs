@@ -86,6 +86,10 @@ async fn sandboxes_round_trip_and_survive_reopen() {
     let found = store.find_sandbox("alpha").await.unwrap().unwrap();
     assert_eq!(found.last_activity_ms, 50);
     assert_eq!(store.list_sandboxes().await.unwrap().len(), 2);
+    // Both rows name id-owner as the sandbox they are linked to.
+    let linked = store.sandboxes_linked_to("id-owner").await.unwrap();
+    assert_eq!(linked.len(), 2);
+    assert!(store.sandboxes_linked_to("id-a").await.unwrap().is_empty());
     store.delete_sandbox("id-a").await.unwrap();
     assert_eq!(store.find_sandbox("id-a").await.unwrap(), None);
 }

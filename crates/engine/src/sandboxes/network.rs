@@ -63,11 +63,7 @@ impl Sandboxes {
                 .map(|found| found.into_iter().collect()),
             None => Ok(Vec::new()),
         };
-        let linked_here = store.list_sandboxes().await.map(|all| {
-            all.into_iter()
-                .filter(|other| other.linked_sandbox_id.as_deref() == Some(&record.id))
-                .collect::<Vec<_>>()
-        });
+        let linked_here = store.sandboxes_linked_to(&record.id).await;
         let peers = match (owner, linked_here) {
             (Ok(mut owner), Ok(linked_here)) => {
                 owner.extend(linked_here);
