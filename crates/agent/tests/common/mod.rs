@@ -140,7 +140,19 @@ impl Agent {
 }
 
 impl Drop for Agent {
+    /// SIGTERM first: the agent then kills its sessions' process groups,
+    /// which a bare SIGKILL would leave running after the test (a `sleep 30`
+    /// of an async command). SIGKILL if it has not ended in a few seconds.
     fn drop(&mut self) {
+        let pid = nix::unistd::Pid::from_raw(self.child.id() as i32);
+        let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM);
+        let deadline = Instant::now() + Duration::from_secs(3);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = self.child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
