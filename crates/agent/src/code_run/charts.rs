@@ -21,6 +21,16 @@ pub(super) const MAX_CHARTS: usize = 64;
 pub struct Chart {
     #[serde(rename = "type", default = "unknown")]
     pub kind: String,
+    #[serde(flatten)]
+    pub axes: Axes,
+    #[serde(default)]
+    pub elements: Vec<ChartElement>,
+}
+
+/// What a chart, and a composite's sub-chart, says of itself: its title, its
+/// picture and its axes.
+#[derive(Debug, Clone, PartialEq, Default, Serialize, Deserialize)]
+pub struct Axes {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub title: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -41,8 +51,6 @@ pub struct Chart {
     pub x_scale: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub y_scale: Option<String>,
-    #[serde(default)]
-    pub elements: Vec<ChartElement>,
 }
 
 /// One element: a line's or scatter's points, a bar, a pie wedge, a box, or
@@ -52,51 +60,11 @@ pub struct Chart {
 pub struct ChartElement {
     #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
     pub kind: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub title: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub label: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub group: Option<String>,
-    /// A bar's height, as text (the SDK's type).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub value: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub points: Option<Vec<[f64; 2]>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub angle: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub radius: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub min: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub first_quartile: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub median: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub third_quartile: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub max: Option<f64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub outliers: Option<Vec<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub png: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub x_label: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub y_label: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub x_ticks: Option<Vec<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub y_ticks: Option<Vec<f64>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub x_tick_labels: Option<Vec<String>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub y_tick_labels: Option<Vec<String>>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub x_scale: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub y_scale: Option<String>,
+    #[serde(flatten)]
+    pub data: LeafElement,
+    /// A sub-chart's own title and axes.
+    #[serde(flatten)]
+    pub axes: Axes,
     /// A sub-chart's elements; one level only (a composite of composites
     /// does not exist in matplotlib).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -110,6 +78,7 @@ pub struct LeafElement {
     pub label: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub group: Option<String>,
+    /// A bar's height, as text (the SDK's type).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub value: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -189,13 +158,13 @@ mod tests {
         let charts = parse(input.as_bytes());
         assert_eq!(charts.len(), 2, "{charts:?}");
         assert_eq!(charts[0].kind, "line");
-        assert_eq!(charts[0].x_ticks, Some(vec![0.0, 1.5]));
+        assert_eq!(charts[0].axes.x_ticks, Some(vec![0.0, 1.5]));
         assert_eq!(
-            charts[0].elements[0].points,
+            charts[0].elements[0].data.points,
             Some(vec![[0.0, 1.0], [2.0, 3.0]])
         );
         // A number where the SDK wants text is not passed on.
-        assert_eq!(charts[1].elements[0].value.as_deref(), Some("3"));
+        assert_eq!(charts[1].elements[0].data.value.as_deref(), Some("3"));
         let json = serde_json::to_value(&charts[1]).unwrap();
         assert_eq!(
             json,
@@ -215,6 +184,8 @@ mod tests {
         assert_eq!(charts.len(), 1);
         let sub = &charts[0].elements;
         assert_eq!(sub[0].kind.as_deref(), Some("line"));
+        assert_eq!(sub[0].axes.title.as_deref(), Some("l"));
+        assert_eq!(charts[0].axes.title.as_deref(), Some("both"));
         assert_eq!(
             sub[0].elements.as_ref().unwrap()[0].points,
             Some(vec![[1.0, 2.0]])
