@@ -85,12 +85,8 @@ impl Settings {
     /// Daytona's daemon answers, so `.` lists `/home/u/.bashrc`, never
     /// `/home/u/./.bashrc`.
     pub fn resolve(&self, path: &str) -> PathBuf {
-        let path = Path::new(path);
-        if path.is_absolute() {
-            clean(path)
-        } else {
-            clean(&self.work_dir.join(path))
-        }
+        // Joining an absolute path gives that path.
+        clean(&self.work_dir.join(path))
     }
 }
 
