@@ -535,17 +535,28 @@ VM_TIMEOUT = 180
 SANDBOX_CLASSES = ["container", "vm"]
 
 
-@pytest.fixture(scope="module")
-def module_vm(cove: CoveServer, daytona: Daytona) -> Iterator[Sandbox]:
-    """One VM sandbox shared by a module's tests: a VM under TCG costs seconds
-    to make, so the toolbox tests that leave no conflicting state share one."""
+def _module_vm(cove: CoveServer, daytona: Daytona, **params) -> Iterator[Sandbox]:
     if vm_assets() is None:
         pytest.skip("COVE_TEST_VM_ASSETS is not set (scripts/vm-assets)")
     factory = SandboxFactory(cove, daytona)
     try:
-        yield factory(CreateSandboxFromSnapshotParams(snapshot=VM_SNAPSHOT), timeout=VM_TIMEOUT)
+        yield factory(CreateSandboxFromSnapshotParams(snapshot=VM_SNAPSHOT, **params), timeout=VM_TIMEOUT)
     finally:
         factory.cleanup()
+
+
+@pytest.fixture(scope="module")
+def module_vm(cove: CoveServer, daytona: Daytona) -> Iterator[Sandbox]:
+    """One VM sandbox shared by a module's tests: a VM under TCG costs seconds
+    to make, so the toolbox tests that leave no conflicting state share one.
+    It runs as the default user (`daytona`), as a container does."""
+    yield from _module_vm(cove, daytona)
+
+
+@pytest.fixture(scope="module")
+def module_root_vm(cove: CoveServer, daytona: Daytona) -> Iterator[Sandbox]:
+    """A module's VM running as root: for what only root may do."""
+    yield from _module_vm(cove, daytona, os_user="root")
 
 
 def sandbox_of_class(request: pytest.FixtureRequest, sandboxes: SandboxFactory) -> Sandbox:

@@ -1,7 +1,8 @@
 """Issue 23, item 1: sandboxes of the default snapshot run as `daytona`, as
 Daytona's do (uid 1000, home /home/daytona, passwordless sudo); `user` on
 create picks another user of the image, root included; an unknown user is
-refused before anything is made. Neither user is root on the host."""
+refused before anything is made. Neither user is root on the host. VMs the
+same: their root agent hands the toolbox to an agent running as the user."""
 
 from __future__ import annotations
 
@@ -10,9 +11,16 @@ import uuid
 import pytest
 from daytona import CreateSandboxFromSnapshotParams, DaytonaError, SessionExecuteRequest
 
+from conftest import SANDBOX_CLASSES, VM_SNAPSHOT, sandbox_of_class
 from test_isolation import host_ids, host_pids
 
 HOME = "/home/daytona"
+
+
+@pytest.fixture(params=SANDBOX_CLASSES)
+def sandbox(request, sandboxes):
+    """A fresh container, or this module's VM: both run as `daytona`."""
+    return sandbox_of_class(request, sandboxes)
 
 
 def test_a_default_sandbox_runs_as_daytona_in_its_home(sandbox):
@@ -37,7 +45,8 @@ def test_sudo_needs_no_password_and_is_the_sandboxs_root(sandbox):
     assert sandbox.process.exec("sudo -n touch /etc/cove-probe && stat -c %U /etc/cove-probe").result.strip() == "root"
 
 
-def test_neither_the_user_nor_its_sudo_is_host_root(sandbox):
+def test_neither_the_user_nor_its_sudo_is_host_root(sandboxes):
+    sandbox = sandboxes()
     # A process of the user and one of its sudo, both alive while the host looks.
     sandbox.process.create_session("ids")
     sandbox.process.execute_session_command("ids", SessionExecuteRequest(command="sleep 60", run_async=True))
@@ -108,13 +117,18 @@ def test_a_user_the_image_lacks_is_refused_and_nothing_is_made(cove, sandboxes):
     assert cove.sandbox_ids() == before
 
 
-def test_a_vm_runs_as_root_and_refuses_another_user_plainly(cove, sandboxes):
-    """VMs resume from templates booted before their user is known: they run
-    as root, and asking for another user answers 501 naming it."""
-    from conftest import VM_SNAPSHOT
+def test_a_vm_asked_for_root_is_root(module_root_vm):
+    sandbox = module_root_vm
+    assert sandbox.process.exec("whoami").result.strip() == "root"
+    assert sandbox.process.exec("pwd").result.strip() == "/root"
+    assert sandbox.get_user_home_dir() == "/root"
+    sandbox.fs.upload_file(b"x", "/etc/cove-root-probe")
+    assert sandbox.process.exec("stat -c %U /etc/cove-root-probe").result.strip() == "root"
 
+
+def test_a_vm_refuses_a_user_its_image_lacks(cove, sandboxes):
     before = cove.sandbox_ids()
     with pytest.raises(DaytonaError) as refused:
-        sandboxes(CreateSandboxFromSnapshotParams(snapshot=VM_SNAPSHOT, os_user="daytona"))
-    assert "daytona" in str(refused.value) and "VM sandboxes run as root" in str(refused.value)
+        sandboxes(CreateSandboxFromSnapshotParams(snapshot=VM_SNAPSHOT, os_user="ghost-of-a-vm"))
+    assert "ghost-of-a-vm" in str(refused.value) and "/etc/passwd" in str(refused.value)
     assert cove.sandbox_ids() == before

@@ -34,10 +34,10 @@ def sandbox(request, sandboxes):
 
 @pytest.fixture(params=SANDBOX_CLASSES)
 def root_sandbox(request, sandboxes):
-    """A fresh container running as root, or this module's VM (VMs run as
-    root): for what only root may do to files of the image or of others."""
+    """A fresh container or a module's VM, running as root: for what only
+    root may do to files of the image or of others."""
     if request.param == "vm":
-        return request.getfixturevalue("module_vm")
+        return request.getfixturevalue("module_root_vm")
     return sandboxes(CreateSandboxFromSnapshotParams(os_user="root"))
 
 

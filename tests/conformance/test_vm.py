@@ -88,7 +88,7 @@ def test_a_tiny_vm_has_256_mib_and_keeps_it_across_pause(cove, sandboxes, dayton
 def test_seed_000_pause_and_resume_keep_running_processes(sandboxes):
     sandbox = vm(sandboxes)
     command = start_counter(sandbox)
-    sandbox.fs.upload_file(b"on disk", "/root/kept.txt")
+    sandbox.fs.upload_file(b"on disk", "/home/daytona/kept.txt")
     before = counter(sandbox)
 
     sandbox.pause()
@@ -100,13 +100,13 @@ def test_seed_000_pause_and_resume_keep_running_processes(sandboxes):
     assert sandbox.process.get_session_command("keepalive", command).exit_code is None
     # ...and its in-memory count went on from where it was.
     assert counting_on(sandbox, before)
-    assert sandbox.fs.download_file("/root/kept.txt") == b"on disk"
+    assert sandbox.fs.download_file("/home/daytona/kept.txt") == b"on disk"
 
 
 def test_vms_surface_pause_resume_and_cold_start(cove, sandboxes):
     sandbox = vm(sandboxes)
     start_counter(sandbox)
-    sandbox.fs.upload_file(b"disk survives a cold start", "/root/disk.txt")
+    sandbox.fs.upload_file(b"disk survives a cold start", "/home/daytona/disk.txt")
 
     assert cove.request("POST", f"/vms/{sandbox.id}/pause").status_code == 200
     assert cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "paused"
@@ -121,7 +121,7 @@ def test_vms_surface_pause_resume_and_cold_start(cove, sandboxes):
     assert cove.request("POST", f"/vms/{sandbox.id}/start").status_code == 200
     sandbox.refresh_data()
     assert sandbox.state == SandboxState.STARTED
-    assert sandbox.fs.download_file("/root/disk.txt") == b"disk survives a cold start"
+    assert sandbox.fs.download_file("/home/daytona/disk.txt") == b"disk survives a cold start"
     # The loop died with the memory ("[w]" keeps grep from finding itself).
     assert sandbox.process.exec("ps -eo args | grep -c '[w]hile true' || true").result.strip() == "0"
 
@@ -228,11 +228,11 @@ def test_forks_diverge_and_keep_the_parent(cove, sandboxes, daytona):
     assert counting_on(parent, at_fork)
 
     # Disks are independent too.
-    first.fs.upload_file(b"first", "/root/who")
-    second.fs.upload_file(b"second", "/root/who")
-    assert first.fs.download_file("/root/who") == b"first"
-    assert second.fs.download_file("/root/who") == b"second"
-    assert parent.process.exec("cat /root/who 2>/dev/null || echo none").result.strip() == "none"
+    first.fs.upload_file(b"first", "/home/daytona/who")
+    second.fs.upload_file(b"second", "/home/daytona/who")
+    assert first.fs.download_file("/home/daytona/who") == b"first"
+    assert second.fs.download_file("/home/daytona/who") == b"second"
+    assert parent.process.exec("cat /home/daytona/who 2>/dev/null || echo none").result.strip() == "none"
 
     # The fork tree.
     forks = cove.request("GET", f"/sandbox/{parent.id}/forks").json()
@@ -649,8 +649,8 @@ def test_killed_server_loses_no_vm_and_delete_leaves_no_qemu():
         client = server.client()
         running = client.create(CreateSandboxFromSnapshotParams(snapshot=VM, name="vm-running"), timeout=TIMEOUT)
         paused = client.create(CreateSandboxFromSnapshotParams(snapshot=VM, name="vm-paused"), timeout=TIMEOUT)
-        running.fs.upload_file(b"running disk", "/root/f")
-        paused.fs.upload_file(b"paused disk", "/root/f")
+        running.fs.upload_file(b"running disk", "/home/daytona/f")
+        paused.fs.upload_file(b"paused disk", "/home/daytona/f")
         start_counter(running)
         start_counter(paused)
         before = counter(paused)
@@ -667,13 +667,13 @@ def test_killed_server_loses_no_vm_and_delete_leaves_no_qemu():
             assert counting_on(again, 1)
         else:
             again.start(timeout=TIMEOUT)
-        assert again.fs.download_file("/root/f") == b"running disk"
+        assert again.fs.download_file("/home/daytona/f") == b"running disk"
 
         still = client.get(paused.id)
         assert still.state == SandboxState.PAUSED, still.state
         still.start(timeout=TIMEOUT)
         assert counting_on(still, before)
-        assert still.fs.download_file("/root/f") == b"paused disk"
+        assert still.fs.download_file("/home/daytona/f") == b"paused disk"
 
         for sandbox in (again, still):
             client.delete(sandbox, timeout=TIMEOUT, wait=True)

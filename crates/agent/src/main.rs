@@ -99,7 +99,10 @@ fn vm_main() -> anyhow::Result<()> {
         // PID 1 exiting ends the VM, which the host reports with the console.
         bail!("preparing the VM: {failure}");
     }
-    let settings = Settings::from_env(&AgentEnv::from_process()?);
+    let agent_env = AgentEnv::from_process()?;
+    let settings = Settings::from_env(&agent_env);
+    // A sandbox user's agent starts with the same settings.
+    let user = std::sync::Arc::new(cove_agent::vm::user::UserAgent::new(agent_env));
     // Still single-threaded here, which both calls below require.
     config::remove_private_env();
     cove_agent::init::split_off_server().context("starting as PID 1")?;
@@ -113,7 +116,7 @@ fn vm_main() -> anyhow::Result<()> {
         let sessions = state.sessions.clone();
         let incoming = cove_agent::vm::session::listen().context("opening the host port")?;
         tracing::info!("cove-agent serving over virtio-serial");
-        let app = cove_agent::app(state).merge(cove_agent::vm::setup::routes(sessions.clone()));
+        let app = cove_agent::vm::setup::app(cove_agent::app(state), sessions.clone(), user);
         let served = axum::serve(incoming, app).await;
         sessions.shutdown();
         served.context("serving")

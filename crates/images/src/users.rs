@@ -23,7 +23,15 @@ pub const PASSWD_LIMIT: u64 = 1 << 20;
 /// not a regular file hides the lower ones and yields no names.
 pub fn image_users(roots: &[PathBuf]) -> io::Result<Vec<String>> {
     for root in roots {
-        let root = fsat::open_dir(root)?;
+        let root = match fsat::open_dir(root) {
+            Ok(root) => root,
+            // A VM's captured layer is a disk image: its passwd is the
+            // one below it, as far as the host can read.
+            Err(e) if e.raw_os_error() == Some(rustix::io::Errno::NOTDIR.raw_os_error()) => {
+                continue
+            }
+            Err(e) => return Err(e),
+        };
         let etc = match fsat::open_subdir(root.as_fd(), "etc".as_ref()) {
             Ok(etc) => etc,
             Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
@@ -88,6 +96,11 @@ mod tests {
         assert_eq!(image_users(&roots).unwrap(), ["root", "daytona"]);
         let roots = [upper.path().into(), base.path().into()];
         assert_eq!(image_users(&roots).unwrap(), ["root", "alice"]);
+        // A VM's captured layer is a disk image, not a tree: the base decides.
+        let disk = empty.path().join("disk.img");
+        fs::write(&disk, b"not a tree").unwrap();
+        let roots = [disk, base.path().into()];
+        assert_eq!(image_users(&roots).unwrap(), ["root", "daytona"]);
     }
 
     #[test]

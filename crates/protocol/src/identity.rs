@@ -43,6 +43,10 @@ pub struct IdentityRequest {
     /// The image's ENTRYPOINT and CMD; started unless already running.
     #[serde(default)]
     pub entrypoint: Vec<String>,
+    /// Who toolbox requests run as (`name`, `uid`, `name:group`, as an
+    /// image's `USER`); `None`: root.
+    #[serde(default)]
+    pub user: Option<String>,
 }
 
 /// The guest's NIC settings.
@@ -95,12 +99,14 @@ mod tests {
                 path: "/data".into(),
             }],
             entrypoint: vec!["sleep".into(), "1".into()],
+            user: Some("daytona".into()),
         };
         let json = serde_json::to_value(&identity).unwrap();
         assert_eq!(json["unixTimeNs"], 1_700_000_000_000_000_000u64);
         assert_eq!(json["network"]["prefixLen"], 24);
         assert_eq!(json["network"]["address"], "10.0.0.2");
         assert_eq!(json["volumes"][0]["path"], "/data");
+        assert_eq!(json["user"], "daytona");
         assert_eq!(
             serde_json::from_value::<IdentityRequest>(json).unwrap(),
             identity

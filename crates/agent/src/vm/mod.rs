@@ -2,7 +2,8 @@
 //! initramfs's `/init`, [`boot`] as PID 1 on the root disk), the transport to
 //! the host over virtio-serial ([`port`], [`session`]), and the endpoints the
 //! host calls after a boot or a restore ([`setup`], which configures the NIC
-//! with [`network`] and mounts volumes with [`volumes`]). In a container none of
+//! with [`network`], mounts volumes with [`volumes`] and starts the sandbox
+//! user's agent with [`user`]). In a container none of
 //! this runs: the host builds the machine and hands the agent a socket.
 
 pub mod boot;
@@ -11,4 +12,5 @@ pub mod network;
 pub mod port;
 pub mod session;
 pub mod setup;
+pub mod user;
 pub mod volumes;

@@ -14,7 +14,9 @@
 //!   `null` takes it down. `"volumes"`: `[{"tag", "path"}]` mounts each
 //!   virtio-fs device at its path (see [`super::volumes`]). `"entrypoint"`:
 //!   the image's ENTRYPOINT and CMD, started in the `entrypoint` session
-//!   unless that session exists (see [`crate::entrypoint`]). Answers `{}`.
+//!   unless that session exists (see [`crate::entrypoint`]). `"user"`: who
+//!   toolbox requests run as; another user than root gets an agent of its
+//!   own (see [`super::user`]), which starts the entrypoint. Answers `{}`.
 //!   The message is `cove_protocol::IdentityRequest`, shared with the host.
 //! - `POST /cove/vm/sync` before the host stops the VM: writes out every
 //!   filesystem, so files survive the stop.
@@ -27,20 +29,38 @@ use std::os::fd::AsRawFd;
 use std::sync::{Arc, Mutex};
 
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::{Request, State};
 use axum::routing::post;
 use axum::Router;
 use cove_protocol::identity::{IdentityRequest, IDENTITY_PATH, SYNC_PATH};
 use serde_json::{json, Value};
 
+use super::user::UserAgent;
 use crate::error::{ApiError, Json};
 use crate::session::Registry;
 
-pub fn routes(sessions: Arc<Registry>) -> Router {
+/// What the identity call changes besides the system: the root agent's
+/// sessions (the entrypoint's, where root runs it) and the user agent.
+#[derive(Clone)]
+struct Vm {
+    sessions: Arc<Registry>,
+    user: Arc<UserAgent>,
+}
+
+/// A VM agent's whole app: `/cove/vm/*` here, as root; every other request
+/// to `toolbox` (the agent's routes, as root) or to the user agent.
+pub fn app(toolbox: Router, sessions: Arc<Registry>, user: Arc<UserAgent>) -> Router {
+    let vm = Vm {
+        sessions,
+        user: user.clone(),
+    };
     Router::new()
         .route(IDENTITY_PATH, post(identity))
         .route(SYNC_PATH, post(sync))
-        .with_state(sessions)
+        .with_state(vm)
+        .fallback(move |request: Request| {
+            super::user::dispatch(toolbox.clone(), user.clone(), request)
+        })
 }
 
 const HOSTS: &str = "/etc/hosts";
@@ -71,26 +91,20 @@ static APPLIED_ENV: Mutex<Vec<(String, Option<String>)>> = Mutex::new(Vec::new()
 /// first (both would start the entrypoint, or configure the NIC at once).
 static APPLYING: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-async fn identity(
-    State(sessions): State<Arc<Registry>>,
-    body: Bytes,
-) -> Result<Json<Value>, ApiError> {
+async fn identity(State(vm): State<Vm>, body: Bytes) -> Result<Json<Value>, ApiError> {
     let request: IdentityRequest =
         serde_json::from_slice(&body).map_err(|e| ApiError::InvalidBody(e.to_string()))?;
     // In a task of its own: a call whose session died is not cut short
     // half-way, and the repeat waits for it to end.
     tokio::spawn(async move {
         let _applying = APPLYING.lock().await;
-        apply_identity(&sessions, request).await
+        apply_identity(&vm, request).await
     })
     .await
     .map_err(|e| ApiError::internal("apply the identity", io::Error::other(e)))?
 }
 
-async fn apply_identity(
-    sessions: &Arc<Registry>,
-    request: IdentityRequest,
-) -> Result<Json<Value>, ApiError> {
+async fn apply_identity(vm: &Vm, request: IdentityRequest) -> Result<Json<Value>, ApiError> {
     check_env(&request.env)?;
     let entropy = decode_hex(&request.entropy)
         .ok_or_else(|| ApiError::BadRequest("entropy must be hex digits".into()))?;
@@ -107,7 +121,7 @@ async fn apply_identity(
         &request.hostname,
     );
     std::fs::write(HOSTS, hosts).map_err(|e| ApiError::internal("write /etc/hosts", e))?;
-    replace_env(&request.env);
+    let env_changes = replace_env(&request.env);
     let network = request.network;
     tokio::task::spawn_blocking(move || super::network::configure(network.as_ref()))
         .await
@@ -118,8 +132,12 @@ async fn apply_identity(
         .await
         .map_err(|e| ApiError::internal("mount the volumes", io::Error::other(e)))?
         .map_err(|e| ApiError::internal("mount the volumes", e))?;
-    if sessions.get(crate::entrypoint::SESSION).is_err() {
-        crate::entrypoint::start(sessions, &request.entrypoint).await;
+    let user = request.user.as_deref();
+    vm.user
+        .become_user(user, &env_changes, &request.entrypoint)
+        .await?;
+    if super::user::is_root(user) && vm.sessions.get(crate::entrypoint::SESSION).is_err() {
+        crate::entrypoint::start(&vm.sessions, &request.entrypoint).await;
     }
     if request.grow_root {
         // In the background: growing ends with a journal flush that takes a
@@ -154,11 +172,16 @@ fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
 }
 
 /// Undoes the previous call's variables, then sets `env`, remembering what
-/// each one replaced. std serialises environment access behind one lock and
-/// the agent reads its environment only through std, so this is sound while
-/// other threads run (as in `POST /env`).
-fn replace_env(env: &BTreeMap<String, String>) {
+/// each one replaced; answers the names either call touched. std serialises
+/// environment access behind one lock and the agent reads its environment
+/// only through std, so this is sound while other threads run (as in
+/// `POST /env`).
+fn replace_env(env: &BTreeMap<String, String>) -> Vec<String> {
     let mut applied = APPLIED_ENV.lock().unwrap_or_else(|p| p.into_inner());
+    let mut touched: Vec<String> = applied.iter().map(|(name, _)| name.clone()).collect();
+    touched.extend(env.keys().cloned());
+    touched.sort();
+    touched.dedup();
     for (name, previous) in applied.drain(..).rev() {
         match previous {
             Some(value) => std::env::set_var(&name, value),
@@ -170,6 +193,7 @@ fn replace_env(env: &BTreeMap<String, String>) {
         std::env::set_var(name, value);
         applied.push((name.clone(), previous));
     }
+    touched
 }
 
 /// Sets the wall clock (a restored guest's stopped when it was saved).
@@ -256,7 +280,11 @@ mod tests {
         assert_eq!(std::env::var(base).unwrap(), "first");
         assert_eq!(std::env::var("COVE_TEST_VM_ONLY_FIRST").unwrap(), "1");
         let second: BTreeMap<_, _> = [("COVE_TEST_VM_SECOND".to_owned(), "2".to_owned())].into();
-        replace_env(&second);
+        // Every name either call set, for a user agent to pick up.
+        assert_eq!(
+            replace_env(&second),
+            [base, "COVE_TEST_VM_ONLY_FIRST", "COVE_TEST_VM_SECOND"]
+        );
         assert_eq!(std::env::var(base).unwrap(), "base");
         assert!(std::env::var("COVE_TEST_VM_ONLY_FIRST").is_err());
         assert_eq!(std::env::var("COVE_TEST_VM_SECOND").unwrap(), "2");

@@ -15,9 +15,22 @@ use tokio::net::UnixStream;
 
 pub(crate) struct Agent {
     child: Child,
-    socket: PathBuf,
+    client: Client,
     pub work_dir: PathBuf,
     _dir: tempfile::TempDir,
+}
+
+/// HTTP/1.1 and WebSocket requests to whatever serves on a Unix socket.
+pub(crate) struct Client {
+    socket: PathBuf,
+}
+
+impl std::ops::Deref for Agent {
+    type Target = Client;
+
+    fn deref(&self) -> &Client {
+        &self.client
+    }
 }
 
 pub(crate) struct Reply {
@@ -61,18 +74,26 @@ impl Agent {
         }
         Self {
             child,
-            socket,
+            client: Client { socket },
             work_dir,
             _dir: dir,
         }
     }
 
-    pub(crate) fn socket(&self) -> &Path {
-        &self.socket
-    }
-
     pub(crate) fn path(&self, relative: &str) -> PathBuf {
         self.work_dir.join(relative)
+    }
+}
+
+impl Client {
+    pub(crate) fn at(socket: &Path) -> Self {
+        Self {
+            socket: socket.to_owned(),
+        }
+    }
+
+    pub(crate) fn socket(&self) -> &Path {
+        &self.socket
     }
 
     pub(crate) async fn request(

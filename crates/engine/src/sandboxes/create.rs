@@ -265,7 +265,7 @@ impl Sandboxes {
         Ok(Some(target.id))
     }
 
-    /// The user a container sandbox runs as: the one asked for if the image has it
+    /// The user a sandbox runs as: the one asked for if the image has it
     /// (root and numeric ids always do, as with Docker's `USER`), else the
     /// image's `USER`, else the server's default user (`daytona`) where the
     /// image has one, else root.
@@ -274,16 +274,6 @@ impl Sandboxes {
         requested: Option<&str>,
         snapshot: &cove_store::SnapshotRecord,
     ) -> Result<String, EngineError> {
-        if snapshot.class == SandboxClass::LinuxVm {
-            // A VM resumes from a template booted before its user is known,
-            // so its agent cannot become one yet: VMs run as root.
-            return match requested.filter(|user| !user.is_empty() && *user != "root") {
-                None => Ok("root".to_owned()),
-                Some(user) => Err(EngineError::NotImplemented {
-                    what: format!("running a VM sandbox as {user:?} (VM sandboxes run as root)"),
-                }),
-            };
-        }
         let users = image_users(snapshot).await;
         let known = |name: &str| users.iter().any(|user| user == name);
         let os_user = &self.shared.config.os_user;

@@ -137,6 +137,8 @@ pub(super) struct Identity {
     pub volumes: Vec<VolumeBind>,
     /// The image's ENTRYPOINT and CMD, which the agent starts once.
     pub command: Vec<String>,
+    /// Who the toolbox runs as; `None`: root.
+    pub user: Option<String>,
     /// Without a network: a TAP device that QEMU makes for itself and that
     /// is on no bridge, instead of the hub port. A NIC saved on a TAP has
     /// state that only loads on a TAP (QEMU: "saved image requires
@@ -170,6 +172,7 @@ impl Identity {
             network,
             volumes: spec.volumes.clone(),
             command: spec.command.clone(),
+            user: spec.user.clone(),
             detached_tap: None,
         })
     }
@@ -186,6 +189,7 @@ impl Identity {
             network: None,
             volumes: Vec::new(),
             command: Vec::new(),
+            user: None,
             detached_tap: None,
         }
     }
@@ -266,6 +270,7 @@ impl Identity {
                 })
                 .collect(),
             entrypoint: self.command.clone(),
+            user: self.user.clone(),
         };
         agent(session)
             .identity(&request)
