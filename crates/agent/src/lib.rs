@@ -7,6 +7,7 @@
 
 pub mod code_run;
 pub mod config;
+pub mod drain;
 pub mod entrypoint;
 pub mod error;
 pub mod execute;
@@ -105,5 +106,6 @@ pub fn app(state: AppState) -> Router {
         .merge(tunnel::routes())
         .merge(unpack::routes())
         .fallback(not_implemented::fallback)
+        .layer(axum::middleware::from_fn(drain::unread_body))
         .with_state(state)
 }
