@@ -7,6 +7,7 @@ interval, the server's regions, and file listings with clean paths.
 from __future__ import annotations
 
 import uuid
+from datetime import datetime, timedelta, timezone
 
 import pytest
 from daytona import (
@@ -107,6 +108,38 @@ def test_lists_sort_and_page_as_asked(cove, daytona, sandboxes):
     second = cove.request("GET", "/sandbox", params={**params, "cursor": first["nextCursor"]}).json()
     assert [s["name"] for s in second["items"]] == by_name[::-1][2:]
     assert not second.get("nextCursor")
+
+
+def test_lists_filter_by_every_field_the_sdk_sends(cove, daytona, sandboxes):
+    """`ListSandboxesQuery`'s filters narrow the list as Daytona's do (id and
+    name are case-insensitive prefixes); one cove cannot answer is a 400
+    naming it, never a list that ignores it."""
+    tag = unique("flt")
+    small = sandboxes(CreateSandboxFromSnapshotParams(name=f"{tag}-small", labels={"flt": tag}))
+    big = sandboxes(CreateSandboxFromSnapshotParams(name=f"{tag}-Big", labels={"flt": tag}))
+    both = {small.name, big.name}
+
+    def listed(**query) -> set[str]:
+        return {s.name for s in daytona.list(ListSandboxesQuery(labels={"flt": tag}, **query))}
+
+    assert listed() == both
+    assert listed(id=small.id[:8].upper()) == {small.name}
+    assert listed(name=f"{tag}-b".upper()) == {big.name}
+    assert listed(name="no-such-prefix") == set()
+    assert listed(snapshots=[small.snapshot]) == both
+    assert listed(snapshots=["no-such-snapshot"]) == set()
+    assert listed(min_cpu=small.cpu, max_cpu=small.cpu) == both
+    assert listed(min_cpu=small.cpu + 1) == set()
+    assert listed(max_memory_gib=small.memory) == both
+    assert listed(min_disk_gib=small.disk + 1) == set()
+    assert listed(is_public=True) == set()
+    later = datetime.now(timezone.utc) + timedelta(hours=1)
+    assert listed(created_at_after=later) == set()
+    assert listed(created_at_before=later) == both
+    r = cove.request("GET", "/sandbox", params={"isRecoverable": "true"})
+    assert r.status_code == 400 and "isRecoverable" in r.json()["message"], r.text
+    r = cove.request("GET", "/sandbox", params={"minCpu": "many"})
+    assert r.status_code == 400 and "minCpu" in r.json()["message"], r.text
 
 
 def test_unknown_sort_fields_and_orders_name_the_allowed_ones(cove):

@@ -10,6 +10,7 @@ mod auth;
 mod docker_registry;
 mod dto;
 mod error;
+mod list_filter;
 pub mod listener;
 mod machines;
 mod not_implemented;

@@ -1,13 +1,12 @@
 //! Handlers of `/api/sandbox...`: each turns one request into one engine call.
 
-use std::collections::BTreeMap;
-
 use axum::extract::{Path, RawQuery, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::Json;
 use cove_engine::{SandboxRecord, SettingChange};
 
 use crate::dto::{CreateSandboxRequest, Labels, Sandbox, SandboxList, Url};
+use crate::list_filter::SandboxFilter;
 use crate::{ApiError, AppState};
 
 /// The page size of a list when the client asks for none.
@@ -74,30 +73,25 @@ pub(crate) async fn get(
     Ok(dto(&state, &headers, record))
 }
 
-/// `GET /sandbox?labels={json}&states=a&states=b&regionIds=r&sort=F&order=D&cursor=N&limit=N`:
-/// sorted by the store, then filtered, then paged, so consecutive pages of
-/// one order neither repeat nor skip a sandbox.
+/// `GET /sandbox?labels={json}&states=a&states=b&id=p&name=p&...&sort=F&order=D&cursor=N&limit=N`
+/// (the filters are `list_filter`'s): sorted by the store, then filtered,
+/// then paged, so consecutive pages of one order neither repeat nor skip a
+/// sandbox.
 pub(crate) async fn list(
     State(state): State<AppState>,
     headers: HeaderMap,
     RawQuery(query): RawQuery,
 ) -> Result<Json<SandboxList>, ApiError> {
-    let mut labels: BTreeMap<String, String> = BTreeMap::new();
-    let mut states: Vec<String> = Vec::new();
-    let mut regions: Vec<String> = Vec::new();
+    let mut filter = SandboxFilter::default();
     let mut cursor = 0usize;
     let mut limit = DEFAULT_PAGE;
     let mut sort = None;
     let mut order = None;
     for (key, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        if filter.take(&key, &value)? {
+            continue;
+        }
         match key.as_ref() {
-            "labels" => {
-                labels = serde_json::from_str(&value).map_err(|e| {
-                    ApiError::bad_request(format!("labels must be a JSON object of strings: {e}"))
-                })?
-            }
-            "states" => states.push(value.into_owned()),
-            "regionIds" | "regions" => regions.push(value.into_owned()),
             "cursor" => {
                 cursor = value
                     .parse()
@@ -116,17 +110,13 @@ pub(crate) async fn list(
         }
     }
     let order = crate::sort::sandbox_order(sort.as_deref(), order.as_deref())?;
-    // Every sandbox is in this server's one region.
-    let in_region = regions.is_empty() || regions.iter().any(|r| crate::regions::is_known(r));
     let matching: Vec<SandboxRecord> = state
         .engine
         .sandboxes()
         .list_ordered(order)
         .await?
         .into_iter()
-        .filter(|_| in_region)
-        .filter(|s| labels.iter().all(|(k, v)| s.labels.get(k) == Some(v)))
-        .filter(|s| states.is_empty() || states.iter().any(|st| st == s.state.wire()))
+        .filter(|sandbox| filter.matches(sandbox))
         .collect();
     let total = matching.len();
     let items: Vec<Sandbox> = matching
