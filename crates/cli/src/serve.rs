@@ -182,9 +182,15 @@ type Serving = (
     Option<Arc<cove_net::Network>>,
     cove_ssh::Gateway,
     DataDirLock,
-    Option<Arc<VmRuntime>>,
+    Option<VmServing>,
     (Engine, Arc<Storage>),
 );
+
+/// The VM runtime and the task making its template (then filling its pool).
+struct VmServing {
+    runtime: Arc<VmRuntime>,
+    warming: tokio::task::JoinHandle<()>,
+}
 
 /// Held while the server runs: one server per data directory.
 type DataDirLock = nix::fcntl::Flock<std::fs::File>;
@@ -411,14 +417,15 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     }
     unmount_on_error.0 = None;
     engine.recover_after_restart().await?;
-    if let Some(vm) = &vm {
-        warm_vm_template(
-            vm.clone(),
+    let vm = vm.map(|runtime| VmServing {
+        warming: warm_vm_template(
+            runtime.clone(),
             &rootfs,
             config.default_disk_gib,
             args.vm_warm_pool,
-        );
-    }
+        ),
+        runtime,
+    });
 
     let env_api_key = args.api_key.clone().filter(|k| !k.is_empty());
     if env_api_key.is_none() {
@@ -542,7 +549,12 @@ fn open_vm_runtime(
 /// create continues from it instead of waiting for a boot (seconds under TCG).
 /// A create that comes first waits for the same template, never makes a second.
 /// Then keeps `pool` VMs of it waiting (see the runtime's `pool`).
-fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64, pool: usize) {
+fn warm_vm_template(
+    vm: Arc<VmRuntime>,
+    rootfs: &Path,
+    disk_gib: i64,
+    pool: usize,
+) -> tokio::task::JoinHandle<()> {
     let resources = cove_runtime::Resources {
         cpu: 1,
         memory_mib: 1024,
@@ -560,7 +572,7 @@ fn warm_vm_template(vm: Arc<VmRuntime>, rootfs: &Path, disk_gib: i64, pool: usiz
             Err(error) => tracing::warn!(%error, "making the VM template"),
         }
         vm.keep_warm(spec, pool);
-    });
+    })
 }
 
 /// A CIDR as `--allow-private-egress` takes it: `a.b.c.d/n` or a bare address;
@@ -620,8 +632,13 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
     };
     ssh.shutdown().await;
     if let Some(vm) = vm {
+        // A template still being made is given up now, while the storage
+        // still holds the pid file its QEMU is found by (the making's guard
+        // ends it); dropped with the runtime later, it would find nothing.
+        vm.warming.abort();
+        let _ = vm.warming.await;
         // Sandboxes outlive the server; the VMs waiting for a create do not.
-        vm.end_pool().await;
+        vm.runtime.end_pool().await;
     }
     if let Some(network) = network {
         // The bridge, firewall tables and routes go; addresses stay on disk.
