@@ -33,11 +33,13 @@ async function countingOn(sandbox, atLeast) {
 
 describe('a VM sandbox', { timeout: 30 * 60_000 }, () => {
   let vm = null;
+  let home = null;
   let counterCommand = null;
 
   before(async () => {
     if (!VMS) return;
     vm = await create({ snapshot: VM_SNAPSHOT }, { timeout: VM_TIMEOUT });
+    home = await vm.getUserHomeDir();
   });
 
   // Each step needs the VM; without VM assets each is skipped (failed under
@@ -54,8 +56,13 @@ describe('a VM sandbox', { timeout: 30 * 60_000 }, () => {
     assert.equal(await sh(vm, 'echo hello from a vm'), 'hello from a vm');
     const ran = await vm.process.codeRun('print(6 * 7)');
     assert.deepEqual([ran.exitCode, ran.result], [0, '42\n']);
-    await vm.fs.uploadFile(Buffer.from('on disk'), '/root/kept.txt');
-    assert.equal((await vm.fs.downloadFile('/root/kept.txt')).toString(), 'on disk');
+    // The sandbox's user, in its home, owns what it uploads.
+    const user = await sh(vm, 'whoami');
+    assert.equal(vm.user, user);
+    assert.equal(await sh(vm, 'pwd'), home);
+    await vm.fs.uploadFile(Buffer.from('on disk'), `${home}/kept.txt`);
+    assert.equal((await vm.fs.downloadFile(`${home}/kept.txt`)).toString(), 'on disk');
+    assert.equal(await sh(vm, `stat -c %U ${home}/kept.txt`), user);
   });
 
   test('pause and resume keep running processes', async (t) => {
@@ -75,7 +82,7 @@ describe('a VM sandbox', { timeout: 30 * 60_000 }, () => {
     // count went on from where it was.
     assert.equal((await vm.process.getSessionCommand('keepalive', counterCommand)).exitCode ?? null, null);
     await countingOn(vm, before);
-    assert.equal((await vm.fs.downloadFile('/root/kept.txt')).toString(), 'on disk');
+    assert.equal((await vm.fs.downloadFile(`${home}/kept.txt`)).toString(), 'on disk');
   });
 
   test('a fork holds the parent memory, then diverges', async (t) => {
@@ -103,9 +110,9 @@ describe('a VM sandbox', { timeout: 30 * 60_000 }, () => {
     await countingOn(vm, atFork);
 
     // Disks are independent too.
-    await child.fs.uploadFile(Buffer.from('child'), '/root/who');
-    assert.equal((await child.fs.downloadFile('/root/who')).toString(), 'child');
-    assert.equal(await sh(vm, 'cat /root/who 2>/dev/null || echo none'), 'none');
+    await child.fs.uploadFile(Buffer.from('child'), `${home}/who`);
+    assert.equal((await child.fs.downloadFile(`${home}/who`)).toString(), 'child');
+    assert.equal(await sh(vm, `cat ${home}/who 2>/dev/null || echo none`), 'none');
 
     // The fork tree.
     const forks = (await api('GET', `/sandbox/${vm.id}/forks`)).json;
