@@ -6,7 +6,7 @@
 import { after } from 'node:test';
 import { randomBytes } from 'node:crypto';
 
-import { Daytona } from '@daytonaio/sdk';
+import { Daytona, FileSystem } from '@daytonaio/sdk';
 
 export const API_URL = process.env.COVE_TS_API_URL;
 export const API_KEY = process.env.COVE_TS_API_KEY;
@@ -24,6 +24,31 @@ export const HOME = '/home/daytona';
 export const VM_SNAPSHOT = 'daytona-vm-small';
 // Seconds: a VM under TCG emulation takes tens of them to make.
 export const VM_TIMEOUT = 300;
+
+/**
+ * Known cove bug (see the todo test in files.test.mjs): the SDK uploads with
+ * `Transfer-Encoding: chunked` (a form-data stream), and about 2% of such
+ * uploads through the toolbox proxy answer 502 "the agent of sandbox ... did
+ * not answer: ... error writing a body to connection: Broken pipe": the
+ * agent answers at the multipart closing boundary without reading the body to
+ * its end, closes the connection, and the proxy's last write (the closing
+ * chunk) hits the closed socket. Uploads with a Content-Length never do.
+ * Until cove drains upload bodies, the other tests retry exactly that answer
+ * (at most twice, each retry logged) so that they test what they are about;
+ * the todo test counts it with the SDK's own uploadFiles.
+ */
+export const KNOWN_UPLOAD_502 = /did not answer: .*error writing a body to connection: Broken pipe/;
+export const sdkUploadFiles = FileSystem.prototype.uploadFiles;
+FileSystem.prototype.uploadFiles = async function uploadFilesRetryingKnown502(files, timeout) {
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await sdkUploadFiles.call(this, files, timeout);
+    } catch (e) {
+      if (attempt >= 3 || !KNOWN_UPLOAD_502.test(e?.message ?? '')) throw e;
+      console.error(`retrying an upload after the known cove 502 (chunked upload, broken pipe): ${e.message}`);
+    }
+  }
+};
 
 export function unique(prefix) {
   return `${prefix}-${randomBytes(5).toString('hex')}`;
@@ -57,12 +82,21 @@ export async function api(method, path, body, { auth = true } = {}) {
   const headers = {};
   if (auth) headers.Authorization = `Bearer ${API_KEY}`;
   if (body !== undefined) headers['Content-Type'] = 'application/json';
-  const r = await fetch(`${API_URL}${path}`, {
+  const send = () => fetch(`${API_URL}${path}`, {
     method,
     headers,
     body: body === undefined ? undefined : JSON.stringify(body),
     signal: AbortSignal.timeout(60_000),
   });
+  let r;
+  try {
+    r = await send();
+  } catch (e) {
+    // A kept-alive connection the server closed while idle ("other side
+    // closed"): once more on a new one, for the idempotent requests.
+    if (method === 'POST') throw e;
+    r = await send();
+  }
   const text = await r.text();
   let json = null;
   try {

@@ -236,13 +236,20 @@ export class CoveServer {
   }
 
   async request(method, urlPath, body) {
-    const r = await fetch(`${this.apiUrl}${urlPath}`, {
+    const send = () => fetch(`${this.apiUrl}${urlPath}`, {
       method,
       headers: { Authorization: `Bearer ${this.apiKey}`, ...(body ? { 'Content-Type': 'application/json' } : {}) },
       body: body ? JSON.stringify(body) : undefined,
       signal: AbortSignal.timeout(60_000),
     });
-    return r;
+    try {
+      return await send();
+    } catch (e) {
+      // A kept-alive connection the server closed while idle ("other side
+      // closed"): once more on a new one, for the idempotent requests.
+      if (method === 'POST') throw e;
+      return send();
+    }
   }
 
   /** Deletes whatever sandboxes the tests left, newest first (forks before their parents). */

@@ -12,7 +12,7 @@ import { before, describe, test } from 'node:test';
 
 import { DaytonaNotFoundError } from '@daytonaio/sdk';
 
-import { HOME, setup, sh, unique } from '../lib/env.mjs';
+import { HOME, KNOWN_UPLOAD_502, sdkUploadFiles, setup, sh, unique } from '../lib/env.mjs';
 
 const { create } = setup();
 
@@ -132,6 +132,24 @@ describe('files', () => {
     assert.ok(replaced.every((r) => r.success), JSON.stringify(replaced));
     assert.equal((await sandbox.fs.downloadFile(`${root}/one.txt`)).toString(), 'alpha\npin here\n');
     assert.equal((await sandbox.fs.downloadFile(`${root}/sub/three.txt`)).toString(), 'pin again\n');
+  });
+
+  // Known cove bug (lib/env.mjs, KNOWN_UPLOAD_502): about 2% of the SDK's
+  // chunked uploads answer 502. A todo: it runs and reports, without failing
+  // the suite, until cove's agent reads upload bodies to their end.
+  test('a hundred uploads in a row all arrive', { todo: 'cove bug: ~2% of chunked uploads answer 502 (broken pipe)' }, async () => {
+    const dir = `/tmp/${unique('many')}`;
+    const refused = [];
+    for (let i = 0; i < 100; i++) {
+      try {
+        await sdkUploadFiles.call(sandbox.fs, [{ source: Buffer.from(`n${i}`), destination: `${dir}/${i}` }]);
+      } catch (e) {
+        if (!KNOWN_UPLOAD_502.test(e.message)) throw e;
+        refused.push(i);
+      }
+    }
+    assert.deepEqual(refused, [], `${refused.length} of 100 uploads answered 502`);
+    assert.equal(await sh(sandbox, `ls ${dir} | wc -l`), '100');
   });
 
   test('what is not there is a not-found error naming it', async () => {
