@@ -36,11 +36,19 @@ function testFiles(args) {
 
 let internet = null;
 let server = null;
+let testRun = null;
+let resultsDir = null;
 let cleaning = null;
 
 async function cleanup() {
   cleaning ??= (async () => {
     let kept = false;
+    if (testRun && testRun.exitCode === null && testRun.signalCode === null) {
+      // Interrupted: the test processes end before the server they talk to.
+      testRun.kill('SIGTERM');
+      await new Promise((resolve) => testRun.once('exit', resolve));
+    }
+    if (resultsDir) fs.rmSync(resultsDir, { recursive: true, force: true });
     if (server) {
       if (server.proc) await server.deleteAll().catch((e) => console.error(`cleanup: ${e}`));
       const code = await server.stop();
@@ -93,7 +101,8 @@ async function main() {
   }
   if (!vmAssets() && !process.env.COVE_TS_VMS) env.COVE_TS_VMS = '0';
 
-  const tap = path.join(fs.mkdtempSync('/tmp/cvts-results'), 'results.tap');
+  resultsDir = fs.mkdtempSync('/tmp/cvts-results');
+  const tap = path.join(resultsDir, 'results.tap');
   const concurrency = process.env.COVE_TS_CONCURRENCY || '3';
   const args = [
     '--test',
@@ -103,11 +112,11 @@ async function main() {
     ...files,
   ];
   const child = spawn(process.execPath, args, { cwd: here, env, stdio: 'inherit' });
+  testRun = child;
   const code = await new Promise((resolve) => child.on('exit', (c, s) => resolve(c ?? (s ? 1 : 0))));
 
   let failed = code !== 0;
   const results = fs.readFileSync(tap, 'utf8');
-  fs.rmSync(path.dirname(tap), { recursive: true, force: true });
   const count = (name) => Number((results.match(new RegExp(`^# ${name} (\\d+)$`, 'm')) || [])[1] || 0);
   const [pass, fail, skip, todo] = ['pass', 'fail', 'skip', 'todo'].map(count);
   console.log(`typescript suite: ${pass} passed, ${fail} failed, ${skip} skipped, ${todo} todo`);
