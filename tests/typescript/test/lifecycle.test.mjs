@@ -94,6 +94,18 @@ describe('lifecycle', () => {
     await assert.rejects(daytona.get(name), DaytonaNotFoundError);
   });
 
+  test('archive, then start again with the files kept', async () => {
+    const sandbox = await create();
+    await sandbox.fs.uploadFile(Buffer.from('kept through the archive'), 'notes.txt');
+    await sandbox.stop();
+    await sandbox.archive();
+    await sandbox.refreshData();
+    assert.equal(sandbox.state, SandboxState.ARCHIVED);
+    await sandbox.start();
+    assert.equal(sandbox.state, SandboxState.STARTED);
+    assert.equal((await sandbox.fs.downloadFile('notes.txt')).toString(), 'kept through the archive');
+  });
+
   test('an ephemeral sandbox is deleted when it stops', async () => {
     const sandbox = await create({ ephemeral: true });
     assert.equal(sandbox.autoDeleteInterval, 0);
