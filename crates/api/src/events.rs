@@ -97,7 +97,10 @@ async fn authenticate(
     match crate::auth::key_accepted(&state, token).await {
         Ok(true) => {}
         Ok(false) => return Err(Refusal::InvalidKey),
-        Err(_) => return Err(Refusal::Unchecked),
+        Err(error) => {
+            tracing::warn!(error = %error.message, "an event socket's API key could not be checked");
+            return Err(Refusal::Unchecked);
+        }
     }
     // Every key belongs to the server's one organization; a client naming
     // another would be told about none of its sandboxes, so it is told why.
