@@ -1,7 +1,8 @@
 //! The HTTP front of cove.
 //!
 //! Only this crate knows the HTTP and JSON shape of the public API: Daytona's
-//! control API under `/api`, and the toolbox proxy under `/toolbox/{sandboxId}/...`
+//! control API under `/api`, its live events over Socket.IO at `/api/socket.io/`,
+//! and the toolbox proxy under `/toolbox/{sandboxId}/...`
 //! that forwards each request, untouched, to the agent inside the sandbox. Handlers
 //! turn a request into one engine call and the result into a response; they never
 //! touch the database or a runtime.
@@ -10,6 +11,7 @@ mod auth;
 mod docker_registry;
 mod dto;
 mod error;
+mod events;
 mod list_filter;
 pub mod listener;
 mod machines;
@@ -199,6 +201,9 @@ pub fn app(state: AppState) -> Router {
         )
         .route("/object-storage/{bucket}", any(object_storage::bucket))
         .merge(with_key)
+        // Socket.IO (`/api/socket.io/`) checks the key its clients send in
+        // their CONNECT packet, not in a header: in front of the key layer.
+        .layer(events::layer(state.clone()))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             preview::by_host,

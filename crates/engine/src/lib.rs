@@ -23,6 +23,7 @@ mod archive;
 mod checks;
 mod config;
 mod error;
+mod events;
 mod failure;
 mod network;
 mod sandboxes;
@@ -46,6 +47,7 @@ pub use cove_store::{
     SignedPreview, SnapshotRecord, SortDirection, VolumeMount, VolumeRecord,
 };
 pub use error::{describe, EngineError, ErrorKind};
+pub use events::{SandboxEvent, FEED_CAPACITY};
 pub use network::{policy as network_policy, NetworkHandle};
 pub use sandboxes::{CreateSandbox, Sandboxes, SettingChange};
 pub use snapshots::{
@@ -112,6 +114,12 @@ impl Engine {
     /// API keys, previews and SSH access.
     pub fn access(&self) -> &Access {
         &self.access
+    }
+
+    /// A new subscription to the feed of sandbox changes (a sandbox created,
+    /// its state or desired state recorded), from now on.
+    pub fn events(&self) -> tokio::sync::broadcast::Receiver<SandboxEvent> {
+        self.shared.events.subscribe()
     }
 
     /// Reconciles what is stored with what runs. Call once at start-up,

@@ -1,5 +1,6 @@
 //! What every part of the engine shares: the configuration, the store, the
-//! runtimes, one lock per sandbox, the sandboxes that run and their idle clocks.
+//! runtimes, one lock per sandbox, the sandboxes that run and their idle clocks,
+//! and the feed of sandbox changes.
 //!
 //! Parts hold an `Arc<Shared>`; nothing here knows of sandboxes' operations,
 //! snapshots' builds or access tokens.
@@ -10,9 +11,10 @@ use std::sync::{Arc, Mutex};
 
 use cove_lifecycle::SandboxClass;
 use cove_runtime::{AgentEndpoint, Runtime, RuntimeError, SandboxId};
-use cove_store::{SandboxRecord, Store};
+use cove_store::{SandboxRecord, Store, StoreError};
 
 use crate::activity::Activity;
+use crate::events::{Events, Recorded};
 use crate::{now_ms, EngineConfig, EngineError};
 
 /// A sandbox the runtime reported running, and which start it came from.
@@ -37,6 +39,8 @@ pub(crate) struct Shared {
     /// Bumped whenever SSH access tokens go away (revoked, or with their
     /// sandbox): live SSH connections re-check their token when it changes.
     pub(crate) ssh_revocations: tokio::sync::watch::Sender<u64>,
+    /// Every state the sandboxes are recorded in, as it is recorded.
+    pub(crate) events: Events,
 }
 
 impl Shared {
@@ -54,6 +58,7 @@ impl Shared {
             generation: AtomicU64::default(),
             activity: Activity::default(),
             ssh_revocations: tokio::sync::watch::Sender::new(0),
+            events: Events::new(),
         }
     }
 
@@ -100,14 +105,42 @@ impl Shared {
         Ok(records)
     }
 
-    /// Records a sandbox's new state, which also resets its idle clock.
+    /// Records a sandbox's new state, which also resets its idle clock, and
+    /// tells the event feed what changed.
     pub(crate) async fn save_state(&self, record: &mut SandboxRecord) -> Result<(), EngineError> {
         let now = now_ms();
         record.state_since_ms = now;
         record.updated_at_ms = now;
         // A state change is an event: it resets the idle clock.
         record.last_activity_ms = record.last_activity_ms.max(now);
+        // What the row said before is read only when someone listens; the
+        // callers' records may have been changed since they were read.
+        let before = match self.events.has_subscribers() {
+            true => self.store.find_sandbox(&record.id).await?,
+            false => None,
+        };
         self.store.save_sandbox(record).await?;
+        if let Some(before) = before {
+            self.events.changed(Recorded::of(&before), record);
+        }
+        Ok(())
+    }
+
+    /// Stores a new sandbox's row (in `creating`) and announces it.
+    pub(crate) async fn insert_sandbox(&self, record: &SandboxRecord) -> Result<(), StoreError> {
+        self.store.insert_sandbox(record).await?;
+        self.events.created(record);
+        Ok(())
+    }
+
+    /// Deletes a sandbox's row: from now on it is `destroyed`, which the
+    /// event feed hears with `record` in that state.
+    pub(crate) async fn delete_sandbox(&self, record: &SandboxRecord) -> Result<(), EngineError> {
+        self.store.delete_sandbox(&record.id).await?;
+        let mut destroyed = record.clone();
+        destroyed.state = cove_lifecycle::SandboxState::Destroyed;
+        destroyed.desired_state = cove_lifecycle::DesiredState::Destroyed;
+        self.events.changed(Recorded::of(record), &destroyed);
         Ok(())
     }
 

@@ -5,7 +5,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cove_engine::{
-    CreateSandbox, Engine, EngineConfig, EngineError, SandboxState, SettingChange, SnapshotRecord,
+    CreateSandbox, Engine, EngineConfig, EngineError, SandboxEvent, SandboxState, SettingChange,
+    SnapshotRecord,
 };
 use cove_lifecycle::{SandboxClass, MINUTE_MS};
 use cove_runtime::fake::FakeRuntime;
@@ -146,6 +147,65 @@ async fn create_stop_start_delete() {
         h.engine.sandboxes().get(&s.id).await,
         Err(EngineError::SandboxNotFound { .. })
     ));
+}
+
+/// The feed as (event, state, desired state) lines, read until it is empty.
+fn drain(feed: &mut tokio::sync::broadcast::Receiver<SandboxEvent>) -> Vec<String> {
+    let mut lines = Vec::new();
+    while let Ok(event) = feed.try_recv() {
+        let s = event.sandbox();
+        let what = match &event {
+            SandboxEvent::Created { .. } => "created".to_owned(),
+            SandboxEvent::StateUpdated { old_state, .. } => format!("state from {old_state}"),
+            SandboxEvent::DesiredStateUpdated {
+                old_desired_state, ..
+            } => format!("desired from {old_desired_state}"),
+        };
+        lines.push(format!("{what}: {} {}", s.state, s.desired_state));
+    }
+    lines
+}
+
+#[tokio::test]
+async fn every_recorded_change_reaches_the_event_feed_in_order() {
+    let h = harness().await;
+    let mut feed = h.engine.events();
+    let s = h.engine.sandboxes().create(named("feed")).await.unwrap();
+    h.engine.sandboxes().stop(&s.id).await.unwrap();
+    h.engine.sandboxes().start(&s.id).await.unwrap();
+    h.engine.sandboxes().delete(&s.id).await.unwrap();
+    assert_eq!(
+        drain(&mut feed),
+        [
+            "created: creating started",
+            "state from creating: started started",
+            "state from started: stopping stopped",
+            "desired from started: stopping stopped",
+            "state from stopping: stopped stopped",
+            "state from stopped: starting started",
+            "desired from stopped: starting started",
+            "state from starting: started started",
+            "state from started: destroying destroyed",
+            "desired from started: destroying destroyed",
+            "state from destroying: destroyed destroyed",
+        ]
+    );
+
+    // A create the runtime fails ends destroyed: the row is gone.
+    h.fake.fail_start(Some("no luck"));
+    h.engine
+        .sandboxes()
+        .create(named("broken"))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        drain(&mut feed),
+        [
+            "created: creating started",
+            "state from creating: destroyed destroyed",
+            "desired from started: destroyed destroyed",
+        ]
+    );
 }
 
 #[tokio::test]

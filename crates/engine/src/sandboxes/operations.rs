@@ -196,8 +196,8 @@ impl Sandboxes {
         let id = record.id.clone();
         match outcome {
             Ok(SandboxState::Destroyed) => {
+                self.shared.delete_sandbox(&record).await?;
                 record.state = SandboxState::Destroyed;
-                self.shared.store.delete_sandbox(&id).await?;
                 self.shared.forget(&id);
                 // Its SSH access went with it.
                 self.shared.ssh_access_revoked();

@@ -58,7 +58,7 @@ impl Sandboxes {
                     self.shared.save_state(&mut record).await?;
                     return Ok(());
                 }
-                self.shared.store.delete_sandbox(&id).await?;
+                self.shared.delete_sandbox(&record).await?;
                 tracing::info!(sandbox = %id, "removed a sandbox left half-made or half-deleted");
             }
             // Interrupted while moving to or from the archive: if the archive

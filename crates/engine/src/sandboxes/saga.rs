@@ -34,7 +34,6 @@ impl Sandboxes {
     ) -> Result<Saga<'_>, EngineError> {
         let sandbox = sandbox_id(&record.id)?;
         self.shared
-            .store
             .insert_sandbox(&record)
             .await
             .map_err(|e| match e {
@@ -94,7 +93,7 @@ impl Saga<'_> {
             let cleanup = crate::error::describe(&cleanup);
             tracing::error!(sandbox = %id, error = %cleanup, what = self.what, "cleanup after a failed new sandbox");
         }
-        sandboxes.shared.store.delete_sandbox(id).await?;
+        sandboxes.shared.delete_sandbox(&self.record).await?;
         Ok(())
     }
 }
