@@ -253,7 +253,10 @@ pub(crate) fn enable_forwarding(config: &NetworkConfig) -> Result<(), NetError> 
     // Answered at once: the kernel otherwise holds each proxied answer for
     // a random time up to 0.8 s, in a queue that drops beyond 64 requests,
     // which a linked pair pays for on every new neighbour.
-    write_sysctl(&format!("/proc/sys/net/ipv4/neigh/{bridge}/proxy_delay"), "0")
+    write_sysctl(
+        &format!("/proc/sys/net/ipv4/neigh/{bridge}/proxy_delay"),
+        "0",
+    )
 }
 
 pub(crate) fn write_sysctl(path: &str, value: &str) -> Result<(), NetError> {
