@@ -126,18 +126,39 @@ fn boolean(key: &str, value: &str) -> Result<bool, ApiError> {
     }
 }
 
-/// An RFC 3339 time, as milliseconds since the epoch; one without an offset
-/// (a naive `datetime` of the Python SDK) is UTC.
+/// An ISO 8601 time, as milliseconds since the epoch. RFC 3339 and what the
+/// SDKs send besides: the Python SDK writes `+0000` offsets without a colon,
+/// and a naive `datetime` with none at all (taken as UTC).
 fn instant(key: &str, value: &str) -> Result<f64, ApiError> {
     let rfc3339 = &time::format_description::well_known::Rfc3339;
-    let at = time::OffsetDateTime::parse(value, rfc3339)
-        .or_else(|_| time::OffsetDateTime::parse(&format!("{value}Z"), rfc3339))
-        .map_err(|e| {
-            ApiError::bad_request(format!(
-                "{key} must be an RFC 3339 time such as 2024-01-01T00:00:00Z, not {value:?}: {e}"
-            ))
-        })?;
+    let at = time::OffsetDateTime::parse(&as_rfc3339(value), rfc3339).map_err(|e| {
+        ApiError::bad_request(format!(
+            "{key} must be an RFC 3339 time such as 2024-01-01T00:00:00Z, not {value:?}: {e}"
+        ))
+    })?;
     Ok((at.unix_timestamp_nanos() / 1_000_000) as f64)
+}
+
+/// `value` with its offset written as RFC 3339 wants it: `+hh:mm` or `Z`.
+fn as_rfc3339(value: &str) -> String {
+    let Some((_, clock)) = value.split_once('T') else {
+        return value.to_owned();
+    };
+    if clock.ends_with(['Z', 'z']) {
+        return value.to_owned();
+    }
+    match clock.rfind(['+', '-']) {
+        Some(sign) => {
+            let offset = &clock[sign + 1..];
+            if offset.len() == 4 && offset.bytes().all(|b| b.is_ascii_digit()) {
+                let cut = value.len() - 2;
+                format!("{}:{}", &value[..cut], &value[cut..])
+            } else {
+                value.to_owned()
+            }
+        }
+        None => format!("{value}Z"),
+    }
 }
 
 #[cfg(test)]
@@ -211,7 +232,9 @@ mod tests {
         assert!(filter(&[("createdAtAfter", "2023-12-31T23:59:59Z")]).matches(&sandbox));
         assert!(!filter(&[("createdAtBefore", "2023-12-31T23:59:59Z")]).matches(&sandbox));
         assert!(filter(&[("isPublic", "false")]).matches(&sandbox));
-        // A naive time is UTC.
+        // A naive time is UTC; an offset may lack its colon (Python's %z).
+        assert!(filter(&[("createdAtAfter", "2024-01-01T00:59:59.5+0100")]).matches(&sandbox));
+        assert!(!filter(&[("createdAtAfter", "2024-01-01T00:00:00.5-0000")]).matches(&sandbox));
         assert!(filter(&[("lastEventAfter", "2023-12-31T23:59:59.5")]).matches(&sandbox));
         assert!(!filter(&[("lastEventAfter", "2024-01-01T00:00:00.001")]).matches(&sandbox));
     }
