@@ -6,7 +6,7 @@
 import { after } from 'node:test';
 import { randomBytes } from 'node:crypto';
 
-import { Daytona, FileSystem } from '@daytonaio/sdk';
+import { Daytona } from '@daytonaio/sdk';
 
 export const API_URL = process.env.COVE_TS_API_URL;
 export const API_KEY = process.env.COVE_TS_API_KEY;
@@ -24,33 +24,6 @@ export const HOME = '/home/daytona';
 export const VM_SNAPSHOT = 'daytona-vm-small';
 // Seconds: a VM under TCG emulation takes tens of them to make.
 export const VM_TIMEOUT = 300;
-
-/**
- * Known cove bug (see the todo test in files.test.mjs): the SDK uploads with
- * `Transfer-Encoding: chunked` (a form-data stream), and about 2% of such
- * uploads through the toolbox proxy answer 502 "the agent of sandbox ... did
- * not answer: ... error writing a body to connection: Broken pipe": the
- * agent answers at the multipart closing boundary without reading the body to
- * its end, closes the connection, and the proxy's last write (the closing
- * chunk) hits the closed socket. Straight to the agent's socket, curl shows
- * the same: `200` with the file complete, then "(55) Send failure: Broken
- * pipe". Uploads with a Content-Length never failed (0 of 1000).
- * Until cove drains upload bodies, the other tests retry exactly that answer
- * (at most four times, each retry logged) so that they test what they are
- * about; the todo test counts it with the SDK's own uploadFiles.
- */
-export const KNOWN_UPLOAD_502 = /did not answer: .*error writing a body to connection: Broken pipe/;
-export const sdkUploadFiles = FileSystem.prototype.uploadFiles;
-FileSystem.prototype.uploadFiles = async function uploadFilesRetryingKnown502(files, timeout) {
-  for (let attempt = 1; ; attempt++) {
-    try {
-      return await sdkUploadFiles.call(this, files, timeout);
-    } catch (e) {
-      if (attempt >= 5 || !KNOWN_UPLOAD_502.test(e?.message ?? '')) throw e;
-      console.error(`retrying an upload after the known cove 502 (chunked upload, broken pipe): ${e.message}`);
-    }
-  }
-};
 
 export function unique(prefix) {
   return `${prefix}-${randomBytes(5).toString('hex')}`;
