@@ -166,43 +166,17 @@ mod tests {
     use super::*;
 
     fn record(id: &str, name: &str, cpu: i64, memory_mib: i64) -> SandboxRecord {
-        use cove_lifecycle::{DesiredState, SandboxClass, SandboxState, TimerSettings};
         // 2024-01-01T00:00:00Z
         let created = 1_704_067_200_000;
         SandboxRecord {
-            id: id.into(),
-            name: name.into(),
             snapshot: "daytona-small".into(),
-            class: SandboxClass::Container,
-            state: SandboxState::Started,
-            desired_state: DesiredState::Started,
-            error_reason: None,
-            os_user: "daytona".into(),
             cpu,
-            gpu: 0,
             memory_mib,
-            disk_gib: 3,
-            env: BTreeMap::new(),
-            labels: BTreeMap::new(),
-            public: false,
-            timers: TimerSettings {
-                auto_stop: 15,
-                auto_pause: 0,
-                auto_archive: 10080,
-                auto_delete: -1,
-            },
-            ttl_minutes: 0,
-            ttl_deadline_ms: None,
             created_at_ms: created,
             updated_at_ms: created,
             state_since_ms: created,
             last_activity_ms: created,
-            persistent: true,
-            spot: false,
-            parent_id: None,
-            linked_sandbox_id: None,
-            network: Default::default(),
-            volumes: Vec::new(),
+            ..SandboxRecord::sample(id, name)
         }
     }
 

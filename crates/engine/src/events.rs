@@ -115,39 +115,9 @@ mod tests {
 
     fn record(state: SandboxState, desired_state: DesiredState) -> SandboxRecord {
         SandboxRecord {
-            id: "s1".into(),
-            name: "s1".into(),
-            snapshot: "cove-default".into(),
-            class: cove_lifecycle::SandboxClass::Container,
             state,
             desired_state,
-            error_reason: None,
-            os_user: "daytona".into(),
-            cpu: 1,
-            gpu: 0,
-            memory_mib: 1024,
-            disk_gib: 3,
-            env: Default::default(),
-            labels: Default::default(),
-            public: false,
-            timers: cove_lifecycle::TimerSettings {
-                auto_stop: 15,
-                auto_pause: 0,
-                auto_archive: 60,
-                auto_delete: -1,
-            },
-            ttl_minutes: 0,
-            ttl_deadline_ms: None,
-            created_at_ms: 0,
-            updated_at_ms: 0,
-            state_since_ms: 0,
-            last_activity_ms: 0,
-            persistent: true,
-            spot: false,
-            parent_id: None,
-            linked_sandbox_id: None,
-            network: Default::default(),
-            volumes: Vec::new(),
+            ..SandboxRecord::sample("s1", "s1")
         }
     }
 

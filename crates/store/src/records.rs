@@ -43,6 +43,50 @@ pub struct SandboxRecord {
     pub volumes: Vec<VolumeMount>,
 }
 
+impl SandboxRecord {
+    /// A started container sandbox as a fresh create makes it (1 vCPU,
+    /// 1 GiB, 3 GiB, Daytona's default timers, no labels, created at the
+    /// epoch): a base for tests of the crates that read records, which set
+    /// what they look at.
+    pub fn sample(id: &str, name: &str) -> SandboxRecord {
+        SandboxRecord {
+            id: id.into(),
+            name: name.into(),
+            snapshot: "cove-default".into(),
+            class: SandboxClass::Container,
+            state: SandboxState::Started,
+            desired_state: DesiredState::Started,
+            error_reason: None,
+            os_user: "daytona".into(),
+            cpu: 1,
+            gpu: 0,
+            memory_mib: 1024,
+            disk_gib: 3,
+            env: BTreeMap::new(),
+            labels: BTreeMap::new(),
+            public: false,
+            timers: TimerSettings {
+                auto_stop: 15,
+                auto_pause: 0,
+                auto_archive: 10080,
+                auto_delete: -1,
+            },
+            ttl_minutes: 0,
+            ttl_deadline_ms: None,
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            state_since_ms: 0,
+            last_activity_ms: 0,
+            persistent: true,
+            spot: false,
+            parent_id: None,
+            linked_sandbox_id: None,
+            network: NetworkSettings::default(),
+            volumes: Vec::new(),
+        }
+    }
+}
+
 /// A volume mounted into a sandbox.
 #[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
