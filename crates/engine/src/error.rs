@@ -32,6 +32,14 @@ pub enum EngineError {
     RegistryNotFound { id: String },
     #[error("volume {name} not found")]
     VolumeNotFound { name: String },
+    #[error("this API key lacks the permission {permission}")]
+    Forbidden { permission: &'static str },
+    #[error("API key {name} not found")]
+    ApiKeyNotFound { name: String },
+    #[error("an API key named {name} already exists")]
+    ApiKeyTaken { name: String },
+    #[error("API key {name} is the server operator's; it cannot be deleted")]
+    OperatorKey { name: String },
     #[error("a volume named {name} already exists")]
     VolumeTaken { name: String },
     #[error("sandbox {id} has volumes attached, so it cannot {action}: their files are shared and live outside its memory ({instead})")]
@@ -210,6 +218,8 @@ fn activate_hint(name: &str, state: &str) -> String {
 pub enum ErrorKind {
     NotFound,
     BadRequest,
+    /// The caller's key lacks a permission the request needs.
+    Forbidden,
     Conflict,
     NotImplemented,
     /// Something cove depends on (a registry) failed.
@@ -248,7 +258,9 @@ impl EngineError {
             | Self::SnapshotNotFound { .. }
             | Self::VolumeNotFound { .. }
             | Self::RegistryNotFound { .. }
+            | Self::ApiKeyNotFound { .. }
             | Self::SignedPreviewNotFound { .. } => ErrorKind::NotFound,
+            Self::Forbidden { .. } => ErrorKind::Forbidden,
             Self::Invalid { .. }
             | Self::AboveCeiling { .. }
             | Self::Timers(_)
@@ -263,6 +275,8 @@ impl EngineError {
                 ..
             } => ErrorKind::BadRequest,
             Self::NameTaken { .. }
+            | Self::ApiKeyTaken { .. }
+            | Self::OperatorKey { .. }
             | Self::SnapshotTaken { .. }
             | Self::VolumeTaken { .. }
             | Self::HasVolumes { .. }

@@ -38,7 +38,10 @@ use cove_lifecycle::SandboxClass;
 use cove_runtime::Runtime;
 use cove_store::Store;
 
-pub use access::{hash_api_key, Access, IssuedSshAccess, SshAccessRecord, MAX_SSH_ACCESS_MINUTES};
+pub use access::{
+    constant_time_eq, hash_api_key, Access, ApiKeyInfo, Caller, IssuedSshAccess, KeyCheck,
+    NewApiKey, Permission, SshAccessRecord, MAX_SSH_ACCESS_MINUTES,
+};
 pub use archive::{Archive, ArchiveError};
 pub use config::{Ceilings, ContextLimits, EngineConfig, VolumeQuota};
 pub use cove_lifecycle::{DesiredState, SandboxState};

@@ -20,6 +20,7 @@ use std::str::FromStr;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::SqlitePool;
 
+pub use api_keys::ApiKeyRecord;
 pub use previews::SignedPreview;
 pub use records::{
     BuildStepRecord, DockerRegistryRecord, ImageSettings, NetworkSettings, SandboxRecord,

@@ -145,8 +145,6 @@ async fn snapshots_and_keys() {
     assert!(!store.insert_build_step(&again).await.unwrap());
     assert_eq!(store.find_build_step("k").await.unwrap(), Some(step));
     assert_eq!(store.find_build_step("other").await.unwrap(), None);
-    store.add_api_key_hash("h", 1).await.unwrap();
-    assert_eq!(store.api_key_hashes().await.unwrap(), vec!["h".to_string()]);
 }
 
 fn access(
@@ -340,4 +338,75 @@ async fn sandboxes_list_in_any_order_with_stable_ties() {
         .map(|s| s.name)
         .collect();
     assert_eq!(oldest_first, ["delta", "bravo", "alpha", "charlie"]);
+}
+
+fn key(name: &str, hash: &str) -> cove_store::ApiKeyRecord {
+    cove_store::ApiKeyRecord {
+        hash: hash.into(),
+        name: name.into(),
+        permissions: vec!["write:sandboxes".into(), "read:volumes".into()],
+        masked: "cove_1****9".into(),
+        created_at_ms: 5,
+        expires_at_ms: Some(99),
+        last_used_at_ms: None,
+        operator: false,
+    }
+}
+
+#[tokio::test]
+async fn api_keys_are_unique_by_name_and_remember_their_use() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let ci = key("ci", "h1");
+    assert!(store.insert_api_key(&ci).await.unwrap());
+    assert!(!store.insert_api_key(&key("ci", "h2")).await.unwrap());
+    store.touch_api_key("h1", 42).await.unwrap();
+    let stored = store.api_keys().await.unwrap();
+    let used = cove_store::ApiKeyRecord {
+        last_used_at_ms: Some(42),
+        ..ci
+    };
+    assert_eq!(stored, vec![used]);
+    assert!(store.delete_api_key("ci").await.unwrap());
+    assert!(!store.delete_api_key("ci").await.unwrap());
+    assert!(store.api_keys().await.unwrap().is_empty());
+}
+
+#[tokio::test]
+async fn keys_from_before_names_become_the_operators() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cove.db");
+    // A database as cove left it before keys had names: migrations up to 11.
+    {
+        let options = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(&path)
+            .create_if_missing(true);
+        let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+        let mut migrator = sqlx::migrate!("./migrations");
+        let old: Vec<_> = migrator
+            .migrations
+            .iter()
+            .filter(|m| m.version <= 11)
+            .cloned()
+            .collect();
+        migrator.migrations = old.into();
+        migrator.run(&pool).await.unwrap();
+        for (hash, at) in [("first", 1), ("second", 2)] {
+            sqlx::query("INSERT INTO api_keys (hash, created_at_ms) VALUES (?, ?)")
+                .bind(hash)
+                .bind(at)
+                .execute(&pool)
+                .await
+                .unwrap();
+        }
+        pool.close().await;
+    }
+    let store = Store::open(&path).await.unwrap();
+    let keys = store.api_keys().await.unwrap();
+    let names: Vec<_> = keys
+        .iter()
+        .map(|k| (k.hash.as_str(), k.name.as_str()))
+        .collect();
+    assert_eq!(names, [("first", "operator"), ("second", "operator-2")]);
+    assert!(keys.iter().all(|k| k.operator && k.expires_at_ms.is_none()));
 }

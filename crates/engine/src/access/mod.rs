@@ -8,19 +8,25 @@ mod keys;
 mod preview;
 mod ssh;
 
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
+
+use cove_store::ApiKeyRecord;
 
 use crate::shared::Shared;
 
-pub use keys::hash_api_key;
+pub use keys::{
+    constant_time_eq, hash_api_key, ApiKeyInfo, Caller, KeyCheck, NewApiKey, Permission,
+};
 pub use ssh::{IssuedSshAccess, SshAccessRecord, MAX_SSH_ACCESS_MINUTES};
 
 /// Keys and tokens. Cheap to clone; clones share everything.
 #[derive(Clone)]
 pub struct Access {
     shared: Arc<Shared>,
-    /// Stored key hashes, read once: checking a key must not cost a query per request.
-    api_keys: Arc<RwLock<Option<Vec<String>>>>,
+    /// The stored keys, read once (`keys.rs`).
+    api_keys: Arc<RwLock<Option<Arc<Vec<ApiKeyRecord>>>>>,
+    /// When each key's last use was written, by hash.
+    touched: Arc<Mutex<keys::Touched>>,
 }
 
 impl Access {
@@ -28,6 +34,7 @@ impl Access {
         Access {
             shared,
             api_keys: Arc::default(),
+            touched: Arc::default(),
         }
     }
 }
