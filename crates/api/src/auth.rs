@@ -1,11 +1,16 @@
-//! Bearer API keys on every request.
+//! Bearer API keys on every request: the key names its [`Caller`], which the
+//! handlers and [`crate::permissions`] read from the request's extensions.
 
 use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use cove_engine::{Caller, KeyCheck};
 
 use crate::{ApiError, AppState};
+
+/// The name the `COVE_API_KEY` key goes by in listings and the audit.
+pub(crate) const ENV_KEY_NAME: &str = "COVE_API_KEY";
 
 pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
@@ -17,7 +22,7 @@ pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
 
 pub(crate) async fn require_api_key(
     State(state): State<AppState>,
-    request: Request,
+    mut request: Request,
     next: Next,
 ) -> Response {
     let Some(token) = bearer(request.headers()) else {
@@ -27,19 +32,41 @@ pub(crate) async fn require_api_key(
         )
         .into_response();
     };
-    match key_accepted(&state, token).await {
-        Ok(true) => next.run(request).await,
-        Ok(false) => ApiError::new(StatusCode::UNAUTHORIZED, "invalid API key").into_response(),
+    match authenticate(&state, token).await {
+        Ok(caller) => {
+            request.extensions_mut().insert(caller);
+            next.run(request).await
+        }
         Err(error) => error.into_response(),
     }
 }
 
-/// Whether `token` is the server's configured key or a stored one.
-pub(crate) async fn key_accepted(state: &AppState, token: &str) -> Result<bool, ApiError> {
+/// Who `token` is: the server's configured key (the operator) or a stored
+/// key that has not expired; else a 401 saying which.
+pub(crate) async fn authenticate(state: &AppState, token: &str) -> Result<Caller, ApiError> {
     let from_env = state
         .config
         .env_api_key
         .as_deref()
-        .is_some_and(|key| key == token);
-    Ok(from_env || state.engine.access().verify_api_key(token).await?)
+        .is_some_and(|key| cove_engine::constant_time_eq(key.as_bytes(), token.as_bytes()));
+    if from_env {
+        return Ok(Caller::operator(ENV_KEY_NAME));
+    }
+    match state.engine.access().check_api_key(token).await? {
+        KeyCheck::Accepted(caller) => Ok(caller),
+        KeyCheck::Expired { name } => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            format!("API key {name} has expired"),
+        )),
+        KeyCheck::Unknown => Err(ApiError::new(StatusCode::UNAUTHORIZED, "invalid API key")),
+    }
+}
+
+/// Whether `token` is a key this server accepts.
+pub(crate) async fn key_accepted(state: &AppState, token: &str) -> Result<bool, ApiError> {
+    match authenticate(state, token).await {
+        Ok(_) => Ok(true),
+        Err(error) if error.status == StatusCode::UNAUTHORIZED => Ok(false),
+        Err(error) => Err(error),
+    }
 }

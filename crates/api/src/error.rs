@@ -36,6 +36,7 @@ pub(crate) fn status_for(kind: ErrorKind) -> StatusCode {
     match kind {
         ErrorKind::NotFound => StatusCode::NOT_FOUND,
         ErrorKind::BadRequest => StatusCode::BAD_REQUEST,
+        ErrorKind::Forbidden => StatusCode::FORBIDDEN,
         ErrorKind::Conflict => StatusCode::CONFLICT,
         ErrorKind::NotImplemented => StatusCode::NOT_IMPLEMENTED,
         ErrorKind::BadGateway => StatusCode::BAD_GATEWAY,
@@ -88,6 +89,7 @@ mod tests {
         let table = [
             (ErrorKind::NotFound, 404),
             (ErrorKind::BadRequest, 400),
+            (ErrorKind::Forbidden, 403),
             (ErrorKind::Conflict, 409),
             (ErrorKind::NotImplemented, 501),
             (ErrorKind::BadGateway, 502),

@@ -7,6 +7,7 @@
 //! turn a request into one engine call and the result into a response; they never
 //! touch the database or a runtime.
 
+mod api_keys;
 mod auth;
 mod docker_registry;
 mod dto;
@@ -17,6 +18,7 @@ pub mod listener;
 mod machines;
 mod not_implemented;
 mod object_storage;
+mod permissions;
 mod preview;
 mod regions;
 mod sandbox;
@@ -82,6 +84,17 @@ pub fn app(state: AppState) -> Router {
     let api = Router::new()
         .route("/config", get(server_config::get_config))
         .route("/regions", get(regions::list))
+        .route("/api-keys", get(api_keys::list).post(api_keys::create))
+        .route("/api-keys/current", get(api_keys::current))
+        .route(
+            "/api-keys/{name}",
+            get(api_keys::get).delete(api_keys::delete),
+        )
+        .route(
+            "/api-keys/{user}/{name}",
+            axum::routing::delete(api_keys::delete_for_user),
+        )
+        .route("/users/me", get(api_keys::me))
         .route("/shared-regions", get(regions::list))
         .route("/sandbox", post(sandbox::create).get(sandbox::list))
         .route("/sandbox/{id}", get(sandbox::get).delete(sandbox::delete))
@@ -185,6 +198,8 @@ pub fn app(state: AppState) -> Router {
         .nest("/api", api)
         .route("/toolbox/{id}/{*path}", any(toolbox::proxy))
         .route("/toolbox/{id}", any(toolbox::proxy_root))
+        // Inside the key layer, on matched routes only: what each route needs.
+        .route_layer(axum::middleware::from_fn(permissions::check))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,

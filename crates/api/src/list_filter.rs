@@ -129,7 +129,7 @@ fn boolean(key: &str, value: &str) -> Result<bool, ApiError> {
 /// An ISO 8601 time, as milliseconds since the epoch. RFC 3339 and what the
 /// SDKs send besides: the Python SDK writes `+0000` offsets without a colon,
 /// and a naive `datetime` with none at all (taken as UTC).
-fn instant(key: &str, value: &str) -> Result<f64, ApiError> {
+pub(crate) fn instant(key: &str, value: &str) -> Result<f64, ApiError> {
     let rfc3339 = &time::format_description::well_known::Rfc3339;
     let at = time::OffsetDateTime::parse(&as_rfc3339(value), rfc3339).map_err(|e| {
         ApiError::bad_request(format!(
@@ -141,6 +141,11 @@ fn instant(key: &str, value: &str) -> Result<f64, ApiError> {
 
 /// `value` with its offset written as RFC 3339 wants it: `+hh:mm` or `Z`.
 fn as_rfc3339(value: &str) -> String {
+    // `2025-06-09 12:00:00+00:00`, as Daytona's own examples write times.
+    let value = &match value.as_bytes().get(10) {
+        Some(b' ') => format!("{}T{}", &value[..10], &value[11..]),
+        _ => value.to_owned(),
+    };
     let Some((_, clock)) = value.split_once('T') else {
         return value.to_owned();
     };

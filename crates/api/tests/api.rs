@@ -1215,3 +1215,171 @@ async fn push_access_needs_https_and_uploads_need_its_signature() {
     }
     assert!(!api._dir.path().join("contexts/0123456789abcdef").exists());
 }
+
+#[tokio::test]
+async fn keys_carry_their_permissions_and_are_shown_once() {
+    let api = api().await;
+    let create = |name: &str, permissions: Value| json!({"name": name, "permissions": permissions});
+
+    // The operator makes a key that may write sandboxes but not delete them.
+    let (status, made) = api
+        .call(
+            "POST",
+            "/api/api-keys",
+            Some(create("ci", json!(["write:sandboxes"]))),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{made}");
+    let ci = made["value"].as_str().unwrap().to_owned();
+    assert!(ci.starts_with("cove_"), "{made}");
+    assert_eq!(made["permissions"], json!(["write:sandboxes"]));
+    assert_eq!(made["expiresAt"], Value::Null);
+
+    // Its value never appears again: listings and gets are masked.
+    let (status, listed) = api.call("GET", "/api/api-keys", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(!listed.to_string().contains(&ci), "{listed}");
+    let entry = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|k| k["name"] == "ci")
+        .expect("the new key is listed");
+    assert_eq!(entry["userId"], "operator");
+    assert!(entry["value"].as_str().unwrap().contains("****"));
+    let (_, got) = api
+        .call_with_key("GET", "/api/api-keys/current", None, Some(&ci))
+        .await;
+    assert_eq!(got["name"], "ci");
+    assert!(!got.to_string().contains(&ci));
+    assert!(got["lastUsedAt"].is_string(), "a use is recorded: {got}");
+
+    // What it may do, it does; what it may not is a 403 naming the permission.
+    let (status, sandbox) = api
+        .call_with_key("POST", "/api/sandbox", Some(json!({})), Some(&ci))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{sandbox}");
+    let id = sandbox["id"].as_str().unwrap();
+    let (status, refused) = api
+        .call_with_key("DELETE", &format!("/api/sandbox/{id}"), None, Some(&ci))
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert_eq!(
+        refused["message"],
+        "this API key lacks the permission delete:sandboxes"
+    );
+    for (method, path, permission) in [
+        ("GET", "/api/volumes", "read:volumes"),
+        ("POST", "/api/snapshots", "write:snapshots"),
+        ("POST", "/api/api-keys", "manage:api_keys"),
+    ] {
+        let (status, refused) = api
+            .call_with_key(method, path, Some(create("x", json!([]))), Some(&ci))
+            .await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{method} {path}");
+        assert!(
+            refused["message"].as_str().unwrap().ends_with(permission),
+            "{refused}"
+        );
+    }
+    let (status, _) = api
+        .call_with_key("POST", "/api/admin/reclaim", None, Some(&ci))
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+
+    // A key that manages keys gives no more than it has.
+    let (_, made) = api
+        .call(
+            "POST",
+            "/api/api-keys",
+            Some(create("keys", json!(["manage:api_keys"]))),
+        )
+        .await;
+    let keys = made["value"].as_str().unwrap().to_owned();
+    let (status, refused) = api
+        .call_with_key(
+            "POST",
+            "/api/api-keys",
+            Some(create("wider", json!(["delete:sandboxes"]))),
+            Some(&keys),
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(refused["message"]
+        .as_str()
+        .unwrap()
+        .contains("delete:sandboxes"));
+
+    // Bad requests say what is wrong and make nothing.
+    for (body, needle) in [
+        (create("ci", json!([])), "already exists"),
+        (create("", json!([])), "name"),
+        (create("y", json!(["write:everything"])), "write:everything"),
+        (
+            json!({"name": "old", "permissions": [], "expiresAt": "2020-01-01T00:00:00Z"}),
+            "expiresAt",
+        ),
+        (
+            json!({"name": "t", "permissions": [], "expiresAt": "tomorrow"}),
+            "expiresAt",
+        ),
+    ] {
+        let (status, refused) = api.call("POST", "/api/api-keys", Some(body.clone())).await;
+        assert!(status.is_client_error(), "{body}: {status}");
+        assert!(
+            refused["message"].as_str().unwrap().contains(needle),
+            "{refused}"
+        );
+    }
+    let (_, listed) = api.call("GET", "/api/api-keys", None).await;
+    let names: Vec<_> = listed
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["name"].clone())
+        .collect();
+    assert_eq!(names, [json!("ci"), json!("keys")]);
+
+    // A deleted key is refused from then on.
+    let (status, _) = api.call("DELETE", "/api/api-keys/ci", None).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, _) = api
+        .call_with_key("GET", "/api/sandbox", None, Some(&ci))
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _) = api.call("GET", "/api/api-keys/ci", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    let (status, me) = api.call("GET", "/api/users/me", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(me["id"], "operator");
+}
+
+#[tokio::test]
+async fn expired_keys_are_refused_by_name() {
+    let api = api().await;
+    let soon = time::OffsetDateTime::now_utc() + time::Duration::seconds(3);
+    let at = soon
+        .format(&time::format_description::well_known::Rfc3339)
+        .unwrap();
+    let (status, made) = api
+        .call(
+            "POST",
+            "/api/api-keys",
+            Some(json!({"name": "brief", "permissions": [], "expiresAt": at})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{made}");
+    let brief = made["value"].as_str().unwrap().to_owned();
+    let (status, _) = api
+        .call_with_key("GET", "/api/sandbox", None, Some(&brief))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let left = soon - time::OffsetDateTime::now_utc() + time::Duration::milliseconds(100);
+    tokio::time::sleep(left.try_into().unwrap_or_default()).await;
+    let (status, refused) = api
+        .call_with_key("GET", "/api/sandbox", None, Some(&brief))
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    assert_eq!(refused["message"], "API key brief has expired");
+}

@@ -68,10 +68,6 @@ async fn token_of(state: &AppState, id: &str) -> Result<String, ApiError> {
     Ok(token)
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
-}
-
 /// Which port of what a preview request asks for: `target` is a sandbox id (or
 /// name), or the token of a signed preview URL.
 struct Target {
@@ -244,7 +240,7 @@ async fn authorize(
     }
     if let Some(given) = headers.get(TOKEN_HEADER) {
         let token = token_of(state, &record.id).await?;
-        if constant_time_eq(given.as_bytes(), token.as_bytes()) {
+        if cove_engine::constant_time_eq(given.as_bytes(), token.as_bytes()) {
             return Ok((record.id, Grant::Open));
         }
         return Err(ApiError::new(
