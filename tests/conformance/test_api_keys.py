@@ -39,6 +39,14 @@ def test_a_key_does_what_its_permissions_allow_and_no_more(cove: CoveServer):
             # The SDK's sandbox keeps the key it was made with: the operator
             # deletes it over HTTP.
             assert cove.request("DELETE", f"/sandbox/{sandbox.id}").status_code == 200
+        # The audit log names the key, what it did and how that ended.
+        log = cove.request(
+            "GET", "/audit/organizations/cove", params={"targetId": sandbox.id}
+        ).json()["items"]
+        by_key = [
+            (e["action"], e["statusCode"]) for e in log if e["metadata"]["apiKeyName"] == name
+        ]
+        assert ("create", 200) in by_key and ("delete", 403) in by_key, log
         # The value was shown once: no listing has it.
         listed = cove.request("GET", "/api-keys")
         assert listed.status_code == 200

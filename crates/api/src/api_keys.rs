@@ -111,7 +111,7 @@ pub(crate) async fn current(
         // the server runs with it.
         return Ok(Json(ListedKey {
             name: caller.key_name.clone(),
-            value: "(COVE_API_KEY)".into(),
+            value: caller.key_masked.clone(),
             created_at: rfc3339(state.started_at_ms),
             permissions: names(&caller.permissions()),
             last_used_at: None,

@@ -11,6 +11,8 @@ use crate::{ApiError, AppState};
 
 /// The name the `COVE_API_KEY` key goes by in listings and the audit.
 pub(crate) const ENV_KEY_NAME: &str = "COVE_API_KEY";
+/// How `COVE_API_KEY` is shown: not even masked, since it is not cove's.
+pub(crate) const ENV_KEY_MASKED: &str = "(COVE_API_KEY)";
 
 pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
     let value = headers.get(header::AUTHORIZATION)?.to_str().ok()?;
@@ -50,7 +52,7 @@ pub(crate) async fn authenticate(state: &AppState, token: &str) -> Result<Caller
         .as_deref()
         .is_some_and(|key| cove_engine::constant_time_eq(key.as_bytes(), token.as_bytes()));
     if from_env {
-        return Ok(Caller::operator(ENV_KEY_NAME));
+        return Ok(Caller::operator(ENV_KEY_NAME, ENV_KEY_MASKED));
     }
     match state.engine.access().check_api_key(token).await? {
         KeyCheck::Accepted(caller) => Ok(caller),

@@ -8,6 +8,7 @@
 //! touch the database or a runtime.
 
 mod api_keys;
+mod audit;
 mod auth;
 mod docker_registry;
 mod dto;
@@ -95,6 +96,11 @@ pub fn app(state: AppState) -> Router {
             axum::routing::delete(api_keys::delete_for_user),
         )
         .route("/users/me", get(api_keys::me))
+        .route(
+            "/audit/organizations/{organization}",
+            get(audit::organization),
+        )
+        .route("/admin/audit", get(audit::all))
         .route("/shared-regions", get(regions::list))
         .route("/sandbox", post(sandbox::create).get(sandbox::list))
         .route("/sandbox/{id}", get(sandbox::get).delete(sandbox::delete))
@@ -200,6 +206,11 @@ pub fn app(state: AppState) -> Router {
         .route("/toolbox/{id}", any(toolbox::proxy_root))
         // Inside the key layer, on matched routes only: what each route needs.
         .route_layer(axum::middleware::from_fn(permissions::check))
+        // Outside the permission check, so refusals are recorded too.
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            audit::record,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,

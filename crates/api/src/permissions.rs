@@ -5,8 +5,9 @@
 //! `delete:` one; volumes need `read:volumes` even to be listed, as in
 //! Daytona. The toolbox, preview links and SSH access act inside a sandbox,
 //! so they need `write:sandboxes`. A few routes act on the server itself
-//! (reclaiming space, importing from the server's disk) and are the
-//! operator's alone. The table is total: a route it does not name needs
+//! (reclaiming space, importing from the server's disk, anything under
+//! `/api/admin/`) and are the operator's alone; reading the audit log needs
+//! `read:audit_logs`. The table is total: a route it does not name needs
 //! nothing to be read and the operator to be changed.
 
 use axum::extract::{MatchedPath, Request};
@@ -60,7 +61,9 @@ pub(crate) fn need(method: &Method, route: &str) -> Need {
         }
     };
     match rest {
-        "/admin/reclaim" | "/snapshots/import" => Operator,
+        "/snapshots/import" => Operator,
+        _ if rest.starts_with("/admin/") => Operator,
+        "/audit/organizations/{organization}" => Need::Permission(P::ReadAuditLogs),
         "/object-storage/push-access" => Need::Permission(P::WriteSnapshots),
         "/api-keys" | "/api-keys/current" | "/api-keys/{name}" | "/api-keys/{user}/{name}" => {
             by(Nothing, P::ManageApiKeys, P::ManageApiKeys)
@@ -180,6 +183,12 @@ mod tests {
             (Method::POST, "/api/api-keys", p(P::ManageApiKeys)),
             (Method::DELETE, "/api/api-keys/{name}", p(P::ManageApiKeys)),
             (Method::POST, "/api/admin/reclaim", Operator),
+            (Method::GET, "/api/admin/audit", Operator),
+            (
+                Method::GET,
+                "/api/audit/organizations/{organization}",
+                p(P::ReadAuditLogs),
+            ),
             (Method::GET, "/api/config", Nothing),
             // A route the table does not name: read freely, changed by the operator.
             (Method::POST, "/api/organizations", Operator),

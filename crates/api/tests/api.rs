@@ -1383,3 +1383,98 @@ async fn expired_keys_are_refused_by_name() {
     assert_eq!(status, StatusCode::UNAUTHORIZED);
     assert_eq!(refused["message"], "API key brief has expired");
 }
+
+#[tokio::test]
+async fn the_audit_log_says_which_key_did_what_and_how_it_ended() {
+    let api = api().await;
+    let (_, made) = api
+        .call(
+            "POST",
+            "/api/api-keys",
+            Some(json!({"name": "ci", "permissions": ["write:sandboxes"]})),
+        )
+        .await;
+    let ci = made["value"].as_str().unwrap().to_owned();
+    let (status, sandbox) = api
+        .call_with_key("POST", "/api/sandbox", Some(json!({})), Some(&ci))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let id = sandbox["id"].as_str().unwrap().to_owned();
+    let (status, _) = api
+        .call_with_key("DELETE", &format!("/api/sandbox/{id}"), None, Some(&ci))
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let (status, _) = api
+        .call("POST", &format!("/api/sandbox/{id}/stop"), None)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    api.call("GET", &format!("/api/sandbox/{id}"), None).await;
+
+    // Reading the log is `read:audit_logs`; the whole log the operator's.
+    for path in ["/api/audit/organizations/cove", "/api/admin/audit"] {
+        let (status, _) = api.call_with_key("GET", path, None, Some(&ci)).await;
+        assert_eq!(status, StatusCode::FORBIDDEN, "{path}");
+    }
+    let (status, log) = api.call("GET", "/api/audit/organizations/cove", None).await;
+    assert_eq!(status, StatusCode::OK, "{log}");
+    let rows: Vec<(String, String, String, u64)> = log["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|item| {
+            let key = item["metadata"]["apiKeyName"].as_str().unwrap().to_owned();
+            let action = format!(
+                "{} {}",
+                item["action"].as_str().unwrap(),
+                item["targetType"].as_str().unwrap()
+            );
+            let target = item["targetId"].as_str().unwrap_or_default().to_owned();
+            (key, action, target, item["statusCode"].as_u64().unwrap())
+        })
+        .collect();
+    let row = |key: &str, action: &str, target: &str, status: u64| {
+        (key.to_owned(), action.to_owned(), target.to_owned(), status)
+    };
+    // Newest first; reads and the refused reads of the log are not changes.
+    assert_eq!(
+        rows,
+        [
+            row("COVE_API_KEY", "stop sandbox", &id, 200),
+            row("ci", "delete sandbox", &id, 403),
+            row("ci", "create sandbox", &id, 200),
+            row("COVE_API_KEY", "create api_key", "ci", 201),
+        ]
+    );
+    let refused = &log["items"][1];
+    assert_eq!(
+        refused["errorMessage"],
+        "this API key lacks the permission delete:sandboxes"
+    );
+    assert!(ci.starts_with(refused["actorApiKeyPrefix"].as_str().unwrap()));
+    assert!(ci.ends_with(refused["actorApiKeySuffix"].as_str().unwrap()));
+    assert!(
+        !log.to_string().contains(&ci),
+        "the key's value is in the log"
+    );
+    assert_eq!(
+        (log["total"].as_u64(), log["totalPages"].as_u64()),
+        (Some(4), Some(1))
+    );
+
+    let (_, page) = api
+        .call(
+            "GET",
+            "/api/audit/organizations/cove?action=delete&limit=1",
+            None,
+        )
+        .await;
+    assert_eq!(page["items"].as_array().unwrap().len(), 1);
+    assert_eq!(page["items"][0]["statusCode"], 403);
+    let (status, _) = api
+        .call("GET", "/api/audit/organizations/other", None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, refused) = api.call("GET", "/api/admin/audit?actorEmail=x", None).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(refused["message"].as_str().unwrap().contains("actorEmail"));
+}

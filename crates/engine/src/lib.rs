@@ -46,8 +46,8 @@ pub use archive::{Archive, ArchiveError};
 pub use config::{Ceilings, ContextLimits, EngineConfig, VolumeQuota};
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
-    DockerRegistryRecord, NetworkSettings, SandboxOrder, SandboxRecord, SandboxSortField,
-    SignedPreview, SnapshotRecord, SortDirection, VolumeMount, VolumeRecord,
+    AuditQuery, AuditRecord, DockerRegistryRecord, NetworkSettings, SandboxOrder, SandboxRecord,
+    SandboxSortField, SignedPreview, SnapshotRecord, SortDirection, VolumeMount, VolumeRecord,
 };
 pub use error::{describe, EngineError, ErrorKind};
 pub use events::{SandboxEvent, FEED_CAPACITY};

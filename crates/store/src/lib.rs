@@ -6,6 +6,7 @@
 //! SQL is kept portable so PostgreSQL can replace SQLite.
 
 mod api_keys;
+mod audit;
 mod previews;
 mod records;
 mod registries;
@@ -21,6 +22,7 @@ use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, S
 use sqlx::SqlitePool;
 
 pub use api_keys::ApiKeyRecord;
+pub use audit::{AuditQuery, AuditRecord};
 pub use previews::SignedPreview;
 pub use records::{
     BuildStepRecord, DockerRegistryRecord, ImageSettings, NetworkSettings, SandboxRecord,

@@ -410,3 +410,60 @@ async fn keys_from_before_names_become_the_operators() {
     assert_eq!(names, [("first", "operator"), ("second", "operator-2")]);
     assert!(keys.iter().all(|k| k.operator && k.expires_at_ms.is_none()));
 }
+
+fn audited(id: &str, at: i64, action: &str, target: &str, status: u16) -> cove_store::AuditRecord {
+    cove_store::AuditRecord {
+        id: id.into(),
+        created_at_ms: at,
+        key_name: "ci".into(),
+        key_masked: "cove_1****9".into(),
+        action: action.into(),
+        target_type: "sandbox".into(),
+        target_id: Some(target.into()),
+        status_code: status,
+        error_message: (status >= 400).then(|| "refused".into()),
+        user_agent: None,
+    }
+}
+
+#[tokio::test]
+async fn the_audit_log_reads_newest_first_filtered_and_paged() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let rows = [
+        audited("a1", 10, "create", "s1", 200),
+        audited("a2", 20, "stop", "s1", 200),
+        audited("a3", 30, "delete", "s2", 403),
+        audited("a4", 40, "stop", "s2", 200),
+    ];
+    for row in &rows {
+        store.insert_audit(row).await.unwrap();
+    }
+    let ids = |items: Vec<cove_store::AuditRecord>| -> Vec<String> {
+        items.into_iter().map(|r| r.id).collect()
+    };
+    let all = cove_store::AuditQuery::default();
+    let (page, total) = store.audit_page(&all, 0, 3).await.unwrap();
+    assert_eq!(
+        (ids(page), total),
+        (vec!["a4".into(), "a3".into(), "a2".into()], 4)
+    );
+    let (page, _) = store.audit_page(&all, 3, 3).await.unwrap();
+    assert_eq!(page, vec![rows[0].clone()]);
+
+    let stops = cove_store::AuditQuery {
+        action: Some("stop".into()),
+        from_ms: Some(15),
+        to_ms: Some(35),
+        ..Default::default()
+    };
+    let (page, total) = store.audit_page(&stops, 0, 10).await.unwrap();
+    assert_eq!((ids(page), total), (vec!["a2".into()], 1));
+    let refused = cove_store::AuditQuery {
+        status_code: Some(403),
+        target_id: Some("s2".into()),
+        ..Default::default()
+    };
+    let (page, _) = store.audit_page(&refused, 0, 10).await.unwrap();
+    assert_eq!(page, vec![rows[2].clone()]);
+}

@@ -103,6 +103,8 @@ impl Permission {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Caller {
     pub key_name: String,
+    /// The key's masked form, as listings show it.
+    pub key_masked: String,
     /// The server operator's key: every permission.
     pub operator: bool,
     permissions: BTreeSet<Permission>,
@@ -110,9 +112,10 @@ pub struct Caller {
 
 impl Caller {
     /// The operator, by a key named `key_name`.
-    pub fn operator(key_name: impl Into<String>) -> Caller {
+    pub fn operator(key_name: impl Into<String>, key_masked: impl Into<String>) -> Caller {
         Caller {
             key_name: key_name.into(),
+            key_masked: key_masked.into(),
             operator: true,
             permissions: BTreeSet::new(),
         }
@@ -301,6 +304,7 @@ impl Access {
         self.touch(record, now).await?;
         Ok(KeyCheck::Accepted(Caller {
             key_name: record.name.clone(),
+            key_masked: record.masked.clone(),
             operator: record.operator,
             permissions: permissions_of(record),
         }))
@@ -443,6 +447,7 @@ mod tests {
     fn a_caller_may_only_what_it_was_given_and_the_operator_everything() {
         let caller = Caller {
             key_name: "ci".into(),
+            key_masked: "cove_****".into(),
             operator: false,
             permissions: [Permission::WriteSandboxes].into(),
         };
@@ -452,7 +457,7 @@ mod tests {
             refused.to_string(),
             "this API key lacks the permission delete:sandboxes"
         );
-        let operator = Caller::operator("operator");
+        let operator = Caller::operator("operator", "cove_****");
         assert!(Permission::ALL.iter().all(|p| operator.may(*p)));
         assert_eq!(operator.permissions().len(), Permission::ALL.len());
     }

@@ -1,9 +1,10 @@
 //! The access part of the engine: who may use the server and its sandboxes.
 //!
-//! API keys (`keys.rs`), previews of a sandbox's ports (`preview.rs`) and the
+//! API keys (`keys.rs`), the audit log (`audit.rs`), previews of a sandbox's ports (`preview.rs`) and the
 //! tokens of the SSH gateway (`ssh.rs`). It reads sandboxes from the store
 //! and drives none of them.
 
+mod audit;
 mod keys;
 mod preview;
 mod ssh;
