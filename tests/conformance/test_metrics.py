@@ -14,7 +14,7 @@ import requests
 from daytona import CreateSandboxFromSnapshotParams
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import unique
+from conftest import unique, vm_assets
 
 CONTENT_TYPE = "text/plain; version=0.0.4"
 
@@ -98,3 +98,26 @@ def test_a_new_sandbox_is_counted_by_class_and_operation_and_no_id_shows(cove, s
 
     assert sandbox.id not in text, f"sandbox id {sandbox.id} is in the metrics"
     assert name not in text, f"sandbox name {name} is in the metrics"
+
+
+def test_storage_pools_and_processes_are_read_from_the_host(cove):
+    found = samples(scrape(cove, cove.api_key).text)
+    for filesystem in ("data", "storage"):
+        assert value(found, "cove_filesystem_used_bytes", filesystem=filesystem) > 0, filesystem
+        assert value(found, "cove_filesystem_available_bytes", filesystem=filesystem) > 0, filesystem
+    names = {(n, tuple(sorted(ls.items()))) for n, ls, _ in found}
+    expected = [
+        ("cove_runtime_processes", {"class": "container", "process": "agent"}),
+        ("cove_warm_pool", {"pool": "network_namespaces", "class": "container"}),
+        ("cove_snapshots", {}),
+        ("cove_volumes", {}),
+    ]
+    if vm_assets() is not None:
+        # The session's server runs VMs; its warm pool is off (conftest).
+        expected += [
+            ("cove_runtime_processes", {"class": "linux-vm", "process": "qemu"}),
+            ("cove_warm_pool", {"pool": "machines", "class": "linux-vm"}),
+        ]
+        assert value(found, "cove_warm_pool", pool="machines", **{"class": "linux-vm"}) == 0
+    for name, labels in expected:
+        assert (name, tuple(sorted(labels.items()))) in names, (name, labels)

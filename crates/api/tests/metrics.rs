@@ -41,6 +41,7 @@ async fn router(dir: &tempfile::TempDir) -> axum::Router {
         .unwrap();
     let config = ApiConfig {
         env_api_key: Some(KEY.into()),
+        preview_domain: Some("preview.localhost".into()),
         ..ApiConfig::default()
     };
     app(AppState::new(engine, config))
@@ -52,10 +53,20 @@ async fn call(
     path: &str,
     key: Option<&str>,
 ) -> (StatusCode, String, String) {
+    call_host(router, "cove.test", method, path, key).await
+}
+
+async fn call_host(
+    router: &axum::Router,
+    host: &str,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+) -> (StatusCode, String, String) {
     let mut request = Request::builder()
         .method(method)
         .uri(path)
-        .header("host", "cove.test");
+        .header("host", host);
     if let Some(key) = key {
         request = request.header(header::AUTHORIZATION, format!("Bearer {key}"));
     }
@@ -122,6 +133,23 @@ async fn metrics_need_the_key_and_count_by_closed_labels() {
     let (status, _, _) = call(&router, "GET", &format!("/no/such/{id}"), Some(KEY)).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
     call(&router, "BREW", "/api/sandbox", Some(KEY)).await;
+    // Answered before any routing: a preview named by its Host, and
+    // Socket.IO (which serves only WebSockets, so this poll is refused).
+    let (preview_status, _, _) = call_host(
+        &router,
+        &format!("3000-{id}.preview.localhost"),
+        "GET",
+        "/",
+        Some(KEY),
+    )
+    .await;
+    let (socket_io_status, _, _) = call(
+        &router,
+        "GET",
+        "/api/socket.io/?EIO=4&transport=polling",
+        None,
+    )
+    .await;
     // A path under /api that no route serves is answered by the API's own
     // fallback, and counted as unmatched too.
     let (status, _, _) = call(&router, "GET", &format!("/api/no-such/{id}"), Some(KEY)).await;
@@ -203,6 +231,20 @@ async fn metrics_need_the_key_and_count_by_closed_labels() {
         r#"cove_http_requests_total{route="unmatched",method="GET",status="404"} 2"#,
     );
     assert!(!text.contains("__private__"), "{text}");
+    has_line(
+        &text,
+        &format!(
+            r#"cove_http_requests_total{{route="preview-host",method="GET",status="{}"}} 1"#,
+            preview_status.as_u16()
+        ),
+    );
+    has_line(
+        &text,
+        &format!(
+            r#"cove_http_requests_total{{route="/api/socket.io",method="GET",status="{}"}} 1"#,
+            socket_io_status.as_u16()
+        ),
+    );
     assert!(
         text.lines()
             .any(|l| l
