@@ -159,15 +159,18 @@ struct Found {
 
 impl Shared {
     async fn census(&self) -> Result<Found, EngineError> {
-        let mut classes: Vec<SandboxClass> = self.runtimes().map(|(class, _)| class).collect();
-        classes.sort_by_key(|class| class.as_str());
+        let mut runtimes: Vec<(&'static str, Census)> = self
+            .runtimes()
+            .map(|(class, runtime)| (class.as_str(), runtime.census()))
+            .collect();
+        runtimes.sort_by_key(|(class, _)| *class);
         let mut sandboxes = BTreeMap::new();
         let mut disk_allocated = BTreeMap::new();
-        for class in &classes {
+        for (class, _) in &runtimes {
             for state in SandboxState::ALL {
-                sandboxes.insert((state.as_str(), class.as_str()), 0);
+                sandboxes.insert((state.as_str(), *class), 0);
             }
-            disk_allocated.insert(class.as_str(), 0);
+            disk_allocated.insert(*class, 0);
         }
         for record in self.store.list_sandboxes().await? {
             let class = record.class.as_str();
@@ -176,10 +179,6 @@ impl Shared {
         }
         let snapshot_records = self.store.list_snapshots().await?;
         let volume_records = self.store.list_volumes().await?;
-        let runtimes = classes
-            .iter()
-            .filter_map(|class| Some((class.as_str(), self.runtime(*class).ok()?.census())))
-            .collect();
         let quota = self.config.volume_quota.as_ref();
         // One statvfs each: the data directory (database, images, archive)
         // and the loop-mounted storage every sandbox and volume writes.
