@@ -2,8 +2,9 @@
 //!
 //! Only this crate knows the HTTP and JSON shape of the public API: Daytona's
 //! control API under `/api`, its live events over Socket.IO at `/api/socket.io/`,
-//! and the toolbox proxy under `/toolbox/{sandboxId}/...`
-//! that forwards each request, untouched, to the agent inside the sandbox. Handlers
+//! the toolbox proxy under `/toolbox/{sandboxId}/...`
+//! that forwards each request, untouched, to the agent inside the sandbox, and
+//! the server's metrics at `/metrics` for Prometheus. Handlers
 //! turn a request into one engine call and the result into a response; they never
 //! touch the database or a runtime.
 
@@ -17,6 +18,7 @@ mod events;
 mod list_filter;
 pub mod listener;
 mod machines;
+mod metrics;
 mod not_implemented;
 mod object_storage;
 mod permissions;
@@ -64,6 +66,8 @@ pub struct AppState {
     config: Arc<ApiConfig>,
     toolbox: toolbox::AgentClient,
     previews: preview::Previews,
+    /// Every HTTP request, counted and timed (`metrics.rs`).
+    http_metrics: metrics::HttpMetrics,
     /// When this server started: the creation time its one region reports.
     started_at_ms: i64,
 }
@@ -75,6 +79,7 @@ impl AppState {
             config: Arc::new(config),
             toolbox: toolbox::AgentClient::new(),
             previews: preview::Previews::new(),
+            http_metrics: metrics::HttpMetrics::default(),
             started_at_ms: cove_engine::now_ms(),
         }
     }
@@ -204,6 +209,8 @@ pub fn app(state: AppState) -> Router {
         .nest("/api", api)
         .route("/toolbox/{id}/{*path}", any(toolbox::proxy))
         .route("/toolbox/{id}", any(toolbox::proxy_root))
+        // Prometheus scrape configs send the key as a Bearer token too.
+        .route("/metrics", get(metrics::scrape))
         // Inside the key layer, on matched routes only: what each route needs.
         .route_layer(axum::middleware::from_fn(permissions::check))
         // Outside the permission check, so refusals are recorded too.
@@ -227,12 +234,19 @@ pub fn app(state: AppState) -> Router {
         )
         .route("/object-storage/{bucket}", any(object_storage::bucket))
         .merge(with_key)
+        // Tells the counting layer below which route template matched.
+        .route_layer(axum::middleware::from_fn(metrics::name_route))
         // Socket.IO (`/api/socket.io/`) checks the key its clients send in
         // their CONNECT packet, not in a header: in front of the key layer.
         .layer(events::layer(state.clone()))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             preview::by_host,
+        ))
+        // Outermost, so every request is counted, whoever answers it.
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            metrics::count_requests,
         ))
         .with_state(state)
 }

@@ -6,7 +6,7 @@
 //! Daytona. The toolbox, preview links and SSH access act inside a sandbox,
 //! so they need `write:sandboxes`. A few routes act on the server itself
 //! (reclaiming space, importing from the server's disk, anything under
-//! `/api/admin/`) and are the operator's alone; reading the audit log needs
+//! `/api/admin/`, `/metrics`) and are the operator's alone; reading the audit log needs
 //! `read:audit_logs`. The table is total: a route it does not name needs
 //! nothing to be read and the operator to be changed.
 
@@ -44,6 +44,10 @@ pub(crate) fn need(method: &Method, route: &str) -> Need {
     };
     if route.starts_with("/toolbox/") {
         return Need::Permission(P::WriteSandboxes);
+    }
+    if route == "/metrics" {
+        // The whole server's figures: the operator's.
+        return Operator;
     }
     let Some(rest) = route.strip_prefix("/api") else {
         return if reads { Nothing } else { Operator };
@@ -192,7 +196,7 @@ mod tests {
             (Method::GET, "/api/config", Nothing),
             // A route the table does not name: read freely, changed by the operator.
             (Method::POST, "/api/organizations", Operator),
-            (Method::POST, "/metrics", Operator),
+            (Method::GET, "/metrics", Operator),
         ];
         for (method, route, expected) in table {
             assert_eq!(need(&method, route), expected, "{method} {route}");

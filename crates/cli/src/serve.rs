@@ -372,6 +372,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             max_uploads_per_grant: args.max_context_uploads,
         },
         import_dir: Some(import_dir(&args, &data_dir)?),
+        data_dir: Some(data_dir.clone()),
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);

@@ -47,6 +47,10 @@ pub struct EngineConfig {
     /// layouts from (a client names a path inside it); without one,
     /// imports are refused.
     pub import_dir: Option<std::path::PathBuf>,
+    /// The server's data directory, whose filesystem the metrics report
+    /// (with the sandbox storage's, `volume_quota`'s); without one, only the
+    /// storage's is reported.
+    pub data_dir: Option<std::path::PathBuf>,
 }
 
 /// Bounds on build-context uploads: a client with push credentials must
@@ -90,6 +94,7 @@ impl Default for EngineConfig {
             build_contexts_dir: None,
             context_limits: ContextLimits::default(),
             import_dir: None,
+            data_dir: None,
         }
     }
 }

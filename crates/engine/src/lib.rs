@@ -25,6 +25,7 @@ mod config;
 mod error;
 mod events;
 mod failure;
+mod metrics;
 mod network;
 mod sandboxes;
 mod shared;
@@ -117,6 +118,17 @@ impl Engine {
     /// API keys, previews and SSH access.
     pub fn access(&self) -> &Access {
         &self.access
+    }
+
+    /// Adds the engine's metrics to `registry`: its operation counters and
+    /// timings, and a census taken now (sandboxes by state and class, what
+    /// the runtimes and pools hold, storage use). Label values come only from
+    /// closed sets (`metrics.rs`).
+    pub async fn register_metrics(
+        &self,
+        registry: &mut prometheus_client::registry::Registry,
+    ) -> Result<(), EngineError> {
+        self.shared.register_metrics(registry).await
     }
 
     /// A new subscription to the feed of sandbox changes (a sandbox created,

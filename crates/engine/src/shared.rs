@@ -1,6 +1,6 @@
 //! What every part of the engine shares: the configuration, the store, the
 //! runtimes, one lock per sandbox, the sandboxes that run and their idle clocks,
-//! and the feed of sandbox changes.
+//! the feed of sandbox changes, and the operation metrics.
 //!
 //! Parts hold an `Arc<Shared>`; nothing here knows of sandboxes' operations,
 //! snapshots' builds or access tokens.
@@ -15,6 +15,7 @@ use cove_store::{SandboxRecord, Store, StoreError};
 
 use crate::activity::Activity;
 use crate::events::{Events, Recorded};
+use crate::metrics::Metrics;
 use crate::{now_ms, EngineConfig, EngineError};
 
 /// A sandbox the runtime reported running, and which start it came from.
@@ -41,6 +42,8 @@ pub(crate) struct Shared {
     pub(crate) ssh_revocations: tokio::sync::watch::Sender<u64>,
     /// Every state the sandboxes are recorded in, as it is recorded.
     pub(crate) events: Events,
+    /// Operations run, by outcome, and how long they took.
+    pub(crate) metrics: Metrics,
 }
 
 impl Shared {
@@ -59,6 +62,7 @@ impl Shared {
             activity: Activity::default(),
             ssh_revocations: tokio::sync::watch::Sender::new(0),
             events: Events::new(),
+            metrics: Metrics::default(),
         }
     }
 
@@ -68,6 +72,13 @@ impl Shared {
             .ok_or(EngineError::ClassUnavailable {
                 class: class.as_str(),
             })
+    }
+
+    /// Every class this server runs, with its runtime.
+    pub(crate) fn runtimes(&self) -> impl Iterator<Item = (SandboxClass, &Arc<dyn Runtime>)> {
+        self.runtimes
+            .iter()
+            .map(|(class, runtime)| (*class, runtime))
     }
 
     pub(crate) fn lock_for(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {

@@ -566,6 +566,12 @@ impl Network {
             .map_err(NetError::firewall(format!("unlink sandbox {id}")))
     }
 
+    /// How many network namespaces (with their veths) wait ready for
+    /// containers, the network's warm pool.
+    pub fn ready_namespaces(&self) -> usize {
+        self.pool.ready()
+    }
+
     /// The attached sandboxes' ids and addresses.
     pub fn attached(&self) -> Vec<(String, Ipv4Addr)> {
         let state = self.shared.lock();

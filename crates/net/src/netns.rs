@@ -187,6 +187,11 @@ impl Pool {
         }
     }
 
+    /// How many namespaces wait ready.
+    pub(crate) fn ready(&self) -> usize {
+        self.inner.lock().ready.len()
+    }
+
     /// A port name no other port of this run has (for a TAP device), and
     /// the bridge's index.
     pub(crate) fn next_port(&self) -> (String, u32) {

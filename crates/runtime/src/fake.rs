@@ -157,6 +157,15 @@ impl Runtime for FakeRuntime {
         Ok(self.machines())
     }
 
+    /// A running machine counts as one agent; the fake has no QEMU and no pool.
+    fn census(&self) -> crate::Census {
+        let machines = self.machines.lock().unwrap();
+        crate::Census {
+            agents: machines.values().filter(|m| m.running).count(),
+            ..crate::Census::default()
+        }
+    }
+
     async fn capture(&self, id: &SandboxId, capture_id: &str) -> Result<PathBuf, RuntimeError> {
         let id = id.as_str();
         self.record("capture", &format!("{id} {capture_id}"));

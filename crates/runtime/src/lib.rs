@@ -146,6 +146,19 @@ pub struct Started {
     pub accelerator: Option<&'static str>,
 }
 
+/// What a runtime holds at this moment, for the server's metrics: read from
+/// its own tables (no process scan, no file walk), so a scrape costs a lock.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Census {
+    /// Agents serving live sandboxes: one per running sandbox (a
+    /// container's on the host, a VM's in its guest).
+    pub agents: usize,
+    /// QEMU processes on the host: running VMs', and the warm pool's.
+    pub qemu_processes: usize,
+    /// Machines waiting in a warm pool to become sandboxes.
+    pub warm: usize,
+}
+
 /// One class of sandbox machine. Every method is idempotent where a retry after a
 /// crash may call it twice (`stop`, `destroy`).
 #[async_trait]
@@ -165,6 +178,10 @@ pub trait Runtime: Send + Sync + 'static {
     /// sandboxes a crashed server left). Backends that keep none say none.
     async fn sandbox_ids(&self) -> Result<Vec<String>, RuntimeError> {
         Ok(Vec::new())
+    }
+    /// What this runtime holds now (see [`Census`]).
+    fn census(&self) -> Census {
+        Census::default()
     }
     /// Takes over a machine that outlived an earlier server process, as it
     /// runs (a server restart then loses none of its processes). `None` when

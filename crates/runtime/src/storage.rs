@@ -46,6 +46,28 @@ fn last_error(path: &Path, action: &'static str) -> StorageError {
     io(path, action)(std::io::Error::last_os_error())
 }
 
+/// How full the filesystem holding a path is, in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FilesystemUsage {
+    /// Bytes in use (all blocks less the free ones).
+    pub used: u64,
+    /// Bytes an unprivileged writer may still take (root's reserve excluded,
+    /// as `df` reports it).
+    pub available: u64,
+}
+
+/// Usage of the filesystem `path` is on: one `statvfs`, no walk of the tree.
+pub fn filesystem_usage(path: &Path) -> Result<FilesystemUsage, StorageError> {
+    let stats = nix::sys::statvfs::statvfs(path)
+        .map_err(|errno| io(path, "statvfs")(std::io::Error::from(errno)))?;
+    let block = stats.fragment_size() as u64;
+    let blocks = stats.blocks() as u64;
+    Ok(FilesystemUsage {
+        used: blocks.saturating_sub(stats.blocks_free() as u64) * block,
+        available: stats.blocks_available() as u64 * block,
+    })
+}
+
 /// The mounted storage filesystem.
 #[derive(Debug)]
 pub struct Storage {
@@ -444,6 +466,19 @@ mod tests {
     /// `_IOC(dir, 0x94, nr, size)` as the kernel computes it.
     fn ioc(dir: u32, nr: u32, size: usize) -> libc::Ioctl {
         ((dir << 30) | ((size as u32) << 16) | (0x94 << 8) | nr) as libc::Ioctl
+    }
+
+    #[test]
+    fn filesystem_usage_reports_the_filesystem_and_names_a_missing_path() {
+        let dir = tempfile::tempdir().unwrap();
+        let before = filesystem_usage(dir.path()).unwrap();
+        assert!(before.available > 0 && before.used > 0, "{before:?}");
+        let missing = dir.path().join("missing");
+        let error = filesystem_usage(&missing).unwrap_err().to_string();
+        assert!(
+            error.contains("missing") && error.contains("statvfs"),
+            "{error}"
+        );
     }
 
     #[test]

@@ -115,30 +115,38 @@ pub(crate) async fn by_host(
     let Some(label) = urls::preview_label(&host, domain) else {
         return next.run(request).await;
     };
-    let Some((port, target)) = label.split_once('-') else {
-        return ApiError::bad_request(format!(
-            "preview host {host} is not {{port}}-{{sandboxId}}.{domain}"
-        ))
-        .into_response();
-    };
-    let port = match parse_port(port) {
-        Ok(port) => port,
-        Err(error) => return error.into_response(),
-    };
-    let rest = request
-        .uri()
-        .path_and_query()
-        .map(|pq| pq.as_str().to_owned())
-        .unwrap_or_else(|| "/".to_owned());
-    let target = Target {
-        target: target.to_owned(),
-        port,
-        prefix: None,
-        rest,
-    };
-    serve(state, target, request)
-        .await
-        .unwrap_or_else(IntoResponse::into_response)
+    // Counted in the metrics under one fixed route: the Host names a sandbox.
+    let mut response = async {
+        let Some((port, target)) = label.split_once('-') else {
+            return ApiError::bad_request(format!(
+                "preview host {host} is not {{port}}-{{sandboxId}}.{domain}"
+            ))
+            .into_response();
+        };
+        let port = match parse_port(port) {
+            Ok(port) => port,
+            Err(error) => return error.into_response(),
+        };
+        let rest = request
+            .uri()
+            .path_and_query()
+            .map(|pq| pq.as_str().to_owned())
+            .unwrap_or_else(|| "/".to_owned());
+        let target = Target {
+            target: target.to_owned(),
+            port,
+            prefix: None,
+            rest,
+        };
+        serve(state.clone(), target, request)
+            .await
+            .unwrap_or_else(IntoResponse::into_response)
+    }
+    .await;
+    response
+        .extensions_mut()
+        .insert(crate::metrics::RouteTemplate::HOST_PREVIEW);
+    response
 }
 
 /// `/preview/{sandboxIdOrSignedToken}/{port}/...`

@@ -10,6 +10,7 @@ use cove_store::{SandboxRecord, SnapshotState};
 
 use super::Sandboxes;
 use crate::checks::{check_name, sized};
+use crate::metrics::Measured;
 use crate::shared::sandbox_id;
 use crate::{now_ms, EngineError};
 
@@ -63,7 +64,7 @@ impl Sandboxes {
         let spec = self.spec(&record, &snapshot)?;
         let lock = self.shared.lock_for(&record.id);
         let _guard = lock.lock().await;
-        let saga = self.begin_new(record, "create").await?;
+        let saga = self.begin_new(record, Measured::Create).await?;
         let made = async {
             runtime.prepare(&spec).await?;
             self.start_machine(runtime.as_ref(), saga.record(), spec)

@@ -10,6 +10,7 @@ use cove_store::SandboxRecord;
 
 use super::Sandboxes;
 use crate::checks::check_name;
+use crate::metrics::Measured;
 use crate::shared::sandbox_id;
 use crate::{now_ms, EngineError};
 
@@ -56,7 +57,9 @@ impl Sandboxes {
         let spec = self.spec(&child, &snapshot)?;
         let child_lock = self.shared.lock_for(&child_id);
         let _child_guard = child_lock.lock().await;
-        let saga = self.begin_new(child, "fork").await?;
+        let saga = self
+            .begin_new(child, Measured::Run(Operation::Fork))
+            .await?;
 
         parent.state = during;
         self.shared.save_state(&mut parent).await?;

@@ -3,12 +3,15 @@
 //! Each operation is recorded in its transient state before its side effect and in
 //! its final state after it, so a crash in between is seen and repaired on restart.
 
+use std::time::Instant;
+
 use cove_lifecycle::{plan, Operation, SandboxState, Transition};
 use cove_store::SandboxRecord;
 
 use super::effect::Effect;
 use super::Sandboxes;
 use crate::failure::Failure;
+use crate::metrics::Measured;
 use crate::EngineError;
 
 impl Sandboxes {
@@ -176,7 +179,14 @@ impl Sandboxes {
             Effect::Unarchive => SandboxState::Archived,
             _ => SandboxState::Error,
         };
+        let began = Instant::now();
         let applied = self.apply(effect, &record).await;
+        self.shared.metrics.observe(
+            Measured::Run(operation),
+            record.class,
+            applied.is_ok(),
+            began.elapsed(),
+        );
         self.land(
             record,
             operation,

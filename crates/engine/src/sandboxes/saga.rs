@@ -2,12 +2,15 @@
 //! runtime make and start it, and on any failure undo both, so a new sandbox
 //! is either `started` or never existed.
 
+use std::time::Instant;
+
 use cove_lifecycle::SandboxState;
 use cove_runtime::{SandboxId, Started};
 use cove_store::{SandboxRecord, StoreError};
 
 use super::Sandboxes;
 use crate::failure::Failure;
+use crate::metrics::Measured;
 use crate::shared::sandbox_id;
 use crate::EngineError;
 
@@ -20,8 +23,11 @@ pub(super) struct Saga<'a> {
     /// The record's id, checked before the row was stored: the undo never
     /// fails for want of it.
     sandbox: SandboxId,
-    /// What made it ("create", "fork"), for the logs of an undo.
-    what: &'static str,
+    /// What made it (a create, a fork), for the logs of an undo and the
+    /// metrics.
+    operation: Measured,
+    /// When its row was stored: the operation's time runs from there.
+    began: Instant,
 }
 
 impl Sandboxes {
@@ -30,7 +36,7 @@ impl Sandboxes {
     pub(super) async fn begin_new(
         &self,
         record: SandboxRecord,
-        what: &'static str,
+        operation: Measured,
     ) -> Result<Saga<'_>, EngineError> {
         let sandbox = sandbox_id(&record.id)?;
         self.shared
@@ -46,7 +52,8 @@ impl Sandboxes {
             sandboxes: self,
             record,
             sandbox,
-            what,
+            operation,
+            began: Instant::now(),
         })
     }
 }
@@ -65,6 +72,12 @@ impl Saga<'_> {
         blamed: &str,
         operation: &'static str,
     ) -> Result<SandboxRecord, EngineError> {
+        self.sandboxes.shared.metrics.observe(
+            self.operation,
+            self.record.class,
+            made.is_ok(),
+            self.began.elapsed(),
+        );
         let started = match made {
             Ok(started) => started,
             Err(error) => {
@@ -91,7 +104,7 @@ impl Saga<'_> {
         let released = sandboxes.release_network(&self.record).await;
         for cleanup in [destroyed, released].into_iter().filter_map(Result::err) {
             let cleanup = crate::error::describe(&cleanup);
-            tracing::error!(sandbox = %id, error = %cleanup, what = self.what, "cleanup after a failed new sandbox");
+            tracing::error!(sandbox = %id, error = %cleanup, what = self.operation.as_str(), "cleanup after a failed new sandbox");
         }
         sandboxes.shared.delete_sandbox(&self.record).await?;
         Ok(())

@@ -615,6 +615,16 @@ impl Runtime for ContainerRuntime {
         self.cgroups.pids(id).is_ok_and(|pids| !pids.is_empty())
     }
 
+    /// A shim that has not exited is a container whose agent serves (build
+    /// sandboxes included); containers have no QEMU and no warm pool.
+    fn census(&self) -> crate::Census {
+        let shims = self.shims.lock().expect("shim map lock");
+        crate::Census {
+            agents: shims.values().filter(|exited| !*exited.borrow()).count(),
+            ..crate::Census::default()
+        }
+    }
+
     async fn sandbox_ids(&self) -> Result<Vec<String>, RuntimeError> {
         let dir = self.config.state_dir.clone();
         blocking("-", move |id| {

@@ -493,6 +493,19 @@ impl Runtime for VmRuntime {
         self.remove_dir(id, &layout.dir).await
     }
 
+    /// Each VM this process runs is a QEMU process with an agent in its
+    /// guest; the warm pool's machines are QEMU processes too (their agents
+    /// serve no sandbox yet), as are those a create took but has not started.
+    fn census(&self) -> crate::Census {
+        let running = self.running.lock().expect("running map lock").len();
+        let (waiting, claimed) = self.pool.counts();
+        crate::Census {
+            agents: running,
+            qemu_processes: running + waiting + claimed,
+            warm: waiting,
+        }
+    }
+
     async fn is_running(&self, id: &SandboxId) -> bool {
         let id = id.as_str();
         if let Some(vm) = self.running(id) {

@@ -157,6 +157,20 @@ impl Pool {
         }
     }
 
+    /// How many machines wait, and how many a `prepare` took and its
+    /// `start` has not come for yet.
+    pub(super) fn counts(&self) -> (usize, usize) {
+        let waiting = self
+            .waiting
+            .lock()
+            .expect("pool lock")
+            .values()
+            .map(Vec::len)
+            .sum();
+        let claimed = self.claimed.lock().expect("pool lock").len();
+        (waiting, claimed)
+    }
+
     /// The machine `prepare` took for sandbox `id`.
     pub(super) fn claimed(&self, id: &str) -> Option<WarmVm> {
         self.claimed.lock().expect("pool lock").remove(id)
