@@ -1,12 +1,13 @@
 //! Persistence of cove.
 //!
 //! Owns the database schema (migrations in `migrations/`) and the rows of
-//! sandboxes, snapshots, API keys and SSH access tokens. It stores plain records and checks
+//! sandboxes, snapshots, API keys, SSH access tokens, the audit log and the meter. It stores plain records and checks
 //! nothing about transitions: the engine decides, this crate remembers.
 //! SQL is kept portable so PostgreSQL can replace SQLite.
 
 mod api_keys;
 mod audit;
+mod meter;
 mod previews;
 mod records;
 mod registries;
@@ -23,6 +24,7 @@ use sqlx::SqlitePool;
 
 pub use api_keys::ApiKeyRecord;
 pub use audit::{AuditQuery, AuditRecord};
+pub use meter::{MeterKind, MeterRecord};
 pub use previews::SignedPreview;
 pub use records::{
     BuildStepRecord, DockerRegistryRecord, ImageSettings, NetworkSettings, SandboxRecord,

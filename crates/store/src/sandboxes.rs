@@ -4,6 +4,7 @@ use cove_lifecycle::TimerSettings;
 use sqlx::sqlite::SqliteRow;
 use sqlx::Row;
 
+use crate::meter::{meter, Measure, MeterKind};
 use crate::{SandboxRecord, Store, StoreError};
 
 const COLUMNS: &str = "id, name, snapshot, class, state, desired_state, error_reason, os_user, \
@@ -146,8 +147,12 @@ impl Store {
         self.write_sandbox(true, s).await
     }
 
+    /// Writes the row and, in the same transaction, the meter: a change of
+    /// state or size (dated by `updated_at_ms`) ends one interval and starts
+    /// the next.
     async fn write_sandbox(&self, upsert: bool, s: &SandboxRecord) -> Result<(), StoreError> {
         let sql = crate::write_row_sql("sandboxes", COLUMNS, upsert);
+        let mut transaction = self.pool.begin().await?;
         sqlx::query(&sql)
             .bind(&s.id)
             .bind(&s.name)
@@ -180,8 +185,24 @@ impl Store {
             .bind(serde_json::to_string(&s.network).expect("settings serialize"))
             .bind(serde_json::to_string(&s.volumes).expect("mounts serialize"))
             .bind(&s.linked_sandbox_id)
-            .execute(&self.pool)
+            .execute(&mut *transaction)
             .await?;
+        let measure = Some(Measure::of_sandbox(s));
+        let at_ms = if upsert {
+            s.updated_at_ms
+        } else {
+            s.created_at_ms
+        };
+        meter(
+            &mut transaction,
+            MeterKind::Sandbox,
+            &s.id,
+            &s.name,
+            measure,
+            at_ms,
+        )
+        .await?;
+        transaction.commit().await?;
         Ok(())
     }
 
@@ -232,8 +253,9 @@ impl Store {
         Ok(row.is_some())
     }
 
-    /// Deletes a sandbox's row and what only it uses (its SSH access tokens).
-    pub async fn delete_sandbox(&self, id: &str) -> Result<(), StoreError> {
+    /// Deletes a sandbox's row and what only it uses (its SSH access tokens),
+    /// and ends its time on the meter at `at_ms`.
+    pub async fn delete_sandbox(&self, id: &str, at_ms: i64) -> Result<(), StoreError> {
         // Its preview tokens and SSH access go with it: a new sandbox never
         // inherits them.
         let mut transaction = self.pool.begin().await?;
@@ -248,6 +270,7 @@ impl Store {
                 .execute(&mut *transaction)
                 .await?;
         }
+        meter(&mut transaction, MeterKind::Sandbox, id, "", None, at_ms).await?;
         transaction.commit().await?;
         Ok(())
     }

@@ -3,6 +3,7 @@
 use sqlx::sqlite::SqliteRow;
 use sqlx::Row;
 
+use crate::meter::{meter, Measure, MeterKind};
 use crate::{BuildStepRecord, ImageSettings, SnapshotRecord, SnapshotState, Store, StoreError};
 
 const COLUMNS: &str = "id, name, class, state, error_reason, rootfs, cpu, gpu, memory_mib, \
@@ -71,8 +72,10 @@ impl Store {
         self.write_snapshot(true, s).await
     }
 
+    /// Writes the row and, in the same transaction, the meter of its storage.
     async fn write_snapshot(&self, upsert: bool, s: &SnapshotRecord) -> Result<(), StoreError> {
         let sql = crate::write_row_sql("snapshots", COLUMNS, upsert);
+        let mut tx = self.pool.begin().await?;
         sqlx::query(&sql)
             .bind(&s.id)
             .bind(&s.name)
@@ -97,8 +100,16 @@ impl Store {
             .bind(&s.image.user)
             .bind(serde_json::to_string(&s.image.entrypoint).expect("strings serialize"))
             .bind(serde_json::to_string(&s.image.cmd).expect("strings serialize"))
-            .execute(&self.pool)
+            .execute(&mut *tx)
             .await?;
+        let measure = Measure::of_snapshot(s);
+        let at_ms = if upsert {
+            s.updated_at_ms
+        } else {
+            s.created_at_ms
+        };
+        meter(&mut tx, MeterKind::Snapshot, &s.id, &s.name, measure, at_ms).await?;
+        tx.commit().await?;
         Ok(())
     }
 
@@ -115,7 +126,9 @@ impl Store {
         row.as_ref().map(from_row).transpose()
     }
 
-    pub async fn delete_snapshot(&self, id: &str) -> Result<(), StoreError> {
+    /// Deletes a snapshot and its build log, and ends its storage's time on
+    /// the meter at `at_ms`.
+    pub async fn delete_snapshot(&self, id: &str, at_ms: i64) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
         sqlx::query("DELETE FROM snapshots WHERE id = ?")
             .bind(id)
@@ -125,6 +138,7 @@ impl Store {
             .bind(id)
             .execute(&mut *tx)
             .await?;
+        meter(&mut tx, MeterKind::Snapshot, id, "", None, at_ms).await?;
         tx.commit().await?;
         Ok(())
     }

@@ -55,6 +55,36 @@ fn sandbox(id: &str, name: &str) -> SandboxRecord {
     }
 }
 
+fn snapshot(id: &str, name: &str) -> SnapshotRecord {
+    SnapshotRecord {
+        id: id.into(),
+        name: name.into(),
+        class: SandboxClass::Container,
+        state: SnapshotState::Active,
+        error_reason: None,
+        rootfs: "/x".into(),
+        layers: vec![],
+        capture_id: None,
+        source_sandbox: None,
+        cpu: 1,
+        gpu: 0,
+        memory_mib: 1024,
+        disk_gib: 3,
+        size_bytes: Some(5),
+        has_memory: true,
+        env: BTreeMap::from([("PATH".into(), "/usr/bin".into())]),
+        image: cove_store::ImageSettings {
+            workdir: Some("/app".into()),
+            user: Some("nobody".into()),
+            entrypoint: vec!["/bin/sh".into(), "-c".into()],
+            cmd: vec!["sleep infinity".into()],
+        },
+        general: true,
+        created_at_ms: 1,
+        updated_at_ms: 1,
+    }
+}
+
 #[tokio::test]
 async fn sandboxes_round_trip_and_survive_reopen() {
     let dir = tempfile::tempdir().unwrap();
@@ -90,7 +120,7 @@ async fn sandboxes_round_trip_and_survive_reopen() {
     let linked = store.sandboxes_linked_to("id-owner").await.unwrap();
     assert_eq!(linked.len(), 2);
     assert!(store.sandboxes_linked_to("id-a").await.unwrap().is_empty());
-    store.delete_sandbox("id-a").await.unwrap();
+    store.delete_sandbox("id-a", 1).await.unwrap();
     assert_eq!(store.find_sandbox("id-a").await.unwrap(), None);
 }
 
@@ -98,33 +128,7 @@ async fn sandboxes_round_trip_and_survive_reopen() {
 async fn snapshots_and_keys() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
-    let snap = SnapshotRecord {
-        id: "s1".into(),
-        name: "cove-default".into(),
-        class: SandboxClass::Container,
-        state: SnapshotState::Active,
-        error_reason: None,
-        rootfs: "/x".into(),
-        layers: vec![],
-        capture_id: None,
-        source_sandbox: None,
-        cpu: 1,
-        gpu: 0,
-        memory_mib: 1024,
-        disk_gib: 3,
-        size_bytes: Some(5),
-        has_memory: true,
-        env: BTreeMap::from([("PATH".into(), "/usr/bin".into())]),
-        image: cove_store::ImageSettings {
-            workdir: Some("/app".into()),
-            user: Some("nobody".into()),
-            entrypoint: vec!["/bin/sh".into(), "-c".into()],
-            cmd: vec!["sleep infinity".into()],
-        },
-        general: true,
-        created_at_ms: 1,
-        updated_at_ms: 1,
-    };
+    let snap = snapshot("s1", "cove-default");
     store.save_snapshot(&snap).await.unwrap();
     assert_eq!(
         store.find_snapshot("cove-default").await.unwrap(),
@@ -207,7 +211,7 @@ async fn ssh_access_is_found_by_hash_revoked_pruned_and_goes_with_its_sandbox() 
     // Saving a sandbox keeps its tokens; deleting it deletes them, not the others'.
     store.save_sandbox(&sandbox("id-a", "alpha")).await.unwrap();
     assert!(store.find_ssh_access("h3").await.unwrap().is_some());
-    store.delete_sandbox("id-a").await.unwrap();
+    store.delete_sandbox("id-a", 1).await.unwrap();
     assert_eq!(store.find_ssh_access("h3").await.unwrap(), None);
     assert!(store.find_ssh_access("h4").await.unwrap().is_some());
     assert_eq!(store.revoke_ssh_access("id-b", None).await.unwrap(), 1);
@@ -466,4 +470,80 @@ async fn the_audit_log_reads_newest_first_filtered_and_paged() {
     };
     let (page, _) = store.audit_page(&refused, 0, 10).await.unwrap();
     assert_eq!(page, vec![rows[2].clone()]);
+}
+
+#[tokio::test]
+async fn the_meter_splits_at_every_change_in_the_same_write_and_survives_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("cove.db");
+    let store = Store::open(&path).await.unwrap();
+    let mut record = sandbox("id-a", "alpha");
+    record.state = SandboxState::Creating;
+    record.created_at_ms = 1_000;
+    store.insert_sandbox(&record).await.unwrap();
+    record.state = SandboxState::Started;
+    record.updated_at_ms = 2_000;
+    store.save_sandbox(&record).await.unwrap();
+    // A save that changes nothing metered (labels) keeps the interval open.
+    record.labels.insert("more".into(), "x".into());
+    record.updated_at_ms = 2_500;
+    store.save_sandbox(&record).await.unwrap();
+    // A resize is a change.
+    record.cpu = 2;
+    record.updated_at_ms = 3_000;
+    store.save_sandbox(&record).await.unwrap();
+    drop(store);
+
+    let store = Store::open(&path).await.unwrap();
+    // The server comes back at 5 000: the open interval ends there and the
+    // same measure starts again from it.
+    assert_eq!(store.reopen_meters(5_000).await.unwrap(), 1);
+    store.delete_sandbox("id-a", 6_000).await.unwrap();
+    let intervals = store.meter_intervals(0, i64::MAX).await.unwrap();
+    let seen: Vec<(&str, i64, i64, Option<i64>)> = intervals
+        .iter()
+        .map(|i| (i.state.as_str(), i.cpu, i.started_ms, i.ended_ms))
+        .collect();
+    assert_eq!(
+        seen,
+        [
+            ("creating", 1, 1_000, Some(2_000)),
+            ("started", 1, 2_000, Some(3_000)),
+            ("started", 2, 3_000, Some(5_000)),
+            ("started", 2, 5_000, Some(6_000)),
+        ]
+    );
+    assert!(intervals.iter().all(|i| i.name == "alpha"));
+    // Only intervals with time in the period are read.
+    let window = store.meter_intervals(2_100, 2_900).await.unwrap();
+    assert_eq!(window.len(), 1);
+    assert_eq!(window[0].started_ms, 2_000);
+}
+
+#[tokio::test]
+async fn a_users_snapshot_is_metered_while_active_and_the_servers_own_are_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let mut own = snapshot("snap-1", "mine");
+    own.general = false;
+    own.state = SnapshotState::Building;
+    own.created_at_ms = 10;
+    store.insert_snapshot(&own).await.unwrap();
+    own.state = SnapshotState::Active;
+    own.size_bytes = Some(5 << 30);
+    own.updated_at_ms = 20;
+    store.save_snapshot(&own).await.unwrap();
+    let mut general = snapshot("snap-2", "default");
+    general.general = true;
+    general.state = SnapshotState::Active;
+    store.insert_snapshot(&general).await.unwrap();
+    store.delete_snapshot("snap-1", 50).await.unwrap();
+    let intervals = store.meter_intervals(0, 100).await.unwrap();
+    assert_eq!(intervals.len(), 1, "{intervals:?}");
+    assert_eq!(intervals[0].kind, cove_store::MeterKind::Snapshot);
+    assert_eq!(intervals[0].size_bytes, 5 << 30);
+    assert_eq!(
+        (intervals[0].started_ms, intervals[0].ended_ms),
+        (20, Some(50))
+    );
 }
