@@ -11,7 +11,7 @@
 
 use axum::body::Body;
 use axum::extract::{MatchedPath, Path, RawQuery, Request, State};
-use axum::http::{header, HeaderMap, Method, StatusCode};
+use axum::http::{header, HeaderMap, Method};
 use axum::middleware::Next;
 use axum::response::Response;
 use axum::Json;
@@ -307,12 +307,7 @@ pub(crate) async fn organization(
     Path(organization): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<AuditPage>, ApiError> {
-    if organization != ORGANIZATION_ID {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("organization {organization} not found"),
-        ));
-    }
+    crate::billing::check_organization(&organization)?;
     page_of(&state, query.as_deref()).await
 }
 

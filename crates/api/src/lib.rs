@@ -11,6 +11,7 @@
 mod api_keys;
 mod audit;
 mod auth;
+mod billing;
 mod docker_registry;
 mod dto;
 mod error;
@@ -106,6 +107,7 @@ pub fn app(state: AppState) -> Router {
             get(audit::organization),
         )
         .route("/admin/audit", get(audit::all))
+        .route("/organizations/{organization}/bill", get(billing::bill))
         .route("/shared-regions", get(regions::list))
         .route("/sandbox", post(sandbox::create).get(sandbox::list))
         .route("/sandbox/{id}", get(sandbox::get).delete(sandbox::delete))

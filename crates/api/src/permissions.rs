@@ -68,6 +68,7 @@ pub(crate) fn need(method: &Method, route: &str) -> Need {
         "/snapshots/import" => Operator,
         _ if rest.starts_with("/admin/") => Operator,
         "/audit/organizations/{organization}" => Need::Permission(P::ReadAuditLogs),
+        "/organizations/{organization}/bill" => Need::Permission(P::ReadBilling),
         "/object-storage/push-access" => Need::Permission(P::WriteSnapshots),
         "/api-keys" | "/api-keys/current" | "/api-keys/{name}" | "/api-keys/{user}/{name}" => {
             by(Nothing, P::ManageApiKeys, P::ManageApiKeys)
@@ -192,6 +193,11 @@ mod tests {
                 Method::GET,
                 "/api/audit/organizations/{organization}",
                 p(P::ReadAuditLogs),
+            ),
+            (
+                Method::GET,
+                "/api/organizations/{organization}/bill",
+                p(P::ReadBilling),
             ),
             (Method::GET, "/api/config", Nothing),
             // A route the table does not name: read freely, changed by the operator.

@@ -29,7 +29,12 @@ async fn api() -> Api {
 
 /// An API whose HTTPS listener (for build-context uploads) is on `tls_port`.
 async fn api_with_tls(tls_port: Option<u16>) -> Api {
-    let dir = tempfile::tempdir().unwrap();
+    api_in(tempfile::tempdir().unwrap(), tls_port).await.0
+}
+
+/// An API over the store in `dir` (a server started again, when it holds
+/// one already), and its engine.
+async fn api_in(dir: tempfile::TempDir, tls_port: Option<u16>) -> (Api, Engine) {
     let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
     let fake = Arc::new(FakeRuntime::new());
     let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([
@@ -58,11 +63,12 @@ async fn api_with_tls(tls_port: Option<u16>) -> Api {
         ssh_port: Some(2222),
         tls_port,
     };
-    Api {
-        router: app(AppState::new(engine, config)),
+    let api = Api {
+        router: app(AppState::new(engine.clone(), config)),
         fake,
         _dir: dir,
-    }
+    };
+    (api, engine)
 }
 
 impl Api {
@@ -1477,4 +1483,113 @@ async fn the_audit_log_says_which_key_did_what_and_how_it_ended() {
     let (status, refused) = api.call("GET", "/api/admin/audit?actorEmail=x", None).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(refused["message"].as_str().unwrap().contains("actorEmail"));
+}
+
+#[tokio::test]
+async fn the_bill_counts_running_time_only_and_survives_a_restart() {
+    let (api, _) = api_in(tempfile::tempdir().unwrap(), None).await;
+    let before_create = std::time::Instant::now();
+    let (status, made) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "metered", "cpu": 2, "memory": 2, "disk": 4})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{made}");
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    let (status, _) = api.call("POST", "/api/sandbox/metered/stop", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let ran_at_most = before_create.elapsed().as_secs_f64();
+
+    // The server stops and starts again on the same store; the sandbox
+    // stays stopped for a while.
+    let Api { _dir: dir, .. } = api;
+    let (api, engine) = api_in(dir, None).await;
+    engine.recover_after_restart().await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+
+    let (status, bill) = api.call("GET", "/api/organizations/cove/bill", None).await;
+    assert_eq!(status, StatusCode::OK, "{bill}");
+    let lines = bill["lines"].as_array().unwrap();
+    let line = lines
+        .iter()
+        .find(|l| l["name"] == "metered")
+        .unwrap_or_else(|| panic!("a line for the sandbox: {bill}"));
+    assert_eq!(line["sandboxId"], made["id"]);
+    // Two vCPUs for the 0.4 s or so it ran, and not while it was stopped.
+    let vcpu_seconds = line["vcpuHours"].as_f64().unwrap() * 3600.0;
+    assert!(
+        vcpu_seconds >= 2.0 * 0.4 && vcpu_seconds <= 2.0 * ran_at_most,
+        "{vcpu_seconds} vCPU-seconds for at most {ran_at_most} s of running: {bill}"
+    );
+    let memory_seconds = line["memoryGbHours"].as_f64().unwrap() * 3600.0;
+    assert!((memory_seconds - vcpu_seconds).abs() < 1e-6, "{bill}");
+    // The disk is kept while stopped too, across the restart.
+    let disk_seconds = line["diskGbHours"].as_f64().unwrap() * 3600.0;
+    assert!(disk_seconds >= 4.0 * (0.4 + 0.3), "{bill}");
+
+    // A stopped sandbox's compute does not grow.
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let (_, again) = api.call("GET", "/api/organizations/cove/bill", None).await;
+    let same = again["lines"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|l| l["name"] == "metered")
+        .unwrap();
+    assert_eq!(same["vcpuHours"], line["vcpuHours"]);
+
+    // The total is the lines at the bill's prices, less the credits, never
+    // below zero.
+    let prices = &bill["prices"];
+    let price = |key: &str| prices[key].as_f64().unwrap();
+    let mut sum = 0.0;
+    for line in lines {
+        let figure = |key: &str| line[key].as_f64().unwrap();
+        let amount = figure("vcpuHours") * price("vcpuHour")
+            + figure("memoryGbHours") * price("memoryGbHour")
+            + figure("diskGbHours") * price("diskGbHour")
+            + figure("snapshotGbMonths") * price("snapshotGbMonth");
+        assert!((amount - figure("amount")).abs() < 1e-12, "{line}");
+        sum += amount;
+    }
+    let total = bill["total"].as_f64().unwrap();
+    let credits = bill["credits"].as_f64().unwrap();
+    assert!((total - (sum - credits).max(0.0)).abs() < 1e-12, "{bill}");
+    assert_eq!(bill["currency"], "USD");
+}
+
+#[tokio::test]
+async fn a_bill_needs_read_billing_and_a_known_organization_and_period() {
+    let api = api().await;
+    let (_, made) = api
+        .call(
+            "POST",
+            "/api/api-keys",
+            Some(json!({"name": "ops", "permissions": ["write:sandboxes"]})),
+        )
+        .await;
+    let ops = made["value"].as_str().unwrap().to_owned();
+    let (status, body) = api
+        .call_with_key("GET", "/api/organizations/cove/bill", None, Some(&ops))
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert!(message(&body).contains("read:billing"), "{body}");
+    let (status, body) = api
+        .call("GET", "/api/organizations/elsewhere/bill", None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    assert_eq!(message(&body), "organization elsewhere not found");
+    let (status, body) = api
+        .call("GET", "/api/organizations/cove/bill?month=2026-13", None)
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(message(&body).contains("YYYY-MM"), "{body}");
+    let (status, body) = api
+        .call("GET", "/api/organizations/cove/bill?month=2026-11", None)
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(body["from"], "2026-11-01T00:00:00Z");
+    assert_eq!(body["to"], "2026-12-01T00:00:00Z");
 }

@@ -1,6 +1,7 @@
 //! `cove admin ...`: operator actions on a running server.
 
 use reqwest::Method;
+use serde_json::Value;
 
 use crate::client::{Client, Connection};
 
@@ -9,6 +10,21 @@ pub(crate) enum AdminCommand {
     /// Reclaim the capacity of spot sandboxes: persistent VMs are paused, the
     /// others deleted. Prints what was done.
     Reclaim {
+        #[command(flatten)]
+        connection: Connection,
+    },
+    /// Print an organization's bill for a calendar month: a line per
+    /// sandbox and snapshot, the credits and the total.
+    Bill {
+        /// The organization (a single server has one, `cove`).
+        #[arg(long, default_value = "cove")]
+        org: String,
+        /// The month, `YYYY-MM` (UTC); the current one by default.
+        #[arg(long)]
+        month: Option<String>,
+        /// Print the bill as the API answers it, one JSON object.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         connection: Connection,
     },
@@ -31,6 +47,98 @@ pub(crate) async fn run(command: AdminCommand) -> anyhow::Result<()> {
                 );
             }
         }
+        AdminCommand::Bill {
+            org,
+            month,
+            json,
+            connection,
+        } => {
+            let client = Client::from_connection(&connection)?;
+            let mut path = format!("/organizations/{}/bill", encode(&org));
+            if let Some(month) = month {
+                path.push_str(&format!("?month={}", encode(&month)));
+            }
+            let bill = client.api(Method::GET, &path, None).await?;
+            if json {
+                println!("{bill}");
+            } else {
+                print!("{}", bill_table(&org, &bill));
+            }
+        }
     }
     Ok(())
+}
+
+fn encode(part: &str) -> String {
+    form_urlencoded::byte_serialize(part.as_bytes()).collect()
+}
+
+/// A bill as a table: a row per line, then the credits and the total.
+fn bill_table(org: &str, bill: &Value) -> String {
+    let text = |v: &Value| v.as_str().unwrap_or("").to_owned();
+    let number = |v: &Value| v.as_f64().unwrap_or(0.0);
+    let currency = text(&bill["currency"]);
+    let mut out = format!(
+        "bill of {org}, {} to {} ({currency})\n{:<38} {:<24} {:>10} {:>10} {:>10} {:>10} {:>10}\n",
+        text(&bill["from"]),
+        text(&bill["to"]),
+        "SANDBOX / SNAPSHOT",
+        "NAME",
+        "vCPU-h",
+        "MEM GB-h",
+        "DISK GB-h",
+        "SNAP GB-mo",
+        "AMOUNT"
+    );
+    for line in bill["lines"].as_array().into_iter().flatten() {
+        let id = match (line["sandboxId"].as_str(), line["snapshotId"].as_str()) {
+            (Some(id), _) => id.to_owned(),
+            (None, Some(id)) => format!("snapshot {id}"),
+            (None, None) => "-".to_owned(),
+        };
+        out.push_str(&format!(
+            "{id:<38} {:<24} {:>10.4} {:>10.4} {:>10.4} {:>10.4} {:>10.4}\n",
+            text(&line["name"]),
+            number(&line["vcpuHours"]),
+            number(&line["memoryGbHours"]),
+            number(&line["diskGbHours"]),
+            number(&line["snapshotGbMonths"]),
+            number(&line["amount"]),
+        ));
+    }
+    out.push_str(&format!(
+        "credits {:>.4} {currency}\ntotal   {:>.4} {currency}\n",
+        number(&bill["credits"]),
+        number(&bill["total"])
+    ));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bill_prints_a_row_per_line_then_credits_and_total() {
+        let bill = serde_json::json!({
+            "from": "2026-12-01T00:00:00Z", "to": "2027-01-01T00:00:00Z", "currency": "USD",
+            "lines": [
+                {"sandboxId": "sb-1", "snapshotId": null, "name": "web", "vcpuHours": 2.0,
+                 "memoryGbHours": 4.0, "diskGbHours": 30.0, "snapshotGbMonths": 0.0, "amount": 0.1},
+                {"sandboxId": null, "snapshotId": "s-1", "name": "base", "vcpuHours": 0.0,
+                 "memoryGbHours": 0.0, "diskGbHours": 0.0, "snapshotGbMonths": 12.0, "amount": 0.6}
+            ],
+            "credits": 3.0, "total": 0.0
+        });
+        let table = bill_table("cove", &bill);
+        let rows: Vec<&str> = table.lines().collect();
+        assert_eq!(rows.len(), 6, "{table}");
+        assert!(rows[0].contains("2026-12-01T00:00:00Z to 2027-01-01T00:00:00Z (USD)"));
+        assert!(
+            rows[2].starts_with("sb-1") && rows[2].contains("web") && rows[2].contains("2.0000")
+        );
+        assert!(rows[3].starts_with("snapshot s-1") && rows[3].contains("12.0000"));
+        assert_eq!(rows[4], "credits 3.0000 USD");
+        assert_eq!(rows[5], "total   0.0000 USD");
+    }
 }

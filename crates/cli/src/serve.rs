@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use cove_engine::{Archive, Ceilings, Engine, EngineConfig, SnapshotRecord};
+use cove_engine::{Archive, Ceilings, Engine, EngineConfig, Prices, SnapshotRecord};
 use cove_images::{DefaultImageProgress, ImageStore};
 use cove_lifecycle::SandboxClass;
 use cove_runtime::container::{ContainerConfig, ContainerRuntime};
@@ -160,6 +160,63 @@ pub(crate) struct ServeArgs {
     /// How often timers are checked, in milliseconds.
     #[arg(long, default_value_t = 1000, hide = true)]
     pub timer_tick_ms: u64,
+    #[command(flatten)]
+    pub prices: PriceArgs,
+}
+
+/// The price table of the bill (`GET /api/organizations/{id}/bill`,
+/// `cove admin bill`). Memory, snapshot and credit defaults are seed 003's.
+#[derive(clap::Args, Clone, Debug)]
+pub(crate) struct PriceArgs {
+    /// The currency the prices are in.
+    #[arg(long, env = "COVE_PRICE_CURRENCY", default_value = "USD")]
+    pub price_currency: String,
+    /// Price of one vCPU running for an hour.
+    #[arg(long, env = "COVE_PRICE_VCPU_HOUR", default_value_t = Prices::default().vcpu_hour)]
+    pub price_vcpu_hour: f64,
+    /// Price of one GB of memory running for an hour.
+    #[arg(long, env = "COVE_PRICE_MEMORY_GB_HOUR", default_value_t = Prices::default().memory_gb_hour)]
+    pub price_memory_gb_hour: f64,
+    /// Price of one GB of sandbox disk kept for an hour (any state but archived).
+    #[arg(long, env = "COVE_PRICE_DISK_GB_HOUR", default_value_t = Prices::default().disk_gb_hour)]
+    pub price_disk_gb_hour: f64,
+    /// Price of one GB of snapshots kept for a month, past the free GB.
+    #[arg(long, env = "COVE_PRICE_SNAPSHOT_GB_MONTH", default_value_t = Prices::default().snapshot_gb_month)]
+    pub price_snapshot_gb_month: f64,
+    /// Snapshot storage that costs nothing, GB.
+    #[arg(long, env = "COVE_SNAPSHOT_FREE_GB", default_value_t = Prices::default().snapshot_free_gb)]
+    pub snapshot_free_gb: f64,
+    /// Credits given each calendar month, taken off the bill.
+    #[arg(long, env = "COVE_MONTHLY_CREDITS", default_value_t = Prices::default().monthly_credits)]
+    pub monthly_credits: f64,
+}
+
+impl PriceArgs {
+    /// The table, or why a price cannot be one.
+    fn prices(&self) -> anyhow::Result<Prices> {
+        let prices = Prices {
+            currency: self.price_currency.clone(),
+            vcpu_hour: self.price_vcpu_hour,
+            memory_gb_hour: self.price_memory_gb_hour,
+            disk_gb_hour: self.price_disk_gb_hour,
+            snapshot_gb_month: self.price_snapshot_gb_month,
+            snapshot_free_gb: self.snapshot_free_gb,
+            monthly_credits: self.monthly_credits,
+        };
+        for (flag, value) in [
+            ("--price-vcpu-hour", prices.vcpu_hour),
+            ("--price-memory-gb-hour", prices.memory_gb_hour),
+            ("--price-disk-gb-hour", prices.disk_gb_hour),
+            ("--price-snapshot-gb-month", prices.snapshot_gb_month),
+            ("--snapshot-free-gb", prices.snapshot_free_gb),
+            ("--monthly-credits", prices.monthly_credits),
+        ] {
+            if !value.is_finite() || value < 0.0 {
+                anyhow::bail!("{flag} must be a number of zero or more, not {value}");
+            }
+        }
+        Ok(prices)
+    }
 }
 
 pub(crate) fn progress_printer() -> impl FnMut(&DefaultImageProgress) {
@@ -253,6 +310,8 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     if euid != 0 {
         bail!("cove serve must run as root: it creates namespaces, mounts and cgroups");
     }
+    // Checked before anything is made, so a bad flag leaves nothing behind.
+    let prices = args.prices.prices()?;
     let data_dir = &args.data_dir;
     std::fs::create_dir_all(data_dir).with_context(|| format!("create {}", data_dir.display()))?;
     // The database (keys' hashes, environments, registry passwords) and the
@@ -373,6 +432,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         },
         import_dir: Some(import_dir(&args, &data_dir)?),
         data_dir: Some(data_dir.clone()),
+        prices,
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);

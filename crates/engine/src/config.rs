@@ -51,6 +51,9 @@ pub struct EngineConfig {
     /// (with the sandbox storage's, `volume_quota`'s); without one, only the
     /// storage's is reported.
     pub data_dir: Option<std::path::PathBuf>,
+    /// What the bill charges: per vCPU-hour, GB-hour of memory and of disk,
+    /// GB-month of snapshots past a free allowance, less monthly credits.
+    pub prices: cove_billing::Prices,
 }
 
 /// Bounds on build-context uploads: a client with push credentials must
@@ -95,6 +98,7 @@ impl Default for EngineConfig {
             context_limits: ContextLimits::default(),
             import_dir: None,
             data_dir: None,
+            prices: cove_billing::Prices::default(),
         }
     }
 }

@@ -6,11 +6,12 @@
 //! through the API, timers) goes through [`Engine`]; none of them touches the store
 //! or a runtime directly. It knows nothing of HTTP or JSON.
 //!
-//! [`Engine`] is a façade over four parts, each with its own state over what
+//! [`Engine`] is a façade over five parts, each with its own state over what
 //! they all share ([`shared`]): [`Sandboxes`] (their lifecycle, forks,
 //! captures, timers and recovery after a restart), [`Snapshots`] (images:
 //! pulls, builds, build contexts, registries), [`Volumes`], and [`Access`]
-//! (API keys, previews, SSH access). A part reaches another only downwards:
+//! (API keys, previews, SSH access) and [`Billing`] (the meter's
+//! intervals priced). A part reaches another only downwards:
 //! sandboxes use snapshots and volumes; nothing uses sandboxes.
 // EngineError keeps each cause whole as its source, so a caller can downcast
 // it (to a RuntimeError, a NetError); errors are the cold path, so their size
@@ -20,6 +21,7 @@
 mod access;
 mod activity;
 mod archive;
+mod billing;
 mod checks;
 mod config;
 mod error;
@@ -44,7 +46,9 @@ pub use access::{
     NewApiKey, Permission, SshAccessRecord, MAX_SSH_ACCESS_MINUTES,
 };
 pub use archive::{Archive, ArchiveError};
+pub use billing::Billing;
 pub use config::{Ceilings, ContextLimits, EngineConfig, VolumeQuota};
+pub use cove_billing::{month_containing, month_period, Bill, Line as BillLine, Prices};
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
     AuditQuery, AuditRecord, DockerRegistryRecord, NetworkSettings, SandboxOrder, SandboxRecord,
@@ -76,6 +80,7 @@ pub struct Engine {
     snapshots: Snapshots,
     volumes: Volumes,
     access: Access,
+    billing: Billing,
 }
 
 impl Engine {
@@ -90,6 +95,7 @@ impl Engine {
         Engine {
             sandboxes: Sandboxes::new(shared.clone(), snapshots.clone(), volumes.clone()),
             access: Access::new(shared.clone()),
+            billing: Billing::new(shared.clone()),
             shared,
             snapshots,
             volumes,
@@ -120,6 +126,11 @@ impl Engine {
         &self.access
     }
 
+    /// The meter and the bill.
+    pub fn billing(&self) -> &Billing {
+        &self.billing
+    }
+
     /// Adds the engine's metrics to `registry`: its operation counters and
     /// timings, and a census taken now (sandboxes by state and class, what
     /// the runtimes and pools hold, storage use). Label values come only from
@@ -141,6 +152,13 @@ impl Engine {
     /// before serving requests: builds the last server ran are ended, then
     /// every sandbox is brought to the state its user asked for.
     pub async fn recover_after_restart(&self) -> Result<(), EngineError> {
+        // Whatever was metered as open ran on until now, the recovery's
+        // time; from here each sandbox's own recovery splits it again.
+        let reopened = self.shared.store.reopen_meters(now_ms()).await?;
+        tracing::debug!(
+            reopened,
+            "meter intervals closed at the recovery and reopened"
+        );
         self.snapshots.recover_after_restart().await?;
         self.sandboxes.recover_after_restart().await
     }

@@ -147,7 +147,7 @@ impl Shared {
     /// Deletes a sandbox's row: from now on it is `destroyed`, which the
     /// event feed hears with `record` in that state.
     pub(crate) async fn delete_sandbox(&self, record: &SandboxRecord) -> Result<(), EngineError> {
-        self.store.delete_sandbox(&record.id).await?;
+        self.store.delete_sandbox(&record.id, now_ms()).await?;
         let mut destroyed = record.clone();
         destroyed.state = cove_lifecycle::SandboxState::Destroyed;
         destroyed.desired_state = cove_lifecycle::DesiredState::Destroyed;

@@ -163,7 +163,10 @@ impl Snapshots {
                 .await
                 .map_err(EngineError::runtime(&snapshot.id, "delete its snapshot"))?;
         }
-        self.shared.store.delete_snapshot(&snapshot.id).await?;
+        self.shared
+            .store
+            .delete_snapshot(&snapshot.id, crate::now_ms())
+            .await?;
         self.builds.lock().unwrap().remove(&snapshot.id);
         tracing::info!(snapshot = %snapshot.name, "snapshot deleted");
         Ok(snapshot)
