@@ -9,10 +9,10 @@ use serde::{Deserialize, Serialize};
 
 /// Daytona's organisation id is required on every sandbox; a single-tenant cove
 /// server has one organisation.
-pub(crate) const ORGANIZATION_ID: &str = "cove";
+pub(crate) const ORGANIZATION_ID: &str = cove_engine::ORGANIZATION_ID;
 /// The target (region) of every sandbox on this server, its one region
 /// (`GET /regions`).
-pub(crate) const TARGET: &str = "local";
+pub(crate) const TARGET: &str = cove_engine::REGION_ID;
 
 pub(crate) fn rfc3339(ms: i64) -> String {
     let at = time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(ms) * 1_000_000)

@@ -24,6 +24,7 @@ mod not_implemented;
 mod object_storage;
 mod permissions;
 mod preview;
+mod quota;
 mod regions;
 mod sandbox;
 mod server_config;
@@ -108,6 +109,11 @@ pub fn app(state: AppState) -> Router {
         )
         .route("/admin/audit", get(audit::all))
         .route("/organizations/{organization}/bill", get(billing::bill))
+        .route("/organizations/{organization}/usage", get(quota::usage))
+        .route(
+            "/admin/organizations/{organization}/quota/{region}",
+            axum::routing::patch(quota::update),
+        )
         .route("/shared-regions", get(regions::list))
         .route("/sandbox", post(sandbox::create).get(sandbox::list))
         .route("/sandbox/{id}", get(sandbox::get).delete(sandbox::delete))

@@ -199,6 +199,16 @@ mod tests {
                 "/api/organizations/{organization}/bill",
                 p(P::ReadBilling),
             ),
+            (
+                Method::GET,
+                "/api/organizations/{organization}/usage",
+                Nothing,
+            ),
+            (
+                Method::PATCH,
+                "/api/admin/organizations/{organization}/quota/{region}",
+                Operator,
+            ),
             (Method::GET, "/api/config", Nothing),
             // A route the table does not name: read freely, changed by the operator.
             (Method::POST, "/api/organizations", Operator),

@@ -1593,3 +1593,129 @@ async fn a_bill_needs_read_billing_and_a_known_organization_and_period() {
     assert_eq!(body["from"], "2026-11-01T00:00:00Z");
     assert_eq!(body["to"], "2026-12-01T00:00:00Z");
 }
+
+#[tokio::test]
+async fn the_running_limit_counts_running_sandboxes_and_frees_on_stop_or_pause() {
+    let api = api().await;
+    let quota = "/api/admin/organizations/cove/quota/local";
+    let (status, body) = api
+        .call("PATCH", quota, Some(json!({"maxRunningSandboxes": 1})))
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    let create = |name: &str, snapshot: &str| json!({"name": name, "snapshot": snapshot, "cpu": 2});
+    let (status, body) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(create("vm", "daytona-vm-small")),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+
+    // A second is refused, naming the quota, its limit and the use; it
+    // leaves no sandbox behind.
+    let (status, body) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(create("second", "cove-default")),
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(
+        message(&body).contains("maxRunningSandboxes is 1"),
+        "{body}"
+    );
+    let (status, _) = api.call("GET", "/api/sandbox/second", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    let (_, usage) = api.call("GET", "/api/organizations/cove/usage", None).await;
+    let region = &usage["regionUsage"][0];
+    assert_eq!(region["regionId"], "local");
+    assert_eq!(region["currentCpuUsage"], 2);
+    assert_eq!(region["currentRunningSandboxes"], 1);
+    assert_eq!(region["maxRunningSandboxes"], 1);
+    assert_eq!(region["totalCpuQuota"], Value::Null);
+
+    // Pausing the VM frees its slot; starting it again is then refused
+    // while another runs, and it stays paused.
+    let (status, _) = api.call("POST", "/api/sandbox/vm/pause", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, body) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(create("second", "cove-default")),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body) = api.call("POST", "/api/sandbox/vm/start", None).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    let (_, vm) = api.call("GET", "/api/sandbox/vm", None).await;
+    assert_eq!(vm["state"], "paused");
+
+    // Stopping the other frees it again; a limit lifted with null is gone.
+    let (status, _) = api.call("POST", "/api/sandbox/second/stop", None).await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, body) = api.call("POST", "/api/sandbox/vm/start", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, _) = api
+        .call("PATCH", quota, Some(json!({"maxRunningSandboxes": null})))
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, body) = api.call("POST", "/api/sandbox/second/start", None).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (_, usage) = api.call("GET", "/api/organizations/cove/usage", None).await;
+    assert_eq!(usage["regionUsage"][0]["currentRunningSandboxes"], 2);
+    assert_eq!(usage["regionUsage"][0]["maxRunningSandboxes"], Value::Null);
+}
+
+#[tokio::test]
+async fn quotas_are_the_operators_and_refuse_what_cove_cannot_keep() {
+    let api = api().await;
+    let quota = "/api/admin/organizations/cove/quota/local";
+    let (_, made) = api
+        .call(
+            "POST",
+            "/api/api-keys",
+            Some(json!({"name": "all", "permissions": ["write:sandboxes", "read:billing"]})),
+        )
+        .await;
+    let user = made["value"].as_str().unwrap().to_owned();
+    let (status, _) = api
+        .call_with_key(
+            "PATCH",
+            quota,
+            Some(json!({"maxRunningSandboxes": 5})),
+            Some(&user),
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    for (body, says) in [
+        (json!({"totalGpuQuota": 1}), "totalGpuQuota"),
+        (json!({"totalCpuQuota": 1.5}), "whole number"),
+        (json!({"maxRunningSandboxes": -1}), "zero or more"),
+    ] {
+        let (status, answer) = api.call("PATCH", quota, Some(body)).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+        assert!(message(&answer).contains(says), "{answer}");
+    }
+    let (status, _) = api
+        .call(
+            "PATCH",
+            "/api/admin/organizations/cove/quota/us-east",
+            Some(json!({})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    // A per-sandbox ceiling is a 400 at create, not a quietly smaller sandbox.
+    let (status, _) = api
+        .call("PATCH", quota, Some(json!({"maxCpuPerSandbox": 1})))
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, body) = api
+        .call("POST", "/api/sandbox", Some(json!({"cpu": 2})))
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    assert!(message(&body).contains("maxCpuPerSandbox of 1"), "{body}");
+}

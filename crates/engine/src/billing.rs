@@ -1,13 +1,15 @@
 //! Billing: the meter's intervals (written by the store with every change of
 //! a sandbox's state or size, and of a snapshot) priced by `cove-billing`
-//! at the server's price table.
+//! at the server's price table; and the organization's quota and what it
+//! uses now (`quota.rs` has the rules).
 
 use std::sync::Arc;
 
 use cove_billing::{Bill, Interval, Metered};
 use cove_lifecycle::SandboxState;
-use cove_store::{MeterKind, MeterRecord};
+use cove_store::{MeterKind, MeterRecord, RegionQuotaRecord};
 
+use crate::quota::{QuotaChange, Usage, ORGANIZATION_ID, REGION_ID};
 use crate::shared::Shared;
 use crate::{now_ms, EngineError};
 
@@ -40,6 +42,47 @@ impl Billing {
             &self.shared.config.prices,
         )
         .map_err(|e| bad(e.0))
+    }
+
+    /// The organization's quota in the server's region (no limits when
+    /// none was set).
+    pub async fn region_quota(&self) -> Result<RegionQuotaRecord, EngineError> {
+        let stored = self
+            .shared
+            .store
+            .region_quota(ORGANIZATION_ID, REGION_ID)
+            .await?;
+        Ok(stored.unwrap_or_else(|| RegionQuotaRecord {
+            organization_id: ORGANIZATION_ID.into(),
+            region_id: REGION_ID.into(),
+            ..RegionQuotaRecord::default()
+        }))
+    }
+
+    /// Changes the quota; sandboxes already running keep running, the
+    /// next to start is held to it.
+    pub async fn update_region_quota(
+        &self,
+        change: &QuotaChange,
+    ) -> Result<RegionQuotaRecord, EngineError> {
+        let mut quota = self.region_quota().await?;
+        change.apply(&mut quota)?;
+        quota.updated_at_ms = now_ms();
+        self.shared.store.save_region_quota(&quota).await?;
+        Ok(quota)
+    }
+
+    /// What the organization's sandboxes use now, and how many snapshots
+    /// and volumes it keeps.
+    pub async fn usage(&self) -> Result<(Usage, usize, usize), EngineError> {
+        let sandboxes = self.shared.store.list_sandboxes().await?;
+        let snapshots = self.shared.store.list_snapshots().await?;
+        let volumes = self.shared.store.list_volumes().await?;
+        Ok((
+            Usage::of(&sandboxes, ""),
+            snapshots.iter().filter(|s| !s.general).count(),
+            volumes.len(),
+        ))
     }
 }
 

@@ -34,6 +34,13 @@ pub enum EngineError {
     VolumeNotFound { name: String },
     #[error("this API key lacks the permission {permission}")]
     Forbidden { permission: &'static str },
+    /// A sandbox would take its organization past a quota.
+    #[error("{message}")]
+    QuotaExceeded {
+        quota: &'static str,
+        limit: i64,
+        message: String,
+    },
     #[error("API key {name} not found")]
     ApiKeyNotFound { name: String },
     #[error("an API key named {name} already exists")]
@@ -260,7 +267,7 @@ impl EngineError {
             | Self::RegistryNotFound { .. }
             | Self::ApiKeyNotFound { .. }
             | Self::SignedPreviewNotFound { .. } => ErrorKind::NotFound,
-            Self::Forbidden { .. } => ErrorKind::Forbidden,
+            Self::Forbidden { .. } | Self::QuotaExceeded { .. } => ErrorKind::Forbidden,
             Self::Invalid { .. }
             | Self::AboveCeiling { .. }
             | Self::Timers(_)

@@ -29,6 +29,7 @@ mod events;
 mod failure;
 mod metrics;
 mod network;
+mod quota;
 mod sandboxes;
 mod shared;
 mod snapshots;
@@ -51,12 +52,14 @@ pub use config::{Ceilings, ContextLimits, EngineConfig, VolumeQuota};
 pub use cove_billing::{month_containing, month_period, Bill, Line as BillLine, Prices};
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
-    AuditQuery, AuditRecord, DockerRegistryRecord, NetworkSettings, SandboxOrder, SandboxRecord,
-    SandboxSortField, SignedPreview, SnapshotRecord, SortDirection, VolumeMount, VolumeRecord,
+    AuditQuery, AuditRecord, DockerRegistryRecord, NetworkSettings, RegionQuotaRecord,
+    SandboxOrder, SandboxRecord, SandboxSortField, SignedPreview, SnapshotRecord, SortDirection,
+    VolumeMount, VolumeRecord,
 };
 pub use error::{describe, EngineError, ErrorKind};
 pub use events::{SandboxEvent, FEED_CAPACITY};
 pub use network::{policy as network_policy, NetworkHandle};
+pub use quota::{QuotaChange, Usage, ORGANIZATION_ID, REGION_ID};
 pub use sandboxes::{CreateSandbox, Sandboxes, SettingChange};
 pub use snapshots::{
     parse_dockerfile, registry_host, BuildLog, ContextObject, DeclaredSha256, DockerfilePlan,

@@ -44,6 +44,9 @@ pub(crate) struct Shared {
     pub(crate) events: Events,
     /// Operations run, by outcome, and how long they took.
     pub(crate) metrics: Metrics,
+    /// Held from a quota check until the sandbox it admitted is recorded as
+    /// holding its slot, so two sandboxes never take the last one.
+    admission: tokio::sync::Mutex<()>,
 }
 
 impl Shared {
@@ -59,6 +62,7 @@ impl Shared {
             locks: Mutex::default(),
             running: Mutex::default(),
             generation: AtomicU64::default(),
+            admission: tokio::sync::Mutex::default(),
             activity: Activity::default(),
             ssh_revocations: tokio::sync::watch::Sender::new(0),
             events: Events::new(),
@@ -88,6 +92,27 @@ impl Shared {
             .entry(id.to_owned())
             .or_default()
             .clone()
+    }
+
+    /// Admits `record` to run under its organization's quota (and, when
+    /// `new`, to exist): the guard returned is to be held until its row says
+    /// it holds its slot. Without a quota, nothing is read.
+    pub(crate) async fn admit(
+        &self,
+        record: &SandboxRecord,
+        new: bool,
+    ) -> Result<tokio::sync::MutexGuard<'_, ()>, EngineError> {
+        let guard = self.admission.lock().await;
+        let quota = self
+            .store
+            .region_quota(crate::quota::ORGANIZATION_ID, crate::quota::REGION_ID)
+            .await?;
+        if let Some(quota) = quota {
+            let records = self.store.list_sandboxes().await?;
+            let usage = crate::quota::Usage::of(&records, &record.id);
+            crate::quota::admit(&quota, &usage, record, new)?;
+        }
+        Ok(guard)
     }
 
     /// Forgets a deleted sandbox: its lock, its idle clock.

@@ -9,6 +9,7 @@ mod api_keys;
 mod audit;
 mod meter;
 mod previews;
+mod quotas;
 mod records;
 mod registries;
 mod sandboxes;
@@ -26,6 +27,7 @@ pub use api_keys::ApiKeyRecord;
 pub use audit::{AuditQuery, AuditRecord};
 pub use meter::{MeterKind, MeterRecord};
 pub use previews::SignedPreview;
+pub use quotas::RegionQuotaRecord;
 pub use records::{
     BuildStepRecord, DockerRegistryRecord, ImageSettings, NetworkSettings, SandboxRecord,
     SnapshotRecord, SnapshotState, VolumeMount, VolumeRecord,

@@ -547,3 +547,28 @@ async fn a_users_snapshot_is_metered_while_active_and_the_servers_own_are_not() 
         (20, Some(50))
     );
 }
+
+#[tokio::test]
+async fn a_region_quota_is_kept_and_replaced_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    assert_eq!(store.region_quota("cove", "us").await.unwrap(), None);
+    let mut quota = cove_store::RegionQuotaRecord {
+        organization_id: "cove".into(),
+        region_id: "us".into(),
+        max_running_sandboxes: Some(1),
+        total_cpu: Some(8),
+        updated_at_ms: 5,
+        ..Default::default()
+    };
+    store.save_region_quota(&quota).await.unwrap();
+    assert_eq!(
+        store.region_quota("cove", "us").await.unwrap().as_ref(),
+        Some(&quota)
+    );
+    quota.total_cpu = None;
+    quota.max_disk_per_sandbox = Some(10);
+    store.save_region_quota(&quota).await.unwrap();
+    assert_eq!(store.region_quota("cove", "us").await.unwrap(), Some(quota));
+    assert_eq!(store.region_quota("cove", "eu").await.unwrap(), None);
+}

@@ -168,10 +168,17 @@ impl Sandboxes {
             Effect::Start if during == SandboxState::Unarchiving => Effect::Unarchive,
             other => other,
         };
+        // A sandbox on its way to running takes a slot of its organization's
+        // quota, checked and recorded under the admission lock.
+        let admitted = match success.is_running() && !crate::quota::occupies(&record) {
+            true => Some(self.shared.admit(&record, false).await?),
+            false => None,
+        };
         record.state = during;
         record.desired_state = desired;
         record.error_reason = None;
         self.shared.save_state(&mut record).await?;
+        drop(admitted);
 
         // An unarchive that failed leaves the sandbox where its data is: in
         // the archive, to be started again.

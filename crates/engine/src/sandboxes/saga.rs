@@ -39,6 +39,7 @@ impl Sandboxes {
         operation: Measured,
     ) -> Result<Saga<'_>, EngineError> {
         let sandbox = sandbox_id(&record.id)?;
+        let _admitted = self.shared.admit(&record, true).await?;
         self.shared
             .insert_sandbox(&record)
             .await

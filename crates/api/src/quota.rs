@@ -1,0 +1,196 @@
+//! Quotas and usage: `PATCH /api/admin/organizations/{id}/quota/{regionId}`
+//! (the operator's; `UpdateOrganizationRegionQuota`'s totals and
+//! per-sandbox ceilings, plus cove's `maxRunningSandboxes`; a field left out
+//! stays as it is, `null` lifts its limit) and `GET
+//! /api/organizations/{id}/usage` (`OrganizationUsageOverview`, live).
+
+use axum::extract::rejection::JsonRejection;
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::Json;
+use cove_engine::{QuotaChange, RegionQuotaRecord, REGION_ID};
+use serde::{Deserialize, Deserializer, Serialize};
+
+use crate::billing::check_organization;
+use crate::{ApiError, AppState};
+
+/// A field that is there, even as `null`, is `Some`; one left out is `None`.
+fn present<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Option<f64>>, D::Error> {
+    Option::<f64>::deserialize(d).map(Some)
+}
+
+/// The body of the PATCH: what cove enforces of
+/// `UpdateOrganizationRegionQuota`. GPU fields and sandbox classes are
+/// refused by name (deny_unknown_fields): a server without GPUs cannot keep
+/// such a promise.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub(crate) struct UpdateRegionQuota {
+    #[serde(default, deserialize_with = "present")]
+    total_cpu_quota: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "present")]
+    total_memory_quota: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "present")]
+    total_disk_quota: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "present")]
+    max_running_sandboxes: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "present")]
+    max_cpu_per_sandbox: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "present")]
+    max_memory_per_sandbox: Option<Option<f64>>,
+    #[serde(default, deserialize_with = "present")]
+    max_disk_per_sandbox: Option<Option<f64>>,
+}
+
+impl UpdateRegionQuota {
+    fn change(&self) -> Result<QuotaChange, ApiError> {
+        let whole = |name: &str, field: Option<Option<f64>>| -> Result<_, ApiError> {
+            match field {
+                Some(Some(v)) if v.fract() != 0.0 || !v.is_finite() || v.abs() > 1e15 => {
+                    Err(ApiError::bad_request(format!(
+                        "{name} must be a whole number (vCPUs, GB or sandboxes), not {v}"
+                    )))
+                }
+                Some(v) => Ok(Some(v.map(|v| v as i64))),
+                None => Ok(None),
+            }
+        };
+        Ok(QuotaChange {
+            total_cpu: whole("totalCpuQuota", self.total_cpu_quota)?,
+            total_memory_gib: whole("totalMemoryQuota", self.total_memory_quota)?,
+            total_disk_gib: whole("totalDiskQuota", self.total_disk_quota)?,
+            max_running_sandboxes: whole("maxRunningSandboxes", self.max_running_sandboxes)?,
+            max_cpu_per_sandbox: whole("maxCpuPerSandbox", self.max_cpu_per_sandbox)?,
+            max_memory_per_sandbox: whole("maxMemoryPerSandbox", self.max_memory_per_sandbox)?,
+            max_disk_per_sandbox: whole("maxDiskPerSandbox", self.max_disk_per_sandbox)?,
+        })
+    }
+}
+
+/// `PATCH /api/admin/organizations/{organizationId}/quota/{regionId}`: 204.
+pub(crate) async fn update(
+    State(state): State<AppState>,
+    Path((organization, region)): Path<(String, String)>,
+    body: Result<Json<UpdateRegionQuota>, JsonRejection>,
+) -> Result<StatusCode, ApiError> {
+    check_organization(&organization)?;
+    if region != REGION_ID {
+        return Err(ApiError::new(
+            StatusCode::NOT_FOUND,
+            format!("region {region} not found: this server's one region is {REGION_ID}"),
+        ));
+    }
+    let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    state
+        .engine
+        .billing()
+        .update_region_quota(&body.change()?)
+        .await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// `RegionUsageOverview`, with cove's running-sandbox limit beside it. A
+/// limit that is not set is `null`.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct RegionUsage {
+    region_id: &'static str,
+    sandbox_class: &'static str,
+    total_cpu_quota: Option<i64>,
+    current_cpu_usage: i64,
+    total_memory_quota: Option<i64>,
+    current_memory_usage: i64,
+    total_disk_quota: Option<i64>,
+    current_disk_usage: i64,
+    total_gpu_quota: i64,
+    current_gpu_usage: i64,
+    allowed_gpu_types: Vec<String>,
+    max_cpu_per_sandbox: Option<i64>,
+    max_memory_per_sandbox: Option<i64>,
+    max_disk_per_sandbox: Option<i64>,
+    max_disk_per_non_ephemeral_sandbox: Option<i64>,
+    max_cpu_per_gpu: Option<i64>,
+    max_memory_per_gpu: Option<i64>,
+    max_disk_per_gpu: Option<i64>,
+    max_running_sandboxes: Option<i64>,
+    current_running_sandboxes: i64,
+}
+
+/// `OrganizationUsageOverview`. Snapshots and volumes are counted; cove
+/// sets no quota on their number (`null`).
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct UsageOverview {
+    region_usage: Vec<RegionUsage>,
+    total_snapshot_quota: Option<i64>,
+    current_snapshot_usage: usize,
+    total_volume_quota: Option<i64>,
+    current_volume_usage: usize,
+}
+
+/// `GET /api/organizations/{organizationId}/usage`.
+pub(crate) async fn usage(
+    State(state): State<AppState>,
+    Path(organization): Path<String>,
+) -> Result<Json<UsageOverview>, ApiError> {
+    check_organization(&organization)?;
+    let billing = state.engine.billing();
+    let RegionQuotaRecord {
+        total_cpu,
+        total_memory_gib,
+        total_disk_gib,
+        max_running_sandboxes,
+        max_cpu_per_sandbox,
+        max_memory_per_sandbox,
+        max_disk_per_sandbox,
+        ..
+    } = billing.region_quota().await?;
+    let (now, snapshots, volumes) = billing.usage().await?;
+    Ok(Json(UsageOverview {
+        region_usage: vec![RegionUsage {
+            region_id: REGION_ID,
+            sandbox_class: "",
+            total_cpu_quota: total_cpu,
+            current_cpu_usage: now.cpu,
+            total_memory_quota: total_memory_gib,
+            current_memory_usage: now.memory_gib,
+            total_disk_quota: total_disk_gib,
+            current_disk_usage: now.disk_gib,
+            total_gpu_quota: 0,
+            current_gpu_usage: 0,
+            allowed_gpu_types: Vec::new(),
+            max_cpu_per_sandbox,
+            max_memory_per_sandbox,
+            max_disk_per_sandbox,
+            max_disk_per_non_ephemeral_sandbox: max_disk_per_sandbox,
+            max_cpu_per_gpu: None,
+            max_memory_per_gpu: None,
+            max_disk_per_gpu: None,
+            max_running_sandboxes,
+            current_running_sandboxes: now.running,
+        }],
+        total_snapshot_quota: None,
+        current_snapshot_usage: snapshots,
+        total_volume_quota: None,
+        current_volume_usage: volumes,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_partial_body_changes_what_it_names_and_null_lifts_a_limit() {
+        let body: UpdateRegionQuota =
+            serde_json::from_str(r#"{"maxRunningSandboxes": 1, "totalCpuQuota": null}"#).unwrap();
+        let change = body.change().unwrap();
+        assert_eq!(change.max_running_sandboxes, Some(Some(1)));
+        assert_eq!(change.total_cpu, Some(None));
+        assert_eq!(change.total_disk_gib, None);
+        let half: UpdateRegionQuota = serde_json::from_str(r#"{"totalCpuQuota": 1.5}"#).unwrap();
+        assert!(half.change().unwrap_err().message.contains("whole number"));
+        let gpu = serde_json::from_str::<UpdateRegionQuota>(r#"{"totalGpuQuota": 1}"#);
+        assert!(gpu.unwrap_err().to_string().contains("totalGpuQuota"));
+    }
+}
