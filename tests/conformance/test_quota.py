@@ -60,3 +60,17 @@ def test_a_second_running_sandbox_is_refused_until_the_first_stops(own_server: C
     bill = own_server.request("GET", "/organizations/cove/bill").json()
     ran = {line["sandboxId"]: line["vcpuHours"] for line in bill["lines"]}
     assert ran.get(first.id, 0) > 0 and ran.get(made.id, 0) > 0, bill
+
+
+def test_volumes_past_the_volume_quota_are_refused(own_server: CoveServer):
+    r = own_server.request("PATCH", "/organizations/cove/quota", json={"volumeQuota": 1})
+    assert r.status_code == 204, r.text
+    daytona = own_server.client()
+    daytona.volume.create(unique("vol"))
+    with pytest.raises(DaytonaError) as refused:
+        daytona.volume.create(unique("vol"))
+    assert refused.value.status_code == 403
+    assert "volumeQuota is 1" in str(refused.value)
+    assert usage(own_server)["maxRunningSandboxes"] is None
+    overview = own_server.request("GET", "/organizations/cove/usage").json()
+    assert overview["totalVolumeQuota"] == 1 and overview["currentVolumeUsage"] == 1

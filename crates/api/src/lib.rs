@@ -25,6 +25,7 @@ mod object_storage;
 mod permissions;
 mod preview;
 mod quota;
+mod rate_limit;
 mod regions;
 mod sandbox;
 mod server_config;
@@ -72,6 +73,8 @@ pub struct AppState {
     http_metrics: metrics::HttpMetrics,
     /// When this server started: the creation time its one region reports.
     started_at_ms: i64,
+    /// The organization's rate-limit windows (`rate_limit.rs`).
+    rate_limiter: Arc<rate_limit::RateLimiter>,
 }
 
 impl AppState {
@@ -83,6 +86,7 @@ impl AppState {
             previews: preview::Previews::new(),
             http_metrics: metrics::HttpMetrics::default(),
             started_at_ms: cove_engine::now_ms(),
+            rate_limiter: Arc::default(),
         }
     }
 }
@@ -110,6 +114,10 @@ pub fn app(state: AppState) -> Router {
         .route("/admin/audit", get(audit::all))
         .route("/organizations/{organization}/bill", get(billing::bill))
         .route("/organizations/{organization}/usage", get(quota::usage))
+        .route(
+            "/organizations/{organization}/quota",
+            axum::routing::patch(quota::update_organization),
+        )
         .route(
             "/admin/organizations/{organization}/quota/{region}",
             axum::routing::patch(quota::update),
@@ -219,6 +227,12 @@ pub fn app(state: AppState) -> Router {
         .route("/toolbox/{id}", any(toolbox::proxy_root))
         // Prometheus scrape configs send the key as a Bearer token too.
         .route("/metrics", get(metrics::scrape))
+        // Innermost: a request the key may make counts against the
+        // organization's rate limits.
+        .route_layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            rate_limit::check,
+        ))
         // Inside the key layer, on matched routes only: what each route needs.
         .route_layer(axum::middleware::from_fn(permissions::check))
         // Outside the permission check, so refusals are recorded too.

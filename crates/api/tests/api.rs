@@ -1719,3 +1719,75 @@ async fn quotas_are_the_operators_and_refuse_what_cove_cannot_keep() {
     assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
     assert!(message(&body).contains("maxCpuPerSandbox of 1"), "{body}");
 }
+
+#[tokio::test]
+async fn a_create_past_the_rate_limit_is_a_429_saying_when_to_retry() {
+    let api = api().await;
+    let (status, body) = api
+        .call(
+            "PATCH",
+            "/api/organizations/cove/quota",
+            Some(json!({"sandboxCreateRateLimit": 1, "sandboxCreateRateLimitTtlSeconds": 30})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    let (_, made) = api
+        .call(
+            "POST",
+            "/api/api-keys",
+            Some(json!({"name": "agent", "permissions": ["write:sandboxes"]})),
+        )
+        .await;
+    let agent = made["value"].as_str().unwrap().to_owned();
+    let (status, body) = api
+        .call_with_key("POST", "/api/sandbox", Some(json!({})), Some(&agent))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let request = Request::builder()
+        .method("POST")
+        .uri("/api/sandbox")
+        .header("authorization", format!("Bearer {agent}"))
+        .header("content-type", "application/json")
+        .body(Body::from("{}"))
+        .unwrap();
+    let response = api.router.clone().oneshot(request).await.unwrap();
+    assert_eq!(response.status(), StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = response.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!((1..=30).contains(&retry), "{retry}");
+    let bytes = response.into_body().collect().await.unwrap().to_bytes();
+    let body: Value = serde_json::from_slice(&bytes).unwrap();
+    assert!(
+        message(&body).contains("sandboxCreateRateLimit of 1 requests per 30 s"),
+        "{body}"
+    );
+    // Reads are not creates; the operator is never limited.
+    let (status, _) = api
+        .call_with_key("GET", "/api/sandbox", None, Some(&agent))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, body) = api.call("POST", "/api/sandbox", Some(json!({}))).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // Only the operator sets quotas; what cove does not enforce is refused.
+    let (status, _) = api
+        .call_with_key(
+            "PATCH",
+            "/api/organizations/cove/quota",
+            Some(json!({"sandboxCreateRateLimit": null})),
+            Some(&agent),
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    let (status, body) = api
+        .call(
+            "PATCH",
+            "/api/organizations/cove/quota",
+            Some(json!({"snapshotQuota": 3})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert!(message(&body).contains("snapshotQuota"), "{body}");
+}

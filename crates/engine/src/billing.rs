@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use cove_billing::{Bill, Interval, Metered};
 use cove_lifecycle::SandboxState;
-use cove_store::{MeterKind, MeterRecord, RegionQuotaRecord};
+use cove_store::{MeterKind, MeterRecord, OrganizationQuotaRecord, RegionQuotaRecord};
 
 use crate::quota::{QuotaChange, Usage, ORGANIZATION_ID, REGION_ID};
 use crate::shared::Shared;
@@ -16,11 +16,47 @@ use crate::{now_ms, EngineError};
 #[derive(Clone)]
 pub struct Billing {
     shared: Arc<Shared>,
+    /// The organization's rate limits, read from the store once: every API
+    /// request consults them.
+    limits: Arc<tokio::sync::RwLock<Option<OrganizationQuotaRecord>>>,
 }
 
 impl Billing {
     pub(crate) fn new(shared: Arc<Shared>) -> Billing {
-        Billing { shared }
+        Billing {
+            shared,
+            limits: Arc::default(),
+        }
+    }
+
+    /// The organization's rate limits and counts (none when never set).
+    pub async fn organization_quota(&self) -> Result<OrganizationQuotaRecord, EngineError> {
+        if let Some(known) = self.limits.read().await.as_ref() {
+            return Ok(known.clone());
+        }
+        let mut cached = self.limits.write().await;
+        let stored = self
+            .shared
+            .store
+            .organization_quota(ORGANIZATION_ID)
+            .await?
+            .unwrap_or_default();
+        *cached = Some(stored.clone());
+        Ok(stored)
+    }
+
+    /// Replaces the organization's rate limits and counts.
+    pub async fn set_organization_quota(
+        &self,
+        quota: &OrganizationQuotaRecord,
+    ) -> Result<(), EngineError> {
+        let mut cached = self.limits.write().await;
+        self.shared
+            .store
+            .save_organization_quota(ORGANIZATION_ID, quota, now_ms())
+            .await?;
+        *cached = Some(quota.clone());
+        Ok(())
     }
 
     /// The bill of `[from_ms, to_ms)`: what was metered in it up to now.

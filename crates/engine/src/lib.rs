@@ -52,9 +52,9 @@ pub use config::{Ceilings, ContextLimits, EngineConfig, VolumeQuota};
 pub use cove_billing::{month_containing, month_period, Bill, Line as BillLine, Prices};
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
-    AuditQuery, AuditRecord, DockerRegistryRecord, NetworkSettings, RegionQuotaRecord,
-    SandboxOrder, SandboxRecord, SandboxSortField, SignedPreview, SnapshotRecord, SortDirection,
-    VolumeMount, VolumeRecord,
+    AuditQuery, AuditRecord, DockerRegistryRecord, NetworkSettings, OrganizationQuotaRecord,
+    RateLimit, RegionQuotaRecord, SandboxOrder, SandboxRecord, SandboxSortField, SignedPreview,
+    SnapshotRecord, SortDirection, VolumeMount, VolumeRecord,
 };
 pub use error::{describe, EngineError, ErrorKind};
 pub use events::{SandboxEvent, FEED_CAPACITY};

@@ -115,6 +115,32 @@ impl Shared {
         Ok(guard)
     }
 
+    /// Admits one more volume under the organization's `volumeQuota`; the
+    /// guard is to be held until the volume's row is stored.
+    pub(crate) async fn admit_volume(
+        &self,
+    ) -> Result<tokio::sync::MutexGuard<'_, ()>, EngineError> {
+        let guard = self.admission.lock().await;
+        let quota = self
+            .store
+            .organization_quota(crate::quota::ORGANIZATION_ID)
+            .await?;
+        if let Some(limit) = quota.and_then(|q| q.volumes) {
+            let used = self.store.list_volumes().await?.len() as i64;
+            if used >= limit {
+                return Err(EngineError::QuotaExceeded {
+                    quota: "volumeQuota",
+                    limit,
+                    message: format!(
+                        "quota volumeQuota is {limit} and {used} volumes exist already \
+                         (delete one, or ask the operator to raise it)"
+                    ),
+                });
+            }
+        }
+        Ok(guard)
+    }
+
     /// Forgets a deleted sandbox: its lock, its idle clock.
     pub(crate) fn forget(&self, id: &str) {
         self.activity.forget(id);

@@ -27,7 +27,7 @@ pub use api_keys::ApiKeyRecord;
 pub use audit::{AuditQuery, AuditRecord};
 pub use meter::{MeterKind, MeterRecord};
 pub use previews::SignedPreview;
-pub use quotas::RegionQuotaRecord;
+pub use quotas::{OrganizationQuotaRecord, RateLimit, RegionQuotaRecord};
 pub use records::{
     BuildStepRecord, DockerRegistryRecord, ImageSettings, NetworkSettings, SandboxRecord,
     SnapshotRecord, SnapshotState, VolumeMount, VolumeRecord,

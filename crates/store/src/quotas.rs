@@ -1,8 +1,30 @@
 //! Region quotas: what an organization may use in one region.
 
+use serde::{Deserialize, Serialize};
 use sqlx::Row;
 
 use crate::{Store, StoreError};
+
+/// Requests of one kind allowed per window.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RateLimit {
+    pub requests: u64,
+    pub window_seconds: u64,
+}
+
+/// An organization's rate limits and counts; `None` is no limit.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct OrganizationQuotaRecord {
+    /// Every request to the control API.
+    pub authenticated: Option<RateLimit>,
+    /// Sandbox creates (and forks).
+    pub sandbox_create: Option<RateLimit>,
+    /// Sandbox starts, stops, pauses, resumes, archives and deletes.
+    pub sandbox_lifecycle: Option<RateLimit>,
+    /// How many volumes may exist.
+    pub volumes: Option<i64>,
+}
 
 /// An organization's limits in a region; `None` is no limit.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -27,6 +49,49 @@ const COLUMNS: &str = "organization_id, region_id, total_cpu, total_memory_gib, 
     updated_at_ms";
 
 impl Store {
+    /// The rate limits and counts of `organization_id`, if any were set.
+    pub async fn organization_quota(
+        &self,
+        organization_id: &str,
+    ) -> Result<Option<OrganizationQuotaRecord>, StoreError> {
+        let row =
+            sqlx::query("SELECT settings FROM organization_quotas WHERE organization_id = ?1")
+                .bind(organization_id)
+                .fetch_optional(&self.pool)
+                .await?;
+        let Some(row) = row else {
+            return Ok(None);
+        };
+        let settings: String = row.try_get("settings")?;
+        serde_json::from_str(&settings)
+            .map(Some)
+            .map_err(|source| StoreError::Undecodable {
+                id: organization_id.to_owned(),
+                column: "settings",
+                source,
+            })
+    }
+
+    /// Sets (replaces) an organization's rate limits and counts.
+    pub async fn save_organization_quota(
+        &self,
+        organization_id: &str,
+        quota: &OrganizationQuotaRecord,
+        at_ms: i64,
+    ) -> Result<(), StoreError> {
+        sqlx::query(
+            "INSERT INTO organization_quotas (organization_id, settings, updated_at_ms) \
+             VALUES (?1, ?2, ?3) ON CONFLICT(organization_id) DO UPDATE SET \
+             settings = excluded.settings, updated_at_ms = excluded.updated_at_ms",
+        )
+        .bind(organization_id)
+        .bind(serde_json::to_string(quota).expect("a quota serializes"))
+        .bind(at_ms)
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+
     /// The quota of `organization_id` in `region_id`, if one was set.
     pub async fn region_quota(
         &self,

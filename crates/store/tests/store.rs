@@ -572,3 +572,34 @@ async fn a_region_quota_is_kept_and_replaced_whole() {
     assert_eq!(store.region_quota("cove", "us").await.unwrap(), Some(quota));
     assert_eq!(store.region_quota("cove", "eu").await.unwrap(), None);
 }
+
+#[tokio::test]
+async fn an_organizations_rate_limits_are_kept_and_replaced() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    assert_eq!(store.organization_quota("cove").await.unwrap(), None);
+    let quota = cove_store::OrganizationQuotaRecord {
+        sandbox_create: Some(cove_store::RateLimit {
+            requests: 2,
+            window_seconds: 60,
+        }),
+        volumes: Some(3),
+        ..Default::default()
+    };
+    store
+        .save_organization_quota("cove", &quota, 1)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.organization_quota("cove").await.unwrap().as_ref(),
+        Some(&quota)
+    );
+    store
+        .save_organization_quota("cove", &Default::default(), 2)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.organization_quota("cove").await.unwrap(),
+        Some(Default::default())
+    );
+}
