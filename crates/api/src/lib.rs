@@ -22,6 +22,7 @@ mod machines;
 mod metrics;
 mod not_implemented;
 mod object_storage;
+mod organizations;
 mod permissions;
 mod preview;
 mod quota;
@@ -112,6 +113,15 @@ pub fn app(state: AppState) -> Router {
             get(audit::organization),
         )
         .route("/admin/audit", get(audit::all))
+        // Making and deleting organizations answer 501 by name.
+        .route(
+            "/organizations",
+            get(organizations::list).fallback(not_implemented::fallback),
+        )
+        .route(
+            "/organizations/{organization}",
+            get(organizations::get).fallback(not_implemented::fallback),
+        )
         .route("/organizations/{organization}/bill", get(billing::bill))
         .route("/organizations/{organization}/usage", get(quota::usage))
         .route(

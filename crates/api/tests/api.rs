@@ -1791,3 +1791,40 @@ async fn a_create_past_the_rate_limit_is_a_429_saying_when_to_retry() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(message(&body).contains("snapshotQuota"), "{body}");
 }
+
+#[tokio::test]
+async fn the_one_organization_reads_back_with_its_limits_and_no_other_can_be_made() {
+    let api = api().await;
+    api.call(
+        "PATCH",
+        "/api/organizations/cove/quota",
+        Some(json!({"maxCpuPerSandbox": 2, "sandboxLifecycleRateLimit": 10})),
+    )
+    .await;
+    let (status, listed) = api.call("GET", "/api/organizations", None).await;
+    assert_eq!(status, StatusCode::OK, "{listed}");
+    assert_eq!(listed.as_array().unwrap().len(), 1);
+    let (status, org) = api.call("GET", "/api/organizations/cove", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(org, listed[0]);
+    assert_eq!(org["id"], "cove");
+    assert_eq!(org["defaultRegionId"], "local");
+    assert_eq!(org["maxCpuPerSandbox"], 2);
+    // The server's own ceiling (8 GiB by default) where the quota sets none.
+    assert_eq!(org["maxMemoryPerSandbox"], 8);
+    assert_eq!(org["sandboxLifecycleRateLimit"], 10);
+    assert_eq!(org["sandboxLifecycleRateLimitTtlSeconds"], 60);
+    assert_eq!(org["authenticatedRateLimit"], Value::Null);
+    let (status, _) = api.call("GET", "/api/organizations/other", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, body) = api
+        .call("POST", "/api/organizations", Some(json!({"name": "team"})))
+        .await;
+    assert_eq!(status, StatusCode::NOT_IMPLEMENTED, "{body}");
+    assert_eq!(
+        message(&body),
+        "POST /organizations is not implemented by cove yet"
+    );
+    let (status, body) = api.call("DELETE", "/api/organizations/cove", None).await;
+    assert_eq!(status, StatusCode::NOT_IMPLEMENTED, "{body}");
+}
