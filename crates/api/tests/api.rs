@@ -1586,6 +1586,20 @@ async fn a_bill_needs_read_billing_and_a_known_organization_and_period() {
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert!(message(&body).contains("YYYY-MM"), "{body}");
+    for period in [
+        "from=1970-01-01T00:00:00Z&to=9999-12-31T00:00:00Z",
+        "month=9999-12",
+    ] {
+        let (status, body) = api
+            .call(
+                "GET",
+                &format!("/api/organizations/cove/bill?{period}"),
+                None,
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{period}: {body}");
+        assert!(message(&body).contains("at most ten years"), "{body}");
+    }
     let (status, body) = api
         .call("GET", "/api/organizations/cove/bill?month=2026-11", None)
         .await;

@@ -17,6 +17,9 @@ use time::format_description::well_known::Rfc3339;
 use time::{Date, Month, OffsetDateTime};
 
 pub const HOUR_MS: i64 = 3_600_000;
+/// The longest period one bill covers: ten years of 366 days, so that no
+/// request can make the server walk centuries of months.
+pub const MAX_PERIOD_MS: i64 = 10 * 366 * 24 * HOUR_MS;
 const GIB: f64 = 1024.0 * 1024.0 * 1024.0;
 
 /// What was metered over an interval.
@@ -144,6 +147,11 @@ pub fn bill(
 ) -> Result<Bill, BadPeriod> {
     if to_ms <= from_ms {
         return Err(BadPeriod("the period must end after it starts".into()));
+    }
+    if from_ms < 0 || to_ms - from_ms > MAX_PERIOD_MS {
+        return Err(BadPeriod(
+            "a bill covers at most ten years, from 1970 on; ask for a shorter period".into(),
+        ));
     }
     let spans = clipped(intervals, from_ms, to_ms, now_ms);
     let mut lines: Vec<Line> = Vec::new();
@@ -318,14 +326,15 @@ pub fn month_containing(ms: i64) -> (i64, i64) {
     (start, next_month(start))
 }
 
-/// The first millisecond of the month after the one starting at `start`.
+/// The first millisecond of the month after the one starting at `start`;
+/// past the last date the calendar holds (9999), the end of time.
 fn next_month(start: i64) -> i64 {
     let date = datetime(start).date();
     let (year, month) = match date.month() {
         Month::December => (date.year() + 1, Month::January),
         other => (date.year(), other.next()),
     };
-    ms_of(Date::from_calendar_date(year, month, 1).expect("day 1 exists"))
+    Date::from_calendar_date(year, month, 1).map_or(i64::MAX, ms_of)
 }
 
 /// The calendar month `YYYY-MM` as `[start, end)` in milliseconds.

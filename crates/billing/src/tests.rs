@@ -346,6 +346,13 @@ fn a_period_must_end_after_it_starts_and_a_month_is_written_yyyy_mm() {
     assert!(bill(&[], 10, 10, 10, &prices()).is_err());
     assert!(month_period("2026-13").is_err());
     assert!(month_period("december").is_err());
+    // The calendar's last month ends at the end of time, not in a panic.
+    let (last, after) = month_period("9999-12").unwrap();
+    assert_eq!(after, i64::MAX);
+    assert!(months(last, last + HOUR_MS) > 0.0);
+    // No bill walks more than ten years.
+    assert!(bill(&[], 0, MAX_PERIOD_MS + 1, 0, &prices()).is_err());
+    assert!(bill(&[], -5, 10, 0, &prices()).is_err());
     let (start, end) = month_period("2028-02").unwrap();
     assert_eq!((end - start) / (24 * HOUR_MS), 29);
     assert_eq!(month_start(start + 5), start);

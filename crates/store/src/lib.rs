@@ -61,6 +61,12 @@ pub enum StoreError {
     },
 }
 
+/// How a transaction that reads before it writes begins: with the write
+/// lock taken (waiting out `busy_timeout`), so that no other writer can
+/// commit between its read and its write, which SQLite in WAL mode would
+/// answer with an immediate `SQLITE_BUSY` rather than a wait.
+const WRITE: &str = "BEGIN IMMEDIATE";
+
 /// The statement that writes every column of a row keyed by `id`: a plain
 /// insert for a new row, an upsert for a saved one. Upserting (rather than
 /// `INSERT OR REPLACE`, which deletes and re-inserts) keeps the row's rowid,

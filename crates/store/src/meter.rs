@@ -182,7 +182,7 @@ impl Store {
     /// crashed while it ran) ends at `at_ms`, and the same measure opens
     /// again from then, so the recovery's own changes split from here.
     pub async fn reopen_meters(&self, at_ms: i64) -> Result<usize, StoreError> {
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with(crate::WRITE).await?;
         let open = sqlx::query(&format!(
             "SELECT {COLUMNS} FROM meter WHERE ended_ms IS NULL ORDER BY seq"
         ))

@@ -152,7 +152,7 @@ impl Store {
     /// the next.
     async fn write_sandbox(&self, upsert: bool, s: &SandboxRecord) -> Result<(), StoreError> {
         let sql = crate::write_row_sql("sandboxes", COLUMNS, upsert);
-        let mut transaction = self.pool.begin().await?;
+        let mut transaction = self.pool.begin_with(crate::WRITE).await?;
         sqlx::query(&sql)
             .bind(&s.id)
             .bind(&s.name)

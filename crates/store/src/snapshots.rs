@@ -75,7 +75,7 @@ impl Store {
     /// Writes the row and, in the same transaction, the meter of its storage.
     async fn write_snapshot(&self, upsert: bool, s: &SnapshotRecord) -> Result<(), StoreError> {
         let sql = crate::write_row_sql("snapshots", COLUMNS, upsert);
-        let mut tx = self.pool.begin().await?;
+        let mut tx = self.pool.begin_with(crate::WRITE).await?;
         sqlx::query(&sql)
             .bind(&s.id)
             .bind(&s.name)

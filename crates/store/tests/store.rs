@@ -603,3 +603,39 @@ async fn an_organizations_rate_limits_are_kept_and_replaced() {
         Some(Default::default())
     );
 }
+
+#[tokio::test]
+async fn concurrent_writes_of_many_sandboxes_all_land_with_their_meter() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let writes = (0..40).map(|i| {
+        let store = store.clone();
+        tokio::spawn(async move {
+            let mut record = sandbox(&format!("id-{i}"), &format!("name-{i}"));
+            record.state = SandboxState::Creating;
+            store.insert_sandbox(&record).await?;
+            record.state = SandboxState::Started;
+            record.updated_at_ms = 2;
+            store.save_sandbox(&record).await
+        })
+    });
+    for write in futures_join(writes).await {
+        write.unwrap().unwrap();
+    }
+    let intervals = store.meter_intervals(0, i64::MAX).await.unwrap();
+    assert_eq!(intervals.len(), 80);
+    assert_eq!(
+        intervals.iter().filter(|i| i.ended_ms.is_none()).count(),
+        40
+    );
+}
+
+async fn futures_join<T>(
+    handles: impl Iterator<Item = tokio::task::JoinHandle<T>>,
+) -> Vec<Result<T, tokio::task::JoinError>> {
+    let mut results = Vec::new();
+    for handle in handles.collect::<Vec<_>>() {
+        results.push(handle.await);
+    }
+    results
+}
