@@ -22,6 +22,7 @@ mod machines;
 mod metrics;
 mod not_implemented;
 mod object_storage;
+mod openapi;
 mod organizations;
 mod permissions;
 mod preview;
@@ -96,6 +97,7 @@ impl AppState {
 pub fn app(state: AppState) -> Router {
     let api = Router::new()
         .route("/config", get(server_config::get_config))
+        .route("/openapi.json", get(openapi::get))
         .route("/regions", get(regions::list))
         .route("/api-keys", get(api_keys::list).post(api_keys::create))
         .route("/api-keys/current", get(api_keys::current))

@@ -1842,3 +1842,18 @@ async fn the_one_organization_reads_back_with_its_limits_and_no_other_can_be_mad
     let (status, body) = api.call("DELETE", "/api/organizations/cove", None).await;
     assert_eq!(status, StatusCode::NOT_IMPLEMENTED, "{body}");
 }
+
+#[tokio::test]
+async fn the_openapi_document_describes_the_control_api() {
+    let api = api().await;
+    let (status, doc) = api.call("GET", "/api/openapi.json", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(doc["openapi"], "3.0.3");
+    let create = &doc["paths"]["/sandbox"]["post"];
+    assert_eq!(create["x-cove-permission"], "write:sandboxes");
+    assert!(create["summary"].as_str().unwrap().contains("Create"));
+    assert!(doc["paths"]["/sandbox/{id}/revert"]["post"]["summary"]
+        .as_str()
+        .unwrap()
+        .contains("cove extension"));
+}
