@@ -64,6 +64,10 @@ def test_vm_class_and_accelerator(cove, sandboxes):
     dto = cove.request("GET", f"/sandbox/{sandbox.id}").json()
     assert dto["sandboxClass"] == "linux-vm"
     assert dto["accelerator"] in ("kvm", "tcg")
+    # The server says what its VMs run on and why, and it is the sandbox's.
+    chosen = cove.request("GET", "/config").json()["coveVmAccelerator"]
+    assert chosen["name"] == dto["accelerator"], chosen
+    assert chosen["reason"], chosen
     # Its own kernel, not the host's.
     assert sandbox.process.exec("uname -r").result.strip() != os.uname().release
     assert sandbox.process.exec("echo hello from a vm").result.strip() == "hello from a vm"

@@ -26,5 +26,9 @@ pub(crate) async fn get_config(
         "maintananceMode": false,
         "environment": "cove",
         "analyticsApiUrl": null,
+        // cove's own: what VM sandboxes run on, and why.
+        "coveVmAccelerator": state.engine.vm_accelerator().map(|(name, reason)| {
+            serde_json::json!({ "name": name, "reason": reason })
+        }),
     }))
 }

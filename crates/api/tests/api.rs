@@ -523,6 +523,8 @@ async fn config_validates_as_the_sdk_expects() {
     }
     assert_eq!(config["maintananceMode"], false);
     assert!(config["oidc"]["provider"].is_string());
+    // The fake runtime names no accelerator.
+    assert_eq!(config["coveVmAccelerator"], Value::Null);
 }
 
 #[tokio::test]

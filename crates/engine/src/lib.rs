@@ -129,6 +129,15 @@ impl Engine {
         &self.access
     }
 
+    /// The accelerator VM sandboxes run on (`kvm`, `tcg`) and why it was
+    /// chosen; `None` on a server without VMs.
+    pub fn vm_accelerator(&self) -> Option<(&'static str, &'static str)> {
+        self.shared
+            .runtime(SandboxClass::LinuxVm)
+            .ok()?
+            .accelerator()
+    }
+
     /// The meter and the bill.
     pub fn billing(&self) -> &Billing {
         &self.billing

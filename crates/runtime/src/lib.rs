@@ -183,6 +183,11 @@ pub trait Runtime: Send + Sync + 'static {
     fn census(&self) -> Census {
         Census::default()
     }
+    /// For a runtime of machines: the accelerator they run on (`kvm`,
+    /// `tcg`) and why it was chosen.
+    fn accelerator(&self) -> Option<(&'static str, &'static str)> {
+        None
+    }
     /// Takes over a machine that outlived an earlier server process, as it
     /// runs (a server restart then loses none of its processes). `None` when
     /// nothing of the sandbox runs or this backend cannot take a machine

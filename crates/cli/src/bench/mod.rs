@@ -160,6 +160,19 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Scenario::VmResume => vm::resume(&client, &args.vm_snapshot, args.n).await,
         Scenario::VmFork => vm::fork(&client, &args.vm_snapshot, args.n).await,
     };
+    // VM figures mean little without the accelerator they were taken on.
+    let accelerator = match args.scenario.uses_vms() {
+        true => client
+            .api(reqwest::Method::GET, "/config", None)
+            .await
+            .ok()
+            .and_then(|config| {
+                config["coveVmAccelerator"]["name"]
+                    .as_str()
+                    .map(str::to_owned)
+            }),
+        false => None,
+    };
     let server_peak_rss_mb = own.as_ref().and_then(own_server::OwnServer::peak_rss_mb);
     if let Some(own) = own {
         own.stop().await?;
@@ -171,6 +184,9 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     let (median, p95, p99) = summarize(&mut samples);
     if let Some(rss) = server_peak_rss_mb {
         extra.insert("server_peak_rss_mb".into(), json!(rss));
+    }
+    if let Some(accelerator) = accelerator {
+        extra.insert("accelerator".into(), json!(accelerator));
     }
     let name = clap::ValueEnum::to_possible_value(&args.scenario)
         .map(|v| v.get_name().to_owned())

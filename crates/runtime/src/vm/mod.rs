@@ -69,7 +69,7 @@ pub use boot::IdentityError;
 pub use confine::ConfineError;
 pub use disk::{DiskError, AGENT_IN_GUEST};
 pub use machine::MachineError;
-pub use qemu::{detect_accelerator, Accelerator, HostFacts};
+pub use qemu::{choose_accelerator, detect_accelerator, Accelerator, HostFacts};
 pub use qmp::QmpError;
 pub use shares::find_virtiofsd;
 pub use shares::SharesError;
@@ -146,6 +146,8 @@ impl VmConfig {
 pub struct VmRuntime {
     config: VmConfig,
     accelerator: Accelerator,
+    /// Why this accelerator, in words.
+    accelerator_reason: &'static str,
     tsc_khz: Option<u64>,
     running: Mutex<HashMap<String, Arc<tokio::sync::Mutex<RunningVm>>>>,
     /// Base disks by image, with the agent file stamp they were made for.
@@ -197,9 +199,10 @@ impl VmRuntime {
                 .map_err(io_error(id, format!("find the {what} {}", path.display())))?;
         }
         let facts = HostFacts::read();
-        let accelerator = config
-            .accelerator
-            .unwrap_or_else(|| detect_accelerator(&facts));
+        let (accelerator, accelerator_reason) = match config.accelerator {
+            Some(chosen) => (chosen, "set by the server's configuration"),
+            None => choose_accelerator(&facts),
+        };
         let tsc_khz = facts.tsc_khz();
         let jails =
             confine::Jails::new(config.ids.clone(), accelerator).map_err(confine_error(id))?;
@@ -211,10 +214,15 @@ impl VmRuntime {
             let path = config.storage.root().join(dir);
             fs::create_dir_all(&path).map_err(RuntimeError::file(id, "create", &path))?;
         }
-        tracing::info!(accelerator = accelerator.name(), "VM runtime ready");
+        tracing::info!(
+            accelerator = accelerator.name(),
+            why = accelerator_reason,
+            "VM runtime ready"
+        );
         Ok(VmRuntime {
             config,
             accelerator,
+            accelerator_reason,
             tsc_khz,
             running: Mutex::default(),
             bases: Mutex::default(),
@@ -496,6 +504,10 @@ impl Runtime for VmRuntime {
     /// Each VM this process runs is a QEMU process with an agent in its
     /// guest; the warm pool's machines are QEMU processes too (their agents
     /// serve no sandbox yet), as are those a create took but has not started.
+    fn accelerator(&self) -> Option<(&'static str, &'static str)> {
+        Some((self.accelerator.name(), self.accelerator_reason))
+    }
+
     fn census(&self) -> crate::Census {
         let running = self.running.lock().expect("running map lock").len();
         let (waiting, claimed) = self.pool.counts();

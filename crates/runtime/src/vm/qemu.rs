@@ -114,15 +114,37 @@ impl HostFacts {
 /// KVM where the CPU has hardware virtualisation, `kvm_pvm` is not in the
 /// way, and `/dev/kvm` opens; software emulation (TCG) elsewhere.
 pub fn detect_accelerator(facts: &HostFacts) -> Accelerator {
+    choose_accelerator(facts).0
+}
+
+/// The accelerator [`detect_accelerator`] picks, and why, in words for the
+/// log and `GET /api/config`.
+pub fn choose_accelerator(facts: &HostFacts) -> (Accelerator, &'static str) {
     let hardware = facts
         .cpuinfo
         .lines()
         .filter(|l| l.starts_with("flags"))
         .any(|l| l.split_whitespace().any(|f| f == "vmx" || f == "svm"));
-    if hardware && !facts.kvm_pvm_loaded && facts.kvm_device_opens {
-        Accelerator::Kvm
+    if !hardware {
+        (
+            Accelerator::Tcg,
+            "the CPU offers no hardware virtualisation (no vmx or svm in /proc/cpuinfo)",
+        )
+    } else if facts.kvm_pvm_loaded {
+        (
+            Accelerator::Tcg,
+            "kvm_pvm is loaded: its KVM runs only guests built for PVM, and stock kernels fail under it",
+        )
+    } else if !facts.kvm_device_opens {
+        (
+            Accelerator::Tcg,
+            "/dev/kvm cannot be opened for reading and writing",
+        )
     } else {
-        Accelerator::Tcg
+        (
+            Accelerator::Kvm,
+            "the CPU has hardware virtualisation and /dev/kvm opens",
+        )
     }
 }
 
@@ -382,6 +404,19 @@ mod tests {
             detect_accelerator(&facts("hypervisor", false, true)),
             Accelerator::Tcg
         );
+        // Each choice says why.
+        assert!(choose_accelerator(&facts("svm", true, true))
+            .1
+            .contains("kvm_pvm"));
+        assert!(choose_accelerator(&facts("svm", false, false))
+            .1
+            .contains("/dev/kvm"));
+        assert!(choose_accelerator(&facts("hypervisor", false, true))
+            .1
+            .contains("vmx or svm"));
+        assert!(choose_accelerator(&facts("vmx", false, true))
+            .1
+            .contains("hardware"));
     }
 
     #[test]
