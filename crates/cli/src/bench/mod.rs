@@ -4,6 +4,7 @@
 //! server as a child process on a temporary data directory, so the server's
 //! memory can be read apart from the client's.
 
+mod density;
 mod files;
 mod neighbours;
 mod own_server;
@@ -44,6 +45,9 @@ pub(crate) enum Scenario {
     /// Fork of a running VM until the child answers a command, with the
     /// longest stop the parent's processes saw.
     VmFork,
+    /// --n idle containers at once: host memory each, create rate, and exec
+    /// round trips at --n beside those at 10 (the figures); all deleted after.
+    Density,
 }
 
 impl Scenario {
@@ -159,6 +163,7 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Scenario::VmPause => vm::pause(&client, &args.vm_snapshot, args.n).await,
         Scenario::VmResume => vm::resume(&client, &args.vm_snapshot, args.n).await,
         Scenario::VmFork => vm::fork(&client, &args.vm_snapshot, args.n).await,
+        Scenario::Density => density::density(&client, args.n).await,
     };
     // VM figures mean little without the accelerator they were taken on.
     let accelerator = match args.scenario.uses_vms() {
