@@ -72,6 +72,15 @@ async fn api_in(dir: tempfile::TempDir, tls_port: Option<u16>) -> (Api, Engine) 
 }
 
 impl Api {
+    /// Makes a key (with the operator's) named `name` with `permissions`;
+    /// its value.
+    async fn key(&self, name: &str, permissions: Value) -> String {
+        let body = json!({"name": name, "permissions": permissions});
+        let (status, made) = self.call("POST", "/api/api-keys", Some(body)).await;
+        assert_eq!(status, StatusCode::CREATED, "{made}");
+        made["value"].as_str().unwrap().to_owned()
+    }
+
     async fn call(&self, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
         self.call_with_key(method, path, body, Some(KEY)).await
     }
@@ -1395,14 +1404,7 @@ async fn expired_keys_are_refused_by_name() {
 #[tokio::test]
 async fn the_audit_log_says_which_key_did_what_and_how_it_ended() {
     let api = api().await;
-    let (_, made) = api
-        .call(
-            "POST",
-            "/api/api-keys",
-            Some(json!({"name": "ci", "permissions": ["write:sandboxes"]})),
-        )
-        .await;
-    let ci = made["value"].as_str().unwrap().to_owned();
+    let ci = api.key("ci", json!(["write:sandboxes"])).await;
     let (status, sandbox) = api
         .call_with_key("POST", "/api/sandbox", Some(json!({})), Some(&ci))
         .await;
@@ -1565,14 +1567,7 @@ async fn the_bill_counts_running_time_only_and_survives_a_restart() {
 #[tokio::test]
 async fn a_bill_needs_read_billing_and_a_known_organization_and_period() {
     let api = api().await;
-    let (_, made) = api
-        .call(
-            "POST",
-            "/api/api-keys",
-            Some(json!({"name": "ops", "permissions": ["write:sandboxes"]})),
-        )
-        .await;
-    let ops = made["value"].as_str().unwrap().to_owned();
+    let ops = api.key("ops", json!(["write:sandboxes"])).await;
     let (status, body) = api
         .call_with_key("GET", "/api/organizations/cove/bill", None, Some(&ops))
         .await;
@@ -1690,14 +1685,9 @@ async fn the_running_limit_counts_running_sandboxes_and_frees_on_stop_or_pause()
 async fn quotas_are_the_operators_and_refuse_what_cove_cannot_keep() {
     let api = api().await;
     let quota = "/api/admin/organizations/cove/quota/local";
-    let (_, made) = api
-        .call(
-            "POST",
-            "/api/api-keys",
-            Some(json!({"name": "all", "permissions": ["write:sandboxes", "read:billing"]})),
-        )
+    let user = api
+        .key("all", json!(["write:sandboxes", "read:billing"]))
         .await;
-    let user = made["value"].as_str().unwrap().to_owned();
     let (status, _) = api
         .call_with_key(
             "PATCH",
@@ -1747,14 +1737,7 @@ async fn a_create_past_the_rate_limit_is_a_429_saying_when_to_retry() {
         )
         .await;
     assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
-    let (_, made) = api
-        .call(
-            "POST",
-            "/api/api-keys",
-            Some(json!({"name": "agent", "permissions": ["write:sandboxes"]})),
-        )
-        .await;
-    let agent = made["value"].as_str().unwrap().to_owned();
+    let agent = api.key("agent", json!(["write:sandboxes"])).await;
     let (status, body) = api
         .call_with_key("POST", "/api/sandbox", Some(json!({})), Some(&agent))
         .await;

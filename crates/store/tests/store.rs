@@ -245,24 +245,30 @@ async fn docker_registries() {
     assert_eq!(store.find_registry("r1").await.unwrap(), None);
 }
 
+/// A database at `path` as a server whose last migration was `version` left it.
+async fn migrated_up_to(path: &std::path::Path, version: i64) -> sqlx::SqlitePool {
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true);
+    let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
+    let mut migrator = sqlx::migrate!("./migrations");
+    let earlier: Vec<_> = migrator
+        .migrations
+        .iter()
+        .filter(|m| m.version <= version)
+        .cloned()
+        .collect();
+    migrator.migrations = earlier.into();
+    migrator.run(&pool).await.unwrap();
+    pool
+}
+
 #[tokio::test]
 async fn memory_kept_in_gib_before_is_read_in_mib_after_migrating() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("cove.db");
     // The database as a server before migration 0010 left it.
-    let options = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(&path)
-        .create_if_missing(true);
-    let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
-    let mut before = sqlx::migrate!("./migrations");
-    let earlier: Vec<_> = before
-        .migrations
-        .iter()
-        .filter(|m| m.version < 10)
-        .cloned()
-        .collect();
-    before.migrations = earlier.into();
-    before.run(&pool).await.unwrap();
+    let pool = migrated_up_to(&path, 9).await;
     sqlx::query(
         "INSERT INTO snapshots (id, name, class, state, rootfs, cpu, gpu, memory_gib, \
          disk_gib, general, created_at_ms, updated_at_ms) \
@@ -382,19 +388,7 @@ async fn keys_from_before_names_become_the_operators() {
     let path = dir.path().join("cove.db");
     // A database as cove left it before keys had names: migrations up to 11.
     {
-        let options = sqlx::sqlite::SqliteConnectOptions::new()
-            .filename(&path)
-            .create_if_missing(true);
-        let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
-        let mut migrator = sqlx::migrate!("./migrations");
-        let old: Vec<_> = migrator
-            .migrations
-            .iter()
-            .filter(|m| m.version <= 11)
-            .cloned()
-            .collect();
-        migrator.migrations = old.into();
-        migrator.run(&pool).await.unwrap();
+        let pool = migrated_up_to(&path, 11).await;
         for (hash, at) in [("first", 1), ("second", 2)] {
             sqlx::query("INSERT INTO api_keys (hash, created_at_ms) VALUES (?, ?)")
                 .bind(hash)
