@@ -1,7 +1,8 @@
 //! Quotas and usage: `PATCH /api/organizations/{id}/quota` (the operator's;
-//! `UpdateOrganizationQuota`'s rate limits, per-sandbox ceilings and
-//! `volumeQuota`; snapshot and secret quotas, which cove does not enforce,
-//! are refused by name unless `null`),
+//! `UpdateOrganizationQuota`'s rate limits, per-sandbox ceilings,
+//! `volumeQuota` and `snapshotQuota`; the snapshot size, processing and
+//! secret fields, which cove does not enforce, are refused by name unless
+//! `null`),
 //! `PATCH /api/admin/organizations/{id}/quota/{regionId}`
 //! (the operator's; `UpdateOrganizationRegionQuota`'s totals and
 //! per-sandbox ceilings, plus cove's `maxRunningSandboxes`; a field left out
@@ -184,7 +185,6 @@ impl UpdateOrganizationQuota {
     /// its per-sandbox ceilings; what cove does not enforce is refused.
     fn apply(&self, quota: &mut OrganizationQuotaRecord) -> Result<QuotaChange, ApiError> {
         for (name, value) in [
-            ("snapshotQuota", self.snapshot_quota),
             ("maxSnapshotSize", self.max_snapshot_size),
             (
                 "maxConcurrentSnapshotProcessing",
@@ -232,6 +232,9 @@ impl UpdateOrganizationQuota {
         )?;
         if let Some(volumes) = whole("volumeQuota", self.volume_quota)? {
             quota.volumes = volumes;
+        }
+        if let Some(snapshots) = whole("snapshotQuota", self.snapshot_quota)? {
+            quota.snapshots = snapshots;
         }
         Ok(QuotaChange {
             max_cpu_per_sandbox: whole("maxCpuPerSandbox", self.max_cpu_per_sandbox)?,
@@ -285,8 +288,8 @@ pub(crate) struct RegionUsage {
     current_running_sandboxes: i64,
 }
 
-/// `OrganizationUsageOverview`. Snapshots and volumes are counted; cove
-/// sets no quota on the number of snapshots (`null`).
+/// `OrganizationUsageOverview`. Snapshots (the server's own images aside)
+/// and volumes are counted; a quota not set is `null`.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct UsageOverview {
@@ -339,7 +342,7 @@ pub(crate) async fn usage(
             max_running_sandboxes,
             current_running_sandboxes: now.running,
         }],
-        total_snapshot_quota: None,
+        total_snapshot_quota: organization.snapshots,
         current_snapshot_usage: snapshots,
         total_volume_quota: organization.volumes,
         current_volume_usage: volumes,
@@ -405,7 +408,7 @@ mod tests {
         assert_eq!(quota.authenticated, None);
         assert_eq!(quota.volumes, Some(4), "what a body leaves out stays");
         for (body, says) in [
-            (r#"{"snapshotQuota": 5}"#, "snapshotQuota"),
+            (r#"{"secretQuota": 5}"#, "secretQuota"),
             (r#"{"sandboxCreateRateLimitTtlSeconds": 0}"#, "at least 1"),
             (r#"{"volumeQuota": -2}"#, "zero or more"),
         ] {

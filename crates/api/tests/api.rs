@@ -1784,11 +1784,55 @@ async fn a_create_past_the_rate_limit_is_a_429_saying_when_to_retry() {
         .call(
             "PATCH",
             "/api/organizations/cove/quota",
-            Some(json!({"snapshotQuota": 3})),
+            Some(json!({"maxSnapshotSize": 3})),
         )
         .await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
-    assert!(message(&body).contains("snapshotQuota"), "{body}");
+    assert!(message(&body).contains("maxSnapshotSize"), "{body}");
+}
+
+#[tokio::test]
+async fn snapshots_past_the_snapshot_quota_are_refused_before_anything_is_captured() {
+    let api = api().await;
+    let (status, _) = api
+        .call(
+            "PATCH",
+            "/api/organizations/cove/quota",
+            Some(json!({"snapshotQuota": 1})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    api.call("POST", "/api/sandbox", Some(json!({"name": "src"})))
+        .await;
+    let take = |name: &str| json!({ "name": name });
+    let (status, body) = api
+        .call("POST", "/api/sandbox/src/snapshot", Some(take("one")))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body) = api
+        .call("POST", "/api/sandbox/src/snapshot", Some(take("two")))
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{body}");
+    assert!(
+        message(&body).contains("snapshotQuota is 1 and 1 snapshots"),
+        "{body}"
+    );
+    let (status, _) = api.call("GET", "/api/snapshots/two", None).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    // Refused before anything was captured.
+    let captures = api
+        .fake
+        .calls()
+        .iter()
+        .filter(|c| c.starts_with("capture"))
+        .count();
+    assert_eq!(captures, 1, "{:?}", api.fake.calls());
+    // The sandbox goes on; the server's own images never counted.
+    let (_, sandbox) = api.call("GET", "/api/sandbox/src", None).await;
+    assert_eq!(sandbox["state"], "started");
+    let (_, usage) = api.call("GET", "/api/organizations/cove/usage", None).await;
+    assert_eq!(usage["totalSnapshotQuota"], 1);
+    assert_eq!(usage["currentSnapshotUsage"], 1);
 }
 
 #[tokio::test]

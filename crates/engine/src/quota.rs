@@ -143,6 +143,32 @@ pub(crate) fn admit(
     Ok(())
 }
 
+/// What an organization keeps a count of under a quota.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Counted {
+    Volumes,
+    Snapshots,
+}
+
+/// Whether one more of `kind` fits `limit` beside the `used` ones.
+pub(crate) fn admit_count(kind: Counted, limit: i64, used: i64) -> Result<(), EngineError> {
+    let (quota, what) = match kind {
+        Counted::Volumes => ("volumeQuota", "volumes"),
+        Counted::Snapshots => ("snapshotQuota", "snapshots"),
+    };
+    if used < limit {
+        return Ok(());
+    }
+    Err(EngineError::QuotaExceeded {
+        quota,
+        limit,
+        message: format!(
+            "quota {quota} is {limit} and {used} {what} exist already \
+             (delete one, or ask the operator to raise it)"
+        ),
+    })
+}
+
 /// A change of a region quota: `None` leaves a field as it is, `Some(None)`
 /// lifts its limit.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -295,6 +321,23 @@ mod tests {
         };
         assert!(admit(&disk, &busy, &new, true).is_err());
         admit(&disk, &busy, &new, false).unwrap();
+    }
+
+    #[test]
+    fn a_count_quota_admits_up_to_its_limit_and_names_itself_past_it() {
+        admit_count(Counted::Snapshots, 2, 1).unwrap();
+        let error = admit_count(Counted::Snapshots, 2, 2).unwrap_err();
+        assert_eq!(error.kind(), crate::ErrorKind::Forbidden);
+        assert!(
+            error
+                .to_string()
+                .contains("snapshotQuota is 2 and 2 snapshots"),
+            "{error}"
+        );
+        assert!(admit_count(Counted::Volumes, 0, 0)
+            .unwrap_err()
+            .to_string()
+            .contains("volumeQuota is 0"));
     }
 
     #[test]

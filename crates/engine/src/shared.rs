@@ -115,28 +115,33 @@ impl Shared {
         Ok(guard)
     }
 
-    /// Admits one more volume under the organization's `volumeQuota`; the
-    /// guard is to be held until the volume's row is stored.
-    pub(crate) async fn admit_volume(
+    /// Admits one more volume, or snapshot, under the organization's
+    /// `volumeQuota` or `snapshotQuota`; the guard is to be held until its
+    /// row is stored. The server's own images do not count.
+    pub(crate) async fn admit_count(
         &self,
+        kind: crate::quota::Counted,
     ) -> Result<tokio::sync::MutexGuard<'_, ()>, EngineError> {
+        use crate::quota::Counted;
         let guard = self.admission.lock().await;
         let quota = self
             .store
             .organization_quota(crate::quota::ORGANIZATION_ID)
-            .await?;
-        if let Some(limit) = quota.and_then(|q| q.volumes) {
-            let used = self.store.list_volumes().await?.len() as i64;
-            if used >= limit {
-                return Err(EngineError::QuotaExceeded {
-                    quota: "volumeQuota",
-                    limit,
-                    message: format!(
-                        "quota volumeQuota is {limit} and {used} volumes exist already \
-                         (delete one, or ask the operator to raise it)"
-                    ),
-                });
-            }
+            .await?
+            .unwrap_or_default();
+        let limit = match kind {
+            Counted::Volumes => quota.volumes,
+            Counted::Snapshots => quota.snapshots,
+        };
+        if let Some(limit) = limit {
+            let used = match kind {
+                Counted::Volumes => self.store.list_volumes().await?.len(),
+                Counted::Snapshots => {
+                    let all = self.store.list_snapshots().await?;
+                    all.iter().filter(|s| !s.general).count()
+                }
+            } as i64;
+            crate::quota::admit_count(kind, limit, used)?;
         }
         Ok(guard)
     }

@@ -104,7 +104,10 @@ impl Volumes {
             last_used_at_ms: None,
         };
         let dir = self.volume_dir(&record.id)?;
-        let _admitted = self.shared.admit_volume().await?;
+        let _admitted = self
+            .shared
+            .admit_count(crate::quota::Counted::Volumes)
+            .await?;
         self.make_volume_dir(&record.id, &dir).await?;
         if let Err(error) = self.shared.store.insert_volume(&record).await {
             self.remove_volume_dir(&dir).await;

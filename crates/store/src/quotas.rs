@@ -24,6 +24,8 @@ pub struct OrganizationQuotaRecord {
     pub sandbox_lifecycle: Option<RateLimit>,
     /// How many volumes may exist.
     pub volumes: Option<i64>,
+    /// How many snapshots (not counting the server's own images) may exist.
+    pub snapshots: Option<i64>,
 }
 
 /// An organization's limits in a region; `None` is no limit.

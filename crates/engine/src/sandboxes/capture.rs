@@ -59,6 +59,13 @@ impl Sandboxes {
                 name: name.to_owned(),
             });
         }
+        // Refused before the sandbox is touched; the check is made again
+        // where the snapshot's row is stored, for a snapshot made meanwhile.
+        drop(
+            self.shared
+                .admit_count(crate::quota::Counted::Snapshots)
+                .await?,
+        );
         let request = CaptureRequest {
             name: name.to_owned(),
             memory: include_memory,
@@ -147,7 +154,18 @@ impl Sandboxes {
             created_at_ms: now,
             updated_at_ms: now,
         };
-        if let Err(error) = self.shared.store.insert_snapshot(&snapshot).await {
+        let admitted = self
+            .shared
+            .admit_count(crate::quota::Counted::Snapshots)
+            .await;
+        let inserted = match admitted {
+            Ok(_admitted) => self.shared.store.insert_snapshot(&snapshot).await,
+            Err(refused) => {
+                let _ = runtime.discard_capture(&capture_id).await;
+                return Err(refused.into());
+            }
+        };
+        if let Err(error) = inserted {
             // No orphan capture when the name was taken meanwhile.
             let _ = runtime.discard_capture(&capture_id).await;
             return Err(match error {

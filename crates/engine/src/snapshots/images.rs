@@ -432,6 +432,10 @@ impl Snapshots {
     }
 
     async fn insert_new_snapshot(&self, snapshot: &SnapshotRecord) -> Result<(), EngineError> {
+        let _admitted = self
+            .shared
+            .admit_count(crate::quota::Counted::Snapshots)
+            .await?;
         self.shared
             .store
             .insert_snapshot(snapshot)
