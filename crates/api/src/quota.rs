@@ -49,17 +49,6 @@ pub(crate) struct UpdateRegionQuota {
 
 impl UpdateRegionQuota {
     fn change(&self) -> Result<QuotaChange, ApiError> {
-        let whole = |name: &str, field: Option<Option<f64>>| -> Result<_, ApiError> {
-            match field {
-                Some(Some(v)) if v.fract() != 0.0 || !v.is_finite() || v.abs() > 1e15 => {
-                    Err(ApiError::bad_request(format!(
-                        "{name} must be a whole number (vCPUs, GB or sandboxes), not {v}"
-                    )))
-                }
-                Some(v) => Ok(Some(v.map(|v| v as i64))),
-                None => Ok(None),
-            }
-        };
         Ok(QuotaChange {
             total_cpu: whole("totalCpuQuota", self.total_cpu_quota)?,
             total_memory_gib: whole("totalMemoryQuota", self.total_memory_quota)?,
