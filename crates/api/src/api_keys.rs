@@ -1,5 +1,5 @@
-//! `/api/api-keys` and `/api/users/me`: the keys of the server's one user,
-//! as Daytona's API has them. A key's value is answered once, at its
+//! `/api/api-keys` and `/api/users/me`: the keys of the request's
+//! organization, as Daytona's API has them. A key's value is answered once, at its
 //! creation; listings show it masked.
 
 use axum::extract::{rejection::JsonRejection, Path, State};
@@ -9,7 +9,7 @@ use cove_engine::{ApiKeyInfo, Caller, Permission};
 use serde::{Deserialize, Serialize};
 
 use crate::auth::ENV_KEY_NAME;
-use crate::dto::rfc3339;
+use crate::dto::{rfc3339, DEFAULT_ORGANIZATION};
 use crate::{ApiError, AppState};
 
 /// The one user every key belongs to, until organizations have members.
@@ -96,8 +96,16 @@ pub(crate) async fn create(
     Ok((StatusCode::CREATED, Json(created)))
 }
 
-pub(crate) async fn list(State(state): State<AppState>) -> Result<Json<Vec<ListedKey>>, ApiError> {
-    let keys = state.engine.access().api_keys().await?;
+/// `GET /api/api-keys`: the keys of the request's organization.
+pub(crate) async fn list(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+) -> Result<Json<Vec<ListedKey>>, ApiError> {
+    let keys = state
+        .engine
+        .access()
+        .api_keys(&caller.organization_id)
+        .await?;
     Ok(Json(keys.into_iter().map(ListedKey::from).collect()))
 }
 
@@ -119,15 +127,32 @@ pub(crate) async fn current(
             user_id: USER_ID,
         }));
     }
-    let key = state.engine.access().api_key(&caller.key_name).await?;
+    // The operator's keys are the default organization's, wherever the
+    // request acts.
+    let home = match caller.operator {
+        true => DEFAULT_ORGANIZATION,
+        false => caller.organization_id.as_str(),
+    };
+    let key = state
+        .engine
+        .access()
+        .api_key(home, &caller.key_name)
+        .await?;
     Ok(Json(key.into()))
 }
 
+/// `GET /api/api-keys/{name}`: a key of the request's organization.
 pub(crate) async fn get(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(name): Path<String>,
 ) -> Result<Json<ListedKey>, ApiError> {
-    Ok(Json(state.engine.access().api_key(&name).await?.into()))
+    let key = state
+        .engine
+        .access()
+        .api_key(&caller.organization_id, &name)
+        .await?;
+    Ok(Json(key.into()))
 }
 
 /// `DELETE /api/api-keys/{name}`: 204; the key is refused from then on.

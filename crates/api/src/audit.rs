@@ -14,14 +14,14 @@ use axum::extract::{MatchedPath, Path, RawQuery, Request, State};
 use axum::http::{header, HeaderMap, Method};
 use axum::middleware::Next;
 use axum::response::Response;
-use axum::Json;
+use axum::{Extension, Json};
 use cove_engine::{AuditQuery, AuditRecord, Caller};
 use http_body_util::BodyExt;
 use serde::Serialize;
 use serde_json::Value;
 
 use crate::api_keys::USER_ID;
-use crate::dto::{rfc3339, ORGANIZATION_ID};
+use crate::dto::rfc3339;
 use crate::{ApiError, AppState};
 
 /// The most of an answer read to name what a create made or why a request
@@ -123,6 +123,7 @@ pub(crate) async fn record(
         .and_then(|a| a["message"].as_str().map(str::to_owned));
     let entry = AuditRecord {
         id: uuid::Uuid::new_v4().to_string(),
+        organization_id: caller.organization_id,
         created_at_ms: cove_engine::now_ms(),
         key_name: caller.key_name,
         key_masked: caller.key_masked,
@@ -181,7 +182,7 @@ pub(crate) struct AuditLog {
     actor_email: &'static str,
     actor_api_key_prefix: String,
     actor_api_key_suffix: String,
-    organization_id: &'static str,
+    organization_id: String,
     action: String,
     target_type: String,
     target_id: Option<String>,
@@ -213,7 +214,7 @@ impl From<AuditRecord> for AuditLog {
             actor_email: "",
             actor_api_key_prefix: prefix,
             actor_api_key_suffix: suffix,
-            organization_id: ORGANIZATION_ID,
+            organization_id: r.organization_id,
             action: r.action,
             target_type: r.target_type,
             target_id: r.target_id,
@@ -285,8 +286,14 @@ fn parse_query(query: Option<&str>) -> Result<(AuditQuery, u64, u64), ApiError> 
     Ok((filter, page, limit))
 }
 
-async fn page_of(state: &AppState, query: Option<&str>) -> Result<Json<AuditPage>, ApiError> {
-    let (filter, page, limit) = parse_query(query)?;
+/// A page of the log, of one organization's rows when `organization` is set.
+async fn page_of(
+    state: &AppState,
+    organization: Option<String>,
+    query: Option<&str>,
+) -> Result<Json<AuditPage>, ApiError> {
+    let (mut filter, page, limit) = parse_query(query)?;
+    filter.organization_id = organization;
     let offset = (page - 1).saturating_mul(limit);
     let (items, total) = state
         .engine
@@ -304,11 +311,12 @@ async fn page_of(state: &AppState, query: Option<&str>) -> Result<Json<AuditPage
 /// `GET /api/audit/organizations/{organizationId}` (`read:audit_logs`).
 pub(crate) async fn organization(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(organization): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<AuditPage>, ApiError> {
-    crate::billing::check_organization(&organization)?;
-    page_of(&state, query.as_deref()).await
+    crate::billing::check_organization(&state, &caller, &organization).await?;
+    page_of(&state, Some(organization), query.as_deref()).await
 }
 
 /// `GET /api/admin/audit`: the whole log, for the operator.
@@ -316,7 +324,7 @@ pub(crate) async fn all(
     State(state): State<AppState>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<AuditPage>, ApiError> {
-    page_of(&state, query.as_deref()).await
+    page_of(&state, None, query.as_deref()).await
 }
 
 #[cfg(test)]

@@ -4,22 +4,29 @@
 //! (`YYYY-MM`); without either, the current calendar month (UTC).
 
 use axum::extract::{Path, RawQuery, State};
-use axum::http::StatusCode;
-use axum::Json;
-use cove_engine::{month_containing, month_period, now_ms, Bill};
+use axum::{Extension, Json};
+use cove_engine::{month_containing, month_period, now_ms, Bill, Caller, EngineError};
 
-use crate::dto::ORGANIZATION_ID;
 use crate::{ApiError, AppState};
 
-/// The one organization of this server, or a 404 naming the one asked for.
-pub(crate) fn check_organization(organization: &str) -> Result<(), ApiError> {
-    if organization == ORGANIZATION_ID {
+/// The organization a route's path names, if the caller may see it: its
+/// own, or any that exists for the operator. Another is a 404, as if it did
+/// not exist.
+pub(crate) async fn check_organization(
+    state: &AppState,
+    caller: &Caller,
+    organization: &str,
+) -> Result<(), ApiError> {
+    let not_found = || EngineError::OrganizationNotFound {
+        id: organization.to_owned(),
+    };
+    if caller.operator {
+        state.engine.organizations().get(organization).await?;
+        Ok(())
+    } else if caller.organization_id == organization {
         Ok(())
     } else {
-        Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!("organization {organization} not found"),
-        ))
+        Err(not_found().into())
     }
 }
 
@@ -63,12 +70,15 @@ fn period(query: Option<&str>, now: i64) -> Result<(i64, i64), ApiError> {
 /// `GET /api/organizations/{organizationId}/bill?from=&to=` or `?month=`.
 pub(crate) async fn bill(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(organization): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Result<Json<Bill>, ApiError> {
-    check_organization(&organization)?;
+    check_organization(&state, &caller, &organization).await?;
     let (from, to) = period(query.as_deref(), now_ms())?;
-    Ok(Json(state.engine.billing().bill(from, to).await?))
+    Ok(Json(
+        state.engine.billing().bill(&organization, from, to).await?,
+    ))
 }
 
 #[cfg(test)]
@@ -101,7 +111,7 @@ mod tests {
             "org=cove",
         ] {
             let error = period(Some(bad), now).unwrap_err();
-            assert_eq!(error.status, StatusCode::BAD_REQUEST, "{bad}");
+            assert_eq!(error.status, axum::http::StatusCode::BAD_REQUEST, "{bad}");
         }
     }
 }

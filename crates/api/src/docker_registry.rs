@@ -1,14 +1,14 @@
 //! Handlers of `/api/docker-registry`: credentials for image registries. The
 //! password is write-only: no answer carries it, as in Daytona.
 
-use axum::extract::{Path, State};
+use axum::extract::Path;
 use axum::http::StatusCode;
 use axum::Json;
 use cove_engine::{DockerRegistryRecord, RegistryRequest};
 use serde::{Deserialize, Serialize};
 
 use crate::dto::rfc3339;
-use crate::{ApiError, AppState};
+use crate::ApiError;
 
 /// A registry as the SDK's `DockerRegistry` reads it.
 #[derive(Debug, Serialize)]
@@ -65,44 +65,37 @@ impl From<RegistryBody> for RegistryRequest {
 type Body = Result<Json<RegistryBody>, axum::extract::rejection::JsonRejection>;
 
 pub(crate) async fn list(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
 ) -> Result<Json<Vec<DockerRegistry>>, ApiError> {
-    let all = state.engine.snapshots().registries().await?;
+    let all = tenant.snapshots().registries().await?;
     Ok(Json(all.into_iter().map(Into::into).collect()))
 }
 
 /// `POST /docker-registry`: 201 with the registry.
 pub(crate) async fn create(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     body: Body,
 ) -> Result<(StatusCode, Json<DockerRegistry>), ApiError> {
     let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let record = state
-        .engine
-        .snapshots()
-        .create_registry(body.into())
-        .await?;
+    let record = tenant.snapshots().create_registry(body.into()).await?;
     Ok((StatusCode::CREATED, Json(record.into())))
 }
 
 pub(crate) async fn get(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(id): Path<String>,
 ) -> Result<Json<DockerRegistry>, ApiError> {
-    Ok(Json(
-        state.engine.snapshots().get_registry(&id).await?.into(),
-    ))
+    Ok(Json(tenant.snapshots().get_registry(&id).await?.into()))
 }
 
 pub(crate) async fn update(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(id): Path<String>,
     body: Body,
 ) -> Result<Json<DockerRegistry>, ApiError> {
     let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
     Ok(Json(
-        state
-            .engine
+        tenant
             .snapshots()
             .update_registry(&id, body.into())
             .await?
@@ -112,9 +105,9 @@ pub(crate) async fn update(
 
 /// `DELETE /docker-registry/{id}`: 204.
 pub(crate) async fn delete(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    state.engine.snapshots().delete_registry(&id).await?;
+    tenant.snapshots().delete_registry(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }

@@ -7,9 +7,9 @@ use cove_engine::NetworkSettings;
 use cove_engine::{CreateSandbox, SandboxRecord, VolumeMount};
 use serde::{Deserialize, Serialize};
 
-/// Daytona's organisation id is required on every sandbox; a single-tenant cove
-/// server has one organisation.
-pub(crate) const ORGANIZATION_ID: &str = cove_engine::ORGANIZATION_ID;
+/// The organization every server has: the operator acts in it unless a
+/// request names another.
+pub(crate) const DEFAULT_ORGANIZATION: &str = cove_engine::DEFAULT_ORGANIZATION;
 /// The target (region) of every sandbox on this server, its one region
 /// (`GET /regions`).
 pub(crate) const TARGET: &str = cove_engine::REGION_ID;
@@ -25,7 +25,7 @@ pub(crate) fn rfc3339(ms: i64) -> String {
 #[serde(rename_all = "camelCase")]
 pub(crate) struct Sandbox {
     pub id: String,
-    pub organization_id: &'static str,
+    pub organization_id: String,
     pub name: String,
     pub snapshot: String,
     pub user: String,
@@ -81,7 +81,7 @@ impl Sandbox {
         accelerator: Option<&'static str>,
     ) -> Sandbox {
         Sandbox {
-            organization_id: ORGANIZATION_ID,
+            organization_id: record.organization_id,
             snapshot: record.snapshot,
             user: record.os_user,
             env: record.env,

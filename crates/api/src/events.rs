@@ -22,8 +22,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::http::HeaderMap;
-use cove_engine::{SandboxEvent, SandboxRecord};
+use axum::http::{HeaderMap, StatusCode};
+use cove_engine::SandboxEvent;
 use serde::{Deserialize, Serialize};
 use socketioxide::extract::{SocketRef, TryData};
 use socketioxide::handler::ConnectHandler;
@@ -31,7 +31,7 @@ use socketioxide::layer::SocketIoLayer;
 use socketioxide::{SocketIo, TransportType};
 use tokio::sync::{broadcast, Notify};
 
-use crate::dto::{Sandbox, ORGANIZATION_ID};
+use crate::dto::Sandbox;
 use crate::AppState;
 
 /// Where the SDKs look for it: `{API URL path}/socket.io/`.
@@ -94,31 +94,40 @@ async fn authenticate(
         Err(_) => crate::auth::bearer(&parts.headers),
     };
     let token = token.ok_or(Refusal::MissingKey)?;
-    match crate::auth::key_accepted(&state, token).await {
-        Ok(true) => {}
-        Ok(false) => return Err(Refusal::InvalidKey),
+    let caller = match crate::auth::authenticate(&state, token).await {
+        Ok(caller) => caller,
+        Err(error) if error.status == StatusCode::UNAUTHORIZED => return Err(Refusal::InvalidKey),
         Err(error) => {
             tracing::warn!(error = %error.message, "an event socket's API key could not be checked");
             return Err(Refusal::Unchecked);
         }
-    }
-    // Every key belongs to the server's one organization; a client naming
-    // another would be told about none of its sandboxes, so it is told why.
-    match organization_asked(parts.uri.query()) {
-        Some(asked) if asked != ORGANIZATION_ID => Err(Refusal::OtherOrganization(asked)),
-        _ => Ok(()),
-    }
+    };
+    // A key hears of its own organization's sandboxes; the operator of the
+    // one it names (`organizationId`, as the SDKs send it), else of the
+    // default one. A key naming another is told why it would hear nothing.
+    let asked = organization_asked(parts.uri.query()).filter(|asked| !asked.is_empty());
+    let organization = match asked {
+        Some(asked) if caller.operator => match state.engine.organizations().get(&asked).await {
+            Ok(_) => asked,
+            Err(_) => return Err(Refusal::OtherOrganization(asked)),
+        },
+        Some(asked) if asked != caller.organization_id => {
+            return Err(Refusal::OtherOrganization(asked))
+        }
+        _ => caller.organization_id,
+    };
+    socket.extensions.insert(Organization(organization));
+    Ok(())
 }
+
+/// The organization a socket hears of.
+#[derive(Clone, Debug)]
+struct Organization(String);
 
 fn organization_asked(query: Option<&str>) -> Option<String> {
     form_urlencoded::parse(query?.as_bytes())
         .find(|(name, _)| name == "organizationId")
         .map(|(_, value)| value.into_owned())
-}
-
-/// The organization a sandbox belongs to: the server's one, until tenancy.
-fn organization_of(_sandbox: &SandboxRecord) -> &'static str {
-    ORGANIZATION_ID
 }
 
 /// Sends an authenticated socket its organization's events until it goes.
@@ -130,7 +139,10 @@ fn forward(state: AppState, socket: SocketRef) {
         move || async move { gone.notify_one() }
     });
     let headers = socket.req_parts().headers.clone();
-    let organization = ORGANIZATION_ID;
+    let Some(Organization(organization)) = socket.extensions.get::<Organization>() else {
+        tracing::warn!(socket = %socket.id, "an event socket without its organization");
+        return;
+    };
     tokio::spawn(async move {
         loop {
             let event = tokio::select! {
@@ -145,7 +157,7 @@ fn forward(state: AppState, socket: SocketRef) {
                 }
                 Err(broadcast::error::RecvError::Closed) => return,
             };
-            if organization_of(event.sandbox()) != organization {
+            if event.sandbox().organization_id != organization {
                 continue;
             }
             let (name, message) = message(&state, &headers, event);

@@ -115,14 +115,13 @@ pub fn app(state: AppState) -> Router {
             get(audit::organization),
         )
         .route("/admin/audit", get(audit::all))
-        // Making and deleting organizations answer 501 by name.
         .route(
             "/organizations",
-            get(organizations::list).fallback(not_implemented::fallback),
+            get(organizations::list).post(organizations::create),
         )
         .route(
             "/organizations/{organization}",
-            get(organizations::get).fallback(not_implemented::fallback),
+            get(organizations::get).delete(organizations::delete),
         )
         .route("/organizations/{organization}/bill", get(billing::bill))
         .route("/organizations/{organization}/usage", get(quota::usage))

@@ -14,20 +14,22 @@ use crate::{ApiError, AppState};
 /// `POST /sandbox/{id}/pause` and `POST /vms/{id}/pause`.
 pub(crate) async fn pause(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.sandboxes().pause(&id).await?;
+    let record = tenant.sandboxes().pause(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
 /// `POST /vms/{id}/resume`: continue from memory.
 pub(crate) async fn resume(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.sandboxes().resume(&id).await?;
+    let record = tenant.sandboxes().resume(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -35,10 +37,11 @@ pub(crate) async fn resume(
 /// its disk and its memory is discarded.
 pub(crate) async fn cold_start(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.sandboxes().cold_start(&id).await?;
+    let record = tenant.sandboxes().cold_start(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -46,23 +49,24 @@ pub(crate) async fn cold_start(
 /// archive; `start` brings it back.
 pub(crate) async fn archive(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.sandboxes().archive(&id).await?;
+    let record = tenant.sandboxes().archive(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
 /// `POST /sandbox/{id}/network-settings`: applies to a running sandbox at once.
 pub(crate) async fn network_settings(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
     body: Result<Json<NetworkSettingsRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Reply {
     let Json(change) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let record = state
-        .engine
+    let record = tenant
         .sandboxes()
         .set_network_settings(&id, |current| change.apply(current))
         .await?;
@@ -77,13 +81,13 @@ pub(crate) struct ForkRequest {
 /// `POST /sandbox/{id}/fork` `{"name": ...}`: answers with the new sandbox.
 pub(crate) async fn fork(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
     body: Option<Json<ForkRequest>>,
 ) -> Reply {
     let request = body.map(|Json(b)| b).unwrap_or_default();
-    let child = state
-        .engine
+    let child = tenant
         .sandboxes()
         .fork(&id, request.name.as_deref())
         .await?;
@@ -93,20 +97,22 @@ pub(crate) async fn fork(
 /// `GET /sandbox/{id}/parent`.
 pub(crate) async fn parent(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.sandboxes().fork_parent(&id).await?;
+    let record = tenant.sandboxes().fork_parent(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
 /// `GET /sandbox/{id}/forks`.
 pub(crate) async fn forks(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Vec<Sandbox>>, ApiError> {
-    let records = state.engine.sandboxes().forks(&id).await?;
+    let records = tenant.sandboxes().forks(&id).await?;
     Ok(Json(
         records
             .into_iter()
@@ -118,10 +124,11 @@ pub(crate) async fn forks(
 /// `GET /sandbox/{id}/ancestors`: nearest first.
 pub(crate) async fn ancestors(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Vec<Sandbox>>, ApiError> {
-    let records = state.engine.sandboxes().fork_ancestors(&id).await?;
+    let records = tenant.sandboxes().fork_ancestors(&id).await?;
     Ok(Json(
         records
             .into_iter()

@@ -108,13 +108,25 @@ pub(crate) const OPERATIONS: &[Operation] = &[
         "GET",
         "/organizations",
         "organizations",
-        "The server's one organization",
+        "Every organization (operator), or the key's own",
+    ),
+    op(
+        "POST",
+        "/organizations",
+        "organizations",
+        "Make an organization (operator)",
     ),
     op(
         "GET",
         "/organizations/{organization}",
         "organizations",
         "The organization, with its limits",
+    ),
+    op(
+        "DELETE",
+        "/organizations/{organization}",
+        "organizations",
+        "Delete an empty organization with its keys (operator)",
     ),
     op(
         "GET",

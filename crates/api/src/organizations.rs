@@ -1,24 +1,27 @@
-//! `GET /api/organizations` and `GET /api/organizations/{id}`: the one
-//! organization of a server, as Daytona's `Organization`, with the limits in
-//! force (the quota's per-sandbox ceilings where set, else the server's;
-//! the rate limits the operator set). Making and deleting organizations is
-//! not served: those routes answer 501 by name.
+//! `/api/organizations`: the tenants of a server, as Daytona's
+//! `Organization`, with the limits in force (the quota's per-sandbox
+//! ceilings where set, else the server's; the rate limits the operator
+//! set). The operator makes and deletes them and sees every one; any other
+//! key sees its own only (another is a 404, as if it did not exist).
 
+use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
-use axum::Json;
-use serde::Serialize;
+use axum::http::StatusCode;
+use axum::{Extension, Json};
+use cove_engine::{Caller, EngineError, OrganizationRecord};
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use crate::api_keys::USER_ID;
 use crate::billing::check_organization;
-use crate::dto::{rfc3339, ORGANIZATION_ID, TARGET};
+use crate::dto::rfc3339;
 use crate::{ApiError, AppState};
 
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct Organization {
-    id: &'static str,
-    name: &'static str,
+    id: String,
+    name: String,
     created_by: &'static str,
     personal: bool,
     created_at: String,
@@ -37,7 +40,7 @@ pub(crate) struct Organization {
     sandbox_limited_network_egress: bool,
     preview_warning_enabled: bool,
     sso_enabled: bool,
-    default_region_id: &'static str,
+    default_region_id: String,
     authenticated_rate_limit: Option<u64>,
     authenticated_rate_limit_ttl_seconds: Option<u64>,
     sandbox_create_rate_limit: Option<u64>,
@@ -48,16 +51,19 @@ pub(crate) struct Organization {
     otel_config: Option<Value>,
 }
 
-async fn organization(state: &AppState) -> Result<Organization, ApiError> {
+async fn organization(
+    state: &AppState,
+    record: OrganizationRecord,
+) -> Result<Organization, ApiError> {
     let billing = state.engine.billing();
-    let region = billing.region_quota().await?;
-    let limits = billing.organization_quota().await?;
+    let region = billing.region_quota(&record.id).await?;
+    let limits = billing.organization_quota(&record.id).await?;
     let server = &state.engine.config().ceilings;
-    let at = rfc3339(state.started_at_ms);
-    let updated = rfc3339(region.updated_at_ms.max(state.started_at_ms));
+    let at = rfc3339(record.created_at_ms);
+    let updated = rfc3339(region.updated_at_ms.max(record.updated_at_ms));
     Ok(Organization {
-        id: ORGANIZATION_ID,
-        name: ORGANIZATION_ID,
+        id: record.id,
+        name: record.name,
         created_by: USER_ID,
         personal: false,
         created_at: at,
@@ -85,7 +91,7 @@ async fn organization(state: &AppState) -> Result<Organization, ApiError> {
         sandbox_limited_network_egress: false,
         preview_warning_enabled: false,
         sso_enabled: false,
-        default_region_id: TARGET,
+        default_region_id: record.default_region_id,
         authenticated_rate_limit: limits.authenticated.map(|l| l.requests),
         authenticated_rate_limit_ttl_seconds: limits.authenticated.map(|l| l.window_seconds),
         sandbox_create_rate_limit: limits.sandbox_create.map(|l| l.requests),
@@ -99,18 +105,72 @@ async fn organization(state: &AppState) -> Result<Organization, ApiError> {
     })
 }
 
-/// `GET /api/organizations`: the server's one organization.
+/// `GET /api/organizations`: every organization for the operator, the
+/// key's own for any other key.
 pub(crate) async fn list(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
 ) -> Result<Json<Vec<Organization>>, ApiError> {
-    Ok(Json(vec![organization(&state).await?]))
+    let mut listed = Vec::new();
+    for record in state.engine.organizations().list().await? {
+        if caller.operator || record.id == caller.organization_id {
+            listed.push(organization(&state, record).await?);
+        }
+    }
+    Ok(Json(listed))
 }
 
 /// `GET /api/organizations/{organizationId}`.
 pub(crate) async fn get(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
 ) -> Result<Json<Organization>, ApiError> {
-    check_organization(&id)?;
-    Ok(Json(organization(&state).await?))
+    check_organization(&state, &caller, &id).await?;
+    let record = state.engine.organizations().get(&id).await?;
+    Ok(Json(organization(&state, record).await?))
+}
+
+/// `CreateOrganization`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct CreateOrganization {
+    name: String,
+    default_region_id: Option<String>,
+}
+
+/// `POST /api/organizations` (the operator's): 201 with the new
+/// organization. Its keys are made with `X-Daytona-Organization-ID` naming it.
+pub(crate) async fn create(
+    State(state): State<AppState>,
+    body: Result<Json<CreateOrganization>, JsonRejection>,
+) -> Result<(StatusCode, Json<Organization>), ApiError> {
+    let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let record = state
+        .engine
+        .organizations()
+        .create(&request.name, request.default_region_id.as_deref())
+        .await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(organization(&state, record).await?),
+    ))
+}
+
+/// `DELETE /api/organizations/{organizationId}` (the operator's): 204, with
+/// its keys, registries and quotas; 409 while it owns sandboxes, snapshots
+/// or volumes, and for the default organization.
+pub(crate) async fn delete(
+    State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    if !caller.operator {
+        // The permission table lets only the operator here; a key of the
+        // organization itself is told no more than that.
+        return Err(EngineError::OrganizationNotFound { id }.into());
+    }
+    state.engine.organizations().delete(&id).await?;
+    state.engine.access().forget_api_keys();
+    Ok(StatusCode::NO_CONTENT)
 }

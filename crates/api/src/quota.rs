@@ -12,8 +12,10 @@
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
-use axum::Json;
-use cove_engine::{OrganizationQuotaRecord, QuotaChange, RateLimit, RegionQuotaRecord, REGION_ID};
+use axum::{Extension, Json};
+use cove_engine::{
+    Caller, OrganizationQuotaRecord, QuotaChange, RateLimit, RegionQuotaRecord, REGION_ID,
+};
 use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::billing::check_organization;
@@ -64,10 +66,11 @@ impl UpdateRegionQuota {
 /// `PATCH /api/admin/organizations/{organizationId}/quota/{regionId}`: 204.
 pub(crate) async fn update(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path((organization, region)): Path<(String, String)>,
     body: Result<Json<UpdateRegionQuota>, JsonRejection>,
 ) -> Result<StatusCode, ApiError> {
-    check_organization(&organization)?;
+    check_organization(&state, &caller, &organization).await?;
     if region != REGION_ID {
         return Err(ApiError::new(
             StatusCode::NOT_FOUND,
@@ -78,7 +81,7 @@ pub(crate) async fn update(
     state
         .engine
         .billing()
-        .update_region_quota(&body.change()?)
+        .update_region_quota(&organization, &body.change()?)
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -237,16 +240,21 @@ impl UpdateOrganizationQuota {
 /// `PATCH /api/organizations/{organizationId}/quota`: 204.
 pub(crate) async fn update_organization(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(organization): Path<String>,
     body: Result<Json<UpdateOrganizationQuota>, JsonRejection>,
 ) -> Result<StatusCode, ApiError> {
-    check_organization(&organization)?;
+    check_organization(&state, &caller, &organization).await?;
     let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let billing = state.engine.billing();
-    let mut quota = billing.organization_quota().await?;
+    let mut quota = billing.organization_quota(&organization).await?;
     let ceilings = body.apply(&mut quota)?;
-    billing.update_region_quota(&ceilings).await?;
-    billing.set_organization_quota(&quota).await?;
+    billing
+        .update_region_quota(&organization, &ceilings)
+        .await?;
+    billing
+        .set_organization_quota(&organization, &quota)
+        .await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -292,9 +300,10 @@ pub(crate) struct UsageOverview {
 /// `GET /api/organizations/{organizationId}/usage`.
 pub(crate) async fn usage(
     State(state): State<AppState>,
+    Extension(caller): Extension<Caller>,
     Path(organization): Path<String>,
 ) -> Result<Json<UsageOverview>, ApiError> {
-    check_organization(&organization)?;
+    check_organization(&state, &caller, &organization).await?;
     let billing = state.engine.billing();
     let RegionQuotaRecord {
         total_cpu,
@@ -305,9 +314,9 @@ pub(crate) async fn usage(
         max_memory_per_sandbox,
         max_disk_per_sandbox,
         ..
-    } = billing.region_quota().await?;
-    let (now, snapshots, volumes) = billing.usage().await?;
-    let organization = billing.organization_quota().await?;
+    } = billing.region_quota(&organization).await?;
+    let (now, snapshots, volumes) = billing.usage(&organization).await?;
+    let organization = billing.organization_quota(&organization).await?;
     Ok(Json(UsageOverview {
         region_usage: vec![RegionUsage {
             region_id: REGION_ID,

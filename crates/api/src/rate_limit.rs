@@ -71,16 +71,25 @@ fn kinds(method: &Method, route: &str) -> Vec<Kind> {
 /// counts until it ends.
 #[derive(Debug, Default)]
 pub(crate) struct RateLimiter {
-    windows: Mutex<HashMap<Kind, (Instant, u64)>>,
+    /// By organization and kind.
+    windows: Mutex<HashMap<(String, Kind), (Instant, u64)>>,
 }
 
 impl RateLimiter {
-    /// Counts one request of `kind` at `now` under `limit`, or says how long
-    /// until its window ends.
-    fn take(&self, kind: Kind, limit: RateLimit, now: Instant) -> Result<(), Duration> {
+    /// Counts one request of `kind` by `organization` at `now` under
+    /// `limit`, or says how long until its window ends.
+    fn take(
+        &self,
+        organization: &str,
+        kind: Kind,
+        limit: RateLimit,
+        now: Instant,
+    ) -> Result<(), Duration> {
         let window = Duration::from_secs(limit.window_seconds.max(1));
         let mut windows = self.windows.lock().unwrap();
-        let (started, count) = windows.entry(kind).or_insert((now, 0));
+        let (started, count) = windows
+            .entry((organization.to_owned(), kind))
+            .or_insert((now, 0));
         if now.duration_since(*started) >= window {
             (*started, *count) = (now, 0);
         }
@@ -95,19 +104,26 @@ impl RateLimiter {
 /// Refuses a request past one of the organization's rate limits. Runs inside
 /// the key layer, on matched routes.
 pub(crate) async fn check(State(state): State<AppState>, request: Request, next: Next) -> Response {
-    let operator = request
+    let caller = request
         .extensions()
         .get::<Caller>()
-        .is_none_or(|caller| caller.operator);
+        .filter(|caller| !caller.operator)
+        .cloned();
     let route = request
         .extensions()
         .get::<MatchedPath>()
         .map_or("", MatchedPath::as_str);
     let kinds = kinds(request.method(), route);
-    if operator || kinds.is_empty() {
+    let Some(caller) = caller.filter(|_| !kinds.is_empty()) else {
         return next.run(request).await;
-    }
-    let quota = match state.engine.billing().organization_quota().await {
+    };
+    let organization = &caller.organization_id;
+    let quota = match state
+        .engine
+        .billing()
+        .organization_quota(organization)
+        .await
+    {
         Ok(quota) => quota,
         Err(error) => return ApiError::from(error).into_response(),
     };
@@ -116,7 +132,7 @@ pub(crate) async fn check(State(state): State<AppState>, request: Request, next:
         let Some(limit) = kind.limit(&quota) else {
             continue;
         };
-        if let Err(wait) = state.rate_limiter.take(kind, limit, now) {
+        if let Err(wait) = state.rate_limiter.take(organization, kind, limit, now) {
             let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
             let mut response = ApiError::new(
                 StatusCode::TOO_MANY_REQUESTS,
@@ -184,19 +200,30 @@ mod tests {
             window_seconds: 10,
         };
         let t0 = Instant::now();
-        limiter.take(Kind::SandboxCreate, limit, t0).unwrap();
+        limiter.take("a", Kind::SandboxCreate, limit, t0).unwrap();
         limiter
-            .take(Kind::SandboxCreate, limit, t0 + Duration::from_secs(1))
+            .take("a", Kind::SandboxCreate, limit, t0 + Duration::from_secs(1))
             .unwrap();
         let wait = limiter
-            .take(Kind::SandboxCreate, limit, t0 + Duration::from_secs(4))
+            .take("a", Kind::SandboxCreate, limit, t0 + Duration::from_secs(4))
             .unwrap_err();
         assert_eq!(wait, Duration::from_secs(6));
         // Other kinds have windows of their own.
-        limiter.take(Kind::SandboxLifecycle, limit, t0).unwrap();
+        limiter
+            .take("a", Kind::SandboxLifecycle, limit, t0)
+            .unwrap();
+        // Other organizations have windows of their own.
+        limiter
+            .take("b", Kind::SandboxCreate, limit, t0 + Duration::from_secs(4))
+            .unwrap();
         // A new window starts when the old one ends.
         limiter
-            .take(Kind::SandboxCreate, limit, t0 + Duration::from_secs(10))
+            .take(
+                "a",
+                Kind::SandboxCreate,
+                limit,
+                t0 + Duration::from_secs(10),
+            )
             .unwrap();
     }
 }

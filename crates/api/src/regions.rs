@@ -7,7 +7,7 @@ use axum::extract::State;
 use axum::Json;
 use serde::Serialize;
 
-use crate::dto::{rfc3339, ORGANIZATION_ID, TARGET};
+use crate::dto::{rfc3339, DEFAULT_ORGANIZATION, TARGET};
 use crate::{ApiError, AppState};
 
 /// A region as the SDK's `Region` reads it.
@@ -29,7 +29,7 @@ pub(crate) async fn list(State(state): State<AppState>) -> Json<Vec<Region>> {
     Json(vec![Region {
         id: TARGET,
         name: TARGET,
-        organization_id: ORGANIZATION_ID,
+        organization_id: DEFAULT_ORGANIZATION,
         region_type: "shared",
         created_at: since.clone(),
         updated_at: since,

@@ -5,6 +5,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::Json;
 use cove_engine::{SandboxRecord, SettingChange};
 
+use crate::auth::Tenant;
 use crate::dto::{CreateSandboxRequest, Labels, Sandbox, SandboxList, Url};
 use crate::list_filter::SandboxFilter;
 use crate::{ApiError, AppState};
@@ -45,6 +46,7 @@ pub(crate) type Reply = Result<Json<Sandbox>, ApiError>;
 
 pub(crate) async fn create(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     body: Result<Json<CreateSandboxRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Reply {
@@ -56,20 +58,17 @@ pub(crate) async fn create(
             format!("{what} is not implemented by cove yet"),
         ));
     }
-    let record = state
-        .engine
-        .sandboxes()
-        .create(request.into_engine())
-        .await?;
+    let record = tenant.sandboxes().create(request.into_engine()).await?;
     Ok(dto(&state, &headers, record))
 }
 
 pub(crate) async fn get(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.sandboxes().get(&id).await?;
+    let record = tenant.sandboxes().get(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
@@ -79,6 +78,7 @@ pub(crate) async fn get(
 /// sandbox.
 pub(crate) async fn list(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     RawQuery(query): RawQuery,
 ) -> Result<Json<SandboxList>, ApiError> {
@@ -110,8 +110,7 @@ pub(crate) async fn list(
         }
     }
     let order = crate::sort::sandbox_order(sort.as_deref(), order.as_deref())?;
-    let matching: Vec<SandboxRecord> = state
-        .engine
+    let matching: Vec<SandboxRecord> = tenant
         .sandboxes()
         .list_ordered(order)
         .await?
@@ -132,48 +131,51 @@ pub(crate) async fn list(
 
 pub(crate) async fn start(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.sandboxes().start(&id).await?;
+    let record = tenant.sandboxes().start(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
 pub(crate) async fn stop(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.sandboxes().stop(&id).await?;
+    let record = tenant.sandboxes().stop(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
 pub(crate) async fn recover(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.sandboxes().recover(&id).await?;
+    let record = tenant.sandboxes().recover(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
 pub(crate) async fn delete(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Reply {
-    let record = state.engine.sandboxes().delete(&id).await?;
+    let record = tenant.sandboxes().delete(&id).await?;
     Ok(dto(&state, &headers, record))
 }
 
 pub(crate) async fn replace_labels(
-    State(state): State<AppState>,
+    tenant: Tenant,
     Path(id): Path<String>,
     body: Result<Json<Labels>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<Labels>, ApiError> {
     let Json(Labels { labels }) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let record = state
-        .engine
+    let record = tenant
         .sandboxes()
         .change(&id, SettingChange::Labels(labels))
         .await?;
@@ -190,68 +192,109 @@ fn minutes(value: &str) -> Result<i64, ApiError> {
     })
 }
 
-async fn change(state: AppState, headers: HeaderMap, id: String, change: SettingChange) -> Reply {
-    let record = state.engine.sandboxes().change(&id, change).await?;
+async fn change(
+    state: AppState,
+    tenant: Tenant,
+    headers: HeaderMap,
+    id: String,
+    change: SettingChange,
+) -> Reply {
+    let record = tenant.sandboxes().change(&id, change).await?;
     Ok(dto(&state, &headers, record))
 }
 
 pub(crate) async fn set_auto_stop(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path((id, m)): Path<(String, String)>,
 ) -> Reply {
-    change(state, headers, id, SettingChange::AutoStop(minutes(&m)?)).await
+    change(
+        state,
+        tenant,
+        headers,
+        id,
+        SettingChange::AutoStop(minutes(&m)?),
+    )
+    .await
 }
 
 pub(crate) async fn set_auto_pause(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path((id, m)): Path<(String, String)>,
 ) -> Reply {
-    change(state, headers, id, SettingChange::AutoPause(minutes(&m)?)).await
+    change(
+        state,
+        tenant,
+        headers,
+        id,
+        SettingChange::AutoPause(minutes(&m)?),
+    )
+    .await
 }
 
 pub(crate) async fn set_auto_archive(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path((id, m)): Path<(String, String)>,
 ) -> Reply {
-    change(state, headers, id, SettingChange::AutoArchive(minutes(&m)?)).await
+    change(
+        state,
+        tenant,
+        headers,
+        id,
+        SettingChange::AutoArchive(minutes(&m)?),
+    )
+    .await
 }
 
 pub(crate) async fn set_auto_delete(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path((id, m)): Path<(String, String)>,
 ) -> Reply {
-    change(state, headers, id, SettingChange::AutoDelete(minutes(&m)?)).await
+    change(
+        state,
+        tenant,
+        headers,
+        id,
+        SettingChange::AutoDelete(minutes(&m)?),
+    )
+    .await
 }
 
 pub(crate) async fn set_ttl(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path((id, m)): Path<(String, String)>,
 ) -> Reply {
-    change(state, headers, id, SettingChange::Ttl(minutes(&m)?)).await
+    change(state, tenant, headers, id, SettingChange::Ttl(minutes(&m)?)).await
 }
 
 pub(crate) async fn set_public(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path((id, public)): Path<(String, String)>,
 ) -> Reply {
     let public = public.parse().map_err(|_| {
         ApiError::bad_request(format!("public must be true or false, got {public:?}"))
     })?;
-    change(state, headers, id, SettingChange::Public(public)).await
+    change(state, tenant, headers, id, SettingChange::Public(public)).await
 }
 
 pub(crate) async fn toolbox_proxy_url(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<Url>, ApiError> {
-    state.engine.sandboxes().get(&id).await?;
+    tenant.sandboxes().get(&id).await?;
     Ok(Json(Url {
         url: toolbox_base(&state, &headers),
     }))

@@ -6,7 +6,7 @@ use axum::Json;
 use cove_engine::{ImageSnapshotRequest, SnapshotRecord};
 use serde::{Deserialize, Serialize};
 
-use crate::dto::{rfc3339, ORGANIZATION_ID};
+use crate::dto::rfc3339;
 use crate::sandbox::{dto, Reply};
 use crate::{ApiError, AppState};
 
@@ -15,7 +15,7 @@ use crate::{ApiError, AppState};
 #[serde(rename_all = "camelCase")]
 pub(crate) struct Snapshot {
     id: String,
-    organization_id: &'static str,
+    organization_id: String,
     general: bool,
     name: String,
     state: &'static str,
@@ -47,7 +47,7 @@ impl From<SnapshotRecord> for Snapshot {
             .collect();
         Snapshot {
             id: s.id,
-            organization_id: ORGANIZATION_ID,
+            organization_id: s.organization_id,
             general: s.general,
             name: s.name,
             state: s.state.as_str(),
@@ -85,7 +85,7 @@ pub(crate) struct PageQuery {
 }
 
 pub(crate) async fn list(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Query(query): Query<PageQuery>,
 ) -> Result<Json<SnapshotPage>, ApiError> {
     let page = query.page.unwrap_or(1);
@@ -93,7 +93,7 @@ pub(crate) async fn list(
     if page == 0 || limit == 0 {
         return Err(ApiError::bad_request("page and limit start at 1"));
     }
-    let mut all = state.engine.snapshots().list().await?;
+    let mut all = tenant.snapshots().list().await?;
     crate::sort::sort_snapshots(&mut all, query.sort.as_deref(), query.order.as_deref())?;
     let total = all.len();
     let items = all
@@ -111,26 +111,27 @@ pub(crate) async fn list(
 }
 
 pub(crate) async fn get(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
-    Ok(Json(state.engine.snapshots().get(&id).await?.into()))
+    Ok(Json(tenant.snapshots().get(&id).await?.into()))
 }
 
 pub(crate) async fn delete(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
-    Ok(Json(state.engine.snapshots().delete(&id).await?.into()))
+    Ok(Json(tenant.snapshots().delete(&id).await?.into()))
 }
 
 /// `GET /snapshots/{id}/build-logs-url`: where the SDK reads the build log.
 pub(crate) async fn build_logs_url(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
 ) -> Result<Json<crate::dto::Url>, ApiError> {
-    let snapshot = state.engine.snapshots().get(&id).await?;
+    let snapshot = tenant.snapshots().get(&id).await?;
     Ok(Json(crate::dto::Url {
         url: format!(
             "{}/api/snapshots/{}/build-logs",
@@ -149,11 +150,11 @@ pub(crate) struct FollowQuery {
 /// `GET /snapshots/{id}/build-logs[?follow=true]`: the build log as text, one
 /// line per line; with `follow` the answer streams until the build ends.
 pub(crate) async fn build_logs(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(id): Path<String>,
     Query(query): Query<FollowQuery>,
 ) -> Result<axum::response::Response, ApiError> {
-    let log = state.engine.snapshots().build_log(&id).await?;
+    let log = tenant.snapshots().build_log(&id).await?;
     let text_plain = [(
         axum::http::header::CONTENT_TYPE,
         "text/plain; charset=utf-8",
@@ -187,18 +188,18 @@ pub(crate) async fn build_logs(
 
 /// `POST /snapshots/{id}/activate`
 pub(crate) async fn activate(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(id): Path<String>,
 ) -> Result<Json<Snapshot>, ApiError> {
-    Ok(Json(state.engine.snapshots().activate(&id).await?.into()))
+    Ok(Json(tenant.snapshots().activate(&id).await?.into()))
 }
 
 /// `POST /snapshots/{id}/deactivate`: 204, as Daytona answers.
 pub(crate) async fn deactivate(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(id): Path<String>,
 ) -> Result<axum::http::StatusCode, ApiError> {
-    state.engine.snapshots().deactivate(&id).await?;
+    tenant.snapshots().deactivate(&id).await?;
     Ok(axum::http::StatusCode::NO_CONTENT)
 }
 
@@ -221,7 +222,7 @@ pub(crate) struct CreateSnapshotRequest {
 /// `POST /snapshots`: pulls (or builds) the image, then answers the snapshot,
 /// `active`.
 pub(crate) async fn create(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     body: Result<Json<CreateSnapshotRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<Snapshot>, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
@@ -249,8 +250,7 @@ pub(crate) async fn create(
             ))
         })?),
     };
-    let snapshot = state
-        .engine
+    let snapshot = tenant
         .snapshots()
         .create_image_snapshot(ImageSnapshotRequest {
             name: request.name,
@@ -283,12 +283,11 @@ pub(crate) struct ImportRequest {
 /// and a symbolic link on the way, is refused with 400 naming that
 /// directory.
 pub(crate) async fn import(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     body: Result<Json<ImportRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Result<Json<Snapshot>, ApiError> {
     let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let snapshot = state
-        .engine
+    let snapshot = tenant
         .snapshots()
         .import_image_snapshot(&request.name, std::path::Path::new(&request.path))
         .await?;
@@ -306,13 +305,13 @@ pub(crate) struct SnapshotRequest {
 /// `POST /sandbox/{id}/snapshot`
 pub(crate) async fn take(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
     body: Result<Json<SnapshotRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Reply {
     let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let record = state
-        .engine
+    let record = tenant
         .sandboxes()
         .snapshot(&id, &request.name, request.include_memory)
         .await?;
@@ -327,15 +326,12 @@ pub(crate) struct RevertRequest {
 /// `POST /sandbox/{id}/revert` (a cove extension): rewind to a snapshot taken from it.
 pub(crate) async fn revert(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
     body: Result<Json<RevertRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Reply {
     let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let record = state
-        .engine
-        .sandboxes()
-        .revert(&id, &request.snapshot)
-        .await?;
+    let record = tenant.sandboxes().revert(&id, &request.snapshot).await?;
     Ok(dto(&state, &headers, record))
 }

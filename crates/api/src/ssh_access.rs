@@ -8,6 +8,7 @@ use axum::Json;
 use cove_engine::IssuedSshAccess;
 use serde::Serialize;
 
+use crate::auth::Tenant;
 use crate::dto::rfc3339;
 use crate::sandbox::{dto, Reply};
 use crate::{ApiError, AppState};
@@ -72,6 +73,7 @@ fn host_of(authority: &str) -> &str {
 /// `POST /sandbox/{id}/ssh-access?expiresInMinutes=N`
 pub(crate) async fn create(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
     RawQuery(query): RawQuery,
@@ -90,6 +92,7 @@ pub(crate) async fn create(
             ))
         })?),
     };
+    let id = tenant.sandboxes().get(&id).await?.id;
     let IssuedSshAccess { token, record } = state
         .engine
         .access()
@@ -124,11 +127,13 @@ fn parse_minutes(text: &str) -> Option<i64> {
 /// `DELETE /sandbox/{id}/ssh-access[?token=T]`: one token, or all of the sandbox's.
 pub(crate) async fn revoke(
     State(state): State<AppState>,
+    tenant: Tenant,
     headers: HeaderMap,
     Path(id): Path<String>,
     RawQuery(query): RawQuery,
 ) -> Reply {
     let token = query_param(&query, "token").filter(|t| !t.is_empty());
+    let id = tenant.sandboxes().get(&id).await?.id;
     let record = state
         .engine
         .access()
@@ -137,14 +142,21 @@ pub(crate) async fn revoke(
     Ok(dto(&state, &headers, record))
 }
 
-/// `GET /sandbox/ssh-access/validate?token=T`
+/// `GET /sandbox/ssh-access/validate?token=T`: valid only for a sandbox of
+/// the request's organization.
 pub(crate) async fn validate(
     State(state): State<AppState>,
+    tenant: Tenant,
     RawQuery(query): RawQuery,
 ) -> Result<Json<SshAccessValidation>, ApiError> {
     let token =
         query_param(&query, "token").ok_or_else(|| ApiError::bad_request("token is required"))?;
-    let sandbox = state.engine.access().validate_ssh_access(&token).await?;
+    let mut sandbox = state.engine.access().validate_ssh_access(&token).await?;
+    if let Some(id) = &sandbox {
+        if tenant.sandboxes().get(id).await.is_err() {
+            sandbox = None;
+        }
+    }
     Ok(Json(SshAccessValidation {
         valid: sandbox.is_some(),
         sandbox_id: sandbox.unwrap_or_default(),

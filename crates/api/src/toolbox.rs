@@ -41,30 +41,33 @@ impl AgentClient {
 
 pub(crate) async fn proxy_root(
     state: State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(id): Path<String>,
     request: Request,
 ) -> Response {
-    forward(state, id, request)
+    forward(state, tenant, id, request)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
 pub(crate) async fn proxy(
     state: State<AppState>,
+    tenant: crate::auth::Tenant,
     Path((id, _)): Path<(String, String)>,
     request: Request,
 ) -> Response {
-    forward(state, id, request)
+    forward(state, tenant, id, request)
         .await
         .unwrap_or_else(IntoResponse::into_response)
 }
 
 async fn forward(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     id: String,
     request: Request,
 ) -> Result<Response, ApiError> {
-    let (id, endpoint) = state.engine.sandboxes().toolbox(&id).await?;
+    let (id, endpoint) = tenant.sandboxes().toolbox(&id).await?;
     let AgentEndpoint::Unix(socket) = endpoint;
     let id = SandboxId::parse(&id).map_err(|e| ApiError::bad_request(e.to_string()))?;
     state.toolbox.sockets.set(&id, socket);

@@ -1,13 +1,13 @@
 //! Handlers of `/api/volumes`: volumes that outlive sandboxes.
 
-use axum::extract::{Path, State};
+use axum::extract::Path;
 use axum::http::StatusCode;
 use axum::Json;
 use cove_engine::VolumeRecord;
 use serde::{Deserialize, Serialize};
 
-use crate::dto::{rfc3339, ORGANIZATION_ID};
-use crate::{ApiError, AppState};
+use crate::dto::rfc3339;
+use crate::ApiError;
 
 /// A volume as the SDK's `VolumeDto` reads it. A cove volume is a directory
 /// made at once, so it is `ready` from its creation.
@@ -16,7 +16,7 @@ use crate::{ApiError, AppState};
 pub(crate) struct Volume {
     id: String,
     name: String,
-    organization_id: &'static str,
+    organization_id: String,
     state: &'static str,
     created_at: String,
     updated_at: String,
@@ -29,7 +29,7 @@ impl From<VolumeRecord> for Volume {
         Volume {
             id: v.id,
             name: v.name,
-            organization_id: ORGANIZATION_ID,
+            organization_id: v.organization_id,
             state: "ready",
             created_at: rfc3339(v.created_at_ms),
             updated_at: rfc3339(v.updated_at_ms),
@@ -45,38 +45,36 @@ pub(crate) struct CreateVolume {
 }
 
 pub(crate) async fn create(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Json(request): Json<CreateVolume>,
 ) -> Result<Json<Volume>, ApiError> {
-    Ok(Json(
-        state.engine.volumes().create(&request.name).await?.into(),
-    ))
+    Ok(Json(tenant.volumes().create(&request.name).await?.into()))
 }
 
-pub(crate) async fn list(State(state): State<AppState>) -> Result<Json<Vec<Volume>>, ApiError> {
-    let volumes = state.engine.volumes().list().await?;
+pub(crate) async fn list(tenant: crate::auth::Tenant) -> Result<Json<Vec<Volume>>, ApiError> {
+    let volumes = tenant.volumes().list().await?;
     Ok(Json(volumes.into_iter().map(Volume::from).collect()))
 }
 
 /// By id (or, as cove allows everywhere, by name).
 pub(crate) async fn get(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(id): Path<String>,
 ) -> Result<Json<Volume>, ApiError> {
-    Ok(Json(state.engine.volumes().get(&id).await?.into()))
+    Ok(Json(tenant.volumes().get(&id).await?.into()))
 }
 
 pub(crate) async fn get_by_name(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(name): Path<String>,
 ) -> Result<Json<Volume>, ApiError> {
-    Ok(Json(state.engine.volumes().get(&name).await?.into()))
+    Ok(Json(tenant.volumes().get(&name).await?.into()))
 }
 
 pub(crate) async fn delete(
-    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path(id): Path<String>,
 ) -> Result<StatusCode, ApiError> {
-    state.engine.volumes().delete(&id).await?;
+    tenant.volumes().delete(&id).await?;
     Ok(StatusCode::OK)
 }

@@ -43,6 +43,7 @@ async fn api_in(dir: tempfile::TempDir, tls_port: Option<u16>) -> (Api, Engine) 
     ]);
     let engine_config = EngineConfig {
         build_contexts_dir: Some(dir.path().join("contexts")),
+        volumes_dir: Some(dir.path().join("volumes")),
         ..EngineConfig::default()
     };
     let engine = Engine::new(engine_config, store, runtimes);
@@ -72,6 +73,41 @@ async fn api_in(dir: tempfile::TempDir, tls_port: Option<u16>) -> (Api, Engine) 
 }
 
 impl Api {
+    /// Makes a key of organization `organization` (with the operator's)
+    /// named `name` with `permissions`; its value.
+    async fn key_in(&self, organization: &str, name: &str, permissions: Value) -> String {
+        let body = json!({"name": name, "permissions": permissions});
+        let (status, made) = self
+            .call_in(organization, "POST", "/api/api-keys", Some(body))
+            .await;
+        assert_eq!(status, StatusCode::CREATED, "{made}");
+        made["value"].as_str().unwrap().to_owned()
+    }
+
+    /// A call by the operator acting in `organization`.
+    async fn call_in(
+        &self,
+        organization: &str,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        self.request(method, path, body, Some(KEY), Some(organization))
+            .await
+    }
+
+    /// A bodiless call with `key` naming `organization` in its header.
+    async fn call_in_with_key(
+        &self,
+        organization: &str,
+        key: &str,
+        method: &str,
+        path: &str,
+    ) -> (StatusCode, Value) {
+        self.request(method, path, None, Some(key), Some(organization))
+            .await
+    }
+
     /// Makes a key (with the operator's) named `name` with `permissions`;
     /// its value.
     async fn key(&self, name: &str, permissions: Value) -> String {
@@ -92,12 +128,26 @@ impl Api {
         body: Option<Value>,
         key: Option<&str>,
     ) -> (StatusCode, Value) {
+        self.request(method, path, body, key, None).await
+    }
+
+    async fn request(
+        &self,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+        key: Option<&str>,
+        organization: Option<&str>,
+    ) -> (StatusCode, Value) {
         let mut request = Request::builder()
             .method(method)
             .uri(path)
             .header("host", "cove.test:3000");
         if let Some(key) = key {
             request = request.header("authorization", format!("Bearer {key}"));
+        }
+        if let Some(organization) = organization {
+            request = request.header("x-daytona-organization-id", organization);
         }
         let request = match body {
             Some(body) => request
@@ -1836,7 +1886,7 @@ async fn snapshots_past_the_snapshot_quota_are_refused_before_anything_is_captur
 }
 
 #[tokio::test]
-async fn the_one_organization_reads_back_with_its_limits_and_no_other_can_be_made() {
+async fn the_operator_makes_organizations_that_read_back_with_their_limits() {
     let api = api().await;
     api.call(
         "PATCH",
@@ -1844,12 +1894,8 @@ async fn the_one_organization_reads_back_with_its_limits_and_no_other_can_be_mad
         Some(json!({"maxCpuPerSandbox": 2, "sandboxLifecycleRateLimit": 10})),
     )
     .await;
-    let (status, listed) = api.call("GET", "/api/organizations", None).await;
-    assert_eq!(status, StatusCode::OK, "{listed}");
-    assert_eq!(listed.as_array().unwrap().len(), 1);
     let (status, org) = api.call("GET", "/api/organizations/cove", None).await;
     assert_eq!(status, StatusCode::OK);
-    assert_eq!(org, listed[0]);
     assert_eq!(org["id"], "cove");
     assert_eq!(org["defaultRegionId"], "local");
     assert_eq!(org["maxCpuPerSandbox"], 2);
@@ -1860,16 +1906,232 @@ async fn the_one_organization_reads_back_with_its_limits_and_no_other_can_be_mad
     assert_eq!(org["authenticatedRateLimit"], Value::Null);
     let (status, _) = api.call("GET", "/api/organizations/other", None).await;
     assert_eq!(status, StatusCode::NOT_FOUND);
+
+    let (status, team) = api
+        .call("POST", "/api/organizations", Some(json!({"name": "team"})))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{team}");
+    assert_eq!(team["name"], "team");
+    // Its own limits: none of the default organization's.
+    assert_eq!(team["sandboxLifecycleRateLimit"], Value::Null);
+    let team_id = team["id"].as_str().unwrap().to_owned();
     let (status, body) = api
         .call("POST", "/api/organizations", Some(json!({"name": "team"})))
         .await;
-    assert_eq!(status, StatusCode::NOT_IMPLEMENTED, "{body}");
-    assert_eq!(
-        message(&body),
-        "POST /organizations is not implemented by cove yet"
-    );
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    let (status, body) = api
+        .call(
+            "POST",
+            "/api/organizations",
+            Some(json!({"name": "x", "defaultRegionId": "eu"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{body}");
+    let (_, listed) = api.call("GET", "/api/organizations", None).await;
+    assert_eq!(listed.as_array().unwrap().len(), 2);
+
+    // A key of the team sees its own organization only, and may not make one.
+    let key = api
+        .key_in(&team_id, "team-key", json!(["manage:api_keys"]))
+        .await;
+    let (_, listed) = api
+        .call_with_key("GET", "/api/organizations", None, Some(&key))
+        .await;
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    assert_eq!(listed[0]["id"], team_id.as_str());
+    let (status, _) = api
+        .call_with_key("GET", "/api/organizations/cove", None, Some(&key))
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _) = api
+        .call_with_key(
+            "POST",
+            "/api/organizations",
+            Some(json!({"name": "mine"})),
+            Some(&key),
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+    // Its keys are its own: the default organization lists none of them.
+    let (_, keys) = api.call("GET", "/api/api-keys", None).await;
+    assert!(!keys.to_string().contains("team-key"), "{keys}");
+
+    // The default organization stays; an empty one goes with its keys.
     let (status, body) = api.call("DELETE", "/api/organizations/cove", None).await;
-    assert_eq!(status, StatusCode::NOT_IMPLEMENTED, "{body}");
+    assert_eq!(status, StatusCode::CONFLICT, "{body}");
+    let (status, _) = api
+        .call("DELETE", &format!("/api/organizations/{team_id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, _) = api
+        .call_with_key("GET", "/api/sandbox", None, Some(&key))
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn another_organizations_sandbox_is_a_404_on_every_route() {
+    let api = api().await;
+    let (_, team) = api
+        .call("POST", "/api/organizations", Some(json!({"name": "team"})))
+        .await;
+    let team_id = team["id"].as_str().unwrap().to_owned();
+    let all = json!([
+        "write:sandboxes",
+        "delete:sandboxes",
+        "write:snapshots",
+        "delete:snapshots",
+        "read:volumes",
+        "write:volumes",
+        "delete:volumes",
+        "write:registries",
+        "delete:registries"
+    ]);
+    let key = api.key_in(&team_id, "team-all", all).await;
+    let (status, made) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "ours", "labels": {"k": "v"}})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{made}");
+    let id = made["id"].as_str().unwrap().to_owned();
+    let (status, snap) = api
+        .call(
+            "POST",
+            &format!("/api/sandbox/{id}/snapshot"),
+            Some(json!({"name": "snap"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{snap}");
+    let (status, volume) = api
+        .call("POST", "/api/volumes", Some(json!({"name": "vol"})))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{volume}");
+    let registry =
+        json!({"name": "reg", "url": "registry.example", "username": "u", "password": "p"});
+    let (status, registry) = api
+        .call("POST", "/api/docker-registry", Some(registry))
+        .await;
+    assert!(status.is_success(), "{registry}");
+    let (_, snapshots) = api.call("GET", "/api/snapshots", None).await;
+    let snapshot_id = snapshots["items"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == "snap")
+        .map(|s| s["id"].as_str().unwrap().to_owned())
+        .expect("the snapshot is listed");
+
+    // Every route with an id the OpenAPI document describes, by id and by
+    // name, as the team's key: none finds the default organization's
+    // sandbox, snapshot, volume or registry.
+    let (_, doc) = api.call("GET", "/api/openapi.json", None).await;
+    let mut tried = 0;
+    for (path, operations) in doc["paths"].as_object().unwrap() {
+        if !path.contains("{id}") {
+            continue;
+        }
+        let targets = if path.starts_with("/snapshots/") {
+            [snapshot_id.as_str(), "snap"]
+        } else if path.starts_with("/volumes/") {
+            [volume["id"].as_str().unwrap(), "vol"]
+        } else if path.starts_with("/docker-registry/") {
+            [registry["id"].as_str().unwrap(), "reg"]
+        } else {
+            [id.as_str(), "ours"]
+        };
+        for method in operations.as_object().unwrap().keys() {
+            for target in targets {
+                let url = format!("/api{path}")
+                    .replace("{id}", target)
+                    .replace("{minutes}", "5")
+                    .replace("{port}", "3000")
+                    .replace("{public}", "true")
+                    .replace("{token}", "t0ken");
+                let body = (method != "get" && method != "delete").then(|| {
+                    json!({"name": "stolen", "snapshot": "stolen", "labels": {"x": "y"},
+                               "url": "registry.example", "username": "u", "password": "p"})
+                });
+                let (status, answer) = api
+                    .call_with_key(&method.to_uppercase(), &url, body, Some(&key))
+                    .await;
+                assert_eq!(status, StatusCode::NOT_FOUND, "{method} {url}: {answer}");
+                tried += 1;
+            }
+        }
+    }
+    assert!(tried > 40, "only {tried} routes tried");
+    for path in [
+        format!("/toolbox/{id}/files?path=/"),
+        format!("/toolbox/{id}/process/execute"),
+    ] {
+        let (status, _) = api.call_with_key("GET", &path, None, Some(&key)).await;
+        assert_eq!(status, StatusCode::NOT_FOUND, "{path}");
+    }
+    let (_, listed) = api
+        .call_with_key("GET", "/api/sandbox", None, Some(&key))
+        .await;
+    assert_eq!(
+        listed["items"].as_array().map(Vec::len),
+        Some(0),
+        "{listed}"
+    );
+
+    // The operator acting in the team sees none of it either; and the
+    // sandbox is as it was.
+    let (status, _) = api
+        .call_in(&team_id, "GET", &format!("/api/sandbox/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (_, after) = api.call("GET", &format!("/api/sandbox/{id}"), None).await;
+    assert_eq!(after["state"], "started");
+    assert_eq!(after["labels"], json!({"k": "v"}));
+    let (_, forks) = api.call("GET", "/api/sandbox", None).await;
+    assert_eq!(forks["items"].as_array().unwrap().len(), 1, "{forks}");
+    let (_, snapshots) = api.call("GET", "/api/snapshots", None).await;
+    assert!(snapshots.to_string().contains("\"snap\""), "{snapshots}");
+    assert!(!snapshots.to_string().contains("stolen"), "{snapshots}");
+    let (_, volumes) = api.call("GET", "/api/volumes", None).await;
+    assert_eq!(volumes.as_array().unwrap().len(), 1, "{volumes}");
+    let (_, registries) = api.call("GET", "/api/docker-registry", None).await;
+    assert_eq!(registries.as_array().unwrap().len(), 1, "{registries}");
+    // Nor do the team's lists show them.
+    for path in ["/api/snapshots", "/api/volumes", "/api/docker-registry"] {
+        let (_, theirs) = api.call_with_key("GET", path, None, Some(&key)).await;
+        let text = theirs.to_string();
+        assert!(
+            !text.contains("\"snap\"") && !text.contains("\"vol\"") && !text.contains("\"reg\""),
+            "{path}: {text}"
+        );
+    }
+
+    // A name is the team's to use too, and its sandbox is its own.
+    let (status, theirs) = api
+        .call_with_key(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "ours"})),
+            Some(&key),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{theirs}");
+    assert_eq!(theirs["organizationId"], team_id.as_str());
+    let (_, again) = api
+        .call_with_key(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "ours"})),
+            Some(&key),
+        )
+        .await;
+    assert!(message(&again).contains("already exists"), "{again}");
+    // A key of the team naming another organization is refused.
+    let (status, _) = api
+        .call_in_with_key("cove", &key, "GET", "/api/sandbox")
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
 }
 
 #[tokio::test]

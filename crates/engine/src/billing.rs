@@ -9,64 +9,57 @@ use cove_billing::{Bill, Interval, Metered};
 use cove_lifecycle::SandboxState;
 use cove_store::{MeterKind, MeterRecord, OrganizationQuotaRecord, RegionQuotaRecord};
 
-use crate::quota::{QuotaChange, Usage, ORGANIZATION_ID, REGION_ID};
+use crate::quota::{QuotaChange, Usage, REGION_ID};
 use crate::shared::Shared;
 use crate::{now_ms, EngineError};
 
 #[derive(Clone)]
 pub struct Billing {
     shared: Arc<Shared>,
-    /// The organization's rate limits, read from the store once: every API
-    /// request consults them.
-    limits: Arc<tokio::sync::RwLock<Option<OrganizationQuotaRecord>>>,
 }
 
 impl Billing {
     pub(crate) fn new(shared: Arc<Shared>) -> Billing {
-        Billing {
-            shared,
-            limits: Arc::default(),
-        }
+        Billing { shared }
     }
 
-    /// The organization's rate limits and counts (none when never set).
-    pub async fn organization_quota(&self) -> Result<OrganizationQuotaRecord, EngineError> {
-        if let Some(known) = self.limits.read().await.as_ref() {
-            return Ok(known.clone());
-        }
-        let mut cached = self.limits.write().await;
-        let stored = self
-            .shared
-            .store
-            .organization_quota(ORGANIZATION_ID)
-            .await?
-            .unwrap_or_default();
-        *cached = Some(stored.clone());
-        Ok(stored)
+    /// An organization's rate limits and counts (none when never set).
+    pub async fn organization_quota(
+        &self,
+        organization_id: &str,
+    ) -> Result<OrganizationQuotaRecord, EngineError> {
+        self.shared.organization_quota(organization_id).await
     }
 
-    /// Replaces the organization's rate limits and counts.
+    /// Replaces an organization's rate limits and counts.
     pub async fn set_organization_quota(
         &self,
+        organization_id: &str,
         quota: &OrganizationQuotaRecord,
     ) -> Result<(), EngineError> {
-        let mut cached = self.limits.write().await;
         self.shared
-            .store
-            .save_organization_quota(ORGANIZATION_ID, quota, now_ms())
-            .await?;
-        *cached = Some(quota.clone());
-        Ok(())
+            .set_organization_quota(organization_id, quota)
+            .await
     }
 
-    /// The bill of `[from_ms, to_ms)`: what was metered in it up to now.
-    pub async fn bill(&self, from_ms: i64, to_ms: i64) -> Result<Bill, EngineError> {
+    /// The bill of an organization for `[from_ms, to_ms)`: what was metered
+    /// in it up to now.
+    pub async fn bill(
+        &self,
+        organization_id: &str,
+        from_ms: i64,
+        to_ms: i64,
+    ) -> Result<Bill, EngineError> {
         let bad = |reason: String| EngineError::Invalid {
             field: "to",
             reason,
         };
         let records = self.shared.store.meter_intervals(from_ms, to_ms).await?;
-        let intervals: Vec<Interval> = records.into_iter().filter_map(interval).collect();
+        let intervals: Vec<Interval> = records
+            .into_iter()
+            .filter(|r| r.organization_id == organization_id)
+            .filter_map(interval)
+            .collect();
         cove_billing::bill(
             &intervals,
             from_ms,
@@ -77,16 +70,19 @@ impl Billing {
         .map_err(|e| bad(e.0))
     }
 
-    /// The organization's quota in the server's region (no limits when
+    /// An organization's quota in the server's region (no limits when
     /// none was set).
-    pub async fn region_quota(&self) -> Result<RegionQuotaRecord, EngineError> {
+    pub async fn region_quota(
+        &self,
+        organization_id: &str,
+    ) -> Result<RegionQuotaRecord, EngineError> {
         let stored = self
             .shared
             .store
-            .region_quota(ORGANIZATION_ID, REGION_ID)
+            .region_quota(organization_id, REGION_ID)
             .await?;
         Ok(stored.unwrap_or_else(|| RegionQuotaRecord {
-            organization_id: ORGANIZATION_ID.into(),
+            organization_id: organization_id.into(),
             region_id: REGION_ID.into(),
             ..RegionQuotaRecord::default()
         }))
@@ -96,25 +92,30 @@ impl Billing {
     /// next to start is held to it.
     pub async fn update_region_quota(
         &self,
+        organization_id: &str,
         change: &QuotaChange,
     ) -> Result<RegionQuotaRecord, EngineError> {
-        let mut quota = self.region_quota().await?;
+        let mut quota = self.region_quota(organization_id).await?;
         change.apply(&mut quota)?;
         quota.updated_at_ms = now_ms();
         self.shared.store.save_region_quota(&quota).await?;
         Ok(quota)
     }
 
-    /// What the organization's sandboxes use now, and how many snapshots
+    /// What an organization's sandboxes use now, and how many snapshots
     /// and volumes it keeps.
-    pub async fn usage(&self) -> Result<(Usage, usize, usize), EngineError> {
+    pub async fn usage(&self, organization_id: &str) -> Result<(Usage, usize, usize), EngineError> {
+        let ours = |id: &str| id == organization_id;
         let sandboxes = self.shared.store.list_sandboxes().await?;
         let snapshots = self.shared.store.list_snapshots().await?;
         let volumes = self.shared.store.list_volumes().await?;
         Ok((
-            Usage::of(&sandboxes, ""),
-            snapshots.iter().filter(|s| !s.general).count(),
-            volumes.len(),
+            Usage::of(sandboxes.iter().filter(|s| ours(&s.organization_id)), ""),
+            snapshots
+                .iter()
+                .filter(|s| !s.general && ours(&s.organization_id))
+                .count(),
+            volumes.iter().filter(|v| ours(&v.organization_id)).count(),
         ))
     }
 }

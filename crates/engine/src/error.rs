@@ -41,6 +41,13 @@ pub enum EngineError {
         limit: i64,
         message: String,
     },
+    #[error("organization {id} not found")]
+    OrganizationNotFound { id: String },
+    #[error("an organization named {name} already exists")]
+    OrganizationTaken { name: String },
+    /// An organization that cannot be deleted, and why.
+    #[error("{message}")]
+    OrganizationInUse { message: String },
     #[error("API key {name} not found")]
     ApiKeyNotFound { name: String },
     #[error("an API key named {name} already exists")]
@@ -266,6 +273,7 @@ impl EngineError {
             | Self::VolumeNotFound { .. }
             | Self::RegistryNotFound { .. }
             | Self::ApiKeyNotFound { .. }
+            | Self::OrganizationNotFound { .. }
             | Self::SignedPreviewNotFound { .. } => ErrorKind::NotFound,
             Self::Forbidden { .. } | Self::QuotaExceeded { .. } => ErrorKind::Forbidden,
             Self::Invalid { .. }
@@ -283,6 +291,8 @@ impl EngineError {
             } => ErrorKind::BadRequest,
             Self::NameTaken { .. }
             | Self::ApiKeyTaken { .. }
+            | Self::OrganizationTaken { .. }
+            | Self::OrganizationInUse { .. }
             | Self::OperatorKey { .. }
             | Self::SnapshotTaken { .. }
             | Self::VolumeTaken { .. }

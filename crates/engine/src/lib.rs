@@ -29,6 +29,7 @@ mod events;
 mod failure;
 mod metrics;
 mod network;
+mod organizations;
 mod quota;
 mod sandboxes;
 mod shared;
@@ -53,13 +54,14 @@ pub use cove_billing::{month_containing, month_period, Bill, Line as BillLine, P
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
     AuditQuery, AuditRecord, DockerRegistryRecord, NetworkSettings, OrganizationQuotaRecord,
-    RateLimit, RegionQuotaRecord, SandboxOrder, SandboxRecord, SandboxSortField, SignedPreview,
-    SnapshotRecord, SortDirection, VolumeMount, VolumeRecord,
+    OrganizationRecord, RateLimit, RegionQuotaRecord, SandboxOrder, SandboxRecord,
+    SandboxSortField, SignedPreview, SnapshotRecord, SortDirection, VolumeMount, VolumeRecord,
 };
 pub use error::{describe, EngineError, ErrorKind};
 pub use events::{SandboxEvent, FEED_CAPACITY};
 pub use network::{policy as network_policy, NetworkHandle};
-pub use quota::{QuotaChange, Usage, ORGANIZATION_ID, REGION_ID};
+pub use organizations::{Organizations, DEFAULT_ORGANIZATION};
+pub use quota::{QuotaChange, Usage, REGION_ID};
 pub use sandboxes::{CreateSandbox, Sandboxes, SettingChange};
 pub use snapshots::{
     parse_dockerfile, registry_host, BuildLog, ContextObject, DeclaredSha256, DockerfilePlan,
@@ -84,6 +86,35 @@ pub struct Engine {
     volumes: Volumes,
     access: Access,
     billing: Billing,
+    organizations: Organizations,
+}
+
+/// The parts of the engine as one organization sees them: lookups find only
+/// its resources (another's are not found), and what is made is its.
+#[derive(Clone)]
+pub struct Scoped {
+    organization_id: String,
+    sandboxes: Sandboxes,
+    snapshots: Snapshots,
+    volumes: Volumes,
+}
+
+impl Scoped {
+    pub fn organization_id(&self) -> &str {
+        &self.organization_id
+    }
+
+    pub fn sandboxes(&self) -> &Sandboxes {
+        &self.sandboxes
+    }
+
+    pub fn snapshots(&self) -> &Snapshots {
+        &self.snapshots
+    }
+
+    pub fn volumes(&self) -> &Volumes {
+        &self.volumes
+    }
 }
 
 impl Engine {
@@ -99,6 +130,7 @@ impl Engine {
             sandboxes: Sandboxes::new(shared.clone(), snapshots.clone(), volumes.clone()),
             access: Access::new(shared.clone()),
             billing: Billing::new(shared.clone()),
+            organizations: Organizations::new(shared.clone()),
             shared,
             snapshots,
             volumes,
@@ -109,7 +141,27 @@ impl Engine {
         &self.shared.config
     }
 
-    /// Sandboxes: create, operate, fork, capture, revert, timers.
+    /// The engine as organization `organization_id` sees it. Whether the
+    /// organization exists is the caller's to check (its key was found in
+    /// it, or the operator named it).
+    pub fn scoped(&self, organization_id: &str) -> Scoped {
+        let scope = organizations::Scope::Organization(organization_id.into());
+        Scoped {
+            organization_id: organization_id.to_owned(),
+            sandboxes: self.sandboxes.scoped(scope.clone()),
+            snapshots: self.snapshots.scoped(scope.clone()),
+            volumes: self.volumes.scoped(scope),
+        }
+    }
+
+    /// Organizations: made and deleted by the operator.
+    pub fn organizations(&self) -> &Organizations {
+        &self.organizations
+    }
+
+    /// Sandboxes of every organization: create, operate, fork, capture,
+    /// revert, timers. A request from an organization goes through
+    /// [`Engine::scoped`] instead.
     pub fn sandboxes(&self) -> &Sandboxes {
         &self.sandboxes
     }

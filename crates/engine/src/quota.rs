@@ -13,10 +13,8 @@ use cove_store::{RegionQuotaRecord, SandboxRecord};
 
 use crate::EngineError;
 
-/// The one organization of a server.
-pub const ORGANIZATION_ID: &str = "cove";
 /// The one region of a server, the `target` of every sandbox.
-pub const REGION_ID: &str = "local";
+pub const REGION_ID: &str = cove_store::DEFAULT_REGION;
 
 /// Whether `record` holds a running slot, its vCPUs and its memory.
 pub(crate) fn occupies(record: &SandboxRecord) -> bool {
@@ -255,7 +253,7 @@ mod tests {
 
     fn unlimited() -> RegionQuotaRecord {
         RegionQuotaRecord {
-            organization_id: ORGANIZATION_ID.into(),
+            organization_id: crate::DEFAULT_ORGANIZATION.into(),
             region_id: REGION_ID.into(),
             ..RegionQuotaRecord::default()
         }

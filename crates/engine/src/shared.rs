@@ -47,6 +47,9 @@ pub(crate) struct Shared {
     /// Held from a quota check until the sandbox it admitted is recorded as
     /// holding its slot, so two sandboxes never take the last one.
     admission: tokio::sync::Mutex<()>,
+    /// Each organization's rate limits and counts, read from the store once:
+    /// every API request consults them.
+    organization_quotas: tokio::sync::RwLock<HashMap<String, cove_store::OrganizationQuotaRecord>>,
 }
 
 impl Shared {
@@ -63,6 +66,7 @@ impl Shared {
             running: Mutex::default(),
             generation: AtomicU64::default(),
             admission: tokio::sync::Mutex::default(),
+            organization_quotas: tokio::sync::RwLock::default(),
             activity: Activity::default(),
             ssh_revocations: tokio::sync::watch::Sender::new(0),
             events: Events::new(),
@@ -105,45 +109,94 @@ impl Shared {
         let guard = self.admission.lock().await;
         let quota = self
             .store
-            .region_quota(crate::quota::ORGANIZATION_ID, crate::quota::REGION_ID)
+            .region_quota(&record.organization_id, crate::quota::REGION_ID)
             .await?;
         if let Some(quota) = quota {
             let records = self.store.list_sandboxes().await?;
-            let usage = crate::quota::Usage::of(&records, &record.id);
+            let usage = crate::quota::Usage::of(
+                records
+                    .iter()
+                    .filter(|r| r.organization_id == record.organization_id),
+                &record.id,
+            );
             crate::quota::admit(&quota, &usage, record, new)?;
         }
         Ok(guard)
     }
 
-    /// Admits one more volume, or snapshot, under the organization's
+    /// Admits one more volume, or snapshot, of `organization_id` under its
     /// `volumeQuota` or `snapshotQuota`; the guard is to be held until its
     /// row is stored. The server's own images do not count.
     pub(crate) async fn admit_count(
         &self,
+        organization_id: &str,
         kind: crate::quota::Counted,
     ) -> Result<tokio::sync::MutexGuard<'_, ()>, EngineError> {
         use crate::quota::Counted;
         let guard = self.admission.lock().await;
-        let quota = self
-            .store
-            .organization_quota(crate::quota::ORGANIZATION_ID)
-            .await?
-            .unwrap_or_default();
+        let quota = self.organization_quota(organization_id).await?;
         let limit = match kind {
             Counted::Volumes => quota.volumes,
             Counted::Snapshots => quota.snapshots,
         };
         if let Some(limit) = limit {
             let used = match kind {
-                Counted::Volumes => self.store.list_volumes().await?.len(),
+                Counted::Volumes => {
+                    let all = self.store.list_volumes().await?;
+                    all.iter()
+                        .filter(|v| v.organization_id == organization_id)
+                        .count()
+                }
                 Counted::Snapshots => {
                     let all = self.store.list_snapshots().await?;
-                    all.iter().filter(|s| !s.general).count()
+                    all.iter()
+                        .filter(|s| !s.general && s.organization_id == organization_id)
+                        .count()
                 }
             } as i64;
             crate::quota::admit_count(kind, limit, used)?;
         }
         Ok(guard)
+    }
+
+    /// An organization's rate limits and counts (none when never set).
+    pub(crate) async fn organization_quota(
+        &self,
+        organization_id: &str,
+    ) -> Result<cove_store::OrganizationQuotaRecord, EngineError> {
+        if let Some(known) = self.organization_quotas.read().await.get(organization_id) {
+            return Ok(known.clone());
+        }
+        let mut cached = self.organization_quotas.write().await;
+        let stored = self
+            .store
+            .organization_quota(organization_id)
+            .await?
+            .unwrap_or_default();
+        cached.insert(organization_id.to_owned(), stored.clone());
+        Ok(stored)
+    }
+
+    /// Replaces an organization's rate limits and counts.
+    pub(crate) async fn set_organization_quota(
+        &self,
+        organization_id: &str,
+        quota: &cove_store::OrganizationQuotaRecord,
+    ) -> Result<(), EngineError> {
+        let mut cached = self.organization_quotas.write().await;
+        self.store
+            .save_organization_quota(organization_id, quota, now_ms())
+            .await?;
+        cached.insert(organization_id.to_owned(), quota.clone());
+        Ok(())
+    }
+
+    /// Forgets a deleted organization's cached quota.
+    pub(crate) async fn forget_quotas(&self, organization_id: &str) {
+        self.organization_quotas
+            .write()
+            .await
+            .remove(organization_id);
     }
 
     /// Forgets a deleted sandbox: its lock, its idle clock.
@@ -152,13 +205,25 @@ impl Shared {
         self.locks.lock().unwrap().remove(id);
     }
 
-    /// The sandbox with this id or name.
+    /// The sandbox with this id or name, of any organization: for ids the
+    /// engine holds, or a caller resolved in its organization first.
     pub(crate) async fn sandbox(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
-        let mut record = self.store.find_sandbox(id_or_name).await?.ok_or_else(|| {
-            EngineError::SandboxNotFound {
+        self.sandbox_in(None, id_or_name).await
+    }
+
+    /// The sandbox with this id or name in `organization_id` (`None`: in any).
+    pub(crate) async fn sandbox_in(
+        &self,
+        organization_id: Option<&str>,
+        id_or_name: &str,
+    ) -> Result<SandboxRecord, EngineError> {
+        let mut record = self
+            .store
+            .find_sandbox(organization_id, id_or_name)
+            .await?
+            .ok_or_else(|| EngineError::SandboxNotFound {
                 id: id_or_name.to_owned(),
-            }
-        })?;
+            })?;
         self.activity.apply(&mut record);
         Ok(record)
     }
@@ -183,7 +248,7 @@ impl Shared {
         // What the row said before is read only when someone listens; the
         // callers' records may have been changed since they were read.
         let before = match self.events.has_subscribers() {
-            true => self.store.find_sandbox(&record.id).await?,
+            true => self.store.find_sandbox(None, &record.id).await?,
             false => None,
         };
         self.store.save_sandbox(record).await?;

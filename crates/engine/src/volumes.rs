@@ -11,6 +11,7 @@ use cove_lifecycle::SandboxClass;
 use cove_store::{SandboxRecord, SnapshotRecord, StoreError, VolumeMount, VolumeRecord};
 
 use crate::checks::check_name;
+use crate::organizations::Scope;
 use crate::shared::Shared;
 use crate::{now_ms, EngineError};
 
@@ -71,11 +72,24 @@ fn check_subpath(subpath: &str) -> Result<(), EngineError> {
 #[derive(Clone)]
 pub struct Volumes {
     shared: Arc<Shared>,
+    /// Whose volumes these are.
+    scope: Scope,
 }
 
 impl Volumes {
     pub(crate) fn new(shared: Arc<Shared>) -> Volumes {
-        Volumes { shared }
+        Volumes {
+            shared,
+            scope: Scope::Server,
+        }
+    }
+
+    /// These volumes as `scope` sees them.
+    pub(crate) fn scoped(&self, scope: Scope) -> Volumes {
+        Volumes {
+            shared: self.shared.clone(),
+            scope,
+        }
     }
 
     fn volumes_dir(&self) -> Result<&Path, EngineError> {
@@ -98,6 +112,7 @@ impl Volumes {
         let now = now_ms();
         let record = VolumeRecord {
             id: uuid::Uuid::new_v4().to_string(),
+            organization_id: self.scope.owner().to_owned(),
             name: name.to_owned(),
             created_at_ms: now,
             updated_at_ms: now,
@@ -106,7 +121,7 @@ impl Volumes {
         let dir = self.volume_dir(&record.id)?;
         let _admitted = self
             .shared
-            .admit_count(crate::quota::Counted::Volumes)
+            .admit_count(&record.organization_id, crate::quota::Counted::Volumes)
             .await?;
         self.make_volume_dir(&record.id, &dir).await?;
         if let Err(error) = self.shared.store.insert_volume(&record).await {
@@ -120,15 +135,18 @@ impl Volumes {
         Ok(record)
     }
 
+    /// Every volume (of this handle's organization), oldest first.
     pub async fn list(&self) -> Result<Vec<VolumeRecord>, EngineError> {
-        Ok(self.shared.store.list_volumes().await?)
+        let mut all = self.shared.store.list_volumes().await?;
+        all.retain(|v| self.scope.sees(&v.organization_id));
+        Ok(all)
     }
 
-    /// The volume with this id or name.
+    /// The volume with this id or name (in this handle's organization).
     pub async fn get(&self, id_or_name: &str) -> Result<VolumeRecord, EngineError> {
         self.shared
             .store
-            .find_volume(id_or_name)
+            .find_volume(self.scope.filter(), id_or_name)
             .await?
             .ok_or_else(|| EngineError::VolumeNotFound {
                 name: id_or_name.to_owned(),

@@ -11,7 +11,9 @@ use crate::{Store, StoreError};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ApiKeyRecord {
     pub hash: String,
-    /// Unique among the keys.
+    /// The organization the key acts in.
+    pub organization_id: String,
+    /// Unique among the organization's keys.
     pub name: String,
     /// Permission names; the operator's key has every permission whatever
     /// this says.
@@ -26,12 +28,13 @@ pub struct ApiKeyRecord {
 }
 
 const COLUMNS: &str =
-    "hash, name, permissions, masked, created_at_ms, expires_at_ms, last_used_at_ms, operator";
+    "hash, organization_id, name, permissions, masked, created_at_ms, expires_at_ms, last_used_at_ms, operator";
 
 fn from_row(row: &SqliteRow) -> Result<ApiKeyRecord, StoreError> {
     let permissions: String = row.try_get("permissions")?;
     Ok(ApiKeyRecord {
         hash: row.try_get("hash")?,
+        organization_id: row.try_get("organization_id")?,
         name: row.try_get("name")?,
         permissions: permissions
             .split(',')
@@ -50,10 +53,11 @@ impl Store {
     /// Stores `key`; false (and nothing stored) if its name is taken.
     pub async fn insert_api_key(&self, key: &ApiKeyRecord) -> Result<bool, StoreError> {
         let done = sqlx::query(&format!(
-            "INSERT INTO api_keys ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?) \
-             ON CONFLICT (name) DO NOTHING"
+            "INSERT INTO api_keys ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) \
+             ON CONFLICT (organization_id, name) DO NOTHING"
         ))
         .bind(&key.hash)
+        .bind(&key.organization_id)
         .bind(&key.name)
         .bind(key.permissions.join(","))
         .bind(&key.masked)
@@ -76,9 +80,15 @@ impl Store {
         rows.iter().map(from_row).collect()
     }
 
-    /// Removes the key named `name`; false if there was none.
-    pub async fn delete_api_key(&self, name: &str) -> Result<bool, StoreError> {
-        let done = sqlx::query("DELETE FROM api_keys WHERE name = ?")
+    /// Removes the key named `name` of `organization_id`; false if there
+    /// was none.
+    pub async fn delete_api_key(
+        &self,
+        organization_id: &str,
+        name: &str,
+    ) -> Result<bool, StoreError> {
+        let done = sqlx::query("DELETE FROM api_keys WHERE organization_id = ? AND name = ?")
+            .bind(organization_id)
             .bind(name)
             .execute(&self.pool)
             .await?;

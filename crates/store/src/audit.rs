@@ -10,6 +10,8 @@ use crate::{Store, StoreError};
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct AuditRecord {
     pub id: String,
+    /// The organization the request acted in.
+    pub organization_id: String,
     pub created_at_ms: i64,
     /// The name of the key the request came with.
     pub key_name: String,
@@ -28,6 +30,7 @@ pub struct AuditRecord {
 /// Which rows to read; every field that is set must match.
 #[derive(Clone, Debug, Default)]
 pub struct AuditQuery {
+    pub organization_id: Option<String>,
     pub from_ms: Option<i64>,
     pub to_ms: Option<i64>,
     pub action: Option<String>,
@@ -37,12 +40,14 @@ pub struct AuditQuery {
     pub key_name: Option<String>,
 }
 
-const COLUMNS: &str = "id, created_at_ms, key_name, key_masked, action, target_type, target_id, \
+const COLUMNS: &str =
+    "id, organization_id, created_at_ms, key_name, key_masked, action, target_type, target_id, \
     status_code, error_message, user_agent";
 
 fn from_row(row: &SqliteRow) -> Result<AuditRecord, StoreError> {
     Ok(AuditRecord {
         id: row.try_get("id")?,
+        organization_id: row.try_get("organization_id")?,
         created_at_ms: row.try_get("created_at_ms")?,
         key_name: row.try_get("key_name")?,
         key_masked: row.try_get("key_masked")?,
@@ -65,6 +70,7 @@ fn push_filters(builder: &mut QueryBuilder<'_, Sqlite>, query: &AuditQuery) {
         builder.push(" AND created_at_ms <= ").push_bind(to);
     }
     let texts = [
+        ("organization_id", &query.organization_id),
         ("action", &query.action),
         ("target_type", &query.target_type),
         ("target_id", &query.target_id),
@@ -87,9 +93,10 @@ fn push_filters(builder: &mut QueryBuilder<'_, Sqlite>, query: &AuditQuery) {
 impl Store {
     pub async fn insert_audit(&self, record: &AuditRecord) -> Result<(), StoreError> {
         sqlx::query(&format!(
-            "INSERT INTO audit_log ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            "INSERT INTO audit_log ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
         ))
         .bind(&record.id)
+        .bind(&record.organization_id)
         .bind(record.created_at_ms)
         .bind(&record.key_name)
         .bind(&record.key_masked)

@@ -1,13 +1,14 @@
 //! Persistence of cove.
 //!
 //! Owns the database schema (migrations in `migrations/`) and the rows of
-//! sandboxes, snapshots, API keys, SSH access tokens, the audit log and the meter. It stores plain records and checks
+//! organizations, sandboxes, snapshots, API keys, SSH access tokens, the audit log and the meter. It stores plain records and checks
 //! nothing about transitions: the engine decides, this crate remembers.
 //! SQL is kept portable so PostgreSQL can replace SQLite.
 
 mod api_keys;
 mod audit;
 mod meter;
+mod organizations;
 mod previews;
 mod quotas;
 mod records;
@@ -26,6 +27,7 @@ use sqlx::SqlitePool;
 pub use api_keys::ApiKeyRecord;
 pub use audit::{AuditQuery, AuditRecord};
 pub use meter::{MeterKind, MeterRecord};
+pub use organizations::{OrganizationHoldings, OrganizationRecord};
 pub use previews::SignedPreview;
 pub use quotas::{OrganizationQuotaRecord, RateLimit, RegionQuotaRecord};
 pub use records::{
@@ -34,6 +36,12 @@ pub use records::{
 };
 pub use sandboxes::{SandboxOrder, SandboxSortField, SortDirection};
 pub use ssh_access::SshAccessRecord;
+
+/// The organization every server has, made at its first start; rows from
+/// before organizations existed belong to it (migration 0017).
+pub const DEFAULT_ORGANIZATION: &str = "cove";
+/// The one region of a server.
+pub const DEFAULT_REGION: &str = "local";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -91,11 +99,13 @@ fn write_row_sql(table: &str, columns: &str, upsert: bool) -> String {
 }
 
 /// The statement that finds the row whose id or, failing that, whose name is
-/// its one parameter.
+/// its first parameter, in the organization that is its second (NULL: in
+/// any; names are unique only in one, so the oldest row of that name wins).
 fn find_by_id_or_name_sql(table: &str, columns: &str) -> String {
     format!(
-        "SELECT {columns} FROM {table} WHERE id = ?1 OR name = ?1 \
-         ORDER BY CASE WHEN id = ?1 THEN 0 ELSE 1 END LIMIT 1"
+        "SELECT {columns} FROM {table} WHERE (id = ?1 OR name = ?1) \
+         AND (?2 IS NULL OR organization_id = ?2) \
+         ORDER BY CASE WHEN id = ?1 THEN 0 ELSE 1 END, created_at_ms, rowid LIMIT 1"
     )
 }
 
@@ -135,11 +145,25 @@ impl Store {
             .run(&pool)
             .await
             .map_err(StoreError::Migrate)?;
+        let store = Store { pool };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as i64)
+            .unwrap_or(0);
+        store
+            .ensure_organization(&OrganizationRecord {
+                id: DEFAULT_ORGANIZATION.into(),
+                name: DEFAULT_ORGANIZATION.into(),
+                default_region_id: DEFAULT_REGION.into(),
+                created_at_ms: now,
+                updated_at_ms: now,
+            })
+            .await?;
         restrict_to_owner(path).map_err(|source| StoreError::Open {
             path: path.display().to_string(),
             source: sqlx::Error::Io(source),
         })?;
-        Ok(Store { pool })
+        Ok(store)
     }
 }
 

@@ -27,6 +27,8 @@ impl MeterKind {
 pub struct MeterRecord {
     pub kind: MeterKind,
     pub resource_id: String,
+    /// The organization the resource belongs to (and whose bill it is on).
+    pub organization_id: String,
     pub name: String,
     /// The sandbox's or snapshot's state, as the store names it.
     pub state: String,
@@ -41,6 +43,7 @@ pub struct MeterRecord {
 /// The metered columns of a resource at one moment.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Measure {
+    organization_id: String,
     state: String,
     cpu: i64,
     memory_mib: i64,
@@ -51,6 +54,7 @@ pub(crate) struct Measure {
 impl Measure {
     pub(crate) fn of_sandbox(s: &SandboxRecord) -> Measure {
         Measure {
+            organization_id: s.organization_id.clone(),
             state: s.state.as_str().to_owned(),
             cpu: s.cpu,
             memory_mib: s.memory_mib,
@@ -63,6 +67,7 @@ impl Measure {
     /// own images are not anyone's storage.
     pub(crate) fn of_snapshot(s: &SnapshotRecord) -> Option<Measure> {
         (s.state == SnapshotState::Active && !s.general).then(|| Measure {
+            organization_id: s.organization_id.clone(),
             state: s.state.as_str().to_owned(),
             cpu: 0,
             memory_mib: 0,
@@ -73,7 +78,7 @@ impl Measure {
 }
 
 const COLUMNS: &str =
-    "kind, resource_id, name, state, cpu, memory_mib, disk_gib, size_bytes, started_ms, ended_ms";
+    "kind, resource_id, organization_id, name, state, cpu, memory_mib, disk_gib, size_bytes, started_ms, ended_ms";
 
 fn from_row(row: &SqliteRow) -> Result<MeterRecord, StoreError> {
     let kind = match row.try_get::<String, _>("kind")?.as_str() {
@@ -89,6 +94,7 @@ fn from_row(row: &SqliteRow) -> Result<MeterRecord, StoreError> {
     Ok(MeterRecord {
         kind,
         resource_id: row.try_get("resource_id")?,
+        organization_id: row.try_get("organization_id")?,
         name: row.try_get("name")?,
         state: row.try_get("state")?,
         cpu: row.try_get("cpu")?,
@@ -123,6 +129,7 @@ pub(crate) async fn meter(
     if let Some(row) = open {
         let record = from_row(&row)?;
         let same = Measure {
+            organization_id: record.organization_id,
             state: record.state,
             cpu: record.cpu,
             memory_mib: record.memory_mib,
@@ -141,11 +148,12 @@ pub(crate) async fn meter(
     }
     if let Some(m) = measure {
         sqlx::query(
-            "INSERT INTO meter (kind, resource_id, name, state, cpu, memory_mib, disk_gib, \
-             size_bytes, started_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            "INSERT INTO meter (kind, resource_id, organization_id, name, state, cpu, \
+             memory_mib, disk_gib, size_bytes, started_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
         )
         .bind(kind.as_str())
         .bind(id)
+        .bind(&m.organization_id)
         .bind(name)
         .bind(&m.state)
         .bind(m.cpu)
@@ -191,6 +199,7 @@ impl Store {
         let open: Vec<MeterRecord> = open.iter().map(from_row).collect::<Result<_, _>>()?;
         for record in &open {
             let measure = Measure {
+                organization_id: record.organization_id.clone(),
                 state: record.state.clone(),
                 cpu: record.cpu,
                 memory_mib: record.memory_mib,

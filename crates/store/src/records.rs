@@ -8,6 +8,8 @@ use cove_lifecycle::{DesiredState, SandboxClass, SandboxState, TimerSettings};
 #[derive(Clone, Debug, PartialEq)]
 pub struct SandboxRecord {
     pub id: String,
+    /// The organization that owns it; its name is unique there.
+    pub organization_id: String,
     pub name: String,
     pub snapshot: String,
     pub class: SandboxClass,
@@ -51,6 +53,7 @@ impl SandboxRecord {
     pub fn sample(id: &str, name: &str) -> SandboxRecord {
         SandboxRecord {
             id: id.into(),
+            organization_id: crate::DEFAULT_ORGANIZATION.into(),
             name: name.into(),
             snapshot: "cove-default".into(),
             class: SandboxClass::Container,
@@ -103,6 +106,7 @@ pub struct VolumeMount {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct VolumeRecord {
     pub id: String,
+    pub organization_id: String,
     pub name: String,
     pub created_at_ms: i64,
     pub updated_at_ms: i64,
@@ -165,6 +169,9 @@ impl SnapshotState {
 #[derive(Clone, Debug, PartialEq)]
 pub struct SnapshotRecord {
     pub id: String,
+    /// The organization that owns it (a general snapshot, which every
+    /// organization sees, is the default organization's row).
+    pub organization_id: String,
     pub name: String,
     pub class: SandboxClass,
     pub state: SnapshotState,
@@ -230,6 +237,7 @@ impl SnapshotRecord {
     pub fn for_image(name: &str, rootfs: &str, class: SandboxClass, at_ms: i64) -> SnapshotRecord {
         SnapshotRecord {
             id: name.to_owned(),
+            organization_id: crate::DEFAULT_ORGANIZATION.into(),
             name: name.to_owned(),
             class,
             state: SnapshotState::Active,
@@ -257,6 +265,7 @@ impl SnapshotRecord {
 #[derive(Clone, PartialEq, Eq)]
 pub struct DockerRegistryRecord {
     pub id: String,
+    pub organization_id: String,
     pub name: String,
     /// As the user gave it: `host[:port]`, optionally with a scheme and path.
     pub url: String,

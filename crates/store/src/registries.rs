@@ -6,11 +6,12 @@ use sqlx::Row;
 use crate::{DockerRegistryRecord, Store, StoreError};
 
 const COLUMNS: &str =
-    "id, name, url, username, password, project, registry_type, created_at_ms, updated_at_ms";
+    "id, organization_id, name, url, username, password, project, registry_type, created_at_ms, updated_at_ms";
 
 fn from_row(row: &SqliteRow) -> Result<DockerRegistryRecord, StoreError> {
     Ok(DockerRegistryRecord {
         id: row.try_get("id")?,
+        organization_id: row.try_get("organization_id")?,
         name: row.try_get("name")?,
         url: row.try_get("url")?,
         username: row.try_get("username")?,
@@ -27,6 +28,7 @@ impl Store {
     pub async fn save_registry(&self, r: &DockerRegistryRecord) -> Result<(), StoreError> {
         sqlx::query(&crate::write_row_sql("docker_registries", COLUMNS, true))
             .bind(&r.id)
+            .bind(&r.organization_id)
             .bind(&r.name)
             .bind(&r.url)
             .bind(&r.username)

@@ -7,7 +7,8 @@ use sqlx::Row;
 use crate::meter::{meter, Measure, MeterKind};
 use crate::{SandboxRecord, Store, StoreError};
 
-const COLUMNS: &str = "id, name, snapshot, class, state, desired_state, error_reason, os_user, \
+const COLUMNS: &str =
+    "id, organization_id, name, snapshot, class, state, desired_state, error_reason, os_user, \
     cpu, gpu, memory_mib, disk_gib, env, labels, public, auto_stop, auto_pause, auto_archive, \
     auto_delete, ttl_minutes, ttl_deadline_ms, created_at_ms, updated_at_ms, state_since_ms, \
     last_activity_ms, persistent, spot, parent_id, network, volumes, linked_sandbox_id";
@@ -30,6 +31,7 @@ fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
         serde_json::from_str(&text(column)?).map_err(undecodable(column))
     };
     Ok(SandboxRecord {
+        organization_id: text("organization_id")?,
         name: text("name")?,
         snapshot: text("snapshot")?,
         class: text("class")?.parse().map_err(|e| corrupt(&id, e))?,
@@ -123,7 +125,8 @@ fn ordered_sql(order: SandboxOrder) -> String {
         SortDirection::Descending => "DESC",
     };
     format!(
-        "SELECT {COLUMNS} FROM sandboxes ORDER BY {column} {direction}, \
+        "SELECT {COLUMNS} FROM sandboxes WHERE (?1 IS NULL OR organization_id = ?1) \
+         ORDER BY {column} {direction}, \
          created_at_ms {direction}, rowid {direction}",
         column = order.field.column()
     )
@@ -155,6 +158,7 @@ impl Store {
         let mut transaction = self.pool.begin_with(crate::WRITE).await?;
         sqlx::query(&sql)
             .bind(&s.id)
+            .bind(&s.organization_id)
             .bind(&s.name)
             .bind(&s.snapshot)
             .bind(s.class.as_str())
@@ -206,14 +210,17 @@ impl Store {
         Ok(())
     }
 
-    /// The sandbox whose id or, failing that, whose name is `id_or_name`.
+    /// The sandbox whose id or, failing that, whose name is `id_or_name`, of
+    /// `organization_id` (`None`: of any organization).
     pub async fn find_sandbox(
         &self,
+        organization_id: Option<&str>,
         id_or_name: &str,
     ) -> Result<Option<SandboxRecord>, StoreError> {
         let sql = crate::find_by_id_or_name_sql("sandboxes", COLUMNS);
         let row = sqlx::query(&sql)
             .bind(id_or_name)
+            .bind(organization_id)
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(from_row).transpose()
@@ -233,23 +240,31 @@ impl Store {
         rows.iter().map(from_row).collect()
     }
 
-    /// Every sandbox in `order`; rows equal in its field keep creation order
-    /// in the same direction, so pages cut from it are stable.
+    /// Every sandbox of `organization_id` (`None`: of all) in `order`; rows
+    /// equal in its field keep creation order in the same direction, so
+    /// pages cut from it are stable.
     pub async fn list_sandboxes_ordered(
         &self,
+        organization_id: Option<&str>,
         order: SandboxOrder,
     ) -> Result<Vec<SandboxRecord>, StoreError> {
         let rows = sqlx::query(&ordered_sql(order))
+            .bind(organization_id)
             .fetch_all(&self.pool)
             .await?;
         rows.iter().map(from_row).collect()
     }
 
-    pub async fn name_taken(&self, name: &str) -> Result<bool, StoreError> {
-        let row = sqlx::query("SELECT 1 FROM sandboxes WHERE name = ?1 OR id = ?1")
-            .bind(name)
-            .fetch_optional(&self.pool)
-            .await?;
+    /// Whether `name` is a sandbox's name in `organization_id`, or any
+    /// sandbox's id.
+    pub async fn name_taken(&self, organization_id: &str, name: &str) -> Result<bool, StoreError> {
+        let row = sqlx::query(
+            "SELECT 1 FROM sandboxes WHERE (name = ?1 AND organization_id = ?2) OR id = ?1",
+        )
+        .bind(name)
+        .bind(organization_id)
+        .fetch_optional(&self.pool)
+        .await?;
         Ok(row.is_some())
     }
 

@@ -6,7 +6,7 @@ use sqlx::Row;
 use crate::meter::{meter, Measure, MeterKind};
 use crate::{BuildStepRecord, ImageSettings, SnapshotRecord, SnapshotState, Store, StoreError};
 
-const COLUMNS: &str = "id, name, class, state, error_reason, rootfs, cpu, gpu, memory_mib, \
+const COLUMNS: &str = "id, organization_id, name, class, state, error_reason, rootfs, cpu, gpu, memory_mib, \
     disk_gib, size_bytes, general, created_at_ms, updated_at_ms, layers, capture_id, source_sandbox, has_memory, env, workdir, image_user, \
     entrypoint, cmd";
 
@@ -23,6 +23,7 @@ fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
     let class: String = row.try_get("class")?;
     let state: String = row.try_get("state")?;
     Ok(SnapshotRecord {
+        organization_id: row.try_get("organization_id")?,
         name: row.try_get("name")?,
         class: class.parse().map_err(|e| corrupt(format!("class: {e}")))?,
         state: SnapshotState::parse(&state).ok_or_else(|| corrupt(format!("state {state:?}")))?,
@@ -78,6 +79,7 @@ impl Store {
         let mut tx = self.pool.begin_with(crate::WRITE).await?;
         sqlx::query(&sql)
             .bind(&s.id)
+            .bind(&s.organization_id)
             .bind(&s.name)
             .bind(s.class.as_str())
             .bind(s.state.as_str())
@@ -113,14 +115,23 @@ impl Store {
         Ok(())
     }
 
-    /// The snapshot whose id or name is `id_or_name`.
+    /// The snapshot whose id or, failing that, whose name is `id_or_name`,
+    /// among those `organization_id` sees: its own and the general ones
+    /// (`None`: among all; a name is then looked up in the default
+    /// organization and the general ones first).
     pub async fn find_snapshot(
         &self,
+        organization_id: Option<&str>,
         id_or_name: &str,
     ) -> Result<Option<SnapshotRecord>, StoreError> {
-        let sql = format!("SELECT {COLUMNS} FROM snapshots WHERE id = ?1 OR name = ?1 LIMIT 1");
+        let sql = format!(
+            "SELECT {COLUMNS} FROM snapshots WHERE (id = ?1 OR name = ?1) \
+             AND (?2 IS NULL OR organization_id = ?2 OR general = 1) \
+             ORDER BY CASE WHEN id = ?1 THEN 0 ELSE 1 END, general, created_at_ms LIMIT 1"
+        );
         let row = sqlx::query(&sql)
             .bind(id_or_name)
+            .bind(organization_id)
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(from_row).transpose()

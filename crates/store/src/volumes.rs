@@ -5,11 +5,12 @@ use sqlx::Row;
 
 use crate::{Store, StoreError, VolumeRecord};
 
-const COLUMNS: &str = "id, name, created_at_ms, updated_at_ms, last_used_at_ms";
+const COLUMNS: &str = "id, organization_id, name, created_at_ms, updated_at_ms, last_used_at_ms";
 
 fn from_row(row: &SqliteRow) -> Result<VolumeRecord, StoreError> {
     Ok(VolumeRecord {
         id: row.try_get("id")?,
+        organization_id: row.try_get("organization_id")?,
         name: row.try_get("name")?,
         created_at_ms: row.try_get("created_at_ms")?,
         updated_at_ms: row.try_get("updated_at_ms")?,
@@ -20,9 +21,10 @@ fn from_row(row: &SqliteRow) -> Result<VolumeRecord, StoreError> {
 impl Store {
     /// Inserts a new volume; a taken name is [`StoreError::Duplicate`].
     pub async fn insert_volume(&self, v: &VolumeRecord) -> Result<(), StoreError> {
-        let sql = format!("INSERT INTO volumes ({COLUMNS}) VALUES (?, ?, ?, ?, ?)");
+        let sql = format!("INSERT INTO volumes ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)");
         sqlx::query(&sql)
             .bind(&v.id)
+            .bind(&v.organization_id)
             .bind(&v.name)
             .bind(v.created_at_ms)
             .bind(v.updated_at_ms)
@@ -38,11 +40,17 @@ impl Store {
         Ok(())
     }
 
-    /// The volume whose id or, failing that, whose name is `id_or_name`.
-    pub async fn find_volume(&self, id_or_name: &str) -> Result<Option<VolumeRecord>, StoreError> {
+    /// The volume whose id or, failing that, whose name is `id_or_name`, of
+    /// `organization_id` (`None`: of any organization).
+    pub async fn find_volume(
+        &self,
+        organization_id: Option<&str>,
+        id_or_name: &str,
+    ) -> Result<Option<VolumeRecord>, StoreError> {
         let sql = crate::find_by_id_or_name_sql("volumes", COLUMNS);
         let row = sqlx::query(&sql)
             .bind(id_or_name)
+            .bind(organization_id)
             .fetch_optional(&self.pool)
             .await?;
         row.as_ref().map(from_row).transpose()

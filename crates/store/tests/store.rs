@@ -11,6 +11,7 @@ use cove_store::{
 fn sandbox(id: &str, name: &str) -> SandboxRecord {
     SandboxRecord {
         id: id.into(),
+        organization_id: "cove".into(),
         name: name.into(),
         snapshot: "cove-default".into(),
         class: SandboxClass::Container,
@@ -58,6 +59,7 @@ fn sandbox(id: &str, name: &str) -> SandboxRecord {
 fn snapshot(id: &str, name: &str) -> SnapshotRecord {
     SnapshotRecord {
         id: id.into(),
+        organization_id: "cove".into(),
         name: name.into(),
         class: SandboxClass::Container,
         state: SnapshotState::Active,
@@ -104,16 +106,22 @@ async fn sandboxes_round_trip_and_survive_reopen() {
         matches!(clash, cove_store::StoreError::Duplicate { .. }),
         "{clash:?}"
     );
-    assert_eq!(store.find_sandbox("id-a").await.unwrap(), Some(a.clone()));
-    assert_eq!(store.find_sandbox("alpha").await.unwrap(), Some(a.clone()));
-    assert!(store.name_taken("beta").await.unwrap());
-    assert!(!store.name_taken("gamma").await.unwrap());
+    assert_eq!(
+        store.find_sandbox(None, "id-a").await.unwrap(),
+        Some(a.clone())
+    );
+    assert_eq!(
+        store.find_sandbox(None, "alpha").await.unwrap(),
+        Some(a.clone())
+    );
+    assert!(store.name_taken("cove", "beta").await.unwrap());
+    assert!(!store.name_taken("cove", "gamma").await.unwrap());
     store.record_activity("id-a", 50).await.unwrap();
     store.record_activity("id-a", 20).await.unwrap();
     drop(store);
 
     let store = Store::open(&path).await.unwrap();
-    let found = store.find_sandbox("alpha").await.unwrap().unwrap();
+    let found = store.find_sandbox(None, "alpha").await.unwrap().unwrap();
     assert_eq!(found.last_activity_ms, 50);
     assert_eq!(store.list_sandboxes().await.unwrap().len(), 2);
     // Both rows name id-owner as the sandbox they are linked to.
@@ -121,7 +129,7 @@ async fn sandboxes_round_trip_and_survive_reopen() {
     assert_eq!(linked.len(), 2);
     assert!(store.sandboxes_linked_to("id-a").await.unwrap().is_empty());
     store.delete_sandbox("id-a", 1).await.unwrap();
-    assert_eq!(store.find_sandbox("id-a").await.unwrap(), None);
+    assert_eq!(store.find_sandbox(None, "id-a").await.unwrap(), None);
 }
 
 #[tokio::test]
@@ -131,10 +139,10 @@ async fn snapshots_and_keys() {
     let snap = snapshot("s1", "cove-default");
     store.save_snapshot(&snap).await.unwrap();
     assert_eq!(
-        store.find_snapshot("cove-default").await.unwrap(),
+        store.find_snapshot(None, "cove-default").await.unwrap(),
         Some(snap)
     );
-    assert_eq!(store.find_snapshot("nope").await.unwrap(), None);
+    assert_eq!(store.find_snapshot(None, "nope").await.unwrap(), None);
     let step = cove_store::BuildStepRecord {
         cache_key: "k".into(),
         capture_id: "c1".into(),
@@ -223,6 +231,7 @@ async fn docker_registries() {
     let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
     let mut registry = cove_store::DockerRegistryRecord {
         id: "r1".into(),
+        organization_id: "cove".into(),
         name: "local".into(),
         url: "127.0.0.1:5000".into(),
         username: "u".into(),
@@ -280,7 +289,7 @@ async fn memory_kept_in_gib_before_is_read_in_mib_after_migrating() {
     pool.close().await;
 
     let store = Store::open(&path).await.unwrap();
-    let snapshot = store.find_snapshot("big").await.unwrap().unwrap();
+    let snapshot = store.find_snapshot(None, "big").await.unwrap().unwrap();
     assert_eq!((snapshot.cpu, snapshot.memory_mib), (2, 4096));
 }
 
@@ -307,7 +316,7 @@ async fn sandboxes_list_in_any_order_with_stable_ties() {
         let store = store.clone();
         async move {
             store
-                .list_sandboxes_ordered(order)
+                .list_sandboxes_ordered(None, order)
                 .await
                 .unwrap()
                 .into_iter()
@@ -353,6 +362,7 @@ async fn sandboxes_list_in_any_order_with_stable_ties() {
 fn key(name: &str, hash: &str) -> cove_store::ApiKeyRecord {
     cove_store::ApiKeyRecord {
         hash: hash.into(),
+        organization_id: "cove".into(),
         name: name.into(),
         permissions: vec!["write:sandboxes".into(), "read:volumes".into()],
         masked: "cove_1****9".into(),
@@ -377,8 +387,8 @@ async fn api_keys_are_unique_by_name_and_remember_their_use() {
         ..ci
     };
     assert_eq!(stored, vec![used]);
-    assert!(store.delete_api_key("ci").await.unwrap());
-    assert!(!store.delete_api_key("ci").await.unwrap());
+    assert!(store.delete_api_key("cove", "ci").await.unwrap());
+    assert!(!store.delete_api_key("cove", "ci").await.unwrap());
     assert!(store.api_keys().await.unwrap().is_empty());
 }
 
@@ -412,6 +422,7 @@ async fn keys_from_before_names_become_the_operators() {
 fn audited(id: &str, at: i64, action: &str, target: &str, status: u16) -> cove_store::AuditRecord {
     cove_store::AuditRecord {
         id: id.into(),
+        organization_id: "cove".into(),
         created_at_ms: at,
         key_name: "ci".into(),
         key_masked: "cove_1****9".into(),
@@ -632,4 +643,140 @@ async fn futures_join<T>(
         results.push(handle.await);
     }
     results
+}
+
+#[tokio::test]
+async fn organizations_own_their_rows_and_names_are_unique_in_one_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    // Every store has the default organization.
+    let listed = store.list_organizations().await.unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(listed[0].id, cove_store::DEFAULT_ORGANIZATION);
+    let acme = cove_store::OrganizationRecord {
+        id: "org-acme".into(),
+        name: "Acme".into(),
+        default_region_id: "local".into(),
+        created_at_ms: 1,
+        updated_at_ms: 1,
+    };
+    store.insert_organization(&acme).await.unwrap();
+    let taken = store
+        .insert_organization(&cove_store::OrganizationRecord {
+            id: "org-other".into(),
+            ..acme.clone()
+        })
+        .await
+        .unwrap_err();
+    assert!(matches!(taken, cove_store::StoreError::Duplicate { .. }));
+
+    // One name in two organizations; twice in one is refused.
+    let ours = sandbox("id-ours", "web");
+    let theirs = SandboxRecord {
+        id: "id-theirs".into(),
+        organization_id: "org-acme".into(),
+        created_at_ms: 2,
+        ..sandbox("", "web")
+    };
+    store.insert_sandbox(&ours).await.unwrap();
+    store.insert_sandbox(&theirs).await.unwrap();
+    let twice = SandboxRecord {
+        id: "id-twice".into(),
+        ..theirs.clone()
+    };
+    assert!(matches!(
+        store.insert_sandbox(&twice).await.unwrap_err(),
+        cove_store::StoreError::Duplicate { .. }
+    ));
+    // A lookup in an organization finds its own, by name or id, and never
+    // another's, even by id.
+    let found = |org: Option<&'static str>, key: &'static str| {
+        let store = store.clone();
+        async move { store.find_sandbox(org, key).await.unwrap().map(|s| s.id) }
+    };
+    assert_eq!(
+        found(Some("org-acme"), "web").await.as_deref(),
+        Some("id-theirs")
+    );
+    assert_eq!(found(Some("cove"), "web").await.as_deref(), Some("id-ours"));
+    assert_eq!(found(Some("org-acme"), "id-ours").await, None);
+    assert_eq!(found(None, "id-ours").await.as_deref(), Some("id-ours"));
+    assert!(store.name_taken("org-acme", "web").await.unwrap());
+    assert!(!store.name_taken("org-acme", "api").await.unwrap());
+    let acme_only = store
+        .list_sandboxes_ordered(
+            Some("org-acme"),
+            SandboxOrder {
+                field: SandboxSortField::Name,
+                direction: SortDirection::Ascending,
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(acme_only.len(), 1);
+    assert_eq!(acme_only[0].id, "id-theirs");
+
+    // A general snapshot is seen from every organization; an own one only
+    // from its own, and it wins over a general one of the same name.
+    let general = SnapshotRecord {
+        general: true,
+        ..snapshot("g1", "base")
+    };
+    store.save_snapshot(&general).await.unwrap();
+    let own = SnapshotRecord {
+        organization_id: "org-acme".into(),
+        general: false,
+        ..snapshot("s-acme", "mine")
+    };
+    store.save_snapshot(&own).await.unwrap();
+    let snap = |org: &'static str, key: &'static str| {
+        let store = store.clone();
+        async move {
+            store
+                .find_snapshot(Some(org), key)
+                .await
+                .unwrap()
+                .map(|s| s.id)
+        }
+    };
+    assert_eq!(snap("org-acme", "base").await.as_deref(), Some("g1"));
+    assert_eq!(snap("org-acme", "mine").await.as_deref(), Some("s-acme"));
+    assert_eq!(snap("cove", "mine").await, None);
+    assert_eq!(snap("cove", "s-acme").await, None);
+
+    // An organization with rows is not deleted, and says what it holds.
+    let holdings = store
+        .delete_organization("org-acme")
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(
+        (holdings.sandboxes, holdings.snapshots, holdings.volumes),
+        (1, 1, 0)
+    );
+    store.delete_sandbox("id-theirs", 3).await.unwrap();
+    store.delete_snapshot("s-acme", 3).await.unwrap();
+    let key = cove_store::ApiKeyRecord {
+        organization_id: "org-acme".into(),
+        ..key("ci", "hash-acme")
+    };
+    assert!(store.insert_api_key(&key).await.unwrap());
+    // The same key name in another organization is another key.
+    assert!(store
+        .insert_api_key(&key_named("ci", "hash-cove"))
+        .await
+        .unwrap());
+    store
+        .delete_organization("org-acme")
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(store.find_organization("org-acme").await.unwrap(), None);
+    let keys = store.api_keys().await.unwrap();
+    assert_eq!(keys.len(), 1, "its keys go with it");
+    assert_eq!(keys[0].organization_id, "cove");
+}
+
+fn key_named(name: &str, hash: &str) -> cove_store::ApiKeyRecord {
+    key(name, hash)
 }

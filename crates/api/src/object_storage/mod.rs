@@ -25,7 +25,6 @@ use axum::Json;
 use cove_engine::{EngineError, PushGrant};
 use serde::{Deserialize, Serialize};
 
-use crate::dto::ORGANIZATION_ID;
 use crate::{ApiError, AppState};
 
 /// The one bucket build contexts go to.
@@ -43,7 +42,7 @@ pub(crate) struct StorageAccess {
     secret: String,
     session_token: String,
     storage_url: String,
-    organization_id: &'static str,
+    organization_id: String,
     bucket: &'static str,
     region: &'static str,
 }
@@ -71,6 +70,7 @@ fn storage_url(state: &AppState, headers: &HeaderMap) -> Option<String> {
 /// `GET /api/object-storage/push-access`.
 pub(crate) async fn push_access(
     State(state): State<AppState>,
+    axum::Extension(caller): axum::Extension<cove_engine::Caller>,
     headers: HeaderMap,
 ) -> Result<Json<StorageAccess>, ApiError> {
     let Some(storage_url) = storage_url(&state, &headers) else {
@@ -81,13 +81,16 @@ pub(crate) async fn push_access(
              --tls-key, or serve it behind TLS with --public-url https://...",
         ));
     };
-    let grant = state.engine.snapshots().issue_push_grant(ORGANIZATION_ID)?;
+    let grant = state
+        .engine
+        .snapshots()
+        .issue_push_grant(&caller.organization_id)?;
     Ok(Json(StorageAccess {
         access_key: grant.access_key,
         secret: grant.secret,
         session_token: grant.session_token,
         storage_url,
-        organization_id: ORGANIZATION_ID,
+        organization_id: caller.organization_id,
         bucket: BUCKET,
         region: REGION,
     }))

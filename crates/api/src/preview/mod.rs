@@ -257,8 +257,15 @@ async fn authorize(
         ));
     }
     if let Some(key) = auth::bearer(headers) {
-        if auth::key_accepted(state, key).await? {
+        if auth::key_accepted_for(state, key, &record.organization_id).await? {
             return Ok((record.id, Grant::ApiKey));
+        }
+        if auth::is_key(state, key).await? {
+            // Another organization's key: its sandbox is not there for it.
+            return Err(cove_engine::EngineError::SandboxNotFound {
+                id: target.target.clone(),
+            }
+            .into());
         }
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
@@ -287,7 +294,7 @@ async fn serve(
     // request in; an application's own Authorization header does.
     let strip_authorization = match (grant, auth::bearer(request.headers())) {
         (Grant::ApiKey, _) => true,
-        (Grant::Open, Some(key)) => auth::key_accepted(&state, key).await?,
+        (Grant::Open, Some(key)) => auth::is_key(&state, key).await?,
         (Grant::Open, None) => false,
     };
     // Not `engine.toolbox`: a preview must not reset the idle clock.

@@ -87,11 +87,12 @@ pub(super) fn url_of(state: &AppState, headers: &HeaderMap, target: &str, port: 
 /// `GET /sandbox/{id}/ports/{port}/preview-url`
 pub(crate) async fn preview_url(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path((id, port)): Path<(String, String)>,
 ) -> Result<Json<PortPreviewUrl>, ApiError> {
     let port = parse_port(&port)?;
-    let record = state.engine.sandboxes().get(&id).await?;
+    let record = tenant.sandboxes().get(&id).await?;
     let token = token_of(&state, &record.id).await?;
     Ok(Json(PortPreviewUrl {
         url: url_of(&state, &headers, &record.id, port),
@@ -103,6 +104,7 @@ pub(crate) async fn preview_url(
 /// `GET /sandbox/{id}/ports/{port}/signed-preview-url?expiresInSeconds=N`
 pub(crate) async fn signed_preview_url(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     headers: HeaderMap,
     Path((id, port)): Path<(String, String)>,
     RawQuery(query): RawQuery,
@@ -122,6 +124,7 @@ pub(crate) async fn signed_preview_url(
                 })?;
         }
     }
+    let id = tenant.sandboxes().get(&id).await?.id;
     let signed = state
         .engine
         .access()
@@ -138,9 +141,11 @@ pub(crate) async fn signed_preview_url(
 /// `POST /sandbox/{id}/ports/{port}/signed-preview-url/{token}/expire`
 pub(crate) async fn expire_signed_preview_url(
     State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
     Path((id, port, token)): Path<(String, String, String)>,
 ) -> Result<StatusCode, ApiError> {
     let port = parse_port(&port)?;
+    let id = tenant.sandboxes().get(&id).await?.id;
     state
         .engine
         .access()

@@ -102,6 +102,9 @@ impl Permission {
 /// The key a request came with, and what it may do.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Caller {
+    /// The organization the request acts in: the key's own, or for the
+    /// operator the one it named (the default organization otherwise).
+    pub organization_id: String,
     pub key_name: String,
     /// The key's masked form, as listings show it.
     pub key_masked: String,
@@ -114,10 +117,19 @@ impl Caller {
     /// The operator, by a key named `key_name`.
     pub fn operator(key_name: impl Into<String>, key_masked: impl Into<String>) -> Caller {
         Caller {
+            organization_id: crate::DEFAULT_ORGANIZATION.into(),
             key_name: key_name.into(),
             key_masked: key_masked.into(),
             operator: true,
             permissions: BTreeSet::new(),
+        }
+    }
+
+    /// The operator, acting in `organization_id`.
+    pub fn in_organization(self, organization_id: &str) -> Caller {
+        Caller {
+            organization_id: organization_id.to_owned(),
+            ..self
         }
     }
 
@@ -260,6 +272,12 @@ impl Access {
         *self.api_keys.write().unwrap() = None;
     }
 
+    /// Reads the keys from the store again at the next check: after keys
+    /// were deleted elsewhere (with their organization).
+    pub fn forget_api_keys(&self) {
+        self.forget_keys();
+    }
+
     /// Creates the operator's key if none is stored yet and returns it; it is
     /// shown once and never stored in clear.
     pub async fn ensure_api_key(&self) -> Result<Option<String>, EngineError> {
@@ -269,6 +287,7 @@ impl Access {
         let value = new_secret();
         let record = ApiKeyRecord {
             hash: hash_api_key(&value),
+            organization_id: crate::DEFAULT_ORGANIZATION.into(),
             name: "operator".into(),
             permissions: Vec::new(),
             masked: mask(&value),
@@ -303,6 +322,7 @@ impl Access {
         }
         self.touch(record, now).await?;
         Ok(KeyCheck::Accepted(Caller {
+            organization_id: record.organization_id.clone(),
             key_name: record.name.clone(),
             key_masked: record.masked.clone(),
             operator: record.operator,
@@ -327,8 +347,9 @@ impl Access {
         Ok(())
     }
 
-    /// A new key named `name` with `permissions`, which must all be the
-    /// caller's own; its value is returned once and never stored.
+    /// A new key of the caller's organization named `name` with
+    /// `permissions`, which must all be the caller's own; its value is
+    /// returned once and never stored.
     pub async fn create_api_key(
         &self,
         caller: &Caller,
@@ -354,6 +375,7 @@ impl Access {
         let permissions: BTreeSet<Permission> = permissions.iter().copied().collect();
         let record = ApiKeyRecord {
             hash: hash_api_key(&value),
+            organization_id: caller.organization_id.clone(),
             name: name.to_owned(),
             permissions: permissions.iter().map(|p| p.name().to_owned()).collect(),
             masked: mask(&value),
@@ -372,22 +394,27 @@ impl Access {
         })
     }
 
-    /// Every stored key, masked, oldest first.
-    pub async fn api_keys(&self) -> Result<Vec<ApiKeyInfo>, EngineError> {
+    /// Every stored key of `organization_id`, masked, oldest first.
+    pub async fn api_keys(&self, organization_id: &str) -> Result<Vec<ApiKeyInfo>, EngineError> {
         Ok(self
             .fresh_keys()
             .await?
             .iter()
+            .filter(|k| k.organization_id == organization_id)
             .map(ApiKeyInfo::of)
             .collect())
     }
 
-    /// The stored key named `name`, masked.
-    pub async fn api_key(&self, name: &str) -> Result<ApiKeyInfo, EngineError> {
+    /// The stored key of `organization_id` named `name`, masked.
+    pub async fn api_key(
+        &self,
+        organization_id: &str,
+        name: &str,
+    ) -> Result<ApiKeyInfo, EngineError> {
         self.fresh_keys()
             .await?
             .iter()
-            .find(|k| k.name == name)
+            .find(|k| k.organization_id == organization_id && k.name == name)
             .map(ApiKeyInfo::of)
             .ok_or_else(|| EngineError::ApiKeyNotFound { name: name.into() })
     }
@@ -398,15 +425,19 @@ impl Access {
         Ok(self.shared.store.api_keys().await?)
     }
 
-    /// Deletes the key named `name`; from then on it is refused. The
-    /// operator's key stays.
+    /// Deletes the caller's organization's key named `name`; from then on
+    /// it is refused. The operator's key stays.
     pub async fn delete_api_key(&self, caller: &Caller, name: &str) -> Result<(), EngineError> {
         caller.require(Permission::ManageApiKeys)?;
-        let key = self.api_key(name).await?;
+        let key = self.api_key(&caller.organization_id, name).await?;
         if key.operator {
             return Err(EngineError::OperatorKey { name: name.into() });
         }
-        let deleted = self.shared.store.delete_api_key(name).await?;
+        let deleted = self
+            .shared
+            .store
+            .delete_api_key(&caller.organization_id, name)
+            .await?;
         self.forget_keys();
         if !deleted {
             return Err(EngineError::ApiKeyNotFound { name: name.into() });
@@ -446,6 +477,7 @@ mod tests {
     #[test]
     fn a_caller_may_only_what_it_was_given_and_the_operator_everything() {
         let caller = Caller {
+            organization_id: crate::DEFAULT_ORGANIZATION.into(),
             key_name: "ci".into(),
             key_masked: "cove_****".into(),
             operator: false,

@@ -54,7 +54,8 @@ impl Sandboxes {
                 instead: "take one without memory",
             });
         }
-        if self.shared.store.find_snapshot(name).await?.is_some() {
+        let org = Some(record.organization_id.as_str());
+        if self.shared.store.find_snapshot(org, name).await?.is_some() {
             return Err(EngineError::SnapshotTaken {
                 name: name.to_owned(),
             });
@@ -63,7 +64,7 @@ impl Sandboxes {
         // where the snapshot's row is stored, for a snapshot made meanwhile.
         drop(
             self.shared
-                .admit_count(crate::quota::Counted::Snapshots)
+                .admit_count(&record.organization_id, crate::quota::Counted::Snapshots)
                 .await?,
         );
         let request = CaptureRequest {
@@ -106,7 +107,7 @@ impl Sandboxes {
     ) -> Result<SnapshotRecord, Failure> {
         self.shared
             .store
-            .find_snapshot(&record.snapshot)
+            .find_snapshot(Some(&record.organization_id), &record.snapshot)
             .await
             .map_err(EngineError::from)?
             .ok_or_else(|| Failure::SnapshotGone {
@@ -132,6 +133,7 @@ impl Sandboxes {
         let now = now_ms();
         let snapshot = SnapshotRecord {
             id: capture_id.clone(),
+            organization_id: record.organization_id.clone(),
             name: request.name.clone(),
             class: record.class,
             state: SnapshotState::Active,
@@ -156,7 +158,7 @@ impl Sandboxes {
         };
         let admitted = self
             .shared
-            .admit_count(crate::quota::Counted::Snapshots)
+            .admit_count(&record.organization_id, crate::quota::Counted::Snapshots)
             .await;
         let inserted = match admitted {
             Ok(_admitted) => self.shared.store.insert_snapshot(&snapshot).await,

@@ -99,14 +99,7 @@ impl Sandboxes {
                     .dockerfile_snapshot(text, &request.build_contexts)
                     .await?
             }
-            None => self
-                .shared
-                .store
-                .find_snapshot(&snapshot_name)
-                .await?
-                .ok_or(EngineError::SnapshotNotFound {
-                    name: snapshot_name,
-                })?,
+            None => self.snapshots.get(&snapshot_name).await?,
         };
         if snapshot.state != SnapshotState::Active {
             return Err(EngineError::SnapshotNotActive {
@@ -155,6 +148,7 @@ impl Sandboxes {
         };
         Ok(SandboxRecord {
             id,
+            organization_id: self.scope.owner().to_owned(),
             name,
             snapshot: snapshot.name.clone(),
             class: snapshot.class,
@@ -243,14 +237,7 @@ impl Sandboxes {
                 what: "linking sandboxes on a server without the sandbox network".into(),
             });
         }
-        let target = self
-            .shared
-            .store
-            .find_sandbox(wanted)
-            .await?
-            .ok_or_else(|| EngineError::SandboxNotFound {
-                id: wanted.to_owned(),
-            })?;
+        let target = self.get(wanted).await?;
         if let Some(owner) = &target.linked_sandbox_id {
             return Err(invalid(format!(
                 "sandbox {} is itself linked (to {owner}); link to that one instead",

@@ -22,6 +22,7 @@ use std::sync::Arc;
 use cove_runtime::AgentEndpoint;
 use cove_store::{SandboxOrder, SandboxRecord, SandboxSortField, SortDirection};
 
+use crate::organizations::Scope;
 use crate::shared::Shared;
 use crate::{EngineError, SandboxState, Snapshots, Volumes};
 
@@ -37,6 +38,8 @@ pub struct Sandboxes {
     snapshots: Snapshots,
     /// What a sandbox mounts.
     volumes: Volumes,
+    /// Whose sandboxes these are.
+    scope: Scope,
 }
 
 impl Sandboxes {
@@ -45,17 +48,32 @@ impl Sandboxes {
             shared,
             snapshots,
             volumes,
+            scope: Scope::Server,
         }
     }
 
-    /// The sandbox with this id or name.
-    pub async fn get(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
-        self.shared.sandbox(id_or_name).await
+    /// These sandboxes as `scope` sees them (with its snapshots and volumes).
+    pub(crate) fn scoped(&self, scope: Scope) -> Sandboxes {
+        Sandboxes {
+            shared: self.shared.clone(),
+            snapshots: self.snapshots.scoped(scope.clone()),
+            volumes: self.volumes.scoped(scope.clone()),
+            scope,
+        }
     }
 
-    /// Every sandbox, oldest first.
+    /// The sandbox with this id or name (in this handle's organization).
+    pub async fn get(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
+        self.shared
+            .sandbox_in(self.scope.filter(), id_or_name)
+            .await
+    }
+
+    /// Every sandbox (of this handle's organization), oldest first.
     pub async fn list(&self) -> Result<Vec<SandboxRecord>, EngineError> {
-        self.shared.sandboxes().await
+        let mut records = self.shared.sandboxes().await?;
+        records.retain(|r| self.scope.sees(&r.organization_id));
+        Ok(records)
     }
 
     /// Every sandbox in `order`, which the store's query gives (ties in
@@ -64,7 +82,11 @@ impl Sandboxes {
         &self,
         order: SandboxOrder,
     ) -> Result<Vec<SandboxRecord>, EngineError> {
-        let mut records = self.shared.store.list_sandboxes_ordered(order).await?;
+        let mut records = self
+            .shared
+            .store
+            .list_sandboxes_ordered(self.scope.filter(), order)
+            .await?;
         for record in &mut records {
             self.shared.activity.apply(record);
         }

@@ -58,7 +58,7 @@ impl Sandboxes {
         let store = &self.shared.store;
         let owner = match &record.linked_sandbox_id {
             Some(owner) => store
-                .find_sandbox(owner)
+                .find_sandbox(None, owner)
                 .await
                 .map(|found| found.into_iter().collect()),
             None => Ok(Vec::new()),

@@ -43,7 +43,12 @@ impl Snapshots {
     ) -> Result<SnapshotRecord, EngineError> {
         let name =
             cove_images::normalize_reference(reference).map_err(|e| image_error(reference, e))?;
-        if let Some(found) = self.shared.store.find_snapshot(&name).await? {
+        if let Some(found) = self
+            .shared
+            .store
+            .find_snapshot(self.scope.filter(), &name)
+            .await?
+        {
             match found.state {
                 SnapshotState::Active => return Ok(found),
                 SnapshotState::Inactive => {
@@ -61,7 +66,7 @@ impl Snapshots {
             .pull(reference, credentials.as_ref(), progress)
             .await
             .map_err(|e| image_error(reference, e))?;
-        let snapshot = snapshot_of(&self.shared.config, &name, &pulled);
+        let snapshot = snapshot_of(&self.shared.config, &self.scope, &name, &pulled);
         self.shared.store.save_snapshot(&snapshot).await?;
         tracing::info!(image = %name, rootfs = %pulled.rootfs.display(), "image snapshot ready");
         Ok(snapshot)
@@ -90,7 +95,12 @@ impl Snapshots {
                 .map(|b| format!("{b:02x}"))
                 .collect::<String>()
         );
-        if let Some(found) = self.shared.store.find_snapshot(&name).await? {
+        if let Some(found) = self
+            .shared
+            .store
+            .find_snapshot(self.scope.filter(), &name)
+            .await?
+        {
             return Ok(found);
         }
         let log = self.new_build_log(&name);
@@ -106,6 +116,8 @@ impl Snapshots {
                 memory_mib: config.default_memory_gib * 1024,
                 disk_gib: config.default_disk_gib,
                 general: false,
+                id: self.scope.owned_id(&name),
+                organization_id: self.scope.owner().to_owned(),
                 ..SnapshotRecord::for_image(&name, "", SandboxClass::Container, now_ms())
             },
             built?,
@@ -222,6 +234,7 @@ impl Snapshots {
 fn from_image(named: SnapshotRecord, source: SnapshotRecord) -> SnapshotRecord {
     SnapshotRecord {
         id: named.id,
+        organization_id: named.organization_id,
         name: named.name,
         class: named.class,
         cpu: named.cpu,
@@ -277,7 +290,7 @@ impl Snapshots {
         if self
             .shared
             .store
-            .find_snapshot(&request.name)
+            .find_snapshot(self.scope.filter(), &request.name)
             .await?
             .is_some()
         {
@@ -321,6 +334,7 @@ impl Snapshots {
         let now = now_ms();
         Ok(SnapshotRecord {
             id: uuid::Uuid::new_v4().to_string(),
+            organization_id: self.scope.owner().to_owned(),
             name: request.name.clone(),
             cpu,
             memory_mib,
@@ -421,7 +435,7 @@ impl Snapshots {
     /// snapshot was deleted meanwhile.
     async fn record_finished(&self, record: &SnapshotRecord) {
         let still_there = matches!(
-            self.shared.store.find_snapshot(&record.id).await,
+            self.shared.store.find_snapshot(None, &record.id).await,
             Ok(Some(_))
         );
         if still_there {
@@ -434,7 +448,7 @@ impl Snapshots {
     async fn insert_new_snapshot(&self, snapshot: &SnapshotRecord) -> Result<(), EngineError> {
         let _admitted = self
             .shared
-            .admit_count(crate::quota::Counted::Snapshots)
+            .admit_count(&snapshot.organization_id, crate::quota::Counted::Snapshots)
             .await?;
         self.shared
             .store
@@ -466,7 +480,13 @@ impl Snapshots {
                 .ok_or_else(|| EngineError::NotImplemented {
                     what: "image imports without an import directory (serve --import-dir)".into(),
                 })?;
-        if self.shared.store.find_snapshot(name).await?.is_some() {
+        if self
+            .shared
+            .store
+            .find_snapshot(self.scope.filter(), name)
+            .await?
+            .is_some()
+        {
             return Err(EngineError::SnapshotTaken {
                 name: name.to_owned(),
             });
@@ -495,7 +515,7 @@ impl Snapshots {
             },
             other => image_error(&path.display().to_string(), other),
         })?;
-        let snapshot = snapshot_of(&self.shared.config, name, &pulled);
+        let snapshot = snapshot_of(&self.shared.config, &self.scope, name, &pulled);
         self.insert_new_snapshot(&snapshot).await?;
         tracing::info!(snapshot = %name, from = %path.display(), "image imported");
         Ok(snapshot)
@@ -562,6 +582,7 @@ fn check_snapshot_name(name: &str) -> Result<(), EngineError> {
 /// An active container snapshot of an unpacked image.
 fn snapshot_of(
     config: &crate::EngineConfig,
+    scope: &crate::organizations::Scope,
     name: &str,
     pulled: &cove_images::PulledImage,
 ) -> SnapshotRecord {
@@ -573,7 +594,8 @@ fn snapshot_of(
         .map(|(k, v)| (k.to_owned(), v.to_owned()))
         .collect();
     SnapshotRecord {
-        id: format!("{name}@{}", pulled.id),
+        id: scope.owned_id(&format!("{name}@{}", pulled.id)),
+        organization_id: scope.owner().to_owned(),
         cpu: config.default_cpu,
         memory_mib: config.default_memory_gib * 1024,
         disk_gib: config.default_disk_gib,

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex};
 
 use cove_store::{SnapshotRecord, SnapshotState};
 
+use crate::organizations::Scope;
 use crate::shared::Shared;
 use crate::{now_ms, EngineError};
 
@@ -31,6 +32,8 @@ pub struct Snapshots {
     builds: Arc<Mutex<HashMap<String, Arc<BuildLog>>>>,
     /// Uploaded build contexts and the grants to upload them.
     contexts: Option<Arc<contexts::ContextStore>>,
+    /// Whose snapshots (and registries) these are, besides the general ones.
+    scope: Scope,
 }
 
 impl Snapshots {
@@ -45,12 +48,24 @@ impl Snapshots {
             shared,
             builds: Arc::default(),
             contexts,
+            scope: Scope::Server,
         }
     }
 
-    /// Every snapshot sandboxes can be created from.
+    /// These snapshots as `scope` sees them.
+    pub(crate) fn scoped(&self, scope: Scope) -> Snapshots {
+        Snapshots {
+            scope,
+            ..self.clone()
+        }
+    }
+
+    /// Every snapshot sandboxes (of this handle's organization) can be
+    /// created from: its own and the general ones.
     pub async fn list(&self) -> Result<Vec<SnapshotRecord>, EngineError> {
-        Ok(self.shared.store.list_snapshots().await?)
+        let mut all = self.shared.store.list_snapshots().await?;
+        all.retain(|s| s.general || self.scope.sees(&s.organization_id));
+        Ok(all)
     }
 
     /// Registers a snapshot (the server's own default image, for one).
@@ -58,11 +73,12 @@ impl Snapshots {
         Ok(self.shared.store.save_snapshot(snapshot).await?)
     }
 
-    /// The snapshot with this id or name.
+    /// The snapshot with this id or name (of this handle's organization, or
+    /// a general one).
     pub async fn get(&self, id_or_name: &str) -> Result<SnapshotRecord, EngineError> {
         self.shared
             .store
-            .find_snapshot(id_or_name)
+            .find_snapshot(self.scope.filter(), id_or_name)
             .await?
             .ok_or_else(|| EngineError::SnapshotNotFound {
                 name: id_or_name.to_owned(),
@@ -146,7 +162,9 @@ impl Snapshots {
             }
         }
         for sandbox in self.shared.store.list_sandboxes().await? {
-            if sandbox.snapshot == snapshot.name {
+            if sandbox.snapshot == snapshot.name
+                && sandbox.organization_id == snapshot.organization_id
+            {
                 users.push(format!("sandbox {}", sandbox.name));
             }
         }

@@ -40,6 +40,7 @@ impl Snapshots {
         let now = now_ms();
         let record = DockerRegistryRecord {
             id: uuid::Uuid::new_v4().to_string(),
+            organization_id: self.scope.owner().to_owned(),
             password,
             registry_type: "organization".into(),
             created_at_ms: now,
@@ -51,8 +52,11 @@ impl Snapshots {
         Ok(record)
     }
 
+    /// The registries of this handle's organization.
     pub async fn registries(&self) -> Result<Vec<DockerRegistryRecord>, EngineError> {
-        Ok(self.shared.store.list_registries().await?)
+        let mut all = self.shared.store.list_registries().await?;
+        all.retain(|r| self.scope.sees(&r.organization_id));
+        Ok(all)
     }
 
     pub async fn get_registry(&self, id: &str) -> Result<DockerRegistryRecord, EngineError> {
@@ -60,6 +64,7 @@ impl Snapshots {
             .store
             .find_registry(id)
             .await?
+            .filter(|r| self.scope.sees(&r.organization_id))
             .ok_or_else(|| EngineError::RegistryNotFound { id: id.to_owned() })
     }
 
@@ -76,6 +81,7 @@ impl Snapshots {
             .unwrap_or_else(|| current.password.clone());
         let record = DockerRegistryRecord {
             id: current.id,
+            organization_id: current.organization_id,
             password,
             registry_type: current.registry_type,
             created_at_ms: current.created_at_ms,
@@ -93,8 +99,9 @@ impl Snapshots {
         Ok(record)
     }
 
-    /// The credentials for pulling `reference`: of a registry on its host,
-    /// preferring one whose project is the image's first path component.
+    /// The credentials for pulling `reference`: of a registry of the
+    /// pulling organization on its host, preferring one whose project is the
+    /// image's first path component. Another organization's are never used.
     pub(crate) async fn credentials_for(
         &self,
         reference: &str,
@@ -104,7 +111,8 @@ impl Snapshots {
         };
         let (host, path) = full.split_once('/').unwrap_or((full.as_str(), ""));
         let host = registry_host(host).unwrap_or_default();
-        let registries = self.shared.store.list_registries().await?;
+        let mut registries = self.shared.store.list_registries().await?;
+        registries.retain(|r| r.organization_id == self.scope.owner());
         let on_host: Vec<&DockerRegistryRecord> = registries
             .iter()
             .filter(|r| registry_host(&r.url).is_ok_and(|h| h == host))
@@ -135,6 +143,7 @@ fn checked(request: RegistryRequest) -> Result<DockerRegistryRecord, EngineError
     }
     Ok(DockerRegistryRecord {
         id: String::new(),
+        organization_id: String::new(),
         name: request.name,
         url: request.url.trim().to_owned(),
         username: request.username,

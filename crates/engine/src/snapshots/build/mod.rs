@@ -104,7 +104,12 @@ impl Snapshots {
     /// The snapshot a `FROM` names: one on this server (a snapshot or an
     /// image already pulled), else an image pulled from its registry.
     async fn build_base(&self, name: &str) -> Result<SnapshotRecord, EngineError> {
-        let base = match self.shared.store.find_snapshot(name).await? {
+        let base = match self
+            .shared
+            .store
+            .find_snapshot(self.scope.filter(), name)
+            .await?
+        {
             Some(found) => found,
             None => self.image_snapshot(name).await?,
         };
@@ -147,7 +152,7 @@ impl Snapshots {
                 || self
                     .shared
                     .store
-                    .find_sandbox(&id)
+                    .find_sandbox(None, &id)
                     .await?
                     .is_some_and(|record| record.id == id)
             {
