@@ -1,9 +1,10 @@
 //! Bearer API keys on every request: the key names its [`Caller`], which the
 //! handlers and [`crate::permissions`] read from the request's extensions,
-//! and the organization the request acts in (the key's own; the operator's
-//! key acts in the one `X-Daytona-Organization-ID` names, else the default
-//! one). Handlers reach the engine through [`Tenant`], which sees only that
-//! organization's resources.
+//! and the organization the request acts in: a key's own, always (Daytona
+//! reads `X-Daytona-Organization-ID` only with a user's login, never with a
+//! key); the operator's key acts in the one that header names, else in the
+//! default one. Handlers reach the engine through [`Tenant`], which sees
+//! only that organization's resources.
 
 use axum::extract::{FromRequestParts, Request, State};
 use axum::http::request::Parts;
@@ -55,36 +56,37 @@ pub(crate) async fn require_api_key(
     }
 }
 
-/// `caller` acting in the organization the request names, if it may: the
-/// operator in any that exists (404 otherwise), a key in its own only (403
-/// for another, whether or not it exists).
+/// `caller` acting in the organization the request names, if it names one
+/// and may. A key of an organization acts in it whatever the header says,
+/// as Daytona's keys do. The operator's key acts in the organization the
+/// header names when it is an organization's id in form (the default one's,
+/// or a UUID; one that does not exist is a 404); any other value is no
+/// organization's id and is not read as one (the pinned SDK sends its
+/// `revoke_ssh_access` token in this header).
 async fn acting_in(
     state: &AppState,
     caller: Caller,
     headers: &HeaderMap,
 ) -> Result<Caller, ApiError> {
-    let Some(value) = headers.get(ORGANIZATION_HEADER) else {
+    if !caller.operator {
+        return Ok(caller);
+    }
+    let Some(asked) = headers
+        .get(ORGANIZATION_HEADER)
+        .and_then(|value| value.to_str().ok())
+        .map(str::trim)
+        .filter(|asked| names_an_organization(asked))
+    else {
         return Ok(caller);
     };
-    let asked = value
-        .to_str()
-        .map_err(|_| ApiError::bad_request("X-Daytona-Organization-ID is not text"))?
-        .trim();
-    if asked.is_empty() || asked == caller.organization_id {
-        return Ok(caller);
-    }
-    if caller.operator {
-        state.engine.organizations().get(asked).await?;
-        return Ok(caller.in_organization(asked));
-    }
-    Err(ApiError::new(
-        StatusCode::FORBIDDEN,
-        format!(
-            "API key {} acts in its own organization only, not in {asked:?} \
-             (X-Daytona-Organization-ID)",
-            caller.key_name
-        ),
-    ))
+    state.engine.organizations().get(asked).await?;
+    Ok(caller.in_organization(asked))
+}
+
+/// Whether a header value is an organization's id in form: the default
+/// organization's, or a UUID (every other organization's).
+fn names_an_organization(value: &str) -> bool {
+    value == cove_engine::DEFAULT_ORGANIZATION || uuid::Uuid::try_parse(value).is_ok()
 }
 
 /// The engine as the request's organization sees it: another organization's
@@ -154,5 +156,25 @@ pub(crate) async fn key_accepted_for(
         Ok(caller) => Ok(caller.operator || caller.organization_id == organization_id),
         Err(error) if error.status == StatusCode::UNAUTHORIZED => Ok(false),
         Err(error) => Err(error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_an_organizations_id_in_form_names_one() {
+        assert!(names_an_organization("cove"));
+        assert!(names_an_organization(
+            "8d6958cd-b263-468b-b85c-ea4651ce84d3"
+        ));
+        // What the pinned SDK sends here in place of an organization: an
+        // SSH access token.
+        assert!(!names_an_organization(
+            "4b1e03f98d8daaabeca9d09d0464c1bb8f011f51863331f2"
+        ));
+        assert!(!names_an_organization(""));
+        assert!(!names_an_organization("Cove"));
     }
 }

@@ -2127,11 +2127,42 @@ async fn another_organizations_sandbox_is_a_404_on_every_route() {
         )
         .await;
     assert!(message(&again).contains("already exists"), "{again}");
-    // A key of the team naming another organization is refused.
+    // A preview names its sandbox by id; by name only with a key, in the
+    // key's organization. Another organization's key finds nothing.
     let (status, _) = api
+        .call_with_key("GET", "/preview/ours/3000/", None, None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _) = api
+        .call_with_key("GET", &format!("/preview/{id}/3000/"), None, Some(&key))
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, body) = api
+        .call_with_key("GET", &format!("/preview/{id}/3000/"), None, None)
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{body}");
+    // A key of the team acts in the team, whatever organization its header
+    // names (as Daytona's keys do).
+    let (status, listed) = api
         .call_in_with_key("cove", &key, "GET", "/api/sandbox")
         .await;
-    assert_eq!(status, StatusCode::FORBIDDEN);
+    assert_eq!(status, StatusCode::OK);
+    let items = listed["items"].as_array().unwrap();
+    assert_eq!(items.len(), 1, "{listed}");
+    assert_eq!(items[0]["organizationId"], team_id.as_str());
+    // The operator naming an organization that does not exist is a 404;
+    // what is no organization's id is not read as one.
+    let (status, _) = api
+        .call_in(
+            "00000000-0000-4000-8000-000000000000",
+            "GET",
+            "/api/sandbox",
+            None,
+        )
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _) = api.call_in("not-an-id", "GET", "/api/sandbox", None).await;
+    assert_eq!(status, StatusCode::OK);
 }
 
 #[tokio::test]

@@ -963,6 +963,58 @@ fn files_under(dir: &std::path::Path) -> Vec<String> {
 /// at the limit with `ContextTooLarge` (S3's EntityTooLarge) and nothing
 /// of it stays on disk; a context within the limit is stored.
 #[tokio::test]
+async fn build_contexts_are_their_organizations_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+    let engine = context_engine(dir.path(), store);
+    let team = engine.organizations().create("team", None).await.unwrap();
+    let ours = engine.snapshots().issue_push_grant("cove").unwrap();
+    let theirs = engine.snapshots().issue_push_grant(&team.id).unwrap();
+    let hash = "0123abcd";
+    // The team uploads a context under a hash; the default organization,
+    // naming the same hash, finds nothing and writes its own beside it.
+    let their_key = format!("{}/{hash}/context.tar", team.id);
+    engine
+        .snapshots()
+        .put_context(&theirs, &their_key, body(&[10]), None)
+        .await
+        .unwrap();
+    let our_key = format!("cove/{hash}/context.tar");
+    let seen = engine
+        .snapshots()
+        .head_context(&ours, &our_key)
+        .await
+        .unwrap();
+    assert!(seen.is_none(), "{seen:?}");
+    engine
+        .snapshots()
+        .put_context(&ours, &our_key, body(&[20]), None)
+        .await
+        .unwrap();
+    let sizes = |grant: &cove_engine::PushGrant, key: &str| {
+        let (engine, grant, key) = (engine.clone(), grant.clone(), key.to_owned());
+        async move {
+            engine
+                .snapshots()
+                .head_context(&grant, &key)
+                .await
+                .unwrap()
+                .map(|o| o.size)
+        }
+    };
+    assert_eq!(sizes(&ours, &our_key).await, Some(20));
+    assert_eq!(sizes(&theirs, &their_key).await, Some(10));
+    // A grant writes under its own organization only.
+    let error = engine
+        .snapshots()
+        .put_context(&theirs, &our_key, body(&[5]), None)
+        .await
+        .unwrap_err();
+    assert_eq!(error.kind(), cove_engine::ErrorKind::BadRequest, "{error}");
+    assert_eq!(sizes(&ours, &our_key).await, Some(20));
+}
+
+#[tokio::test]
 async fn build_context_uploads_are_bounded_and_leave_nothing_when_refused() {
     use cove_engine::ErrorKind;
     let dir = tempfile::tempdir().unwrap();

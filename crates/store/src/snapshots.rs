@@ -116,9 +116,9 @@ impl Store {
     }
 
     /// The snapshot whose id or, failing that, whose name is `id_or_name`,
-    /// among those `organization_id` sees: its own and the general ones
-    /// (`None`: among all; a name is then looked up in the default
-    /// organization and the general ones first).
+    /// among those `organization_id` sees: its own, preferred, and the
+    /// general ones (`None`: among all, the server's own lookups, where a
+    /// name is ambiguous and the oldest non-general row of it wins).
     pub async fn find_snapshot(
         &self,
         organization_id: Option<&str>,

@@ -212,6 +212,37 @@ enum Grant {
     ApiKey,
 }
 
+/// The sandbox a preview names. Without an API key, by its id only: names
+/// are unique per organization, not on the server, so a name would open
+/// whichever organization's sandbox of that name is oldest. With a key of
+/// an organization, by id or name among that organization's.
+async fn preview_target(
+    state: &AppState,
+    target: &str,
+    headers: &HeaderMap,
+) -> Result<cove_engine::SandboxRecord, ApiError> {
+    let not_found = || -> ApiError {
+        cove_engine::EngineError::SandboxNotFound {
+            id: target.to_owned(),
+        }
+        .into()
+    };
+    if let Some(key) = auth::bearer(headers) {
+        if let Ok(caller) = auth::authenticate(state, key).await {
+            if !caller.operator {
+                let scoped = state.engine.scoped(&caller.organization_id);
+                return Ok(scoped.sandboxes().get(target).await?);
+            }
+        }
+    }
+    let record = state.engine.sandboxes().get(target).await?;
+    if record.id == target {
+        Ok(record)
+    } else {
+        Err(not_found())
+    }
+}
+
 /// The sandbox id a request may reach, or why not.
 async fn authorize(
     state: &AppState,
@@ -242,7 +273,7 @@ async fn authorize(
             return Ok((signed.sandbox_id, Grant::Open));
         }
     }
-    let record = state.engine.sandboxes().get(&target.target).await?;
+    let record = preview_target(state, &target.target, headers).await?;
     if record.public {
         return Ok((record.id, Grant::Open));
     }

@@ -104,17 +104,41 @@ impl ContextStore {
         }
     }
 
-    /// The archive of context `hash`.
-    pub(crate) fn archive(&self, hash: &str) -> Option<PathBuf> {
-        if !is_hash(hash) {
-            return None;
-        }
-        let path = self.dir.join(hash).join("context.tar");
+    /// The archive of context `name`, if it was uploaded.
+    pub(crate) fn archive(&self, name: &ContextName) -> Option<PathBuf> {
+        let path = self.dir.join(name.relative()?).join("context.tar");
         path.is_file().then_some(path)
     }
 
     fn scratch(&self) -> PathBuf {
         self.dir.join(".uploads")
+    }
+}
+
+/// A build context: an organization's upload under the hash the SDK named
+/// it by. Contexts are the organization's own: another organization naming
+/// the same hash finds nothing, and cannot write over it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct ContextName {
+    pub(crate) organization: String,
+    pub(crate) hash: String,
+}
+
+impl ContextName {
+    /// Where it is kept under the contexts directory: `{hash}` for the
+    /// default organization (as before organizations), `{org}/{hash}` for
+    /// another; `None` for a name that is no hash or no organization's id.
+    fn relative(&self) -> Option<PathBuf> {
+        if !is_hash(&self.hash) {
+            return None;
+        }
+        if self.organization == crate::DEFAULT_ORGANIZATION {
+            return Some(PathBuf::from(&self.hash));
+        }
+        // Organizations other than the default are UUIDs, which no hash
+        // (letters and digits) can be.
+        uuid::Uuid::try_parse(&self.organization).ok()?;
+        Some(Path::new(&self.organization).join(&self.hash))
     }
 }
 
@@ -269,14 +293,20 @@ impl Snapshots {
             .cloned()
     }
 
-    /// The context hash `key` names, if `grant` may write it.
-    fn context_key(&self, grant: &PushGrant, key: &str) -> Result<String, EngineError> {
+    /// The context `key` names, if `grant` may write it: its organization's.
+    fn context_key(&self, grant: &PushGrant, key: &str) -> Result<ContextName, EngineError> {
         let parts: Vec<&str> = key.split('/').collect();
         match parts.as_slice() {
             [organization, hash, "context.tar"]
                 if *organization == grant.organization_id && is_hash(hash) =>
             {
-                Ok((*hash).to_owned())
+                let name = ContextName {
+                    organization: grant.organization_id.clone(),
+                    hash: (*hash).to_owned(),
+                };
+                name.relative()
+                    .map(|_| name)
+                    .ok_or_else(|| invalid_key(key))
             }
             _ => Err(invalid_key(key)),
         }
@@ -288,8 +318,8 @@ impl Snapshots {
         grant: &PushGrant,
         key: &str,
     ) -> Result<Option<ContextObject>, EngineError> {
-        let hash = self.context_key(grant, key)?;
-        let Some(path) = self.contexts()?.archive(&hash) else {
+        let name = self.context_key(grant, key)?;
+        let Some(path) = self.contexts()?.archive(&name) else {
             return Ok(None);
         };
         let meta = tokio::fs::metadata(&path)
@@ -304,7 +334,7 @@ impl Snapshots {
         Ok(Some(ContextObject {
             size: meta.len(),
             modified_ms,
-            etag: format!("{:x}-{}", meta.len(), hash),
+            etag: format!("{:x}-{}", meta.len(), name.hash),
         }))
     }
 
@@ -320,7 +350,7 @@ impl Snapshots {
         S: Stream<Item = Result<bytes::Bytes, E>> + Unpin,
         E: std::fmt::Display,
     {
-        let hash = self.context_key(grant, key)?;
+        let name = self.context_key(grant, key)?;
         let contexts = self.contexts()?;
         let scratch = contexts.scratch();
         make_dir(&scratch).await?;
@@ -335,7 +365,7 @@ impl Snapshots {
             key,
         )
         .await?;
-        self.install_context(&hash, &temp).await?;
+        self.install_context(&name, &temp).await?;
         tracing::info!(key, size, "build context stored");
         Ok(hex(&digest[..16]))
     }
@@ -454,7 +484,7 @@ impl Snapshots {
         upload_id: &str,
         parts: &[u32],
     ) -> Result<String, EngineError> {
-        let hash = self.context_key(grant, key)?;
+        let name = self.context_key(grant, key)?;
         let (dir, _) = self.upload(key, upload_id)?;
         if parts.is_empty() || parts.windows(2).any(|w| w[0] >= w[1]) {
             return Err(EngineError::Invalid {
@@ -476,10 +506,10 @@ impl Snapshots {
         }
         out.flush().await.map_err(io)?;
         drop(out);
-        self.install_context(&hash, &joined).await?;
+        self.install_context(&name, &joined).await?;
         self.abort_context_upload(grant, key, upload_id).await?;
         tracing::info!(key, parts = parts.len(), "build context stored");
-        Ok(format!("{}-{}", &hash, parts.len()))
+        Ok(format!("{}-{}", &name.hash, parts.len()))
     }
 
     /// Drops a multipart upload and its parts.
@@ -503,16 +533,21 @@ impl Snapshots {
         let _ = tokio::fs::remove_dir_all(dir).await;
     }
 
-    /// Moves a finished upload into place as context `hash`.
-    async fn install_context(&self, hash: &str, file: &Path) -> Result<(), EngineError> {
-        let dir = self.contexts()?.dir.join(hash);
+    /// Moves a finished upload into place as context `name`.
+    async fn install_context(&self, name: &ContextName, file: &Path) -> Result<(), EngineError> {
+        let relative = name.relative().ok_or_else(|| EngineError::Invalid {
+            field: "object key",
+            reason: format!("{:?} is no build context's name", name.hash),
+        })?;
+        let dir = self.contexts()?.dir.join(relative);
         make_dir(&dir).await?;
         tokio::fs::rename(file, dir.join("context.tar"))
             .await
             .map_err(EngineError::io("store as context", dir.join("context.tar")))
     }
 
-    /// The archives of `hashes`, or which one was never uploaded.
+    /// The archives of `hashes` this handle's organization uploaded, or
+    /// which one it never did.
     pub(crate) fn context_archives(&self, hashes: &[String]) -> Result<Vec<PathBuf>, EngineError> {
         if hashes.is_empty() {
             return Ok(Vec::new());
@@ -521,7 +556,11 @@ impl Snapshots {
         hashes
             .iter()
             .map(|hash| {
-                contexts.archive(hash).ok_or_else(|| EngineError::Invalid {
+                let name = ContextName {
+                    organization: self.scope.owner().to_owned(),
+                    hash: hash.clone(),
+                };
+                contexts.archive(&name).ok_or_else(|| EngineError::Invalid {
                     field: "buildInfo.contextHashes",
                     reason: format!(
                         "no build context {hash} was uploaded to this server's object storage"
@@ -548,5 +587,23 @@ mod tests {
         assert!(!is_hash(""));
         assert!(!is_hash(".."));
         assert!(!is_hash("a/b"));
+    }
+
+    #[test]
+    fn a_context_is_kept_under_its_organization() {
+        let name = |organization: &str, hash: &str| ContextName {
+            organization: organization.into(),
+            hash: hash.into(),
+        };
+        let team = "8d6958cd-b263-468b-b85c-ea4651ce84d3";
+        assert_eq!(name("cove", "ab12").relative(), Some(PathBuf::from("ab12")));
+        assert_eq!(
+            name(team, "ab12").relative(),
+            Some(Path::new(team).join("ab12"))
+        );
+        // Neither part may name a path of its own.
+        assert_eq!(name("..", "ab12").relative(), None);
+        assert_eq!(name(team, "../x").relative(), None);
+        assert_eq!(name("team/..", "ab12").relative(), None);
     }
 }

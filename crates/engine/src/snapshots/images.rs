@@ -103,12 +103,14 @@ impl Snapshots {
         {
             return Ok(found);
         }
-        let log = self.new_build_log(&name);
+        // Kept by the snapshot's id, which is its organization's own.
+        let id = self.scope.owned_id(&name);
+        let log = self.new_build_log(&id);
         let built = self.build_image(&plan, contexts, &log).await;
         if let Err(error) = &built {
             log.line(format!("error: {error}"));
         }
-        self.finish_log(&name, &log).await;
+        self.finish_log(&id, &log).await;
         let config = &self.shared.config;
         let snapshot = built_snapshot(
             SnapshotRecord {
@@ -116,7 +118,7 @@ impl Snapshots {
                 memory_mib: config.default_memory_gib * 1024,
                 disk_gib: config.default_disk_gib,
                 general: false,
-                id: self.scope.owned_id(&name),
+                id,
                 organization_id: self.scope.owner().to_owned(),
                 ..SnapshotRecord::for_image(&name, "", SandboxClass::Container, now_ms())
             },

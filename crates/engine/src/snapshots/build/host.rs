@@ -47,11 +47,23 @@ pub(crate) struct BuildSandbox {
 /// Build steps on this engine's container runtime, network and store.
 pub(crate) struct EngineBuildHost {
     shared: std::sync::Arc<Shared>,
+    /// Whose build this is: its steps are cached for that organization
+    /// only, so another cannot plant a layer under a key it can predict
+    /// (a step's key names its contexts by hash, not by their bytes).
+    scope: crate::organizations::Scope,
 }
 
 impl EngineBuildHost {
-    pub(crate) fn new(shared: std::sync::Arc<Shared>) -> EngineBuildHost {
-        EngineBuildHost { shared }
+    pub(crate) fn new(
+        shared: std::sync::Arc<Shared>,
+        scope: crate::organizations::Scope,
+    ) -> EngineBuildHost {
+        EngineBuildHost { shared, scope }
+    }
+
+    /// The stored key of a step: the build's own, in its organization.
+    fn cache_key(&self, key: &str) -> String {
+        self.scope.owned_id(key)
     }
 
     fn runtime(&self) -> Result<std::sync::Arc<dyn cove_runtime::Runtime>, EngineError> {
@@ -68,7 +80,7 @@ impl BuildHost for EngineBuildHost {
         let found = self
             .shared
             .store
-            .find_build_step(key)
+            .find_build_step(&self.cache_key(key))
             .await
             .map_err(EngineError::from)?;
         Ok(found.map(|step| step.layer))
@@ -83,7 +95,7 @@ impl BuildHost for EngineBuildHost {
         let store = &self.shared.store;
         let layer = layer.display().to_string();
         let step = BuildStepRecord {
-            cache_key: key.to_owned(),
+            cache_key: self.cache_key(key),
             capture_id: capture_id.to_owned(),
             layer: layer.clone(),
             created_at_ms: now_ms(),
@@ -98,7 +110,7 @@ impl BuildHost for EngineBuildHost {
         // Another build made this step meanwhile: use its layer.
         let _ = self.runtime()?.discard_capture(capture_id).await;
         let theirs = store
-            .find_build_step(key)
+            .find_build_step(&self.cache_key(key))
             .await
             .map_err(EngineError::from)?;
         Ok(theirs.map(|s| s.layer).unwrap_or(layer))

@@ -97,7 +97,7 @@ impl Snapshots {
                 cmd: base.image.cmd,
             },
         };
-        let host = EngineBuildHost::new(self.shared.clone());
+        let host = EngineBuildHost::new(self.shared.clone(), self.scope.clone());
         Ok(cove_images::build::build(&host, plan, base, context.as_ref(), contexts, log).await?)
     }
 
