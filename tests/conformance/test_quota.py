@@ -12,7 +12,7 @@ from daytona import CreateSandboxFromSnapshotParams, DaytonaError, SandboxState
 
 from conftest import CoveServer, unique
 
-QUOTA = "/admin/organizations/cove/quota/local"
+QUOTA = "/admin/organizations/cove/quota/us"
 
 
 def usage(server: CoveServer) -> dict:

@@ -84,7 +84,7 @@ def make_key(cove: CoveServer, org: str, permissions: list[str]) -> tuple[str, s
 
 
 def make_organization(cove: CoveServer, name: str) -> dict:
-    r = cove.request("POST", "/organizations", json={"name": name, "defaultRegionId": "local"})
+    r = cove.request("POST", "/organizations", json={"name": name, "defaultRegionId": "us"})
     assert r.status_code == 201, r.text
     return r.json()
 
@@ -180,7 +180,7 @@ def test_only_the_operator_makes_and_deletes_organizations(cove: CoveServer, ten
     a, b = tenants
     name = unique("org-c")
     operator_names = lambda: [o["name"] for o in items(cove.request("GET", "/organizations"))]  # noqa: E731
-    r = a.request("POST", "/organizations", json={"name": name, "defaultRegionId": "local"})
+    r = a.request("POST", "/organizations", json={"name": name, "defaultRegionId": "us"})
     assert r.status_code == 403, r.text
     assert name not in operator_names()
 
@@ -191,7 +191,7 @@ def test_only_the_operator_makes_and_deletes_organizations(cove: CoveServer, ten
     gone = False
     keys: list[str] = []
     try:
-        r = cove.request("POST", "/organizations", json={"name": name, "defaultRegionId": "local"})
+        r = cove.request("POST", "/organizations", json={"name": name, "defaultRegionId": "us"})
         assert r.status_code == 409, r.text
         assert operator_names().count(name) == 1
 
@@ -526,7 +526,7 @@ def test_another_organizations_snapshot_cannot_be_seen_or_used(cove: CoveServer,
 
 def test_quotas_usage_bills_and_audit_logs_are_per_organization(cove: CoveServer, tenants):
     a, b = tenants
-    quota = f"/admin/organizations/{a.id}/quota/local"
+    quota = f"/admin/organizations/{a.id}/quota/us"
     a1 = a2 = b1 = b2 = None
     try:
         a1 = a.create()

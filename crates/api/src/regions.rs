@@ -62,7 +62,7 @@ mod tests {
         for region in [None, Some(""), Some(TARGET)] {
             check("target", region).unwrap();
         }
-        for region in ["us", "eu", "LOCAL", "local "] {
+        for region in ["local", "eu", "US", "us "] {
             let err = check("target", Some(region)).unwrap_err();
             assert_eq!(err.status, axum::http::StatusCode::BAD_REQUEST);
             assert!(
@@ -70,7 +70,7 @@ mod tests {
                 "{}",
                 err.message
             );
-            assert!(err.message.contains("\"local\""), "{}", err.message);
+            assert!(err.message.contains("\"us\""), "{}", err.message);
             assert!(err.message.starts_with("unknown target"), "{}", err.message);
         }
     }

@@ -442,8 +442,8 @@ async fn one_region_is_listed_and_only_it_is_a_target() {
         assert_eq!(status, StatusCode::OK, "{regions}");
         let regions = regions.as_array().unwrap();
         assert_eq!(regions.len(), 1, "{regions:?}");
-        assert_eq!(regions[0]["id"], "local");
-        assert_eq!(regions[0]["name"], "local");
+        assert_eq!(regions[0]["id"], "us");
+        assert_eq!(regions[0]["name"], "us");
         assert_eq!(regions[0]["regionType"], "shared");
         assert!(regions[0]["createdAt"].is_string());
     }
@@ -453,7 +453,7 @@ async fn one_region_is_listed_and_only_it_is_a_target() {
     assert_eq!(status, StatusCode::BAD_REQUEST);
     let message = body["message"].as_str().unwrap();
     assert!(
-        message.contains("\"eu\"") && message.contains("\"local\""),
+        message.contains("\"eu\"") && message.contains("\"us\""),
         "{message}"
     );
     assert!(api.fake.machines().is_empty());
@@ -461,13 +461,13 @@ async fn one_region_is_listed_and_only_it_is_a_target() {
         .call(
             "POST",
             "/api/sandbox",
-            Some(json!({"name": "here", "target": "local"})),
+            Some(json!({"name": "here", "target": "us"})),
         )
         .await;
     assert_eq!(status, StatusCode::OK, "{made}");
-    assert_eq!(made["target"], "local");
+    assert_eq!(made["target"], "us");
     assert_eq!(
-        listed_names(&api, "regionIds=local").await,
+        listed_names(&api, "regionIds=us").await,
         ["here"].map(String::from)
     );
     assert!(listed_names(&api, "regionIds=eu").await.is_empty());
@@ -1658,7 +1658,7 @@ async fn a_bill_needs_read_billing_and_a_known_organization_and_period() {
 #[tokio::test]
 async fn the_running_limit_counts_running_sandboxes_and_frees_on_stop_or_pause() {
     let api = api().await;
-    let quota = "/api/admin/organizations/cove/quota/local";
+    let quota = "/api/admin/organizations/cove/quota/us";
     let (status, body) = api
         .call("PATCH", quota, Some(json!({"maxRunningSandboxes": 1})))
         .await;
@@ -1692,7 +1692,7 @@ async fn the_running_limit_counts_running_sandboxes_and_frees_on_stop_or_pause()
 
     let (_, usage) = api.call("GET", "/api/organizations/cove/usage", None).await;
     let region = &usage["regionUsage"][0];
-    assert_eq!(region["regionId"], "local");
+    assert_eq!(region["regionId"], "us");
     assert_eq!(region["currentCpuUsage"], 2);
     assert_eq!(region["currentRunningSandboxes"], 1);
     assert_eq!(region["maxRunningSandboxes"], 1);
@@ -1734,7 +1734,7 @@ async fn the_running_limit_counts_running_sandboxes_and_frees_on_stop_or_pause()
 #[tokio::test]
 async fn quotas_are_the_operators_and_refuse_what_cove_cannot_keep() {
     let api = api().await;
-    let quota = "/api/admin/organizations/cove/quota/local";
+    let quota = "/api/admin/organizations/cove/quota/us";
     let user = api
         .key("all", json!(["write:sandboxes", "read:billing"]))
         .await;
@@ -1897,7 +1897,7 @@ async fn the_operator_makes_organizations_that_read_back_with_their_limits() {
     let (status, org) = api.call("GET", "/api/organizations/cove", None).await;
     assert_eq!(status, StatusCode::OK);
     assert_eq!(org["id"], "cove");
-    assert_eq!(org["defaultRegionId"], "local");
+    assert_eq!(org["defaultRegionId"], "us");
     assert_eq!(org["maxCpuPerSandbox"], 2);
     // The server's own ceiling (8 GiB by default) where the quota sets none.
     assert_eq!(org["maxMemoryPerSandbox"], 8);

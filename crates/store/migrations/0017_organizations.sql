@@ -126,3 +126,7 @@ ALTER TABLE audit_log ADD COLUMN organization_id TEXT NOT NULL DEFAULT 'cove';
 CREATE INDEX audit_log_by_organization ON audit_log (organization_id, created_at_ms);
 
 ALTER TABLE meter ADD COLUMN organization_id TEXT NOT NULL DEFAULT 'cove';
+
+-- The server's one region is `us` from here (it was `local`), as Daytona's
+-- default target is named: quotas set before follow it.
+UPDATE region_quotas SET region_id = 'us' WHERE region_id = 'local';

@@ -40,8 +40,9 @@ pub use ssh_access::SshAccessRecord;
 /// The organization every server has, made at its first start; rows from
 /// before organizations existed belong to it (migration 0017).
 pub const DEFAULT_ORGANIZATION: &str = "cove";
-/// The one region of a server.
-pub const DEFAULT_REGION: &str = "local";
+/// The one region of a server (Daytona's default target's name, so a
+/// program that sets `DAYTONA_TARGET=us` runs here unchanged).
+pub const DEFAULT_REGION: &str = "us";
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
