@@ -42,23 +42,14 @@ impl Store {
         &self,
         organization: &OrganizationRecord,
     ) -> Result<(), StoreError> {
-        sqlx::query(&format!(
-            "INSERT INTO organizations ({COLUMNS}) VALUES (?, ?, ?, ?, ?)"
-        ))
-        .bind(&organization.id)
-        .bind(&organization.name)
-        .bind(&organization.default_region_id)
-        .bind(organization.created_at_ms)
-        .bind(organization.updated_at_ms)
-        .execute(&self.pool)
-        .await
-        .map_err(|e| match e {
-            sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::Duplicate {
-                name: organization.name.clone(),
-            },
-            other => other.into(),
-        })?;
-        Ok(())
+        self.write_organization(organization, "")
+            .await
+            .map_err(|e| match e {
+                sqlx::Error::Database(db) if db.is_unique_violation() => StoreError::Duplicate {
+                    name: organization.name.clone(),
+                },
+                other => other.into(),
+            })
     }
 
     /// Stores `organization` unless one with its id exists.
@@ -66,9 +57,18 @@ impl Store {
         &self,
         organization: &OrganizationRecord,
     ) -> Result<(), StoreError> {
+        Ok(self
+            .write_organization(organization, " ON CONFLICT (id) DO NOTHING")
+            .await?)
+    }
+
+    async fn write_organization(
+        &self,
+        organization: &OrganizationRecord,
+        on_conflict: &'static str,
+    ) -> Result<(), sqlx::Error> {
         sqlx::query(&format!(
-            "INSERT INTO organizations ({COLUMNS}) VALUES (?, ?, ?, ?, ?) \
-             ON CONFLICT (id) DO NOTHING"
+            "INSERT INTO organizations ({COLUMNS}) VALUES (?, ?, ?, ?, ?){on_conflict}"
         ))
         .bind(&organization.id)
         .bind(&organization.name)
