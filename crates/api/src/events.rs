@@ -116,13 +116,20 @@ async fn authenticate(
         }
         _ => caller.organization_id,
     };
-    socket.extensions.insert(Organization(organization));
+    socket.extensions.insert(Listener {
+        organization,
+        token: token.to_owned(),
+    });
     Ok(())
 }
 
-/// The organization a socket hears of.
-#[derive(Clone, Debug)]
-struct Organization(String);
+/// Who a socket is: the organization it hears of, and the key it came
+/// with, checked again before each event so a deleted key hears no more.
+#[derive(Clone)]
+struct Listener {
+    organization: String,
+    token: String,
+}
 
 fn organization_asked(query: Option<&str>) -> Option<String> {
     form_urlencoded::parse(query?.as_bytes())
@@ -139,7 +146,11 @@ fn forward(state: AppState, socket: SocketRef) {
         move || async move { gone.notify_one() }
     });
     let headers = socket.req_parts().headers.clone();
-    let Some(Organization(organization)) = socket.extensions.get::<Organization>() else {
+    let Some(Listener {
+        organization,
+        token,
+    }) = socket.extensions.get::<Listener>()
+    else {
         tracing::warn!(socket = %socket.id, "an event socket without its organization");
         return;
     };
@@ -159,6 +170,13 @@ fn forward(state: AppState, socket: SocketRef) {
             };
             if event.sandbox().organization_id != organization {
                 continue;
+            }
+            // A key deleted since (alone or with its organization), or
+            // expired, ends the socket rather than hear another event.
+            if crate::auth::authenticate(&state, &token).await.is_err() {
+                tracing::info!(socket = %socket.id, "an event socket's key is no longer accepted");
+                let _ = socket.disconnect();
+                return;
             }
             let (name, message) = message(&state, &headers, event);
             // Fails once the socket is closed (the notice above ends the

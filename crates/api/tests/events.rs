@@ -74,11 +74,26 @@ async fn server() -> Server {
 
 impl Server {
     async fn call(&self, method: &str, path: &str, body: Option<Value>) -> (StatusCode, Value) {
-        let request = Request::builder()
+        self.call_as(KEY, None, method, path, body).await
+    }
+
+    /// A call with `key`, acting in `organization` when given.
+    async fn call_as(
+        &self,
+        key: &str,
+        organization: Option<&str>,
+        method: &str,
+        path: &str,
+        body: Option<Value>,
+    ) -> (StatusCode, Value) {
+        let mut request = Request::builder()
             .method(method)
             .uri(path)
             .header("host", self.addr.to_string())
-            .header("authorization", format!("Bearer {KEY}"));
+            .header("authorization", format!("Bearer {key}"));
+        if let Some(organization) = organization {
+            request = request.header("x-daytona-organization-id", organization);
+        }
         let request = match body {
             Some(body) => request
                 .header("content-type", "application/json")
@@ -283,6 +298,88 @@ async fn a_refused_socket_hears_nothing_and_is_closed_and_a_bearer_header_is_a_k
             Some(Ok(_)) => {}
         }
     }
+}
+
+#[tokio::test]
+async fn a_socket_hears_no_more_once_its_key_is_deleted() {
+    let server = server().await;
+    let body = json!({"name": "listener", "permissions": ["write:sandboxes"]});
+    let (status, made) = server.call("POST", "/api/api-keys", Some(body)).await;
+    assert_eq!(status, StatusCode::CREATED, "{made}");
+    let key = made["value"].as_str().unwrap().to_owned();
+    let (mut socket, answer) = server.connect("", Some(json!({"token": key}))).await;
+    assert!(answer.starts_with("40{\"sid\""), "{answer}");
+    let (status, _) = server
+        .call("POST", "/api/sandbox", Some(json!({"name": "first"})))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let (name, _) = next_event(&mut socket).await;
+    assert_eq!(name, "sandbox.created");
+
+    let (status, _) = server.call("DELETE", "/api/api-keys/listener", None).await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, _) = server
+        .call("POST", "/api/sandbox", Some(json!({"name": "second"})))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    // What comes now is the socket's end, never the second sandbox.
+    loop {
+        let message = tokio::time::timeout(PATIENCE, socket.next())
+            .await
+            .expect("the socket was neither closed nor sent anything");
+        match message {
+            None | Some(Err(_)) | Some(Ok(Message::Close(_))) => break,
+            Some(Ok(Message::Text(text))) => {
+                let text = text.as_str();
+                assert!(!text.contains("second"), "heard after its key went: {text}");
+                if text == "2" {
+                    socket.send(Message::text("3")).await.unwrap();
+                }
+                if text.starts_with("41") {
+                    break;
+                }
+            }
+            Some(Ok(_)) => {}
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_socket_hears_its_own_organizations_sandboxes_only() {
+    let server = server().await;
+    let (status, team) = server
+        .call("POST", "/api/organizations", Some(json!({"name": "team"})))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{team}");
+    let team = team["id"].as_str().unwrap().to_owned();
+    let body = json!({"name": "team-key", "permissions": ["write:sandboxes"]});
+    let (status, made) = server
+        .call_as(KEY, Some(&team), "POST", "/api/api-keys", Some(body))
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{made}");
+    let key = made["value"].as_str().unwrap().to_owned();
+    let (mut socket, answer) = server.connect("", Some(json!({"token": key}))).await;
+    assert!(answer.starts_with("40{\"sid\""), "{answer}");
+    // The default organization's sandbox first, then the team's: the team's
+    // socket hears of its own only.
+    let (status, _) = server
+        .call("POST", "/api/sandbox", Some(json!({"name": "ours"})))
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, _) = server
+        .call_as(
+            &key,
+            None,
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "theirs"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let (name, data) = next_event(&mut socket).await;
+    assert_eq!(name, "sandbox.created");
+    assert_eq!(data["name"], "theirs", "{data}");
+    assert_eq!(data["organizationId"], team.as_str());
 }
 
 #[tokio::test]
