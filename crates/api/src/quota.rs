@@ -250,10 +250,7 @@ pub(crate) async fn update_organization(
     let mut quota = billing.organization_quota(&organization).await?;
     let ceilings = body.apply(&mut quota)?;
     billing
-        .update_region_quota(&organization, &ceilings)
-        .await?;
-    billing
-        .set_organization_quota(&organization, &quota)
+        .update_organization_quota(&organization, &quota, &ceilings)
         .await?;
     Ok(StatusCode::NO_CONTENT)
 }

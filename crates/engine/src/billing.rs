@@ -31,14 +31,20 @@ impl Billing {
         self.shared.organization_quota(organization_id).await
     }
 
-    /// Replaces an organization's rate limits and counts.
-    pub async fn set_organization_quota(
+    /// Replaces an organization's rate limits and counts, and changes its
+    /// per-sandbox ceilings (`PATCH /api/organizations/{id}/quota`): both in
+    /// one write, or neither.
+    pub async fn update_organization_quota(
         &self,
         organization_id: &str,
         quota: &OrganizationQuotaRecord,
+        ceilings: &QuotaChange,
     ) -> Result<(), EngineError> {
+        let mut region = self.region_quota(organization_id).await?;
+        ceilings.apply(&mut region)?;
+        region.updated_at_ms = now_ms();
         self.shared
-            .set_organization_quota(organization_id, quota)
+            .set_quotas(organization_id, quota, &region)
             .await
     }
 

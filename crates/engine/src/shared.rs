@@ -177,15 +177,17 @@ impl Shared {
         Ok(stored)
     }
 
-    /// Replaces an organization's rate limits and counts.
-    pub(crate) async fn set_organization_quota(
+    /// Replaces an organization's rate limits and counts and its region
+    /// quota in one write.
+    pub(crate) async fn set_quotas(
         &self,
         organization_id: &str,
         quota: &cove_store::OrganizationQuotaRecord,
+        region: &cove_store::RegionQuotaRecord,
     ) -> Result<(), EngineError> {
         let mut cached = self.organization_quotas.write().await;
         self.store
-            .save_organization_quota(organization_id, quota, now_ms())
+            .save_quotas(organization_id, quota, region, now_ms())
             .await?;
         cached.insert(organization_id.to_owned(), quota.clone());
         Ok(())

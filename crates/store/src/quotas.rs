@@ -1,7 +1,7 @@
 //! Region quotas: what an organization may use in one region.
 
 use serde::{Deserialize, Serialize};
-use sqlx::Row;
+use sqlx::{Row, SqliteConnection};
 
 use crate::{Store, StoreError};
 
@@ -81,16 +81,23 @@ impl Store {
         quota: &OrganizationQuotaRecord,
         at_ms: i64,
     ) -> Result<(), StoreError> {
-        sqlx::query(
-            "INSERT INTO organization_quotas (organization_id, settings, updated_at_ms) \
-             VALUES (?1, ?2, ?3) ON CONFLICT(organization_id) DO UPDATE SET \
-             settings = excluded.settings, updated_at_ms = excluded.updated_at_ms",
-        )
-        .bind(organization_id)
-        .bind(serde_json::to_string(quota).expect("a quota serializes"))
-        .bind(at_ms)
-        .execute(&self.pool)
-        .await?;
+        let mut conn = self.pool.acquire().await?;
+        write_organization_quota(&mut conn, organization_id, quota, at_ms).await
+    }
+
+    /// Sets (replaces) an organization's rate limits and counts and its
+    /// region quota together: both or neither.
+    pub async fn save_quotas(
+        &self,
+        organization_id: &str,
+        quota: &OrganizationQuotaRecord,
+        region: &RegionQuotaRecord,
+        at_ms: i64,
+    ) -> Result<(), StoreError> {
+        let mut tx = self.pool.begin_with(crate::WRITE).await?;
+        write_organization_quota(&mut tx, organization_id, quota, at_ms).await?;
+        write_region_quota(&mut tx, region).await?;
+        tx.commit().await?;
         Ok(())
     }
 
@@ -127,8 +134,36 @@ impl Store {
 
     /// Sets (replaces) a region quota.
     pub async fn save_region_quota(&self, q: &RegionQuotaRecord) -> Result<(), StoreError> {
-        let sql = format!(
-            "INSERT INTO region_quotas ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
+        let mut conn = self.pool.acquire().await?;
+        write_region_quota(&mut conn, q).await
+    }
+}
+
+async fn write_organization_quota(
+    conn: &mut SqliteConnection,
+    organization_id: &str,
+    quota: &OrganizationQuotaRecord,
+    at_ms: i64,
+) -> Result<(), StoreError> {
+    sqlx::query(
+        "INSERT INTO organization_quotas (organization_id, settings, updated_at_ms) \
+         VALUES (?1, ?2, ?3) ON CONFLICT(organization_id) DO UPDATE SET \
+         settings = excluded.settings, updated_at_ms = excluded.updated_at_ms",
+    )
+    .bind(organization_id)
+    .bind(serde_json::to_string(quota).expect("a quota serializes"))
+    .bind(at_ms)
+    .execute(conn)
+    .await?;
+    Ok(())
+}
+
+async fn write_region_quota(
+    conn: &mut SqliteConnection,
+    q: &RegionQuotaRecord,
+) -> Result<(), StoreError> {
+    let sql = format!(
+        "INSERT INTO region_quotas ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
              ON CONFLICT(organization_id, region_id) DO UPDATE SET \
              total_cpu = excluded.total_cpu, total_memory_gib = excluded.total_memory_gib, \
              total_disk_gib = excluded.total_disk_gib, \
@@ -137,20 +172,19 @@ impl Store {
              max_memory_per_sandbox = excluded.max_memory_per_sandbox, \
              max_disk_per_sandbox = excluded.max_disk_per_sandbox, \
              updated_at_ms = excluded.updated_at_ms"
-        );
-        sqlx::query(&sql)
-            .bind(&q.organization_id)
-            .bind(&q.region_id)
-            .bind(q.total_cpu)
-            .bind(q.total_memory_gib)
-            .bind(q.total_disk_gib)
-            .bind(q.max_running_sandboxes)
-            .bind(q.max_cpu_per_sandbox)
-            .bind(q.max_memory_per_sandbox)
-            .bind(q.max_disk_per_sandbox)
-            .bind(q.updated_at_ms)
-            .execute(&self.pool)
-            .await?;
-        Ok(())
-    }
+    );
+    sqlx::query(&sql)
+        .bind(&q.organization_id)
+        .bind(&q.region_id)
+        .bind(q.total_cpu)
+        .bind(q.total_memory_gib)
+        .bind(q.total_disk_gib)
+        .bind(q.max_running_sandboxes)
+        .bind(q.max_cpu_per_sandbox)
+        .bind(q.max_memory_per_sandbox)
+        .bind(q.max_disk_per_sandbox)
+        .bind(q.updated_at_ms)
+        .execute(conn)
+        .await?;
+    Ok(())
 }

@@ -607,6 +607,23 @@ async fn an_organizations_rate_limits_are_kept_and_replaced() {
         store.organization_quota("cove").await.unwrap(),
         Some(Default::default())
     );
+    // Both kinds in one write.
+    let region = cove_store::RegionQuotaRecord {
+        organization_id: "cove".into(),
+        region_id: "us".into(),
+        max_cpu_per_sandbox: Some(2),
+        updated_at_ms: 3,
+        ..Default::default()
+    };
+    store.save_quotas("cove", &quota, &region, 3).await.unwrap();
+    assert_eq!(
+        store.organization_quota("cove").await.unwrap().as_ref(),
+        Some(&quota)
+    );
+    assert_eq!(
+        store.region_quota("cove", "us").await.unwrap().as_ref(),
+        Some(&region)
+    );
 }
 
 #[tokio::test]
