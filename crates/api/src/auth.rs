@@ -136,25 +136,19 @@ pub(crate) async fn authenticate(state: &AppState, token: &str) -> Result<Caller
     }
 }
 
-/// Whether `token` is a key of this server, of any organization.
-pub(crate) async fn is_key(state: &AppState, token: &str) -> Result<bool, ApiError> {
-    match authenticate(state, token).await {
-        Ok(_) => Ok(true),
-        Err(error) if error.status == StatusCode::UNAUTHORIZED => Ok(false),
-        Err(error) => Err(error),
-    }
-}
-
-/// Whether `token` is a key this server accepts for a resource of
-/// `organization_id`: the operator's, or one of that organization.
-pub(crate) async fn key_accepted_for(
+/// Who the request's `Authorization: Bearer` key is, if it is a key of
+/// this server; `None` without one, or for a token it does not know (an
+/// application's own).
+pub(crate) async fn bearer_caller(
     state: &AppState,
-    token: &str,
-    organization_id: &str,
-) -> Result<bool, ApiError> {
+    headers: &HeaderMap,
+) -> Result<Option<Caller>, ApiError> {
+    let Some(token) = bearer(headers) else {
+        return Ok(None);
+    };
     match authenticate(state, token).await {
-        Ok(caller) => Ok(caller.operator || caller.organization_id == organization_id),
-        Err(error) if error.status == StatusCode::UNAUTHORIZED => Ok(false),
+        Ok(caller) => Ok(Some(caller)),
+        Err(error) if error.status == StatusCode::UNAUTHORIZED => Ok(None),
         Err(error) => Err(error),
     }
 }

@@ -25,6 +25,7 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode, Version};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
+use cove_engine::Caller;
 use cove_runtime::AgentEndpoint;
 use hyper_util::rt::TokioIo;
 
@@ -204,22 +205,15 @@ pub(crate) async fn by_path(State(state): State<AppState>, request: Request) -> 
         .unwrap_or_else(IntoResponse::into_response)
 }
 
-/// What let a request in, which decides what is removed before forwarding.
-enum Grant {
-    /// A public sandbox, a preview token or a signed URL.
-    Open,
-    /// The API key in `Authorization`, which must not reach the sandbox.
-    ApiKey,
-}
-
 /// The sandbox a preview names. Without an API key, by its id only: names
 /// are unique per organization, not on the server, so a name would open
 /// whichever organization's sandbox of that name is oldest. With a key of
-/// an organization, by id or name among that organization's.
+/// an organization, by id or name among that organization's (another's is
+/// not found).
 async fn preview_target(
     state: &AppState,
     target: &str,
-    headers: &HeaderMap,
+    caller: Option<&Caller>,
 ) -> Result<cove_engine::SandboxRecord, ApiError> {
     let not_found = || -> ApiError {
         cove_engine::EngineError::SandboxNotFound {
@@ -227,13 +221,9 @@ async fn preview_target(
         }
         .into()
     };
-    if let Some(key) = auth::bearer(headers) {
-        if let Ok(caller) = auth::authenticate(state, key).await {
-            if !caller.operator {
-                let scoped = state.engine.scoped(&caller.organization_id);
-                return Ok(scoped.sandboxes().get(target).await?);
-            }
-        }
+    if let Some(caller) = caller.filter(|caller| !caller.operator) {
+        let scoped = state.engine.scoped(&caller.organization_id);
+        return Ok(scoped.sandboxes().get(target).await?);
     }
     let record = state.engine.sandboxes().get(target).await?;
     if record.id == target {
@@ -243,12 +233,14 @@ async fn preview_target(
     }
 }
 
-/// The sandbox id a request may reach, or why not.
+/// The sandbox id a request may reach, or why not. `caller` is who the
+/// request's API key is, if it came with one of this server's.
 async fn authorize(
     state: &AppState,
     target: &Target,
     headers: &HeaderMap,
-) -> Result<(String, Grant), ApiError> {
+    caller: Option<&Caller>,
+) -> Result<String, ApiError> {
     if urls::looks_like_token(&target.target) {
         if let Some(signed) = state.engine.access().signed_preview(&target.target).await? {
             if signed.port != target.port {
@@ -270,34 +262,29 @@ async fn authorize(
                     ),
                 ));
             }
-            return Ok((signed.sandbox_id, Grant::Open));
+            return Ok(signed.sandbox_id);
         }
     }
-    let record = preview_target(state, &target.target, headers).await?;
+    let record = preview_target(state, &target.target, caller).await?;
     if record.public {
-        return Ok((record.id, Grant::Open));
+        return Ok(record.id);
     }
     if let Some(given) = headers.get(TOKEN_HEADER) {
         let token = token_of(state, &record.id).await?;
         if cove_engine::constant_time_eq(given.as_bytes(), token.as_bytes()) {
-            return Ok((record.id, Grant::Open));
+            return Ok(record.id);
         }
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             format!("wrong preview token for sandbox {}", record.id),
         ));
     }
-    if let Some(key) = auth::bearer(headers) {
-        if auth::key_accepted_for(state, key, &record.organization_id).await? {
-            return Ok((record.id, Grant::ApiKey));
-        }
-        if auth::is_key(state, key).await? {
-            // Another organization's key: its sandbox is not there for it.
-            return Err(cove_engine::EngineError::SandboxNotFound {
-                id: target.target.clone(),
-            }
-            .into());
-        }
+    // The record was looked up in the key's organization: any key that
+    // found it may open it.
+    if caller.is_some() {
+        return Ok(record.id);
+    }
+    if auth::bearer(headers).is_some() {
         return Err(ApiError::new(
             StatusCode::UNAUTHORIZED,
             format!("invalid API key for the preview of sandbox {}", record.id),
@@ -320,14 +307,11 @@ async fn serve(
     target: Target,
     mut request: Request,
 ) -> Result<Response, ApiError> {
-    let (id, grant) = authorize(&state, &target, request.headers()).await?;
+    let caller = auth::bearer_caller(&state, request.headers()).await?;
+    let id = authorize(&state, &target, request.headers(), caller.as_ref()).await?;
     // The API key never reaches the sandbox, even when something else let the
     // request in; an application's own Authorization header does.
-    let strip_authorization = match (grant, auth::bearer(request.headers())) {
-        (Grant::ApiKey, _) => true,
-        (Grant::Open, Some(key)) => auth::is_key(&state, key).await?,
-        (Grant::Open, None) => false,
-    };
+    let strip_authorization = caller.is_some();
     // Not `engine.toolbox`: a preview must not reset the idle clock.
     let (record, endpoint) = state.engine.sandboxes().agent(&id).await?;
     let AgentEndpoint::Unix(socket) = endpoint;
