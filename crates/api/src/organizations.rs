@@ -171,6 +171,5 @@ pub(crate) async fn delete(
         return Err(EngineError::OrganizationNotFound { id }.into());
     }
     state.engine.organizations().delete(&id).await?;
-    state.engine.access().forget_api_keys();
     Ok(StatusCode::NO_CONTENT)
 }

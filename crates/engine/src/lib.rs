@@ -93,17 +93,12 @@ pub struct Engine {
 /// its resources (another's are not found), and what is made is its.
 #[derive(Clone)]
 pub struct Scoped {
-    organization_id: String,
     sandboxes: Sandboxes,
     snapshots: Snapshots,
     volumes: Volumes,
 }
 
 impl Scoped {
-    pub fn organization_id(&self) -> &str {
-        &self.organization_id
-    }
-
     pub fn sandboxes(&self) -> &Sandboxes {
         &self.sandboxes
     }
@@ -126,11 +121,12 @@ impl Engine {
         let shared = Arc::new(shared::Shared::new(config, store, runtimes));
         let snapshots = Snapshots::new(shared.clone());
         let volumes = Volumes::new(shared.clone());
+        let access = Access::new(shared.clone());
         Engine {
             sandboxes: Sandboxes::new(shared.clone(), snapshots.clone(), volumes.clone()),
-            access: Access::new(shared.clone()),
+            organizations: Organizations::new(shared.clone(), access.clone()),
+            access,
             billing: Billing::new(shared.clone()),
-            organizations: Organizations::new(shared.clone()),
             shared,
             snapshots,
             volumes,
@@ -147,7 +143,6 @@ impl Engine {
     pub fn scoped(&self, organization_id: &str) -> Scoped {
         let scope = organizations::Scope::Organization(organization_id.into());
         Scoped {
-            organization_id: organization_id.to_owned(),
             sandboxes: self.sandboxes.scoped(scope.clone()),
             snapshots: self.snapshots.scoped(scope.clone()),
             volumes: self.volumes.scoped(scope),

@@ -11,6 +11,7 @@ use std::sync::Arc;
 
 use cove_store::{OrganizationRecord, StoreError};
 
+use crate::access::Access;
 use crate::quota::REGION_ID;
 use crate::shared::Shared;
 use crate::{now_ms, EngineError};
@@ -94,11 +95,13 @@ fn holdings_message(id: &str, holdings: &cove_store::OrganizationHoldings) -> St
 #[derive(Clone)]
 pub struct Organizations {
     shared: Arc<Shared>,
+    /// Whose key cache forgets the keys a deleted organization takes along.
+    access: Access,
 }
 
 impl Organizations {
-    pub(crate) fn new(shared: Arc<Shared>) -> Organizations {
-        Organizations { shared }
+    pub(crate) fn new(shared: Arc<Shared>, access: Access) -> Organizations {
+        Organizations { shared, access }
     }
 
     /// Makes an organization named `name` (unique on the server).
@@ -162,6 +165,8 @@ impl Organizations {
         match self.shared.store.delete_organization(id).await? {
             Ok(()) => {
                 self.shared.forget_quotas(id).await;
+                // Its keys went with it: refused from the next request on.
+                self.access.forget_api_keys();
                 tracing::info!(organization = %id, name = %record.name, "organization deleted");
                 Ok(())
             }

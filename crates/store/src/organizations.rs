@@ -99,32 +99,6 @@ impl Store {
         rows.iter().map(from_row).collect()
     }
 
-    /// What `id` still owns (its snapshots, not the general ones it holds
-    /// for the server).
-    pub async fn organization_holdings(
-        &self,
-        id: &str,
-    ) -> Result<OrganizationHoldings, StoreError> {
-        let count = |sql: &'static str| {
-            let pool = self.pool.clone();
-            let id = id.to_owned();
-            async move {
-                sqlx::query_scalar::<_, i64>(sql)
-                    .bind(id)
-                    .fetch_one(&pool)
-                    .await
-            }
-        };
-        Ok(OrganizationHoldings {
-            sandboxes: count("SELECT COUNT(*) FROM sandboxes WHERE organization_id = ?").await?,
-            snapshots: count(
-                "SELECT COUNT(*) FROM snapshots WHERE organization_id = ? AND general = 0",
-            )
-            .await?,
-            volumes: count("SELECT COUNT(*) FROM volumes WHERE organization_id = ?").await?,
-        })
-    }
-
     /// Deletes organization `id` with its keys, registries and quotas, in one
     /// transaction, if it owns no sandbox, snapshot or volume; returns what
     /// it still owns otherwise (and deletes nothing). Its audit rows and

@@ -274,7 +274,7 @@ impl Access {
 
     /// Reads the keys from the store again at the next check: after keys
     /// were deleted elsewhere (with their organization).
-    pub fn forget_api_keys(&self) {
+    pub(crate) fn forget_api_keys(&self) {
         self.forget_keys();
     }
 
