@@ -9,7 +9,7 @@ use cove_billing::{Bill, Interval, Metered};
 use cove_lifecycle::SandboxState;
 use cove_store::{MeterKind, MeterRecord, OrganizationQuotaRecord, RegionQuotaRecord};
 
-use crate::quota::{QuotaChange, Usage, REGION_ID};
+use crate::quota::{Counted, QuotaChange, Usage, REGION_ID};
 use crate::shared::Shared;
 use crate::{now_ms, EngineError};
 
@@ -40,9 +40,7 @@ impl Billing {
         quota: &OrganizationQuotaRecord,
         ceilings: &QuotaChange,
     ) -> Result<(), EngineError> {
-        let mut region = self.region_quota(organization_id).await?;
-        ceilings.apply(&mut region)?;
-        region.updated_at_ms = now_ms();
+        let region = self.changed_region_quota(organization_id, ceilings).await?;
         self.shared
             .set_quotas(organization_id, quota, &region)
             .await
@@ -101,27 +99,36 @@ impl Billing {
         organization_id: &str,
         change: &QuotaChange,
     ) -> Result<RegionQuotaRecord, EngineError> {
+        let quota = self.changed_region_quota(organization_id, change).await?;
+        self.shared.store.save_region_quota(&quota).await?;
+        Ok(quota)
+    }
+
+    /// An organization's region quota with `change` made, not yet stored.
+    async fn changed_region_quota(
+        &self,
+        organization_id: &str,
+        change: &QuotaChange,
+    ) -> Result<RegionQuotaRecord, EngineError> {
         let mut quota = self.region_quota(organization_id).await?;
         change.apply(&mut quota)?;
         quota.updated_at_ms = now_ms();
-        self.shared.store.save_region_quota(&quota).await?;
         Ok(quota)
     }
 
     /// What an organization's sandboxes use now, and how many snapshots
     /// and volumes it keeps.
     pub async fn usage(&self, organization_id: &str) -> Result<(Usage, usize, usize), EngineError> {
-        let ours = |id: &str| id == organization_id;
         let sandboxes = self.shared.store.list_sandboxes().await?;
-        let snapshots = self.shared.store.list_snapshots().await?;
-        let volumes = self.shared.store.list_volumes().await?;
+        let ours = sandboxes
+            .iter()
+            .filter(|s| s.organization_id == organization_id);
         Ok((
-            Usage::of(sandboxes.iter().filter(|s| ours(&s.organization_id)), ""),
-            snapshots
-                .iter()
-                .filter(|s| !s.general && ours(&s.organization_id))
-                .count(),
-            volumes.iter().filter(|v| ours(&v.organization_id)).count(),
+            Usage::of(ours, ""),
+            self.shared
+                .count(organization_id, Counted::Snapshots)
+                .await?,
+            self.shared.count(organization_id, Counted::Volumes).await?,
         ))
     }
 }

@@ -140,23 +140,34 @@ impl Shared {
             Counted::Snapshots => quota.snapshots,
         };
         if let Some(limit) = limit {
-            let used = match kind {
-                Counted::Volumes => {
-                    let all = self.store.list_volumes().await?;
-                    all.iter()
-                        .filter(|v| v.organization_id == organization_id)
-                        .count()
-                }
-                Counted::Snapshots => {
-                    let all = self.store.list_snapshots().await?;
-                    all.iter()
-                        .filter(|s| !s.general && s.organization_id == organization_id)
-                        .count()
-                }
-            } as i64;
+            let used = self.count(organization_id, kind).await? as i64;
             crate::quota::admit_count(kind, limit, used)?;
         }
         Ok(guard)
+    }
+
+    /// How many volumes, or snapshots, `organization_id` keeps (the
+    /// server's own images are no one's).
+    pub(crate) async fn count(
+        &self,
+        organization_id: &str,
+        kind: crate::quota::Counted,
+    ) -> Result<usize, EngineError> {
+        use crate::quota::Counted;
+        Ok(match kind {
+            Counted::Volumes => {
+                let all = self.store.list_volumes().await?;
+                all.iter()
+                    .filter(|v| v.organization_id == organization_id)
+                    .count()
+            }
+            Counted::Snapshots => {
+                let all = self.store.list_snapshots().await?;
+                all.iter()
+                    .filter(|s| !s.general && s.organization_id == organization_id)
+                    .count()
+            }
+        })
     }
 
     /// An organization's rate limits and counts (none when never set).
