@@ -31,12 +31,50 @@ pub(crate) fn bearer(headers: &HeaderMap) -> Option<&str> {
         .then_some(token.trim())
 }
 
+/// The subprotocol a browser's WebSocket offers beside its key, and the one
+/// cove answers with (see [`websocket_key`]).
+pub(crate) const WEBSOCKET_PROTOCOL: &str = "cove";
+/// The prefix of the subprotocol that carries a key: `cove.key.` and the key
+/// in unpadded base64url, so any key is a valid protocol token.
+const WEBSOCKET_KEY_PREFIX: &str = "cove.key.";
+
+/// The subprotocols a WebSocket handshake offers, over every
+/// `Sec-WebSocket-Protocol` line.
+pub(crate) fn websocket_protocols(headers: &HeaderMap) -> impl Iterator<Item = &str> {
+    headers
+        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|value| value.to_str().ok())
+        .flat_map(|value| value.split(','))
+        .map(str::trim)
+}
+
+/// The key a browser's WebSocket handshake carries. A browser cannot set
+/// `Authorization` on a WebSocket, and a key in the URL would be logged and
+/// kept in history, so the dashboard offers it as a subprotocol
+/// (`cove.key.<base64url>`) beside [`WEBSOCKET_PROTOCOL`], which the answer
+/// names. Only upgrade requests are read this way; the toolbox proxy drops
+/// the header before the sandbox sees it.
+pub(crate) fn websocket_key(headers: &HeaderMap) -> Option<String> {
+    use base64::Engine as _;
+    if !headers.contains_key(header::UPGRADE) {
+        return None;
+    }
+    let encoded = websocket_protocols(headers)
+        .find_map(|protocol| protocol.strip_prefix(WEBSOCKET_KEY_PREFIX))?;
+    let key = base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(encoded)
+        .ok()?;
+    String::from_utf8(key).ok()
+}
+
 pub(crate) async fn require_api_key(
     State(state): State<AppState>,
     mut request: Request,
     next: Next,
 ) -> Response {
-    let Some(token) = bearer(request.headers()) else {
+    let websocket = websocket_key(request.headers());
+    let Some(token) = bearer(request.headers()).or(websocket.as_deref()) else {
         return ApiError::new(
             StatusCode::UNAUTHORIZED,
             "missing API key: send Authorization: Bearer <key>",
@@ -156,6 +194,29 @@ pub(crate) async fn bearer_caller(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_websocket_offers_its_key_as_a_subprotocol_of_upgrades_only() {
+        let mut headers = HeaderMap::new();
+        // "key/with+odd=chars" in unpadded base64url.
+        headers.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            "cove, cove.key.a2V5L3dpdGgrb2RkPWNoYXJz".parse().unwrap(),
+        );
+        assert_eq!(websocket_key(&headers), None, "not an upgrade");
+        headers.insert(header::UPGRADE, "websocket".parse().unwrap());
+        assert_eq!(
+            websocket_key(&headers).as_deref(),
+            Some("key/with+odd=chars")
+        );
+        headers.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            "cove.key.!!!".parse().unwrap(),
+        );
+        assert_eq!(websocket_key(&headers), None, "not base64url");
+        headers.insert(header::SEC_WEBSOCKET_PROTOCOL, "cove".parse().unwrap());
+        assert_eq!(websocket_key(&headers), None, "no key offered");
+    }
 
     #[test]
     fn only_an_organizations_id_in_form_names_one() {

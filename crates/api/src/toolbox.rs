@@ -106,9 +106,14 @@ async fn relay(
         .contains_key(header::UPGRADE)
         .then(|| hyper::upgrade::on(&mut request));
     *request.uri_mut() = uri;
+    // A browser's key came as a subprotocol: the answer names cove's.
+    let browser_key = crate::auth::websocket_key(request.headers()).is_some();
     let headers = request.headers_mut();
     // The API key stays outside: nothing in the sandbox may read it.
     headers.remove(header::AUTHORIZATION);
+    if browser_key {
+        headers.remove(header::SEC_WEBSOCKET_PROTOCOL);
+    }
     if let Ok(host) = HeaderValue::from_str(id.as_str()) {
         headers.insert(header::HOST, host);
     }
@@ -124,6 +129,12 @@ async fn relay(
     })?;
 
     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
+        if browser_key {
+            response.headers_mut().insert(
+                header::SEC_WEBSOCKET_PROTOCOL,
+                HeaderValue::from_static(crate::auth::WEBSOCKET_PROTOCOL),
+            );
+        }
         let Some(client_upgrade) = client_upgrade else {
             return Err(ApiError::new(
                 StatusCode::BAD_GATEWAY,
@@ -209,6 +220,11 @@ mod tests {
         let app = Router::new().fallback(any(move |mut request: Request| {
             let speak = speak.clone();
             async move {
+                // What the sandbox would see of a browser's key.
+                let saw = match request.headers().get(header::SEC_WEBSOCKET_PROTOCOL) {
+                    Some(protocols) => protocols.to_str().unwrap_or("?").to_owned(),
+                    None => "nothing".to_owned(),
+                };
                 let upgrade = hyper::upgrade::on(&mut request);
                 tokio::spawn(async move {
                     let Ok(upgraded) = upgrade.await else { return };
@@ -223,6 +239,7 @@ mod tests {
                     .status(StatusCode::SWITCHING_PROTOCOLS)
                     .header(header::CONNECTION, "upgrade")
                     .header(header::UPGRADE, "websocket")
+                    .header("x-agent-saw-protocols", saw)
                     .body(Body::empty())
                     .unwrap()
             }
@@ -255,10 +272,15 @@ mod tests {
     }
 
     async fn open(addr: std::net::SocketAddr, path: &str) -> TcpStream {
+        open_with(addr, path, "").await
+    }
+
+    /// An upgrade of `path` with `extra` header lines (each ending in CRLF).
+    async fn open_with(addr: std::net::SocketAddr, path: &str, extra: &str) -> TcpStream {
         let mut stream = TcpStream::connect(addr).await.unwrap();
         let head = format!(
             "GET /toolbox/sbx-1{path} HTTP/1.1\r\nHost: t\r\nConnection: upgrade\r\n\
-             Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n\
+             Upgrade: websocket\r\nSec-WebSocket-Version: 13\r\n{extra}\
              Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n"
         );
         stream.write_all(head.as_bytes()).await.unwrap();
@@ -307,6 +329,36 @@ mod tests {
         let answer = read_until(&mut pty, FRAME).await;
         assert!(answer.starts_with(b"HTTP/1.1 101"), "{answer:?}");
         assert!(answer.ends_with(FRAME), "{answer:?}");
+    }
+
+    #[tokio::test]
+    async fn a_browsers_key_stops_at_the_proxy_and_the_answer_names_coves_protocol() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("agent.sock");
+        tokio::spawn(agent(socket.clone(), Arc::new(Semaphore::new(0))));
+        while !socket.exists() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let addr = proxy(socket).await;
+        let path = "/process/session/s/command/c/logs?follow=true";
+
+        // "key" offered as the dashboard offers it.
+        let mut browser = open_with(
+            addr,
+            path,
+            "Sec-WebSocket-Protocol: cove, cove.key.a2V5\r\n",
+        )
+        .await;
+        let head = String::from_utf8(read_until(&mut browser, b"\r\n\r\n").await).unwrap();
+        assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+        assert!(head.contains("x-agent-saw-protocols: nothing"), "{head}");
+        assert!(head.contains("sec-websocket-protocol: cove\r\n"), "{head}");
+
+        // A client's own protocols, with no key among them, pass as they are.
+        let mut other = open_with(addr, path, "Sec-WebSocket-Protocol: chat\r\n").await;
+        let head = String::from_utf8(read_until(&mut other, b"\r\n\r\n").await).unwrap();
+        assert!(head.contains("x-agent-saw-protocols: chat"), "{head}");
+        assert!(!head.contains("sec-websocket-protocol"), "{head}");
     }
 
     #[test]
