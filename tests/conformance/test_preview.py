@@ -50,6 +50,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
         elif self.path.startswith("/headers"):
             self.send_text(200, json.dumps({k.lower(): v for k, v in self.headers.items()}
                                            | {"path": self.path}), "application/json")
+        elif self.path == "/sw.js":
+            # A service worker script that asks for the whole origin.
+            self.send_response(200)
+            self.send_header("Content-Type", "text/javascript")
+            self.send_header("Service-Worker-Allowed", "/")
+            self.send_header("Content-Length", "2")
+            self.end_headers()
+            self.wfile.write(b"//")
         elif self.path == "/sse":
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream")
@@ -173,6 +181,12 @@ def test_the_preview_url_serves_with_the_token_and_refuses_without(web: Sandbox,
         )
         assert r.status_code == 200, r.text
         assert ("authorization" in r.json()) == forwarded
+
+    # A path-based preview shares its origin with the API and the web console,
+    # so its service worker may not claim the origin's root.
+    r = requests.get(f"{preview.url}/sw.js", headers={TOKEN_HEADER: preview.token}, timeout=10)
+    assert r.status_code == 200 and r.text == "//"
+    assert "service-worker-allowed" not in r.headers
 
     # `python3 -m http.server` as it is.
     files = web.get_preview_link(FILES_PORT)
@@ -298,6 +312,11 @@ def test_host_based_preview_urls(host_based: CoveServer):
         assert r.status_code == 200 and r.text == "hello from the sandbox"
         r = requests.get(f"{host_based.base_url}/hello", headers={"Host": host}, timeout=10)
         assert r.status_code == 401
+        # A host-based preview is an origin of the sandbox's own: its headers pass.
+        r = requests.get(
+            f"{host_based.base_url}/sw.js", headers={"Host": host, TOKEN_HEADER: preview.token}, timeout=10
+        )
+        assert r.headers.get("service-worker-allowed") == "/"
 
         signed = sandbox.create_signed_preview_url(APP_PORT, expires_in_seconds=60)
         r = requests.get(

@@ -359,6 +359,14 @@ async fn serve(
         .request(request)
         .await
         .map_err(|error| proxy_error(&record.id, port, &error))?;
+    if target.prefix.is_some() {
+        // A path-based preview is served from the origin of the API and the
+        // web console: its service worker may control its own path only,
+        // never `/`, where it would see the console's requests and key.
+        response
+            .headers_mut()
+            .remove(HeaderName::from_static("service-worker-allowed"));
+    }
 
     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
         let Some(client_upgrade) = client_upgrade else {
