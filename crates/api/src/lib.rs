@@ -4,7 +4,8 @@
 //! control API under `/api`, its live events over Socket.IO at `/api/socket.io/`,
 //! the toolbox proxy under `/toolbox/{sandboxId}/...`
 //! that forwards each request, untouched, to the agent inside the sandbox, and
-//! the server's metrics at `/metrics` for Prometheus. Handlers
+//! the server's metrics at `/metrics` for Prometheus, and the web console at
+//! `/` (`dashboard.rs`), a page that drives this same API. Handlers
 //! turn a request into one engine call and the result into a response; they never
 //! touch the database or a runtime.
 
@@ -12,6 +13,7 @@ mod api_keys;
 mod audit;
 mod auth;
 mod billing;
+mod dashboard;
 mod docker_registry;
 mod dto;
 mod error;
@@ -260,6 +262,7 @@ pub fn app(state: AppState) -> Router {
     // host-based ones are taken before any routing by path.
     // Object storage checks each request's SigV4 signature instead.
     Router::new()
+        .merge(dashboard::routes())
         .route("/preview/{*path}", any(preview::by_path))
         .route(
             "/object-storage/{bucket}/{*key}",

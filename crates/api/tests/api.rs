@@ -181,6 +181,63 @@ async fn every_request_needs_a_key() {
 }
 
 #[tokio::test]
+async fn the_console_is_served_at_the_root_and_its_websockets_carry_the_key_as_a_protocol() {
+    let api = api().await;
+    let get = |path: &str| Request::get(path).body(Body::empty()).unwrap();
+    let page = api.router.clone().oneshot(get("/")).await.unwrap();
+    assert_eq!(page.status(), StatusCode::OK);
+    let policy = page.headers()["content-security-policy"].to_str().unwrap();
+    assert!(policy.contains("script-src 'self';"), "{policy}");
+    assert!(policy.contains("frame-ancestors 'none'"), "{policy}");
+    let script = api
+        .router
+        .clone()
+        .oneshot(get("/dashboard/app.js"))
+        .await
+        .unwrap();
+    assert_eq!(script.status(), StatusCode::OK);
+    assert!(script.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/javascript"));
+    let other = api
+        .router
+        .clone()
+        .oneshot(get("/dashboard/cove.db"))
+        .await
+        .unwrap();
+    assert_eq!(other.status(), StatusCode::NOT_FOUND);
+
+    // A browser's WebSocket offers the key ("test-key") as a subprotocol.
+    let upgrade = |upgrade: bool, protocols: &str| {
+        let mut request = Request::get("/api/sandbox").header("sec-websocket-protocol", protocols);
+        if upgrade {
+            request = request
+                .header("connection", "upgrade")
+                .header("upgrade", "websocket");
+        }
+        request.body(Body::empty()).unwrap()
+    };
+    let status = |request: Request<Body>| async {
+        api.router.clone().oneshot(request).await.unwrap().status()
+    };
+    assert_eq!(
+        status(upgrade(true, "cove, cove.key.dGVzdC1rZXk")).await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        status(upgrade(true, "cove, cove.key.d3Jvbmc")).await,
+        StatusCode::UNAUTHORIZED,
+        "another key"
+    );
+    assert_eq!(
+        status(upgrade(false, "cove, cove.key.dGVzdC1rZXk")).await,
+        StatusCode::UNAUTHORIZED,
+        "only an upgrade is read so"
+    );
+}
+
+#[tokio::test]
 async fn the_sandbox_dto_has_what_the_sdk_requires() {
     let api = api().await;
     let (status, s) = api
