@@ -38,6 +38,22 @@ pub(crate) const WEBSOCKET_PROTOCOL: &str = "cove";
 /// in unpadded base64url, so any key is a valid protocol token.
 const WEBSOCKET_KEY_PREFIX: &str = "cove.key.";
 
+/// Whether a subprotocol offered is one that carries a key (in any case, so
+/// no spelling of it slips past [`without_keys`]).
+fn carries_key(protocol: &str) -> bool {
+    protocol
+        .get(..WEBSOCKET_KEY_PREFIX.len())
+        .is_some_and(|prefix| prefix.eq_ignore_ascii_case(WEBSOCKET_KEY_PREFIX))
+}
+
+/// Whether `headers` ask for a WebSocket: `Upgrade: websocket`.
+fn is_websocket(headers: &HeaderMap) -> bool {
+    headers
+        .get(header::UPGRADE)
+        .and_then(|value| value.to_str().ok())
+        .is_some_and(|value| value.trim().eq_ignore_ascii_case("websocket"))
+}
+
 /// The subprotocols a WebSocket handshake offers, over every
 /// `Sec-WebSocket-Protocol` line.
 pub(crate) fn websocket_protocols(headers: &HeaderMap) -> impl Iterator<Item = &str> {
@@ -53,19 +69,35 @@ pub(crate) fn websocket_protocols(headers: &HeaderMap) -> impl Iterator<Item = &
 /// `Authorization` on a WebSocket, and a key in the URL would be logged and
 /// kept in history, so the dashboard offers it as a subprotocol
 /// (`cove.key.<base64url>`) beside [`WEBSOCKET_PROTOCOL`], which the answer
-/// names. Only upgrade requests are read this way; the toolbox proxy drops
-/// the header before the sandbox sees it.
+/// names. Only WebSocket handshakes are read this way, and the toolbox proxy
+/// takes every key-carrying protocol off before the sandbox sees the request
+/// ([`without_keys`]).
 pub(crate) fn websocket_key(headers: &HeaderMap) -> Option<String> {
     use base64::Engine as _;
-    if !headers.contains_key(header::UPGRADE) {
+    if !is_websocket(headers) {
         return None;
     }
     let encoded = websocket_protocols(headers)
-        .find_map(|protocol| protocol.strip_prefix(WEBSOCKET_KEY_PREFIX))?;
+        .find(|protocol| carries_key(protocol))
+        .map(|protocol| &protocol[WEBSOCKET_KEY_PREFIX.len()..])?;
     let key = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(encoded)
         .ok()?;
     String::from_utf8(key).ok()
+}
+
+/// The subprotocols of a handshake with every key-carrying one removed, and
+/// whether there was one: what may go on to a sandbox (`None` when nothing
+/// is left), and whether the answer must name [`WEBSOCKET_PROTOCOL`]. Beside
+/// a key, [`WEBSOCKET_PROTOCOL`] is cove's own and goes too.
+pub(crate) fn without_keys(headers: &HeaderMap) -> (Option<String>, bool) {
+    let had_key = websocket_protocols(headers).any(carries_key);
+    let kept: Vec<&str> = websocket_protocols(headers)
+        .filter(|protocol| !protocol.is_empty() && !carries_key(protocol))
+        .filter(|protocol| !(had_key && *protocol == WEBSOCKET_PROTOCOL))
+        .collect();
+    let kept = (!kept.is_empty()).then(|| kept.join(", "));
+    (kept, had_key)
 }
 
 pub(crate) async fn require_api_key(
@@ -216,6 +248,36 @@ mod tests {
         assert_eq!(websocket_key(&headers), None, "not base64url");
         headers.insert(header::SEC_WEBSOCKET_PROTOCOL, "cove".parse().unwrap());
         assert_eq!(websocket_key(&headers), None, "no key offered");
+        headers.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            "cove, cove.key.a2V5".parse().unwrap(),
+        );
+        headers.insert(header::UPGRADE, "h2c".parse().unwrap());
+        assert_eq!(websocket_key(&headers), None, "not a WebSocket");
+    }
+
+    #[test]
+    fn every_spelling_of_a_key_protocol_is_taken_off_and_the_rest_kept() {
+        let mut headers = HeaderMap::new();
+        headers.append(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            "cove.key.!!, chat, COVE.KEY.a2V5".parse().unwrap(),
+        );
+        headers.append(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            "Cove.Key.x, cove".parse().unwrap(),
+        );
+        assert_eq!(
+            without_keys(&headers),
+            (Some("chat".to_owned()), true)
+        );
+        headers.insert(header::SEC_WEBSOCKET_PROTOCOL, "cove.key.a2V5".parse().unwrap());
+        assert_eq!(without_keys(&headers), (None, true));
+        headers.insert(header::SEC_WEBSOCKET_PROTOCOL, "chat, cove".parse().unwrap());
+        assert_eq!(
+            without_keys(&headers),
+            (Some("chat, cove".to_owned()), false)
+        );
     }
 
     #[test]

@@ -106,13 +106,20 @@ async fn relay(
         .contains_key(header::UPGRADE)
         .then(|| hyper::upgrade::on(&mut request));
     *request.uri_mut() = uri;
-    // A browser's key came as a subprotocol: the answer names cove's.
-    let browser_key = crate::auth::websocket_key(request.headers()).is_some();
+    // A browser's key comes as a subprotocol: every such protocol stays
+    // here, whatever it decodes to, and the answer names cove's.
+    let (protocols, browser_key) = crate::auth::without_keys(request.headers());
     let headers = request.headers_mut();
-    // The API key stays outside: nothing in the sandbox may read it.
+    // The API key stays outside: nothing in the sandbox may read it. Nor do
+    // the origin's cookies, which the toolbox API never needs and which a
+    // browser would send on a WebSocket.
     headers.remove(header::AUTHORIZATION);
+    headers.remove(header::COOKIE);
     if browser_key {
         headers.remove(header::SEC_WEBSOCKET_PROTOCOL);
+        if let Some(value) = protocols.and_then(|p| HeaderValue::from_str(&p).ok()) {
+            headers.insert(header::SEC_WEBSOCKET_PROTOCOL, value);
+        }
     }
     if let Ok(host) = HeaderValue::from_str(id.as_str()) {
         headers.insert(header::HOST, host);
@@ -225,6 +232,10 @@ mod tests {
                     Some(protocols) => protocols.to_str().unwrap_or("?").to_owned(),
                     None => "nothing".to_owned(),
                 };
+                let cookie = match request.headers().contains_key(header::COOKIE) {
+                    true => "yes",
+                    false => "no",
+                };
                 let upgrade = hyper::upgrade::on(&mut request);
                 tokio::spawn(async move {
                     let Ok(upgraded) = upgrade.await else { return };
@@ -240,6 +251,7 @@ mod tests {
                     .header(header::CONNECTION, "upgrade")
                     .header(header::UPGRADE, "websocket")
                     .header("x-agent-saw-protocols", saw)
+                    .header("x-agent-saw-cookie", cookie)
                     .body(Body::empty())
                     .unwrap()
             }
@@ -346,12 +358,13 @@ mod tests {
         let mut browser = open_with(
             addr,
             path,
-            "Sec-WebSocket-Protocol: cove, cove.key.a2V5\r\n",
+            "Sec-WebSocket-Protocol: cove, cove.key.a2V5, COVE.KEY.!!\r\nCookie: a=b\r\n",
         )
         .await;
         let head = String::from_utf8(read_until(&mut browser, b"\r\n\r\n").await).unwrap();
         assert!(head.starts_with("HTTP/1.1 101"), "{head}");
         assert!(head.contains("x-agent-saw-protocols: nothing"), "{head}");
+        assert!(head.contains("x-agent-saw-cookie: no"), "{head}");
         assert!(head.contains("sec-websocket-protocol: cove\r\n"), "{head}");
 
         // A client's own protocols, with no key among them, pass as they are.
