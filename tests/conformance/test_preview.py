@@ -55,6 +55,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.send_response(200)
             self.send_header("Content-Type", "text/javascript")
             self.send_header("Service-Worker-Allowed", "/")
+            # Headers that would speak for the whole origin.
+            self.send_header("Cross-Origin-Opener-Policy", "same-origin")
+            self.send_header("NEL", '{"report_to": "x", "max_age": 60}')
+            self.send_header("Report-To", '{"group": "x", "max_age": 60, "endpoints": []}')
+            self.send_header("Clear-Site-Data", '"storage"')
+            self.send_header("Alt-Svc", "clear")
+            self.send_header("X-App", "kept")
             self.send_header("Content-Length", "2")
             self.end_headers()
             self.wfile.write(b"//")
@@ -183,10 +190,13 @@ def test_the_preview_url_serves_with_the_token_and_refuses_without(web: Sandbox,
         assert ("authorization" in r.json()) == forwarded
 
     # A path-based preview shares its origin with the API and the web console,
-    # so its service worker may not claim the origin's root.
+    # so nothing it answers may speak for the whole origin.
     r = requests.get(f"{preview.url}/sw.js", headers={TOKEN_HEADER: preview.token}, timeout=10)
     assert r.status_code == 200 and r.text == "//"
-    assert "service-worker-allowed" not in r.headers
+    for origin_wide in ("service-worker-allowed", "cross-origin-opener-policy", "nel", "report-to",
+                        "clear-site-data", "alt-svc"):
+        assert origin_wide not in r.headers, origin_wide
+    assert r.headers["x-app"] == "kept"
 
     # `python3 -m http.server` as it is.
     files = web.get_preview_link(FILES_PORT)
@@ -317,6 +327,7 @@ def test_host_based_preview_urls(host_based: CoveServer):
             f"{host_based.base_url}/sw.js", headers={"Host": host, TOKEN_HEADER: preview.token}, timeout=10
         )
         assert r.headers.get("service-worker-allowed") == "/"
+        assert r.headers.get("cross-origin-opener-policy") == "same-origin"
 
         signed = sandbox.create_signed_preview_url(APP_PORT, expires_in_seconds=60)
         r = requests.get(

@@ -37,6 +37,24 @@ pub(crate) use urls::{expire_signed_preview_url, preview_url, signed_preview_url
 /// The header Daytona's SDK documents for a sandbox's preview token.
 pub(crate) const TOKEN_HEADER: &str = "x-daytona-preview-token";
 
+/// Response headers that speak for a whole origin, which a path-based
+/// preview does not own: it is served from the origin of the API and the web
+/// console. Without them a sandbox's page cannot claim the origin's root for
+/// its service worker (where it would see the console's requests and key),
+/// keep a handle on a console it opens (its own `Cross-Origin-Opener-Policy`
+/// matching the console's would), have the browser report the origin's
+/// traffic to it, wipe the origin's data, or move its traffic elsewhere.
+/// Host-based previews keep them: their origin is the sandbox's own.
+const ORIGIN_WIDE: &[&str] = &[
+    "service-worker-allowed",
+    "cross-origin-opener-policy",
+    "report-to",
+    "reporting-endpoints",
+    "nel",
+    "clear-site-data",
+    "alt-svc",
+];
+
 /// The tunnel client and the preview tokens already read, by sandbox id
 /// (a token never changes once made, so the cache cannot go stale).
 #[derive(Clone)]
@@ -360,12 +378,10 @@ async fn serve(
         .await
         .map_err(|error| proxy_error(&record.id, port, &error))?;
     if target.prefix.is_some() {
-        // A path-based preview is served from the origin of the API and the
-        // web console: its service worker may control its own path only,
-        // never `/`, where it would see the console's requests and key.
-        response
-            .headers_mut()
-            .remove(HeaderName::from_static("service-worker-allowed"));
+        let headers = response.headers_mut();
+        for name in ORIGIN_WIDE {
+            headers.remove(*name);
+        }
     }
 
     if response.status() == StatusCode::SWITCHING_PROTOCOLS {
