@@ -743,7 +743,14 @@
   async function openTerminal(id, screen) {
     closeTerminal();
     screen.replaceChildren();
-    const term = new window.Terminal({ cursorBlink: true, fontSize: 13, scrollback: 2000 });
+    // A link the sandbox prints (OSC 8) opens only if it is http(s), in a
+    // tab of its own that keeps no handle on this page, without a prompt.
+    const linkHandler = {
+      activate: (_event, uri) => {
+        if (/^https?:\/\//i.test(uri)) window.open(uri, '_blank', 'noopener,noreferrer');
+      },
+    };
+    const term = new window.Terminal({ cursorBlink: true, fontSize: 13, scrollback: 2000, linkHandler });
     term.open(screen);
     const cols = Math.max(40, Math.floor((screen.clientWidth - 12) / 7.9));
     const rows = Math.max(10, Math.floor((screen.clientHeight - 8) / 17));
