@@ -756,7 +756,9 @@
     const rows = Math.max(10, Math.floor((screen.clientHeight - 8) / 17));
     term.resize(cols, rows);
     const ptyId = `dashboard-${Array.from(crypto.getRandomValues(new Uint8Array(6)), (b) => b.toString(16).padStart(2, '0')).join('')}`;
-    await toolbox(id, '/process/pty', { method: 'POST', body: { id: ptyId, cols, rows } });
+    // Lazy: the shell starts when the socket joins, so its first prompt is
+    // not printed to nobody.
+    await toolbox(id, '/process/pty', { method: 'POST', body: { id: ptyId, cols, rows, lazyStart: true } });
     const socket = new WebSocket(`${wsBase()}/toolbox/${enc(id)}/process/pty/${enc(ptyId)}/connect`, ['cove', `cove.key.${base64url(session.key)}`]);
     socket.binaryType = 'arraybuffer';
     const encoder = new TextEncoder();
