@@ -267,13 +267,16 @@ mod tests {
             header::SEC_WEBSOCKET_PROTOCOL,
             "Cove.Key.x, cove".parse().unwrap(),
         );
-        assert_eq!(
-            without_keys(&headers),
-            (Some("chat".to_owned()), true)
+        assert_eq!(without_keys(&headers), (Some("chat".to_owned()), true));
+        headers.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            "cove.key.a2V5".parse().unwrap(),
         );
-        headers.insert(header::SEC_WEBSOCKET_PROTOCOL, "cove.key.a2V5".parse().unwrap());
         assert_eq!(without_keys(&headers), (None, true));
-        headers.insert(header::SEC_WEBSOCKET_PROTOCOL, "chat, cove".parse().unwrap());
+        headers.insert(
+            header::SEC_WEBSOCKET_PROTOCOL,
+            "chat, cove".parse().unwrap(),
+        );
         assert_eq!(
             without_keys(&headers),
             (Some("chat, cove".to_owned()), false)
