@@ -125,6 +125,23 @@ def node_archive() -> bytes:
     return tar_gz(entries)
 
 
+# --- the agent stays out of the user's files ----------------------------------
+
+def test_tmp_shows_nothing_of_coves(sandbox):
+    """Agent frameworks' file tools list and grep /tmp: the agent's own state
+    (session scripts and logs, code runs, the interpreter's driver) lives in
+    the sandbox's /run instead."""
+    sandbox.process.create_session("tmp-check")
+    ran = sandbox.process.execute_session_command("tmp-check", SessionExecuteRequest(command="echo in-a-session"))
+    assert ran.exit_code == 0
+    assert sandbox.process.code_run("print(6 * 7)").result == "42\n"
+    listing = sandbox.process.exec("ls -A /tmp").result.split()
+    assert not [name for name in listing if "cove" in name], listing
+    found = sandbox.process.exec("grep -rl in-a-session /tmp 2>/dev/null; true").result
+    assert found.strip() == "", found
+    sandbox.process.delete_session("tmp-check")
+
+
 # --- code_run: the quick start ------------------------------------------------
 
 def test_code_run_quick_start(sandbox):

@@ -38,6 +38,42 @@ pub struct Settings {
     pub entrypoint: Vec<String>,
 }
 
+/// Where a sandbox's agents keep their state: the sandbox's own `/run`, a
+/// tmpfs in both classes that no snapshot captures, never `/tmp`, where a
+/// user's `ls` or an agent framework's `grep -r` would find cove's files.
+pub const SANDBOX_STATE_PARENT: &str = "/run/cove";
+
+/// A state directory of its own for an agent of a sandbox: new for every
+/// agent, as the default in `$TMPDIR` is.
+pub fn sandbox_state_dir() -> PathBuf {
+    Path::new(SANDBOX_STATE_PARENT).join(format!("agent-{}", uuid::Uuid::new_v4().simple()))
+}
+
+/// Makes `dir` (0700) while this process may still write its parent, and
+/// gives it to `owner`, the user the agent is about to become: a sandbox
+/// user cannot create anything in `/run`. The parent is made 0755, so that
+/// user can reach its own directory and no other.
+pub fn prepare_state_dir(
+    dir: &Path,
+    owner: Option<(nix::unistd::Uid, nix::unistd::Gid)>,
+) -> std::io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    if let Some(parent) = dir.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o755)
+            .create(parent)?;
+    }
+    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() != std::io::ErrorKind::AlreadyExists => return Err(e),
+        _ => {}
+    }
+    if let Some((uid, gid)) = owner {
+        nix::unistd::chown(dir, Some(uid), Some(gid))?;
+    }
+    Ok(())
+}
+
 impl Settings {
     /// The settings the agent's environment (`COVE_*` variables, read with
     /// [`AgentEnv::from_process`] before they are removed) asks for; empty

@@ -51,6 +51,15 @@ fn main() -> anyhow::Result<()> {
         }
         _ => None,
     };
+    // A container's agent keeps its state in the sandbox's /run, made here
+    // while it may still write there (a VM's user agent is given its own).
+    if mode == "init" && agent_env.state_dir.is_none() {
+        settings.state_dir = config::sandbox_state_dir();
+    }
+    if let Some(user) = &run_as {
+        config::prepare_state_dir(&settings.state_dir, Some((user.uid, user.gid)))
+            .with_context(|| format!("making {}", settings.state_dir.display()))?;
+    }
     // Still single-threaded here, which both calls below require.
     config::remove_private_env();
     match mode.as_str() {
@@ -100,8 +109,14 @@ fn vm_main() -> anyhow::Result<()> {
         bail!("preparing the VM: {failure}");
     }
     let agent_env = AgentEnv::from_process()?;
-    let settings = Settings::from_env(&agent_env);
-    // A sandbox user's agent starts with the same settings.
+    let mut settings = Settings::from_env(&agent_env);
+    if agent_env.state_dir.is_none() {
+        settings.state_dir = config::sandbox_state_dir();
+        config::prepare_state_dir(&settings.state_dir, None)
+            .with_context(|| format!("making {}", settings.state_dir.display()))?;
+    }
+    // A sandbox user's agent starts with the same settings (and a state
+    // directory of its own).
     let user = std::sync::Arc::new(cove_agent::vm::user::UserAgent::new(agent_env));
     // Still single-threaded here, which both calls below require.
     config::remove_private_env();

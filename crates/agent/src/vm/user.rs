@@ -150,10 +150,18 @@ impl UserAgent {
         let listener = bind(&self.socket_path)
             .map_err(|e| ApiError::internal("bind the user agent's socket", e))?;
         let fd = listener.as_raw_fd();
+        // Its own state directory in the VM's /run, which it makes (and
+        // gives to its user) before it drops to that user.
+        let state_dir = self
+            .settings
+            .state_dir
+            .clone()
+            .or_else(|| Some(crate::config::sandbox_state_dir().display().to_string()));
         let settings = AgentEnv {
             user: Some(user.to_owned()),
             entrypoint: entrypoint.to_vec(),
             listen_fd: Some(fd),
+            state_dir,
             ..self.settings.clone()
         };
         let mut command = Command::new(&self.program);
