@@ -9,7 +9,7 @@
 //! the page run its own script only, so such bytes can never run as script.
 
 use axum::extract::Path;
-use axum::http::{header, HeaderName, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
@@ -22,13 +22,48 @@ const APP_CSS: &str = include_str!("../dashboard/app.css");
 const XTERM_JS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/xterm.js"));
 const XTERM_CSS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/xterm.css"));
 
-/// Scripts from this server only, nothing inline and no `eval`; styles may be
-/// inline because xterm.js sets its own; connections to this origin only
-/// (`'self'` covers its `ws:`/`wss:` too); never framed, so no other page can
-/// overlay it.
+/// The page's policy when the request names no plain host: scripts, styles
+/// and connections of this origin only, nothing inline but styles (xterm.js
+/// sets its own), no `eval`; never framed, so no other page can overlay it.
 const POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self' 'unsafe-inline'; \
-     img-src 'self' data: blob:; connect-src 'self'; font-src 'self'; base-uri 'none'; \
-     form-action 'none'; frame-ancestors 'none'";
+     img-src data:; connect-src 'self'; base-uri 'none'; form-action 'none'; \
+     frame-ancestors 'none'";
+
+/// The page's policy for a browser that reached this server as `host`: as
+/// [`POLICY`], with every source named down to its path. `'self'` would also
+/// allow `/preview/...`, which a sandbox serves on this same origin, so a
+/// script injected as `<script src=/preview/...>` would run there and a
+/// `fetch` could carry data out to a sandbox; named paths allow neither.
+fn page_policy(host: Option<&str>) -> String {
+    let Some(host) = host.filter(|host| is_plain_host(host)) else {
+        return POLICY.to_owned();
+    };
+    let assets = |files: &[&str]| {
+        files
+            .iter()
+            .map(|file| format!("{host}/dashboard/{file}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
+    format!(
+        "default-src 'none'; script-src {scripts}; style-src {styles} 'unsafe-inline'; \
+         img-src data:; connect-src {host}/api/ {host}/toolbox/ ws://{host}/api/socket.io/ \
+         wss://{host}/api/socket.io/ ws://{host}/toolbox/ wss://{host}/toolbox/; \
+         base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+        scripts = assets(&["app.js", "xterm.js"]),
+        styles = assets(&["app.css", "xterm.css"]),
+    )
+}
+
+/// A `Host` that can stand in a policy as it is: a name or address and a
+/// port, nothing that could end a directive or start a path.
+fn is_plain_host(host: &str) -> bool {
+    !host.is_empty()
+        && host.len() <= 255
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b".-:[]".contains(&b))
+}
 
 pub(crate) fn routes() -> Router<AppState> {
     Router::new()
@@ -36,8 +71,17 @@ pub(crate) fn routes() -> Router<AppState> {
         .route("/dashboard/{file}", get(asset))
 }
 
-async fn index() -> Response {
-    serve("text/html; charset=utf-8", INDEX.as_bytes())
+async fn index(headers: HeaderMap) -> Response {
+    let host = headers
+        .get(header::HOST)
+        .and_then(|value| value.to_str().ok());
+    let mut response = serve("text/html; charset=utf-8", INDEX.as_bytes());
+    if let Ok(policy) = HeaderValue::from_str(&page_policy(host)) {
+        response
+            .headers_mut()
+            .insert(header::CONTENT_SECURITY_POLICY, policy);
+    }
+    response
 }
 
 async fn asset(Path(file): Path<String>) -> Response {
@@ -91,4 +135,30 @@ fn serve(content_type: &'static str, body: &'static [u8]) -> Response {
         HeaderValue::from_static("same-origin"),
     );
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_page_names_its_sources_down_to_the_path_and_never_the_previews() {
+        let policy = page_policy(Some("cove.test:3000"));
+        assert!(
+            policy.contains(
+                "script-src cove.test:3000/dashboard/app.js cove.test:3000/dashboard/xterm.js;"
+            ),
+            "{policy}"
+        );
+        assert!(policy.contains("ws://cove.test:3000/toolbox/"), "{policy}");
+        assert!(
+            !policy.contains("'self'") && !policy.contains("preview"),
+            "{policy}"
+        );
+        // A host that could end a directive is not written into one.
+        for odd in ["evil; script-src *", "a/b", "", "h\"x"] {
+            assert_eq!(page_policy(Some(odd)), POLICY, "{odd}");
+        }
+        assert_eq!(page_policy(None), POLICY);
+    }
 }

@@ -184,10 +184,19 @@ async fn every_request_needs_a_key() {
 async fn the_console_is_served_at_the_root_and_its_websockets_carry_the_key_as_a_protocol() {
     let api = api().await;
     let get = |path: &str| Request::get(path).body(Body::empty()).unwrap();
-    let page = api.router.clone().oneshot(get("/")).await.unwrap();
+    let page = Request::get("/")
+        .header("host", "cove.test:3000")
+        .body(Body::empty())
+        .unwrap();
+    let page = api.router.clone().oneshot(page).await.unwrap();
     assert_eq!(page.status(), StatusCode::OK);
     let policy = page.headers()["content-security-policy"].to_str().unwrap();
-    assert!(policy.contains("script-src 'self';"), "{policy}");
+    assert!(
+        policy.contains(
+            "script-src cove.test:3000/dashboard/app.js cove.test:3000/dashboard/xterm.js;"
+        ),
+        "{policy}"
+    );
     assert!(policy.contains("frame-ancestors 'none'"), "{policy}");
     let script = api
         .router
