@@ -69,7 +69,9 @@ pub fn prepare_state_dir(
         _ => {}
     }
     if let Some((uid, gid)) = owner {
-        nix::unistd::chown(dir, Some(uid), Some(gid))?;
+        // Not through a link: a directory named in the environment that is
+        // a link already gives its target to nobody.
+        std::os::unix::fs::lchown(dir, Some(uid.as_raw()), Some(gid.as_raw()))?;
     }
     Ok(())
 }
