@@ -75,13 +75,9 @@ async fn index(headers: HeaderMap) -> Response {
     let host = headers
         .get(header::HOST)
         .and_then(|value| value.to_str().ok());
-    let mut response = serve("text/html; charset=utf-8", INDEX.as_bytes());
-    if let Ok(policy) = HeaderValue::from_str(&page_policy(host)) {
-        response
-            .headers_mut()
-            .insert(header::CONTENT_SECURITY_POLICY, policy);
-    }
-    response
+    let policy = HeaderValue::from_str(&page_policy(host))
+        .unwrap_or_else(|_| HeaderValue::from_static(POLICY));
+    serve("text/html; charset=utf-8", INDEX.as_bytes(), policy)
 }
 
 async fn asset(Path(file): Path<String>) -> Response {
@@ -108,17 +104,14 @@ async fn asset(Path(file): Path<String>) -> Response {
         )
         .into_response();
     }
-    serve(content_type, body)
+    serve(content_type, body, HeaderValue::from_static(POLICY))
 }
 
-fn serve(content_type: &'static str, body: &'static [u8]) -> Response {
+fn serve(content_type: &'static str, body: &'static [u8], policy: HeaderValue) -> Response {
     let mut response = body.into_response();
     let headers = response.headers_mut();
     headers.insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
-    headers.insert(
-        header::CONTENT_SECURITY_POLICY,
-        HeaderValue::from_static(POLICY),
-    );
+    headers.insert(header::CONTENT_SECURITY_POLICY, policy);
     headers.insert(
         header::X_CONTENT_TYPE_OPTIONS,
         HeaderValue::from_static("nosniff"),

@@ -183,12 +183,15 @@ async fn every_request_needs_a_key() {
 #[tokio::test]
 async fn the_console_is_served_at_the_root_and_its_websockets_carry_the_key_as_a_protocol() {
     let api = api().await;
-    let get = |path: &str| Request::get(path).body(Body::empty()).unwrap();
-    let page = Request::get("/")
-        .header("host", "cove.test:3000")
-        .body(Body::empty())
-        .unwrap();
-    let page = api.router.clone().oneshot(page).await.unwrap();
+    // As a browser asks, naming the host it reached.
+    let served = |path: &str| {
+        let request = Request::get(path)
+            .header("host", "cove.test:3000")
+            .body(Body::empty())
+            .unwrap();
+        api.router.clone().oneshot(request)
+    };
+    let page = served("/").await.unwrap();
     assert_eq!(page.status(), StatusCode::OK);
     let policy = page.headers()["content-security-policy"].to_str().unwrap();
     assert!(
@@ -198,23 +201,13 @@ async fn the_console_is_served_at_the_root_and_its_websockets_carry_the_key_as_a
         "{policy}"
     );
     assert!(policy.contains("frame-ancestors 'none'"), "{policy}");
-    let script = api
-        .router
-        .clone()
-        .oneshot(get("/dashboard/app.js"))
-        .await
-        .unwrap();
+    let script = served("/dashboard/app.js").await.unwrap();
     assert_eq!(script.status(), StatusCode::OK);
     assert!(script.headers()["content-type"]
         .to_str()
         .unwrap()
         .starts_with("text/javascript"));
-    let other = api
-        .router
-        .clone()
-        .oneshot(get("/dashboard/cove.db"))
-        .await
-        .unwrap();
+    let other = served("/dashboard/cove.db").await.unwrap();
     assert_eq!(other.status(), StatusCode::NOT_FOUND);
 
     // A browser's WebSocket offers the key ("test-key") as a subprotocol.
