@@ -87,7 +87,7 @@ pub(crate) async fn run(command: ImageCommand) -> anyhow::Result<()> {
         ImageCommand::Default { images_dir } => {
             let images = ImageStore::new(images_dir);
             if !images.default_is_built() {
-                eprintln!("building the default image (Debian bookworm with python3, pip, git, curl; about a minute, once)");
+                eprintln!("building the default image (Debian bookworm with python3, git, curl, a desktop and language servers; a few minutes, once)");
             }
             let rootfs = tokio::task::spawn_blocking(move || {
                 images.ensure_default(crate::serve::progress_printer())

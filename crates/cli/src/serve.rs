@@ -358,7 +358,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         .unwrap_or_else(|| data_dir.join("images"));
     let images = ImageStore::new(images_dir.clone());
     if !images.default_is_built() {
-        eprintln!("building the default image (Debian bookworm with python3, pip, git, curl; about a minute, once)");
+        eprintln!("building the default image (Debian bookworm with python3, git, curl, a desktop and language servers; a few minutes, once)");
     }
     let images_for_build = images.clone();
     let rootfs =

@@ -28,6 +28,29 @@ pub const DEFAULT_PACKAGES: &[&str] = &[
     "bash",
     "less",
     "sudo",
+    // The desktop computer use drives (started only by `computeruse/start`):
+    // an X server, a window manager and panel, a terminal, VNC and noVNC for
+    // a person to watch, the accessibility bus and GTK's bridge to it, a GTK
+    // dialog program, and ffmpeg for recordings.
+    "xvfb",
+    "xfonts-base",
+    "xfwm4",
+    "xfce4-panel",
+    "xterm",
+    "x11vnc",
+    "novnc",
+    // What debootstrap, which does not resolve virtual packages, must be told:
+    // the provider of python3-cryptography's cffi API (for websockify).
+    "python3-cffi-backend",
+    "dbus",
+    "dbus-x11",
+    "at-spi2-core",
+    "libatk-adaptor",
+    "zenity",
+    "ffmpeg",
+    // Language servers for `lsp/start`: Python's here, TypeScript's on Node.
+    "python3-pylsp",
+    "nodejs",
 ];
 /// The user the default image's sandboxes run as, as in Daytona's default
 /// snapshot: uid 1000, home `/home/daytona`, passwordless `sudo`.
@@ -40,7 +63,7 @@ pub const COMPLETE_MARKER: &str = ".complete";
 /// What a finished image's marker says. An image whose marker says anything
 /// else was built by an older cove (without the default user, say) and is
 /// built again.
-const IMAGE_VERSION: &str = "cove-default 2\n";
+const IMAGE_VERSION: &str = "cove-default 3\n";
 
 /// One step of the default image's build, for a progress display.
 #[derive(Clone, Debug, PartialEq, Eq)]
