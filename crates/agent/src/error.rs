@@ -68,6 +68,25 @@ pub enum ApiError {
         language: &'static str,
         wanted: String,
     },
+    /// A computer-use call while the desktop is stopped.
+    #[error("the desktop is not running: start it with computer_use.start() first")]
+    DesktopStopped,
+    /// The X server or a desktop program failed.
+    #[error("desktop: {0}")]
+    Desktop(String),
+    /// The image lacks a program the desktop needs.
+    #[error("computer use needs {0} on PATH, which this sandbox does not have; install it in the image (cove's default image has the whole desktop)")]
+    DesktopMissing(String),
+    #[error("no desktop process {0}")]
+    DesktopProcessNotFound(String),
+    #[error("recording not found: {0}")]
+    RecordingNotFound(String),
+    #[error("recording {0} is still running; stop it first")]
+    RecordingActive(String),
+    #[error(
+        "recording needs ffmpeg on PATH, which this sandbox does not have; install it in the image"
+    )]
+    FfmpegMissing,
     /// A `/cove/unpack` stream that was refused or failed; its kind decides.
     #[error(transparent)]
     Unpack(#[from] crate::unpack::UnpackError),
@@ -98,7 +117,12 @@ impl ApiError {
             Self::FileNotFound(_)
             | Self::SessionNotFound(_)
             | Self::CommandNotFound(_)
-            | Self::NoRoute(_) => StatusCode::NOT_FOUND,
+            | Self::NoRoute(_)
+            | Self::DesktopProcessNotFound(_)
+            | Self::RecordingNotFound(_) => StatusCode::NOT_FOUND,
+            Self::DesktopStopped | Self::RecordingActive(_) => StatusCode::CONFLICT,
+            Self::Desktop(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::DesktopMissing(_) | Self::FfmpegMissing => StatusCode::UNPROCESSABLE_ENTITY,
             Self::AccessDenied(_) => StatusCode::FORBIDDEN,
             Self::NotImplemented(_) => StatusCode::NOT_IMPLEMENTED,
             Self::AlreadyExists(_) | Self::SessionExists(_) => StatusCode::CONFLICT,
@@ -133,7 +157,13 @@ impl ApiError {
             Self::ContextNotFound(_) => "NOT_FOUND",
             Self::PortUnreachable { .. } => "BAD_GATEWAY",
             Self::NotImplemented(_) => "NOT_IMPLEMENTED",
-            Self::RuntimeMissing { .. } => "UNPROCESSABLE_ENTITY",
+            Self::RuntimeMissing { .. } | Self::DesktopMissing(_) => "UNPROCESSABLE_ENTITY",
+            Self::DesktopStopped => "CONFLICT",
+            Self::Desktop(_) => "INTERNAL_SERVER_ERROR",
+            Self::DesktopProcessNotFound(_) => "PROCESS_NOT_FOUND",
+            Self::RecordingNotFound(_) => "NOT_FOUND",
+            Self::RecordingActive(_) => "RECORDING_STILL_ACTIVE",
+            Self::FfmpegMissing => "RECORDING_FFMPEG_NOT_FOUND",
             Self::Unpack(error) => error.code(),
         }
     }

@@ -6,6 +6,7 @@
 //! knows nothing about sandboxes, containers or the server.
 
 pub mod code_run;
+pub mod computeruse;
 pub mod config;
 pub mod drain;
 pub mod entrypoint;
@@ -39,6 +40,11 @@ pub mod requests {
     /// Request bodies (JSON; the interpreter's first WebSocket message too).
     pub mod bodies {
         pub use crate::code_run::CodeRunRequest;
+        pub use crate::computeruse::{
+            KeyRequest, KeyboardHotkeyRequest, KeyboardPressRequest, KeyboardTypeRequest,
+            MouseButtonRequest, MouseClickRequest, MouseDragRequest, MouseMoveRequest,
+            MouseScrollRequest, StartRecordingRequest, StopRecordingRequest,
+        };
         pub use crate::files::download::DownloadRequest;
         pub use crate::files::replace::ReplaceRequest;
         pub use crate::git::branches::{BranchRequest, CheckoutRequest};
@@ -60,6 +66,7 @@ pub mod requests {
 
     /// Query strings.
     pub mod queries {
+        pub use crate::computeruse::{CompressedQuery, RegionQuery, ScreenshotQuery};
         pub use crate::files::download::PathQuery as DownloadPathQuery;
         pub use crate::files::info::{ListQuery, PathQuery as InfoPathQuery};
         pub use crate::files::manage::{DeleteQuery, FolderQuery};
@@ -81,13 +88,19 @@ pub mod requests {
 pub struct AppState {
     pub settings: Arc<Settings>,
     pub sessions: Arc<session::Registry>,
+    pub desktop: Arc<computeruse::Desktop>,
 }
 
 impl AppState {
     pub fn new(settings: Settings) -> std::io::Result<Self> {
         let settings = Arc::new(settings);
         let sessions = Arc::new(session::Registry::new(settings.clone())?);
-        Ok(Self { settings, sessions })
+        let desktop = Arc::new(computeruse::Desktop::new(settings.clone()));
+        Ok(Self {
+            settings,
+            sessions,
+            desktop,
+        })
     }
 }
 
@@ -105,6 +118,7 @@ pub fn app(state: AppState) -> Router {
         .merge(interpreter::routes())
         .merge(tunnel::routes())
         .merge(unpack::routes())
+        .merge(computeruse::routes())
         .fallback(not_implemented::fallback)
         .layer(axum::middleware::from_fn(drain::unread_body))
         .with_state(state)
