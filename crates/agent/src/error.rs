@@ -71,6 +71,9 @@ pub enum ApiError {
     /// A `/cove/unpack` stream that was refused or failed; its kind decides.
     #[error(transparent)]
     Unpack(#[from] crate::unpack::UnpackError),
+    /// An `/lsp/*` call that was refused or whose language server failed.
+    #[error(transparent)]
+    Lsp(#[from] crate::lsp::LspError),
 }
 
 impl ApiError {
@@ -111,6 +114,7 @@ impl ApiError {
             Self::PortUnreachable { .. } => StatusCode::BAD_GATEWAY,
             Self::RuntimeMissing { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Unpack(error) => error.status(),
+            Self::Lsp(error) => error.status(),
         }
     }
 
@@ -135,6 +139,7 @@ impl ApiError {
             Self::NotImplemented(_) => "NOT_IMPLEMENTED",
             Self::RuntimeMissing { .. } => "UNPROCESSABLE_ENTITY",
             Self::Unpack(error) => error.code(),
+            Self::Lsp(error) => error.code(),
         }
     }
 

@@ -17,6 +17,7 @@ pub mod info;
 pub mod init;
 pub mod interpreter;
 pub mod listen;
+pub mod lsp;
 pub mod not_implemented;
 pub mod pty;
 pub mod session;
@@ -49,6 +50,7 @@ pub mod requests {
         };
         pub use crate::interpreter::execute::InterpreterExecuteRequest;
         pub use crate::interpreter::routes::CreateContextRequest;
+        pub use crate::lsp::routes::{LspCompletionParams, LspDocumentRequest, LspServerRequest};
         pub use crate::pty::routes::{PtyCreateRequest, PtyResizeRequest};
         pub use crate::session::routes::{
             CreateSessionRequest, SendInputRequest, SessionExecuteRequest,
@@ -70,6 +72,8 @@ pub mod requests {
         pub use crate::files::watch::WatchQuery;
         pub use crate::git::config::GetQuery;
         pub use crate::git::PathQuery as GitPathQuery;
+        pub use crate::lsp::routes::LspDocumentRequest as LspDocumentQuery;
+        pub use crate::lsp::routes::WorkspaceSymbolsQuery as LspWorkspaceSymbolsQuery;
         pub use crate::pty::routes::CreateConnectQuery;
         pub use crate::session::routes::LogsQuery;
         pub use cove_protocol::UnpackQuery;
@@ -81,13 +85,19 @@ pub mod requests {
 pub struct AppState {
     pub settings: Arc<Settings>,
     pub sessions: Arc<session::Registry>,
+    /// The running language servers (`/lsp/*`).
+    pub lsp: Arc<lsp::Registry>,
 }
 
 impl AppState {
     pub fn new(settings: Settings) -> std::io::Result<Self> {
         let settings = Arc::new(settings);
         let sessions = Arc::new(session::Registry::new(settings.clone())?);
-        Ok(Self { settings, sessions })
+        Ok(Self {
+            settings,
+            sessions,
+            lsp: Arc::default(),
+        })
     }
 }
 
@@ -105,6 +115,7 @@ pub fn app(state: AppState) -> Router {
         .merge(interpreter::routes())
         .merge(tunnel::routes())
         .merge(unpack::routes())
+        .merge(lsp::routes())
         .fallback(not_implemented::fallback)
         .layer(axum::middleware::from_fn(drain::unread_body))
         .with_state(state)
