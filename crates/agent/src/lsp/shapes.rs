@@ -86,20 +86,15 @@ pub fn completion_list(result: &Value) -> CompletionList {
 
 fn completion_item(item: &Value) -> Option<CompletionItem> {
     let text = |name: &str| item.get(name).and_then(Value::as_str).map(str::to_owned);
-    // Servers that answer with edits (tsserver) leave insertText out; the
-    // edit's text is what an editor would insert.
-    let edit_text = || {
-        item.get("textEdit")
-            .and_then(|edit| edit.get("newText"))
-            .and_then(Value::as_str)
-            .map(str::to_owned)
-    };
     Some(CompletionItem {
         label: text("label")?,
         kind: item.get("kind").and_then(Value::as_i64),
         detail: text("detail"),
         documentation: item.get("documentation").and_then(markup),
-        insert_text: text("insertText").or_else(edit_text),
+        // Not a `textEdit`'s text: that replaces the edit's range, which
+        // may start before the cursor (tsserver's `.charAt` replaces the
+        // dot too), while insertText goes in at the cursor.
+        insert_text: text("insertText"),
         filter_text: text("filterText"),
         sort_text: text("sortText"),
     })
@@ -218,7 +213,7 @@ mod tests {
              "insertText": "path", "sortText": "apath"},
             {"label": "pathsep", "kind": 6,
              "documentation": {"kind": "markdown", "value": "`:`"}, "filterText": "pathsep"},
-            {"label": "toFixed", "textEdit": {"range": range_json(0), "newText": "toFixed"}},
+            {"label": "toFixed", "textEdit": {"range": range_json(0), "newText": ".toFixed"}},
             {"kind": 3},
         ]);
         let list = completion_list(&items);
@@ -237,7 +232,10 @@ mod tests {
             list.items[1].documentation,
             Some(json!({"kind": "markdown", "value": "`:`"}))
         );
-        assert_eq!(list.items[2].insert_text.as_deref(), Some("toFixed"));
+        assert_eq!(
+            list.items[2].insert_text, None,
+            "an edit is not an insertion"
+        );
         assert_eq!(
             serde_json::to_value(&list.items[0]).unwrap(),
             json!({"label": "path", "kind": 9, "detail": "os.path",
