@@ -159,12 +159,11 @@ def test_unimplemented_daytona_endpoints_are_501_naming_them(cove, sandbox):
 
 
 def test_toolbox_operations_cove_lacks_are_501_naming_them(sandbox):
-    # Computer use and LSP servers are Daytona toolbox operations cove's agent
-    # does not serve: the SDK gets a 501 that names the operation, not a 404.
+    # Computer use is a Daytona toolbox surface cove's agent does not serve:
+    # the SDK gets a 501 that names the operation, not a 404.
     for call, operation in [
         (lambda: sandbox.computer_use.start(), "POST /computeruse/start"),
         (lambda: sandbox.computer_use.screenshot.take_full_screen(), "GET /computeruse/screenshot"),
-        (lambda: sandbox.create_lsp_server("python", "/tmp").start(), "POST /lsp/start"),
     ]:
         with pytest.raises(DaytonaError) as info:
             call()

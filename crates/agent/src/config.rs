@@ -132,7 +132,7 @@ impl Settings {
 /// `..` after a name (it removes the name; at the root it stays the root):
 /// Go's `filepath.Clean`, lexical as Daytona's is, so a `..` after a
 /// symbolic link removes the link's name rather than leaving its target.
-fn clean(path: &Path) -> PathBuf {
+pub(crate) fn clean(path: &Path) -> PathBuf {
     use std::path::Component;
     let mut parts: Vec<Component> = Vec::new();
     for component in path.components() {

@@ -90,6 +90,9 @@ pub enum ApiError {
     /// A `/cove/unpack` stream that was refused or failed; its kind decides.
     #[error(transparent)]
     Unpack(#[from] crate::unpack::UnpackError),
+    /// An `/lsp/*` call that was refused or whose language server failed.
+    #[error(transparent)]
+    Lsp(#[from] crate::lsp::LspError),
 }
 
 impl ApiError {
@@ -135,6 +138,7 @@ impl ApiError {
             Self::PortUnreachable { .. } => StatusCode::BAD_GATEWAY,
             Self::RuntimeMissing { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Unpack(error) => error.status(),
+            Self::Lsp(error) => error.status(),
         }
     }
 
@@ -165,6 +169,7 @@ impl ApiError {
             Self::RecordingActive(_) => "RECORDING_STILL_ACTIVE",
             Self::FfmpegMissing => "RECORDING_FFMPEG_NOT_FOUND",
             Self::Unpack(error) => error.code(),
+            Self::Lsp(error) => error.code(),
         }
     }
 

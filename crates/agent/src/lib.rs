@@ -18,6 +18,7 @@ pub mod info;
 pub mod init;
 pub mod interpreter;
 pub mod listen;
+pub mod lsp;
 pub mod not_implemented;
 pub mod pty;
 pub mod session;
@@ -55,6 +56,7 @@ pub mod requests {
         };
         pub use crate::interpreter::execute::InterpreterExecuteRequest;
         pub use crate::interpreter::routes::CreateContextRequest;
+        pub use crate::lsp::routes::{LspCompletionParams, LspDocumentRequest, LspServerRequest};
         pub use crate::pty::routes::{PtyCreateRequest, PtyResizeRequest};
         pub use crate::session::routes::{
             CreateSessionRequest, SendInputRequest, SessionExecuteRequest,
@@ -77,6 +79,8 @@ pub mod requests {
         pub use crate::files::watch::WatchQuery;
         pub use crate::git::config::GetQuery;
         pub use crate::git::PathQuery as GitPathQuery;
+        pub use crate::lsp::routes::LspDocumentRequest as LspDocumentQuery;
+        pub use crate::lsp::routes::WorkspaceSymbolsQuery as LspWorkspaceSymbolsQuery;
         pub use crate::pty::routes::CreateConnectQuery;
         pub use crate::session::routes::LogsQuery;
         pub use cove_protocol::UnpackQuery;
@@ -88,7 +92,10 @@ pub mod requests {
 pub struct AppState {
     pub settings: Arc<Settings>,
     pub sessions: Arc<session::Registry>,
+    /// The desktop of computer use (`/computeruse/*`).
     pub desktop: Arc<computeruse::Desktop>,
+    /// The running language servers (`/lsp/*`).
+    pub lsp: Arc<lsp::Registry>,
 }
 
 impl AppState {
@@ -100,6 +107,7 @@ impl AppState {
             settings,
             sessions,
             desktop,
+            lsp: Arc::default(),
         })
     }
 }
@@ -119,6 +127,7 @@ pub fn app(state: AppState) -> Router {
         .merge(tunnel::routes())
         .merge(unpack::routes())
         .merge(computeruse::routes())
+        .merge(lsp::routes())
         .fallback(not_implemented::fallback)
         .layer(axum::middleware::from_fn(drain::unread_body))
         .with_state(state)

@@ -1,6 +1,6 @@
 //! Answers for toolbox paths the agent does not serve: 501 naming the Daytona
-//! operation when the path is one of Daytona's toolbox API (computer use and
-//! LSP, for now), so an SDK call says what is missing; 404 for paths that
+//! operation when the path is one of Daytona's toolbox API (computer use,
+//! for now), so an SDK call says what is missing; 404 for paths that
 //! exist nowhere.
 
 use axum::http::{Method, Uri};
@@ -51,10 +51,13 @@ mod tests {
             Some("GET /computeruse/process/{processName}/logs")
         );
         assert_eq!(
-            toolbox_operation(&Method::POST, "/lsp/start"),
-            Some("POST /lsp/start")
+            toolbox_operation(&Method::GET, "/computeruse/a11y/tree"),
+            Some("GET /computeruse/a11y/tree")
         );
         assert_eq!(toolbox_operation(&Method::GET, "/nonsense"), None);
-        assert_eq!(toolbox_operation(&Method::DELETE, "/lsp/start"), None);
+        assert_eq!(
+            toolbox_operation(&Method::DELETE, "/computeruse/a11y/tree"),
+            None
+        );
     }
 }

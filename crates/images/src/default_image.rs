@@ -63,7 +63,7 @@ pub const COMPLETE_MARKER: &str = ".complete";
 /// What a finished image's marker says. An image whose marker says anything
 /// else was built by an older cove (without the default user, say) and is
 /// built again.
-const IMAGE_VERSION: &str = "cove-default 3\n";
+const IMAGE_VERSION: &str = "cove-default 4\n";
 
 /// One step of the default image's build, for a progress display.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,6 +115,7 @@ impl ImageStore {
         finish_rootfs(&partial.join("rootfs"))
             .map_err(io_err(&partial, "finish the root filesystem"))?;
         add_default_user(&partial.join("rootfs"))?;
+        crate::npm_tools::install_npm_tools(&partial.join("rootfs"))?;
         let complete = partial.join("rootfs").join(COMPLETE_MARKER);
         fs::write(&complete, IMAGE_VERSION).map_err(io_err(&complete, "mark complete"))?;
         let target = rootfs.parent().expect("rootfs has a parent");

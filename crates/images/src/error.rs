@@ -94,6 +94,14 @@ pub enum ImageError {
     /// (`flatten.rs`); `reason` is what the merge said.
     #[error("flattening the image's layers into {}: {reason}", dest.display())]
     Flatten { dest: PathBuf, reason: String },
+    /// HTTP 422: a package fetched for the default image is not the one
+    /// pinned (`npm_tools.rs`); nothing of it was unpacked.
+    #[error("npm package {package} does not match its pinned integrity {expected} (got {actual}); nothing was installed")]
+    NpmIntegrity {
+        package: String,
+        expected: String,
+        actual: String,
+    },
     /// HTTP 500.
     #[error("{action} {path}")]
     Io {
@@ -114,9 +122,9 @@ impl ImageError {
             ImageError::Unauthorized { .. } => ErrorKind::Unauthorized,
             ImageError::Unreachable { .. } => ErrorKind::Unreachable,
             ImageError::Unsupported { .. } => ErrorKind::Unsupported,
-            ImageError::InvalidImage { .. } | ImageError::UnsafeLayer { .. } => {
-                ErrorKind::InvalidImage
-            }
+            ImageError::InvalidImage { .. }
+            | ImageError::UnsafeLayer { .. }
+            | ImageError::NpmIntegrity { .. } => ErrorKind::InvalidImage,
             ImageError::Io { .. }
             | ImageError::NoDebootstrap
             | ImageError::Debootstrap { .. }

@@ -36,6 +36,7 @@ mod fsat;
 mod import;
 mod layer;
 mod media;
+mod npm_tools;
 mod progress;
 mod registry;
 mod stack;

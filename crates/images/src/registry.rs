@@ -283,7 +283,7 @@ impl ImageStore {
 /// Installs rustls's ring provider as the process default, which reqwest
 /// needs because it is built without a provider of its own. Harmless when a
 /// provider is already installed.
-fn install_tls_provider() {
+pub(crate) fn install_tls_provider() {
     let _ = rustls::crypto::ring::default_provider().install_default();
 }
 
@@ -620,7 +620,7 @@ fn choose_platform(entries: &[ImageIndexEntry]) -> Option<&ImageIndexEntry> {
 
 /// An error and its causes on one line: reqwest hides the useful part
 /// ("connection refused") in its sources.
-fn error_chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut text = e.to_string();
     let mut source = e.source();
     while let Some(cause) = source {

@@ -83,6 +83,11 @@ impl Agent {
     pub(crate) fn path(&self, relative: &str) -> PathBuf {
         self.work_dir.join(relative)
     }
+
+    /// The agent process's pid (its children are what it started).
+    pub(crate) fn pid(&self) -> u32 {
+        self.child.id()
+    }
 }
 
 impl Client {
