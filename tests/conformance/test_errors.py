@@ -159,11 +159,10 @@ def test_unimplemented_daytona_endpoints_are_501_naming_them(cove, sandbox):
 
 
 def test_toolbox_operations_cove_lacks_are_501_naming_them(sandbox):
-    # Computer use is a Daytona toolbox surface cove's agent does not serve:
-    # the SDK gets a 501 that names the operation, not a 404.
+    # A Daytona toolbox operation cove's agent does not serve gets a 501
+    # that names the operation, not a 404.
     for call, operation in [
-        (lambda: sandbox.computer_use.start(), "POST /computeruse/start"),
-        (lambda: sandbox.computer_use.screenshot.take_full_screen(), "GET /computeruse/screenshot"),
+        (lambda: sandbox.computer_use.accessibility.get_tree(), "GET /computeruse/a11y/tree"),
     ]:
         with pytest.raises(DaytonaError) as info:
             call()
