@@ -71,6 +71,12 @@ pub enum ApiError {
     /// A `/cove/unpack` stream that was refused or failed; its kind decides.
     #[error(transparent)]
     Unpack(#[from] crate::unpack::UnpackError),
+    /// A computer-use operation while the sandbox's desktop is not running.
+    #[error("the desktop is not running; start it with computer_use.start() first")]
+    DesktopNotRunning,
+    /// An accessibility request that failed; its kind decides.
+    #[error(transparent)]
+    A11y(#[from] crate::computeruse::a11y::A11yError),
 }
 
 impl ApiError {
@@ -111,6 +117,8 @@ impl ApiError {
             Self::PortUnreachable { .. } => StatusCode::BAD_GATEWAY,
             Self::RuntimeMissing { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Unpack(error) => error.status(),
+            Self::DesktopNotRunning => StatusCode::SERVICE_UNAVAILABLE,
+            Self::A11y(error) => error.status(),
         }
     }
 
@@ -135,6 +143,8 @@ impl ApiError {
             Self::NotImplemented(_) => "NOT_IMPLEMENTED",
             Self::RuntimeMissing { .. } => "UNPROCESSABLE_ENTITY",
             Self::Unpack(error) => error.code(),
+            Self::DesktopNotRunning => "SERVICE_UNAVAILABLE",
+            Self::A11y(error) => error.code(),
         }
     }
 
@@ -164,7 +174,9 @@ fn is_client_io_error(error: &io::Error) -> bool {
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let status = self.status();
-        if status.is_server_error() && !matches!(self, Self::PortUnreachable { .. }) {
+        if status.is_server_error()
+            && !matches!(self, Self::PortUnreachable { .. } | Self::DesktopNotRunning)
+        {
             tracing::error!(error = %self, "request failed");
         }
         (status, axum::Json(self.body())).into_response()

@@ -6,6 +6,7 @@
 //! knows nothing about sandboxes, containers or the server.
 
 pub mod code_run;
+pub mod computeruse;
 pub mod config;
 pub mod drain;
 pub mod entrypoint;
@@ -39,6 +40,9 @@ pub mod requests {
     /// Request bodies (JSON; the interpreter's first WebSocket message too).
     pub mod bodies {
         pub use crate::code_run::CodeRunRequest;
+        pub use crate::computeruse::a11y::{
+            FindNodesRequest, InvokeNodeRequest, NodeRequest, SetNodeValueRequest,
+        };
         pub use crate::files::download::DownloadRequest;
         pub use crate::files::replace::ReplaceRequest;
         pub use crate::git::branches::{BranchRequest, CheckoutRequest};
@@ -60,6 +64,7 @@ pub mod requests {
 
     /// Query strings.
     pub mod queries {
+        pub use crate::computeruse::a11y::TreeQuery as A11yTreeQuery;
         pub use crate::files::download::PathQuery as DownloadPathQuery;
         pub use crate::files::info::{ListQuery, PathQuery as InfoPathQuery};
         pub use crate::files::manage::{DeleteQuery, FolderQuery};
@@ -81,13 +86,18 @@ pub mod requests {
 pub struct AppState {
     pub settings: Arc<Settings>,
     pub sessions: Arc<session::Registry>,
+    pub desktop: Arc<computeruse::Desktop>,
 }
 
 impl AppState {
     pub fn new(settings: Settings) -> std::io::Result<Self> {
         let settings = Arc::new(settings);
         let sessions = Arc::new(session::Registry::new(settings.clone())?);
-        Ok(Self { settings, sessions })
+        Ok(Self {
+            settings,
+            sessions,
+            desktop: Arc::default(),
+        })
     }
 }
 
@@ -105,6 +115,7 @@ pub fn app(state: AppState) -> Router {
         .merge(interpreter::routes())
         .merge(tunnel::routes())
         .merge(unpack::routes())
+        .merge(computeruse::a11y::routes())
         .fallback(not_implemented::fallback)
         .layer(axum::middleware::from_fn(drain::unread_body))
         .with_state(state)
