@@ -480,3 +480,194 @@ async fn zenity_dialogs_are_read_found_and_driven() {
     assert!(desktop.exit_status(entry).await.success());
     assert_eq!(desktop.output("entry.out"), "typed by cove\n");
 }
+
+/// One accessible of the hostile application below.
+struct Hostile {
+    children: Vec<(String, zbus::zvariant::OwnedObjectPath)>,
+    name: String,
+    hangs: bool,
+}
+
+#[zbus::interface(name = "org.a11y.atspi.Accessible")]
+impl Hostile {
+    async fn get_children(&self) -> Vec<(String, zbus::zvariant::OwnedObjectPath)> {
+        self.children.clone()
+    }
+    async fn get_role_name(&self) -> String {
+        if self.hangs {
+            std::future::pending::<()>().await;
+        }
+        "panel".to_owned()
+    }
+    async fn get_state(&self) -> Vec<u32> {
+        if self.hangs {
+            std::future::pending::<()>().await;
+        }
+        vec![0, 0]
+    }
+    async fn get_interfaces(&self) -> Vec<String> {
+        vec!["org.a11y.atspi.Accessible".to_owned()]
+    }
+    #[zbus(property)]
+    async fn name(&self) -> String {
+        self.name.clone()
+    }
+    #[zbus(property)]
+    async fn description(&self) -> String {
+        String::new()
+    }
+}
+
+/// `org.a11y.Bus` pointing back at the session bus itself.
+struct Launcher(String);
+
+#[zbus::interface(name = "org.a11y.Bus")]
+impl Launcher {
+    fn get_address(&self) -> String {
+        self.0.clone()
+    }
+}
+
+/// A registry and applications that answer what no toolkit would: a
+/// cycle, a node with 3000 children that are not there, a 100 kB name, and
+/// a second application that never answers. The walk must end, soon, with
+/// each node once and `truncated`; a node call on the silent one is a 500
+/// naming the timeout.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_application_cannot_hang_or_flood_a_walk() {
+    if !cove_testenv::program("dbus-daemon", "dbus") {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let mut bus = Command::new("dbus-daemon")
+        .args(["--session", "--nofork", "--print-address"])
+        .arg(format!(
+            "--address=unix:path={}",
+            dir.path().join("bus").display()
+        ))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let address = first_line(bus.stdout.take().unwrap()).expect("dbus-daemon printed its address");
+    let address = address.trim().to_owned();
+    // Stopped by pid however the test ends.
+    struct Stop(Child);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _bus = Stop(bus);
+
+    let connect = || async {
+        zbus::connection::Builder::address(address.as_str())
+            .unwrap()
+            .build()
+            .await
+            .unwrap()
+    };
+    let (app, silent) = (connect().await, connect().await);
+    let app_name = app.unique_name().unwrap().to_string();
+    let silent_name = silent.unique_name().unwrap().to_string();
+    let node = |name: &str, path: &str| (name.to_owned(), path.try_into().unwrap());
+    let serve = |children, name: &str, hangs| Hostile {
+        children,
+        name: name.to_owned(),
+        hangs,
+    };
+    let server = app.object_server();
+    server
+        .at("/org/a11y/bus", Launcher(address.clone()))
+        .await
+        .unwrap();
+    let root = vec![node(&app_name, "/app")];
+    server
+        .at(
+            "/org/a11y/atspi/accessible/root",
+            serve(root, "main", false),
+        )
+        .await
+        .unwrap();
+    let app_children = vec![
+        node(&app_name, "/loop"),
+        node(&app_name, "/wide"),
+        node(&silent_name, "/hang"),
+        node(&app_name, "/org/a11y/atspi/accessible/root"),
+    ];
+    let long_name = "x".repeat(100_000);
+    server
+        .at("/app", serve(app_children, &long_name, false))
+        .await
+        .unwrap();
+    let back = vec![node(&app_name, "/app")];
+    server
+        .at("/loop", serve(back, "loop", false))
+        .await
+        .unwrap();
+    let wide = (0..3000)
+        .map(|n| node(&app_name, &format!("/wide/{n}")))
+        .collect();
+    server
+        .at("/wide", serve(wide, "wide", false))
+        .await
+        .unwrap();
+    silent
+        .object_server()
+        .at("/hang", serve(Vec::new(), "never", true))
+        .await
+        .unwrap();
+    app.request_name("org.a11y.Bus").await.unwrap();
+    app.request_name("org.a11y.atspi.Registry").await.unwrap();
+
+    let state = agent(dir.path());
+    state.desktop.set_session(Some(Session {
+        display: ":none".to_owned(),
+        bus_address: address.clone(),
+    }));
+    let started = Instant::now();
+    let (status, body) = get(&state, "/computeruse/a11y/tree?scope=all").await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "{:?}",
+        started.elapsed()
+    );
+    assert_eq!(body["truncated"], true);
+    let ids: Vec<&str> = nodes(&body["root"])
+        .iter()
+        .map(|n| n["id"].as_str().unwrap())
+        .collect();
+    // The root once more under the registry's unique name (an id is a
+    // name and a path, not an identity), but none of its children again.
+    let mut expected = vec!["org.a11y.atspi.Registry:/org/a11y/atspi/accessible/root".to_owned()];
+    expected.extend(
+        ["/app", "/loop", "/wide", "/org/a11y/atspi/accessible/root"]
+            .iter()
+            .map(|path| format!("{app_name}:{path}")),
+    );
+    assert_eq!(ids, expected, "each node once, none of the silent one's");
+    let app = &body["root"]["children"][0];
+    assert_eq!(app["name"].as_str().unwrap().len(), 1024);
+    assert_eq!(
+        app["children"][1]["children"],
+        json!([]),
+        "the absent children are left out"
+    );
+
+    let started = Instant::now();
+    let hang = json!({"id": format!("{silent_name}:/hang")});
+    let (status, body) = post(&state, "/computeruse/a11y/node/focus", hang).await;
+    assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+    assert!(
+        body["message"].as_str().unwrap().contains("did not answer"),
+        "{body}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+}

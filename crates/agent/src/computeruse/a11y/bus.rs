@@ -253,7 +253,6 @@ impl A11yBus {
 async fn connect_to(address: &str) -> Result<Connection, CallError> {
     Ok(zbus::connection::Builder::address(address)?
         .max_queued(MAX_QUEUED)
-        .method_timeout(CALL_TIMEOUT)
         .build()
         .await?)
 }

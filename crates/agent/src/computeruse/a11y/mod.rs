@@ -45,13 +45,13 @@ pub enum A11yError {
     NotSupported { id: String, what: String },
     #[error("accessibility node {id} refused {what}")]
     Refused { id: String, what: &'static str },
-    #[error("the application of accessibility node {id} did not answer {what} within {}s", .limit.as_secs())]
+    #[error("the application of accessibility node {id} did not answer within {}s (asked for {what})", .limit.as_secs())]
     Unresponsive {
         id: String,
         what: &'static str,
         limit: Duration,
     },
-    #[error("{what} accessibility node {id}")]
+    #[error("asking accessibility node {id} for {what} failed")]
     Bus {
         id: String,
         what: &'static str,
@@ -84,7 +84,7 @@ impl A11yError {
         }
     }
 
-    /// What a failed call on `id` while `what` (e.g. "focusing") means.
+    /// What a failed call on `id` asking for `what` (e.g. "focus") means.
     fn from_call(id: &node::NodeId, what: &'static str, error: bus::CallError) -> Self {
         let id = id.to_string();
         match error {

@@ -182,7 +182,7 @@ async fn invoke(
     let done = bus
         .do_action(&id, index)
         .await
-        .map_err(|e| A11yError::from_call(&id, "its action", e))?;
+        .map_err(|e| A11yError::from_call(&id, "an action", e))?;
     if !done {
         return Err(refused(&id, "the action"));
     }
@@ -204,7 +204,7 @@ async fn set_value(
     match bus.set_text(&id, &value).await {
         Ok(_) => return Ok(Json(Empty {})),
         Err(CallError::Unsupported(_)) => {}
-        Err(error) => return Err(A11yError::from_call(&id, "setting text", error).into()),
+        Err(error) => return Err(A11yError::from_call(&id, "text", error).into()),
     }
     let Ok(number) = value.trim().parse::<f64>() else {
         return Err(A11yError::NotSupported {

@@ -329,7 +329,7 @@ impl<'a> Walk<'a> {
             let mut node = match describe(self.bus, &id).await {
                 Ok(node) => node,
                 Err(error) if parent.is_none() => {
-                    return Err(A11yError::from_call(&id, "describing", error))
+                    return Err(A11yError::from_call(&id, "a description", error))
                 }
                 Err(error) => {
                     self.skip(&id, &error);
