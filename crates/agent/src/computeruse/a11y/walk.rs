@@ -19,7 +19,7 @@ use super::bus::{A11yBus, CallError};
 use super::node::{clip, has_state, state_names, Node, NodeId, STATE_ACTIVE};
 use super::A11yError;
 
-/// Most nodes one walk describes.
+/// Most nodes one walk asks about, whether they answer or not.
 pub(crate) const MAX_NODES: usize = 10_000;
 /// Deepest level a walk descends to, whatever `maxDepth` says: the answer
 /// is nested JSON, written and dropped recursively.
@@ -281,6 +281,8 @@ struct Walk<'a> {
     seen: HashSet<NodeId>,
     /// Applications that let a call time out in this walk.
     hung: HashSet<BusName<'static>>,
+    /// Nodes asked about so far, and of those, nodes given.
+    asked: usize,
     visited: usize,
     answer_bytes: usize,
     max_depth: usize,
@@ -299,6 +301,7 @@ impl<'a> Walk<'a> {
             }],
             seen: HashSet::new(),
             hung: HashSet::new(),
+            asked: 0,
             visited: 0,
             answer_bytes: 0,
             max_depth: max_depth.map_or(MAX_DEPTH, |depth| depth.min(MAX_DEPTH)),
@@ -311,7 +314,7 @@ impl<'a> Walk<'a> {
     /// to come next; `None` at the end. Only the root's failure is an error.
     async fn next(&mut self) -> Result<Option<Visit>, A11yError> {
         while let Some(Pending { id, depth, parent }) = self.pending.pop() {
-            if self.visited >= MAX_NODES
+            if self.asked >= MAX_NODES
                 || self.answer_bytes >= MAX_ANSWER_BYTES
                 || Instant::now() >= self.deadline
             {
@@ -326,6 +329,7 @@ impl<'a> Walk<'a> {
             if !self.seen.insert(id.clone()) {
                 continue;
             }
+            self.asked += 1;
             let mut node = match describe(self.bus, &id).await {
                 Ok(node) => node,
                 Err(error) if parent.is_none() => {
