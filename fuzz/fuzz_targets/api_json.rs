@@ -25,6 +25,10 @@ fuzz_target!(|data: &[u8]| {
     parse_all!(serde_json::from_slice, data;
         bodies::ExecuteRequest,
         bodies::CodeRunRequest,
+        bodies::FindNodesRequest,
+        bodies::InvokeNodeRequest,
+        bodies::NodeRequest,
+        bodies::SetNodeValueRequest,
         bodies::DownloadRequest,
         bodies::ReplaceRequest,
         bodies::BranchRequest,
@@ -57,6 +61,7 @@ fuzz_target!(|data: &[u8]| {
         bodies::GuestVolume,
     );
     parse_all!(serde_urlencoded::from_bytes, data;
+        queries::A11yTreeQuery,
         queries::DownloadPathQuery,
         queries::ListQuery,
         queries::InfoPathQuery,

@@ -158,20 +158,6 @@ def test_unimplemented_daytona_endpoints_are_501_naming_them(cove, sandbox):
     assert cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "started"
 
 
-def test_toolbox_operations_cove_lacks_are_501_naming_them(sandbox):
-    # A Daytona toolbox operation cove's agent does not serve gets a 501
-    # that names the operation, not a 404.
-    for call, operation in [
-        (lambda: sandbox.computer_use.accessibility.get_tree(), "GET /computeruse/a11y/tree"),
-    ]:
-        with pytest.raises(DaytonaError) as info:
-            call()
-        assert info.value.status_code == 501, str(info.value)
-        assert f"{operation} is not implemented by cove yet" in str(info.value)
-    # The sandbox is untouched.
-    assert sandbox.process.exec("echo still-here").result.strip() == "still-here"
-
-
 def test_a_second_server_on_the_same_data_dir_is_refused(cove, sandbox, tmp_path):
     # Same data dir (and, by default, the same bridge): it must stop before it
     # touches anything the running server owns.

@@ -93,6 +93,9 @@ pub enum ApiError {
     /// An `/lsp/*` call that was refused or whose language server failed.
     #[error(transparent)]
     Lsp(#[from] crate::lsp::LspError),
+    /// An accessibility request that failed; its kind decides.
+    #[error(transparent)]
+    A11y(#[from] crate::computeruse::a11y::A11yError),
 }
 
 impl ApiError {
@@ -139,6 +142,7 @@ impl ApiError {
             Self::RuntimeMissing { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             Self::Unpack(error) => error.status(),
             Self::Lsp(error) => error.status(),
+            Self::A11y(error) => error.status(),
         }
     }
 
@@ -170,6 +174,7 @@ impl ApiError {
             Self::FfmpegMissing => "RECORDING_FFMPEG_NOT_FOUND",
             Self::Unpack(error) => error.code(),
             Self::Lsp(error) => error.code(),
+            Self::A11y(error) => error.code(),
         }
     }
 

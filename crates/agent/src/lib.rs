@@ -41,6 +41,9 @@ pub mod requests {
     /// Request bodies (JSON; the interpreter's first WebSocket message too).
     pub mod bodies {
         pub use crate::code_run::CodeRunRequest;
+        pub use crate::computeruse::a11y::{
+            FindNodesRequest, InvokeNodeRequest, NodeRequest, SetNodeValueRequest,
+        };
         pub use crate::computeruse::{
             KeyRequest, KeyboardHotkeyRequest, KeyboardPressRequest, KeyboardTypeRequest,
             MouseButtonRequest, MouseClickRequest, MouseDragRequest, MouseMoveRequest,
@@ -68,6 +71,7 @@ pub mod requests {
 
     /// Query strings.
     pub mod queries {
+        pub use crate::computeruse::a11y::TreeQuery as A11yTreeQuery;
         pub use crate::computeruse::{CompressedQuery, RegionQuery, ScreenshotQuery};
         pub use crate::files::download::PathQuery as DownloadPathQuery;
         pub use crate::files::info::{ListQuery, PathQuery as InfoPathQuery};

@@ -11,6 +11,7 @@
 //! Everything the desktop keeps (the session bus socket, the runtime
 //! directory) lives in the agent's state directory, outside the user's tree.
 
+pub mod a11y;
 pub mod display;
 pub mod input;
 pub mod keys;
@@ -103,6 +104,13 @@ impl Desktop {
             .unwrap()
             .clone()
             .ok_or(ApiError::DesktopStopped)
+    }
+
+    /// Points the desktop's clients at a desktop started elsewhere (`None`:
+    /// none): for tests that run their own X server and session bus.
+    pub fn set_session(&self, session: Option<Session>) {
+        *self.session.write().unwrap() = session;
+        *self.screen.lock().unwrap() = None;
     }
 
     /// Runs `work` with the agent's X connection on a blocking thread,
@@ -389,6 +397,7 @@ pub fn routes() -> Router<AppState> {
         .merge(input::routes())
         .merge(display::routes())
         .merge(recording::routes())
+        .merge(a11y::routes())
 }
 
 #[derive(Serialize)]
