@@ -27,6 +27,8 @@ use crate::AppState;
 const MAX_ACTIVE: usize = 2;
 /// Frames per second recorded: enough to follow an agent's actions.
 const FRAME_RATE: &str = "10";
+/// How long ffmpeg has to begin its file.
+const STARTING: Duration = Duration::from_secs(60);
 /// How long ffmpeg has to write the end of its file once asked to stop.
 const FINISH: Duration = Duration::from_secs(15);
 
@@ -212,6 +214,7 @@ async fn start(
         .kill_on_drop(true)
         .spawn()
         .map_err(|e| ApiError::Desktop(format!("could not start ffmpeg: {e}")))?;
+    let child = capturing(child, &file_path).await?;
     let recording = Recording {
         id: id.clone(),
         file_name,
@@ -231,6 +234,34 @@ async fn start(
         },
     );
     Ok((StatusCode::CREATED, Json(recording)).into_response())
+}
+
+/// Waits until ffmpeg has opened the display and begun its file, so the
+/// recording covers what happens after `start` answers (ffmpeg takes a
+/// while to start where the CPU is emulated).
+async fn capturing(
+    mut ffmpeg: tokio::process::Child,
+    file: &std::path::Path,
+) -> Result<tokio::process::Child, ApiError> {
+    let deadline = Instant::now() + STARTING;
+    loop {
+        if std::fs::metadata(file).is_ok_and(|m| m.len() > 0) {
+            return Ok(ffmpeg);
+        }
+        if let Ok(Some(status)) = ffmpeg.try_wait() {
+            return Err(ApiError::Desktop(format!(
+                "ffmpeg could not record the display ({status})"
+            )));
+        }
+        if Instant::now() > deadline {
+            let _ = ffmpeg.kill().await;
+            return Err(ApiError::Desktop(format!(
+                "ffmpeg did not begin recording within {}s",
+                STARTING.as_secs()
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 async fn stop(
