@@ -206,3 +206,100 @@ def test_a_recording_is_a_playable_mp4(desktop_sandbox, tmp_path):
     with pytest.raises(DaytonaError):
         cu.recording.get(recording.id)
     assert sandbox.process.exec(f"test -e '{done.file_path}'").exit_code != 0
+
+
+def test_a_dialog_is_read_and_answered_through_the_accessibility_tree(desktop_sandbox):
+    sandbox, _ = desktop_sandbox
+    cu = sandbox.computer_use
+    cu.start()
+    sandbox.process.create_session("dialog")
+    shown = sandbox.process.execute_session_command(
+        "dialog",
+        SessionExecuteRequest(command="zenity --info --title cove-dialog --text 'cove says hi'", run_async=True),
+    )
+
+    def ok_button():
+        # 404 until an application has joined the accessibility bus.
+        found = _try(lambda: cu.accessibility.find_nodes(role="push button", name="OK", name_match="exact"))
+        return found.matches[0] if found and found.matches else None
+
+    assert wait_until(lambda: ok_button() is not None, SLOW, interval=1), cu.accessibility.get_tree(scope="all")
+    names = []
+
+    def collect(node):
+        names.append((node.role, node.name))
+        for child in node.children or []:
+            collect(child)
+
+    collect(cu.accessibility.get_tree(scope="all").root)
+    assert ("label", "cove says hi") in names, names
+    assert ("dialog", "cove-dialog") in names, names
+
+    button = ok_button()
+    assert "Click" in button.actions, button
+    cu.accessibility.invoke_node(button.id)
+
+    def exit_code():
+        return sandbox.process.get_session_command("dialog", shown.cmd_id).exit_code
+
+    assert wait_until(lambda: exit_code() is not None, SLOW), "the dialog is still open"
+    assert exit_code() == 0
+    with pytest.raises(DaytonaError):
+        cu.accessibility.invoke_node(button.id)
+
+
+def test_a_person_watches_the_desktop_through_novnc(sandboxes: SandboxFactory):
+    """noVNC on port 6080, through a signed preview: its page, and its
+    WebSocket reaching x11vnc (the RFB greeting)."""
+    import httpx
+    from httpx_ws import connect_ws
+
+    sandbox = sandboxes()
+    sandbox.computer_use.start()
+    try:
+        assert wait_until(lambda: sandbox.computer_use.get_status().status == "active", SLOW)
+        signed = sandbox.create_signed_preview_url(6080, expires_in_seconds=300)
+        base = signed.url.rstrip("/")
+        # websockify and x11vnc come up a moment after start answers.
+        pages = []
+        assert wait_until(lambda: pages.append(httpx.get(f"{base}/vnc.html", timeout=10)) or pages[-1].status_code == 200, 30, interval=0.5), (
+            pages[-1].text,
+            sandbox.computer_use.get_process_errors("novnc").errors,
+        )
+        assert "noVNC" in pages[-1].text
+
+        def greeting():
+            with httpx.Client(timeout=10) as client:
+                with connect_ws(f"{base}/websockify", client, subprotocols=["binary"]) as ws:
+                    return ws.receive_bytes(timeout=10)
+
+        got = []
+        assert wait_until(lambda: got.append(_try(greeting)) or got[-1] is not None, 30, interval=0.5)
+        assert got[-1].startswith(b"RFB 003."), got[-1]
+        # The desktop listens on loopback only: VNC, noVNC, and no X over TCP.
+        listening = sandbox.process.exec(f"python3 -c {LISTENERS!r}").result.split()
+        assert sorted(listening) == ["127.0.0.1:5900", "127.0.0.1:6080"], listening
+    finally:
+        sandbox.computer_use.stop()
+
+
+# The TCP sockets listening in the sandbox, as address:port, from /proc.
+LISTENERS = """
+import socket, struct
+for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+    for line in open(table).readlines()[1:]:
+        local, state = line.split()[1], line.split()[3]
+        if state != "0A":
+            continue
+        address, port = local.split(":")
+        raw = bytes.fromhex(address)
+        raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+        print("%s:%d" % (socket.inet_ntop(family, raw), int(port, 16)))
+"""
+
+
+def _try(call):
+    try:
+        return call()
+    except Exception:  # noqa: BLE001 - retried until the deadline
+        return None

@@ -910,7 +910,13 @@
       panel.append(h('p', { id: 'desktop-status' }, `computer use: ${status.status || JSON.stringify(status)}`));
       if (status.status === 'active') {
         const answer = await api(`/sandbox/${enc(sandbox.id)}/ports/6080/signed-preview-url?expiresInSeconds=3600`);
-        panel.append(link(`${answer.url.replace(/\/$/, '')}/vnc.html?autoconnect=true&resize=scale`, 'Open the desktop'));
+        // noVNC opens its WebSocket at `path` on the page's host: under a
+        // path-based preview that is the preview's own prefix.
+        const base = new URL(answer.url);
+        const prefix = base.pathname.replace(/^\/+|\/+$/g, '');
+        const socket = prefix ? `${prefix}/websockify` : 'websockify';
+        const page = `${base.origin}/${prefix ? `${prefix}/` : ''}vnc.html`;
+        panel.append(link(`${page}?autoconnect=true&resize=scale&path=${encodeURIComponent(socket)}`, 'Open the desktop'));
       }
     } catch (failure) {
       panel.append(h('p', { id: 'desktop-status', class: 'error' }, failure.message));

@@ -176,13 +176,19 @@ impl Desktop {
         }
         *self.session.write().unwrap() = Some(Session {
             display: DISPLAY.to_owned(),
-            bus_address,
+            bus_address: bus_address.clone(),
         });
-        if std::env::var_os("DISPLAY").is_none() {
-            // Programs the user starts from now on find the desktop, as on
-            // Daytona's images (see `system::update_env` on changing the
-            // agent's environment while it runs).
-            std::env::set_var("DISPLAY", DISPLAY);
+        // Programs the user starts from now on find the desktop and its
+        // session bus, as in a desktop session (see `system::update_env` on
+        // changing the agent's environment while it runs). A value the user
+        // set is kept.
+        for (name, value) in [
+            ("DISPLAY", DISPLAY),
+            ("DBUS_SESSION_BUS_ADDRESS", &bus_address),
+        ] {
+            if std::env::var_os(name).is_none() {
+                std::env::set_var(name, value);
+            }
         }
         let answer = statuses(&started);
         *running = Some(Running {

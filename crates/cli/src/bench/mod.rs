@@ -5,6 +5,7 @@
 //! memory can be read apart from the client's.
 
 mod density;
+mod desktop;
 mod files;
 mod neighbours;
 mod own_server;
@@ -48,14 +49,19 @@ pub(crate) enum Scenario {
     /// --n idle containers at once: host memory each, create rate, and exec
     /// round trips at --n beside those at 10 (the figures); all deleted after.
     Density,
+    /// Full-screen screenshots of a 1280x800 desktop (PNG; JPEG at quality
+    /// 70 beside), in a container, or a VM with --on-vm.
+    Screenshot,
+    /// The computer-use input round trip: a mouse move answered (--on-vm: in a VM).
+    Input,
 }
 
 impl Scenario {
-    fn uses_vms(self) -> bool {
+    fn uses_vms(self, args: &BenchArgs) -> bool {
         matches!(
             self,
             Scenario::VmCreate | Scenario::VmPause | Scenario::VmResume | Scenario::VmFork
-        )
+        ) || (args.on_vm && matches!(self, Scenario::Screenshot | Scenario::Input))
     }
 }
 
@@ -85,6 +91,9 @@ pub(crate) struct BenchArgs {
     /// The snapshot of the VM scenarios (a larger one shows how memory size matters).
     #[arg(long, default_value = "daytona-vm-small")]
     pub vm_snapshot: String,
+    /// Run the desktop scenarios (screenshot, input) in a VM of --vm-snapshot.
+    #[arg(long)]
+    pub on_vm: bool,
 }
 
 /// What one scenario measured: times of each run in milliseconds, and extra
@@ -117,7 +126,7 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
         None => {
             // A waiting VM of the warm pool would take CPU from container
             // scenarios; only the VM scenarios start VMs.
-            let extra: &[&str] = if args.scenario.uses_vms() {
+            let extra: &[&str] = if args.scenario.uses_vms(&args) {
                 &[]
             } else {
                 &["--no-vm"]
@@ -164,9 +173,17 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Scenario::VmResume => vm::resume(&client, &args.vm_snapshot, args.n).await,
         Scenario::VmFork => vm::fork(&client, &args.vm_snapshot, args.n).await,
         Scenario::Density => density::density(&client, args.n).await,
+        Scenario::Screenshot => {
+            let vm = args.on_vm.then_some(args.vm_snapshot.as_str());
+            desktop::screenshot(&client, vm, args.n).await
+        }
+        Scenario::Input => {
+            let vm = args.on_vm.then_some(args.vm_snapshot.as_str());
+            desktop::input(&client, vm, args.n).await
+        }
     };
     // VM figures mean little without the accelerator they were taken on.
-    let accelerator = match args.scenario.uses_vms() {
+    let accelerator = match args.scenario.uses_vms(&args) {
         true => client
             .api(reqwest::Method::GET, "/config", None)
             .await
