@@ -7,6 +7,7 @@ stopped with nothing of it left running.
 from __future__ import annotations
 
 import base64
+import shlex
 import struct
 import time
 
@@ -15,12 +16,16 @@ from daytona import CreateSandboxFromSnapshotParams, SessionExecuteRequest
 from daytona.common.computer_use import ScreenshotOptions, ScreenshotRegion
 from daytona.common.errors import DaytonaError
 
-from conftest import SANDBOX_CLASSES, SandboxFactory, wait_until
+from conftest import SANDBOX_CLASSES, VM_SNAPSHOT, VM_TIMEOUT, SandboxFactory, unique, vm_assets, wait_until
 
 # What the desktop runs, by Daytona's names (and the session bus and panel).
 DESKTOP_PROCESSES = ["xvfb", "xfce4", "x11vnc", "novnc"]
-# Command names of the desktop's programs, for `ps`.
-DESKTOP_PROGRAMS = ["Xvfb", "xfwm4", "xfce4-panel", "x11vnc", "websockify", "dbus-daemon"]
+# The desktop's programs, as `ps` shows their command lines, with the
+# services its session bus starts (which leave their parent).
+DESKTOP_PROGRAMS = [
+    "Xvfb", "xfwm4", "xfce4-panel", "x11vnc", "websockify", "dbus-daemon",
+    "at-spi-bus-launcher", "at-spi2-registryd", "xfconfd",
+]
 # A VM under TCG starts GTK programs slowly.
 SLOW = 120
 
@@ -65,7 +70,7 @@ def desktop_sandbox(request: pytest.FixtureRequest, sandboxes: SandboxFactory):
 
 
 def running_programs(sandbox) -> list[str]:
-    listing = sandbox.process.exec("ps -eo comm=").result.split()
+    listing = sandbox.process.exec("ps -eo args=").result
     return [name for name in DESKTOP_PROGRAMS if name in listing]
 
 
@@ -220,10 +225,17 @@ def test_a_dialog_is_read_and_answered_through_the_accessibility_tree(desktop_sa
 
     def ok_button():
         # 404 until an application has joined the accessibility bus.
-        found = _try(lambda: cu.accessibility.find_nodes(role="push button", name="OK", name_match="exact"))
+        # Every application's: the default scope is the focused one's.
+        found = _try(
+            lambda: cu.accessibility.find_nodes(role="push button", name="OK", name_match="exact", scope="all")
+        )
         return found.matches[0] if found and found.matches else None
 
-    assert wait_until(lambda: ok_button() is not None, SLOW, interval=1), cu.accessibility.get_tree(scope="all")
+    assert wait_until(lambda: ok_button() is not None, SLOW, interval=1), (
+        [(app.name, len(app.children or [])) for app in cu.accessibility.get_tree(scope="all").root.children],
+        sandbox.process.exec("ps -eo pid,ppid,etime,args | grep -v '\\['").result,
+        sandbox.process.get_session_command_logs("dialog", shown.cmd_id),
+    )
     names = []
 
     def collect(node):
@@ -277,8 +289,9 @@ def test_a_person_watches_the_desktop_through_novnc(sandboxes: SandboxFactory):
         assert wait_until(lambda: got.append(_try(greeting)) or got[-1] is not None, 30, interval=0.5)
         assert got[-1].startswith(b"RFB 003."), got[-1]
         # The desktop listens on loopback only: VNC, noVNC, and no X over TCP.
-        listening = sandbox.process.exec(f"python3 -c {LISTENERS!r}").result.split()
-        assert sorted(listening) == ["127.0.0.1:5900", "127.0.0.1:6080"], listening
+        listening = sandbox.process.exec(f"python3 -c {shlex.quote(LISTENERS)}").result.split()
+        assert {entry.rsplit(":", 1)[1] for entry in listening} == {"5900", "6080"}, listening
+        assert all(entry.rsplit(":", 1)[0] in ("127.0.0.1", "::1") for entry in listening), listening
     finally:
         sandbox.computer_use.stop()
 
@@ -296,6 +309,55 @@ for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", sock
         raw = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
         print("%s:%d" % (socket.inet_ntop(family, raw), int(port, 16)))
 """
+
+
+def type_into(sandbox, window, text: str) -> None:
+    cu = sandbox.computer_use
+    cu.mouse.click(window.x + window.width // 2, window.y + window.height // 2)
+    assert wait_until(lambda: window_titled(sandbox, window.title).is_active, SLOW)
+    cu.keyboard.type(text)
+    cu.keyboard.press("Return")
+
+
+def test_a_vm_desktop_goes_on_across_pause_and_into_a_fork(sandboxes: SandboxFactory):
+    """Memory is kept: the desktop, its windows and their programs are where
+    they were after a pause, and running in a fork child, which types into
+    its own copy."""
+    if vm_assets() is None:
+        pytest.skip("COVE_TEST_VM_ASSETS is not set (scripts/vm-assets)")
+    sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot=VM_SNAPSHOT), timeout=VM_TIMEOUT)
+    cu = sandbox.computer_use
+    cu.start()
+    sandbox.process.create_session("kept")
+    sandbox.process.execute_session_command(
+        "kept",
+        SessionExecuteRequest(command="xterm -T kept-term -e sh -c 'cat >> /tmp/kept.txt'", run_async=True),
+    )
+    assert wait_until(lambda: window_titled(sandbox, "kept-term") is not None, SLOW)
+    type_into(sandbox, window_titled(sandbox, "kept-term"), "before")
+
+    def kept(box) -> str:
+        return box.process.exec("cat /tmp/kept.txt 2>/dev/null").result
+
+    assert wait_until(lambda: kept(sandbox) == "before\n", SLOW), kept(sandbox)
+
+    sandbox.pause()
+    sandbox.start(timeout=VM_TIMEOUT)
+    assert cu.get_status().status == "active"
+    assert png_size(decoded(cu.screenshot.take_full_screen())) == (1024, 768)
+    type_into(sandbox, window_titled(sandbox, "kept-term"), "after pause")
+    assert wait_until(lambda: kept(sandbox) == "before\nafter pause\n", SLOW), kept(sandbox)
+
+    child = sandbox.fork(name=unique("desktop-fork"), timeout=VM_TIMEOUT)
+    sandboxes.track(child.id)
+    assert child.computer_use.get_status().status == "active"
+    type_into(child, window_titled(child, "kept-term"), "in the child")
+    assert wait_until(lambda: kept(child) == "before\nafter pause\nin the child\n", SLOW), kept(child)
+    assert kept(sandbox) == "before\nafter pause\n"
+    child.computer_use.stop()
+    assert wait_until(lambda: running_programs(child) == [], 30), running_programs(child)
+    assert cu.get_status().status == "active"
+    cu.stop()
 
 
 def _try(call):

@@ -69,7 +69,12 @@ struct Running {
     /// In start order.
     processes: Vec<Process>,
     dir: PathBuf,
+    /// The value of `MARKER` in this desktop's processes.
+    marker: String,
 }
+
+/// The environment variable that marks every process a desktop started.
+const MARKER: &str = "COVE_DESKTOP";
 
 /// The desktop of this sandbox: stopped until `start`.
 pub struct Desktop {
@@ -153,7 +158,12 @@ impl Desktop {
         make_private_dir(&dir).map_err(|e| ApiError::io(&dir, e))?;
         let bus_address = format!("unix:path={}", dir.join("bus").display());
         let (width, height) = resolution(std::env::var("VNC_RESOLUTION").ok().as_deref());
+        let marker = uuid::Uuid::new_v4().simple().to_string();
         let env = vec![
+            // Inherited by everything the desktop starts, including the
+            // services its session bus starts and that leave their parent
+            // (at-spi's, xfconf's): `stop` finds them by it.
+            (MARKER.to_owned(), marker.clone()),
             ("DISPLAY".to_owned(), DISPLAY.to_owned()),
             ("DBUS_SESSION_BUS_ADDRESS".to_owned(), bus_address.clone()),
             // at-spi and GTK keep their sockets here, not in the user's tree.
@@ -171,6 +181,7 @@ impl Desktop {
             for process in started.iter().rev() {
                 process.stop().await;
             }
+            sweep(&marker).await;
             let _ = std::fs::remove_dir_all(&dir);
             return Err(error);
         }
@@ -194,6 +205,7 @@ impl Desktop {
         *running = Some(Running {
             processes: started,
             dir,
+            marker,
         });
         Ok(answer)
     }
@@ -312,9 +324,45 @@ impl Desktop {
         for process in stopping.processes.iter().rev() {
             process.stop().await;
         }
+        sweep(&stopping.marker).await;
         let _ = std::fs::remove_dir_all(&stopping.dir);
         statuses(&stopping.processes)
     }
+}
+
+/// Ends what is left of a desktop: every process (of this user: others'
+/// environments cannot be read) whose environment carries its marker.
+async fn sweep(marker: &str) {
+    let needle = format!("{MARKER}={marker}\0").into_bytes();
+    for _ in 0..3 {
+        let wanted = needle.clone();
+        let found = tokio::task::spawn_blocking(move || marked(&wanted))
+            .await
+            .unwrap_or_default();
+        if found.is_empty() {
+            return;
+        }
+        for pid in found {
+            let _ = nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGKILL);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+fn marked(needle: &[u8]) -> Vec<nix::unistd::Pid> {
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(|entry| entry.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&pid| pid != me)
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/environ"))
+                .is_ok_and(|env| env.windows(needle.len()).any(|w| w == needle))
+        })
+        .map(|pid| nix::unistd::Pid::from_raw(pid as i32))
+        .collect()
 }
 
 fn statuses(processes: &[Process]) -> BTreeMap<&'static str, Status> {

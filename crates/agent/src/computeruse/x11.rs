@@ -497,7 +497,11 @@ impl Screen {
         if ids.is_empty() {
             let tree = x!("list windows", self.conn.query_tree(self.root));
             for child in tree.children {
-                let attributes = x!("read a window", self.conn.get_window_attributes(child));
+                // A window can go between listing and asking: skip it.
+                let Ok(Ok(attributes)) = self.conn.get_window_attributes(child).map(|c| c.reply())
+                else {
+                    continue;
+                };
                 if attributes.map_state == xproto::MapState::VIEWABLE
                     && !attributes.override_redirect
                 {
