@@ -7,7 +7,6 @@ use axum::extract::State;
 use axum::routing::get;
 use axum::Router;
 use base64::Engine as _;
-use image::codecs::jpeg::JpegEncoder;
 use image::codecs::png::{CompressionType, FilterType, PngEncoder};
 use image::codecs::webp::WebPEncoder;
 use image::{ExtendedColorType, ImageEncoder as _, RgbImage};
@@ -156,9 +155,14 @@ fn encode(capture: Capture, encoding: Encoding) -> Result<Vec<u8>, XError> {
                 .write_image(&capture.rgb, w, h, ExtendedColorType::Rgb8)
                 .map_err(fail)?
         }
-        Format::Jpeg { quality } => JpegEncoder::new_with_quality(&mut out, quality)
-            .write_image(&capture.rgb, w, h, ExtendedColorType::Rgb8)
-            .map_err(fail)?,
+        Format::Jpeg { quality } => {
+            let (Ok(w), Ok(h)) = (u16::try_from(w), u16::try_from(h)) else {
+                return Err(XError(format!("a JPEG is at most 65535 wide and high, not {w}x{h}")));
+            };
+            jpeg_encoder::Encoder::new(&mut out, quality)
+                .encode(&capture.rgb, w, h, jpeg_encoder::ColorType::Rgb)
+                .map_err(|e| XError(format!("encode the screenshot: {e}")))?
+        }
         Format::WebP => WebPEncoder::new_lossless(&mut out)
             .write_image(&capture.rgb, w, h, ExtendedColorType::Rgb8)
             .map_err(fail)?,
