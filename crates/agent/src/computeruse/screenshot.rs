@@ -157,7 +157,9 @@ fn encode(capture: Capture, encoding: Encoding) -> Result<Vec<u8>, XError> {
         }
         Format::Jpeg { quality } => {
             let (Ok(w), Ok(h)) = (u16::try_from(w), u16::try_from(h)) else {
-                return Err(XError(format!("a JPEG is at most 65535 wide and high, not {w}x{h}")));
+                return Err(XError(format!(
+                    "a JPEG is at most 65535 wide and high, not {w}x{h}"
+                )));
             };
             jpeg_encoder::Encoder::new(&mut out, quality)
                 .encode(&capture.rgb, w, h, jpeg_encoder::ColorType::Rgb)

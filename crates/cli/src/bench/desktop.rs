@@ -55,7 +55,10 @@ async fn settle(client: &Client, sandbox: &Value) -> anyhow::Result<()> {
         if status["status"] == "active" {
             break;
         }
-        anyhow::ensure!(Instant::now() < deadline, "the desktop did not start: {status}");
+        anyhow::ensure!(
+            Instant::now() < deadline,
+            "the desktop did not start: {status}"
+        );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     tokio::time::sleep(Duration::from_secs(3)).await;
