@@ -209,7 +209,7 @@ async fn main() {
         let resources = Resources {
             cpu: 1,
             memory_mib,
-            disk_gib: 2,
+            disk_gib: 3,
         };
         SandboxSpec::bare(sid(id), id, rootfs.clone(), resources)
     };

@@ -90,7 +90,8 @@ impl Harness {
             resources: Resources {
                 cpu: 1,
                 memory_mib,
-                disk_gib: 2,
+                // The default, as the default image (about 2 GiB as a VM disk) needs.
+                disk_gib: 3,
             },
             env: vec![("SANDBOX_TEST".into(), format!("env-{id}"))],
             network: None,
