@@ -3,10 +3,11 @@
 JavaScript), answering a session command's prompt with
 `send_session_command_input`, and `exec` of a server started in the background.
 
-The default image has Python but neither matplotlib nor Node.js. The chart
-tests copy matplotlib (and what it imports) from the Python named by
-COVE_TEST_MATPLOTLIB_BIN into the sandbox's user site-packages, and the
-JavaScript test copies the machine's `node` into /tmp, both through the SDK.
+The default image has Python and Node.js (Debian's) but not matplotlib. The
+chart tests copy matplotlib (and what it imports) from the Python named by
+COVE_TEST_MATPLOTLIB_BIN into the sandbox's user site-packages, and one
+JavaScript test copies the machine's own `node` into /tmp and runs that, both
+through the SDK.
 """
 
 from __future__ import annotations
@@ -278,9 +279,18 @@ right.scatter([1, 2], [3, 4])
 
 # --- code_run: JavaScript and TypeScript ----------------------------------------
 
-@pytest.mark.parametrize("language", ["javascript", "typescript"])
+def test_code_run_javascript_on_the_images_node(sandboxes):
+    # The default image has Node.js (for the TypeScript language server).
+    sandbox = sandboxes(CreateSandboxFromSnapshotParams(language="javascript"))
+    response = sandbox.process.code_run("console.log('hi from', typeof process)")
+    assert response.exit_code == 0, response.result
+    assert response.result == "hi from object\n"
+
+
+@pytest.mark.parametrize("language", ["typescript"])
 def test_code_run_without_the_runtime_names_it(sandboxes, language):
-    # The default image has no Node.js: a clear refusal, not a fake success.
+    # The default image has Node.js but no TypeScript runner (tsx, ts-node):
+    # a clear refusal, not a fake success.
     sandbox = sandboxes(CreateSandboxFromSnapshotParams(language=language))
     # code_run is the one process call the SDK does not wrap in DaytonaError:
     # the toolbox client's exception reaches the caller, with the body.
