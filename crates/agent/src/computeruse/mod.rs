@@ -21,7 +21,7 @@ pub mod screenshot;
 pub mod x11;
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -155,7 +155,7 @@ impl Desktop {
         }
         let xvfb = find_program("Xvfb")?;
         let dir = self.settings.state_dir.join("desktop");
-        make_private_dir(&dir).map_err(|e| ApiError::io(&dir, e))?;
+        crate::config::prepare_state_dir(&dir, None).map_err(|e| ApiError::io(&dir, e))?;
         let bus_address = format!("unix:path={}", dir.join("bus").display());
         let (width, height) = resolution(std::env::var("VNC_RESOLUTION").ok().as_deref());
         let marker = uuid::Uuid::new_v4().simple().to_string();
@@ -175,7 +175,7 @@ impl Desktop {
 
         let mut started: Vec<Process> = Vec::new();
         let outcome = self
-            .start_all(&mut started, xvfb, &dir, &bus_address, (width, height), env)
+            .start_all(&mut started, xvfb, &bus_address, (width, height), env)
             .await;
         if let Err(error) = outcome {
             for process in started.iter().rev() {
@@ -214,7 +214,6 @@ impl Desktop {
         &self,
         started: &mut Vec<Process>,
         xvfb: PathBuf,
-        dir: &Path,
         bus_address: &str,
         (width, height): (u16, u16),
         env: Vec<(String, String)>,
@@ -309,7 +308,6 @@ impl Desktop {
                 Process::start(spec(name, priority, path, args)).map_err(spawn_failed(name))?,
             );
         }
-        let _ = dir;
         Ok(())
     }
 
@@ -372,21 +370,12 @@ fn statuses(processes: &[Process]) -> BTreeMap<&'static str, Status> {
         .collect()
 }
 
+/// A program of the desktop (or its recorder): on the agent's PATH, then in
+/// the image's usual directories.
 fn find_program(name: &str) -> Result<PathBuf, ApiError> {
-    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/local/bin:/usr/bin:/bin".into());
-    let extra = std::ffi::OsString::from(format!(
-        "{}:/usr/local/bin:/usr/bin:/bin",
-        path.to_string_lossy()
-    ));
-    find_on_path(name, &extra).ok_or_else(|| ApiError::DesktopMissing(name.to_owned()))
-}
-
-fn make_private_dir(dir: &Path) -> std::io::Result<()> {
-    use std::os::unix::fs::DirBuilderExt as _;
-    match std::fs::DirBuilder::new().mode(0o700).create(dir) {
-        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(()),
-        other => other,
-    }
+    let mut path = std::env::var_os("PATH").unwrap_or_default();
+    path.push(":/usr/local/bin:/usr/bin:/bin");
+    find_on_path(name, &path).ok_or_else(|| ApiError::DesktopMissing(name.to_owned()))
 }
 
 /// `WxH` or `WxHxD` from `VNC_RESOLUTION`; the default for anything else.

@@ -20,7 +20,6 @@ use tokio::io::AsyncWriteExt as _;
 use tokio::sync::Mutex;
 
 use crate::error::{ApiError, Json};
-use crate::execute::find_on_path;
 use crate::AppState;
 
 /// Most recordings running at once.
@@ -160,8 +159,7 @@ async fn start(
     Json(request): Json<StartRecordingRequest>,
 ) -> Result<Response, ApiError> {
     let session = state.desktop.session()?;
-    let path = std::env::var_os("PATH").unwrap_or_else(|| "/usr/bin:/bin".into());
-    let ffmpeg = find_on_path("ffmpeg", &path).ok_or(ApiError::FfmpegMissing)?;
+    let ffmpeg = super::find_program("ffmpeg").map_err(|_| ApiError::FfmpegMissing)?;
     let (width, height) = state
         .desktop
         .with_screen(|s| Ok((s.width, s.height)))
