@@ -600,21 +600,23 @@ def test_a_create_takes_a_waiting_vm_of_the_warm_pool(fake_internet):
         assert wait_until(lambda: made() == 2, TIMEOUT), server.log_tail()
         assert len(waiting_vms(data_dir)) == 1 and waiting not in waiting_vms(data_dir)
 
-        # The taken VM pauses, forks and resumes like any other; the old
-        # name it was launched under goes with its process.
+        # The taken VM pauses (warm: the same process), forks and resumes
+        # like any other; the old name it was launched under goes with its
+        # process.
         start_counter(sandbox)
         child = sandbox.fork(name=unique("pooled-child"), timeout=TIMEOUT)
         assert counting_on(child, 1)
         before = counter(sandbox)
         sandbox.pause()
         sandbox.start(timeout=TIMEOUT)
+        assert waiting in sandbox_qemus(data_dir)
         assert counting_on(sandbox, before)
         assert fetch(sandbox, f"http://{fake_internet.ALLOWED}/") == "200"
         vms = data_dir / "storage" / "vms"
-        assert not [p for p in vms.iterdir() if p.is_symlink()], list(vms.iterdir())
         for machine in (child, sandbox):
             client.delete(machine, timeout=TIMEOUT, wait=True)
         assert wait_until(lambda: not sandbox_qemus(data_dir), 30), sandbox_qemus(data_dir)
+        assert not [p for p in vms.iterdir() if p.is_symlink()], list(vms.iterdir())
 
         # Another size finds none waiting; from its first create on, one of it waits too.
         tiny = CreateSandboxFromSnapshotParams(snapshot="daytona-vm-tiny")
@@ -646,6 +648,100 @@ def qemu_processes(data_dir: Path) -> list[int]:
         if "qemu-system" in cmdline and str(data_dir) in cmdline:
             found.append(int(entry.name))
     return found
+
+
+def qemu_of(data_dir: Path, sandbox) -> int | None:
+    """The QEMU process running a sandbox, found by its pid file."""
+    try:
+        pid = int((data_dir / "storage" / "vms" / sandbox.id / "qemu.pid").read_text())
+    except (OSError, ValueError):
+        return None
+    return pid if pid in qemu_processes(data_dir) else None
+
+
+def freezer_state(pid: int) -> str:
+    """FROZEN or THAWED: the cgroup v1 freezer of a process's cgroup."""
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "freezer" in controllers.split(","):
+            return Path(f"/sys/fs/cgroup/freezer{path}/freezer.state").read_text().strip()
+    raise AssertionError(f"process {pid} is in no freezer cgroup")
+
+
+def clock_skew(sandbox) -> float:
+    return abs(float(sandbox.process.exec("date +%s.%N").result.strip()) - time.time())
+
+
+def test_a_pause_keeps_its_qemu_frozen_until_it_deepens_and_a_crash_loses_neither(fake_internet):
+    """A pause keeps the VM's QEMU process, frozen, and a resume continues
+    that same process: its processes, its clock and its network intact.
+    After --warm-pause-minutes the pause deepens (memory saved, QEMU gone)
+    and a resume restores it; a warm pause survives a server crash (the new
+    server saves its memory); a stop from a warm pause keeps what the guest
+    wrote."""
+    args = (*fake_internet.server_args(), "--bridge", "covewarm", "--network-range", "10.74.0.0/16",
+            "--route-table", "7705", "--warm-pause-minutes", "0.1", "--vm-warm-pool", "0")
+    with own_vm_server(*args) as (server, data_dir):
+        client = server.client()
+        sandbox = client.create(
+            CreateSandboxFromSnapshotParams(snapshot=VM, network_allow_list=f"{fake_internet.ALLOWED}/32"),
+            timeout=TIMEOUT,
+        )
+        start_counter(sandbox)
+        pid = qemu_of(data_dir, sandbox)
+        assert pid is not None
+
+        sandbox.pause()
+        assert qemu_of(data_dir, sandbox) == pid, "the pause kept its QEMU"
+        assert freezer_state(pid) == "FROZEN"
+        frozen_at = cpu_seconds(pid)
+        time.sleep(1)
+        assert cpu_seconds(pid) == frozen_at, "a frozen QEMU uses no CPU"
+        time.sleep(2)  # the guest's clock would fall behind by this much
+        sandbox.start(timeout=TIMEOUT)
+        assert qemu_of(data_dir, sandbox) == pid, "a warm resume continues the same QEMU"
+        assert freezer_state(pid) == "THAWED"
+        assert counting_on(sandbox, 2)
+        assert clock_skew(sandbox) < 1.5, "the guest's clock is set on resume"
+        assert fetch(sandbox, f"http://{fake_internet.ALLOWED}/") == "200"
+        assert fetch(sandbox, f"http://{fake_internet.DENIED}/") == "000"
+
+        # Deepened after 6 s: memory saved, the process gone; a resume restores it.
+        before = counter(sandbox)
+        sandbox.pause()
+        assert wait_until(lambda: qemu_of(data_dir, sandbox) is None, 60), server.log_tail()
+        assert (data_dir / "storage" / "vms" / sandbox.id / "state").exists()
+        assert not (data_dir / "storage" / "vms" / sandbox.id / "warm-paused").exists()
+        sandbox.start(timeout=TIMEOUT)
+        assert counting_on(sandbox, before)
+        assert clock_skew(sandbox) < 1.5
+        assert fetch(sandbox, f"http://{fake_internet.ALLOWED}/") == "200"
+
+        # A server crash during a warm pause: the new server saves its memory.
+        before = counter(sandbox)
+        sandbox.pause()
+        frozen = qemu_of(data_dir, sandbox)
+        assert frozen is not None and freezer_state(frozen) == "FROZEN"
+        crash_and_restart(server)
+        client = server.client()
+        again = client.get(sandbox.id)
+        assert again.state == SandboxState.PAUSED, again.state
+        assert qemu_of(data_dir, again) is None, "its memory was saved and the frozen QEMU ended"
+        again.start(timeout=TIMEOUT)
+        assert counting_on(again, before)
+        assert fetch(again, f"http://{fake_internet.ALLOWED}/") == "200"
+
+        # A stop from a warm pause: what the guest wrote (still in its page
+        # cache at the pause) is on the disk afterwards.
+        again.process.exec("echo kept > /home/daytona/written")
+        again.pause()
+        reply = server.request("POST", f"/sandbox/{again.id}/stop")
+        assert reply.status_code == 200, reply.text
+        assert qemu_of(data_dir, again) is None
+        again.start(timeout=TIMEOUT)
+        assert again.process.exec("cat /home/daytona/written").result.strip() == "kept"
+        client.delete(again, timeout=TIMEOUT, wait=True)
+        assert wait_until(lambda: not sandbox_qemus(data_dir), 30), sandbox_qemus(data_dir)
 
 
 def test_killed_server_loses_no_vm_and_delete_leaves_no_qemu():

@@ -120,6 +120,11 @@ pub(crate) struct ServeArgs {
     /// it costs).
     #[arg(long, env = "COVE_VM_WARM_POOL", default_value_t = 1)]
     pub vm_warm_pool: usize,
+    /// How long a paused VM keeps its QEMU process, frozen (a resume then
+    /// takes milliseconds), before its memory is saved and the process ends;
+    /// memory pressure and a shutdown save it sooner. 0: every pause saves.
+    #[arg(long, env = "COVE_WARM_PAUSE_MINUTES", default_value_t = 10.0, value_parser = minutes)]
+    pub warm_pause_minutes: f64,
     /// Also serve the API over HTTPS on this address (with --tls-cert and
     /// --tls-key). The SDK uploads build contexts (an `Image`'s local files
     /// for COPY/ADD) over HTTPS only, to this listener.
@@ -394,6 +399,10 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     )]);
     let vm = open_vm_runtime(&args, storage.clone(), agent_for_vms, ids);
     if let Some(vm) = &vm {
+        // Before the engine looks at any sandbox: the warm pauses of a
+        // server that died are saved, so they resume like any pause.
+        vm.recover_warm_paused().await;
+        vm.keep_deepening();
         runtimes.insert(SandboxClass::LinuxVm, vm.clone() as Arc<dyn Runtime>);
     }
     let network = if args.no_network {
@@ -591,6 +600,8 @@ fn open_vm_runtime(
     let mut config = VmConfig::new(storage, args.vm_assets.clone(), agent_binary);
     // QEMU and virtiofsd take their host ids from the containers' pool.
     config.ids = ids;
+    config.warm_pause = (args.warm_pause_minutes > 0.0)
+        .then(|| std::time::Duration::from_secs_f64(60.0 * args.warm_pause_minutes));
     match VmRuntime::new(config) {
         Ok(vm) => {
             tracing::info!(
@@ -634,6 +645,16 @@ fn warm_vm_template(
         }
         vm.keep_warm(spec, pool);
     })
+}
+
+/// A number of minutes, fractions allowed: finite and not negative.
+fn minutes(text: &str) -> Result<f64, String> {
+    match text.parse::<f64>() {
+        Ok(minutes) if minutes.is_finite() && (0.0..=1e6).contains(&minutes) => Ok(minutes),
+        _ => Err(format!(
+            "{text:?} is not a number of minutes from 0 to 1000000"
+        )),
+    }
 }
 
 /// A CIDR as `--allow-private-egress` takes it: `a.b.c.d/n` or a bare address;
@@ -698,8 +719,10 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         // ends it); dropped with the runtime later, it would find nothing.
         vm.warming.abort();
         let _ = vm.warming.await;
-        // Sandboxes outlive the server; the VMs waiting for a create do not.
+        // Sandboxes outlive the server; the VMs waiting for a create do not,
+        // and paused ones leave with their memory saved.
         vm.runtime.end_pool().await;
+        vm.runtime.deepen_all().await;
     }
     if let Some(network) = network {
         // The bridge, firewall tables and routes go; addresses stay on disk.

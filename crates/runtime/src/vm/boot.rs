@@ -26,7 +26,7 @@ use super::{
 use crate::{NetworkLink, SandboxNetwork, TapLink, VolumeBind};
 
 /// How long a restored VM's agent may take to reopen its port.
-const RESTORE_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
+pub(super) const RESTORE_AGENT_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long the repeated identity call may take, on the second session.
 const IDENTITY_RETRY_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -71,6 +71,8 @@ struct Steps<'a> {
     identity: &'a Identity,
     /// A restore of saved memory; else a cold boot.
     restore: bool,
+    /// The NIC runs on a hub port, the TAP device plugged in after launch.
+    hub: bool,
     plan: Plan,
 }
 
@@ -405,11 +407,14 @@ impl VmRuntime {
                 source,
             })?;
         let mut guard = StartGuard::jailed(layout.clone(), jail);
+        // A cold boot runs on the hub, and so does memory saved on it.
+        let hub = !restore || SavedMachine::read(&layout.machine()).is_ok_and(|saved| saved.hub);
         let steps = Steps {
             id,
             layout,
             identity,
             restore,
+            hub,
             plan,
         };
         match self
@@ -469,6 +474,14 @@ impl VmRuntime {
             .await
             .map_err(|e| Failure::boot("launch", e, share_count))?;
         guard.launched(machine);
+        if let (true, Some((tap, _)), Some(machine)) =
+            (steps.hub, &steps.identity.network, guard.machine())
+        {
+            machine
+                .plug_tap(&tap.device)
+                .await
+                .map_err(|e| Failure::boot("plug its NIC in", e, share_count))?;
+        }
         let launched = began.elapsed();
         if let Some(warmed) = warmed {
             if let Ok(Err(error)) = warmed.await {
@@ -541,10 +554,14 @@ impl VmRuntime {
             layout,
             identity,
             restore,
+            hub,
             plan,
             ..
         } = *steps;
-        let nic = identity.nic();
+        let nic = match &identity.network {
+            Some(_) if hub => qemu::Nic::Unplugged,
+            _ => identity.nic(),
+        };
         let mut spec = self.machine_spec(layout, plan.cpus, plan.memory_mib, nic, restore);
         spec.shares = (0..shares.len()).map(shares::tag).collect();
         let boot = if restore {

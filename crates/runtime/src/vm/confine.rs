@@ -335,6 +335,14 @@ impl Jail {
         })
     }
 
+    /// The freezer of the jail's cgroup.
+    pub(super) fn freezer(&self) -> Freezer {
+        Freezer {
+            name: self.name.clone(),
+            cgroups: self.cgroups.clone(),
+        }
+    }
+
     /// Kills what is left in the cgroup, removes it and frees the ids.
     /// Blocks (up to seconds while processes die).
     pub(super) fn release(self) {
@@ -342,6 +350,27 @@ impl Jail {
             tracing::warn!(cgroup = self.name, %error, "removing a VM's cgroup");
         }
         self.ids.release(&self.name);
+    }
+}
+
+/// The freezer of a jail's cgroup: what a warm pause stops QEMU with.
+#[derive(Clone)]
+pub(super) struct Freezer {
+    name: String,
+    cgroups: Arc<dyn CgroupBackend>,
+}
+
+impl std::fmt::Debug for Freezer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Freezer").field("name", &self.name).finish()
+    }
+}
+
+impl Freezer {
+    /// Freezes or thaws every process in the cgroup; blocks until the
+    /// kernel reports it frozen.
+    pub(super) fn set(&self, frozen: bool) -> Result<(), CgroupError> {
+        self.cgroups.set_frozen(&self.name, frozen)
     }
 }
 

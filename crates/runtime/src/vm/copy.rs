@@ -75,6 +75,8 @@ impl VmRuntime {
     /// cloned, or from the memory it saved when paused.
     pub(super) async fn copy_memory(&self, id: &str, dest: VmLayout) -> Result<(), RuntimeError> {
         let source = self.layout(id);
+        // A warm pause's memory is in its process; a copy needs it saved.
+        self.deepen(id).await?;
         let Some(vm) = self.running(id) else {
             if !source.has_memory() {
                 return Err(RuntimeError::NotRunning { id: id.to_owned() });

@@ -65,6 +65,11 @@ impl VmLayout {
     pub(super) fn launched_in(&self) -> PathBuf {
         self.dir.join("launched-in")
     }
+    /// Present while the QEMU of `qemu.pid` is paused warm: frozen, its
+    /// memory only in the process (see `warm`).
+    pub(super) fn warm_paused(&self) -> PathBuf {
+        self.dir.join("warm-paused")
+    }
     pub(super) fn qemu_log(&self) -> PathBuf {
         self.dir.join("qemu.log")
     }

@@ -18,11 +18,14 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
 use serde_json::{json, Value};
 use tokio::sync::{oneshot, watch};
 
 use super::bridge::Session;
-use super::confine::Jail;
+use super::confine::{Freezer, Jail};
 use super::qemu::{self, Descriptors, MachineSpec, Nic};
 use super::qmp::{Qmp, QmpError};
 use super::tap;
@@ -68,6 +71,10 @@ pub(super) enum Boot {
     Restore { state: PathBuf },
 }
 
+/// Who learns of a machine's end: the sender is replaced when a paused
+/// machine is started again for its sandbox (see [`Machine::renew_exit`]).
+type ExitTo = Arc<Mutex<Option<oneshot::Sender<String>>>>;
+
 /// A QEMU process this runtime started.
 #[derive(Debug)]
 pub(super) struct Machine {
@@ -75,6 +82,11 @@ pub(super) struct Machine {
     qmp: Qmp,
     /// `Some(description)` once the process has exited.
     exit: watch::Receiver<Option<String>>,
+    exit_to: ExitTo,
+    /// The freezer of its cgroup; `None` for an adopted process in no VM
+    /// cgroup.
+    freezer: Option<Freezer>,
+    frozen: AtomicBool,
 }
 
 impl Machine {
@@ -101,8 +113,10 @@ impl Machine {
             }
         };
         let pid = child.id().unwrap_or_default();
-        let exit = watch_exit(child, jail, spec.qemu_log.clone(), exited);
-        let machine = Machine::attach(pid, spec, boot, &exit).await;
+        let freezer = jail.freezer();
+        let exit_to: ExitTo = Arc::new(Mutex::new(Some(exited)));
+        let exit = watch_exit(child, jail, spec.qemu_log.clone(), exit_to.clone());
+        let machine = Machine::attach(pid, spec, boot, &exit, exit_to, freezer).await;
         if machine.is_err() {
             kill_pid(pid);
             let mut exit = exit.clone();
@@ -118,6 +132,8 @@ impl Machine {
         spec: &MachineSpec,
         boot: &Boot,
         exit: &watch::Receiver<Option<String>>,
+        exit_to: ExitTo,
+        freezer: Freezer,
     ) -> Result<Machine, MachineError> {
         std::fs::write(&spec.pid_file, pid.to_string())
             .map_err(io_error(format!("write {}", spec.pid_file.display())))?;
@@ -126,6 +142,9 @@ impl Machine {
             pid,
             qmp,
             exit: exit.clone(),
+            exit_to,
+            freezer: Some(freezer),
+            frozen: AtomicBool::new(false),
         };
         if let Boot::Restore { state } = boot {
             machine.load_state(state).await?;
@@ -137,14 +156,22 @@ impl Machine {
     /// through its pid file), as it runs: its QMP socket accepts a new
     /// client once the old one is gone. It is not our child, so its end is
     /// noticed by polling; `exited` learns of it as for [`Machine::launch`].
+    /// A process the earlier server froze (a warm pause) is thawed first:
+    /// a frozen QEMU answers no QMP.
     pub(super) async fn adopt(
         pid: u32,
         qmp_socket: &Path,
         jail: Option<Jail>,
         exited: oneshot::Sender<String>,
     ) -> Result<Machine, MachineError> {
+        let freezer = jail.as_ref().map(Jail::freezer);
+        if let Some(freezer) = &freezer {
+            set_frozen(freezer, false).await?;
+        }
         let (exit_tx, exit) = watch::channel(None);
         let qmp = connect_qmp(qmp_socket, &exit).await?;
+        let exit_to: ExitTo = Arc::new(Mutex::new(Some(exited)));
+        let exit_to_task = exit_to.clone();
         tokio::spawn(async move {
             while process_alive(pid) {
                 tokio::time::sleep(ADOPTED_POLL).await;
@@ -154,9 +181,61 @@ impl Machine {
             }
             let description = format!("qemu (pid {pid}, adopted after a server restart) exited");
             let _ = exit_tx.send(Some(description.clone()));
-            let _ = exited.send(description);
+            tell_exit(&exit_to_task, description);
         });
-        Ok(Machine { pid, qmp, exit })
+        Ok(Machine {
+            pid,
+            qmp,
+            exit,
+            exit_to,
+            freezer,
+            frozen: AtomicBool::new(false),
+        })
+    }
+
+    /// A new receiver of the machine's end, in place of the one its last
+    /// start handed out (which then learns nothing more): for a machine
+    /// that paused warm and is started again.
+    pub(super) fn renew_exit(&self) -> oneshot::Receiver<String> {
+        let (sender, receiver) = oneshot::channel();
+        let mut slot = self.exit_to.lock().unwrap_or_else(|p| p.into_inner());
+        match self.exited() {
+            Some(description) => {
+                let _ = sender.send(description);
+                *slot = None;
+            }
+            None => *slot = Some(sender),
+        }
+        receiver
+    }
+
+    /// Stops telling anyone of the machine's end: its receiver is told the
+    /// runtime dropped it (a paused sandbox's machine is no longer watched).
+    pub(super) fn forget_exit(&self) {
+        self.exit_to
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+    }
+
+    /// Freezes every process of the machine's cgroup (QEMU stops where it
+    /// is and uses no CPU); its vCPUs should be stopped first.
+    pub(super) async fn freeze(&self) -> Result<(), MachineError> {
+        let freezer = self.freezer.as_ref().ok_or_else(|| {
+            MachineError::Failed("the machine has no cgroup to freeze".to_owned())
+        })?;
+        self.frozen.store(true, Ordering::SeqCst);
+        set_frozen(freezer, true).await
+    }
+
+    /// Thaws a frozen machine; nothing to do for one that is not.
+    pub(super) async fn thaw(&self) -> Result<(), MachineError> {
+        match &self.freezer {
+            Some(freezer) if self.frozen.swap(false, Ordering::SeqCst) => {
+                set_frozen(freezer, false).await
+            }
+            _ => Ok(()),
+        }
     }
 
     /// Whether the process has exited, and how.
@@ -267,6 +346,20 @@ impl Machine {
         Ok(())
     }
 
+    /// Disconnects the TAP device [`Machine::plug_tap`] connected, closing
+    /// QEMU's descriptor of it (the host may then delete the device); the
+    /// NIC stays on its hub port. Nothing to do where none is plugged.
+    pub(super) async fn unplug_tap(&self) -> Result<(), MachineError> {
+        for id in ["uplink-port", "uplink"] {
+            match self.qmp.execute("netdev_del", json!({ "id": id })).await {
+                Ok(_) => {}
+                Err(QmpError::Command { desc, .. }) if desc.contains("not found") => {}
+                Err(error) => return Err(error.into()),
+            }
+        }
+        Ok(())
+    }
+
     /// Grows the root disk while the machine runs; the guest sees the change.
     pub(super) async fn resize_disk(&self, bytes: u64) -> Result<(), MachineError> {
         self.qmp
@@ -298,6 +391,7 @@ impl Machine {
 
     /// Asks QEMU to exit and waits for it; kills it if it does not.
     pub(super) async fn quit(&self) {
+        let _ = self.thaw().await;
         let _ = self.qmp.execute("quit", json!({})).await;
         let mut exit = self.exit.clone();
         let waited = tokio::time::timeout(QUIT_TIMEOUT, exit.wait_for(Option::is_some))
@@ -313,6 +407,8 @@ impl Machine {
         if self.exited().is_none() {
             kill_pid(self.pid);
         }
+        // A frozen process dies only once thawed.
+        let _ = self.thaw().await;
         let mut exit = self.exit.clone();
         let _gone = tokio::time::timeout(QUIT_TIMEOUT, exit.wait_for(Option::is_some))
             .await
@@ -382,7 +478,7 @@ fn watch_exit(
     mut child: tokio::process::Child,
     jail: Jail,
     log: PathBuf,
-    exited: oneshot::Sender<String>,
+    exit_to: ExitTo,
 ) -> watch::Receiver<Option<String>> {
     let (exit_tx, exit) = watch::channel(None);
     tokio::spawn(async move {
@@ -390,9 +486,26 @@ fn watch_exit(
         let description = describe_exit(status, &log);
         release(jail).await;
         let _ = exit_tx.send(Some(description.clone()));
-        let _ = exited.send(description);
+        tell_exit(&exit_to, description);
     });
     exit
+}
+
+fn tell_exit(exit_to: &ExitTo, description: String) {
+    let sender = exit_to.lock().unwrap_or_else(|p| p.into_inner()).take();
+    if let Some(sender) = sender {
+        let _ = sender.send(description);
+    }
+}
+
+/// Freezes or thaws a cgroup off the async threads (the kernel may take a
+/// moment to report it frozen).
+async fn set_frozen(freezer: &Freezer, frozen: bool) -> Result<(), MachineError> {
+    let freezer = freezer.clone();
+    tokio::task::spawn_blocking(move || freezer.set(frozen))
+        .await
+        .map_err(|e| MachineError::Failed(format!("the freezer's task failed: {e}")))?
+        .map_err(|e| MachineError::Failed(format!("freezer: {e}")))
 }
 
 /// The descriptors a QEMU process inherits, open until it has them.

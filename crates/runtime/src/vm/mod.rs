@@ -12,8 +12,8 @@
 //! qcow2), `reflink` (block sharing copies), `layout` (a sandbox's files),
 //! `saved` (`machine.json`), `template` (pre-booted machines that new
 //! sandboxes continue from), `pool` (template machines already running,
-//! waiting to be taken by a create), `orphan` (QEMU processes of an
-//! earlier server).
+//! waiting to be taken by a create), `warm` (paused machines whose QEMU
+//! process is kept, frozen), `orphan` (QEMU processes of an earlier server).
 //!
 //! Everything of a sandbox lives in `{storage}/vms/{id}/` on the btrfs
 //! storage, where a copy of a RAM file or a disk is a reflink: pause writes
@@ -41,6 +41,7 @@ mod shares;
 mod start;
 mod tap;
 mod template;
+mod warm;
 
 use std::collections::HashMap;
 use std::fs;
@@ -111,6 +112,9 @@ pub struct VmConfig {
     /// The host id ranges QEMU and virtiofsd run as (see `confine`): the
     /// container runtime's, so that no two sandboxes share a host id.
     pub ids: Arc<crate::container::IdRanges>,
+    /// How long a pause keeps the VM's QEMU process, frozen, before saving
+    /// its memory and ending it (see `warm`); `None`: every pause saves.
+    pub warm_pause: Option<Duration>,
 }
 
 impl VmConfig {
@@ -131,6 +135,7 @@ impl VmConfig {
             ids: Arc::new(crate::container::IdRanges::new(
                 crate::container::IdPool::default(),
             )),
+            warm_pause: Some(Duration::from_secs(600)),
         }
     }
 
@@ -153,6 +158,7 @@ pub struct VmRuntime {
     /// Base disks by image, with the agent file stamp they were made for.
     bases: Mutex<HashMap<PathBuf, (String, PathBuf)>>,
     pool: pool::Pool,
+    parking: warm::Parking,
     jails: confine::Jails,
 }
 
@@ -227,6 +233,7 @@ impl VmRuntime {
             running: Mutex::default(),
             bases: Mutex::default(),
             pool: pool::Pool::default(),
+            parking: warm::Parking::default(),
             jails,
         })
     }
@@ -406,8 +413,13 @@ impl Runtime for VmRuntime {
     }
 
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
+        if let Some(started) = self.unpark(spec).await {
+            return started;
+        }
         let began = Instant::now();
         let id = spec.id.as_str();
+        // Frozen by an earlier server: continued from its memory, saved now.
+        self.deepen(id).await?;
         let layout = self.layout(id);
         let warm = self.claimed_or_prepared(spec, &layout).await?;
         let (taken, restoring) = (warm.is_some(), warm.is_some() || layout.has_memory());
@@ -457,7 +469,9 @@ impl Runtime for VmRuntime {
     async fn stop(&self, id: &SandboxId) -> Result<(), RuntimeError> {
         let id = id.as_str();
         let layout = self.layout(id);
-        if let Some(vm) = self.take_running(id) {
+        if self.end_parked(id).await {
+            // Flushed and ended: its memory goes below.
+        } else if let Some(vm) = self.take_running(id) {
             let mut vm = vm.lock().await;
             // Guest writes still in its page cache would be lost with the VM.
             if !vm.flush_guest_disks().await {
@@ -487,6 +501,7 @@ impl Runtime for VmRuntime {
         if let Some(warm) = self.pool.claimed(id) {
             warm.vm.machine.kill().await;
         }
+        self.kill_parked(id).await;
         if let Some(vm) = self.take_running(id) {
             let vm = vm.lock().await;
             vm.machine.kill().await;
@@ -513,13 +528,17 @@ impl Runtime for VmRuntime {
         let (waiting, claimed) = self.pool.counts();
         crate::Census {
             agents: running,
-            qemu_processes: running + waiting + claimed,
+            qemu_processes: running + waiting + claimed + self.parking.count(),
             warm: waiting,
         }
     }
 
     async fn is_running(&self, id: &SandboxId) -> bool {
         let id = id.as_str();
+        // Paused, though its QEMU process is kept.
+        if self.parking.holds(id) || self.layout(id).warm_paused().exists() {
+            return false;
+        }
         if let Some(vm) = self.running(id) {
             let vm = vm.lock().await;
             if vm.machine.exited().is_none() {
@@ -653,12 +672,23 @@ impl Runtime for VmRuntime {
         let Some(vm) = self.take_running(id) else {
             return Err(RuntimeError::NotRunning { id: id.to_owned() });
         };
-        let mut guard = vm.lock().await;
         let layout = self.layout(id);
+        let vm = match self.park(id, &layout, vm).await {
+            Ok(()) => {
+                tracing::info!(
+                    sandbox = id,
+                    elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
+                    "vm paused warm"
+                );
+                return Ok(());
+            }
+            Err(vm) => vm,
+        };
+        let mut guard = vm.lock().await;
         // What the guest wrote but holds in its page cache is not flushed
         // first (that was most of a pause): it is saved with the memory, and
         // written out if that memory is ever dropped (`flush_paused_disk`).
-        let partial = match save_device_state(&guard, &layout).await {
+        let partial = match save_device_state(&guard.machine, &layout).await {
             Ok(partial) => partial,
             Err(error) => {
                 // The VM keeps running as it was.
@@ -672,9 +702,10 @@ impl Runtime for VmRuntime {
             }
         };
         let saved_ms = began.elapsed().as_secs_f64() * 1e3;
+        guard.bridge.take();
         keep_saved_memory(
             id,
-            &mut guard,
+            &guard.machine,
             &layout,
             &partial,
             Some(id.to_owned()),
@@ -693,6 +724,10 @@ impl Runtime for VmRuntime {
 
     async fn discard_memory(&self, id: &SandboxId) -> Result<(), RuntimeError> {
         let (sandbox, id) = (id, id.as_str());
+        if self.end_parked(id).await {
+            let layout = self.layout(id);
+            return discard_memory_files(&layout).map_err(io_error(id, "discard its memory"));
+        }
         if self.is_running(sandbox).await {
             // A running VM's RAM file is its live memory, not a saved one.
             return Ok(());
@@ -787,12 +822,12 @@ impl VmRuntime {
 
 /// Stops the vCPUs and saves the device state to `state.partial`.
 async fn save_device_state(
-    vm: &RunningVm,
+    machine: &machine::Machine,
     layout: &VmLayout,
 ) -> Result<PathBuf, machine::MachineError> {
-    vm.machine.pause_vcpus().await?;
+    machine.pause_vcpus().await?;
     let partial = layout.dir.join("state.partial");
-    vm.machine.save_state(&partial).await?;
+    machine.save_state(&partial).await?;
     Ok(partial)
 }
 
@@ -801,14 +836,13 @@ async fn save_device_state(
 /// without an identity call.
 async fn keep_saved_memory(
     id: &str,
-    vm: &mut RunningVm,
+    machine: &machine::Machine,
     layout: &VmLayout,
     partial: &Path,
     owner: Option<String>,
     disk_current: bool,
 ) -> Result<(), RuntimeError> {
-    vm.bridge.take();
-    vm.machine.quit().await;
+    machine.quit().await;
     let machine = SavedMachine::read(&layout.machine()).map(|machine| SavedMachine {
         owner,
         disk_current,
@@ -831,6 +865,7 @@ impl VmRuntime {
     /// and then it is saved again (`keep_memory`) or simply ends, its
     /// memory about to be dropped. Nothing to do for any other VM.
     async fn flush_paused_disk(&self, id: &str, keep_memory: bool) -> Result<(), RuntimeError> {
+        self.deepen(id).await?;
         let layout = self.layout(id);
         if !layout.has_memory() {
             return Ok(());
@@ -887,7 +922,7 @@ impl VmRuntime {
             ));
         }
         if keep_memory {
-            let partial = match save_device_state(&vm, &layout).await {
+            let partial = match save_device_state(&vm.machine, &layout).await {
                 Ok(partial) => partial,
                 Err(error) => {
                     vm.machine.kill().await;
@@ -897,7 +932,8 @@ impl VmRuntime {
                     )(error));
                 }
             };
-            keep_saved_memory(id, &mut vm, &layout, &partial, owner, true).await?;
+            vm.bridge.take();
+            keep_saved_memory(id, &vm.machine, &layout, &partial, owner, true).await?;
         } else {
             vm.machine.quit().await;
         }

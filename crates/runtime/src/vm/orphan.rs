@@ -42,6 +42,11 @@ pub(super) fn orphan_pid(layout: &VmLayout) -> Option<i32> {
 /// if it lingers; or at once with SIGKILL. Its jail is released after.
 pub(super) async fn end_orphan(jails: &Jails, pid: i32, graceful: bool) {
     let jail = jails.adopt(pid);
+    // A process the earlier server froze (a warm pause) acts on no signal
+    // until thawed.
+    if let Some(freezer) = jail.as_ref().map(|jail| jail.freezer()) {
+        let _ = tokio::task::spawn_blocking(move || freezer.set(false)).await;
+    }
     end_process(pid, graceful).await;
     if let Some(jail) = jail {
         let _ = tokio::task::spawn_blocking(move || jail.release()).await;

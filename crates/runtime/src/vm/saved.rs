@@ -30,6 +30,14 @@ pub(super) struct SavedMachine {
     /// saved before this existed was flushed.
     #[serde(default = "flushed")]
     pub disk_current: bool,
+    /// Whether the NIC runs on a QEMU hub port, its TAP device plugged into
+    /// the hub while it runs (see `Machine::plug_tap`): such a machine can
+    /// let go of its TAP device and keep running, as a warm pause does, and
+    /// its saved state loads on any NIC backend. Memory saved before this
+    /// existed may have run on its TAP device directly, whose state loads
+    /// only on a TAP; it is restored as it was saved.
+    #[serde(default)]
+    pub hub: bool,
 }
 
 fn flushed() -> bool {
@@ -45,6 +53,7 @@ impl SavedMachine {
             memory_mib,
             owner: None,
             disk_current: true,
+            hub: true,
         }
     }
 
@@ -108,5 +117,6 @@ mod tests {
         )
         .unwrap();
         assert!(old.disk_current);
+        assert!(!old.hub, "it may have run on its TAP device");
     }
 }

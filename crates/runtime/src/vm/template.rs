@@ -32,8 +32,10 @@ const WARM_UP_COMMANDS: [&str; 3] = ["true", "echo warm", "ls / > /dev/null"];
 fn template_name(runtime: &VmRuntime, base: &Path, cpus: u32, memory_mib: u64) -> String {
     let config = &runtime.config;
     let stamp = |path: &Path| disk::file_stamp(path).unwrap_or_default();
+    // `nic=hub`: templates run on a hub port and say so in `machine.json`
+    // (see `saved`); one made before it said so is remade once.
     let description = format!(
-        "base={} accel={} cpus={cpus} memory={memory_mib} layout={} kernel={} initramfs={}",
+        "base={} accel={} cpus={cpus} memory={memory_mib} layout={} kernel={} initramfs={} nic=hub",
         base.display(),
         runtime.accelerator.name(),
         super::qemu::LAYOUT_VERSION,
