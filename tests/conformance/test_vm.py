@@ -490,8 +490,22 @@ def own_vm_server(*extra_args: str) -> Iterator[tuple[CoveServer, Path]]:
         finally:
             server.stop()
             for pid in qemu_processes(data_dir):
-                os.kill(pid, signal.SIGKILL)
+                kill_qemu(pid)
             remove_data_dir(data_dir)
+
+
+def kill_qemu(pid: int) -> None:
+    """SIGKILL, thawed first: a warm-paused QEMU is frozen, and a frozen
+    process dies only once thawed."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+        if freezer_state(pid) == "FROZEN":
+            for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+                _, controllers, path = line.split(":", 2)
+                if "freezer" in controllers.split(","):
+                    Path(f"/sys/fs/cgroup/freezer{path}/freezer.state").write_text("THAWED")
+    except (OSError, AssertionError):
+        pass
 
 
 def crash_and_restart(server: CoveServer) -> None:

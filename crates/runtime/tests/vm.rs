@@ -145,11 +145,28 @@ impl Drop for Harness {
                     nix::unistd::Pid::from_raw(pid),
                     nix::sys::signal::SIGKILL,
                 );
+                thaw(pid);
             }
             std::thread::sleep(Duration::from_millis(50));
         }
         if let Err(error) = self.storage.unmount() {
             eprintln!("unmount the test storage: {error}");
+        }
+    }
+}
+
+/// Thaws the freezer cgroup of a process (a warm-paused QEMU is frozen,
+/// and a frozen process dies only once thawed).
+fn thaw(pid: i32) {
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    for line in cgroups.lines() {
+        let mut fields = line.splitn(3, ':');
+        let (_, controllers, path) = (fields.next(), fields.next(), fields.next());
+        if let (Some(controllers), Some(path)) = (controllers, path) {
+            if controllers.split(',').any(|c| c == "freezer") {
+                let state = format!("/sys/fs/cgroup/freezer{path}/freezer.state");
+                let _ = std::fs::write(state, "THAWED");
+            }
         }
     }
 }
@@ -282,21 +299,32 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     assert_counting(&socket, &counter, 0).await;
     let before = count(&socket).await;
     assert_clock_is_right(&socket).await;
+    let qemu = h.qemus();
     let began = Instant::now();
     rt.pause(&sid("vm-a")).await.unwrap();
-    eprintln!("pause: {}", ms(began.elapsed()));
+    eprintln!("pause (warm): {}", ms(began.elapsed()));
     assert!(!rt.is_running(&sid("vm-a")).await);
-    assert!(h.qemus().is_empty(), "a paused VM has no process");
+    assert_eq!(h.qemus(), qemu, "a warm pause keeps its QEMU process");
+    tokio::time::sleep(Duration::from_secs(3)).await;
     let began = Instant::now();
     rt.start(&a).await.unwrap();
     assert_eq!(exec_ok(&socket, "echo back").await, "back");
-    eprintln!("resume -> first command: {}", ms(began.elapsed()));
+    eprintln!("resume (warm) -> first command: {}", ms(began.elapsed()));
+    assert_eq!(h.qemus(), qemu, "a warm resume continues the same process");
     assert_counting(&socket, &counter, before).await;
     // The guest's clock stopped while it was paused; the host set it again.
-    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert_clock_is_right(&socket).await;
+    // Deepened: the memory saved, the process gone; the resume restores it.
+    let before = count(&socket).await;
     rt.pause(&sid("vm-a")).await.unwrap();
+    rt.deepen_all().await;
+    assert!(h.qemus().is_empty(), "a deepened pause has no process");
     tokio::time::sleep(Duration::from_secs(5)).await;
+    let began = Instant::now();
     rt.start(&a).await.unwrap();
+    assert_eq!(exec_ok(&socket, "echo back").await, "back");
+    eprintln!("resume (saved) -> first command: {}", ms(began.elapsed()));
+    assert_counting(&socket, &counter, before).await;
     assert_clock_is_right(&socket).await;
     exec_ok(&socket, "echo from-a > /root/who && sync").await;
 

@@ -95,18 +95,21 @@ pub(super) async fn create(
 }
 
 /// Pause (request until `paused`) and resume (request until a command
-/// answers) of one VM, `n` times each; returns (pause, resume) samples.
+/// answers) of one VM, `n` times each; returns (pause, resume) samples and
+/// what the paused VM's QEMU process held of the host's memory, if it kept
+/// one (a warm pause) that this host can see.
 pub(super) async fn pause_and_resume(
     client: &Client,
     snapshot: &str,
     n: usize,
-) -> anyhow::Result<(Vec<f64>, Vec<f64>)> {
+) -> anyhow::Result<(Vec<f64>, Vec<f64>, Option<HeldMemory>)> {
     with_vm(client, snapshot, async |sandbox| {
         let id = id_of(sandbox)?;
         // Something running, as in a real sandbox.
         start_session_command(client, sandbox, "busy", "while true; do sleep 0.1; done").await?;
         let mut pauses = Vec::with_capacity(n);
         let mut resumes = Vec::with_capacity(n);
+        let mut held = None;
         for _ in 0..n {
             let started = Instant::now();
             let paused = client
@@ -114,6 +117,7 @@ pub(super) async fn pause_and_resume(
                 .await?;
             pauses.push(ms_since(started));
             anyhow::ensure!(paused["state"] == "paused", "pause answered {paused}");
+            held = qemu_of(&id).and_then(HeldMemory::of);
             let started = Instant::now();
             client
                 .api(Method::POST, &format!("/sandbox/{id}/start"), None)
@@ -121,9 +125,74 @@ pub(super) async fn pause_and_resume(
             run_command(client, sandbox, "true").await?;
             resumes.push(ms_since(started));
         }
-        Ok((pauses, resumes))
+        Ok((pauses, resumes, held))
     })
     .await
+}
+
+/// Host memory a process holds, from `/proc/PID/smaps_rollup`.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct HeldMemory {
+    rss_mib: f64,
+    pss_mib: f64,
+}
+
+impl HeldMemory {
+    fn of(pid: u32) -> Option<HeldMemory> {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+        let field = |name: &str| -> Option<f64> {
+            let kib: f64 = text
+                .lines()
+                .find_map(|line| line.strip_prefix(name))?
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .ok()?;
+            Some(kib / 1024.0)
+        };
+        Some(HeldMemory {
+            rss_mib: field("Rss:")?,
+            pss_mib: field("Pss:")?,
+        })
+    }
+
+    fn insert_into(self, extra: &mut Map<String, serde_json::Value>) {
+        extra.insert("paused_qemu_rss_mib".into(), json!(self.rss_mib));
+        extra.insert("paused_qemu_pss_mib".into(), json!(self.pss_mib));
+    }
+}
+
+/// The QEMU process of sandbox `id` on this host, if one runs: found by
+/// the directory its `-name cove:{dir}/qmp.sock` names (a warm VM's old
+/// name is a symbolic link to the sandbox's directory).
+fn qemu_of(id: &str) -> Option<u32> {
+    for entry in std::fs::read_dir("/proc").ok()?.flatten() {
+        let Ok(pid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let args: Vec<&[u8]> = cmdline.split(|b| *b == 0).collect();
+        let Some(name) = args
+            .iter()
+            .position(|arg| *arg == b"-name")
+            .and_then(|at| args.get(at + 1))
+        else {
+            continue;
+        };
+        let name = String::from_utf8_lossy(name).replace(",,", ",");
+        let Some(qmp) = name.strip_prefix("cove:") else {
+            continue;
+        };
+        let dir = std::path::Path::new(qmp).parent()?;
+        let dir = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
+        if dir.file_name().is_some_and(|name| name == id) {
+            return Some(pid);
+        }
+    }
+    None
 }
 
 /// Fork request -> the child answers a command, `n` times from one parent
@@ -200,11 +269,14 @@ pub(super) async fn pause(
     snapshot: &str,
     n: usize,
 ) -> anyhow::Result<Measurement> {
-    let (samples, mut resumes) = pause_and_resume(client, snapshot, n).await?;
+    let (samples, mut resumes, held) = pause_and_resume(client, snapshot, n).await?;
     let (median, p95, _) = summarize(&mut resumes);
     let mut extra = Map::new();
     extra.insert("resume_to_command_median_ms".into(), json!(median));
     extra.insert("resume_to_command_p95_ms".into(), json!(p95));
+    if let Some(held) = held {
+        held.insert_into(&mut extra);
+    }
     Ok(Measurement { samples, extra })
 }
 
@@ -214,10 +286,13 @@ pub(super) async fn resume(
     snapshot: &str,
     n: usize,
 ) -> anyhow::Result<Measurement> {
-    let (mut pauses, samples) = pause_and_resume(client, snapshot, n).await?;
+    let (mut pauses, samples, held) = pause_and_resume(client, snapshot, n).await?;
     let (median, p95, _) = summarize(&mut pauses);
     let mut extra = Map::new();
     extra.insert("pause_median_ms".into(), json!(median));
     extra.insert("pause_p95_ms".into(), json!(p95));
+    if let Some(held) = held {
+        held.insert_into(&mut extra);
+    }
     Ok(Measurement { samples, extra })
 }
