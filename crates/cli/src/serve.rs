@@ -492,6 +492,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             runtime.clone(),
             &rootfs,
             config.default_disk_gib,
+            &config.os_user,
             args.vm_warm_pool,
         ),
         runtime,
@@ -625,6 +626,7 @@ fn warm_vm_template(
     vm: Arc<VmRuntime>,
     rootfs: &Path,
     disk_gib: i64,
+    os_user: &str,
     pool: usize,
 ) -> tokio::task::JoinHandle<()> {
     let resources = cove_runtime::Resources {
@@ -633,7 +635,12 @@ fn warm_vm_template(
         disk_gib: disk_gib as u64,
     };
     let id = cove_runtime::SandboxId::parse("template-warmup").expect("a plain name is an id");
-    let spec = cove_runtime::SandboxSpec::bare(id, "template", rootfs.to_path_buf(), resources);
+    let spec = cove_runtime::SandboxSpec {
+        // Waiting machines run the toolbox agent of the user a sandbox of
+        // the default snapshot runs as, as the engine names it.
+        user: (os_user != "root").then(|| os_user.to_owned()),
+        ..cove_runtime::SandboxSpec::bare(id, "template", rootfs.to_path_buf(), resources)
+    };
     tokio::spawn(async move {
         let began = std::time::Instant::now();
         match vm.warm_template(&spec).await {

@@ -69,6 +69,9 @@ pub struct UserAgent {
 struct Running {
     user: String,
     child: Child,
+    /// Whether it was started with an entrypoint to run (a user agent
+    /// started for a warm machine nobody asked for yet was not).
+    entrypoint: bool,
 }
 
 impl UserAgent {
@@ -104,7 +107,9 @@ impl UserAgent {
     /// Makes `user` the one toolbox requests run as: keeps a user agent
     /// already running as `user` and hands it the variables `env_changes`
     /// names (their values now in this process's environment; absent ones
-    /// are removed), or replaces it. `entrypoint` starts in a new user agent.
+    /// are removed), or replaces it. `entrypoint` starts in a new user
+    /// agent; one kept must have started with an entrypoint already (a
+    /// fork's or a restore's) unless there is none to start.
     pub async fn become_user(
         &self,
         user: Option<&str>,
@@ -115,7 +120,7 @@ impl UserAgent {
         let wanted = user.filter(|_| !is_root(user));
         if let (Some(current), Some(wanted)) = (running.as_mut(), wanted) {
             let alive = matches!(current.child.try_wait(), Ok(None));
-            if current.user == wanted && alive {
+            if current.user == wanted && alive && (current.entrypoint || entrypoint.is_empty()) {
                 return update_env(&self.socket_path, env_changes).await;
             }
         }
@@ -130,6 +135,7 @@ impl UserAgent {
         let started = Running {
             user: user.to_owned(),
             child,
+            entrypoint: !entrypoint.is_empty(),
         };
         let socket = self.socket_path.clone();
         if let Err(error) = wait_ready(&socket).await {

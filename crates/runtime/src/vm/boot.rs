@@ -147,6 +147,9 @@ pub(super) struct Identity {
     /// vnet_hdr"); one saved on the hub port loads on either, and is saved
     /// again as the kind it ran on.
     pub detached_tap: Option<String>,
+    /// Nothing waits for this machine (a warm pool's): its QEMU runs at the
+    /// lowest CPU priority, so that it yields to sandboxes, until taken.
+    pub background: bool,
 }
 
 impl Identity {
@@ -176,6 +179,7 @@ impl Identity {
             command: spec.command.clone(),
             user: spec.user.clone(),
             detached_tap: None,
+            background: false,
         })
     }
 
@@ -193,6 +197,7 @@ impl Identity {
             command: Vec::new(),
             user: None,
             detached_tap: None,
+            background: false,
         }
     }
 
@@ -309,6 +314,7 @@ impl VmRuntime {
             nic,
             shares: Vec::new(),
             incoming,
+            background: false,
         }
     }
 
@@ -564,6 +570,7 @@ impl VmRuntime {
         };
         let mut spec = self.machine_spec(layout, plan.cpus, plan.memory_mib, nic, restore);
         spec.shares = (0..shares.len()).map(shares::tag).collect();
+        spec.background = identity.background;
         let boot = if restore {
             Boot::Restore {
                 state: layout.state(),

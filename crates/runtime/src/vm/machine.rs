@@ -36,6 +36,8 @@ const QMP_TIMEOUT: Duration = Duration::from_secs(10);
 const MIGRATION_TIMEOUT: Duration = Duration::from_secs(120);
 /// How often an adopted QEMU process (not our child) is checked for its end.
 const ADOPTED_POLL: Duration = Duration::from_millis(200);
+/// The nice value of a machine nothing waits for (see `MachineSpec`).
+const BACKGROUND_NICE: i32 = 19;
 /// How long QEMU may take to exit after `quit`.
 const QUIT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -216,6 +218,26 @@ impl Machine {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
+    }
+
+    /// Moves every thread of QEMU to the background CPU priority, or back
+    /// to the normal one (a warm machine a sandbox took). Nice values are
+    /// per thread; threads QEMU starts later inherit the caller's.
+    pub(super) fn set_background(&self, background: bool) {
+        let nice = if background { BACKGROUND_NICE } else { 0 };
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{}/task", self.pid)) else {
+            return;
+        };
+        for task in tasks.flatten() {
+            let Ok(tid) = task.file_name().to_string_lossy().parse::<libc::id_t>() else {
+                continue;
+            };
+            // SAFETY: a plain system call on a thread id; a thread that
+            // ended meanwhile makes it fail, which changes nothing.
+            unsafe {
+                libc::setpriority(libc::PRIO_PROCESS, tid, nice);
+            }
+        }
     }
 
     /// Freezes every process of the machine's cgroup (QEMU stops where it
@@ -448,6 +470,7 @@ async fn spawn(
         // terminal's Ctrl-C) must not end the VMs, which outlive it.
         .process_group(0);
     let keep = inherited.raw();
+    let nice = if spec.background { BACKGROUND_NICE } else { 0 };
     // SAFETY: the closure runs in the child between fork and exec, where
     // only async-signal-safe calls are allowed: `Entry` and the list of
     // descriptor numbers were prepared before the fork, and joining the
@@ -456,6 +479,9 @@ async fn spawn(
     unsafe {
         command.pre_exec(move || {
             entry.join_cgroup()?;
+            if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
+                return Err(io::Error::last_os_error());
+            }
             for fd in &keep {
                 if libc::fcntl(*fd, libc::F_SETFD, 0) != 0 {
                     return Err(io::Error::last_os_error());

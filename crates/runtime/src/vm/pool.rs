@@ -67,13 +67,15 @@ pub(super) struct WarmVm {
     pub exited: oneshot::Receiver<String>,
 }
 
-/// What a waiting machine fits: sandboxes of this image and these resources.
+/// What a waiting machine fits: sandboxes of this image, these resources
+/// and this user (whose toolbox agent already runs in it).
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 struct Fit {
     rootfs: PathBuf,
     cpu: u32,
     memory_mib: u64,
     disk_gib: u64,
+    user: Option<String>,
 }
 
 impl Fit {
@@ -83,6 +85,7 @@ impl Fit {
             cpu: spec.resources.cpu,
             memory_mib: spec.resources.memory_mib,
             disk_gib: spec.resources.disk_gib,
+            user: spec.user.clone(),
         }
     }
 }
@@ -185,16 +188,21 @@ fn may_take_warm(templates: bool, spec: &SandboxSpec, fresh: bool) -> bool {
     templates && spec.layers.is_empty() && spec.volumes.is_empty() && fresh
 }
 
-/// What a waiting machine is made from: `spec`'s image and resources, and
-/// nothing of the sandbox that asked (its identity comes when one is taken).
+/// What a waiting machine is made from: `spec`'s image, resources and
+/// user, and nothing else of the sandbox that asked (its identity comes
+/// when one is taken). The user's toolbox agent is started in the waiting
+/// machine: a new process is most of a start under TCG.
 fn neutral(spec: &SandboxSpec) -> SandboxSpec {
     // Its id is replaced by the waiting machine's own (`make_warm`).
-    SandboxSpec::bare(
-        spec.id.clone(),
-        "sandbox",
-        spec.rootfs.clone(),
-        spec.resources,
-    )
+    SandboxSpec {
+        user: spec.user.clone(),
+        ..SandboxSpec::bare(
+            spec.id.clone(),
+            "sandbox",
+            spec.rootfs.clone(),
+            spec.resources,
+        )
+    }
 }
 
 impl VmRuntime {
@@ -335,12 +343,17 @@ impl VmRuntime {
                 ))
             })
             .await?;
-            let identity = Identity::bare(
-                "sandbox",
-                spec.resources.cpu.max(1),
-                spec.resources.memory_mib,
-                spec.resources.disk_gib << 30,
-            );
+            let identity = Identity {
+                user: spec.user.clone(),
+                // Nothing waits for it: it yields the CPU to sandboxes.
+                background: true,
+                ..Identity::bare(
+                    "sandbox",
+                    spec.resources.cpu.max(1),
+                    spec.resources.memory_mib,
+                    spec.resources.disk_gib << 30,
+                )
+            };
             let (exited_tx, exited) = oneshot::channel();
             let vm = self.bring_up(&id, &layout, &identity, exited_tx).await?;
             template::warm_up(&vm).await;
@@ -451,6 +464,7 @@ impl VmRuntime {
         let vm = guard
             .running_mut()
             .ok_or_else(|| RuntimeError::other(id, "the warm VM is gone"))?;
+        vm.machine.set_background(false);
         if let Some((tap, _)) = &identity.network {
             vm.machine
                 .plug_tap(&tap.device)

@@ -175,6 +175,8 @@ pub(super) struct MachineSpec {
     pub shares: Vec<String>,
     /// Wait for `migrate-incoming` instead of booting.
     pub incoming: bool,
+    /// Run at the lowest CPU priority (nice 19): a machine nothing waits for.
+    pub background: bool,
 }
 
 /// The numbers of the descriptors QEMU inherits (see the module's text).
@@ -445,6 +447,7 @@ mod tests {
             nic: Nic::Unplugged,
             shares: Vec::new(),
             incoming,
+            background: false,
         }
     }
 
