@@ -131,6 +131,52 @@ async fn toolbox_requests_run_as_the_sandbox_user() {
         reply.body
     );
 
+    // Asked to start an entrypoint, the same user's agent that started
+    // none (a warm machine's) is replaced by one that starts it...
+    let marker = work.join("entrypoint-ran");
+    let entrypoint = vec![
+        "sh".to_owned(),
+        "-c".to_owned(),
+        format!("echo ran >> {}", marker.display()),
+    ];
+    user.become_user(Some("nobody"), &[], &entrypoint)
+        .await
+        .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    while !marker.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the entrypoint never ran"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let reply = client.get("/process/pty").await;
+    assert!(
+        !reply.body.windows(4).any(|w| w == b"term"),
+        "the old user agent's PTY is gone with it: {:?}",
+        reply.body
+    );
+    // ...and kept when asked again (a fork's or a restore's identity call):
+    // the entrypoint is not started twice.
+    let reply = client
+        .post_json(
+            "/process/pty",
+            json!({"id": "kept", "cols": 80, "rows": 24}),
+        )
+        .await;
+    assert_eq!(reply.status, 201, "{:?}", reply.body);
+    user.become_user(Some("nobody"), &[], &entrypoint)
+        .await
+        .unwrap();
+    let reply = client.get("/process/pty").await;
+    assert!(
+        reply.body.windows(4).any(|w| w == b"kept"),
+        "{:?}",
+        reply.body
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), "ran\n");
+
     // Root needs no user agent: the root agent's own routes answer.
     user.become_user(None, &[], &[]).await.unwrap();
     assert!(user.socket().is_none());
