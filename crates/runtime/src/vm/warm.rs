@@ -184,6 +184,13 @@ impl VmRuntime {
         let began = Instant::now();
         let layout = self.layout(id);
         let mut vm = shared.lock().await;
+        if let Some(how) = vm.machine.exited() {
+            // Its memory went with it (the OOM killer, an operator's
+            // kill): it starts from its disk.
+            tracing::warn!(sandbox = id, %how, "the QEMU of a warm pause ended; it starts from its disk");
+            let _ = super::remove_if_present(&layout.warm_paused());
+            return None;
+        }
         let resumed = self.continue_parked(spec, &layout, &mut vm).await;
         let _ = super::remove_if_present(&layout.warm_paused());
         Some(match resumed {
@@ -263,6 +270,11 @@ impl VmRuntime {
         if let Some(Parked { vm: shared, since }) = self.parking.take(id) {
             let began = Instant::now();
             let mut vm = shared.lock().await;
+            if let Some(how) = vm.machine.exited() {
+                tracing::warn!(sandbox = id, %how, "the QEMU of a warm pause ended; it starts from its disk");
+                return super::remove_if_present(&layout.warm_paused())
+                    .map_err(RuntimeError::file(id, "remove", layout.warm_paused()));
+            }
             vm.bridge.take();
             let saved = async {
                 vm.machine.thaw().await?;
