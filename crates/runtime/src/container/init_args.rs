@@ -141,6 +141,9 @@ pub(super) enum ShimReport {
     /// The agent was exec'd; the host pid of the container's init.
     Ready {
         init_pid: i32,
+        /// The shim's own steps and their times (`name=1.23ms ...`), for the
+        /// server's debug log.
+        steps: String,
     },
     Error(String),
 }
@@ -148,7 +151,9 @@ pub(super) enum ShimReport {
 impl ShimReport {
     pub(super) fn to_line(&self) -> String {
         match self {
-            Self::Ready { init_pid } => format!("ready {init_pid}\n"),
+            Self::Ready { init_pid, steps } => {
+                format!("ready {init_pid} {}\n", steps.replace('\n', " "))
+            }
             // One line: the server reads exactly one.
             Self::Error(message) => format!("error {}\n", message.replace('\n', " ")),
         }
@@ -156,11 +161,15 @@ impl ShimReport {
 
     pub(super) fn parse(line: &str) -> Result<Self, UnreadableReport> {
         let line = line.trim_end_matches('\n');
-        if let Some(pid) = line.strip_prefix("ready ") {
+        if let Some(rest) = line.strip_prefix("ready ") {
+            let (pid, steps) = rest.split_once(' ').unwrap_or((rest, ""));
             let init_pid = pid.parse().map_err(|_| UnreadableReport::BadPid {
                 line: line.to_owned(),
             })?;
-            return Ok(Self::Ready { init_pid });
+            return Ok(Self::Ready {
+                init_pid,
+                steps: steps.to_owned(),
+            });
         }
         if let Some(message) = line.strip_prefix("error ") {
             return Ok(Self::Error(message.to_string()));
@@ -262,7 +271,14 @@ mod tests {
     #[test]
     fn reports_round_trip_as_one_line() {
         for report in [
-            ShimReport::Ready { init_pid: 42 },
+            ShimReport::Ready {
+                init_pid: 42,
+                steps: "fork=0.10ms exec=1.00ms".into(),
+            },
+            ShimReport::Ready {
+                init_pid: 42,
+                steps: String::new(),
+            },
             ShimReport::Error("mount: EPERM".into()),
         ] {
             assert_eq!(ShimReport::parse(&report.to_line()).unwrap(), report);

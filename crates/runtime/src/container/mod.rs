@@ -32,13 +32,14 @@ use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 use tokio::sync::{oneshot, watch};
 
+use crate::timeline::Timeline;
 use crate::SandboxId;
 use crate::{
     blocking, check_id, AgentEndpoint, NetworkLink, Runtime, RuntimeError, SandboxNetwork,
@@ -258,14 +259,14 @@ impl ContainerRuntime {
         id: &str,
         child: &mut Child,
         console: &Path,
-    ) -> Result<i32, RuntimeError> {
+    ) -> Result<(i32, String), RuntimeError> {
         let stdout = child.stdout.take().expect("stdout is piped");
         let mut line = String::new();
         let read =
             tokio::time::timeout(START_TIMEOUT, BufReader::new(stdout).read_line(&mut line)).await;
         let failure = match read {
             Ok(Ok(n)) if n > 0 => match ShimReport::parse(&line) {
-                Ok(ShimReport::Ready { init_pid }) => return Ok(init_pid),
+                Ok(ShimReport::Ready { init_pid, steps }) => return Ok((init_pid, steps)),
                 Ok(ShimReport::Error(report)) => RuntimeError::Shim {
                     id: id.to_owned(),
                     report,
@@ -324,7 +325,11 @@ fn init_network(spec: &SandboxSpec) -> Result<Option<init_args::InitNetwork>, Ru
 impl ContainerRuntime {
     /// Takes a host id range and its user namespace for the sandbox of
     /// `spec`, and makes its cgroup; on failure gives the range back.
-    async fn confine(&self, spec: &SandboxSpec) -> Result<(u32, Arc<OwnedFd>), RuntimeError> {
+    async fn confine(
+        &self,
+        spec: &SandboxSpec,
+        timeline: &mut Timeline,
+    ) -> Result<(u32, Arc<OwnedFd>), RuntimeError> {
         let id = spec.id.as_str();
         let id_base = self.ids.take(id).map_err(|exhausted| RuntimeError::Busy {
             id: id.to_owned(),
@@ -340,11 +345,13 @@ impl ContainerRuntime {
         })
         .await
         .inspect_err(|_| self.ids.release(id))?;
+        timeline.step("user_namespace");
         let limits = CgroupLimits::new(&spec.resources, self.config.pids_max);
         self.cgroups.create(id, &limits).map_err(|err| {
             self.ids.release(id);
             cgroup_error(id)(err)
         })?;
+        timeline.step("cgroups");
         Ok((id_base, userns))
     }
 
@@ -483,14 +490,15 @@ impl Runtime for ContainerRuntime {
     }
 
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
-        let began = Instant::now();
+        let mut timeline = Timeline::start("container started");
         let id = spec.id.as_str();
         let network = init_network(spec)?;
         let layout = self.make_dirs(spec)?;
         if self.is_running(&spec.id).await {
             return Err(RuntimeError::AlreadyRunning { id: id.to_owned() });
         }
-        let (id_base, userns) = self.confine(spec).await?;
+        timeline.step("dirs");
+        let (id_base, userns) = self.confine(spec, &mut timeline).await?;
         let console_path = layout.console();
         let console = fs::OpenOptions::new()
             .create(true)
@@ -499,14 +507,12 @@ impl Runtime for ContainerRuntime {
             .map_err(RuntimeError::file(id, "open", &console_path))?;
         let args = self.init_args(spec, &layout, network, id_base, userns.as_raw_fd());
         let mut child = self.spawn_shim(id, &args, console, &userns).await?;
-        let init_pid = self.await_shim(id, &mut child, &console_path).await?;
+        timeline.step("spawn_shim");
+        let (init_pid, shim_steps) = self.await_shim(id, &mut child, &console_path).await?;
+        timeline.step("shim_ready");
         let exited_rx = self.watch_shim(id, child);
-        tracing::debug!(
-            sandbox = id,
-            init_pid,
-            elapsed_us = began.elapsed().as_micros() as u64,
-            "container started"
-        );
+        tracing::debug!(sandbox = id, init_pid, steps = %shim_steps, "container shim");
+        timeline.log(id);
         Ok(Started {
             agent: AgentEndpoint::Unix(layout.agent_socket()),
             exited: exited_rx,

@@ -29,6 +29,7 @@ use super::layout::SandboxLayout;
 use super::rootfs::{self, AGENT_PATH};
 use super::step::{io, sys, StepError};
 use super::{harden, seccomp};
+use crate::timeline::Timeline;
 
 /// The most the server writes to a shim's stdin (the settings, env included).
 const MAX_ARGS_BYTES: u64 = 16 << 20;
@@ -41,13 +42,15 @@ pub fn container_init_main() -> ! {
     // shim (tests) gets here before Rust's runtime has set this.
     // SAFETY: ignoring a signal installs no handler code.
     let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigIgn) };
+    let mut timeline = Timeline::start("container shim");
     let args = read_args().and_then(|json| InitArgs::decode(&json).map_err(StepError::Settings));
     // The server names the sandbox beside the report.
     let code = match args {
-        Ok(args) => match launch(&args) {
+        Ok(args) => match launch(&args, &mut timeline) {
             Ok(init) => {
                 report(&ShimReport::Ready {
                     init_pid: init.as_raw(),
+                    steps: timeline.summary(),
                 });
                 supervise(init)
             }
@@ -143,18 +146,21 @@ fn supervised_signals() -> SigSet {
 }
 
 /// Everything up to a running agent; returns the host pid of the container init.
-fn launch(args: &InitArgs) -> Result<Pid, StepError> {
-    let (error_read, go_write, child) = fork_init(args)?;
+fn launch(args: &InitArgs, timeline: &mut Timeline) -> Result<Pid, StepError> {
+    timeline.step("shim_read_settings");
+    let (error_read, go_write, child) = fork_init(args, timeline)?;
     // The first cgroup migration after a quiet spell waits for an RCU grace
     // period (cgroup v1's threadgroup rwsem, 7-15 ms here): done while the init
     // builds its root on the other core, and the init waits for it before exec.
     let joined = join_cgroups(args, child);
+    timeline.step("shim_join_cgroups");
     if joined.is_ok() {
         let _ = fs::File::from(go_write).write_all(b"g");
     } else {
         drop(go_write); // EOF: the init gives up before exec
     }
     let message = read_to_end(error_read);
+    timeline.step("init_root_and_exec");
     if message.is_empty() && joined.is_ok() {
         return Ok(child); // EOF without a word: execve succeeded
     }
@@ -168,7 +174,10 @@ fn launch(args: &InitArgs) -> Result<Pid, StepError> {
 
 /// Makes the namespaces and the agent's socket and forks the container init;
 /// returns the pipe its report comes on, the pipe that lets it go on, and its pid.
-fn fork_init(args: &InitArgs) -> Result<(OwnedFd, OwnedFd, Pid), StepError> {
+fn fork_init(
+    args: &InitArgs,
+    timeline: &mut Timeline,
+) -> Result<(OwnedFd, OwnedFd, Pid), StepError> {
     let mut flags = CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWPID;
     match &args.network {
         // The network side made and configured the namespace; the container
@@ -186,6 +195,7 @@ fn fork_init(args: &InitArgs) -> Result<(OwnedFd, OwnedFd, Pid), StepError> {
     // datagram sockets.
     write_sysctl("net/ipv4/ip_unprivileged_port_start", "0")?;
     harden::allow_unprivileged_ping()?;
+    timeline.step("shim_namespaces");
 
     let socket = SandboxLayout {
         dir: args.sandbox_dir.clone(),
@@ -208,6 +218,7 @@ fn fork_init(args: &InitArgs) -> Result<(OwnedFd, OwnedFd, Pid), StepError> {
     let filters = seccomp::seccomp_filters()?;
     let keep = harden::kept_caps(args.keep_mknod);
     let env = exec_env(args, listener.as_raw_fd())?;
+    timeline.step("shim_socket_and_filters");
 
     let (error_read, error_write) = pipe2(OFlag::O_CLOEXEC).map_err(sys(|| "error pipe".into()))?;
     let (go_read, go_write) = pipe2(OFlag::O_CLOEXEC).map_err(sys(|| "go pipe".into()))?;
@@ -235,6 +246,7 @@ fn fork_init(args: &InitArgs) -> Result<(OwnedFd, OwnedFd, Pid), StepError> {
             unsafe { libc::_exit(1) }
         }
         ForkResult::Parent { child } => {
+            timeline.step("shim_fork");
             drop(error_write);
             drop(go_read);
             // Only the container holds the socket now: once it dies, connects fail.
