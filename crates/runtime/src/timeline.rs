@@ -36,6 +36,15 @@ impl Timeline {
         self.last = now;
     }
 
+    /// Notes a step that ended now and began at `began_ns` on the monotonic
+    /// clock (see [`monotonic_ns`]), possibly in another process; the next
+    /// step is timed from now.
+    pub fn step_since(&mut self, step: &'static str, began_ns: u64) {
+        let micros = monotonic_ns().saturating_sub(began_ns) / 1000;
+        self.steps.push((step, micros));
+        self.last = Instant::now();
+    }
+
     /// The steps as `name=µs` pairs, in order.
     pub fn steps(&self) -> &[(&'static str, u64)] {
         &self.steps
@@ -61,6 +70,19 @@ impl Timeline {
             self.what
         );
     }
+}
+
+/// Now on the monotonic clock, in nanoseconds: the same clock in every process
+/// of the host, so one process can time a step another began.
+#[allow(unsafe_code)]
+pub fn monotonic_ns() -> u64 {
+    let mut now = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes one timespec we own; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut now) };
+    now.tv_sec as u64 * 1_000_000_000 + now.tv_nsec as u64
 }
 
 #[cfg(test)]
