@@ -581,6 +581,43 @@ mod tests {
     }
 
     #[test]
+    fn v1_renames_a_pool_cgroup_in_every_controller_and_rewrites_its_limits() {
+        let root = tempfile::tempdir().unwrap();
+        for c in ["cpu", "memory", "pids", "freezer", "devices"] {
+            fs::create_dir(root.path().join(c)).unwrap();
+        }
+        let backend = detect(root.path(), "cove");
+        assert!(backend.renames());
+        backend
+            .create("pool@1.0", &CgroupLimits::new(&resources(0, 0), 99))
+            .unwrap();
+        assert_eq!(backend.children(), ["pool@1.0"]);
+        backend.rename("pool@1.0", "sb1").unwrap();
+        backend
+            .set_limits("sb1", &CgroupLimits::new(&resources(2, 256), 99))
+            .unwrap();
+        assert_eq!(backend.children(), ["sb1"]);
+        let dir = |c: &str| root.path().join(c).join("cove/sb1");
+        assert_eq!(read(dir("cpu").join("cpu.cfs_quota_us")), "200000");
+        assert_eq!(
+            read(dir("memory").join("memory.limit_in_bytes")),
+            "268435456"
+        );
+        for c in ["cpu", "memory", "pids", "freezer", "devices"] {
+            assert!(!root.path().join(c).join("cove/pool@1.0").exists(), "{c}");
+        }
+    }
+
+    #[test]
+    fn v2_cannot_rename_so_it_keeps_no_pool() {
+        let root = tempfile::tempdir().unwrap();
+        fs::write(root.path().join("cgroup.controllers"), "cpu memory pids").unwrap();
+        let backend = detect(root.path(), "cove");
+        assert!(!backend.renames());
+        assert!(backend.rename("a", "b").is_err());
+    }
+
+    #[test]
     fn v1_requires_the_core_controllers() {
         let root = tempfile::tempdir().unwrap();
         let err = detect(root.path(), "cove")
