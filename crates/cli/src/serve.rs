@@ -245,7 +245,7 @@ type Serving = (
     cove_ssh::Gateway,
     DataDirLock,
     Option<VmServing>,
-    (Engine, Arc<Storage>),
+    (Engine, Arc<Storage>, Arc<ContainerRuntime>),
 );
 
 /// The VM runtime and the task making its template (then filling its pool).
@@ -390,12 +390,15 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     );
     container_config.storage = Some(storage.clone());
     container_config.userns_pool = args.userns_pool;
+    // Two: a create takes one and the pool makes the next in ~10 ms, sooner
+    // than the next create of a client on this machine (2 cores).
+    container_config.shim_pool = 2;
     let agent_for_vms = container_config.agent_binary.clone();
-    let container = ContainerRuntime::new(container_config)?;
+    let container = Arc::new(ContainerRuntime::new(container_config)?);
     let ids = container.id_ranges();
     let mut runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([(
         SandboxClass::Container,
-        Arc::new(container) as Arc<dyn Runtime>,
+        container.clone() as Arc<dyn Runtime>,
     )]);
     let vm = open_vm_runtime(&args, storage.clone(), agent_for_vms, ids);
     if let Some(vm) = &vm {
@@ -554,7 +557,14 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         limits(caps.http),
     ));
     tracing::info!(%addr, data_dir = %data_dir.display(), "cove is serving; DAYTONA_API_URL=http://{addr}/api");
-    Ok((serve, network, ssh, data_lock, vm, (engine, storage)))
+    Ok((
+        serve,
+        network,
+        ssh,
+        data_lock,
+        vm,
+        (engine, storage, container),
+    ))
 }
 
 /// The HTTPS listener's TLS settings from PEM files: HTTP/1.1 only, so the
@@ -702,7 +712,7 @@ async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_
 }
 
 pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
-    let (serve, network, ssh, _data_lock, vm, (engine, storage)) = start(args).await?;
+    let (serve, network, ssh, _data_lock, vm, (engine, storage, container)) = start(args).await?;
     let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     // A server that fails cleans up as one that is told to stop does.
     let served: anyhow::Result<()> = tokio::select! {
@@ -731,6 +741,8 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         vm.runtime.end_pool().await;
         vm.runtime.deepen_all().await;
     }
+    // The shims waiting for a create, and their cgroups, go too.
+    container.end_pool().await;
     if let Some(network) = network {
         // The bridge, firewall tables and routes go; addresses stay on disk.
         if let Err(error) = network.shutdown().await {

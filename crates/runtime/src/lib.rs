@@ -11,6 +11,7 @@ pub mod container;
 mod error;
 pub mod fake;
 pub mod storage;
+pub mod timeline;
 pub mod vm;
 
 use std::path::{Path, PathBuf};

@@ -46,6 +46,11 @@ impl Harness {
     /// `None` (the test is skipped, or fails under `COVE_TEST_STRICT=1`)
     /// where this machine cannot run containers.
     fn new(name: &str) -> Option<Self> {
+        Self::with_pool(name, 0)
+    }
+
+    /// A harness whose runtime keeps `shim_pool` shims waiting.
+    fn with_pool(name: &str, shim_pool: usize) -> Option<Self> {
         if !cove_testenv::root("the container tests") {
             return None;
         }
@@ -64,6 +69,7 @@ impl Harness {
             std::env::current_exe().unwrap(),
         );
         config.cgroup_parent = cgroup_parent.clone();
+        config.shim_pool = shim_pool;
         let runtime = ContainerRuntime::new(config.clone()).unwrap();
         Some(Self {
             runtime,
@@ -991,6 +997,172 @@ print(sorted(results)[-1], child.stdout.strip(), os.waitstatus_to_exitcode(statu
         "done"
     );
     h.runtime.destroy(&sid("w1")).await.unwrap();
+}
+
+/// Waits until `runtime`'s pool holds `count` shims.
+async fn pool_filled(runtime: &ContainerRuntime, count: usize) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while runtime.pooled_shims() < count {
+        assert!(Instant::now() < deadline, "the shim pool did not fill");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// The pool's cgroups under the harness's parent, in every controller.
+fn pool_cgroups(h: &Harness) -> Vec<PathBuf> {
+    ["cpu", "cpuacct", "memory", "pids", "freezer", "devices", ""]
+        .iter()
+        .map(|c| Path::new("/sys/fs/cgroup").join(c).join(&h.cgroup_parent))
+        .flat_map(|parent| std::fs::read_dir(parent).into_iter().flatten().flatten())
+        .map(|entry| entry.path())
+        .filter(|path| {
+            path.is_dir()
+                && path
+                    .file_name()
+                    .is_some_and(|name| name.to_string_lossy().starts_with("pool@"))
+        })
+        .collect()
+}
+
+/// Two sandboxes started from the pool: each took a shim made for no one, and
+/// each has its own limits, hostname, environment and cgroups; the pool's
+/// cgroups hold neither.
+#[tokio::test]
+async fn sandboxes_from_the_pool_are_each_their_own() {
+    let Some(h) = Harness::with_pool("pool", 2) else {
+        return;
+    };
+    let mut small = h.spec("p1");
+    small.env = vec![("WHO".into(), "first".into())];
+    let mut large = h.spec("p2");
+    large.env = vec![("WHO".into(), "second".into())];
+    large.resources = Resources {
+        cpu: 2,
+        memory_mib: 512,
+        disk_gib: 1,
+    };
+    // A full pool makes nothing in the background: the start takes one of these.
+    pool_filled(&h.runtime, 2).await;
+    let waiting = h.runtime.pooled_init_pids();
+    let (_a, first) = h.start_spec(small).await;
+    let first_init = container_init_pid(&h, "p1");
+    assert!(
+        waiting.contains(&first_init),
+        "{first_init} is one of {waiting:?}"
+    );
+    pool_filled(&h.runtime, 2).await;
+    let waiting = h.runtime.pooled_init_pids();
+    let (_b, second) = h.start_spec(large).await;
+    let second_init = container_init_pid(&h, "p2");
+    assert!(
+        waiting.contains(&second_init),
+        "{second_init} is one of {waiting:?}"
+    );
+    let inits = [first_init, second_init];
+    assert_ne!(inits[0], inits[1]);
+    for (socket, id, who, memory, quota) in [
+        (&first, "p1", "first", 256u64 << 20, "100000"),
+        (&second, "p2", "second", 512u64 << 20, "200000"),
+    ] {
+        assert_eq!(exec_ok(socket, "hostname").await, format!("host-{id}"));
+        assert_eq!(exec_ok(socket, "echo $WHO").await, who);
+        assert_eq!(
+            exec_ok(socket, "cat /sys/fs/cgroup/memory/memory.limit_in_bytes").await,
+            memory.to_string()
+        );
+        let host = Path::new("/sys/fs/cgroup/cpu")
+            .join(&h.cgroup_parent)
+            .join(id)
+            .join("cpu.cfs_quota_us");
+        assert_eq!(std::fs::read_to_string(host).unwrap().trim(), quota);
+        let pid1 = exec_ok(socket, "tr '\\0' ' ' < /proc/1/cmdline").await;
+        assert!(pid1.contains("cove-agent"), "pid 1 is {pid1:?}");
+        let status = exec_ok(socket, "grep -E '^(CapEff|Seccomp):' /proc/self/status").await;
+        assert!(status.contains("CapEff:\t00000000a80405fb"), "{status}");
+        assert!(status.contains("Seccomp:\t2"), "{status}");
+    }
+    let in_pool = pids_in(
+        &pool_cgroups(&h)
+            .iter()
+            .map(|dir| dir.join("cgroup.procs"))
+            .collect::<Vec<_>>(),
+    );
+    assert!(
+        inits.iter().all(|pid| !in_pool.contains(pid)),
+        "a sandbox's init is still in a pool cgroup"
+    );
+    h.runtime.destroy(&sid("p1")).await.unwrap();
+    h.runtime.destroy(&sid("p2")).await.unwrap();
+    h.runtime.end_pool().await;
+}
+
+/// At shutdown the waiting shims and their inits end and their cgroups go.
+#[tokio::test]
+async fn ending_the_pool_leaves_no_cgroup_or_process() {
+    let Some(h) = Harness::with_pool("poolend", 2) else {
+        return;
+    };
+    pool_filled(&h.runtime, 2).await;
+    let inits = h.runtime.pooled_init_pids();
+    assert_eq!(pool_cgroups(&h).len() % 2, 0, "{:?}", pool_cgroups(&h));
+    assert!(!pool_cgroups(&h).is_empty());
+    h.runtime.end_pool().await;
+    assert_eq!(h.runtime.pooled_shims(), 0);
+    assert!(pool_cgroups(&h).is_empty(), "{:?}", pool_cgroups(&h));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while inits.iter().any(|pid| alive(*pid)) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let left: Vec<_> = inits
+        .iter()
+        .filter(|p| alive(**p))
+        .map(|p| describe(*p))
+        .collect();
+    assert!(left.is_empty(), "still alive: {left:?}");
+}
+
+/// A server killed with its pool full: its shims die with it (parent-death
+/// signal), and the next runtime of the same state directory removes the
+/// cgroups they left.
+#[tokio::test]
+async fn a_new_runtime_sweeps_the_pool_a_killed_one_left() {
+    let Some(h) = Harness::new("poolcrash") else {
+        return;
+    };
+    let mut config = h.config.clone();
+    config.shim_pool = 2;
+    // The "server": a thread with its own runtime, whose end kills the shims
+    // it spawned, as a crashed server's end does; nothing is cleaned up.
+    let inits = std::thread::spawn(move || {
+        let tokio = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        tokio.block_on(async {
+            let runtime = ContainerRuntime::new(config).unwrap();
+            pool_filled(&runtime, 2).await;
+            let inits = runtime.pooled_init_pids();
+            std::mem::forget(runtime);
+            inits
+        })
+    })
+    .join()
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while inits.iter().any(|pid| alive(*pid)) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        inits.iter().all(|pid| !alive(*pid)),
+        "the pool outlived its server"
+    );
+    assert!(
+        !pool_cgroups(&h).is_empty(),
+        "the killed server left no cgroup to sweep"
+    );
+    let fresh = ContainerRuntime::new(h.config.clone()).unwrap();
+    assert!(pool_cgroups(&h).is_empty(), "{:?}", pool_cgroups(&h));
+    drop(fresh);
 }
 
 /// A sandbox id the test names.

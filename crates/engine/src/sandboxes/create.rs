@@ -9,6 +9,8 @@ use cove_lifecycle::{
 use cove_store::{SandboxRecord, SnapshotState};
 
 use super::Sandboxes;
+use cove_runtime::timeline::Timeline;
+
 use crate::checks::{check_name, sized};
 use crate::metrics::Measured;
 use crate::shared::sandbox_id;
@@ -56,23 +58,32 @@ impl Sandboxes {
     /// Creates and starts a sandbox. It is either `started` when this returns, or it
     /// does not exist at all.
     pub async fn create(&self, request: CreateSandbox) -> Result<SandboxRecord, EngineError> {
+        let mut timeline = Timeline::start("create");
         let snapshot = self.snapshot_for(&request).await?;
         let record = self.new_record(request, &snapshot).await?;
         // Checked before the row exists: no half-made sandbox for a class this
         // server cannot run.
         let runtime = self.shared.runtime(record.class)?.clone();
         let spec = self.spec(&record, &snapshot)?;
+        timeline.step("check");
         let lock = self.shared.lock_for(&record.id);
         let _guard = lock.lock().await;
         let saga = self.begin_new(record, Measured::Create).await?;
+        timeline.step("store_creating");
         let made = async {
             runtime.prepare(&spec).await?;
-            self.start_machine(runtime.as_ref(), saga.record(), spec)
-                .await
+            timeline.step("prepare");
+            let started = self
+                .start_machine_timed(runtime.as_ref(), saga.record(), spec, &mut timeline)
+                .await;
+            timeline.step("start");
+            started
         }
         .await;
         let id = saga.record().id.clone();
         let record = saga.finish(made, &id, "be created").await?;
+        timeline.step("store_started");
+        timeline.log(&id);
         tracing::info!(sandbox = %record.id, name = %record.name, snapshot = %record.snapshot, "created");
         Ok(record)
     }

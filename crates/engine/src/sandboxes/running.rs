@@ -2,6 +2,7 @@
 //! machine that ends by itself puts its sandbox in `error`.
 
 use cove_lifecycle::SandboxState;
+use cove_runtime::timeline::Timeline;
 use cove_runtime::Started;
 use cove_store::SandboxRecord;
 
@@ -15,9 +16,23 @@ impl Sandboxes {
         &self,
         runtime: &dyn cove_runtime::Runtime,
         record: &SandboxRecord,
+        spec: cove_runtime::SandboxSpec,
+    ) -> Result<Started, Failure> {
+        let mut timeline = Timeline::start("start");
+        self.start_machine_timed(runtime, record, spec, &mut timeline)
+            .await
+    }
+
+    /// [`Self::start_machine`], noting its steps on the caller's timeline.
+    pub(crate) async fn start_machine_timed(
+        &self,
+        runtime: &dyn cove_runtime::Runtime,
+        record: &SandboxRecord,
         mut spec: cove_runtime::SandboxSpec,
+        timeline: &mut Timeline,
     ) -> Result<Started, Failure> {
         spec.network = self.attach_network(record).await?;
+        timeline.step("attach_network");
         match runtime.start(&spec).await {
             Ok(started) => Ok(started),
             Err(error) => {

@@ -14,7 +14,7 @@ use super::init_args::CgroupView;
 use crate::Resources;
 
 /// The scheduler period every sandbox gets; the quota is `cpu` times this.
-const CPU_PERIOD_US: u64 = 100_000;
+pub(crate) const CPU_PERIOD_US: u64 = 100_000;
 
 /// v1 controllers a sandbox must have; `cpuacct` and `devices` are joined when mounted.
 const V1_REQUIRED: [&str; 4] = ["cpu", "memory", "pids", "freezer"];
@@ -100,6 +100,22 @@ impl CgroupLimits {
 pub(crate) trait CgroupBackend: Send + Sync {
     /// Makes the sandbox's cgroup (or reuses an existing one) and writes its limits.
     fn create(&self, id: &str, limits: &CgroupLimits) -> Result<(), CgroupError>;
+    /// Writes the CPU, memory and pids limits of an existing cgroup.
+    fn set_limits(&self, id: &str, limits: &CgroupLimits) -> Result<(), CgroupError>;
+    /// Moves process `pid` into the cgroup (the slow step on v1: see `pool`).
+    fn join(&self, id: &str, pid: i32) -> Result<(), CgroupError> {
+        let pid = pid.to_string();
+        for procs in self.procs_files(id) {
+            write(&procs, &pid)?;
+        }
+        Ok(())
+    }
+    /// Whether a cgroup can be renamed (v1 can, v2 cannot).
+    fn renames(&self) -> bool;
+    /// Renames cgroup `from`, with its processes, to `to`, beside it.
+    fn rename(&self, from: &str, to: &str) -> Result<(), CgroupError>;
+    /// The names of the cgroups under the parent (sandboxes' and pools').
+    fn children(&self) -> Vec<String>;
     /// The `cgroup.procs` files a process writes its pid into to join the sandbox.
     fn procs_files(&self, id: &str) -> Vec<PathBuf>;
     /// Pids of the processes in the sandbox's cgroup; empty when it does not exist.
@@ -186,6 +202,18 @@ pub(crate) fn parse_pids(text: &str) -> Vec<i32> {
         .collect()
 }
 
+/// The names of the directories in `dir`; none when it cannot be read.
+fn list_dirs(dir: &Path) -> Vec<String> {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|entry| entry.file_name().into_string().ok())
+        .collect()
+}
+
 fn remove_dir(path: &Path) -> Result<(), CgroupError> {
     match fs::remove_dir(path) {
         Err(err) if err.kind() != io::ErrorKind::NotFound => Err(io_err("remove", path)(err)),
@@ -252,6 +280,19 @@ impl CgroupBackend for CgroupV1 {
             let dir = self.dir(controller, id);
             fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
         }
+        self.set_limits(id, limits)?;
+        write(&self.dir("freezer", id).join("freezer.state"), "THAWED")?;
+        if self.root.join("devices").is_dir() {
+            let devices = self.dir("devices", id);
+            write(&devices.join("devices.deny"), "a")?;
+            for rule in V1_DEVICE_ALLOW {
+                write(&devices.join("devices.allow"), rule)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn set_limits(&self, id: &str, limits: &CgroupLimits) -> Result<(), CgroupError> {
         let cpu = self.dir("cpu", id);
         write(
             &cpu.join("cpu.cfs_period_us"),
@@ -262,16 +303,23 @@ impl CgroupBackend for CgroupV1 {
         write(
             &self.dir("pids", id).join("pids.max"),
             &limits.pids_max.to_string(),
-        )?;
-        write(&self.dir("freezer", id).join("freezer.state"), "THAWED")?;
-        if self.root.join("devices").is_dir() {
-            let devices = self.dir("devices", id);
-            write(&devices.join("devices.deny"), "a")?;
-            for rule in V1_DEVICE_ALLOW {
-                write(&devices.join("devices.allow"), rule)?;
-            }
+        )
+    }
+
+    fn renames(&self) -> bool {
+        true
+    }
+
+    fn rename(&self, from: &str, to: &str) -> Result<(), CgroupError> {
+        for controller in self.controllers() {
+            let source = self.dir(controller, from);
+            fs::rename(&source, self.dir(controller, to)).map_err(io_err("rename", &source))?;
         }
         Ok(())
+    }
+
+    fn children(&self) -> Vec<String> {
+        list_dirs(&self.root.join("pids").join(&self.parent))
     }
 
     fn procs_files(&self, id: &str) -> Vec<PathBuf> {
@@ -373,6 +421,11 @@ impl CgroupBackend for CgroupV2 {
         }
         let dir = self.dir(id);
         fs::create_dir_all(&dir).map_err(io_err("create", &dir))?;
+        self.set_limits(id, limits)
+    }
+
+    fn set_limits(&self, id: &str, limits: &CgroupLimits) -> Result<(), CgroupError> {
+        let dir = self.dir(id);
         write(&dir.join("cpu.max"), &limits.v2_cpu_max())?;
         let memory = limits
             .memory_bytes
@@ -384,6 +437,22 @@ impl CgroupBackend for CgroupV2 {
         }
         write(&dir.join("pids.max"), &limits.pids_max.to_string())?;
         Ok(())
+    }
+
+    fn renames(&self) -> bool {
+        false
+    }
+
+    fn rename(&self, from: &str, _to: &str) -> Result<(), CgroupError> {
+        Err(CgroupError::Io {
+            action: "rename",
+            path: self.dir(from),
+            source: io::Error::from(io::ErrorKind::Unsupported),
+        })
+    }
+
+    fn children(&self) -> Vec<String> {
+        list_dirs(&self.root.join(&self.parent))
     }
 
     fn procs_files(&self, id: &str) -> Vec<PathBuf> {
@@ -509,6 +578,43 @@ mod tests {
         assert_eq!(files.len(), 5);
         assert!(files.contains(&dir("devices").join("cgroup.procs")));
         assert!(backend.pids("sb1").unwrap().is_empty());
+    }
+
+    #[test]
+    fn v1_renames_a_pool_cgroup_in_every_controller_and_rewrites_its_limits() {
+        let root = tempfile::tempdir().unwrap();
+        for c in ["cpu", "memory", "pids", "freezer", "devices"] {
+            fs::create_dir(root.path().join(c)).unwrap();
+        }
+        let backend = detect(root.path(), "cove");
+        assert!(backend.renames());
+        backend
+            .create("pool@1.0", &CgroupLimits::new(&resources(0, 0), 99))
+            .unwrap();
+        assert_eq!(backend.children(), ["pool@1.0"]);
+        backend.rename("pool@1.0", "sb1").unwrap();
+        backend
+            .set_limits("sb1", &CgroupLimits::new(&resources(2, 256), 99))
+            .unwrap();
+        assert_eq!(backend.children(), ["sb1"]);
+        let dir = |c: &str| root.path().join(c).join("cove/sb1");
+        assert_eq!(read(dir("cpu").join("cpu.cfs_quota_us")), "200000");
+        assert_eq!(
+            read(dir("memory").join("memory.limit_in_bytes")),
+            "268435456"
+        );
+        for c in ["cpu", "memory", "pids", "freezer", "devices"] {
+            assert!(!root.path().join(c).join("cove/pool@1.0").exists(), "{c}");
+        }
+    }
+
+    #[test]
+    fn v2_cannot_rename_so_it_keeps_no_pool() {
+        let root = tempfile::tempdir().unwrap();
+        fs::write(root.path().join("cgroup.controllers"), "cpu memory pids").unwrap();
+        let backend = detect(root.path(), "cove");
+        assert!(!backend.renames());
+        assert!(backend.rename("a", "b").is_err());
     }
 
     #[test]

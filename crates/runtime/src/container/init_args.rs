@@ -1,8 +1,10 @@
-//! The one message from the server to the container shim: everything the shim needs, as
-//! one JSON document written to the shim's stdin (`<cove> __container-init`; never in
-//! its argv, which every host user can read in `ps`, and which holds the sandbox's
-//! environment), plus the lines the shim answers on its stdout. Both ends are our own
-//! binary, so the format is private.
+//! The one message from the server to a container shim's init: everything it needs, as
+//! one JSON document sent on the shim's stdin, a Unix socket, with the sandbox's user
+//! namespace and console log attached as descriptors (`<cove> __container-init`; never
+//! in its argv, which every host user can read in `ps`, and which holds the sandbox's
+//! environment), plus the lines the shim answers on its stdout: `waiting <pid>` once its
+//! init waits for a sandbox, `ready <pid> <steps>` once the agent runs. Both ends are
+//! our own binary, so the format is private.
 
 use std::path::PathBuf;
 
@@ -37,8 +39,6 @@ pub(super) struct InitArgs {
     /// `{state_dir}/{id}`.
     pub sandbox_dir: PathBuf,
     pub agent_binary: PathBuf,
-    /// `cgroup.procs` files the shim puts the container init into before it execs.
-    pub cgroup_procs: Vec<PathBuf>,
     /// The sandbox's cgroups, bound read-only under the container's
     /// `/sys/fs/cgroup` so the agent reports its own limits and usage.
     #[serde(default)]
@@ -56,9 +56,6 @@ pub(super) struct InitArgs {
     pub volumes: Vec<crate::VolumeBind>,
     /// The first host id of the sandbox's user namespace range (its uid and gid 0).
     pub id_base: u32,
-    /// The number of the inherited descriptor of that range's user namespace
-    /// (the server keeps one per range: see `userns::IdRanges`).
-    pub userns_fd: i32,
 }
 
 /// One cgroup directory of the sandbox and where it appears inside.
@@ -138,9 +135,17 @@ pub(super) enum UnreadableReport {
 /// What the shim answers on its stdout, one line.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(super) enum ShimReport {
+    /// The container init was forked (host pid) and waits, in no cgroup of a
+    /// sandbox yet, for its settings.
+    Waiting {
+        init_pid: i32,
+    },
     /// The agent was exec'd; the host pid of the container's init.
     Ready {
         init_pid: i32,
+        /// The shim's own steps and their times (`name=1.23ms ...`), for the
+        /// server's debug log.
+        steps: String,
     },
     Error(String),
 }
@@ -148,7 +153,10 @@ pub(super) enum ShimReport {
 impl ShimReport {
     pub(super) fn to_line(&self) -> String {
         match self {
-            Self::Ready { init_pid } => format!("ready {init_pid}\n"),
+            Self::Waiting { init_pid } => format!("waiting {init_pid}\n"),
+            Self::Ready { init_pid, steps } => {
+                format!("ready {init_pid} {}\n", steps.replace('\n', " "))
+            }
             // One line: the server reads exactly one.
             Self::Error(message) => format!("error {}\n", message.replace('\n', " ")),
         }
@@ -156,11 +164,21 @@ impl ShimReport {
 
     pub(super) fn parse(line: &str) -> Result<Self, UnreadableReport> {
         let line = line.trim_end_matches('\n');
-        if let Some(pid) = line.strip_prefix("ready ") {
+        if let Some(pid) = line.strip_prefix("waiting ") {
             let init_pid = pid.parse().map_err(|_| UnreadableReport::BadPid {
                 line: line.to_owned(),
             })?;
-            return Ok(Self::Ready { init_pid });
+            return Ok(Self::Waiting { init_pid });
+        }
+        if let Some(rest) = line.strip_prefix("ready ") {
+            let (pid, steps) = rest.split_once(' ').unwrap_or((rest, ""));
+            let init_pid = pid.parse().map_err(|_| UnreadableReport::BadPid {
+                line: line.to_owned(),
+            })?;
+            return Ok(Self::Ready {
+                init_pid,
+                steps: steps.to_owned(),
+            });
         }
         if let Some(message) = line.strip_prefix("error ") {
             return Ok(Self::Error(message.to_string()));
@@ -183,7 +201,6 @@ mod tests {
             layers: vec!["/snap/a/upper".into()],
             sandbox_dir: "/var/lib/cove/sb1".into(),
             agent_binary: "/usr/lib/cove/cove-agent".into(),
-            cgroup_procs: vec!["/sys/fs/cgroup/pids/cove/sb1/cgroup.procs".into()],
             cgroup_views: vec![CgroupView {
                 host: "/sys/fs/cgroup/memory/cove/sb1".into(),
                 target: "memory".into(),
@@ -200,7 +217,6 @@ mod tests {
                 target: "/data".into(),
             }],
             id_base: 2_000_065_536,
-            userns_fd: 7,
         }
     }
 
@@ -262,7 +278,15 @@ mod tests {
     #[test]
     fn reports_round_trip_as_one_line() {
         for report in [
-            ShimReport::Ready { init_pid: 42 },
+            ShimReport::Ready {
+                init_pid: 42,
+                steps: "fork=0.10ms exec=1.00ms".into(),
+            },
+            ShimReport::Ready {
+                init_pid: 42,
+                steps: String::new(),
+            },
+            ShimReport::Waiting { init_pid: 7 },
             ShimReport::Error("mount: EPERM".into()),
         ] {
             assert_eq!(ShimReport::parse(&report.to_line()).unwrap(), report);

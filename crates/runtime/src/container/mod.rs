@@ -2,10 +2,13 @@
 //! image and its own writable layer, confined by a cgroup, with the agent as PID 1.
 //!
 //! The server process (multi-threaded, tokio) never forks with work to do after the
-//! fork: `start` makes the cgroup and spawns the shim (`cove __container-init`, see
-//! `shim`), which builds the container and answers with one line. Module map:
+//! fork: `start` takes a shim (`cove __container-init`, see `shim`) whose init already
+//! waits in cgroups of its own from the pool (`pool`), or makes one, renames those
+//! cgroups to the sandbox and writes its limits, and sends the init its settings; the
+//! init builds the container and the shim answers with one line. Module map:
 //! `layout` (host paths of a sandbox), `cgroup` (limits, membership, kill),
 //! `init_args` (server to shim message), `shim` (the shim and container init),
+//! `pool` (shims made ahead, their cgroups, their sweep),
 //! `rootfs` (mounts and pivot_root), `harden` (capabilities, no_new_privs, installing
 //! the seccomp programs, unprivileged ping), `seccomp` (the syscall allow-list),
 //! `loopback` (the only interface of a sandbox without a network).
@@ -18,6 +21,7 @@ mod harden;
 mod init_args;
 mod layout;
 mod loopback;
+mod pool;
 mod rootfs;
 mod seccomp;
 mod shim;
@@ -27,26 +31,27 @@ mod userns;
 use std::collections::HashMap;
 use std::fs;
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use async_trait::async_trait;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
+use tokio::io::AsyncBufReadExt;
+use tokio::process::Child;
 use tokio::sync::{oneshot, watch};
 
+use crate::timeline::Timeline;
 use crate::SandboxId;
 use crate::{
     blocking, check_id, AgentEndpoint, NetworkLink, Runtime, RuntimeError, SandboxNetwork,
     SandboxSpec, Started,
 };
 use cgroup::{CgroupBackend, CgroupLimits};
-use init_args::{InitArgs, ShimReport, SUBCOMMAND};
+use init_args::{InitArgs, ShimReport};
 use layout::SandboxLayout;
+use pool::{ShimMaker, ShimPool, WaitingShim};
 
 pub use cgroup::CgroupError;
 pub use layout::PathRefused;
@@ -68,7 +73,7 @@ pub struct ContainerConfig {
     pub state_dir: PathBuf,
     /// The static cove-agent on the host, bind-mounted read-only into each container.
     pub agent_binary: PathBuf,
-    /// The `cove` binary itself; spawned as `<init_exe> __container-init <json>`.
+    /// The `cove` binary itself; spawned as `<init_exe> __container-init`.
     pub init_exe: PathBuf,
     /// Cgroups are `{controller root}/{cgroup_parent}/{id}`.
     pub cgroup_parent: String,
@@ -79,6 +84,9 @@ pub struct ContainerConfig {
     pub storage: Option<Arc<crate::storage::Storage>>,
     /// The host ids sandboxes' user namespaces map to, a range of 65536 each.
     pub userns_pool: IdPool,
+    /// How many shims wait, in cgroups of their own, for the next starts (see
+    /// `pool`); 0 makes each on the request path. Ignored on cgroup v2.
+    pub shim_pool: usize,
 }
 
 impl ContainerConfig {
@@ -92,6 +100,7 @@ impl ContainerConfig {
             pids_max: 4096,
             storage: None,
             userns_pool: IdPool::default(),
+            shim_pool: 0,
         }
     }
 }
@@ -104,6 +113,8 @@ pub struct ContainerRuntime {
     /// The user-namespace id ranges of the sandboxes this process started
     /// (shared with the VM runtime: see [`ContainerRuntime::id_ranges`]).
     ids: Arc<userns::IdRanges>,
+    maker: Arc<ShimMaker>,
+    pool: ShimPool,
 }
 
 impl std::fmt::Debug for ContainerRuntime {
@@ -148,12 +159,47 @@ impl ContainerRuntime {
             Path::new(CGROUP_ROOT),
             &config.cgroup_parent,
         ));
+        let maker = Arc::new(ShimMaker::new(
+            config.init_exe.clone(),
+            Arc::clone(&cgroups),
+            config.pids_max,
+            &config.state_dir,
+        ));
+        let swept = maker.sweep();
+        if !swept.is_empty() {
+            tracing::info!(cgroups = ?swept, "removed the shim pool a previous run left");
+        }
+        let target = if cgroups.renames() {
+            config.shim_pool
+        } else {
+            0
+        };
+        let pool = ShimPool::new(target, Arc::clone(&maker));
+        pool.refill();
         Ok(Self {
             ids: Arc::new(userns::IdRanges::new(config.userns_pool)),
             config,
             cgroups,
             shims: Arc::default(),
+            maker,
+            pool,
         })
+    }
+
+    /// Ends the shims waiting in the pool and removes their cgroups; call at
+    /// shutdown (they would die with the server anyway, their cgroups not).
+    pub async fn end_pool(&self) {
+        self.pool.close().await;
+    }
+
+    /// How many shims wait in the pool (for tests and diagnostics).
+    pub fn pooled_shims(&self) -> usize {
+        self.pool.ready()
+    }
+
+    /// The host pids of the pool's waiting container inits (for tests).
+    pub fn pooled_init_pids(&self) -> Vec<i32> {
+        self.pool.init_pids()
     }
 
     fn layout(&self, id: &str) -> SandboxLayout {
@@ -256,16 +302,18 @@ impl ContainerRuntime {
     async fn await_shim(
         &self,
         id: &str,
-        child: &mut Child,
+        shim: &mut WaitingShim,
         console: &Path,
-    ) -> Result<i32, RuntimeError> {
-        let stdout = child.stdout.take().expect("stdout is piped");
+    ) -> Result<(i32, String), RuntimeError> {
         let mut line = String::new();
-        let read =
-            tokio::time::timeout(START_TIMEOUT, BufReader::new(stdout).read_line(&mut line)).await;
+        let read = tokio::time::timeout(START_TIMEOUT, shim.reports.read_line(&mut line)).await;
+        let child = &mut shim.child;
         let failure = match read {
             Ok(Ok(n)) if n > 0 => match ShimReport::parse(&line) {
-                Ok(ShimReport::Ready { init_pid }) => return Ok(init_pid),
+                Ok(ShimReport::Ready { init_pid, steps }) => return Ok((init_pid, steps)),
+                Ok(ShimReport::Waiting { .. }) => {
+                    RuntimeError::start(id, format!("unexpected shim report {line:?}"))
+                }
                 Ok(ShimReport::Error(report)) => RuntimeError::Shim {
                     id: id.to_owned(),
                     report,
@@ -302,7 +350,6 @@ impl ContainerRuntime {
     }
 }
 
-/// Writes the shim's settings to its stdin and closes it: the shim reads to the end.
 /// The network namespace a container's init joins, if it has a network.
 fn init_network(spec: &SandboxSpec) -> Result<Option<init_args::InitNetwork>, RuntimeError> {
     match &spec.network {
@@ -323,8 +370,8 @@ fn init_network(spec: &SandboxSpec) -> Result<Option<init_args::InitNetwork>, Ru
 
 impl ContainerRuntime {
     /// Takes a host id range and its user namespace for the sandbox of
-    /// `spec`, and makes its cgroup; on failure gives the range back.
-    async fn confine(&self, spec: &SandboxSpec) -> Result<(u32, Arc<OwnedFd>), RuntimeError> {
+    /// `spec`; on failure gives the range back.
+    async fn take_ids(&self, spec: &SandboxSpec) -> Result<(u32, Arc<OwnedFd>), RuntimeError> {
         let id = spec.id.as_str();
         let id_base = self.ids.take(id).map_err(|exhausted| RuntimeError::Busy {
             id: id.to_owned(),
@@ -340,12 +387,46 @@ impl ContainerRuntime {
         })
         .await
         .inspect_err(|_| self.ids.release(id))?;
-        let limits = CgroupLimits::new(&spec.resources, self.config.pids_max);
-        self.cgroups.create(id, &limits).map_err(|err| {
-            self.ids.release(id);
-            cgroup_error(id)(err)
-        })?;
         Ok((id_base, userns))
+    }
+
+    /// A shim whose init waits in the sandbox's cgroups, with `limits`: one of
+    /// the pool's, its cgroups renamed to the sandbox's, or one made now (which
+    /// pays the cgroup join here). The step's name says which.
+    async fn shim_for(
+        &self,
+        id: &str,
+        limits: CgroupLimits,
+    ) -> Result<(WaitingShim, &'static str), RuntimeError> {
+        if let Some(mut shim) = self.pool.take() {
+            let cgroups = Arc::clone(&self.cgroups);
+            let (from, to) = (shim.cgroup.clone(), id.to_owned());
+            // A few file operations: not worth a blocking thread's hop.
+            let adopted = cgroups
+                .rename(&from, &to)
+                .and_then(|()| cgroups.set_limits(&to, &limits));
+            match adopted {
+                Ok(()) => {
+                    shim.cgroup = to;
+                    return Ok((shim, "shim_from_pool"));
+                }
+                Err(error) => {
+                    // Whatever half was renamed goes with the shim; the start
+                    // goes on with a shim made now.
+                    tracing::warn!(sandbox = id, %error, "cannot adopt a pool shim's cgroups");
+                    self.maker.discard(shim).await;
+                    let cgroups = Arc::clone(&self.cgroups);
+                    let owned = id.to_owned();
+                    let _ = tokio::task::spawn_blocking(move || {
+                        cgroup::kill_and_remove(cgroups.as_ref(), &owned)
+                    })
+                    .await;
+                }
+            }
+        }
+        let shim = self.maker.spawn(id).await?;
+        let shim = self.maker.place(shim, id, limits).await?;
+        Ok((shim, "shim_made"))
     }
 
     /// What the shim is told to make of the sandbox of `spec`.
@@ -355,7 +436,6 @@ impl ContainerRuntime {
         layout: &SandboxLayout,
         network: Option<init_args::InitNetwork>,
         id_base: u32,
-        userns_fd: i32,
     ) -> InitArgs {
         let id = spec.id.as_str();
         let mut env = init_args::agent_env(spec);
@@ -372,57 +452,12 @@ impl ContainerRuntime {
             layers: spec.layers.clone(),
             sandbox_dir: layout.dir.clone(),
             agent_binary: self.config.agent_binary.clone(),
-            cgroup_procs: self.cgroups.procs_files(id),
             cgroup_views: self.cgroups.views(id),
             env,
             keep_mknod: self.cgroups.confines_devices(),
             network,
             volumes: spec.volumes.clone(),
             id_base,
-            userns_fd,
-        }
-    }
-
-    /// Starts the shim with the user namespace `userns` and sends it `args`;
-    /// on failure ends what it may have started in the cgroup.
-    async fn spawn_shim(
-        &self,
-        id: &str,
-        args: &InitArgs,
-        console: fs::File,
-        userns: &OwnedFd,
-    ) -> Result<Child, RuntimeError> {
-        let mut command = Command::new(&self.config.init_exe);
-        command
-            .arg(SUBCOMMAND)
-            .env_clear()
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(console);
-        shim::die_with_parent(&mut command);
-        shim::inherit(&mut command, userns.as_raw_fd());
-        let spawned = match command.spawn() {
-            Ok(mut child) => {
-                let sent = send_args(&mut child, args).await;
-                sent.map(|()| child).map_err(|source| {
-                    (
-                        source,
-                        format!("send the settings to {}", self.config.init_exe.display()),
-                    )
-                })
-            }
-            Err(source) => Err((source, format!("spawn {}", self.config.init_exe.display()))),
-        };
-        match spawned {
-            Ok(child) => Ok(child),
-            Err((source, action)) => {
-                let _ = self.kill_all(id).await;
-                Err(RuntimeError::Io {
-                    id: id.to_string(),
-                    action,
-                    source,
-                })
-            }
         }
     }
 
@@ -442,13 +477,6 @@ impl ContainerRuntime {
         });
         exited_rx
     }
-}
-
-async fn send_args(child: &mut Child, args: &InitArgs) -> io::Result<()> {
-    use tokio::io::AsyncWriteExt;
-    let mut stdin = child.stdin.take().expect("stdin is piped");
-    stdin.write_all(args.encode().as_bytes()).await?;
-    stdin.shutdown().await
 }
 
 /// The end of the console log, for start errors.
@@ -483,30 +511,50 @@ impl Runtime for ContainerRuntime {
     }
 
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
-        let began = Instant::now();
+        let mut timeline = Timeline::start("container started");
         let id = spec.id.as_str();
         let network = init_network(spec)?;
         let layout = self.make_dirs(spec)?;
         if self.is_running(&spec.id).await {
             return Err(RuntimeError::AlreadyRunning { id: id.to_owned() });
         }
-        let (id_base, userns) = self.confine(spec).await?;
+        timeline.step("dirs");
+        let (id_base, userns) = self.take_ids(spec).await?;
+        timeline.step("user_namespace");
+        let limits = CgroupLimits::new(&spec.resources, self.config.pids_max);
+        let (mut shim, how) = self
+            .shim_for(id, limits)
+            .await
+            .inspect_err(|_| self.ids.release(id))?;
+        timeline.step(how);
         let console_path = layout.console();
-        let console = fs::OpenOptions::new()
+        let args = self.init_args(spec, &layout, network, id_base);
+        let sent = fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(&console_path)
-            .map_err(RuntimeError::file(id, "open", &console_path))?;
-        let args = self.init_args(spec, &layout, network, id_base, userns.as_raw_fd());
-        let mut child = self.spawn_shim(id, &args, console, &userns).await?;
-        let init_pid = self.await_shim(id, &mut child, &console_path).await?;
-        let exited_rx = self.watch_shim(id, child);
-        tracing::debug!(
-            sandbox = id,
-            init_pid,
-            elapsed_us = began.elapsed().as_micros() as u64,
-            "container started"
-        );
+            .map_err(RuntimeError::file(id, "open", &console_path))
+            .and_then(|console| {
+                shim.send(&args, &userns, &OwnedFd::from(console))
+                    .map_err(|source| RuntimeError::Io {
+                        id: id.to_owned(),
+                        action: "send the container init its settings".into(),
+                        source,
+                    })
+            });
+        if let Err(error) = sent {
+            let _ = shim.child.start_kill();
+            let _ = shim.child.wait().await;
+            let _ = self.kill_all(id).await;
+            return Err(error);
+        }
+        timeline.step("send_settings");
+        let (init_pid, shim_steps) = self.await_shim(id, &mut shim, &console_path).await?;
+        timeline.step("shim_ready");
+        let exited_rx = self.watch_shim(id, shim.child);
+        self.pool.refill();
+        tracing::debug!(sandbox = id, init_pid, steps = %shim_steps, "container shim");
+        timeline.log(id);
         Ok(Started {
             agent: AgentEndpoint::Unix(layout.agent_socket()),
             exited: exited_rx,

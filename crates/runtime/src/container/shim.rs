@@ -1,19 +1,26 @@
 //! The container shim: `cove __container-init`, a fresh single-threaded process the
-//! server spawns per start, with its settings on stdin and a parent-death signal, so it
-//! (and with it the container) never outlives the server that supervises it. It unshares the namespaces (or joins the network
-//! namespace the network side prepared), binds
-//! the agent's listening socket, forks the container init (PID 1 of the new pid namespace),
-//! reports `ready <pid>` or `error <message>` on stdout and then supervises: it exits with
-//! the init's status, and on SIGTERM/SIGINT/SIGHUP it SIGKILLs the init, which takes the
-//! whole pid namespace with it. The shim puts the init into the sandbox's cgroups and
-//! stays out of them itself, so the cgroup holds exactly the container's processes. It must run before any thread exists: unshare of the
-//! mount namespace and fork both need a single-threaded process.
+//! server spawns with a parent-death signal, so it (and with it the container) never
+//! outlives the server that supervises it. It is made for no sandbox: it unshares a PID
+//! namespace, forks the container init (PID 1 of it) and reports `waiting <pid>`; the
+//! server puts that init into cgroups (the slow step on cgroup v1, done ahead of any
+//! request when the shim waits in the pool) and, when a sandbox starts, sends the
+//! sandbox's settings with its user namespace and console log as descriptors on the
+//! shim's stdin, a Unix socket only the init reads. The init joins or makes the
+//! sandbox's other namespaces, binds the agent's listening socket, builds the root and
+//! execs the agent; the shim reports `ready <pid> <steps>` or `error <message>` on
+//! stdout and then supervises: it exits with the init's status, and on
+//! SIGTERM/SIGINT/SIGHUP it SIGKILLs the init, which takes the whole pid namespace with
+//! it. The shim itself stays out of the cgroups, so they hold exactly the container's
+//! processes. It must run before any thread exists: fork needs a single-threaded
+//! process. Nothing a sandbox controls runs before the agent's exec, which happens
+//! only after the settings came, in the sandbox's user namespace, with its
+//! capabilities cut and its seccomp filter on.
 #![allow(unsafe_code)]
 
 use std::ffi::CString;
 use std::fs;
 use std::io::{Read, Write};
-use std::os::fd::{AsFd, AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixListener;
 
 use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
@@ -22,40 +29,49 @@ use nix::sys::signal::{kill, signal, sigprocmask, SigHandler, SigSet, SigmaskHow
 use nix::sys::stat::{umask, Mode};
 use nix::sys::wait::{waitpid, WaitPidFlag, WaitStatus};
 use nix::unistd::{dup2, execve, fork, pipe2, ForkResult, Pid};
-use seccompiler::BpfProgram;
 
 use super::init_args::{InitArgs, ShimReport, LISTEN_FD_ENV};
 use super::layout::SandboxLayout;
 use super::rootfs::{self, AGENT_PATH};
 use super::step::{io, sys, StepError};
 use super::{harden, seccomp};
+use crate::timeline::Timeline;
 
-/// The most the server writes to a shim's stdin (the settings, env included).
-const MAX_ARGS_BYTES: u64 = 16 << 20;
+/// The most the server sends a shim's init (the settings, env included).
+pub(super) const MAX_ARGS_BYTES: u64 = 16 << 20;
+
+/// How the init tells the shim, before its exec, how long its steps took.
+const STEPS_PREFIX: &str = "ok ";
 
 /// Entry point of the shim; the `cove` binary calls it first thing when `argv[1]` is
-/// `__container-init`. The settings come on stdin (see `init_args`); stdin is then
-/// `/dev/null` for everything after.
+/// `__container-init`.
 pub fn container_init_main() -> ! {
     // A dead init or server must show as EPIPE, not kill the shim; a constructor-run
     // shim (tests) gets here before Rust's runtime has set this.
     // SAFETY: ignoring a signal installs no handler code.
     let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigIgn) };
-    let args = read_args().and_then(|json| InitArgs::decode(&json).map_err(StepError::Settings));
-    // The server names the sandbox beside the report.
-    let code = match args {
-        Ok(args) => match launch(&args) {
-            Ok(init) => {
-                report(&ShimReport::Ready {
-                    init_pid: init.as_raw(),
-                });
-                supervise(init)
+    let code = match fork_init() {
+        Ok((init, reports)) => {
+            report(&ShimReport::Waiting {
+                init_pid: init.as_raw(),
+            });
+            // Only the init reads the settings: if it dies, the server's send fails
+            // rather than waits.
+            let _ = stdin_from_null();
+            match await_exec(init, reports) {
+                Ok(steps) => {
+                    report(&ShimReport::Ready {
+                        init_pid: init.as_raw(),
+                        steps,
+                    });
+                    supervise(init)
+                }
+                Err(error) => {
+                    report(&ShimReport::Error(error.report()));
+                    1
+                }
             }
-            Err(error) => {
-                report(&ShimReport::Error(error.report()));
-                1
-            }
-        },
+        }
         Err(error) => {
             report(&ShimReport::Error(error.report()));
             2
@@ -64,22 +80,10 @@ pub fn container_init_main() -> ! {
     std::process::exit(code)
 }
 
-/// The settings document, read to the end of stdin, which then becomes `/dev/null`.
-fn read_args() -> Result<Vec<u8>, StepError> {
-    let mut json = Vec::new();
-    std::io::stdin()
-        .lock()
-        .take(MAX_ARGS_BYTES + 1)
-        .read_to_end(&mut json)
-        .map_err(io(|| "read the settings on stdin".into()))?;
-    if json.len() as u64 > MAX_ARGS_BYTES {
-        return Err(StepError::Refused(format!(
-            "settings on stdin exceed {MAX_ARGS_BYTES} bytes"
-        )));
-    }
+fn stdin_from_null() -> Result<(), StepError> {
     let null = fs::File::open("/dev/null").map_err(io(|| "open /dev/null".into()))?;
     dup2(null.as_raw_fd(), 0).map_err(sys(|| "stdin from /dev/null".into()))?;
-    Ok(json)
+    Ok(())
 }
 
 fn report(report: &ShimReport) {
@@ -88,21 +92,6 @@ fn report(report: &ShimReport) {
     let _ = out
         .write_all(report.to_line().as_bytes())
         .and_then(|()| out.flush());
-}
-
-/// Makes the shim `command` will spawn inherit descriptor `fd` (it is
-/// close-on-exec in the server), at the same number.
-pub(super) fn inherit(command: &mut tokio::process::Command, fd: i32) {
-    // SAFETY: runs in the child between fork and exec, where only async-signal-safe
-    // calls are allowed: fcntl is one system call with integer arguments.
-    unsafe {
-        command.pre_exec(move || {
-            if libc::fcntl(fd, libc::F_SETFD, 0) != 0 {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
 }
 
 /// Makes the shim `command` will spawn get SIGKILL when the thread that spawns it
@@ -142,51 +131,142 @@ fn supervised_signals() -> SigSet {
     set
 }
 
-/// Everything up to a running agent; returns the host pid of the container init.
-fn launch(args: &InitArgs) -> Result<Pid, StepError> {
-    let (error_read, go_write, child) = fork_init(args)?;
-    // The first cgroup migration after a quiet spell waits for an RCU grace
-    // period (cgroup v1's threadgroup rwsem, 7-15 ms here): done while the init
-    // builds its root on the other core, and the init waits for it before exec.
-    let joined = join_cgroups(args, child);
-    if joined.is_ok() {
-        let _ = fs::File::from(go_write).write_all(b"g");
-    } else {
-        drop(go_write); // EOF: the init gives up before exec
-    }
-    let message = read_to_end(error_read);
-    if message.is_empty() && joined.is_ok() {
-        return Ok(child); // EOF without a word: execve succeeded
-    }
-    let _ = waitpid(child, None);
-    // An init that failed on its own (and so could not be moved) says why.
-    match joined {
-        Err(join_error) if message.is_empty() || message == NOT_PLACED => Err(join_error),
-        _ => Err(StepError::Init(message)),
+/// Forks the container init into a new PID namespace; returns its pid and the pipe
+/// its report comes on. The init waits for its settings.
+fn fork_init() -> Result<(Pid, OwnedFd), StepError> {
+    let (report_read, report_write) =
+        pipe2(OFlag::O_CLOEXEC).map_err(sys(|| "report pipe".into()))?;
+    let mut old_mask = SigSet::empty();
+    sigprocmask(
+        SigmaskHow::SIG_BLOCK,
+        Some(&supervised_signals()),
+        Some(&mut old_mask),
+    )
+    .map_err(sys(|| "block signals".into()))?;
+    // The first child forked after this becomes the namespace's init, and the
+    // namespace dies with it.
+    unshare(CloneFlags::CLONE_NEWPID).map_err(sys(|| "unshare the PID namespace".into()))?;
+    // SAFETY: the shim is single-threaded (it runs before the binary starts any thread),
+    // so the child may allocate and use any library call.
+    match unsafe { fork() }.map_err(sys(|| "fork the container init".into()))? {
+        ForkResult::Child => {
+            drop(report_read);
+            let mut pipe = fs::File::from(report_write);
+            let message = container_init(&mut pipe, &old_mask);
+            let _ = pipe.write_all(message.as_bytes());
+            // SAFETY: _exit skips the parent's atexit handlers and buffered stdout, which
+            // this forked copy must not run or flush.
+            unsafe { libc::_exit(1) }
+        }
+        ForkResult::Parent { child } => Ok((child, report_read)),
     }
 }
 
-/// Makes the namespaces and the agent's socket and forks the container init;
-/// returns the pipe its report comes on, the pipe that lets it go on, and its pid.
-fn fork_init(args: &InitArgs) -> Result<(OwnedFd, OwnedFd, Pid), StepError> {
-    let mut flags = CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC | CloneFlags::CLONE_NEWPID;
+/// Waits for the init's exec: end of file after its steps means it ran the agent.
+fn await_exec(init: Pid, reports: OwnedFd) -> Result<String, StepError> {
+    let message = read_to_end(reports);
+    let (steps, rest) = match message.strip_prefix(STEPS_PREFIX) {
+        Some(after) => after.split_once('\n').unwrap_or((after, "")),
+        None => ("", message.as_str()),
+    };
+    if !rest.is_empty() {
+        let _ = waitpid(init, None);
+        return Err(StepError::Init(rest.to_owned()));
+    }
+    // `<when the init was about to exec> <its steps>`
+    let Some((exec_began, steps)) = steps.split_once(' ') else {
+        let _ = waitpid(init, None);
+        return Err(StepError::Refused(
+            "the container init ended before it was given a sandbox".into(),
+        ));
+    };
+    let exec_us =
+        crate::timeline::monotonic_ns().saturating_sub(exec_began.parse().unwrap_or(0)) / 1000;
+    Ok(format!(
+        "{steps} init_exec={:.2}ms",
+        exec_us as f64 / 1000.0
+    ))
+}
+
+/// The settings, the sandbox's user namespace and its console log, as the server
+/// sends them on stdin: a 16-byte header (the settings' length and when they were
+/// sent, on the monotonic clock) with both descriptors attached, then the settings
+/// document. Returns the time they were sent too.
+fn receive_settings() -> Result<(InitArgs, OwnedFd, OwnedFd, u64), StepError> {
+    use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+    let mut header = [0u8; 16];
+    let mut space = nix::cmsg_space!([RawFd; 2]);
+    let (got, fds) = {
+        let mut parts = [std::io::IoSliceMut::new(&mut header)];
+        let message = recvmsg::<()>(0, &mut parts, Some(&mut space), MsgFlags::MSG_CMSG_CLOEXEC)
+            .map_err(sys(|| "receive the settings".into()))?;
+        let mut fds = Vec::new();
+        for cmsg in message
+            .cmsgs()
+            .map_err(sys(|| "read the descriptors".into()))?
+        {
+            if let ControlMessageOwned::ScmRights(received) = cmsg {
+                // SAFETY: the kernel just installed these descriptors for this
+                // process; nothing else owns them.
+                fds.extend(
+                    received
+                        .into_iter()
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) }),
+                );
+            }
+        }
+        (message.bytes, fds)
+    };
+    if got == 0 {
+        return Err(StepError::Refused("the server sent no settings".into()));
+    }
+    let mut stdin = std::io::stdin().lock();
+    stdin
+        .read_exact(&mut header[got..])
+        .map_err(io(|| "read the settings' length".into()))?;
+    let len = u64::from_le_bytes(header[..8].try_into().expect("8 bytes"));
+    let sent_ns = u64::from_le_bytes(header[8..].try_into().expect("8 bytes"));
+    if len > MAX_ARGS_BYTES {
+        return Err(StepError::Refused(format!(
+            "settings exceed {MAX_ARGS_BYTES} bytes"
+        )));
+    }
+    let mut json = vec![0u8; len as usize];
+    stdin
+        .read_exact(&mut json)
+        .map_err(io(|| "read the settings".into()))?;
+    let args = InitArgs::decode(&json).map_err(StepError::Settings)?;
+    let mut fds = fds.into_iter();
+    let (Some(userns), Some(console), None) = (fds.next(), fds.next(), fds.next()) else {
+        return Err(StepError::Refused(
+            "the settings came without exactly a user namespace and a console".into(),
+        ));
+    };
+    // `inherited` owns the number from here (a refused one is left to the exit).
+    let userns = super::userns::inherited(std::os::fd::IntoRawFd::into_raw_fd(userns))?;
+    Ok((args, userns, console, sent_ns))
+}
+
+/// Joins or makes the sandbox's network namespace and makes its UTS and IPC ones.
+fn enter_namespaces(args: &InitArgs) -> Result<(), StepError> {
+    let mut flags = CloneFlags::CLONE_NEWUTS | CloneFlags::CLONE_NEWIPC;
     match &args.network {
         // The network side made and configured the namespace; the container
         // only enters it, before anything in it runs.
         Some(network) => join_network(&network.netns)?,
         None => flags |= CloneFlags::CLONE_NEWNET,
     }
-    // Before the PID namespace: the first child forked after that becomes its
-    // init, and the namespace dies with it.
-    let userns = super::userns::inherited(args.userns_fd)?;
     unshare(flags).map_err(sys(|| "unshare namespaces".into()))?;
     // In the sandbox's network namespace now, joined or new; repeated on every
     // start. It belongs to the host's user namespace, where the sandbox's root
     // has no capability: ports below 1024 must need none, and ping uses ICMP
     // datagram sockets.
     write_sysctl("net/ipv4/ip_unprivileged_port_start", "0")?;
-    harden::allow_unprivileged_ping()?;
+    harden::allow_unprivileged_ping()
+}
 
+/// The agent's listening socket, bound in the sandbox's directory.
+fn bind_agent_socket(args: &InitArgs) -> Result<UnixListener, StepError> {
     let socket = SandboxLayout {
         dir: args.sandbox_dir.clone(),
     }
@@ -201,47 +281,7 @@ fn fork_init(args: &InitArgs) -> Result<(OwnedFd, OwnedFd, Pid), StepError> {
         _ => {}
     }
     // A path socket works across network namespaces; the server connects to it directly.
-    let listener =
-        UnixListener::bind(&socket).map_err(io(|| format!("bind {}", socket.display())))?;
-
-    // Prepared before fork so the init only applies them.
-    let filters = seccomp::seccomp_filters()?;
-    let keep = harden::kept_caps(args.keep_mknod);
-    let env = exec_env(args, listener.as_raw_fd())?;
-
-    let (error_read, error_write) = pipe2(OFlag::O_CLOEXEC).map_err(sys(|| "error pipe".into()))?;
-    let (go_read, go_write) = pipe2(OFlag::O_CLOEXEC).map_err(sys(|| "go pipe".into()))?;
-    let mut old_mask = SigSet::empty();
-    sigprocmask(
-        SigmaskHow::SIG_BLOCK,
-        Some(&supervised_signals()),
-        Some(&mut old_mask),
-    )
-    .map_err(sys(|| "block signals".into()))?;
-
-    // SAFETY: the shim is single-threaded (it runs before the binary starts any thread),
-    // so the child may allocate and use any library call.
-    match unsafe { fork() }.map_err(sys(|| "fork the container init".into()))? {
-        ForkResult::Child => {
-            drop(error_read);
-            drop(go_write);
-            let message = container_init(
-                args, &listener, &userns, &filters, keep, &env, &old_mask, go_read,
-            );
-            let mut pipe = fs::File::from(error_write);
-            let _ = pipe.write_all(message.as_bytes());
-            // SAFETY: _exit skips the parent's atexit handlers and buffered stdout, which
-            // this forked copy must not run or flush.
-            unsafe { libc::_exit(1) }
-        }
-        ForkResult::Parent { child } => {
-            drop(error_write);
-            drop(go_read);
-            // Only the container holds the socket now: once it dies, connects fail.
-            drop(listener);
-            Ok((error_read, go_write, child))
-        }
-    }
+    UnixListener::bind(&socket).map_err(io(|| format!("bind {}", socket.display())))
 }
 
 fn join_network(netns: &std::path::Path) -> Result<(), StepError> {
@@ -250,27 +290,6 @@ fn join_network(netns: &std::path::Path) -> Result<(), StepError> {
     setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(sys(|| {
         format!("join network namespace {}", netns.display())
     }))
-}
-
-/// Puts the container init (not the shim) into the sandbox's cgroups: a cgroup kill then
-/// ends the container but not the shim, which reaps the init and exits with its status.
-fn join_cgroups(args: &InitArgs, init: Pid) -> Result<(), StepError> {
-    let pid = init.as_raw().to_string();
-    for procs in &args.cgroup_procs {
-        fs::write(procs, &pid).map_err(io(|| format!("join cgroup {}", procs.display())))?;
-    }
-    Ok(())
-}
-
-const NOT_PLACED: &str = "the shim did not place the container in its cgroups";
-
-/// Blocks until the shim has put this process into its cgroups; EOF means it failed.
-fn wait_for_cgroups(go: OwnedFd) -> Result<(), StepError> {
-    let mut byte = [0u8; 1];
-    match fs::File::from(go).read(&mut byte) {
-        Ok(1) => Ok(()),
-        _ => Err(StepError::Refused(NOT_PLACED.to_string())),
-    }
 }
 
 fn read_to_end(fd: OwnedFd) -> String {
@@ -298,26 +317,34 @@ fn write_sysctl(name: &str, value: &str) -> Result<(), StepError> {
     fs::write(&path, value).map_err(io(|| format!("write {path}")))
 }
 
-/// The forked container init: returns only with the reason it could not exec the agent.
-#[allow(clippy::too_many_arguments)]
-fn container_init(
-    args: &InitArgs,
-    listener: &UnixListener,
-    userns: &OwnedFd,
-    filters: &[BpfProgram],
-    keep_caps: u64,
-    env: &[CString],
-    old_mask: &SigSet,
-    go: OwnedFd,
-) -> String {
+/// The forked container init: waits for its sandbox's settings, then makes the
+/// sandbox and execs its agent; returns only with the reason it could not. Its
+/// steps' times go to `report` just before the exec.
+fn container_init(report: &mut fs::File, old_mask: &SigSet) -> String {
     let result = (|| -> Result<std::convert::Infallible, StepError> {
         die_with_the_shim()?;
+        let (args, userns, console, sent_ns) = receive_settings()?;
+        let mut timeline = Timeline::start("container init");
+        timeline.step_since("init_woken", sent_ns);
+        stdin_from_null()?;
+        // stderr is the console log the server opened; stdout joins it.
+        dup2(console.as_raw_fd(), 2).map_err(sys(|| "redirect stderr".into()))?;
+        dup2(2, 1).map_err(sys(|| "redirect stdout".into()))?;
+        drop(console);
+        timeline.step("init_settings");
+        enter_namespaces(&args)?;
+        timeline.step("init_namespaces");
+        let listener = bind_agent_socket(&args)?;
+        let filters = seccomp::seccomp_filters()?;
+        let keep = harden::kept_caps(args.keep_mknod);
+        let env = exec_env(&args, listener.as_raw_fd())?;
+        timeline.step("init_socket_and_filters");
+
         unshare(CloneFlags::CLONE_NEWNS).map_err(sys(|| "unshare mount namespace".into()))?;
         umask(Mode::from_bits_truncate(0o022));
-        rootfs::build(args, userns)?;
+        rootfs::build(&args, &userns)?;
+        timeline.step("init_root");
 
-        // stderr is the console log the server opened; stdout joins it.
-        dup2(2, 1).map_err(sys(|| "redirect stdout".into()))?;
         mark_fds_cloexec();
         let fd = listener.as_raw_fd();
         fcntl(fd, FcntlArg::F_SETFD(FdFlag::empty()))
@@ -329,11 +356,11 @@ fn container_init(
         sigprocmask(SigmaskHow::SIG_SETMASK, Some(old_mask), None)
             .map_err(sys(|| "restore signal mask".into()))?;
 
-        wait_for_cgroups(go)?;
-        // Its own cgroup is the root of what it sees; then it becomes the
-        // sandbox's root, which is no one on the host.
+        // The server placed this process in the sandbox's cgroups before it sent
+        // the settings. Its own cgroup is the root of what it sees; then it
+        // becomes the sandbox's root, which is no one on the host.
         unshare(CloneFlags::CLONE_NEWCGROUP).map_err(sys(|| "unshare cgroup namespace".into()))?;
-        enter_user_namespace(userns)?;
+        enter_user_namespace(&userns)?;
         // Changing its ids cleared the death signal set above; set it again.
         die_with_the_shim()?;
         let path = CString::new(AGENT_PATH).expect("constant has no NUL");
@@ -341,9 +368,20 @@ fn container_init(
             CString::new("cove-agent").expect("no NUL"),
             CString::new("init").expect("no NUL"),
         ];
-        harden::confine_syscalls(filters)?;
-        harden::drop_capabilities(keep_caps)?;
-        execve(&path, &argv, env).map_err(sys(|| format!("execve {AGENT_PATH}")))
+        timeline.step("init_enter");
+        harden::confine_syscalls(&filters)?;
+        harden::drop_capabilities(keep)?;
+        timeline.step("init_confine");
+        // The report pipe is close-on-exec: the shim sees these steps, then its end.
+        let _ = report.write_all(
+            format!(
+                "{STEPS_PREFIX}{} {}\n",
+                crate::timeline::monotonic_ns(),
+                timeline.summary()
+            )
+            .as_bytes(),
+        );
+        execve(&path, &argv, &env).map_err(sys(|| format!("execve {AGENT_PATH}")))
     })();
     match result {
         Err(error) => error.report(),
