@@ -152,17 +152,7 @@ pub(super) async fn fork(client: &Client, snapshot: &str, n: usize) -> anyhow::R
             delete_sandbox(client, &child).await?;
             answered?;
         }
-        let began = Instant::now();
-        let worst_gap = loop {
-            if let Ok(out) = run_command(client, parent, "cat /tmp/worst-gap").await {
-                break out.trim().parse::<f64>().ok();
-            }
-            anyhow::ensure!(
-                began.elapsed() < OPERATION_TIMEOUT,
-                "the ticker in the parent never reported"
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        };
+        let worst_gap = longest_stall(client, parent).await?;
         let mut extra = Map::new();
         extra.insert("parent_longest_stall_ms".into(), json!(worst_gap));
         Ok(Measurement { samples, extra })
@@ -223,17 +213,7 @@ pub(super) async fn fork_many(
                 per_child.push(child?);
             }
         }
-        let began = Instant::now();
-        let worst_gap = loop {
-            if let Ok(out) = run_command(client, parent, "cat /tmp/worst-gap").await {
-                break out.trim().parse::<f64>().ok();
-            }
-            anyhow::ensure!(
-                began.elapsed() < OPERATION_TIMEOUT,
-                "the ticker in the parent never reported"
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        };
+        let worst_gap = longest_stall(client, parent).await?;
         let (child_median, child_p95, _) = summarize(&mut per_child);
         let (fork_median, fork_p95, _) = summarize(&mut answered_at_fork);
         let mut extra = Map::new();
@@ -246,6 +226,24 @@ pub(super) async fn fork_many(
         Ok(Measurement { samples, extra })
     })
     .await
+}
+
+/// The longest stop the ticker in `parent` saw, once it has written it (a
+/// read between its open and its write finds the file empty: read again).
+async fn longest_stall(client: &Client, parent: &Value) -> anyhow::Result<f64> {
+    let began = Instant::now();
+    loop {
+        if let Ok(out) = run_command(client, parent, "cat /tmp/worst-gap").await {
+            if let Ok(gap) = out.trim().parse::<f64>() {
+                return Ok(gap);
+            }
+        }
+        anyhow::ensure!(
+            began.elapsed() < OPERATION_TIMEOUT,
+            "the ticker in the parent never reported"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 async fn start_session_command(
