@@ -33,7 +33,7 @@ IDLE_WINDOW = 6.0
 
 
 def vm(sandboxes, **kw):
-    return sandboxes(CreateSandboxFromSnapshotParams(snapshot=VM, **kw), timeout=TIMEOUT)
+    return sandboxes(CreateSandboxFromSnapshotParams(snapshot=VM, **kw))
 
 
 def start_counter(sandbox) -> str:
@@ -76,7 +76,7 @@ def test_vm_class_and_accelerator(cove, sandboxes):
 def test_a_tiny_vm_has_256_mib_and_keeps_it_across_pause(cove, sandboxes, daytona):
     snapshot = daytona.snapshot.get("daytona-vm-tiny")
     assert (snapshot.cpu, snapshot.mem) == (1, 0.25)
-    sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot="daytona-vm-tiny"), timeout=TIMEOUT)
+    sandbox = sandboxes(CreateSandboxFromSnapshotParams(snapshot="daytona-vm-tiny"))
     # Whole GiB in the sandbox, as the SDK reads it.
     assert sandbox.memory == 1
     total_kib = int(sandbox.process.exec("awk '/MemTotal/ {print $2}' /proc/meminfo").result)
@@ -206,7 +206,7 @@ def test_memory_snapshot_starts_with_processes_running(cove, sandboxes, daytona)
 
 
 def vm_from(sandboxes, snapshot: str):
-    return sandboxes(CreateSandboxFromSnapshotParams(snapshot=snapshot), timeout=TIMEOUT)
+    return sandboxes(CreateSandboxFromSnapshotParams(snapshot=snapshot))
 
 
 def test_forks_diverge_and_keep_the_parent(cove, sandboxes, daytona):
@@ -215,9 +215,9 @@ def test_forks_diverge_and_keep_the_parent(cove, sandboxes, daytona):
     parent.code_interpreter.run_code("x = 41")
     at_fork = counter(parent)
 
-    first = parent.fork(name=unique("fork-a"), timeout=TIMEOUT)
+    first = parent.fork(name=unique("fork-a"))
     sandboxes.track(first.id)
-    second = parent.fork(name=unique("fork-b"), timeout=TIMEOUT)
+    second = parent.fork(name=unique("fork-b"))
     sandboxes.track(second.id)
     assert first.state == SandboxState.STARTED and second.state == SandboxState.STARTED
 
@@ -249,6 +249,58 @@ def test_forks_diverge_and_keep_the_parent(cove, sandboxes, daytona):
     reply = cove.request("DELETE", f"/sandbox/{parent.id}")
     assert reply.status_code == 409, reply.text
     assert first.id in reply.json()["message"] or first.name in reply.json()["message"]
+
+
+def test_a_fork_into_many_children_each_go_on_alone_and_the_parent_runs(cove, sandboxes, daytona):
+    """`POST /sandbox/{id}/forks` (a cove extension, raw HTTP: the SDK has no
+    call for it): N children from one instant of the parent, each with the
+    parent's counting loop going on in it, its own name and address."""
+    parent = vm(sandboxes)
+    start_counter(parent)
+    at_fork = counter(parent)
+    names = [unique(f"fan-{i}") for i in range(3)]
+
+    reply = cove.request("POST", f"/sandbox/{parent.id}/forks", json={"names": names})
+    assert reply.status_code == 200, reply.text
+    made = reply.json()
+    for child in made:
+        sandboxes.track(child["id"])
+    assert [c["name"] for c in made] == names
+    assert all(c["state"] == "started" and c["parentSandboxId"] == parent.id for c in made), made
+
+    children = [daytona.get(c["id"]) for c in made]
+    # Each child's loop went on from the parent's count, not from 0, and
+    # counts alone: a mark one child makes is seen by none of the others.
+    for child in children:
+        assert counting_on(child, at_fork)
+    for child in children:
+        child.process.exec(f"echo {child.id} > /tmp/mark")
+    for child in children:
+        assert child.process.exec("cat /tmp/mark").result.strip() == child.id
+    assert parent.process.exec("cat /tmp/mark 2>/dev/null || echo none").result.strip() == "none"
+    assert counting_on(parent, at_fork)
+
+    # Each is itself: its own host name (its sandbox name) and its own address.
+    hostnames = [child.process.exec("hostname").result.strip() for child in children]
+    assert hostnames == [name[:63] for name in names]
+    addresses = {address_of(sandbox) for sandbox in [parent, *children]}
+    assert len(addresses) == 4, addresses
+    forks = cove.request("GET", f"/sandbox/{parent.id}/forks").json()
+    assert sorted(f["id"] for f in forks) == sorted(c["id"] for c in made)
+
+
+def test_a_fork_into_many_refuses_bad_counts_and_makes_nothing(cove, sandboxes):
+    parent = vm(sandboxes)
+    for body in ({}, {"count": 0}, {"count": 1000}, {"count": "two"}, {"count": 2, "names": ["a"]}):
+        reply = cove.request("POST", f"/sandbox/{parent.id}/forks", json=body)
+        assert reply.status_code == 400, (body, reply.text)
+        assert reply.json()["message"], reply.text
+    assert cove.request("GET", f"/sandbox/{parent.id}/forks").json() == []
+    # The one-child fork answers one sandbox, as before.
+    reply = cove.request("POST", f"/sandbox/{parent.id}/fork", json={"name": unique("one")})
+    assert reply.status_code == 200, reply.text
+    sandboxes.track(reply.json()["id"])
+    assert reply.json()["parentSandboxId"] == parent.id
 
 
 CURL = "curl -s -m 5 -o /dev/null -w '%{http_code}' "
@@ -285,7 +337,7 @@ def test_vm_network_policy_forks_and_pause(cove, sandboxes, fake_internet):
 
     # A fork starts from the parent's memory (its address, its MAC) and is
     # given its own: both reach the internet, neither reaches the other.
-    child = parent.fork(name=unique("net-fork"), timeout=TIMEOUT)
+    child = parent.fork(name=unique("net-fork"))
     sandboxes.track(child.id)
     assert address_of(child) != address_of(parent)
     assert fetch(child, "http://allowed.test/") == "200"
@@ -618,7 +670,7 @@ def test_a_create_takes_a_waiting_vm_of_the_warm_pool(fake_internet):
         # like any other; the old name it was launched under goes with its
         # process.
         start_counter(sandbox)
-        child = sandbox.fork(name=unique("pooled-child"), timeout=TIMEOUT)
+        child = sandbox.fork(name=unique("pooled-child"))
         assert counting_on(child, 1)
         before = counter(sandbox)
         sandbox.pause()
@@ -634,11 +686,11 @@ def test_a_create_takes_a_waiting_vm_of_the_warm_pool(fake_internet):
 
         # Another size finds none waiting; from its first create on, one of it waits too.
         tiny = CreateSandboxFromSnapshotParams(snapshot="daytona-vm-tiny")
-        first = client.create(tiny, timeout=TIMEOUT)
+        first = client.create(tiny)
         assert wait_until(lambda: made() == 3, TIMEOUT), server.log_tail()
         both = waiting_vms(data_dir)
         assert len(both) == 2, both
-        second = client.create(tiny, timeout=TIMEOUT)
+        second = client.create(tiny)
         assert len(set(sandbox_qemus(data_dir)) & set(both)) == 1, (sandbox_qemus(data_dir), both)
         assert int(second.process.exec("awk '/MemTotal/ {print $2}' /proc/meminfo").result) <= 256 * 1024
         assert wait_until(lambda: made() == 4, TIMEOUT), server.log_tail()
@@ -761,8 +813,8 @@ def test_a_pause_keeps_its_qemu_frozen_until_it_deepens_and_a_crash_loses_neithe
 def test_killed_server_loses_no_vm_and_delete_leaves_no_qemu():
     with own_vm_server("--no-network") as (server, data_dir):
         client = server.client()
-        running = client.create(CreateSandboxFromSnapshotParams(snapshot=VM, name="vm-running"), timeout=TIMEOUT)
-        paused = client.create(CreateSandboxFromSnapshotParams(snapshot=VM, name="vm-paused"), timeout=TIMEOUT)
+        running = client.create(CreateSandboxFromSnapshotParams(snapshot=VM, name="vm-running"))
+        paused = client.create(CreateSandboxFromSnapshotParams(snapshot=VM, name="vm-paused"))
         running.fs.upload_file(b"running disk", "/home/daytona/f")
         paused.fs.upload_file(b"paused disk", "/home/daytona/f")
         start_counter(running)

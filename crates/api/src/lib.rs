@@ -153,7 +153,10 @@ pub fn app(state: AppState) -> Router {
             post(machines::network_settings),
         )
         .route("/sandbox/{id}/fork", post(machines::fork))
-        .route("/sandbox/{id}/forks", get(machines::forks))
+        .route(
+            "/sandbox/{id}/forks",
+            get(machines::forks).post(machines::fork_many),
+        )
         .route("/sandbox/{id}/parent", get(machines::parent))
         .route("/sandbox/{id}/ancestors", get(machines::ancestors))
         .route("/vms/{id}/pause", post(machines::pause))

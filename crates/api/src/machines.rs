@@ -94,6 +94,82 @@ pub(crate) async fn fork(
     Ok(dto(&state, &headers, child))
 }
 
+/// The body of `POST /sandbox/{id}/forks`: `count` children, or one per
+/// entry of `names`; with both, they must agree.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(crate) struct ForkManyRequest {
+    pub count: Option<usize>,
+    pub names: Option<Vec<String>>,
+}
+
+impl ForkManyRequest {
+    /// One entry per child: its name, or `None` for its id.
+    fn children(self) -> Result<Vec<Option<String>>, ApiError> {
+        let max = cove_engine::MAX_FORK_CHILDREN;
+        let names = match (self.count, self.names) {
+            (None, None) => {
+                return Err(ApiError::bad_request(
+                    "say how many children to fork: {\"count\": N} or {\"names\": [...]}",
+                ))
+            }
+            (Some(count), None) => vec![None; count],
+            (count, Some(names)) => {
+                if let Some(count) = count.filter(|count| *count != names.len()) {
+                    return Err(ApiError::bad_request(format!(
+                        "count {count} differs from the {} names given; give one or make them agree",
+                        names.len()
+                    )));
+                }
+                names.into_iter().map(Some).collect()
+            }
+        };
+        if names.is_empty() || names.len() > max {
+            return Err(ApiError::bad_request(format!(
+                "count must be 1 to {max}, not {}",
+                names.len()
+            )));
+        }
+        Ok(names)
+    }
+}
+
+/// `POST /sandbox/{id}/forks` `{"count": N}` or `{"names": [...]}` (a cove
+/// extension beside Daytona's one-child `fork`): N children from one
+/// instant of the parent, answered as a list in the order asked. Each
+/// child counts as a create against the rate limit and the quota; all are
+/// made or none is.
+pub(crate) async fn fork_many(
+    State(state): State<AppState>,
+    tenant: crate::auth::Tenant,
+    axum::Extension(caller): axum::Extension<cove_engine::Caller>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Result<Json<ForkManyRequest>, axum::extract::rejection::JsonRejection>,
+) -> Result<Json<Vec<Sandbox>>, axum::response::Response> {
+    use axum::response::IntoResponse;
+    // Another organization's sandbox is a 404 whatever the body says.
+    tenant
+        .sandboxes()
+        .get(&id)
+        .await
+        .map_err(|error| ApiError::from(error).into_response())?;
+    let Json(request) = body.map_err(|e| ApiError::bad_request(e.body_text()).into_response())?;
+    let names = request.children().map_err(IntoResponse::into_response)?;
+    crate::rate_limit::take_creates(&state, &caller, names.len() as u64).await?;
+    let children = tenant
+        .sandboxes()
+        .fork_many(&id, &names)
+        .await
+        .map_err(|error| ApiError::from(error).into_response())?;
+    Ok(Json(
+        children
+            .into_iter()
+            .map(|r| to_dto(&state, &headers, r))
+            .collect(),
+    ))
+}
+
 /// `GET /sandbox/{id}/parent`.
 pub(crate) async fn parent(
     State(state): State<AppState>,

@@ -220,6 +220,12 @@ pub(crate) const OPERATIONS: &[Operation] = &[
         "A sandbox's forks (cove extension)",
     ),
     op(
+        "POST",
+        "/sandbox/{id}/forks",
+        "sandbox",
+        "Fork a running sandbox into N children at once, all or none (cove extension)",
+    ),
+    op(
         "GET",
         "/sandbox/{id}/parent",
         "sandbox",

@@ -2,6 +2,8 @@
 //! every control-API request (`authenticatedRateLimit`), sandbox creates and
 //! forks (`sandboxCreateRateLimit`) and lifecycle changes
 //! (`sandboxLifecycleRateLimit`), each N requests per window of T seconds.
+//! A fork into many (`POST /api/sandbox/{id}/forks`) counts each child as a
+//! create, all or none, in its handler, which alone knows how many.
 //! A request past one is a 429 with `Retry-After`, the seconds until its
 //! window ends. The operator's key is never limited, so the operator can
 //! always lift a limit set too low.
@@ -85,6 +87,18 @@ impl RateLimiter {
         limit: RateLimit,
         now: Instant,
     ) -> Result<(), Duration> {
+        self.take_many(organization, kind, limit, now, 1)
+    }
+
+    /// Counts `n` requests at once, or none if they do not all fit.
+    fn take_many(
+        &self,
+        organization: &str,
+        kind: Kind,
+        limit: RateLimit,
+        now: Instant,
+        n: u64,
+    ) -> Result<(), Duration> {
         let window = Duration::from_secs(limit.window_seconds.max(1));
         let mut windows = self.windows.lock().unwrap();
         let (started, count) = windows
@@ -93,12 +107,59 @@ impl RateLimiter {
         if now.duration_since(*started) >= window {
             (*started, *count) = (now, 0);
         }
-        if *count >= limit.requests {
+        if count.saturating_add(n) > limit.requests {
             return Err(window.saturating_sub(now.duration_since(*started)));
         }
-        *count += 1;
+        *count += n;
         Ok(())
     }
+}
+
+/// Counts `n` sandbox creates by `caller` against its organization's
+/// `sandboxCreateRateLimit`, all or none: for a fork into many, whose
+/// number of creates is in its body.
+pub(crate) async fn take_creates(
+    state: &AppState,
+    caller: &Caller,
+    n: u64,
+) -> Result<(), Response> {
+    if caller.operator {
+        return Ok(());
+    }
+    let organization = &caller.organization_id;
+    let quota = state
+        .engine
+        .billing()
+        .organization_quota(organization)
+        .await
+        .map_err(|error| ApiError::from(error).into_response())?;
+    let kind = Kind::SandboxCreate;
+    let Some(limit) = kind.limit(&quota) else {
+        return Ok(());
+    };
+    state
+        .rate_limiter
+        .take_many(organization, kind, limit, Instant::now(), n)
+        .map_err(|wait| refusal(kind, limit, wait))
+}
+
+/// The 429 of a request past `limit`, with the seconds to `wait`.
+fn refusal(kind: Kind, limit: RateLimit, wait: Duration) -> Response {
+    let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+    let mut response = ApiError::new(
+        StatusCode::TOO_MANY_REQUESTS,
+        format!(
+            "rate limit {} of {} requests per {} s reached; retry in {seconds} s",
+            kind.name(),
+            limit.requests,
+            limit.window_seconds
+        ),
+    )
+    .into_response();
+    response
+        .headers_mut()
+        .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
+    response
 }
 
 /// Refuses a request past one of the organization's rate limits. Runs inside
@@ -133,21 +194,7 @@ pub(crate) async fn check(State(state): State<AppState>, request: Request, next:
             continue;
         };
         if let Err(wait) = state.rate_limiter.take(organization, kind, limit, now) {
-            let seconds = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-            let mut response = ApiError::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                format!(
-                    "rate limit {} of {} requests per {} s reached; retry in {seconds} s",
-                    kind.name(),
-                    limit.requests,
-                    limit.window_seconds
-                ),
-            )
-            .into_response();
-            response
-                .headers_mut()
-                .insert(header::RETRY_AFTER, HeaderValue::from(seconds.max(1)));
-            return response;
+            return refusal(kind, limit, wait);
         }
     }
     next.run(request).await
@@ -188,6 +235,11 @@ mod tests {
             kinds(&Method::PUT, "/api/sandbox/{id}/labels"),
             [Authenticated]
         );
+        // Its handler counts one create per child.
+        assert_eq!(
+            kinds(&Method::POST, "/api/sandbox/{id}/forks"),
+            [Authenticated]
+        );
         assert!(kinds(&Method::POST, "/toolbox/{id}/{*path}").is_empty());
         assert!(kinds(&Method::GET, "/metrics").is_empty());
     }
@@ -225,5 +277,28 @@ mod tests {
                 t0 + Duration::from_secs(10),
             )
             .unwrap();
+    }
+
+    #[test]
+    fn many_at_once_count_each_and_all_or_none() {
+        let limiter = RateLimiter::default();
+        let limit = RateLimit {
+            requests: 5,
+            window_seconds: 10,
+        };
+        let t0 = Instant::now();
+        limiter
+            .take_many("a", Kind::SandboxCreate, limit, t0, 3)
+            .unwrap();
+        // Three more do not fit in the two left, and none is counted.
+        limiter
+            .take_many("a", Kind::SandboxCreate, limit, t0, 3)
+            .unwrap_err();
+        limiter
+            .take_many("a", Kind::SandboxCreate, limit, t0, 2)
+            .unwrap();
+        limiter
+            .take("a", Kind::SandboxCreate, limit, t0)
+            .unwrap_err();
     }
 }

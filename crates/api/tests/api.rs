@@ -1836,6 +1836,120 @@ async fn quotas_are_the_operators_and_refuse_what_cove_cannot_keep() {
 }
 
 #[tokio::test]
+async fn a_fork_into_many_answers_every_child_or_a_clear_400() {
+    let api = api().await;
+    let (status, vm) = api
+        .call(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "vm", "snapshot": "daytona-vm-small"})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{vm}");
+    let (status, children) = api
+        .call("POST", "/api/sandbox/vm/forks", Some(json!({"count": 3})))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{children}");
+    let children = children.as_array().unwrap();
+    assert_eq!(children.len(), 3);
+    for child in children {
+        assert_eq!(child["state"], "started");
+        assert_eq!(child["parentSandboxId"], vm["id"]);
+    }
+    let (status, named) = api
+        .call(
+            "POST",
+            "/api/sandbox/vm/forks",
+            Some(json!({"names": ["n1", "n2"]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{named}");
+    assert_eq!(
+        (named[0]["name"].as_str(), named[1]["name"].as_str()),
+        (Some("n1"), Some("n2"))
+    );
+    let (_, forks) = api.call("GET", "/api/sandbox/vm/forks", None).await;
+    assert_eq!(forks.as_array().unwrap().len(), 5);
+
+    for (body, says) in [
+        (json!({}), "say how many children"),
+        (json!({"count": 0}), "count must be 1 to 32, not 0"),
+        (json!({"count": 33}), "not 33"),
+        (json!({"count": -1}), "count"),
+        (
+            json!({"count": 2, "names": ["a"]}),
+            "count 2 differs from the 1 names",
+        ),
+        (json!({"names": ["a", "a"]}), "the name a is given twice"),
+        (json!({"cuont": 2}), "cuont"),
+    ] {
+        let (status, answer) = api
+            .call("POST", "/api/sandbox/vm/forks", Some(body.clone()))
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{body}: {answer}");
+        assert!(message(&answer).contains(says), "{body}: {answer}");
+    }
+    // Refusals made nothing.
+    let (_, forks) = api.call("GET", "/api/sandbox/vm/forks", None).await;
+    assert_eq!(forks.as_array().unwrap().len(), 5);
+}
+
+#[tokio::test]
+async fn each_child_of_a_fork_into_many_counts_against_the_create_rate_limit() {
+    let api = api().await;
+    let (status, body) = api
+        .call(
+            "PATCH",
+            "/api/organizations/cove/quota",
+            Some(json!({"sandboxCreateRateLimit": 4, "sandboxCreateRateLimitTtlSeconds": 60})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT, "{body}");
+    let agent = api.key("agent", json!(["write:sandboxes"])).await;
+    let (status, body) = api
+        .call_with_key(
+            "POST",
+            "/api/sandbox",
+            Some(json!({"name": "vm", "snapshot": "daytona-vm-small"})),
+            Some(&agent),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    // Three left: four children do not fit and none is made or counted.
+    let (status, body) = api
+        .call_with_key(
+            "POST",
+            "/api/sandbox/vm/forks",
+            Some(json!({"count": 4})),
+            Some(&agent),
+        )
+        .await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    assert!(
+        message(&body).contains("sandboxCreateRateLimit of 4"),
+        "{body}"
+    );
+    let (status, body) = api
+        .call_with_key(
+            "POST",
+            "/api/sandbox/vm/forks",
+            Some(json!({"count": 3})),
+            Some(&agent),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    let (status, body) = api
+        .call_with_key(
+            "POST",
+            "/api/sandbox/vm/fork",
+            Some(json!({})),
+            Some(&agent),
+        )
+        .await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+}
+
+#[tokio::test]
 async fn a_create_past_the_rate_limit_is_a_429_saying_when_to_retry() {
     let api = api().await;
     let (status, body) = api

@@ -62,7 +62,7 @@ pub use events::{SandboxEvent, FEED_CAPACITY};
 pub use network::{policy as network_policy, NetworkHandle};
 pub use organizations::{Organizations, DEFAULT_ORGANIZATION};
 pub use quota::{QuotaChange, Usage, REGION_ID};
-pub use sandboxes::{CreateSandbox, Sandboxes, SettingChange};
+pub use sandboxes::{CreateSandbox, Sandboxes, SettingChange, MAX_FORK_CHILDREN};
 pub use snapshots::{
     parse_dockerfile, registry_host, BuildLog, ContextObject, DeclaredSha256, DockerfilePlan,
     ImageSnapshotRequest, PushGrant, RegistryRequest, Snapshots,

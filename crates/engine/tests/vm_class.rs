@@ -238,7 +238,7 @@ async fn fork_makes_an_independent_child_and_a_tree() {
     assert_eq!(child.name, "child");
     assert_ne!(child.id, parent.id);
     // The child continued from the copied memory; the parent runs on.
-    assert_eq!(calls_for(&h.fake, &child.id), ["fork", "resume"]);
+    assert_eq!(calls_for(&h.fake, &child.id), ["fork-many", "resume"]);
     assert_eq!(
         h.engine.sandboxes().get(&parent.id).await.unwrap().state,
         SandboxState::Started
@@ -448,6 +448,153 @@ async fn a_failed_fork_leaves_no_child_and_the_parent_running() {
         .fork(&parent.id, Some("child"))
         .await
         .unwrap();
+}
+
+fn names(of: &[&str]) -> Vec<Option<String>> {
+    of.iter().map(|name| Some((*name).to_owned())).collect()
+}
+
+fn listed_names(list: Vec<cove_store::SandboxRecord>) -> Vec<String> {
+    let mut names: Vec<String> = list.into_iter().map(|s| s.name).collect();
+    names.sort();
+    names
+}
+
+#[tokio::test]
+async fn fork_into_many_copies_once_and_starts_every_child() {
+    let h = harness().await;
+    let parent = h.engine.sandboxes().create(vm("parent")).await.unwrap();
+    let children = h
+        .engine
+        .sandboxes()
+        .fork_many(&parent.id, &[Some("a".into()), None, Some("c".into())])
+        .await
+        .unwrap();
+    // In the order asked, the unnamed one named by its id.
+    assert_eq!(children.len(), 3);
+    assert_eq!(
+        (children[0].name.as_str(), children[2].name.as_str()),
+        ("a", "c")
+    );
+    assert_eq!(children[1].name, children[1].id);
+    let ids: Vec<&str> = children.iter().map(|c| c.id.as_str()).collect();
+    // One copy of the parent for them all, then each continued from it.
+    let copies: Vec<String> = h
+        .fake
+        .calls()
+        .into_iter()
+        .filter(|c| c.starts_with("fork"))
+        .collect();
+    assert_eq!(
+        copies,
+        [format!("fork-many {} {}", parent.id, ids.join(","))]
+    );
+    for child in &children {
+        assert_eq!(child.state, SandboxState::Started);
+        assert_eq!(child.parent_id.as_deref(), Some(parent.id.as_str()));
+        assert!(h.fake.is_running(&sid(&child.id)).await);
+        let own: Vec<String> = calls_for(&h.fake, &child.id)
+            .into_iter()
+            .filter(|call| call != "fork-many")
+            .collect();
+        assert_eq!(own, ["resume"]);
+    }
+    assert_eq!(
+        h.engine.sandboxes().get(&parent.id).await.unwrap().state,
+        SandboxState::Started
+    );
+    assert_eq!(
+        h.engine.sandboxes().forks(&parent.id).await.unwrap().len(),
+        3
+    );
+}
+
+#[tokio::test]
+async fn fork_into_many_is_all_or_nothing() {
+    let h = harness().await;
+    let parent = h.engine.sandboxes().create(vm("parent")).await.unwrap();
+    let before = h.fake.machines();
+
+    // One child that cannot start takes the others with it.
+    h.fake.fail_start_of(Some("b"));
+    let err = h
+        .engine
+        .sandboxes()
+        .fork_many(&parent.id, &names(&["a", "b", "c"]))
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("fails the start of b"), "{err}");
+    assert_eq!(
+        listed_names(h.engine.sandboxes().list().await.unwrap()),
+        ["parent"]
+    );
+    assert_eq!(h.fake.machines(), before);
+    assert_eq!(
+        h.engine.sandboxes().get(&parent.id).await.unwrap().state,
+        SandboxState::Started
+    );
+    h.fake.fail_start_of(None);
+
+    // A name taken by the last child: the ones stored before it go.
+    h.engine.sandboxes().create(vm("taken")).await.unwrap();
+    let err = h
+        .engine
+        .sandboxes()
+        .fork_many(&parent.id, &names(&["x", "y", "taken"]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, EngineError::NameTaken { .. }), "{err}");
+    assert_eq!(
+        listed_names(h.engine.sandboxes().list().await.unwrap()),
+        ["parent", "taken"]
+    );
+
+    // Each child counts against the quota: two running, room for three
+    // more, four asked.
+    h.engine
+        .billing()
+        .update_region_quota(
+            cove_engine::DEFAULT_ORGANIZATION,
+            &cove_engine::QuotaChange {
+                max_running_sandboxes: Some(Some(5)),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let err = h
+        .engine
+        .sandboxes()
+        .fork_many(&parent.id, &names(&["q1", "q2", "q3", "q4"]))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, EngineError::QuotaExceeded { .. }), "{err}");
+    assert_eq!(
+        listed_names(h.engine.sandboxes().list().await.unwrap()),
+        ["parent", "taken"]
+    );
+    h.engine
+        .sandboxes()
+        .fork_many(&parent.id, &names(&["q1", "q2", "q3"]))
+        .await
+        .unwrap();
+
+    // No children, too many, or one name twice: refused before anything.
+    for (asked, says) in [
+        (Vec::new(), "1 to 32 children, not 0"),
+        (vec![None; 33], "not 33"),
+        (names(&["d", "d"]), "the name d is given twice"),
+    ] {
+        let err = h
+            .engine
+            .sandboxes()
+            .fork_many(&parent.id, &asked)
+            .await
+            .unwrap_err();
+        assert!(matches!(err, EngineError::Invalid { .. }), "{err}");
+        assert!(err.to_string().contains(says), "{err}");
+    }
+    assert_eq!(h.engine.sandboxes().list().await.unwrap().len(), 5);
 }
 
 /// A sandbox id the test names.

@@ -31,6 +31,8 @@ pub struct FakeRuntime {
     machines: Mutex<HashMap<String, Machine>>,
     fail_start: Mutex<Option<String>>,
     fail_start_with: Mutex<Option<StartFailure>>,
+    /// The hostname (the sandbox's name) whose starts fail.
+    fail_start_of: Mutex<Option<String>>,
     calls: Mutex<Vec<String>>,
 }
 
@@ -48,6 +50,12 @@ impl FakeRuntime {
     /// the sandbox's id (of any kind), or succeed again with `None`.
     pub fn fail_start_with(&self, make: Option<StartFailure>) {
         *self.fail_start_with.lock().unwrap() = make;
+    }
+
+    /// Makes every following `start` of the sandbox whose hostname is `name`
+    /// fail, or no longer with `None`.
+    pub fn fail_start_of(&self, name: Option<&str>) {
+        *self.fail_start_of.lock().unwrap() = name.map(str::to_owned);
     }
 
     /// Ends a running machine as if it had crashed.
@@ -99,6 +107,13 @@ impl Runtime for FakeRuntime {
         self.record(if resumes { "resume" } else { "start" }, &spec.id);
         if let Some(make) = *self.fail_start_with.lock().unwrap() {
             return Err(make(&spec.id));
+        }
+        let named = self.fail_start_of.lock().unwrap().clone();
+        if named.is_some_and(|name| name == spec.hostname) {
+            return Err(RuntimeError::Start {
+                id: spec.id.to_string(),
+                reason: format!("the test fails the start of {}", spec.hostname),
+            });
         }
         if let Some(reason) = self.fail_start.lock().unwrap().clone() {
             return Err(RuntimeError::Start {
@@ -243,6 +258,25 @@ impl Runtime for FakeRuntime {
         }
         let mut machines = self.machines.lock().unwrap();
         machines.entry(child.id.to_string()).or_default().memory = true;
+        Ok(())
+    }
+
+    async fn fork_many(
+        &self,
+        parent: &SandboxId,
+        children: &[SandboxSpec],
+    ) -> Result<(), RuntimeError> {
+        let ids: Vec<&str> = children.iter().map(|c| c.id.as_str()).collect();
+        self.record("fork-many", &format!("{parent} {}", ids.join(",")));
+        if !self.is_running(parent).await {
+            return Err(RuntimeError::NotRunning {
+                id: parent.to_string(),
+            });
+        }
+        let mut machines = self.machines.lock().unwrap();
+        for id in ids {
+            machines.entry(id.to_owned()).or_default().memory = true;
+        }
         Ok(())
     }
 }

@@ -256,6 +256,19 @@ pub trait Runtime: Send + Sync + 'static {
     async fn fork(&self, parent: &SandboxId, _child: &SandboxSpec) -> Result<(), RuntimeError> {
         Err(unsupported(parent, "fork"))
     }
+    /// Like `fork`, for every one of `children` from one instant of the
+    /// parent: a backend that can freezes the parent once for them all. On
+    /// an error the caller destroys every child (some may hold copies).
+    async fn fork_many(
+        &self,
+        parent: &SandboxId,
+        children: &[SandboxSpec],
+    ) -> Result<(), RuntimeError> {
+        for child in children {
+            self.fork(parent, child).await?;
+        }
+        Ok(())
+    }
 }
 
 /// An id names a directory (and a cgroup): one plain path component.

@@ -561,6 +561,67 @@ async fn vms_repeat_unanswered_identity_calls_and_flush_paused_disks_late() {
     assert!(h.qemus().is_empty(), "left running: {:?}", h.qemus());
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fork_into_many_gives_each_child_the_parents_instant() {
+    let _serial = SERIAL.lock().await;
+    let Some(h) = Harness::new() else { return };
+    let rt = &h.runtime;
+    let parent = h.spec("vm-p", 256);
+    rt.prepare(&parent).await.unwrap();
+    rt.start(&parent).await.unwrap();
+    let socket = h.socket("vm-p");
+    let counter = start_counter(&socket).await;
+    assert_counting(&socket, &counter, 0).await;
+
+    let children: Vec<SandboxSpec> = ["vm-k1", "vm-k2", "vm-k3"]
+        .into_iter()
+        .map(|id| h.spec(id, 256))
+        .collect();
+    let began = Instant::now();
+    rt.fork_many(&sid("vm-p"), &children).await.unwrap();
+    let forked = began.elapsed();
+    assert!(rt.is_running(&sid("vm-p")).await);
+    let at_fork = count(&socket).await;
+    // Started at once, as the engine starts them.
+    let (k1, k2, k3) = tokio::join!(
+        rt.start(&children[0]),
+        rt.start(&children[1]),
+        rt.start(&children[2])
+    );
+    for started in [k1, k2, k3] {
+        started.unwrap();
+    }
+    eprintln!(
+        "fork into 3: {} (all started {} after the fork began)",
+        ms(forked),
+        ms(began.elapsed())
+    );
+    for child in &children {
+        let id = child.id.as_str();
+        let child_socket = h.socket(id);
+        // The parent's counter (its pid, its count) goes on in each child,
+        // which is itself.
+        assert_counting(&child_socket, &counter, 0).await;
+        assert_eq!(
+            exec_ok(&child_socket, "echo $(hostname)").await,
+            format!("host-{id}")
+        );
+        exec_ok(&child_socket, &format!("echo {id} > /dev/shm/mark")).await;
+    }
+    for child in &children {
+        let id = child.id.as_str();
+        assert_eq!(exec_ok(&h.socket(id), "cat /dev/shm/mark").await, id);
+    }
+    let (unmarked, _) = exec(&socket, "cat /dev/shm/mark").await;
+    assert_ne!(unmarked, 0, "a child's memory is not the parent's");
+    assert_counting(&socket, &counter, at_fork).await;
+
+    for id in ["vm-k1", "vm-k2", "vm-k3", "vm-p"] {
+        rt.destroy(&sid(id)).await.unwrap();
+    }
+    assert!(h.qemus().is_empty(), "left running: {:?}", h.qemus());
+}
+
 /// A sandbox id the test names.
 fn sid(id: &str) -> cove_runtime::SandboxId {
     cove_runtime::SandboxId::parse(id).expect("the test's ids are valid")

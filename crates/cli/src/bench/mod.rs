@@ -44,10 +44,12 @@ pub(crate) enum Scenario {
     /// Resume of a paused VM until its first command answers; pause figures beside.
     VmResume,
     /// Fork of a running VM until the child answers a command, with the
-    /// longest stop the parent's processes saw.
+    /// longest stop the parent's processes saw; with --children N, a fork
+    /// into N until every child answers.
     VmFork,
-    /// --n idle containers at once: host memory each, create rate, and exec
-    /// round trips at --n beside those at 10 (the figures); all deleted after.
+    /// --n idle containers (--vm: VMs of 256 MiB) at once: host memory
+    /// each, create rate, and exec round trips at --n beside those at 10
+    /// (the figures); all deleted after.
     Density,
     /// Full-screen screenshots of a 1280x800 desktop (PNG; JPEG at quality
     /// 70 beside), in a container, or a VM with --on-vm.
@@ -61,7 +63,8 @@ impl Scenario {
         matches!(
             self,
             Scenario::VmCreate | Scenario::VmPause | Scenario::VmResume | Scenario::VmFork
-        ) || (args.on_vm && matches!(self, Scenario::Screenshot | Scenario::Input))
+        ) || (args.vm && self == Scenario::Density)
+            || (args.on_vm && matches!(self, Scenario::Screenshot | Scenario::Input))
     }
 }
 
@@ -94,6 +97,14 @@ pub(crate) struct BenchArgs {
     /// Run the desktop scenarios (screenshot, input) in a VM of --vm-snapshot.
     #[arg(long)]
     pub on_vm: bool,
+    /// Children of each fork of the vm-fork scenario: more than one forks
+    /// into them all at once (`POST /sandbox/{id}/forks`).
+    #[arg(long, default_value_t = 1)]
+    pub children: usize,
+    /// The density scenario on VMs of 256 MiB (`daytona-vm-tiny`) instead
+    /// of containers; host memory is then the PSS of their QEMU processes.
+    #[arg(long)]
+    pub vm: bool,
 }
 
 /// What one scenario measured: times of each run in milliseconds, and extra
@@ -115,6 +126,11 @@ pub(crate) fn summarize(samples: &mut [f64]) -> (f64, f64, f64) {
 
 pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
     anyhow::ensure!(args.n > 0, "--n must be at least 1");
+    anyhow::ensure!(
+        (1..=cove_engine::MAX_FORK_CHILDREN).contains(&args.children),
+        "--children must be 1 to {}",
+        cove_engine::MAX_FORK_CHILDREN
+    );
     if args.scenario == Scenario::Net {
         anyhow::ensure!(
             args.url.is_none(),
@@ -171,7 +187,14 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
         Scenario::VmCreate => vm::create(&client, &args.vm_snapshot, args.n).await,
         Scenario::VmPause => vm::pause(&client, &args.vm_snapshot, args.n).await,
         Scenario::VmResume => vm::resume(&client, &args.vm_snapshot, args.n).await,
+        Scenario::VmFork if args.children > 1 => {
+            vm::fork_many(&client, &args.vm_snapshot, args.n, args.children).await
+        }
         Scenario::VmFork => vm::fork(&client, &args.vm_snapshot, args.n).await,
+        Scenario::Density if args.vm => {
+            let storage = own.as_ref().map(own_server::OwnServer::storage_dir);
+            density::vm_density(&client, args.n, storage.as_deref()).await
+        }
         Scenario::Density => density::density(&client, args.n).await,
         Scenario::Screenshot => {
             let vm = args.on_vm.then_some(args.vm_snapshot.as_str());

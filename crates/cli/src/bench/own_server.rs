@@ -79,6 +79,12 @@ impl OwnServer {
         Client::new(&self.url, KEY)
     }
 
+    /// Where the server keeps its sandboxes' storage (a VM's files are in
+    /// `vms/{id}/`).
+    pub(super) fn storage_dir(&self) -> std::path::PathBuf {
+        self.dir.path().join("data").join("storage")
+    }
+
     /// The server's peak resident memory so far (VmHWM), in MiB.
     pub(super) fn peak_rss_mb(&self) -> Option<f64> {
         let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()?)).ok()?;

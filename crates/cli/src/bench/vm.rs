@@ -1,4 +1,5 @@
-//! The VM scenarios: create from the template, pause, resume, fork. Each runs
+//! The VM scenarios: create from the template, pause, resume, fork (one
+//! child, or many at once with `--children`). Each runs
 //! on VMs of `--vm-snapshot` (`daytona-vm-small` by default; a larger one
 //! shows whether a figure grows with memory size).
 
@@ -32,7 +33,7 @@ fn id_of(sandbox: &Value) -> anyhow::Result<String> {
         .to_owned())
 }
 
-async fn create_vm(client: &Client, snapshot: &str) -> anyhow::Result<Value> {
+pub(super) async fn create_vm(client: &Client, snapshot: &str) -> anyhow::Result<Value> {
     let sandbox = client
         .api(
             Method::POST,
@@ -220,22 +221,98 @@ pub(super) async fn fork(client: &Client, snapshot: &str, n: usize) -> anyhow::R
             delete_sandbox(client, &child).await?;
             answered?;
         }
-        let began = Instant::now();
-        let worst_gap = loop {
-            if let Ok(out) = run_command(client, parent, "cat /tmp/worst-gap").await {
-                break out.trim().parse::<f64>().ok();
-            }
-            anyhow::ensure!(
-                began.elapsed() < OPERATION_TIMEOUT,
-                "the ticker in the parent never reported"
-            );
-            tokio::time::sleep(Duration::from_millis(500)).await;
-        };
+        let worst_gap = longest_stall(client, parent).await?;
         let mut extra = Map::new();
         extra.insert("parent_longest_stall_ms".into(), json!(worst_gap));
         Ok(Measurement { samples, extra })
     })
     .await
+}
+
+/// Fork into `children` at once -> every child answers a command, `n`
+/// times from one parent whose processes record the longest stop they
+/// saw. Each sample is the time until the last child answered; the time
+/// each child took is reported beside (median and p95 over all of them).
+pub(super) async fn fork_many(
+    client: &Client,
+    snapshot: &str,
+    n: usize,
+    children: usize,
+) -> anyhow::Result<Measurement> {
+    with_vm(client, snapshot, async |parent| {
+        let id = id_of(parent)?;
+        let secs = 20 + n * children * 3;
+        let script = TICKER.replace("{secs}", &secs.to_string());
+        let command = format!("python3 -c \"{}\"", script.replace('"', "\\\""));
+        start_session_command(client, parent, "ticker", &command).await?;
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let mut samples = Vec::with_capacity(n);
+        let mut per_child = Vec::with_capacity(n * children);
+        let mut answered_at_fork = Vec::with_capacity(n);
+        for _ in 0..n {
+            let started = Instant::now();
+            let made = client
+                .api(
+                    Method::POST,
+                    &format!("/sandbox/{id}/forks"),
+                    Some(json!({ "count": children })),
+                )
+                .await?;
+            answered_at_fork.push(ms_since(started));
+            let made = made
+                .as_array()
+                .context("a fork into many answers a list")?
+                .clone();
+            anyhow::ensure!(
+                made.len() == children,
+                "asked {children}, made {}",
+                made.len()
+            );
+            let answers = made.iter().map(|child| async move {
+                run_command(client, child, "true").await?;
+                anyhow::Ok(ms_since(started))
+            });
+            let answered = futures_util::future::join_all(answers).await;
+            samples.push(ms_since(started));
+            let deletes = made.iter().map(|child| delete_sandbox(client, child));
+            for deleted in futures_util::future::join_all(deletes).await {
+                deleted?;
+            }
+            for child in answered {
+                per_child.push(child?);
+            }
+        }
+        let worst_gap = longest_stall(client, parent).await?;
+        let (child_median, child_p95, _) = summarize(&mut per_child);
+        let (fork_median, fork_p95, _) = summarize(&mut answered_at_fork);
+        let mut extra = Map::new();
+        extra.insert("children".into(), json!(children));
+        extra.insert("parent_longest_stall_ms".into(), json!(worst_gap));
+        extra.insert("child_answers_median_ms".into(), json!(child_median));
+        extra.insert("child_answers_p95_ms".into(), json!(child_p95));
+        extra.insert("fork_request_median_ms".into(), json!(fork_median));
+        extra.insert("fork_request_p95_ms".into(), json!(fork_p95));
+        Ok(Measurement { samples, extra })
+    })
+    .await
+}
+
+/// The longest stop the ticker in `parent` saw, once it has written it (a
+/// read between its open and its write finds the file empty: read again).
+async fn longest_stall(client: &Client, parent: &Value) -> anyhow::Result<f64> {
+    let began = Instant::now();
+    loop {
+        if let Ok(out) = run_command(client, parent, "cat /tmp/worst-gap").await {
+            if let Ok(gap) = out.trim().parse::<f64>() {
+                return Ok(gap);
+            }
+        }
+        anyhow::ensure!(
+            began.elapsed() < OPERATION_TIMEOUT,
+            "the ticker in the parent never reported"
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 async fn start_session_command(

@@ -27,6 +27,7 @@ use crate::shared::Shared;
 use crate::{EngineError, SandboxState, Snapshots, Volumes};
 
 pub use create::CreateSandbox;
+pub use forks::MAX_FORK_CHILDREN;
 
 pub use settings::SettingChange;
 

@@ -95,7 +95,9 @@ impl Saga<'_> {
 
     /// Undoes the runtime's work and the network's, then forgets the row.
     /// A cleanup that fails is logged: the row goes whatever it says.
-    async fn undo(self) -> Result<(), EngineError> {
+    /// Also for a sandbox that did not fail itself but goes with others
+    /// made with it (a fork into many).
+    pub(super) async fn undo(self) -> Result<(), EngineError> {
         let id = &self.record.id;
         let sandboxes = self.sandboxes;
         let destroyed = match sandboxes.shared.runtime(self.record.class) {

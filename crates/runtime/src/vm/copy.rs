@@ -74,7 +74,24 @@ impl VmRuntime {
     /// directory): from its running VM, frozen only while the files are
     /// cloned, or from the memory it saved when paused.
     pub(super) async fn copy_memory(&self, id: &str, dest: VmLayout) -> Result<(), RuntimeError> {
+        self.copy_memory_to_all(id, vec![dest]).await
+    }
+
+    /// Like `copy_memory`, into every one of `dests`, all from one instant
+    /// of the sandbox. A running VM is frozen once, for one clone: the
+    /// other copies are cloned from the first after the VM runs on (nothing
+    /// runs on the first copy yet), so the freeze does not grow with their
+    /// number. On an error some of `dests` may hold partial copies (never a
+    /// device state); their owner removes them.
+    pub(super) async fn copy_memory_to_all(
+        &self,
+        id: &str,
+        dests: Vec<VmLayout>,
+    ) -> Result<(), RuntimeError> {
         let source = self.layout(id);
+        let Some(first) = dests.first().cloned() else {
+            return Ok(());
+        };
         // A warm pause's memory is in its process; a copy needs it saved.
         self.deepen(id).await?;
         let Some(vm) = self.running(id) else {
@@ -82,11 +99,14 @@ impl VmRuntime {
                 return Err(RuntimeError::NotRunning { id: id.to_owned() });
             }
             return blocking(id, move |id| {
-                clone_saved(&source, &dest).map_err(|source_error| RuntimeError::Io {
-                    id: id.to_owned(),
-                    action: format!("copy the saved memory of {}", source.dir.display()),
-                    source: source_error,
-                })
+                for dest in &dests {
+                    clone_saved(&source, dest).map_err(|source_error| RuntimeError::Io {
+                        id: id.to_owned(),
+                        action: format!("copy the saved memory of {}", source.dir.display()),
+                        source: source_error,
+                    })?;
+                }
+                Ok(())
             })
             .await;
         };
@@ -108,20 +128,10 @@ impl VmRuntime {
                 source.machine(),
             ))?
         };
-        let state_partial = dest.dir.join("state.partial");
-        let (from, to, partial) = (source.clone(), dest.clone(), state_partial.clone());
+        let state_partial = first.dir.join("state.partial");
+        let (from, to, partial) = (source.clone(), first.clone(), state_partial.clone());
         self.with_vm_frozen(id, &vm, Some(state_partial.clone()), move |id| {
-            remove_if_present(&to.state()).map_err(RuntimeError::file(id, "remove", to.state()))?;
-            reflink::clone_replacing(&from.ram(), &to.ram()).map_err(RuntimeError::file(
-                id,
-                "clone the RAM file to",
-                to.ram(),
-            ))?;
-            reflink::clone_replacing(&from.disk(), &to.disk()).map_err(RuntimeError::file(
-                id,
-                "clone the disk to",
-                to.disk(),
-            ))?;
+            clone_files(id, &from, &to)?;
             Ok(partial)
         })
         .await
@@ -129,13 +139,60 @@ impl VmRuntime {
             let _ = fs::remove_file(&state_partial);
         })?;
         drop(vm);
-        machine
-            .write(&dest.machine())
-            .map_err(RuntimeError::file(id, "write", dest.machine()))?;
-        fs::rename(&state_partial, dest.state()).map_err(RuntimeError::file(
+        let others = dests[1..].to_vec();
+        let (from, partial) = (first.clone(), state_partial.clone());
+        let machine_for_others = machine.clone();
+        blocking(id, move |id| {
+            for dest in &others {
+                let began = Instant::now();
+                clone_files(id, &from, dest)?;
+                machine_for_others
+                    .write(&dest.machine())
+                    .map_err(RuntimeError::file(id, "write", dest.machine()))?;
+                // The device state last: with it the copy is whole.
+                reflink::clone_replacing(&partial, &dest.state()).map_err(RuntimeError::file(
+                    id,
+                    "clone the device state to",
+                    dest.state(),
+                ))?;
+                tracing::debug!(
+                    sandbox = id,
+                    copy = %dest.dir.display(),
+                    elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
+                    "vm copy cloned from the first"
+                );
+            }
+            Ok(())
+        })
+        .await
+        .inspect_err(|_| {
+            let _ = fs::remove_file(&state_partial);
+        })?;
+        machine.write(&first.machine()).map_err(RuntimeError::file(
+            id,
+            "write",
+            first.machine(),
+        ))?;
+        fs::rename(&state_partial, first.state()).map_err(RuntimeError::file(
             id,
             "move in place",
-            dest.state(),
+            first.state(),
         ))
     }
+}
+
+/// Clones the RAM file and the disk of `from` into `to`, whose device state
+/// goes first, so the copy is never taken for a whole one meanwhile.
+fn clone_files(id: &str, from: &VmLayout, to: &VmLayout) -> Result<(), RuntimeError> {
+    remove_if_present(&to.state()).map_err(RuntimeError::file(id, "remove", to.state()))?;
+    reflink::clone_replacing(&from.ram(), &to.ram()).map_err(RuntimeError::file(
+        id,
+        "clone the RAM file to",
+        to.ram(),
+    ))?;
+    reflink::clone_replacing(&from.disk(), &to.disk()).map_err(RuntimeError::file(
+        id,
+        "clone the disk to",
+        to.disk(),
+    ))
 }

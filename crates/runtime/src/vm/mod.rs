@@ -769,6 +769,27 @@ impl Runtime for VmRuntime {
         );
         Ok(())
     }
+
+    async fn fork_many(
+        &self,
+        parent: &SandboxId,
+        children: &[SandboxSpec],
+    ) -> Result<(), RuntimeError> {
+        let parent = parent.as_str();
+        let began = Instant::now();
+        let dests = children
+            .iter()
+            .map(|child| self.make_dir(child))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.copy_memory_to_all(parent, dests).await?;
+        tracing::info!(
+            sandbox = parent,
+            children = children.len(),
+            elapsed_ms = began.elapsed().as_secs_f64() * 1e3,
+            "vm forked into many"
+        );
+        Ok(())
+    }
 }
 
 impl VmRuntime {
