@@ -473,11 +473,24 @@ async fn spawn(
     let nice = if spec.background { BACKGROUND_NICE } else { 0 };
     // SAFETY: the closure runs in the child between fork and exec, where
     // only async-signal-safe calls are allowed: `Entry` and the list of
-    // descriptor numbers were prepared before the fork, and joining the
-    // cgroup, clearing close-on-exec and changing ids are plain system
-    // calls that allocate nothing.
+    // descriptor numbers were prepared before the fork, and marking every
+    // descriptor close-on-exec, joining the cgroup, clearing close-on-exec,
+    // setting the priority and changing ids are plain system calls that
+    // allocate nothing.
     unsafe {
         command.pre_exec(move || {
+            // Nothing the server inherited and did not open itself (a
+            // caller's lock, a terminal) reaches QEMU: every descriptor
+            // closes at exec but those QEMU is given, below.
+            if libc::syscall(
+                libc::SYS_close_range,
+                3u32,
+                u32::MAX,
+                libc::CLOSE_RANGE_CLOEXEC,
+            ) != 0
+            {
+                return Err(io::Error::last_os_error());
+            }
             entry.join_cgroup()?;
             if nice != 0 && libc::setpriority(libc::PRIO_PROCESS, 0, nice) != 0 {
                 return Err(io::Error::last_os_error());
