@@ -743,8 +743,8 @@ def test_a_pause_keeps_its_qemu_frozen_until_it_deepens_and_a_crash_loses_neithe
     that same process: its processes, its clock and its network intact.
     After --warm-pause-minutes the pause deepens (memory saved, QEMU gone)
     and a resume restores it; a warm pause survives a server crash (the new
-    server saves its memory); a stop from a warm pause keeps what the guest
-    wrote."""
+    server saves its memory) and a server's stop (which saves it); a stop
+    from a warm pause keeps what the guest wrote."""
     args = (*fake_internet.server_args(), "--bridge", "covewarm", "--network-range", "10.74.0.0/16",
             "--route-table", "7705", "--warm-pause-minutes", "0.1", "--vm-warm-pool", "0")
     with own_vm_server(*args) as (server, data_dir):
@@ -796,6 +796,20 @@ def test_a_pause_keeps_its_qemu_frozen_until_it_deepens_and_a_crash_loses_neithe
         again.start(timeout=TIMEOUT)
         assert counting_on(again, before)
         assert fetch(again, f"http://{fake_internet.ALLOWED}/") == "200"
+
+        # A server told to stop saves a warm pause's memory on its way out.
+        before = counter(again)
+        again.pause()
+        assert qemu_of(data_dir, again) is not None
+        assert server.stop() == 0, server.log_tail()
+        assert qemu_of(data_dir, again) is None, "the shutdown saved its memory and ended its QEMU"
+        assert (data_dir / "storage" / "vms" / again.id / "state").exists()
+        server.start()
+        client = server.client()
+        again = client.get(sandbox.id)
+        assert again.state == SandboxState.PAUSED, again.state
+        again.start(timeout=TIMEOUT)
+        assert counting_on(again, before)
 
         # A stop from a warm pause: what the guest wrote (still in its page
         # cache at the pause) is on the disk afterwards.
