@@ -127,6 +127,9 @@ pub struct Network {
     bridge_index: u32,
     pool: netns::Pool,
     resolver: Mutex<Option<Resolver>>,
+    /// Ports of detached sandboxes being deleted in the background (see
+    /// [`Network::detach_soon`]); a shutdown waits for them.
+    retiring: Mutex<tokio::task::JoinSet<()>>,
 }
 
 /// Where bridge locks live: per boot, like the links they guard.
@@ -163,6 +166,15 @@ impl std::fmt::Debug for Network {
             .field("config", &self.shared.config)
             .finish_non_exhaustive()
     }
+}
+
+/// When a detach deletes the sandbox's port.
+#[derive(Clone, Copy)]
+enum Deletion {
+    /// Before the detach returns.
+    Now,
+    /// In the background, after it returns.
+    Background,
 }
 
 /// What the resolver shares with the network.
@@ -312,6 +324,7 @@ impl Network {
             host,
             bridge_index,
             resolver: Mutex::new(Some(resolver)),
+            retiring: Mutex::new(tokio::task::JoinSet::new()),
         })
     }
 
@@ -588,6 +601,21 @@ impl Network {
     /// device, and namespace file. It keeps its address for the next attach. Detaching a
     /// sandbox that is not attached is not an error.
     pub async fn detach(&self, id: &str) -> Result<(), NetError> {
+        self.detach_with(id, Deletion::Now).await
+    }
+
+    /// As [`Network::detach`], except that the port itself (a link whose
+    /// deletion waits out an RCU grace period, ~10 ms) is deleted in the
+    /// background: the sandbox is off the network when this returns (its
+    /// firewall elements, neighbour entry and namespace file are gone, and
+    /// the port leads nowhere), and a new attach takes a port of another
+    /// name, so nothing waits on the deletion but [`Network::shutdown`]. For
+    /// a pause, whose machine keeps the port unplugged and frozen.
+    pub async fn detach_soon(&self, id: &str) -> Result<(), NetError> {
+        self.detach_with(id, Deletion::Background).await
+    }
+
+    async fn detach_with(&self, id: &str, deletion: Deletion) -> Result<(), NetError> {
         check_id(id)?;
         let sandbox = {
             let mut state = self.shared.lock();
@@ -600,15 +628,26 @@ impl Network {
             }
             sandbox
         };
-        let removed = self.teardown(id, sandbox).await;
+        let removed = self.teardown(id, sandbox, deletion).await;
         self.shared.lock().busy.remove(id);
         removed
+    }
+
+    /// Waits for the ports [`Network::detach_soon`] is deleting.
+    pub async fn retired(&self) {
+        let mut retiring = std::mem::take(&mut *self.retiring.lock().expect("retiring lock"));
+        while retiring.join_next().await.is_some() {}
     }
 
     /// A sandbox that is not attached may still have a namespace file (a
     /// detach that failed halfway); a leftover port of one is deleted at the
     /// next start.
-    async fn teardown(&self, id: &str, sandbox: Option<Sandbox>) -> Result<(), NetError> {
+    async fn teardown(
+        &self,
+        id: &str,
+        sandbox: Option<Sandbox>,
+        deletion: Deletion,
+    ) -> Result<(), NetError> {
         let config = &self.shared.config;
         if let Some(sandbox) = sandbox {
             self.shared
@@ -625,7 +664,20 @@ impl Network {
                 )))?;
             self.shared.forget_learned(sandbox.address, sandbox.learned);
             links::unpin_neighbour(&self.host, self.bridge_index, sandbox.address).await?;
-            links::delete_link(&self.host, &sandbox.port).await?;
+            match deletion {
+                Deletion::Now => links::delete_link(&self.host, &sandbox.port).await?,
+                Deletion::Background => {
+                    let (host, port) = (self.host.clone(), sandbox.port);
+                    let mut retiring = self.retiring.lock().expect("retiring lock");
+                    while retiring.try_join_next().is_some() {}
+                    retiring.spawn(async move {
+                        if let Err(error) = links::delete_link(&host, &port).await {
+                            // The next server start deletes it (a port of this bridge).
+                            tracing::warn!(%port, %error, "deleting a detached sandbox's port");
+                        }
+                    });
+                }
+            }
         }
         netns::remove(&config.netns_dir().join(id))
     }
@@ -648,6 +700,7 @@ impl Network {
     pub async fn shutdown(&self) -> Result<(), NetError> {
         drop(self.resolver.lock().expect("resolver lock").take());
         self.pool.close().await;
+        self.retired().await;
         let ids: Vec<String> = self.attached().into_iter().map(|(id, _)| id).collect();
         for id in ids {
             self.detach(&id).await?;

@@ -444,6 +444,9 @@ async fn detach_and_shutdown_leave_nothing_behind() {
     network.release("gone").await.unwrap();
     let other = network.attach("other", &Policy::default()).await.unwrap();
     assert_eq!(other.address, attachment.address, "the lowest free address");
+    // A port still being deleted when the shutdown comes is waited for.
+    network.attach("soon", &Policy::default()).await.unwrap();
+    network.detach_soon("soon").await.unwrap();
 
     network.shutdown().await.unwrap();
     assert!(world.links().is_empty(), "{:?}", world.links());
@@ -646,17 +649,30 @@ async fn a_vm_gets_an_isolated_tap_port_that_detach_removes() {
         .unwrap();
     assert_eq!(again, attachment);
 
-    network.detach("vm").await.unwrap();
-    assert!(!world.link_exists(device));
-    // A paused VM is detached; its saved memory holds the NIC's MAC, so it
-    // gets the same one when it resumes.
+    // A paused VM is detached at once, its port deleted in the background:
+    // off the firewall and the neighbour table when the detach returns.
+    network.detach_soon("vm").await.unwrap();
+    let tables = world.nft_tables();
+    assert!(!tables.contains(device.as_str()), "{tables}");
+    assert!(
+        !tables.contains(&attachment.address.to_string()),
+        "{tables}"
+    );
+    assert!(network.attached().is_empty());
+    // Its saved memory holds the NIC's MAC, so it gets the same one when it
+    // resumes, on a port of another name (whatever the deletion's progress).
     let resumed = network
         .attach_as("vm", &policy, LinkKind::Tap)
         .await
         .unwrap();
     assert_eq!(resumed.guest_mac(), mac);
     assert_eq!(resumed.address, attachment.address);
+    assert_ne!(resumed.host_link, *device);
+    network.retired().await;
+    assert!(!world.link_exists(device));
+    assert!(world.link_exists(&resumed.host_link));
     network.detach("vm").await.unwrap();
+    assert!(!world.link_exists(&resumed.host_link));
     let tables = world.nft_tables();
     assert!(!tables.contains(device.as_str()), "{tables}");
     assert!(

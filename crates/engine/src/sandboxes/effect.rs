@@ -60,7 +60,7 @@ impl Sandboxes {
             Effect::Pause => {
                 self.forget_running(id);
                 runtime.pause(&sandbox).await?;
-                self.detach_network(record).await
+                self.detach_network_soon(record).await
             }
             Effect::Stop => {
                 self.forget_running(id);

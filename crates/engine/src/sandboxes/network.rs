@@ -96,6 +96,18 @@ impl Sandboxes {
         }
     }
 
+    /// As [`Self::detach_network`] for a paused machine: its port is deleted
+    /// after the pause answers (see `Network::detach_soon`).
+    pub(crate) async fn detach_network_soon(&self, record: &SandboxRecord) -> Result<(), Failure> {
+        match self.shared.network() {
+            Some(network) => network
+                .detach_soon(&record.id)
+                .await
+                .map_err(Failure::network("detach it from the network")),
+            None => Ok(()),
+        }
+    }
+
     /// Gives up a deleted sandbox's address.
     pub(crate) async fn release_network(&self, record: &SandboxRecord) -> Result<(), Failure> {
         match self.shared.network() {
