@@ -65,6 +65,14 @@ pub(crate) struct ServeArgs {
     /// first id of a range. Two servers on one host need pools apart.
     #[arg(long, env = "COVE_USERNS_POOL", default_value = "1879048192:4096", value_parser = cove_runtime::container::IdPool::parse)]
     pub userns_pool: cove_runtime::container::IdPool,
+    /// How many container shims wait, forked into cgroups of their own, for
+    /// the creates to come (a create then skips the cgroup join, 8-15 ms on
+    /// cgroup v1 after a quiet spell); 0: every start makes its own. Two
+    /// by default: a create takes one and the next is made in about 10 ms,
+    /// before a client's next create. Each waiting shim is two idle
+    /// processes. Cgroup v2 keeps none (it cannot rename a cgroup).
+    #[arg(long, env = "COVE_CONTAINER_POOL", default_value_t = 2)]
+    pub container_pool: usize,
     /// The most one volume may hold, GiB (a quota on its subvolume of the
     /// storage), so that no sandbox can fill the storage through a volume.
     #[arg(long, env = "COVE_VOLUME_SIZE_GIB", default_value_t = 20)]
@@ -390,9 +398,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     );
     container_config.storage = Some(storage.clone());
     container_config.userns_pool = args.userns_pool;
-    // Two: a create takes one and the pool makes the next in ~10 ms, sooner
-    // than the next create of a client on this machine (2 cores).
-    container_config.shim_pool = 2;
+    container_config.shim_pool = args.container_pool;
     let agent_for_vms = container_config.agent_binary.clone();
     let container = Arc::new(ContainerRuntime::new(container_config)?);
     let ids = container.id_ranges();

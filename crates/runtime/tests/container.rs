@@ -1096,6 +1096,43 @@ async fn sandboxes_from_the_pool_are_each_their_own() {
     h.runtime.end_pool().await;
 }
 
+/// A waiting init killed in the pool (an operator, the OOM killer) costs its
+/// start nothing: the start discards it with its cgroups and takes the next
+/// shim, or makes one.
+#[tokio::test]
+async fn a_start_passes_over_a_pool_shim_that_died() {
+    let Some(h) = Harness::with_pool("pooldead", 2) else {
+        return;
+    };
+    pool_filled(&h.runtime, 2).await;
+    let waiting = h.runtime.pooled_init_pids();
+    let cgroups_before = pool_cgroups(&h).len();
+    for pid in &waiting {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(*pid), nix::sys::signal::SIGKILL)
+            .unwrap();
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while waiting.iter().any(|pid| alive(*pid)) && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let (_started, socket) = h.start("d1").await;
+    assert_eq!(exec_ok(&socket, "hostname").await, "host-d1");
+    let init = container_init_pid(&h, "d1");
+    assert!(!waiting.contains(&init), "{init} was killed in the pool");
+    // The dead shims' cgroups went with them; the refill makes new ones.
+    pool_filled(&h.runtime, 2).await;
+    let fresh = h.runtime.pooled_init_pids();
+    assert!(fresh.iter().all(|pid| !waiting.contains(pid)), "{fresh:?}");
+    assert_eq!(
+        pool_cgroups(&h).len(),
+        cgroups_before,
+        "{:?}",
+        pool_cgroups(&h)
+    );
+    h.runtime.destroy(&sid("d1")).await.unwrap();
+    h.runtime.end_pool().await;
+}
+
 /// At shutdown the waiting shims and their inits end and their cgroups go.
 #[tokio::test]
 async fn ending_the_pool_leaves_no_cgroup_or_process() {

@@ -398,7 +398,14 @@ impl ContainerRuntime {
         id: &str,
         limits: CgroupLimits,
     ) -> Result<(WaitingShim, &'static str), RuntimeError> {
-        if let Some(mut shim) = self.pool.take() {
+        while let Some(mut shim) = self.pool.take() {
+            if !shim.is_alive() {
+                // Killed while it waited: it serves no one, and the start
+                // takes the next or makes one.
+                tracing::warn!(sandbox = id, cgroup = %shim.cgroup, "a pool shim had died; discarded");
+                self.maker.discard(shim).await;
+                continue;
+            }
             let cgroups = Arc::clone(&self.cgroups);
             let (from, to) = (shim.cgroup.clone(), id.to_owned());
             // A few file operations: not worth a blocking thread's hop.
@@ -421,6 +428,7 @@ impl ContainerRuntime {
                         cgroup::kill_and_remove(cgroups.as_ref(), &owned)
                     })
                     .await;
+                    break;
                 }
             }
         }

@@ -91,6 +91,20 @@ impl WaitingShim {
     }
 }
 
+impl WaitingShim {
+    /// Whether the shim and its init still wait (neither has exited; an init
+    /// that died is a zombie of the shim until the shim notices).
+    pub(super) fn is_alive(&mut self) -> bool {
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return false;
+        }
+        std::fs::read_to_string(format!("/proc/{}/stat", self.init_pid)).is_ok_and(|stat| {
+            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+            !(state.starts_with('Z') || state.starts_with('X'))
+        })
+    }
+}
+
 /// What makes waiting shims: the binary, the cgroups, the limits of a pool cgroup.
 pub(super) struct ShimMaker {
     pub(super) init_exe: PathBuf,
