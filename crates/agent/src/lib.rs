@@ -22,6 +22,7 @@ pub mod lsp;
 pub mod not_implemented;
 pub mod pty;
 pub mod session;
+pub mod supervise;
 pub mod system;
 pub mod tunnel;
 pub mod unpack;

@@ -1,4 +1,4 @@
-//! `cove-agent init | serve [--socket PATH] | vm`: argument parsing and
+//! `cove-agent init | serve [--socket PATH] | vm | supervise PID`: argument parsing and
 //! start-up order only; everything else lives in the library.
 
 use std::io::IsTerminal as _;
@@ -8,13 +8,18 @@ use cove_agent::listen::{self, Endpoint};
 use cove_agent::{config, AppState, Settings};
 use cove_protocol::{env, AgentEnv};
 
-const USAGE: &str = "usage: cove-agent init | serve [--socket PATH] | vm";
+const USAGE: &str = "usage: cove-agent init | serve [--socket PATH] | vm | supervise PID";
 
 fn main() -> anyhow::Result<()> {
     let mut args = std::env::args().skip(1);
     let mode = args.next().unwrap_or_default();
     if mode == "vm" {
         return vm_main();
+    }
+    if mode == "supervise" {
+        let init = args.next().and_then(|pid| pid.parse().ok());
+        let init = init.context("supervise needs the init's pid")?;
+        std::process::exit(cove_agent::supervise::supervise(init));
     }
     let mut socket = None;
     while let Some(arg) = args.next() {

@@ -347,6 +347,49 @@ async fn agent_answers_in_its_own_namespaces() {
     h.runtime.destroy(&sid("ns1")).await.unwrap();
 }
 
+/// Once its init runs, a sandbox's shim is the agent binary's small
+/// supervisor (not a private copy of the server binary's relocated data per
+/// sandbox), outside the sandbox's cgroups, and it still reports the init's
+/// end: an init killed from the host ends the sandbox with its signal.
+#[tokio::test]
+async fn the_shim_of_a_running_sandbox_is_the_small_supervisor() {
+    let Some(h) = Harness::new("superv") else {
+        return;
+    };
+    let (started, socket) = h.start("s1").await;
+    assert_eq!(exec_ok(&socket, "echo up").await, "up");
+    let init = container_init_pid(&h, "s1");
+    let status = std::fs::read_to_string(format!("/proc/{init}/status")).unwrap();
+    let parent: i32 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("PPid:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    let cmdline = std::fs::read_to_string(format!("/proc/{parent}/cmdline")).unwrap();
+    assert_eq!(cmdline, format!("cove-agent\0supervise\0{init}\0"));
+    let exe = std::fs::read_link(format!("/proc/{parent}/exe")).unwrap();
+    assert_eq!(exe.file_name().unwrap(), "cove-agent", "{exe:?}");
+    let procs: Vec<PathBuf> = h
+        .cgroup_dirs("s1")
+        .iter()
+        .map(|dir| dir.join("cgroup.procs"))
+        .collect();
+    assert!(
+        !pids_in(&procs).contains(&parent),
+        "the supervisor is in the sandbox's cgroups"
+    );
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(init), nix::sys::signal::SIGKILL).unwrap();
+    let exited = tokio::time::timeout(Duration::from_secs(5), started.exited)
+        .await
+        .expect("the end of the init is reported")
+        .unwrap();
+    assert!(exited.contains("killed by signal 9"), "{exited}");
+    assert!(!alive(parent), "the supervisor ended with its init");
+    h.runtime.destroy(&sid("s1")).await.unwrap();
+}
+
 #[tokio::test]
 async fn files_survive_stop_and_start() {
     let Some(h) = Harness::new("persist") else {

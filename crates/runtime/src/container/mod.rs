@@ -161,6 +161,7 @@ impl ContainerRuntime {
         ));
         let maker = Arc::new(ShimMaker::new(
             config.init_exe.clone(),
+            config.agent_binary.clone(),
             Arc::clone(&cgroups),
             config.pids_max,
             &config.state_dir,

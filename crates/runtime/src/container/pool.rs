@@ -108,6 +108,9 @@ impl WaitingShim {
 /// What makes waiting shims: the binary, the cgroups, the limits of a pool cgroup.
 pub(super) struct ShimMaker {
     pub(super) init_exe: PathBuf,
+    /// What a shim execs into to supervise its running init (the agent
+    /// binary's `supervise` mode; see `shim`).
+    supervisor: PathBuf,
     pub(super) cgroups: Arc<dyn CgroupBackend>,
     pub(super) pids_max: u64,
     /// Names this server's pool cgroups: `pool@{tag}.`.
@@ -118,12 +121,14 @@ pub(super) struct ShimMaker {
 impl ShimMaker {
     pub(super) fn new(
         init_exe: PathBuf,
+        supervisor: PathBuf,
         cgroups: Arc<dyn CgroupBackend>,
         pids_max: u64,
         state_dir: &std::path::Path,
     ) -> Self {
         Self {
             init_exe,
+            supervisor,
             cgroups,
             pids_max,
             prefix: format!(
@@ -146,6 +151,7 @@ impl ShimMaker {
         let mut command = Command::new(&self.init_exe);
         command
             .arg(SUBCOMMAND)
+            .arg(&self.supervisor)
             .env_clear()
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::piped())
@@ -434,6 +440,7 @@ mod tests {
             Arc::from(cgroup::detect(std::path::Path::new("/nonexistent"), "cove"));
         let maker = |dir: &str| {
             ShimMaker::new(
+                "/bin/true".into(),
                 "/bin/true".into(),
                 Arc::clone(&cgroups),
                 10,

@@ -64,6 +64,7 @@ pub fn container_init_main() -> ! {
                         init_pid: init.as_raw(),
                         steps,
                     });
+                    hand_over_supervision(init);
                     supervise(init)
                 }
                 Err(error) => {
@@ -78,6 +79,33 @@ pub fn container_init_main() -> ! {
         }
     };
     std::process::exit(code)
+}
+
+/// The argument after the subcommand: the small static program that
+/// supervises the init once it runs (`cove-agent supervise PID`).
+fn supervisor() -> Option<CString> {
+    let path = std::env::args_os().nth(2)?;
+    CString::new(path.into_encoded_bytes()).ok()
+}
+
+/// Replaces this process with the supervisor, which then does what
+/// [`supervise`] does. This binary is large and position-independent: its
+/// relocated read-only data (~1.2 MiB) is private to each process once the
+/// init's exec leaves this one the last to map it; the supervisor's is a few
+/// KiB. Everything the supervision needs survives the exec: the init stays
+/// this pid's child, the blocked signals stay blocked (one that came in the
+/// meantime stays pending), and the parent-death signal stays set. Returns
+/// only if there is no supervisor or the exec failed; the caller then
+/// supervises itself.
+fn hand_over_supervision(init: Pid) {
+    let Some(program) = supervisor() else { return };
+    let args = [
+        c"cove-agent".to_owned(),
+        c"supervise".to_owned(),
+        CString::new(init.as_raw().to_string()).expect("digits hold no NUL"),
+    ];
+    let env: [CString; 0] = [];
+    let _ = execve(&program, &args, &env);
 }
 
 fn stdin_from_null() -> Result<(), StepError> {
