@@ -185,7 +185,14 @@ def test_local_forwarding_reaches_a_port_on_the_sandbox_loopback(sandbox, cove):
     finally:
         if forward.poll() is None:
             forward.terminate()
-            forward.wait(timeout=10)
+            try:
+                forward.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                # Seen once in CI under load: the client, told to end after
+                # the page came through, had not ended 10 s later. What this
+                # test checks (the forward) is done; no stray ssh is left.
+                forward.kill()
+                forward.wait(timeout=10)
         sandbox.process.delete_session(session)
 
 
