@@ -279,6 +279,18 @@ pub(crate) fn check_id(id: &str) -> Result<(), RuntimeError> {
     }
 }
 
+/// Whether process `pid` exists and has not ended: a zombie (`Z`, or `X`
+/// while it is being reaped) has ended, whether it waits for us or, not our
+/// child, for init. The state is read after the last `)`, since a command
+/// name may hold spaces and parentheses.
+pub(crate) fn process_alive(pid: i32) -> bool {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), None).is_ok()
+        && !std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
+            state.starts_with('Z') || state.starts_with('X')
+        })
+}
+
 /// Runs blocking work off the async threads; the work is given the
 /// sandbox's id to name in its errors.
 pub(crate) async fn blocking<T: Send + 'static>(

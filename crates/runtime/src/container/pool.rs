@@ -89,19 +89,11 @@ impl WaitingShim {
         }
         control.write_all(json.as_bytes())
     }
-}
 
-impl WaitingShim {
     /// Whether the shim and its init still wait (neither has exited; an init
     /// that died is a zombie of the shim until the shim notices).
     pub(super) fn is_alive(&mut self) -> bool {
-        if !matches!(self.child.try_wait(), Ok(None)) {
-            return false;
-        }
-        std::fs::read_to_string(format!("/proc/{}/stat", self.init_pid)).is_ok_and(|stat| {
-            let state = stat.rsplit(')').next().unwrap_or("").trim_start();
-            !(state.starts_with('Z') || state.starts_with('X'))
-        })
+        matches!(self.child.try_wait(), Ok(None)) && crate::process_alive(self.init_pid)
     }
 }
 

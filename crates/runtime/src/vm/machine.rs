@@ -175,7 +175,7 @@ impl Machine {
         let exit_to: ExitTo = Arc::new(Mutex::new(Some(exited)));
         let exit_to_task = exit_to.clone();
         tokio::spawn(async move {
-            while process_alive(pid) {
+            while crate::process_alive(pid as i32) {
                 tokio::time::sleep(ADOPTED_POLL).await;
             }
             if let Some(jail) = jail {
@@ -656,14 +656,6 @@ async fn connect_qmp(
             Err(error) => return Err(error.into()),
         }
     }
-}
-
-/// Alive and not a zombie (a zombie that is not our child is reaped by init).
-fn process_alive(pid: u32) -> bool {
-    let pid_t = nix::unistd::Pid::from_raw(pid as i32);
-    nix::sys::signal::kill(pid_t, None).is_ok()
-        && !std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|stat| stat.split_whitespace().nth(2) == Some("Z"))
 }
 
 /// The last `bytes` of a log (which QEMU or the guest writes, so it may be

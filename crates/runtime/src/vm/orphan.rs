@@ -64,14 +64,9 @@ async fn end_process(pid: i32, graceful: bool) {
     let _ = kill(pid, first);
     let began = Instant::now();
     let mut killed = !graceful;
-    while kill(pid, None).is_ok() {
-        // Not our child, so it cannot be waited for; a zombie is gone
-        // enough (its parent, init after our restart, reaps it).
-        if fs::read_to_string(format!("/proc/{pid}/stat"))
-            .is_ok_and(|stat| stat.split_whitespace().nth(2) == Some("Z"))
-        {
-            return;
-        }
+    // Not our child, so it cannot be waited for; a zombie is gone enough
+    // (its parent, init after our restart, reaps it).
+    while crate::process_alive(pid.as_raw()) {
         if !killed && began.elapsed() > TERM_TIMEOUT {
             let _ = kill(pid, Signal::SIGKILL);
             killed = true;
