@@ -359,14 +359,7 @@ async fn the_shim_of_a_running_sandbox_is_the_small_supervisor() {
     let (started, socket) = h.start("s1").await;
     assert_eq!(exec_ok(&socket, "echo up").await, "up");
     let init = container_init_pid(&h, "s1");
-    let status = std::fs::read_to_string(format!("/proc/{init}/status")).unwrap();
-    let parent: i32 = status
-        .lines()
-        .find_map(|l| l.strip_prefix("PPid:"))
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
+    let parent = parent_of(init);
     let cmdline = std::fs::read_to_string(format!("/proc/{parent}/cmdline")).unwrap();
     assert_eq!(cmdline, format!("cove-agent\0supervise\0{init}\0"));
     let exe = std::fs::read_link(format!("/proc/{parent}/exe")).unwrap();
@@ -1174,6 +1167,52 @@ async fn a_start_passes_over_a_pool_shim_that_died() {
     );
     h.runtime.destroy(&sid("d1")).await.unwrap();
     h.runtime.end_pool().await;
+}
+
+/// A pool's shims are made and wait at the lowest priority, so making them
+/// takes no CPU a start wants; the sandbox that takes one runs at the normal
+/// priority, its shim too.
+#[tokio::test]
+async fn pool_shims_wait_at_the_lowest_priority_and_sandboxes_run_at_normal() {
+    let Some(h) = Harness::with_pool("poolnice", 2) else {
+        return;
+    };
+    pool_filled(&h.runtime, 2).await;
+    for init in h.runtime.pooled_init_pids() {
+        let shim = parent_of(init);
+        assert_eq!(niceness(shim), 19, "{}", describe(shim));
+    }
+    let (_started, socket) = h.start("n1").await;
+    assert_eq!(exec_ok(&socket, "nice").await, "0");
+    let init = container_init_pid(&h, "n1");
+    assert_eq!(niceness(init), 0);
+    assert_eq!(niceness(parent_of(init)), 0, "the supervisor");
+    h.runtime.destroy(&sid("n1")).await.unwrap();
+    h.runtime.end_pool().await;
+}
+
+/// The niceness of `pid` (the 19th field of its stat).
+fn niceness(pid: i32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // The command name, in parentheses, may hold spaces: count after it.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    fields[16].parse().unwrap()
+}
+
+fn parent_of(pid: i32) -> i32 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("PPid:"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap()
 }
 
 /// At shutdown the waiting shims and their inits end and their cgroups go.

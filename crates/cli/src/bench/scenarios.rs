@@ -6,7 +6,7 @@ use anyhow::Context;
 use reqwest::Method;
 use serde_json::{json, Map, Value};
 
-use super::Measurement;
+use super::{summarize, Measurement};
 use crate::client::Client;
 
 pub(super) async fn create_sandbox(client: &Client) -> anyhow::Result<Value> {
@@ -72,17 +72,25 @@ pub(super) async fn create_to_first_command(
     run_command(client, &warm, "true").await?;
     delete_sandbox(client, &warm).await?;
     let mut samples = Vec::with_capacity(n);
+    // The two halves, so a change shows on which side of the answer it acts.
+    let (mut creates, mut first_commands) = (Vec::with_capacity(n), Vec::with_capacity(n));
     for _ in 0..n {
         let started = Instant::now();
         let sandbox = create_sandbox(client).await?;
+        creates.push(ms_since(started));
+        let created = Instant::now();
         run_command(client, &sandbox, "true").await?;
+        first_commands.push(ms_since(created));
         samples.push(ms_since(started));
         delete_sandbox(client, &sandbox).await?;
     }
-    Ok(Measurement {
-        samples,
-        extra: Map::new(),
-    })
+    let mut extra = Map::new();
+    extra.insert("create_median_ms".into(), json!(summarize(&mut creates).0));
+    extra.insert(
+        "first_command_median_ms".into(),
+        json!(summarize(&mut first_commands).0),
+    );
+    Ok(Measurement { samples, extra })
 }
 
 /// The round trip of `true` in one running sandbox.

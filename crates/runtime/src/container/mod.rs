@@ -407,6 +407,9 @@ impl ContainerRuntime {
                 self.maker.discard(shim).await;
                 continue;
             }
+            if let Err(error) = shim.to_normal_priority() {
+                tracing::warn!(sandbox = id, %error, "a pool shim keeps its low priority");
+            }
             let cgroups = Arc::clone(&self.cgroups);
             let (from, to) = (shim.cgroup.clone(), id.to_owned());
             // A few file operations: not worth a blocking thread's hop.
@@ -433,7 +436,7 @@ impl ContainerRuntime {
                 }
             }
         }
-        let shim = self.maker.spawn(id).await?;
+        let shim = self.maker.spawn(id, 0).await?;
         let shim = self.maker.place(shim, id, limits).await?;
         Ok((shim, "shim_made"))
     }

@@ -38,6 +38,12 @@ use crate::RuntimeError;
 const WAITING_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long `close` waits for a refill in flight.
 const REFILL_WAIT: Duration = Duration::from_secs(10);
+/// The niceness a shim is made at for the pool: the lowest, so that loading
+/// and relocating the binary (~3 ms of CPU) and forking the init take only CPU
+/// time that no start, command or store write wants. At normal priority they
+/// landed in the middle of the start that took the previous shim, and on 2
+/// cores held its store write off the CPU for as long.
+const POOL_NICE: i32 = 19;
 
 /// A shim whose container init waits, in the cgroups named `cgroup`, for a sandbox.
 pub(super) struct WaitingShim {
@@ -95,6 +101,19 @@ impl WaitingShim {
     pub(super) fn is_alive(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None)) && crate::process_alive(self.init_pid)
     }
+
+    /// Raises a shim made for the pool, and its init, to the normal priority:
+    /// from now on they are a sandbox's start. The shim is still the server's
+    /// unreaped child, so its pid is its own; the init is checked alive just
+    /// before (`is_alive`).
+    pub(super) fn to_normal_priority(&self) -> io::Result<()> {
+        let shim = self
+            .child
+            .id()
+            .ok_or_else(|| io::Error::new(io::ErrorKind::NotFound, "the shim has been reaped"))?;
+        shim::reprioritise(shim, 0)?;
+        shim::reprioritise(self.init_pid as u32, 0)
+    }
 }
 
 /// What makes waiting shims: the binary, the cgroups, the limits of a pool cgroup.
@@ -131,10 +150,10 @@ impl ShimMaker {
         }
     }
 
-    /// Spawns a shim and waits for its init's pid. Must run on a thread that lives
-    /// as long as the server (a runtime worker, not a blocking-pool thread): the
-    /// shim dies with the thread that spawned it.
-    pub(super) async fn spawn(&self, id: &str) -> Result<WaitingShim, RuntimeError> {
+    /// Spawns a shim at niceness `nice` and waits for its init's pid. Must run
+    /// on a thread that lives as long as the server (a runtime worker, not a
+    /// blocking-pool thread): the shim dies with the thread that spawned it.
+    pub(super) async fn spawn(&self, id: &str, nice: i32) -> Result<WaitingShim, RuntimeError> {
         let (control, theirs) = UnixStream::pair().map_err(|source| RuntimeError::Io {
             id: id.to_owned(),
             action: "make the shim's socket".into(),
@@ -144,16 +163,25 @@ impl ShimMaker {
         command
             .arg(SUBCOMMAND)
             .arg(&self.supervisor)
+            .arg(std::process::id().to_string())
             .env_clear()
             .stdin(Stdio::from(OwnedFd::from(theirs)))
             .stdout(Stdio::piped())
             .stderr(Stdio::null());
-        shim::die_with_parent(&mut command);
+        // No pre-exec code: the spawn stays a vfork (see `shim::die_with_server`).
         let mut child = command.spawn().map_err(|source| RuntimeError::Io {
             id: id.to_owned(),
             action: format!("spawn {}", self.init_exe.display()),
             source,
         })?;
+        // The spawn returned at the exec: the shim has yet to load and
+        // relocate the binary (most of its cost) and to fork its init, which
+        // inherits this.
+        if let (Some(pid), true) = (child.id(), nice != 0) {
+            if let Err(error) = shim::reprioritise(pid, nice) {
+                tracing::debug!(pid, %error, "a pool shim keeps the normal priority");
+            }
+        }
         let mut reports = BufReader::new(child.stdout.take().expect("stdout is piped"));
         let mut line = String::new();
         let read = tokio::time::timeout(WAITING_TIMEOUT, reports.read_line(&mut line)).await;
@@ -236,7 +264,7 @@ impl ShimMaker {
             self.prefix,
             self.next.fetch_add(1, Ordering::Relaxed)
         );
-        let shim = self.spawn(&name).await?;
+        let shim = self.spawn(&name, POOL_NICE).await?;
         let limits = CgroupLimits {
             cpu_quota_us: None,
             cpu_period_us: cgroup::CPU_PERIOD_US,

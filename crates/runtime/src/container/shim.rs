@@ -1,6 +1,7 @@
-//! The container shim: `cove __container-init`, a fresh single-threaded process the
-//! server spawns with a parent-death signal, so it (and with it the container) never
-//! outlives the server that supervises it. It is made for no sandbox: it unshares a PID
+//! The container shim: `cove __container-init SUPERVISOR SERVER_PID`, a fresh
+//! single-threaded process the server spawns, which first sets itself a parent-death
+//! signal, so it (and with it the container) never outlives the server that
+//! supervises it. It is made for no sandbox: it unshares a PID
 //! namespace, forks the container init (PID 1 of it) and reports `waiting <pid>`; the
 //! server puts that init into cgroups (the slow step on cgroup v1, done ahead of any
 //! request when the shim waits in the pool) and, when a sandbox starts, sends the
@@ -50,7 +51,7 @@ pub fn container_init_main() -> ! {
     // shim (tests) gets here before Rust's runtime has set this.
     // SAFETY: ignoring a signal installs no handler code.
     let _ = unsafe { signal(Signal::SIGPIPE, SigHandler::SigIgn) };
-    let code = match fork_init() {
+    let code = match die_with_server(server_pid()).and_then(|()| fork_init()) {
         Ok((init, reports)) => {
             report(&ShimReport::Waiting {
                 init_pid: init.as_raw(),
@@ -88,6 +89,11 @@ fn supervisor() -> Option<CString> {
     CString::new(path.into_encoded_bytes()).ok()
 }
 
+/// The argument after that: the pid of the server that spawned this shim.
+fn server_pid() -> Option<i32> {
+    std::env::args().nth(3)?.parse().ok()
+}
+
 /// Replaces this process with the supervisor, which then does what
 /// [`supervise`] does. This binary is large and position-independent: its
 /// relocated read-only data (~1.2 MiB) is private to each process once the
@@ -122,27 +128,49 @@ fn report(report: &ShimReport) {
         .and_then(|()| out.flush());
 }
 
-/// Makes the shim `command` will spawn get SIGKILL when the thread that spawns it
-/// (a runtime worker, living as long as the server) ends: a server that crashes or
-/// stops takes its containers with it, and restart recovery brings them back, so no
-/// container runs unsupervised. The container init has the same signal for the shim.
-pub(super) fn die_with_parent(command: &mut tokio::process::Command) {
-    // SAFETY: runs in the child between fork and exec, where only async-signal-safe
-    // calls are allowed: prctl is one system call with integer arguments.
-    unsafe {
-        command.pre_exec(|| {
-            if libc::prctl(
-                libc::PR_SET_PDEATHSIG,
-                libc::SIGKILL as libc::c_ulong,
-                0,
-                0,
-                0,
-            ) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
+/// Makes this shim get SIGKILL when the thread that spawned it (a runtime worker,
+/// living as long as the server) ends: a server that crashes or stops takes its
+/// containers with it, and restart recovery brings them back, so no container runs
+/// unsupervised. The container init has the same signal for the shim.
+///
+/// The shim sets it itself, first thing, rather than the server between fork and
+/// exec: a spawn with no code to run in the child is a `posix_spawn` (a vfork),
+/// which copies none of the server's page tables. A fork did, holding the server's
+/// memory map locked meanwhile, which stalled every server thread that faulted a
+/// page, at the moment a start had just answered. `server` is the pid the spawner
+/// gave: a parent that already died before the signal was set shows as another.
+fn die_with_server(server: Option<i32>) -> Result<(), StepError> {
+    // SAFETY: one system call with integer arguments.
+    let set = unsafe {
+        libc::prctl(
+            libc::PR_SET_PDEATHSIG,
+            libc::SIGKILL as libc::c_ulong,
+            0,
+            0,
+            0,
+        )
+    };
+    if set != 0 {
+        return Err(sys(|| "set the parent-death signal".into())(
+            nix::errno::Errno::last(),
+        ));
+    }
+    match server {
+        Some(pid) if nix::unistd::getppid().as_raw() != pid => Err(StepError::Refused(format!(
+            "the server (pid {pid}) ended before the shim started"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Sets the niceness of the single-threaded process `pid` (a shim or its init,
+/// which the server made and which have one thread each); `0` is the calling
+/// thread, the only one it changes on Linux.
+pub(super) fn reprioritise(pid: u32, nice: i32) -> std::io::Result<()> {
+    // SAFETY: one system call with integer arguments.
+    match unsafe { libc::setpriority(libc::PRIO_PROCESS, pid, nice) } {
+        0 => Ok(()),
+        _ => Err(std::io::Error::last_os_error()),
     }
 }
 
