@@ -1,8 +1,9 @@
 """What a server leaves on the host for other host users and for sandboxes to
 find (issue 16, host hygiene): a private data dir and database, storage where a
 set-user-id file or a device node means nothing, sandbox settings kept out of
-every process's command line, containers that never outlive their server, and
-no mount or loop device left once the last sandbox is gone."""
+every process's command line, containers that never outlive their server, a
+shim pool that waits at the lowest priority and goes with its server, and no
+mount or loop device left once the last sandbox is gone."""
 
 from __future__ import annotations
 
@@ -85,6 +86,72 @@ def test_containers_die_with_a_crashed_server_and_come_back(own_server):
     if again.state != SandboxState.STARTED:
         again.start(timeout=60)
     assert again.fs.download_file("kept.txt") == b"kept"
+
+
+def container_init_processes(server_pid: int) -> dict[int, tuple[int, int]]:
+    """Every process running `cove __container-init SUPERVISOR SERVER_PID` for
+    this server (the waiting shims and the inits they forked), by pid, with
+    its parent and niceness; found by command line, so one that outlived its
+    server would still be found."""
+    found = {}
+    for cmdline_path in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            argv = cmdline_path.read_bytes().split(b"\0")
+            stat_text = (cmdline_path.parent / "stat").read_text()
+        except OSError:
+            continue
+        if len(argv) > 3 and argv[1] == b"__container-init" and argv[3] == str(server_pid).encode():
+            # After the command name in parentheses: state, ppid, ..., nice (the 17th).
+            fields = stat_text.rsplit(")", 1)[1].split()
+            found[int(cmdline_path.parent.name)] = (int(fields[1]), int(fields[16]))
+    return found
+
+
+def container_shims(server_pid: int) -> dict[int, int]:
+    """The server's waiting shims (its own children), with their niceness."""
+    return {
+        pid: nice
+        for pid, (parent, nice) in container_init_processes(server_pid).items()
+        if parent == server_pid
+    }
+
+
+def pool_cgroups() -> set[Path]:
+    return set(Path("/sys/fs/cgroup").glob("*/cove/pool@*"))
+
+
+def test_the_shim_pool_waits_at_low_priority_and_goes_with_its_server():
+    data_dir = new_data_dir()
+    server = CoveServer(
+        data_dir,
+        api_key="cv-" + uuid.uuid4().hex,
+        extra_args=("--no-network", "--container-pool", "3"),
+    )
+    others = pool_cgroups()
+    server.start()
+    try:
+        pid = server.proc.pid
+        assert wait_until(lambda: len(container_shims(pid)) == 3, timeout=30), container_shims(pid)
+        waiting = container_shims(pid)
+        # Made ahead, at the lowest priority: they take no CPU a start wants.
+        assert set(waiting.values()) == {19}, waiting
+        inits = {p: n for p, (parent, n) in container_init_processes(pid).items() if parent in waiting}
+        assert len(inits) == 3, container_init_processes(pid)
+        ours = pool_cgroups() - others
+        assert ours, "the pool's shims wait in no cgroup of their own"
+
+        sandbox = server.client().create()
+        # The sandbox that took a shim runs at the normal priority.
+        assert sandbox.process.exec("nice").result.strip() == "0"
+        assert wait_until(lambda: len(container_shims(pid)) == 3, timeout=30), container_shims(pid)
+        assert len(set(container_shims(pid)) & set(waiting)) == 2, "the pool was not refilled"
+
+        assert server.stop() == 0, server.log_tail()
+        assert wait_until(lambda: not container_init_processes(pid), timeout=10), container_init_processes(pid)
+        assert not (pool_cgroups() & ours), pool_cgroups() & ours
+    finally:
+        server.stop()
+        remove_data_dir(data_dir)
 
 
 def test_a_server_with_no_sandbox_left_unmounts_its_storage():
