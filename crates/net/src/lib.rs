@@ -128,7 +128,7 @@ pub struct Network {
     pool: netns::Pool,
     resolver: Mutex<Option<Resolver>>,
     /// Ports of detached sandboxes being deleted in the background (see
-    /// [`Network::detach_soon`]); a shutdown waits for them.
+    /// [`Deletion::Background`]); a shutdown waits for them.
     retiring: Mutex<tokio::task::JoinSet<()>>,
 }
 
@@ -169,11 +169,17 @@ impl std::fmt::Debug for Network {
 }
 
 /// When a detach deletes the sandbox's port.
-#[derive(Clone, Copy)]
-enum Deletion {
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deletion {
     /// Before the detach returns.
     Now,
-    /// In the background, after it returns.
+    /// In the background, after it returns: the sandbox is off the network
+    /// when the detach returns (its firewall elements, neighbour entry and
+    /// namespace file are gone, and the port leads nowhere), and a new attach
+    /// takes a port of another name, so nothing waits on the deletion (a
+    /// link's, which waits out an RCU grace period, ~10 ms) but
+    /// [`Network::shutdown`]. For a pause, whose machine keeps the port
+    /// unplugged and frozen.
     Background,
 }
 
@@ -598,24 +604,10 @@ impl Network {
     }
 
     /// Removes a sandbox from the network: its firewall elements, veth or TAP
-    /// device, and namespace file. It keeps its address for the next attach. Detaching a
-    /// sandbox that is not attached is not an error.
-    pub async fn detach(&self, id: &str) -> Result<(), NetError> {
-        self.detach_with(id, Deletion::Now).await
-    }
-
-    /// As [`Network::detach`], except that the port itself (a link whose
-    /// deletion waits out an RCU grace period, ~10 ms) is deleted in the
-    /// background: the sandbox is off the network when this returns (its
-    /// firewall elements, neighbour entry and namespace file are gone, and
-    /// the port leads nowhere), and a new attach takes a port of another
-    /// name, so nothing waits on the deletion but [`Network::shutdown`]. For
-    /// a pause, whose machine keeps the port unplugged and frozen.
-    pub async fn detach_soon(&self, id: &str) -> Result<(), NetError> {
-        self.detach_with(id, Deletion::Background).await
-    }
-
-    async fn detach_with(&self, id: &str, deletion: Deletion) -> Result<(), NetError> {
+    /// device (now or in the background, per `deletion`), and namespace file.
+    /// It keeps its address for the next attach. Detaching a sandbox that is
+    /// not attached is not an error.
+    pub async fn detach(&self, id: &str, deletion: Deletion) -> Result<(), NetError> {
         check_id(id)?;
         let sandbox = {
             let mut state = self.shared.lock();
@@ -633,7 +625,7 @@ impl Network {
         removed
     }
 
-    /// Waits for the ports [`Network::detach_soon`] is deleting.
+    /// Waits for the ports detached with [`Deletion::Background`] to be deleted.
     pub async fn retired(&self) {
         let mut retiring = std::mem::take(&mut *self.retiring.lock().expect("retiring lock"));
         while retiring.join_next().await.is_some() {}
@@ -685,7 +677,7 @@ impl Network {
     /// Detaches the sandbox, ends its links and gives up its address (for a
     /// deleted sandbox).
     pub async fn release(&self, id: &str) -> Result<(), NetError> {
-        self.detach(id).await?;
+        self.detach(id, Deletion::Now).await?;
         self.unlink(id)?;
         let mut state = self.shared.lock();
         if state.book.release(id) {
@@ -703,7 +695,7 @@ impl Network {
         self.retired().await;
         let ids: Vec<String> = self.attached().into_iter().map(|(id, _)| id).collect();
         for id in ids {
-            self.detach(&id).await?;
+            self.detach(&id, Deletion::Now).await?;
         }
         let config = &self.shared.config;
         nft::run_nft(&nft::teardown(config)).await?;

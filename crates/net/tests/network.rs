@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use common::{
     http_get, inside, resolve, resolve_tcp, World, ALLOWED_IP, DENIED_IP, METADATA_IP, PRIVATE_IP,
 };
-use cove_net::{Link, LinkKind, NetError, Policy, PolicyError};
+use cove_net::{Deletion, Link, LinkKind, NetError, Policy, PolicyError};
 use hickory_proto::op::ResponseCode;
 
 fn cidr(text: &str) -> cove_net::Ipv4Net {
@@ -426,7 +426,7 @@ async fn detach_and_shutdown_leave_nothing_behind() {
     assert!(world.nft_tables().contains(&address));
     assert!(world.link_exists(&attachment.host_link));
 
-    network.detach("gone").await.unwrap();
+    network.detach("gone", Deletion::Now).await.unwrap();
     let tables = world.nft_tables();
     assert!(!tables.contains(&address), "elements left: {tables}");
     assert!(!tables.contains(&attachment.host_link), "{tables}");
@@ -436,7 +436,7 @@ async fn detach_and_shutdown_leave_nothing_behind() {
     assert_eq!(world.netns_files(), vec!["kept".to_string()]);
     assert!(!attachment.netns_path().unwrap().exists());
     assert_eq!(world.mounts_under_state().len(), 1);
-    network.detach("gone").await.unwrap(); // again: nothing to do
+    network.detach("gone", Deletion::Now).await.unwrap(); // again: nothing to do
 
     // The address is kept for the next attach, and given up by release.
     let again = network.attach("gone", &Policy::default()).await.unwrap();
@@ -446,7 +446,7 @@ async fn detach_and_shutdown_leave_nothing_behind() {
     assert_eq!(other.address, attachment.address, "the lowest free address");
     // A port still being deleted when the shutdown comes is waited for.
     network.attach("soon", &Policy::default()).await.unwrap();
-    network.detach_soon("soon").await.unwrap();
+    network.detach("soon", Deletion::Background).await.unwrap();
 
     network.shutdown().await.unwrap();
     assert!(world.links().is_empty(), "{:?}", world.links());
@@ -651,7 +651,7 @@ async fn a_vm_gets_an_isolated_tap_port_that_detach_removes() {
 
     // A paused VM is detached at once, its port deleted in the background:
     // off the firewall and the neighbour table when the detach returns.
-    network.detach_soon("vm").await.unwrap();
+    network.detach("vm", Deletion::Background).await.unwrap();
     let tables = world.nft_tables();
     assert!(!tables.contains(device.as_str()), "{tables}");
     assert!(
@@ -671,7 +671,7 @@ async fn a_vm_gets_an_isolated_tap_port_that_detach_removes() {
     network.retired().await;
     assert!(!world.link_exists(device));
     assert!(world.link_exists(&resumed.host_link));
-    network.detach("vm").await.unwrap();
+    network.detach("vm", Deletion::Now).await.unwrap();
     assert!(!world.link_exists(&resumed.host_link));
     let tables = world.nft_tables();
     assert!(!tables.contains(device.as_str()), "{tables}");

@@ -2,6 +2,7 @@
 //! `operations.rs`) picks one as a value, records the transient state, and
 //! applies it here.
 
+use cove_net::Deletion;
 use cove_runtime::{Runtime, SandboxId};
 use cove_store::SandboxRecord;
 
@@ -60,12 +61,12 @@ impl Sandboxes {
             Effect::Pause => {
                 self.forget_running(id);
                 runtime.pause(&sandbox).await?;
-                self.detach_network_soon(record).await
+                self.detach_network(record, Deletion::Background).await
             }
             Effect::Stop => {
                 self.forget_running(id);
                 runtime.stop(&sandbox).await?;
-                self.detach_network(record).await
+                self.detach_network(record, Deletion::Now).await
             }
             Effect::Delete => self.delete_effect(runtime, record, &sandbox).await,
             Effect::Archive => self.archive_effect(runtime, record, &sandbox).await,
@@ -164,7 +165,7 @@ impl Sandboxes {
         let was_running = runtime.is_running(&spec.id).await;
         self.forget_running(&record.id);
         runtime.stop(&spec.id).await?;
-        self.detach_network(record).await?;
+        self.detach_network(record, Deletion::Now).await?;
         runtime.revert(&spec, capture_id).await?;
         if was_running {
             let started = self.start_machine(runtime, record, spec).await?;

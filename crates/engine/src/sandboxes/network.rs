@@ -5,7 +5,7 @@
 //! deleted. Policy changes on a running sandbox apply live.
 
 use cove_lifecycle::{SandboxClass, SandboxState};
-use cove_net::{Link, LinkKind};
+use cove_net::{Deletion, Link, LinkKind};
 use cove_runtime::{NetworkLink, SandboxNetwork, TapLink};
 use cove_store::{NetworkSettings, SandboxRecord};
 
@@ -85,23 +85,16 @@ impl Sandboxes {
         }
     }
 
-    /// Takes a sandbox that no longer runs off the network (keeps its address).
-    pub(crate) async fn detach_network(&self, record: &SandboxRecord) -> Result<(), Failure> {
+    /// Takes a sandbox off the network (its port deleted now or, for a
+    /// paused machine, after the pause answers: see `cove_net::Deletion`).
+    pub(crate) async fn detach_network(
+        &self,
+        record: &SandboxRecord,
+        deletion: Deletion,
+    ) -> Result<(), Failure> {
         match self.shared.network() {
             Some(network) => network
-                .detach(&record.id)
-                .await
-                .map_err(Failure::network("detach it from the network")),
-            None => Ok(()),
-        }
-    }
-
-    /// As [`Self::detach_network`] for a paused machine: its port is deleted
-    /// after the pause answers (see `Network::detach_soon`).
-    pub(crate) async fn detach_network_soon(&self, record: &SandboxRecord) -> Result<(), Failure> {
-        match self.shared.network() {
-            Some(network) => network
-                .detach_soon(&record.id)
+                .detach(&record.id, deletion)
                 .await
                 .map_err(Failure::network("detach it from the network")),
             None => Ok(()),

@@ -2,6 +2,7 @@
 //! machine that ends by itself puts its sandbox in `error`.
 
 use cove_lifecycle::SandboxState;
+use cove_net::Deletion;
 use cove_runtime::timeline::Timeline;
 use cove_runtime::Started;
 use cove_store::SandboxRecord;
@@ -36,7 +37,7 @@ impl Sandboxes {
         match runtime.start(&spec).await {
             Ok(started) => Ok(started),
             Err(error) => {
-                if let Err(detach) = self.detach_network(record).await {
+                if let Err(detach) = self.detach_network(record, Deletion::Now).await {
                     let detach = crate::error::describe(&detach);
                     tracing::warn!(sandbox = %record.id, error = %detach, "after a failed start");
                 }
@@ -76,7 +77,7 @@ impl Sandboxes {
             return;
         };
         if record.state == SandboxState::Started {
-            if let Err(error) = self.detach_network(&record).await {
+            if let Err(error) = self.detach_network(&record, Deletion::Now).await {
                 tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "after an unexpected exit");
             }
             record.state = SandboxState::Error;
