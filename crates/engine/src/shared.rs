@@ -22,6 +22,9 @@ use crate::{now_ms, EngineConfig, EngineError};
 #[derive(Clone, Debug)]
 pub(crate) struct Running {
     pub(crate) agent: AgentEndpoint,
+    /// Whose sandbox it is: a toolbox call by id is checked against it
+    /// without a store read.
+    pub(crate) organization_id: String,
     /// How a VM executes ("kvm" or "tcg"); `None` for containers.
     pub(crate) accelerator: Option<&'static str>,
     /// Tells a late exit notice of an earlier start from the current one.
@@ -297,15 +300,16 @@ impl Shared {
     /// Remembers a started sandbox; returns the generation of this start.
     pub(crate) fn set_running(
         &self,
-        id: &str,
+        record: &SandboxRecord,
         agent: AgentEndpoint,
         accelerator: Option<&'static str>,
     ) -> u64 {
         let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
         self.running.lock().unwrap().insert(
-            id.to_owned(),
+            record.id.clone(),
             Running {
                 agent,
+                organization_id: record.organization_id.clone(),
                 accelerator,
                 generation,
             },

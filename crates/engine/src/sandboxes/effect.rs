@@ -100,7 +100,7 @@ impl Sandboxes {
             runtime.discard_memory(&spec.id).await?;
         }
         let started = self.start_machine(runtime, record, spec).await?;
-        self.register_running(&record.id, started);
+        self.register_running(record, started);
         Ok(())
     }
 
@@ -169,7 +169,7 @@ impl Sandboxes {
         runtime.revert(&spec, capture_id).await?;
         if was_running {
             let started = self.start_machine(runtime, record, spec).await?;
-            self.register_running(&record.id, started);
+            self.register_running(record, started);
         }
         Ok(())
     }

@@ -107,6 +107,17 @@ impl Sandboxes {
 
     /// Where the agent of a started sandbox listens; counts as an interaction.
     pub async fn toolbox(&self, id_or_name: &str) -> Result<(String, AgentEndpoint), EngineError> {
+        // A running sandbox of this organization named by its id (what the
+        // SDKs send) needs no store read; a name, or a sandbox that does
+        // not run, is looked up and answered as `agent` does.
+        let running = self
+            .shared
+            .running(id_or_name)
+            .filter(|running| self.scope.sees(&running.organization_id));
+        if let Some(running) = running {
+            self.touch(id_or_name);
+            return Ok((id_or_name.to_owned(), running.agent));
+        }
         let (record, agent) = self.agent(id_or_name).await?;
         self.touch(&record.id);
         Ok((record.id, agent))

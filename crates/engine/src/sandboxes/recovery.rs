@@ -170,7 +170,7 @@ impl Sandboxes {
                 .await;
                 match replugged {
                     Ok(started) => {
-                        self.register_running(&record.id, started);
+                        self.register_running(record, started);
                         tracing::info!(sandbox = %record.id, "still running after a server restart, on the network again");
                         true
                     }
@@ -181,7 +181,7 @@ impl Sandboxes {
                 }
             }
             Ok(Some(started)) => {
-                self.register_running(&record.id, started);
+                self.register_running(record, started);
                 tracing::info!(sandbox = %record.id, "still running after a server restart");
                 true
             }

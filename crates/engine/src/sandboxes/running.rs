@@ -47,12 +47,12 @@ impl Sandboxes {
     }
 
     /// Remembers a started sandbox and watches for its end.
-    pub(crate) fn register_running(&self, id: &str, started: Started) {
+    pub(crate) fn register_running(&self, record: &SandboxRecord, started: Started) {
         let generation = self
             .shared
-            .set_running(id, started.agent, started.accelerator);
+            .set_running(record, started.agent, started.accelerator);
         let sandboxes = self.clone();
-        let id = id.to_owned();
+        let id = record.id.clone();
         let exited = started.exited;
         tokio::spawn(async move {
             let why = exited

@@ -87,7 +87,7 @@ impl Saga<'_> {
             }
         };
         let mut record = self.record;
-        self.sandboxes.register_running(&record.id, started);
+        self.sandboxes.register_running(&record, started);
         record.state = SandboxState::Started;
         self.sandboxes.shared.save_state(&mut record).await?;
         Ok(record)
