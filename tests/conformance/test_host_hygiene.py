@@ -145,10 +145,14 @@ def test_the_shim_pool_waits_at_low_priority_and_goes_with_its_server():
         assert sandbox.process.exec("nice").result.strip() == "0"
         assert wait_until(lambda: len(container_shims(pid)) == 3, timeout=30), container_shims(pid)
         assert len(set(container_shims(pid)) & set(waiting)) == 2, "the pool was not refilled"
+        # Deleted, so the stop below has no running sandbox to leave for a next start.
+        server.client().delete(sandbox, wait=True)
+        assert not cgroup_procs(sandbox.id)
 
         assert server.stop() == 0, server.log_tail()
         assert wait_until(lambda: not container_init_processes(pid), timeout=10), container_init_processes(pid)
         assert not (pool_cgroups() & ours), pool_cgroups() & ours
+        assert not list(Path("/sys/fs/cgroup").glob(f"*/cove/{sandbox.id}")), "the sandbox's cgroups are left"
     finally:
         server.stop()
         remove_data_dir(data_dir)
