@@ -140,21 +140,7 @@ fn report(report: &ShimReport) {
 /// page, at the moment a start had just answered. `server` is the pid the spawner
 /// gave: a parent that already died before the signal was set shows as another.
 fn die_with_server(server: Option<i32>) -> Result<(), StepError> {
-    // SAFETY: one system call with integer arguments.
-    let set = unsafe {
-        libc::prctl(
-            libc::PR_SET_PDEATHSIG,
-            libc::SIGKILL as libc::c_ulong,
-            0,
-            0,
-            0,
-        )
-    };
-    if set != 0 {
-        return Err(sys(|| "set the parent-death signal".into())(
-            nix::errno::Errno::last(),
-        ));
-    }
+    die_with_parent()?;
     match server {
         Some(pid) if nix::unistd::getppid().as_raw() != pid => Err(StepError::Refused(format!(
             "the server (pid {pid}) ended before the shim started"
@@ -164,8 +150,7 @@ fn die_with_server(server: Option<i32>) -> Result<(), StepError> {
 }
 
 /// Sets the niceness of the single-threaded process `pid` (a shim or its init,
-/// which the server made and which have one thread each); `0` is the calling
-/// thread, the only one it changes on Linux.
+/// which the server made and which have one thread each).
 pub(super) fn reprioritise(pid: u32, nice: i32) -> std::io::Result<()> {
     // SAFETY: one system call with integer arguments.
     match unsafe { libc::setpriority(libc::PRIO_PROCESS, pid, nice) } {
@@ -378,7 +363,7 @@ fn write_sysctl(name: &str, value: &str) -> Result<(), StepError> {
 /// steps' times go to `report` just before the exec.
 fn container_init(report: &mut fs::File, old_mask: &SigSet) -> String {
     let result = (|| -> Result<std::convert::Infallible, StepError> {
-        die_with_the_shim()?;
+        die_with_parent()?;
         let (args, userns, console, sent_ns) = receive_settings()?;
         let mut timeline = Timeline::start("container init");
         timeline.step_since("init_woken", sent_ns);
@@ -418,7 +403,7 @@ fn container_init(report: &mut fs::File, old_mask: &SigSet) -> String {
         unshare(CloneFlags::CLONE_NEWCGROUP).map_err(sys(|| "unshare cgroup namespace".into()))?;
         enter_user_namespace(&userns)?;
         // Changing its ids cleared the death signal set above; set it again.
-        die_with_the_shim()?;
+        die_with_parent()?;
         let path = CString::new(AGENT_PATH).expect("constant has no NUL");
         let argv = [
             CString::new("cove-agent").expect("no NUL"),
@@ -445,9 +430,10 @@ fn container_init(report: &mut fs::File, old_mask: &SigSet) -> String {
     }
 }
 
-/// SIGKILL for the container init when the shim dies. The kernel clears it at
-/// every change of the process's user, group or file-system ids.
-fn die_with_the_shim() -> Result<(), StepError> {
+/// SIGKILL for this process when its parent dies: the shim's is the server,
+/// the container init's the shim. The kernel clears it at every change of the
+/// process's user, group or file-system ids.
+fn die_with_parent() -> Result<(), StepError> {
     // SAFETY: prctl with integer arguments only.
     if unsafe {
         libc::prctl(
