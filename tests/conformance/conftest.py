@@ -97,6 +97,16 @@ def mounts_under(path: Path) -> list[str]:
     return found
 
 
+def pool_cgroups_of(data_dir: Path) -> set[Path]:
+    """The shim-pool cgroups of the server on ``data_dir``: they are named
+    ``pool@{tag}.{n}``, the tag being the 64-bit FNV-1a hash of the server's
+    container state directory (``<data dir>/storage/sandboxes``)."""
+    tag = 0xCBF29CE484222325
+    for byte in str(Path(data_dir).resolve() / "storage" / "sandboxes").encode():
+        tag = ((tag ^ byte) * 0x100000001B3) % (1 << 64)
+    return set(Path("/sys/fs/cgroup").glob(f"*/cove/pool@{tag:016x}.*"))
+
+
 class CoveServer:
     """A `cove serve` child process on its own port, over a given data directory."""
 

@@ -20,7 +20,7 @@ from daytona import (
     SandboxState,
 )
 
-from conftest import CoveServer, mounts_under, new_data_dir, remove_data_dir, unique, wait_until
+from conftest import CoveServer, mounts_under, new_data_dir, pool_cgroups_of, remove_data_dir, unique, wait_until
 
 
 def test_unknown_snapshot_is_404_naming_it(cove, daytona):
@@ -177,6 +177,8 @@ def test_a_second_server_on_the_same_bridge_is_refused_and_leaves_nothing(cove, 
         with pytest.raises(RuntimeError, match="bridge cove0 is in use by another cove server"):
             second.start()
         assert mounts_under(data_dir) == []
+        # Its shim pool never started: no waiting shim's cgroup outlives it.
+        assert pool_cgroups_of(data_dir) == set()
         # The running server's sandbox still has its network.
         status = sandbox.process.exec("curl -s -o /dev/null -w '%{http_code}' --max-time 5 http://allowed.test/", timeout=15)
         assert status.result.strip() == "200", status.result

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from daytona import CreateSandboxFromSnapshotParams, SandboxState, VolumeMount
 
-from conftest import CoveServer, mounts_under, new_data_dir, remove_data_dir, wait_until
+from conftest import CoveServer, mounts_under, new_data_dir, pool_cgroups_of, remove_data_dir, wait_until
 
 
 def mount_options(mount_point: Path) -> set[str]:
@@ -139,6 +139,8 @@ def test_the_shim_pool_waits_at_low_priority_and_goes_with_its_server():
         assert len(inits) == 3, container_init_processes(pid)
         ours = pool_cgroups() - others
         assert ours, "the pool's shims wait in no cgroup of their own"
+        # The name other tests find a server's pool by.
+        assert ours == pool_cgroups_of(data_dir), (ours, pool_cgroups_of(data_dir))
 
         sandbox = server.client().create()
         # The sandbox that took a shim runs at the normal priority.

@@ -554,6 +554,8 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         ));
     }
     let addr = listener.local_addr()?;
+    // Last: nothing after this fails, so a failed start leaves no pool cgroup.
+    container.fill_pool();
     let timers = engine.sandboxes().clone();
     tokio::spawn(async move { timers.run_timers().await });
     let serve = tokio::spawn(cove_api::listener::serve(

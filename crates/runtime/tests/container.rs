@@ -71,6 +71,7 @@ impl Harness {
         config.cgroup_parent = cgroup_parent.clone();
         config.shim_pool = shim_pool;
         let runtime = ContainerRuntime::new(config.clone()).unwrap();
+        runtime.fill_pool();
         Some(Self {
             runtime,
             config,
@@ -1259,6 +1260,7 @@ async fn a_new_runtime_sweeps_the_pool_a_killed_one_left() {
             .unwrap();
         tokio.block_on(async {
             let runtime = ContainerRuntime::new(config).unwrap();
+            runtime.fill_pool();
             pool_filled(&runtime, 2).await;
             let inits = runtime.pooled_init_pids();
             std::mem::forget(runtime);

@@ -176,7 +176,6 @@ impl ContainerRuntime {
             0
         };
         let pool = ShimPool::new(target, Arc::clone(&maker));
-        pool.refill();
         Ok(Self {
             ids: Arc::new(userns::IdRanges::new(config.userns_pool)),
             config,
@@ -185,6 +184,13 @@ impl ContainerRuntime {
             maker,
             pool,
         })
+    }
+
+    /// Starts filling the pool of waiting shims (`shim_pool` of them), in the
+    /// background. A server calls it once nothing of its start can fail any
+    /// more, so a start that fails leaves no pool cgroup behind.
+    pub fn fill_pool(&self) {
+        self.pool.refill();
     }
 
     /// Ends the shims waiting in the pool and removes their cgroups; call at
