@@ -1,9 +1,10 @@
 //! The one gate of the tests that need the real machine: root, a Debian root
 //! filesystem, the static agent, QEMU and the guest assets, nft, a local
-//! registry. A test asks for what it needs; when something is missing it is
-//! skipped with the reason on stderr, except under `COVE_TEST_STRICT=1`
-//! (`scripts/test`, so CI), where a missing piece fails the test instead: a
-//! suite that silently ran nothing cannot pass there.
+//! registry, PostgreSQL ([`postgres`] starts a throw-away cluster). A test
+//! asks for what it needs; when something is missing it is skipped with the
+//! reason on stderr, except under `COVE_TEST_STRICT=1` (`scripts/test`, so
+//! CI), where a missing piece fails the test instead: a suite that silently
+//! ran nothing cannot pass there.
 //!
 //! ```no_run
 //! let Some(rootfs) = cove_testenv::path("COVE_TEST_ROOTFS", "a Debian root filesystem") else {
@@ -12,6 +13,8 @@
 //! ```
 
 use std::path::{Path, PathBuf};
+
+pub mod postgres;
 
 /// The variable that turns a skip into a failure.
 pub const STRICT: &str = "COVE_TEST_STRICT";
