@@ -2,7 +2,7 @@
 //! permissions (Daytona's wire names, as the engine gives them) and a masked
 //! form for listings.
 
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 
 use crate::{Store, StoreError};
@@ -30,7 +30,7 @@ pub struct ApiKeyRecord {
 const COLUMNS: &str =
     "hash, organization_id, name, permissions, masked, created_at_ms, expires_at_ms, last_used_at_ms, operator";
 
-fn from_row(row: &SqliteRow) -> Result<ApiKeyRecord, StoreError> {
+fn from_row(row: &AnyRow) -> Result<ApiKeyRecord, StoreError> {
     let permissions: String = row.try_get("permissions")?;
     Ok(ApiKeyRecord {
         hash: row.try_get("hash")?,
@@ -45,7 +45,7 @@ fn from_row(row: &SqliteRow) -> Result<ApiKeyRecord, StoreError> {
         created_at_ms: row.try_get("created_at_ms")?,
         expires_at_ms: row.try_get("expires_at_ms")?,
         last_used_at_ms: row.try_get("last_used_at_ms")?,
-        operator: row.try_get("operator")?,
+        operator: row.try_get::<i64, _>("operator")? != 0,
     })
 }
 
@@ -53,7 +53,7 @@ impl Store {
     /// Stores `key`; false (and nothing stored) if its name is taken.
     pub async fn insert_api_key(&self, key: &ApiKeyRecord) -> Result<bool, StoreError> {
         let done = sqlx::query(&format!(
-            "INSERT INTO api_keys ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) \
+            "INSERT INTO api_keys ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) \
              ON CONFLICT (organization_id, name) DO NOTHING"
         ))
         .bind(&key.hash)
@@ -64,7 +64,7 @@ impl Store {
         .bind(key.created_at_ms)
         .bind(key.expires_at_ms)
         .bind(key.last_used_at_ms)
-        .bind(key.operator)
+        .bind(i64::from(key.operator))
         .execute(&self.pool)
         .await?;
         Ok(done.rows_affected() == 1)
@@ -87,7 +87,7 @@ impl Store {
         organization_id: &str,
         name: &str,
     ) -> Result<bool, StoreError> {
-        let done = sqlx::query("DELETE FROM api_keys WHERE organization_id = ? AND name = ?")
+        let done = sqlx::query("DELETE FROM api_keys WHERE organization_id = $1 AND name = $2")
             .bind(organization_id)
             .bind(name)
             .execute(&self.pool)
@@ -97,7 +97,7 @@ impl Store {
 
     /// Records that the key with `hash` was used at `at_ms`.
     pub async fn touch_api_key(&self, hash: &str, at_ms: i64) -> Result<(), StoreError> {
-        sqlx::query("UPDATE api_keys SET last_used_at_ms = ? WHERE hash = ?")
+        sqlx::query("UPDATE api_keys SET last_used_at_ms = $1 WHERE hash = $2")
             .bind(at_ms)
             .bind(hash)
             .execute(&self.pool)

@@ -1,8 +1,8 @@
 //! The audit log: one row per change asked of the control API, newest first
 //! when read.
 
-use sqlx::sqlite::SqliteRow;
-use sqlx::{QueryBuilder, Row, Sqlite};
+use sqlx::any::AnyRow;
+use sqlx::Row;
 
 use crate::{Store, StoreError};
 
@@ -44,7 +44,7 @@ const COLUMNS: &str =
     "id, organization_id, created_at_ms, key_name, key_masked, action, target_type, target_id, \
     status_code, error_message, user_agent";
 
-fn from_row(row: &SqliteRow) -> Result<AuditRecord, StoreError> {
+fn from_row(row: &AnyRow) -> Result<AuditRecord, StoreError> {
     Ok(AuditRecord {
         id: row.try_get("id")?,
         organization_id: row.try_get("organization_id")?,
@@ -60,14 +60,26 @@ fn from_row(row: &SqliteRow) -> Result<AuditRecord, StoreError> {
     })
 }
 
-/// `WHERE` clauses for `query`, pushed onto `builder`.
-fn push_filters(builder: &mut QueryBuilder<'_, Sqlite>, query: &AuditQuery) {
-    builder.push(" WHERE 1 = 1");
+/// A value a filter compares with.
+enum Value {
+    Int(i64),
+    Text(String),
+}
+
+/// The `WHERE` clause for `query`, its placeholders numbered from `$1` (so
+/// the same text runs on SQLite and PostgreSQL), and the values they take.
+fn filters(query: &AuditQuery) -> (String, Vec<Value>) {
+    let mut clause = String::from(" WHERE 1 = 1");
+    let mut values = Vec::new();
+    let mut add = |condition: &str, value: Value| {
+        values.push(value);
+        clause.push_str(&format!(" AND {condition} ${}", values.len()));
+    };
     if let Some(from) = query.from_ms {
-        builder.push(" AND created_at_ms >= ").push_bind(from);
+        add("created_at_ms >=", Value::Int(from));
     }
     if let Some(to) = query.to_ms {
-        builder.push(" AND created_at_ms <= ").push_bind(to);
+        add("created_at_ms <=", Value::Int(to));
     }
     let texts = [
         ("organization_id", &query.organization_id),
@@ -78,22 +90,29 @@ fn push_filters(builder: &mut QueryBuilder<'_, Sqlite>, query: &AuditQuery) {
     ];
     for (column, value) in texts {
         if let Some(value) = value {
-            builder
-                .push(format_args!(" AND {column} = "))
-                .push_bind(value.clone());
+            add(&format!("{column} ="), Value::Text(value.clone()));
         }
     }
     if let Some(status) = query.status_code {
-        builder
-            .push(" AND status_code = ")
-            .push_bind(i64::from(status));
+        add("status_code =", Value::Int(i64::from(status)));
     }
+    (clause, values)
+}
+
+fn bind_all<'q>(mut query: crate::Query<'q>, values: &'q [Value]) -> crate::Query<'q> {
+    for value in values {
+        query = match value {
+            Value::Int(i) => query.bind(*i),
+            Value::Text(t) => query.bind(t.as_str()),
+        };
+    }
+    query
 }
 
 impl Store {
     pub async fn insert_audit(&self, record: &AuditRecord) -> Result<(), StoreError> {
         sqlx::query(&format!(
-            "INSERT INTO audit_log ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            "INSERT INTO audit_log ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)"
         ))
         .bind(&record.id)
         .bind(&record.organization_id)
@@ -119,18 +138,23 @@ impl Store {
         offset: u64,
         limit: u64,
     ) -> Result<(Vec<AuditRecord>, u64), StoreError> {
-        let mut count = QueryBuilder::new("SELECT COUNT(*) FROM audit_log");
-        push_filters(&mut count, query);
-        let total: i64 = count.build_query_scalar().fetch_one(&self.pool).await?;
-
-        let mut select = QueryBuilder::new(format!("SELECT {COLUMNS} FROM audit_log"));
-        push_filters(&mut select, query);
-        select
-            .push(" ORDER BY seq DESC LIMIT ")
-            .push_bind(limit as i64)
-            .push(" OFFSET ")
-            .push_bind(offset as i64);
-        let rows = select.build().fetch_all(&self.pool).await?;
+        let (clause, values) = filters(query);
+        let count_sql = format!("SELECT COUNT(*) FROM audit_log{clause}");
+        let total: i64 = bind_all(sqlx::query(&count_sql), &values)
+            .fetch_one(&self.pool)
+            .await?
+            .try_get(0)?;
+        let n = values.len();
+        let select_sql = format!(
+            "SELECT {COLUMNS} FROM audit_log{clause} ORDER BY seq DESC LIMIT ${} OFFSET ${}",
+            n + 1,
+            n + 2
+        );
+        let rows = bind_all(sqlx::query(&select_sql), &values)
+            .bind(limit as i64)
+            .bind(offset as i64)
+            .fetch_all(&self.pool)
+            .await?;
         let items = rows.iter().map(from_row).collect::<Result<_, _>>()?;
         Ok((items, total as u64))
     }

@@ -3,7 +3,15 @@
 //! Owns the database schema (migrations in `migrations/`) and the rows of
 //! organizations, sandboxes, snapshots, API keys, SSH access tokens, the audit log and the meter. It stores plain records and checks
 //! nothing about transitions: the engine decides, this crate remembers.
-//! SQL is kept portable so PostgreSQL can replace SQLite.
+//!
+//! One database of two dialects, through sqlx's `Any` driver: SQLite, a file in
+//! the data directory (the one-machine default), or PostgreSQL (`connect`
+//! with a `postgres://` URL), which several control-plane processes can share.
+//! Every statement is one text for both: placeholders are `$N`, flags are
+//! BIGINT 0/1, two-argument `MIN`/`MAX` are `CASE`s, and PostgreSQL's tables
+//! have a `rowid` column where the store orders by SQLite's. Each dialect has
+//! its migrations (`migrations/sqlite`, `migrations/postgres`); a migration
+//! added later goes into both with the same version.
 
 mod api_keys;
 mod audit;
@@ -19,10 +27,9 @@ mod ssh_access;
 mod volumes;
 
 use std::path::Path;
-use std::str::FromStr;
 
-use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::SqlitePool;
+use sqlx::any::{AnyArguments, AnyPoolOptions};
+use sqlx::{Any, AnyPool, Executor as _, Transaction};
 
 pub use api_keys::ApiKeyRecord;
 pub use audit::{AuditQuery, AuditRecord};
@@ -54,6 +61,8 @@ pub enum StoreError {
     },
     #[error("database migration")]
     Migrate(#[source] sqlx::migrate::MigrateError),
+    #[error("the database is in use by another cove server; give this one a database of its own")]
+    InUse,
     #[error("database query")]
     Query(#[from] sqlx::Error),
     #[error("{name} already exists")]
@@ -70,11 +79,34 @@ pub enum StoreError {
     },
 }
 
-/// How a transaction that reads before it writes begins: with the write
-/// lock taken (waiting out `busy_timeout`), so that no other writer can
-/// commit between its read and its write, which SQLite in WAL mode would
-/// answer with an immediate `SQLITE_BUSY` rather than a wait.
-const WRITE: &str = "BEGIN IMMEDIATE";
+/// A statement of the store, whichever the dialect.
+pub(crate) type Query<'q> = sqlx::query::Query<'q, Any, AnyArguments<'q>>;
+
+/// The key of the PostgreSQL advisory lock that [`Store::write`] takes: one
+/// for the whole store, as SQLite has one write lock.
+const WRITE_LOCK: i64 = 0x636f_7665; // "cove"
+
+/// The key of the PostgreSQL advisory lock a server holds its database by
+/// ([`Store::hold_alone`]).
+const SERVER_LOCK: i64 = 0x636f_7665_0001;
+
+/// A database held by one server; dropping it lets another take it.
+pub struct Holder {
+    _conn: sqlx::AnyConnection,
+}
+
+impl std::fmt::Debug for Holder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Holder")
+    }
+}
+
+/// Which database a store is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dialect {
+    Sqlite,
+    Postgres,
+}
 
 /// The statement that writes every column of a row keyed by `id`: a plain
 /// insert for a new row, an upsert for a saved one. Upserting (rather than
@@ -83,7 +115,8 @@ const WRITE: &str = "BEGIN IMMEDIATE";
 /// millisecond.
 fn write_row_sql(table: &str, columns: &str, upsert: bool) -> String {
     let names: Vec<&str> = columns.split(',').map(str::trim).collect();
-    let placeholders = vec!["?"; names.len()].join(", ");
+    let placeholders: Vec<String> = (1..=names.len()).map(|n| format!("${n}")).collect();
+    let placeholders = placeholders.join(", ");
     let mut sql = format!("INSERT INTO {table} ({columns}) VALUES ({placeholders})");
     if upsert {
         let updates: Vec<String> = names
@@ -104,9 +137,9 @@ fn write_row_sql(table: &str, columns: &str, upsert: bool) -> String {
 /// any; names are unique only in one, so the oldest row of that name wins).
 fn find_by_id_or_name_sql(table: &str, columns: &str) -> String {
     format!(
-        "SELECT {columns} FROM {table} WHERE (id = ?1 OR name = ?1) \
-         AND (?2 IS NULL OR organization_id = ?2) \
-         ORDER BY CASE WHEN id = ?1 THEN 0 ELSE 1 END, created_at_ms, rowid LIMIT 1"
+        "SELECT {columns} FROM {table} WHERE (id = $1 OR name = $1) \
+         AND ($2 IS NULL OR organization_id = $2) \
+         ORDER BY CASE WHEN id = $1 THEN 0 ELSE 1 END, created_at_ms, rowid LIMIT 1"
     )
 }
 
@@ -116,37 +149,79 @@ fn list_sql(table: &str, columns: &str) -> String {
     format!("SELECT {columns} FROM {table} ORDER BY created_at_ms, rowid")
 }
 
-/// The database of one cove server.
+/// The database of one cove server (or of the control planes sharing it).
 #[derive(Clone, Debug)]
 pub struct Store {
-    pool: SqlitePool,
+    pool: AnyPool,
+    dialect: Dialect,
 }
 
 impl Store {
     /// Opens (creating if needed) the SQLite database at `path` and migrates it.
     pub async fn open(path: &Path) -> Result<Store, StoreError> {
-        let open_err = |source| StoreError::Open {
+        // Percent-encoded where a URL would misread the path; sqlx decodes it.
+        let mut encoded = String::new();
+        for c in path.display().to_string().chars() {
+            match c {
+                '%' | '?' | '#' | ' ' => encoded.push_str(&format!("%{:02X}", c as u32)),
+                c => encoded.push(c),
+            }
+        }
+        let store = Store::connect(&format!("sqlite://{encoded}?mode=rwc")).await?;
+        restrict_to_owner(path).map_err(|source| StoreError::Open {
             path: path.display().to_string(),
+            source: sqlx::Error::Io(source),
+        })?;
+        Ok(store)
+    }
+
+    /// Connects to the database at `url` (`sqlite://PATH?mode=rwc` or
+    /// `postgres://...`), migrates it and makes sure the default
+    /// organization exists. Several servers may connect to one PostgreSQL
+    /// database at once: migrations take PostgreSQL's migration lock.
+    pub async fn connect(url: &str) -> Result<Store, StoreError> {
+        sqlx::any::install_default_drivers();
+        let shown = without_password(url);
+        let open_err = |source| StoreError::Open {
+            path: shown.clone(),
             source,
         };
-        let options = SqliteConnectOptions::from_str(&format!("sqlite://{}", path.display()))
-            .map_err(open_err)?
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
+        let dialect = if url.starts_with("sqlite:") {
+            Dialect::Sqlite
+        } else if url.starts_with("postgres:") || url.starts_with("postgresql:") {
+            Dialect::Postgres
+        } else {
+            return Err(open_err(sqlx::Error::Configuration(
+                "the database URL must start with sqlite:// or postgres://".into(),
+            )));
+        };
+        let options = match dialect {
             // WAL with NORMAL survives a process crash; only a power loss can drop
             // the last transactions, and the reconciler repairs that on start.
-            .synchronous(SqliteSynchronous::Normal)
-            .busy_timeout(std::time::Duration::from_secs(5));
-        let pool = SqlitePoolOptions::new()
-            .max_connections(4)
-            .connect_with(options)
-            .await
-            .map_err(open_err)?;
-        sqlx::migrate!("./migrations")
-            .run(&pool)
-            .await
-            .map_err(StoreError::Migrate)?;
-        let store = Store { pool };
+            Dialect::Sqlite => AnyPoolOptions::new()
+                .max_connections(4)
+                .after_connect(|conn, _| {
+                    Box::pin(async move {
+                        for pragma in [
+                            "PRAGMA journal_mode = WAL",
+                            "PRAGMA synchronous = NORMAL",
+                            "PRAGMA busy_timeout = 5000",
+                            "PRAGMA foreign_keys = ON",
+                        ] {
+                            conn.execute(pragma).await?;
+                        }
+                        Ok(())
+                    })
+                }),
+            Dialect::Postgres => AnyPoolOptions::new().max_connections(16),
+        };
+        let pool = options.connect(url).await.map_err(open_err)?;
+        match dialect {
+            Dialect::Sqlite => sqlx::migrate!("./migrations/sqlite").run(&pool).await,
+            Dialect::Postgres => sqlx::migrate!("./migrations/postgres").run(&pool).await,
+        }
+        .map_err(StoreError::Migrate)?;
+        let store = Store { pool, dialect };
         let now = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as i64)
@@ -160,11 +235,73 @@ impl Store {
                 updated_at_ms: now,
             })
             .await?;
-        restrict_to_owner(path).map_err(|source| StoreError::Open {
-            path: path.display().to_string(),
-            source: sqlx::Error::Io(source),
-        })?;
         Ok(store)
+    }
+
+    /// Takes the database for this server alone, for as long as the returned
+    /// guard lives, or says that another server has it. Until control planes
+    /// share a database (with runners holding the sandboxes), a second server
+    /// on the same database would take the first's sandboxes for its own. A
+    /// SQLite database is in its server's data directory, whose lock covers
+    /// it; a PostgreSQL one is held by a session-level advisory lock on a
+    /// connection of its own, which PostgreSQL releases when that connection
+    /// ends (also when the server is killed).
+    pub async fn hold_alone(&self) -> Result<Option<Holder>, StoreError> {
+        if self.dialect == Dialect::Sqlite {
+            return Ok(None);
+        }
+        let mut conn = self.pool.acquire().await?.detach();
+        let (taken,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")
+            .bind(SERVER_LOCK)
+            .fetch_one(&mut conn)
+            .await?;
+        if !taken {
+            return Err(StoreError::InUse);
+        }
+        Ok(Some(Holder { _conn: conn }))
+    }
+
+    /// The database this store is in.
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
+    /// A transaction that reads before it writes, begun with the store's
+    /// write lock held, so that no other writer commits between its read and
+    /// its write. SQLite: `BEGIN IMMEDIATE` (waiting out `busy_timeout`; in
+    /// WAL mode a plain `BEGIN` would meet an immediate `SQLITE_BUSY` instead
+    /// of a wait). PostgreSQL: a transaction-scoped advisory lock, which every
+    /// writer of every control plane on the database takes.
+    pub(crate) async fn write(&self) -> Result<Transaction<'static, Any>, sqlx::Error> {
+        match self.dialect {
+            Dialect::Sqlite => self.pool.begin_with("BEGIN IMMEDIATE").await,
+            Dialect::Postgres => {
+                let mut tx = self.pool.begin().await?;
+                // In FROM, so the row has a type the Any driver reads (not void).
+                sqlx::query("SELECT COUNT(*) FROM pg_advisory_xact_lock($1)")
+                    .bind(WRITE_LOCK)
+                    .execute(&mut *tx)
+                    .await?;
+                Ok(tx)
+            }
+        }
+    }
+}
+
+/// `url` with the password of its user information, if any, starred: the
+/// form of a database URL that messages and logs show.
+fn without_password(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    // The user information ends at the last `@` before the path.
+    let authority_end = rest.find('/').unwrap_or(rest.len());
+    let Some(at) = rest[..authority_end].rfind('@') else {
+        return url.to_owned();
+    };
+    match rest[..at].split_once(':') {
+        Some((user, _password)) => format!("{scheme}://{user}:***{}", &rest[at..]),
+        None => url.to_owned(),
     }
 }
 
@@ -187,4 +324,25 @@ fn restrict_to_owner(path: &Path) -> std::io::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_urls_password_is_starred_and_nothing_else_changes() {
+        let starred = super::without_password;
+        assert_eq!(
+            starred("postgres://cove:p@ss:w@rd@db:5432/cove"),
+            "postgres://cove:***@db:5432/cove"
+        );
+        assert_eq!(
+            starred("postgres://cove@db/cove"),
+            "postgres://cove@db/cove"
+        );
+        assert_eq!(starred("postgres://db/cove"), "postgres://db/cove");
+        assert_eq!(
+            starred("sqlite:///var/lib/cove/cove.db?mode=rwc"),
+            "sqlite:///var/lib/cove/cove.db?mode=rwc"
+        );
+    }
 }

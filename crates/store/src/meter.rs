@@ -1,8 +1,8 @@
 //! The meter: intervals of unchanged state and size, written in the same
 //! transaction as the change that ends one and starts the next.
 
-use sqlx::sqlite::SqliteRow;
-use sqlx::{Row, SqliteConnection};
+use sqlx::any::AnyRow;
+use sqlx::{AnyConnection, Row};
 
 use crate::{SandboxRecord, SnapshotRecord, SnapshotState, Store, StoreError};
 
@@ -80,7 +80,7 @@ impl Measure {
 const COLUMNS: &str =
     "kind, resource_id, organization_id, name, state, cpu, memory_mib, disk_gib, size_bytes, started_ms, ended_ms";
 
-fn from_row(row: &SqliteRow) -> Result<MeterRecord, StoreError> {
+fn from_row(row: &AnyRow) -> Result<MeterRecord, StoreError> {
     let kind = match row.try_get::<String, _>("kind")?.as_str() {
         "sandbox" => MeterKind::Sandbox,
         "snapshot" => MeterKind::Snapshot,
@@ -111,7 +111,7 @@ fn from_row(row: &SqliteRow) -> Result<MeterRecord, StoreError> {
 /// closes without opening: the resource is gone or no longer metered). Time
 /// never runs backwards: an interval ends no earlier than it started.
 pub(crate) async fn meter(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     kind: MeterKind,
     id: &str,
     name: &str,
@@ -119,7 +119,7 @@ pub(crate) async fn meter(
     at_ms: i64,
 ) -> Result<(), StoreError> {
     let open = sqlx::query(&format!(
-        "SELECT seq, {COLUMNS} FROM meter WHERE kind = ?1 AND resource_id = ?2 AND ended_ms IS NULL"
+        "SELECT seq, {COLUMNS} FROM meter WHERE kind = $1 AND resource_id = $2 AND ended_ms IS NULL"
     ))
     .bind(kind.as_str())
     .bind(id)
@@ -140,7 +140,7 @@ pub(crate) async fn meter(
             return Ok(());
         }
         from_ms = at_ms.max(record.started_ms);
-        sqlx::query("UPDATE meter SET ended_ms = ?1 WHERE seq = ?2")
+        sqlx::query("UPDATE meter SET ended_ms = $1 WHERE seq = $2")
             .bind(from_ms)
             .bind(row.try_get::<i64, _>("seq")?)
             .execute(&mut *conn)
@@ -149,7 +149,7 @@ pub(crate) async fn meter(
     if let Some(m) = measure {
         sqlx::query(
             "INSERT INTO meter (kind, resource_id, organization_id, name, state, cpu, \
-             memory_mib, disk_gib, size_bytes, started_ms) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+             memory_mib, disk_gib, size_bytes, started_ms) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
         )
         .bind(kind.as_str())
         .bind(id)
@@ -175,8 +175,8 @@ impl Store {
         to_ms: i64,
     ) -> Result<Vec<MeterRecord>, StoreError> {
         let sql = format!(
-            "SELECT {COLUMNS} FROM meter WHERE started_ms < ?2 \
-             AND (ended_ms IS NULL OR ended_ms > ?1) ORDER BY started_ms, seq"
+            "SELECT {COLUMNS} FROM meter WHERE started_ms < $2 \
+             AND (ended_ms IS NULL OR ended_ms > $1) ORDER BY started_ms, seq"
         );
         let rows = sqlx::query(&sql)
             .bind(from_ms)
@@ -190,7 +190,7 @@ impl Store {
     /// crashed while it ran) ends at `at_ms`, and the same measure opens
     /// again from then, so the recovery's own changes split from here.
     pub async fn reopen_meters(&self, at_ms: i64) -> Result<usize, StoreError> {
-        let mut tx = self.pool.begin_with(crate::WRITE).await?;
+        let mut tx = self.write().await?;
         let open = sqlx::query(&format!(
             "SELECT {COLUMNS} FROM meter WHERE ended_ms IS NULL ORDER BY seq"
         ))

@@ -1,6 +1,6 @@
 //! Organizations: who owns sandboxes, snapshots, volumes, registries and keys.
 
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 
 use crate::{Store, StoreError};
@@ -26,7 +26,7 @@ pub struct OrganizationHoldings {
 
 const COLUMNS: &str = "id, name, default_region_id, created_at_ms, updated_at_ms";
 
-fn from_row(row: &SqliteRow) -> Result<OrganizationRecord, StoreError> {
+fn from_row(row: &AnyRow) -> Result<OrganizationRecord, StoreError> {
     Ok(OrganizationRecord {
         id: row.try_get("id")?,
         name: row.try_get("name")?,
@@ -68,7 +68,7 @@ impl Store {
         on_conflict: &'static str,
     ) -> Result<(), sqlx::Error> {
         sqlx::query(&format!(
-            "INSERT INTO organizations ({COLUMNS}) VALUES (?, ?, ?, ?, ?){on_conflict}"
+            "INSERT INTO organizations ({COLUMNS}) VALUES ($1, $2, $3, $4, $5){on_conflict}"
         ))
         .bind(&organization.id)
         .bind(&organization.name)
@@ -84,10 +84,12 @@ impl Store {
         &self,
         id: &str,
     ) -> Result<Option<OrganizationRecord>, StoreError> {
-        let row = sqlx::query(&format!("SELECT {COLUMNS} FROM organizations WHERE id = ?"))
-            .bind(id)
-            .fetch_optional(&self.pool)
-            .await?;
+        let row = sqlx::query(&format!(
+            "SELECT {COLUMNS} FROM organizations WHERE id = $1"
+        ))
+        .bind(id)
+        .fetch_optional(&self.pool)
+        .await?;
         row.as_ref().map(from_row).transpose()
     }
 
@@ -107,19 +109,19 @@ impl Store {
         &self,
         id: &str,
     ) -> Result<Result<(), OrganizationHoldings>, StoreError> {
-        let mut tx = self.pool.begin_with(crate::WRITE).await?;
+        let mut tx = self.write().await?;
         let mut holdings = OrganizationHoldings::default();
         for (sql, slot) in [
             (
-                "SELECT COUNT(*) FROM sandboxes WHERE organization_id = ?",
+                "SELECT COUNT(*) FROM sandboxes WHERE organization_id = $1",
                 &mut holdings.sandboxes,
             ),
             (
-                "SELECT COUNT(*) FROM snapshots WHERE organization_id = ? AND general = 0",
+                "SELECT COUNT(*) FROM snapshots WHERE organization_id = $1 AND general = 0",
                 &mut holdings.snapshots,
             ),
             (
-                "SELECT COUNT(*) FROM volumes WHERE organization_id = ?",
+                "SELECT COUNT(*) FROM volumes WHERE organization_id = $1",
                 &mut holdings.volumes,
             ),
         ] {
@@ -129,11 +131,11 @@ impl Store {
             return Ok(Err(holdings));
         }
         for sql in [
-            "DELETE FROM api_keys WHERE organization_id = ?",
-            "DELETE FROM docker_registries WHERE organization_id = ?",
-            "DELETE FROM region_quotas WHERE organization_id = ?",
-            "DELETE FROM organization_quotas WHERE organization_id = ?",
-            "DELETE FROM organizations WHERE id = ?",
+            "DELETE FROM api_keys WHERE organization_id = $1",
+            "DELETE FROM docker_registries WHERE organization_id = $1",
+            "DELETE FROM region_quotas WHERE organization_id = $1",
+            "DELETE FROM organization_quotas WHERE organization_id = $1",
+            "DELETE FROM organizations WHERE id = $1",
         ] {
             sqlx::query(sql).bind(id).execute(&mut *tx).await?;
         }

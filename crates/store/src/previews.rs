@@ -26,7 +26,7 @@ impl Store {
         candidate: &str,
     ) -> Result<String, StoreError> {
         sqlx::query(
-            "INSERT INTO preview_tokens (sandbox_id, token) VALUES (?, ?) \
+            "INSERT INTO preview_tokens (sandbox_id, token) VALUES ($1, $2) \
              ON CONFLICT (sandbox_id) DO NOTHING",
         )
         .bind(sandbox_id)
@@ -34,7 +34,7 @@ impl Store {
         .execute(&self.pool)
         .await?;
         Ok(
-            sqlx::query_scalar("SELECT token FROM preview_tokens WHERE sandbox_id = ?")
+            sqlx::query_scalar("SELECT token FROM preview_tokens WHERE sandbox_id = $1")
                 .bind(sandbox_id)
                 .fetch_one(&self.pool)
                 .await?,
@@ -47,13 +47,13 @@ impl Store {
         signed: &SignedPreview,
         now_ms: i64,
     ) -> Result<(), StoreError> {
-        sqlx::query("DELETE FROM signed_previews WHERE expires_at_ms < ?")
+        sqlx::query("DELETE FROM signed_previews WHERE expires_at_ms < $1")
             .bind(now_ms - KEEP_EXPIRED_MS)
             .execute(&self.pool)
             .await?;
         sqlx::query(
             "INSERT INTO signed_previews (token, sandbox_id, port, expires_at_ms) \
-             VALUES (?, ?, ?, ?)",
+             VALUES ($1, $2, $3, $4)",
         )
         .bind(&signed.token)
         .bind(&signed.sandbox_id)
@@ -66,7 +66,7 @@ impl Store {
 
     pub async fn signed_preview(&self, token: &str) -> Result<Option<SignedPreview>, StoreError> {
         let row = sqlx::query(
-            "SELECT token, sandbox_id, port, expires_at_ms FROM signed_previews WHERE token = ?",
+            "SELECT token, sandbox_id, port, expires_at_ms FROM signed_previews WHERE token = $1",
         )
         .bind(token)
         .fetch_optional(&self.pool)
@@ -97,8 +97,8 @@ impl Store {
         now_ms: i64,
     ) -> Result<bool, StoreError> {
         let done = sqlx::query(
-            "UPDATE signed_previews SET expires_at_ms = MIN(expires_at_ms, ?) \
-             WHERE token = ? AND sandbox_id = ? AND port = ?",
+            "UPDATE signed_previews SET expires_at_ms = CASE WHEN $1 < expires_at_ms THEN $1 ELSE expires_at_ms END \
+             WHERE token = $2 AND sandbox_id = $3 AND port = $4",
         )
         .bind(now_ms)
         .bind(token)

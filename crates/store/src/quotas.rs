@@ -1,7 +1,7 @@
 //! Region quotas: what an organization may use in one region.
 
 use serde::{Deserialize, Serialize};
-use sqlx::{Row, SqliteConnection};
+use sqlx::{AnyConnection, Row};
 
 use crate::{Store, StoreError};
 
@@ -57,7 +57,7 @@ impl Store {
         organization_id: &str,
     ) -> Result<Option<OrganizationQuotaRecord>, StoreError> {
         let row =
-            sqlx::query("SELECT settings FROM organization_quotas WHERE organization_id = ?1")
+            sqlx::query("SELECT settings FROM organization_quotas WHERE organization_id = $1")
                 .bind(organization_id)
                 .fetch_optional(&self.pool)
                 .await?;
@@ -94,7 +94,7 @@ impl Store {
         region: &RegionQuotaRecord,
         at_ms: i64,
     ) -> Result<(), StoreError> {
-        let mut tx = self.pool.begin_with(crate::WRITE).await?;
+        let mut tx = self.write().await?;
         write_organization_quota(&mut tx, organization_id, quota, at_ms).await?;
         write_region_quota(&mut tx, region).await?;
         tx.commit().await?;
@@ -108,7 +108,7 @@ impl Store {
         region_id: &str,
     ) -> Result<Option<RegionQuotaRecord>, StoreError> {
         let sql = format!(
-            "SELECT {COLUMNS} FROM region_quotas WHERE organization_id = ?1 AND region_id = ?2"
+            "SELECT {COLUMNS} FROM region_quotas WHERE organization_id = $1 AND region_id = $2"
         );
         let row = sqlx::query(&sql)
             .bind(organization_id)
@@ -140,14 +140,14 @@ impl Store {
 }
 
 async fn write_organization_quota(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     organization_id: &str,
     quota: &OrganizationQuotaRecord,
     at_ms: i64,
 ) -> Result<(), StoreError> {
     sqlx::query(
         "INSERT INTO organization_quotas (organization_id, settings, updated_at_ms) \
-         VALUES (?1, ?2, ?3) ON CONFLICT(organization_id) DO UPDATE SET \
+         VALUES ($1, $2, $3) ON CONFLICT(organization_id) DO UPDATE SET \
          settings = excluded.settings, updated_at_ms = excluded.updated_at_ms",
     )
     .bind(organization_id)
@@ -159,11 +159,11 @@ async fn write_organization_quota(
 }
 
 async fn write_region_quota(
-    conn: &mut SqliteConnection,
+    conn: &mut AnyConnection,
     q: &RegionQuotaRecord,
 ) -> Result<(), StoreError> {
     let sql = format!(
-        "INSERT INTO region_quotas ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) \
+        "INSERT INTO region_quotas ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
              ON CONFLICT(organization_id, region_id) DO UPDATE SET \
              total_cpu = excluded.total_cpu, total_memory_gib = excluded.total_memory_gib, \
              total_disk_gib = excluded.total_disk_gib, \

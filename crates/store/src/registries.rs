@@ -1,6 +1,6 @@
 //! Docker registry credential rows.
 
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 
 use crate::{DockerRegistryRecord, Store, StoreError};
@@ -8,7 +8,7 @@ use crate::{DockerRegistryRecord, Store, StoreError};
 const COLUMNS: &str =
     "id, organization_id, name, url, username, password, project, registry_type, created_at_ms, updated_at_ms";
 
-fn from_row(row: &SqliteRow) -> Result<DockerRegistryRecord, StoreError> {
+fn from_row(row: &AnyRow) -> Result<DockerRegistryRecord, StoreError> {
     Ok(DockerRegistryRecord {
         id: row.try_get("id")?,
         organization_id: row.try_get("organization_id")?,
@@ -46,7 +46,7 @@ impl Store {
         &self,
         id: &str,
     ) -> Result<Option<DockerRegistryRecord>, StoreError> {
-        let sql = format!("SELECT {COLUMNS} FROM docker_registries WHERE id = ?");
+        let sql = format!("SELECT {COLUMNS} FROM docker_registries WHERE id = $1");
         let row = sqlx::query(&sql)
             .bind(id)
             .fetch_optional(&self.pool)
@@ -62,7 +62,7 @@ impl Store {
     }
 
     pub async fn delete_registry(&self, id: &str) -> Result<(), StoreError> {
-        sqlx::query("DELETE FROM docker_registries WHERE id = ?")
+        sqlx::query("DELETE FROM docker_registries WHERE id = $1")
             .bind(id)
             .execute(&self.pool)
             .await?;

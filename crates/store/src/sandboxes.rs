@@ -1,7 +1,7 @@
 //! Sandbox rows.
 
 use cove_lifecycle::TimerSettings;
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 
 use crate::meter::{meter, Measure, MeterKind};
@@ -20,7 +20,7 @@ fn corrupt(id: &str, reason: impl ToString) -> StoreError {
     }
 }
 
-fn from_row(row: &SqliteRow) -> Result<SandboxRecord, StoreError> {
+fn from_row(row: &AnyRow) -> Result<SandboxRecord, StoreError> {
     let id: String = row.try_get("id")?;
     let text = |column: &str| -> Result<String, StoreError> { Ok(row.try_get(column)?) };
     let undecodable = |column: &'static str| {
@@ -125,7 +125,7 @@ fn ordered_sql(order: SandboxOrder) -> String {
         SortDirection::Descending => "DESC",
     };
     format!(
-        "SELECT {COLUMNS} FROM sandboxes WHERE (?1 IS NULL OR organization_id = ?1) \
+        "SELECT {COLUMNS} FROM sandboxes WHERE ($1 IS NULL OR organization_id = $1) \
          ORDER BY {column} {direction}, \
          created_at_ms {direction}, rowid {direction}",
         column = order.field.column()
@@ -155,7 +155,7 @@ impl Store {
     /// the next.
     async fn write_sandbox(&self, upsert: bool, s: &SandboxRecord) -> Result<(), StoreError> {
         let sql = crate::write_row_sql("sandboxes", COLUMNS, upsert);
-        let mut transaction = self.pool.begin_with(crate::WRITE).await?;
+        let mut transaction = self.write().await?;
         sqlx::query(&sql)
             .bind(&s.id)
             .bind(&s.organization_id)
@@ -235,7 +235,7 @@ impl Store {
 
     /// The sandboxes linked to `id` (whose `linked_sandbox_id` it is).
     pub async fn sandboxes_linked_to(&self, id: &str) -> Result<Vec<SandboxRecord>, StoreError> {
-        let sql = format!("SELECT {COLUMNS} FROM sandboxes WHERE linked_sandbox_id = ?1");
+        let sql = format!("SELECT {COLUMNS} FROM sandboxes WHERE linked_sandbox_id = $1");
         let rows = sqlx::query(&sql).bind(id).fetch_all(&self.pool).await?;
         rows.iter().map(from_row).collect()
     }
@@ -259,7 +259,7 @@ impl Store {
     /// sandbox's id.
     pub async fn name_taken(&self, organization_id: &str, name: &str) -> Result<bool, StoreError> {
         let row = sqlx::query(
-            "SELECT 1 FROM sandboxes WHERE (name = ?1 AND organization_id = ?2) OR id = ?1",
+            "SELECT 1 FROM sandboxes WHERE (name = $1 AND organization_id = $2) OR id = $1",
         )
         .bind(name)
         .bind(organization_id)
@@ -275,10 +275,10 @@ impl Store {
         // inherits them.
         let mut transaction = self.pool.begin().await?;
         for statement in [
-            "DELETE FROM preview_tokens WHERE sandbox_id = ?",
-            "DELETE FROM signed_previews WHERE sandbox_id = ?",
-            "DELETE FROM ssh_access WHERE sandbox_id = ?",
-            "DELETE FROM sandboxes WHERE id = ?",
+            "DELETE FROM preview_tokens WHERE sandbox_id = $1",
+            "DELETE FROM signed_previews WHERE sandbox_id = $1",
+            "DELETE FROM ssh_access WHERE sandbox_id = $1",
+            "DELETE FROM sandboxes WHERE id = $1",
         ] {
             sqlx::query(statement)
                 .bind(id)
@@ -293,7 +293,8 @@ impl Store {
     /// Records interactions in one statement per sandbox; only moves the clock forward.
     pub async fn record_activity(&self, id: &str, at_ms: i64) -> Result<(), StoreError> {
         sqlx::query(
-            "UPDATE sandboxes SET last_activity_ms = MAX(last_activity_ms, ?2) WHERE id = ?1",
+            "UPDATE sandboxes SET last_activity_ms = \
+             CASE WHEN $2 > last_activity_ms THEN $2 ELSE last_activity_ms END WHERE id = $1",
         )
         .bind(id)
         .bind(at_ms)

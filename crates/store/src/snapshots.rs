@@ -1,6 +1,6 @@
 //! Snapshot rows.
 
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 
 use crate::meter::{meter, Measure, MeterKind};
@@ -10,7 +10,7 @@ const COLUMNS: &str = "id, organization_id, name, class, state, error_reason, ro
     disk_gib, size_bytes, general, created_at_ms, updated_at_ms, layers, capture_id, source_sandbox, has_memory, env, workdir, image_user, \
     entrypoint, cmd";
 
-fn from_row(row: &SqliteRow) -> Result<SnapshotRecord, StoreError> {
+fn from_row(row: &AnyRow) -> Result<SnapshotRecord, StoreError> {
     let id: String = row.try_get("id")?;
     let corrupt = |reason: String| StoreError::Corrupt {
         id: id.clone(),
@@ -76,7 +76,7 @@ impl Store {
     /// Writes the row and, in the same transaction, the meter of its storage.
     async fn write_snapshot(&self, upsert: bool, s: &SnapshotRecord) -> Result<(), StoreError> {
         let sql = crate::write_row_sql("snapshots", COLUMNS, upsert);
-        let mut tx = self.pool.begin_with(crate::WRITE).await?;
+        let mut tx = self.write().await?;
         sqlx::query(&sql)
             .bind(&s.id)
             .bind(&s.organization_id)
@@ -125,9 +125,9 @@ impl Store {
         id_or_name: &str,
     ) -> Result<Option<SnapshotRecord>, StoreError> {
         let sql = format!(
-            "SELECT {COLUMNS} FROM snapshots WHERE (id = ?1 OR name = ?1) \
-             AND (?2 IS NULL OR organization_id = ?2 OR general = 1) \
-             ORDER BY CASE WHEN id = ?1 THEN 0 ELSE 1 END, general, created_at_ms LIMIT 1"
+            "SELECT {COLUMNS} FROM snapshots WHERE (id = $1 OR name = $1) \
+             AND ($2 IS NULL OR organization_id = $2 OR general = 1) \
+             ORDER BY CASE WHEN id = $1 THEN 0 ELSE 1 END, general, created_at_ms LIMIT 1"
         );
         let row = sqlx::query(&sql)
             .bind(id_or_name)
@@ -141,11 +141,11 @@ impl Store {
     /// the meter at `at_ms`.
     pub async fn delete_snapshot(&self, id: &str, at_ms: i64) -> Result<(), StoreError> {
         let mut tx = self.pool.begin().await?;
-        sqlx::query("DELETE FROM snapshots WHERE id = ?")
+        sqlx::query("DELETE FROM snapshots WHERE id = $1")
             .bind(id)
             .execute(&mut *tx)
             .await?;
-        sqlx::query("DELETE FROM build_logs WHERE snapshot_id = ?")
+        sqlx::query("DELETE FROM build_logs WHERE snapshot_id = $1")
             .bind(id)
             .execute(&mut *tx)
             .await?;
@@ -157,7 +157,7 @@ impl Store {
     /// Keeps the finished build log of snapshot `id`, replacing any earlier one.
     pub async fn save_build_log(&self, id: &str, lines: &[String]) -> Result<(), StoreError> {
         sqlx::query(
-            "INSERT INTO build_logs (snapshot_id, lines) VALUES (?, ?) \
+            "INSERT INTO build_logs (snapshot_id, lines) VALUES ($1, $2) \
              ON CONFLICT (snapshot_id) DO UPDATE SET lines = excluded.lines",
         )
         .bind(id)
@@ -170,7 +170,7 @@ impl Store {
     /// The kept build log of snapshot `id`, if its build ended under some server.
     pub async fn find_build_log(&self, id: &str) -> Result<Option<Vec<String>>, StoreError> {
         let text: Option<String> =
-            sqlx::query_scalar("SELECT lines FROM build_logs WHERE snapshot_id = ?")
+            sqlx::query_scalar("SELECT lines FROM build_logs WHERE snapshot_id = $1")
                 .bind(id)
                 .fetch_optional(&self.pool)
                 .await?;
@@ -191,7 +191,7 @@ impl Store {
         cache_key: &str,
     ) -> Result<Option<BuildStepRecord>, StoreError> {
         let row = sqlx::query(
-            "SELECT cache_key, capture_id, layer, created_at_ms FROM build_steps WHERE cache_key = ?",
+            "SELECT cache_key, capture_id, layer, created_at_ms FROM build_steps WHERE cache_key = $1",
         )
         .bind(cache_key)
         .fetch_optional(&self.pool)
@@ -212,7 +212,7 @@ impl Store {
     pub async fn insert_build_step(&self, step: &BuildStepRecord) -> Result<bool, StoreError> {
         let done = sqlx::query(
             "INSERT INTO build_steps (cache_key, capture_id, layer, created_at_ms) \
-             VALUES (?, ?, ?, ?) ON CONFLICT (cache_key) DO NOTHING",
+             VALUES ($1, $2, $3, $4) ON CONFLICT (cache_key) DO NOTHING",
         )
         .bind(&step.cache_key)
         .bind(&step.capture_id)

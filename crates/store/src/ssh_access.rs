@@ -1,7 +1,7 @@
 //! SSH access rows: expiring grants to reach one sandbox through the SSH
 //! gateway. Only a hash of each token is stored, and lookups go by that hash.
 
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 
 use crate::{Store, StoreError};
@@ -17,7 +17,7 @@ pub struct SshAccessRecord {
     pub updated_at_ms: i64,
 }
 
-fn from_row(row: &SqliteRow) -> Result<SshAccessRecord, StoreError> {
+fn from_row(row: &AnyRow) -> Result<SshAccessRecord, StoreError> {
     Ok(SshAccessRecord {
         id: row.try_get("id")?,
         sandbox_id: row.try_get("sandbox_id")?,
@@ -32,7 +32,7 @@ impl Store {
     pub async fn add_ssh_access(&self, access: &SshAccessRecord) -> Result<(), StoreError> {
         sqlx::query(
             "INSERT INTO ssh_access (id, sandbox_id, token_hash, expires_at_ms, created_at_ms, \
-             updated_at_ms) VALUES (?, ?, ?, ?, ?, ?)",
+             updated_at_ms) VALUES ($1, $2, $3, $4, $5, $6)",
         )
         .bind(&access.id)
         .bind(&access.sandbox_id)
@@ -52,7 +52,7 @@ impl Store {
     ) -> Result<Option<SshAccessRecord>, StoreError> {
         let row = sqlx::query(
             "SELECT id, sandbox_id, token_hash, expires_at_ms, created_at_ms, updated_at_ms \
-             FROM ssh_access WHERE token_hash = ?",
+             FROM ssh_access WHERE token_hash = $1",
         )
         .bind(token_hash)
         .fetch_optional(&self.pool)
@@ -69,14 +69,14 @@ impl Store {
     ) -> Result<u64, StoreError> {
         let done = match token_hash {
             Some(hash) => {
-                sqlx::query("DELETE FROM ssh_access WHERE sandbox_id = ? AND token_hash = ?")
+                sqlx::query("DELETE FROM ssh_access WHERE sandbox_id = $1 AND token_hash = $2")
                     .bind(sandbox_id)
                     .bind(hash)
                     .execute(&self.pool)
                     .await?
             }
             None => {
-                sqlx::query("DELETE FROM ssh_access WHERE sandbox_id = ?")
+                sqlx::query("DELETE FROM ssh_access WHERE sandbox_id = $1")
                     .bind(sandbox_id)
                     .execute(&self.pool)
                     .await?
@@ -88,7 +88,7 @@ impl Store {
     /// Forgets every access that expired before `now_ms`.
     pub async fn prune_ssh_access(&self, now_ms: i64) -> Result<u64, StoreError> {
         Ok(
-            sqlx::query("DELETE FROM ssh_access WHERE expires_at_ms <= ?")
+            sqlx::query("DELETE FROM ssh_access WHERE expires_at_ms <= $1")
                 .bind(now_ms)
                 .execute(&self.pool)
                 .await?

@@ -1,13 +1,13 @@
 //! Volume rows.
 
-use sqlx::sqlite::SqliteRow;
+use sqlx::any::AnyRow;
 use sqlx::Row;
 
 use crate::{Store, StoreError, VolumeRecord};
 
 const COLUMNS: &str = "id, organization_id, name, created_at_ms, updated_at_ms, last_used_at_ms";
 
-fn from_row(row: &SqliteRow) -> Result<VolumeRecord, StoreError> {
+fn from_row(row: &AnyRow) -> Result<VolumeRecord, StoreError> {
     Ok(VolumeRecord {
         id: row.try_get("id")?,
         organization_id: row.try_get("organization_id")?,
@@ -21,7 +21,7 @@ fn from_row(row: &SqliteRow) -> Result<VolumeRecord, StoreError> {
 impl Store {
     /// Inserts a new volume; a taken name is [`StoreError::Duplicate`].
     pub async fn insert_volume(&self, v: &VolumeRecord) -> Result<(), StoreError> {
-        let sql = format!("INSERT INTO volumes ({COLUMNS}) VALUES (?, ?, ?, ?, ?, ?)");
+        let sql = format!("INSERT INTO volumes ({COLUMNS}) VALUES ($1, $2, $3, $4, $5, $6)");
         sqlx::query(&sql)
             .bind(&v.id)
             .bind(&v.organization_id)
@@ -65,7 +65,7 @@ impl Store {
 
     /// Records that a sandbox mounted the volume at `at_ms`.
     pub async fn touch_volume(&self, id: &str, at_ms: i64) -> Result<(), StoreError> {
-        sqlx::query("UPDATE volumes SET last_used_at_ms = ?, updated_at_ms = ? WHERE id = ?")
+        sqlx::query("UPDATE volumes SET last_used_at_ms = $1, updated_at_ms = $2 WHERE id = $3")
             .bind(at_ms)
             .bind(at_ms)
             .bind(id)
@@ -76,7 +76,7 @@ impl Store {
 
     /// Removes a volume's row; false if there was none.
     pub async fn delete_volume(&self, id: &str) -> Result<bool, StoreError> {
-        let done = sqlx::query("DELETE FROM volumes WHERE id = ?")
+        let done = sqlx::query("DELETE FROM volumes WHERE id = $1")
             .bind(id)
             .execute(&self.pool)
             .await?;

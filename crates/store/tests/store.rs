@@ -87,11 +87,8 @@ fn snapshot(id: &str, name: &str) -> SnapshotRecord {
     }
 }
 
-#[tokio::test]
-async fn sandboxes_round_trip_and_survive_reopen() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("cove.db");
-    let store = Store::open(&path).await.unwrap();
+async fn sandboxes_round_trip_and_survive_reopen(db: &Db) {
+    let store = db.open().await;
     let a = sandbox("id-a", "alpha");
     store.insert_sandbox(&a).await.unwrap();
     store
@@ -120,7 +117,7 @@ async fn sandboxes_round_trip_and_survive_reopen() {
     store.record_activity("id-a", 20).await.unwrap();
     drop(store);
 
-    let store = Store::open(&path).await.unwrap();
+    let store = db.open().await;
     let found = store.find_sandbox(None, "alpha").await.unwrap().unwrap();
     assert_eq!(found.last_activity_ms, 50);
     assert_eq!(store.list_sandboxes().await.unwrap().len(), 2);
@@ -132,10 +129,8 @@ async fn sandboxes_round_trip_and_survive_reopen() {
     assert_eq!(store.find_sandbox(None, "id-a").await.unwrap(), None);
 }
 
-#[tokio::test]
-async fn snapshots_and_keys() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+async fn snapshots_and_keys(db: &Db) {
+    let store = db.open().await;
     let snap = snapshot("s1", "cove-default");
     store.save_snapshot(&snap).await.unwrap();
     assert_eq!(
@@ -175,10 +170,8 @@ fn access(
     }
 }
 
-#[tokio::test]
-async fn ssh_access_is_found_by_hash_revoked_pruned_and_goes_with_its_sandbox() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+async fn ssh_access_is_found_by_hash_revoked_pruned_and_goes_with_its_sandbox(db: &Db) {
+    let store = db.open().await;
     store
         .insert_sandbox(&sandbox("id-a", "alpha"))
         .await
@@ -225,10 +218,8 @@ async fn ssh_access_is_found_by_hash_revoked_pruned_and_goes_with_its_sandbox() 
     assert_eq!(store.revoke_ssh_access("id-b", None).await.unwrap(), 1);
 }
 
-#[tokio::test]
-async fn docker_registries() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+async fn docker_registries(db: &Db) {
+    let store = db.open().await;
     let mut registry = cove_store::DockerRegistryRecord {
         id: "r1".into(),
         organization_id: "cove".into(),
@@ -260,7 +251,7 @@ async fn migrated_up_to(path: &std::path::Path, version: i64) -> sqlx::SqlitePoo
         .filename(path)
         .create_if_missing(true);
     let pool = sqlx::SqlitePool::connect_with(options).await.unwrap();
-    let mut migrator = sqlx::migrate!("./migrations");
+    let mut migrator = sqlx::migrate!("./migrations/sqlite");
     let earlier: Vec<_> = migrator
         .migrations
         .iter()
@@ -293,10 +284,8 @@ async fn memory_kept_in_gib_before_is_read_in_mib_after_migrating() {
     assert_eq!((snapshot.cpu, snapshot.memory_mib), (2, 4096));
 }
 
-#[tokio::test]
-async fn sandboxes_list_in_any_order_with_stable_ties() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+async fn sandboxes_list_in_any_order_with_stable_ties(db: &Db) {
+    let store = db.open().await;
     // Inserted in an order that is neither by name nor by creation time; two
     // made in the same millisecond, told apart by insertion.
     for (id, name, created, cpu, activity) in [
@@ -373,10 +362,8 @@ fn key(name: &str, hash: &str) -> cove_store::ApiKeyRecord {
     }
 }
 
-#[tokio::test]
-async fn api_keys_are_unique_by_name_and_remember_their_use() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+async fn api_keys_are_unique_by_name_and_remember_their_use(db: &Db) {
+    let store = db.open().await;
     let ci = key("ci", "h1");
     assert!(store.insert_api_key(&ci).await.unwrap());
     assert!(!store.insert_api_key(&key("ci", "h2")).await.unwrap());
@@ -435,10 +422,8 @@ fn audited(id: &str, at: i64, action: &str, target: &str, status: u16) -> cove_s
     }
 }
 
-#[tokio::test]
-async fn the_audit_log_reads_newest_first_filtered_and_paged() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+async fn the_audit_log_reads_newest_first_filtered_and_paged(db: &Db) {
+    let store = db.open().await;
     let rows = [
         audited("a1", 10, "create", "s1", 200),
         audited("a2", 20, "stop", "s1", 200),
@@ -477,11 +462,8 @@ async fn the_audit_log_reads_newest_first_filtered_and_paged() {
     assert_eq!(page, vec![rows[2].clone()]);
 }
 
-#[tokio::test]
-async fn the_meter_splits_at_every_change_in_the_same_write_and_survives_reopen() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("cove.db");
-    let store = Store::open(&path).await.unwrap();
+async fn the_meter_splits_at_every_change_in_the_same_write_and_survives_reopen(db: &Db) {
+    let store = db.open().await;
     let mut record = sandbox("id-a", "alpha");
     record.state = SandboxState::Creating;
     record.created_at_ms = 1_000;
@@ -499,7 +481,7 @@ async fn the_meter_splits_at_every_change_in_the_same_write_and_survives_reopen(
     store.save_sandbox(&record).await.unwrap();
     drop(store);
 
-    let store = Store::open(&path).await.unwrap();
+    let store = db.open().await;
     // The server comes back at 5 000: the open interval ends there and the
     // same measure starts again from it.
     assert_eq!(store.reopen_meters(5_000).await.unwrap(), 1);
@@ -525,10 +507,8 @@ async fn the_meter_splits_at_every_change_in_the_same_write_and_survives_reopen(
     assert_eq!(window[0].started_ms, 2_000);
 }
 
-#[tokio::test]
-async fn a_users_snapshot_is_metered_while_active_and_the_servers_own_are_not() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+async fn a_users_snapshot_is_metered_while_active_and_the_servers_own_are_not(db: &Db) {
+    let store = db.open().await;
     let mut own = snapshot("snap-1", "mine");
     own.general = false;
     own.state = SnapshotState::Building;
@@ -553,10 +533,8 @@ async fn a_users_snapshot_is_metered_while_active_and_the_servers_own_are_not() 
     );
 }
 
-#[tokio::test]
-async fn a_region_quota_is_kept_and_replaced_whole() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+async fn a_region_quota_is_kept_and_replaced_whole(db: &Db) {
+    let store = db.open().await;
     assert_eq!(store.region_quota("cove", "us").await.unwrap(), None);
     let mut quota = cove_store::RegionQuotaRecord {
         organization_id: "cove".into(),
@@ -578,10 +556,8 @@ async fn a_region_quota_is_kept_and_replaced_whole() {
     assert_eq!(store.region_quota("cove", "eu").await.unwrap(), None);
 }
 
-#[tokio::test]
-async fn an_organizations_rate_limits_are_kept_and_replaced() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+async fn an_organizations_rate_limits_are_kept_and_replaced(db: &Db) {
+    let store = db.open().await;
     assert_eq!(store.organization_quota("cove").await.unwrap(), None);
     let quota = cove_store::OrganizationQuotaRecord {
         sandbox_create: Some(cove_store::RateLimit {
@@ -626,10 +602,8 @@ async fn an_organizations_rate_limits_are_kept_and_replaced() {
     );
 }
 
-#[tokio::test]
-async fn concurrent_writes_of_many_sandboxes_all_land_with_their_meter() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+async fn concurrent_writes_of_many_sandboxes_all_land_with_their_meter(db: &Db) {
+    let store = db.open().await;
     let writes = (0..40).map(|i| {
         let store = store.clone();
         tokio::spawn(async move {
@@ -662,10 +636,8 @@ async fn futures_join<T>(
     results
 }
 
-#[tokio::test]
-async fn organizations_own_their_rows_and_names_are_unique_in_one_only() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
+async fn organizations_own_their_rows_and_names_are_unique_in_one_only(db: &Db) {
+    let store = db.open().await;
     // Every store has the default organization.
     let listed = store.list_organizations().await.unwrap();
     assert_eq!(listed.len(), 1);
@@ -797,3 +769,61 @@ async fn organizations_own_their_rows_and_names_are_unique_in_one_only() {
 fn key_named(name: &str, hash: &str) -> cove_store::ApiKeyRecord {
     key(name, hash)
 }
+
+/// Where a case's database is: a SQLite file, or a database of its own in a
+/// throw-away PostgreSQL cluster. Opening it again is a server's restart.
+enum Db {
+    Sqlite(tempfile::TempDir),
+    Postgres(String),
+}
+
+impl Db {
+    async fn open(&self) -> Store {
+        match self {
+            Db::Sqlite(dir) => Store::open(&dir.path().join("cove.db")).await.unwrap(),
+            Db::Postgres(url) => Store::connect(url).await.unwrap(),
+        }
+    }
+}
+
+/// Each case runs as a test of its own on SQLite, and all of them, each on
+/// a database of its own, on one PostgreSQL cluster the test starts.
+macro_rules! on_both_dialects {
+    ($($case:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test]
+                async fn $case() {
+                    super::$case(&super::Db::Sqlite(tempfile::tempdir().unwrap())).await;
+                }
+            )*
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn every_case_on_postgresql() {
+            let Some(cluster) = cove_testenv::postgres::Postgres::start() else {
+                return;
+            };
+            $(
+                eprintln!("postgresql: {}", stringify!($case));
+                $case(&Db::Postgres(cluster.database(stringify!($case)))).await;
+            )*
+        }
+    };
+}
+
+on_both_dialects!(
+    sandboxes_round_trip_and_survive_reopen,
+    snapshots_and_keys,
+    ssh_access_is_found_by_hash_revoked_pruned_and_goes_with_its_sandbox,
+    docker_registries,
+    sandboxes_list_in_any_order_with_stable_ties,
+    api_keys_are_unique_by_name_and_remember_their_use,
+    the_audit_log_reads_newest_first_filtered_and_paged,
+    the_meter_splits_at_every_change_in_the_same_write_and_survives_reopen,
+    a_users_snapshot_is_metered_while_active_and_the_servers_own_are_not,
+    a_region_quota_is_kept_and_replaced_whole,
+    an_organizations_rate_limits_are_kept_and_replaced,
+    concurrent_writes_of_many_sandboxes_all_land_with_their_meter,
+    organizations_own_their_rows_and_names_are_unique_in_one_only,
+);
