@@ -30,6 +30,11 @@ pub(crate) struct ServeArgs {
     /// Where the database, sandboxes and (by default) images live.
     #[arg(long, default_value = DEFAULT_DATA_DIR)]
     pub data_dir: PathBuf,
+    /// The database: a `postgres://USER:PASSWORD@HOST/NAME` URL keeps every
+    /// record in PostgreSQL instead of the SQLite file `cove.db` in the data
+    /// directory (the default). One server per database.
+    #[arg(long, env = "COVE_DATABASE")]
+    pub database: Option<String>,
     /// Where root filesystems are built and cached; shared between servers.
     #[arg(long, env = "COVE_IMAGES_DIR")]
     pub images_dir: Option<PathBuf>,
@@ -251,7 +256,7 @@ type Serving = (
     tokio::task::JoinHandle<()>,
     Option<Arc<cove_net::Network>>,
     cove_ssh::Gateway,
-    DataDirLock,
+    (DataDirLock, Option<cove_store::Holder>),
     Option<VmServing>,
     (Engine, Arc<Storage>, Arc<ContainerRuntime>),
 );
@@ -363,7 +368,11 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         }
     };
     let agent_binary = crate::agent_binary::locate(args.agent_bin.clone())?;
-    let store = Store::open(&data_dir.join("cove.db")).await?;
+    let store = match &args.database {
+        Some(url) => Store::connect(url).await?,
+        None => Store::open(&data_dir.join("cove.db")).await?,
+    };
+    let database_holder = store.hold_alone().await?;
 
     let images_dir = args
         .images_dir
@@ -569,7 +578,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         serve,
         network,
         ssh,
-        data_lock,
+        (data_lock, database_holder),
         vm,
         (engine, storage, container),
     ))
