@@ -185,3 +185,66 @@ def test_a_database_that_cannot_be_opened_is_named_without_its_password(cluster)
     finally:
         server.stop()
         remove_data_dir(data_dir)
+
+
+# The session lock a server holds its database by (cove-store's SERVER_LOCK),
+# as pg_locks shows a 64-bit advisory key: its high and low 32 bits.
+SERVER_LOCK = 0x636F_7665_0001
+HOLDER_SQL = (
+    "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted "
+    f"AND classid = {SERVER_LOCK >> 32} AND objid = {SERVER_LOCK & 0xFFFFFFFF} "
+    "AND database = (SELECT oid FROM pg_database WHERE datname = current_database())"
+)
+
+
+def test_a_server_takes_its_database_again_after_losing_it_and_stops_if_another_took_it(cluster):
+    url = cluster.database()
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=("--no-network", "--database", url))
+    server.start()
+    holding = None
+    try:
+        client = server.client()
+        sandbox = client.create()
+        first = cluster.psql(url, HOLDER_SQL)
+        assert first, "the server holds no lock on its database"
+
+        # PostgreSQL loses the connection that held it: the server takes it again.
+        cluster.psql(url, f"SELECT pg_terminate_backend({first})")
+        assert wait_until(lambda: cluster.psql(url, HOLDER_SQL) not in ("", first), timeout=20), server.log_tail()
+        assert sandbox.process.exec("echo serving").result.strip() == "serving"
+
+        # Lost again, and another holder (a stand-in for a second server) takes
+        # it first: the server stops at once rather than act beside it.
+        holder = cluster.psql(url, HOLDER_SQL)
+        holding = subprocess.Popen(
+            [
+                str(cluster.bin / "psql"), url, "-At",
+                "-c", f"SELECT pg_terminate_backend({holder})",
+                "-c", f"SELECT pg_advisory_lock({SERVER_LOCK})",
+                "-c", "SELECT pg_sleep(60)",
+            ],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, user="postgres", group="postgres", cwd=cluster.dir,
+        )
+        proc = server.proc
+        assert wait_until(lambda: proc.poll() is not None, timeout=30), server.log_tail()
+        assert proc.returncode == 75, (proc.returncode, server.log_tail())
+        assert "another cove server took the database" in server.log_tail()
+        # The stand-in lets go (its backend sleeps on, so it is ended).
+        holding.kill()
+        holding.wait(timeout=10)
+        cluster.psql(url, HOLDER_SQL.replace("SELECT pid", "SELECT pg_terminate_backend(pid)"))
+        assert wait_until(lambda: cluster.psql(url, HOLDER_SQL) == "", timeout=10)
+        server.stop()
+
+        # Once the other has let go, the server comes back with its sandbox.
+        server.start()
+        again = server.client().get(sandbox.id)
+        assert again.process.exec("echo back").result.strip() == "back"
+        server.client().delete(again, wait=True)
+    finally:
+        if holding is not None and holding.poll() is None:
+            holding.kill()
+            holding.wait(timeout=10)
+        server.stop()
+        remove_data_dir(data_dir)

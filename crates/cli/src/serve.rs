@@ -256,7 +256,7 @@ type Serving = (
     tokio::task::JoinHandle<()>,
     Option<Arc<cove_net::Network>>,
     cove_ssh::Gateway,
-    (DataDirLock, Option<cove_store::Holder>),
+    (DataDirLock, Option<tokio::task::JoinHandle<()>>),
     Option<VmServing>,
     (Engine, Arc<Storage>, Arc<ContainerRuntime>),
 );
@@ -578,10 +578,45 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         serve,
         network,
         ssh,
-        (data_lock, database_holder),
+        (data_lock, database_holder.map(keep_holding)),
         vm,
         (engine, storage, container),
     ))
+}
+
+/// Checks every two seconds that this server still holds its PostgreSQL
+/// database, taking it again if PostgreSQL lost the connection holding it.
+/// Should another server have taken it meanwhile, this one stops at once,
+/// as a crash would (its containers end with it; the next start of its data
+/// directory recovers them): a graceful stop would write to a database that
+/// another server now acts on.
+fn keep_holding(mut holder: cove_store::Holder) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut lost = false;
+        loop {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            match holder.keep().await {
+                Ok(()) if lost => {
+                    tracing::info!("holding the database again");
+                    lost = false;
+                }
+                Ok(()) => {}
+                Err(cove_store::StoreError::InUse) => {
+                    tracing::error!(
+                        "another cove server took the database while this one could not reach it; stopping now"
+                    );
+                    eprintln!("cove: another cove server took the database; this one stops");
+                    std::process::exit(75);
+                }
+                Err(error) => {
+                    if !lost {
+                        tracing::warn!(error = %error, "the database cannot be reached; trying again");
+                    }
+                    lost = true;
+                }
+            }
+        }
+    })
 }
 
 /// The HTTPS listener's TLS settings from PEM files: HTTP/1.1 only, so the

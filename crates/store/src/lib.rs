@@ -92,7 +92,45 @@ const SERVER_LOCK: i64 = 0x636f_7665_0001;
 
 /// A database held by one server; dropping it lets another take it.
 pub struct Holder {
-    _conn: sqlx::AnyConnection,
+    /// The connection whose session holds the lock (`None` once it was lost).
+    conn: Option<sqlx::AnyConnection>,
+    pool: AnyPool,
+}
+
+impl Holder {
+    /// Checks that the lock is still held, taking it again on a new
+    /// connection if PostgreSQL lost the old one (a restart, a terminated
+    /// backend, a network cut), which released it. [`StoreError::InUse`]:
+    /// another server took it meanwhile, and this one must stop acting on the
+    /// database at once. Any other error: the database cannot be reached
+    /// now; call again later.
+    pub async fn keep(&mut self) -> Result<(), StoreError> {
+        const PATIENCE: std::time::Duration = std::time::Duration::from_secs(5);
+        if let Some(conn) = self.conn.as_mut() {
+            let ping = sqlx::query("SELECT 1").execute(&mut *conn);
+            if matches!(tokio::time::timeout(PATIENCE, ping).await, Ok(Ok(_))) {
+                return Ok(());
+            }
+            self.conn = None;
+        }
+        let connect = async {
+            let mut conn = self.pool.acquire().await?.detach();
+            let (taken,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")
+                .bind(SERVER_LOCK)
+                .fetch_one(&mut conn)
+                .await?;
+            Ok::<_, sqlx::Error>((conn, taken))
+        };
+        match tokio::time::timeout(PATIENCE, connect).await {
+            Ok(Ok((conn, true))) => {
+                self.conn = Some(conn);
+                Ok(())
+            }
+            Ok(Ok((_, false))) => Err(StoreError::InUse),
+            Ok(Err(error)) => Err(StoreError::Query(error)),
+            Err(_) => Err(StoreError::Query(sqlx::Error::PoolTimedOut)),
+        }
+    }
 }
 
 impl std::fmt::Debug for Holder {
@@ -258,7 +296,10 @@ impl Store {
         if !taken {
             return Err(StoreError::InUse);
         }
-        Ok(Some(Holder { _conn: conn }))
+        Ok(Some(Holder {
+            conn: Some(conn),
+            pool: self.pool.clone(),
+        }))
     }
 
     /// The database this store is in.
