@@ -98,9 +98,9 @@ pub struct Holder {
 }
 
 impl Holder {
-    /// Checks that the lock is still held, taking it again on a new
-    /// connection if PostgreSQL lost the old one (a restart, a terminated
-    /// backend, a network cut), which released it. [`StoreError::InUse`]:
+    /// Checks that the lock is held, taking it on a new connection when
+    /// there is none yet ([`Store::hold_alone`]) or PostgreSQL lost the old
+    /// one (a restart, a terminated backend, a network cut), which released it. [`StoreError::InUse`]:
     /// another server took it meanwhile, and this one must stop acting on the
     /// database at once. Any other error: the database cannot be reached
     /// now; call again later.
@@ -141,7 +141,7 @@ impl std::fmt::Debug for Holder {
 
 /// Which database a store is in.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Dialect {
+enum Dialect {
     Sqlite,
     Postgres,
 }
@@ -288,23 +288,12 @@ impl Store {
         if self.dialect == Dialect::Sqlite {
             return Ok(None);
         }
-        let mut conn = self.pool.acquire().await?.detach();
-        let (taken,): (bool,) = sqlx::query_as("SELECT pg_try_advisory_lock($1)")
-            .bind(SERVER_LOCK)
-            .fetch_one(&mut conn)
-            .await?;
-        if !taken {
-            return Err(StoreError::InUse);
-        }
-        Ok(Some(Holder {
-            conn: Some(conn),
+        let mut holder = Holder {
+            conn: None,
             pool: self.pool.clone(),
-        }))
-    }
-
-    /// The database this store is in.
-    pub fn dialect(&self) -> Dialect {
-        self.dialect
+        };
+        holder.keep().await?;
+        Ok(Some(holder))
     }
 
     /// A transaction that reads before it writes, begun with the store's
