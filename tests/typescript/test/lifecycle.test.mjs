@@ -76,7 +76,9 @@ describe('lifecycle', () => {
     const session = unique('keep');
     await sandbox.process.createSession(session);
     await sandbox.process.executeSessionCommand(session, { command: 'sleep 600', runAsync: true });
-    assert.ok((await sh(sandbox, 'ps -eo args')).includes('sleep 600'));
+    // runAsync answers once the command is launched, not once it runs.
+    assert.ok(await waitUntil(async () => (await sh(sandbox, 'ps -eo args')).includes('sleep 600'), 10_000),
+      'the async command never ran');
     await sandbox.stop();
     assert.equal(sandbox.state, SandboxState.STOPPED);
     assert.equal((await daytona.get(sandbox.id)).state, SandboxState.STOPPED);
