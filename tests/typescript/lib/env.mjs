@@ -82,11 +82,19 @@ export async function api(method, path, body, { auth = true } = {}) {
   return { status: r.status, text, json };
 }
 
-export async function sandboxIds() {
+// The ids of every sandbox the key sees, or only of those carrying `labels`.
+// Test files run side by side on one server, so a check that a refused create
+// made nothing labels what it sends and looks for that label, never compares
+// the whole list before and after.
+export async function sandboxIds(labels) {
   const ids = new Set();
   let cursor;
   do {
-    const query = new URLSearchParams({ limit: '1000', ...(cursor ? { cursor } : {}) });
+    const query = new URLSearchParams({
+      limit: '1000',
+      ...(labels ? { labels: JSON.stringify(labels) } : {}),
+      ...(cursor ? { cursor } : {}),
+    });
     const { status, json } = await api('GET', `/sandbox?${query}`);
     if (status !== 200) throw new Error(`listing sandboxes answered ${status}`);
     for (const item of json.items) ids.add(item.id);

@@ -125,12 +125,13 @@ describe('lifecycle', () => {
       assert.ok(e.message.includes(missing), e.message);
       return true;
     });
-    const before = await sandboxIds();
+    const refused = { refused: unique('r') };
     // Above the server's ceilings: refused, never reduced, nothing made.
-    await assert.rejects(daytona.create({ resources: { cpu: 64 } }), DaytonaValidationError);
-    await assert.rejects(daytona.create({ snapshot: unique('no-such-snapshot') }),
+    await assert.rejects(daytona.create({ labels: refused, resources: { cpu: 64 } }),
+      DaytonaValidationError);
+    await assert.rejects(daytona.create({ labels: refused, snapshot: unique('no-such-snapshot') }),
       (e) => e instanceof DaytonaNotFoundError || e instanceof DaytonaValidationError);
-    assert.deepEqual(await sandboxIds(), before);
+    assert.deepEqual(await sandboxIds(refused), new Set());
     // A name is unique.
     const first = await create({ name: unique('dup') });
     await assert.rejects(daytona.create({ name: first.name }), (e) => {

@@ -62,12 +62,12 @@ describe('linked sandboxes', () => {
 
   test('a link must be ephemeral, as Daytona requires', async () => {
     const owner = await create();
-    const before = await sandboxIds();
-    await assert.rejects(create({ linkedSandbox: owner.id }), (e) => {
+    const refused = { refused: unique('r') };
+    await assert.rejects(create({ labels: refused, linkedSandbox: owner.id }), (e) => {
       assert.ok(e instanceof DaytonaError, String(e));
       assert.ok(e.message.includes('ephemeral'), e.message);
       return true;
     });
-    assert.deepEqual(await sandboxIds(), before);
+    assert.deepEqual(await sandboxIds(refused), new Set());
   });
 });

@@ -9,7 +9,7 @@ import { describe, test } from 'node:test';
 
 import { DaytonaValidationError } from '@daytonaio/sdk';
 
-import { FAKE, sandboxIds, setup, skipUnless, waitUntil } from '../lib/env.mjs';
+import { FAKE, sandboxIds, setup, skipUnless, unique, waitUntil } from '../lib/env.mjs';
 
 const { daytona, create } = setup();
 
@@ -71,21 +71,21 @@ describe('network', () => {
   });
 
   test('allow lists keep Daytona limits and name what is wrong', async () => {
-    const before = await sandboxIds();
+    const refused = { refused: unique('r') };
     const six = Array.from({ length: 6 }, (_, i) => `10.${i}.0.0/16`).join(',');
-    await assert.rejects(daytona.create({ networkAllowList: six }), (e) => {
+    await assert.rejects(daytona.create({ labels: refused, networkAllowList: six }), (e) => {
       assert.ok(e instanceof DaytonaValidationError, `${e.constructor.name}: ${e.message}`);
       assert.ok(e.message.includes('at most 5'), e.message);
       return true;
     });
     for (const garbage of ['10.0.0.0/33', '10.0.0/8', 'example.com/24']) {
-      await assert.rejects(daytona.create({ networkAllowList: garbage }), (e) => {
+      await assert.rejects(daytona.create({ labels: refused, networkAllowList: garbage }), (e) => {
         assert.ok(e instanceof DaytonaValidationError, `${e.constructor.name}: ${e.message}`);
         assert.ok(e.message.includes(garbage), e.message);
         return true;
       });
     }
-    assert.deepEqual(await sandboxIds(), before, 'a refused create left a sandbox');
+    assert.deepEqual(await sandboxIds(refused), new Set(), 'a refused create left a sandbox');
 
     const sandbox = await create();
     await assert.rejects(sandbox.updateNetworkSettings({ networkAllowList: six }), DaytonaValidationError);
