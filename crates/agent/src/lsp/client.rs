@@ -184,6 +184,14 @@ impl Server {
         self.ended.borrow().clone()
     }
 
+    /// Whether the server is gone or going: it ended, its process was
+    /// reaped, or its input closed. The input closes (a write failed) a
+    /// moment before the watcher records why it ended, so a start in
+    /// between must not take it for a live server.
+    pub fn is_gone(&self) -> bool {
+        self.ended().is_some() || self.reaped.load(Ordering::Acquire) || self.outgoing.is_closed()
+    }
+
     /// Sends a request and waits for its result, at most [`REQUEST_TIMEOUT`].
     pub async fn request(&self, method: &'static str, params: Value) -> Result<Value, LspError> {
         self.request_within(method, params, REQUEST_TIMEOUT).await

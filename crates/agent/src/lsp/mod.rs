@@ -171,7 +171,7 @@ impl Registry {
         let replaced = {
             let mut servers = self.servers.lock().unwrap();
             match servers.get(&key) {
-                Some(running) if running.server.ended().is_none() => return Ok(()),
+                Some(running) if !running.server.is_gone() => return Ok(()),
                 Some(_) => servers.remove(&key),
                 None if servers.len() >= MAX_SERVERS => return Err(LspError::TooManyServers),
                 None => None,
