@@ -69,6 +69,8 @@ pub(crate) struct Sandbox {
     pub parent_sandbox_id: Option<String>,
     /// The sandbox this one shares a private network with.
     pub linked_sandbox_id: Option<String>,
+    /// The runner that holds it (`GET /api/runners/{id}`, the operator's).
+    pub runner_id: Option<String>,
     /// cove extension: how a running VM executes, "kvm" or "tcg".
     pub accelerator: Option<&'static str>,
     pub toolbox_proxy_url: String,
@@ -117,6 +119,7 @@ impl Sandbox {
             persistent: record.persistent,
             parent_sandbox_id: record.parent_id,
             linked_sandbox_id: record.linked_sandbox_id,
+            runner_id: record.runner_id,
             accelerator,
             toolbox_proxy_url,
             id: record.id,

@@ -31,6 +31,7 @@ mod preview;
 mod quota;
 mod rate_limit;
 mod regions;
+mod runners;
 mod sandbox;
 mod server_config;
 mod snapshots;
@@ -197,6 +198,29 @@ pub fn app(state: AppState) -> Router {
             get(docker_registry::get)
                 .patch(docker_registry::update)
                 .delete(docker_registry::delete),
+        )
+        // Runners: the server's own is listed and switched; registering
+        // others (and what only another runner asks) keeps its 501.
+        .route(
+            "/runners",
+            get(runners::list).post(not_implemented::fallback),
+        )
+        .route("/runners/me", get(not_implemented::fallback))
+        .route("/runners/me/snapshots", get(not_implemented::fallback))
+        .route("/runners/by-snapshot-ref", get(not_implemented::fallback))
+        .route("/runners/healthcheck", post(not_implemented::fallback))
+        .route("/runners/by-sandbox/{sandbox}", get(runners::by_sandbox))
+        .route(
+            "/runners/{id}",
+            get(runners::get).delete(not_implemented::fallback),
+        )
+        .route(
+            "/runners/{id}/scheduling",
+            axum::routing::patch(runners::scheduling),
+        )
+        .route(
+            "/runners/{id}/draining",
+            axum::routing::patch(runners::draining),
         )
         .route("/volumes", get(volumes::list).post(volumes::create))
         .route("/volumes/by-name/{name}", get(volumes::get_by_name))

@@ -57,6 +57,31 @@ pub(crate) const OPERATIONS: &[Operation] = &[
     ),
     op(
         "GET",
+        "/runners",
+        "runners",
+        "List the runners sandboxes run on, with what each holds (operator)",
+    ),
+    op("GET", "/runners/{id}", "runners", "A runner (operator)"),
+    op(
+        "GET",
+        "/runners/by-sandbox/{sandbox}",
+        "runners",
+        "The runner holding a sandbox (operator)",
+    ),
+    op(
+        "PATCH",
+        "/runners/{id}/scheduling",
+        "runners",
+        "Take a runner out of scheduling, or put it back (operator)",
+    ),
+    op(
+        "PATCH",
+        "/runners/{id}/draining",
+        "runners",
+        "Drain a runner: no new sandbox goes to it (operator)",
+    ),
+    op(
+        "GET",
         "/api-keys",
         "api-keys",
         "API keys, their values masked",

@@ -67,6 +67,8 @@ pub(crate) fn need(method: &Method, route: &str) -> Need {
     match rest {
         "/snapshots/import" => Operator,
         _ if rest.starts_with("/admin/") => Operator,
+        // The server's machines, not an organization's.
+        _ if rest == "/runners" || rest.starts_with("/runners/") => Operator,
         "/audit/organizations/{organization}" => Need::Permission(P::ReadAuditLogs),
         "/organizations/{organization}/bill" => Need::Permission(P::ReadBilling),
         "/object-storage/push-access" => Need::Permission(P::WriteSnapshots),
@@ -188,6 +190,9 @@ mod tests {
             (Method::POST, "/api/api-keys", p(P::ManageApiKeys)),
             (Method::DELETE, "/api/api-keys/{name}", p(P::ManageApiKeys)),
             (Method::POST, "/api/admin/reclaim", Operator),
+            (Method::GET, "/api/runners", Operator),
+            (Method::GET, "/api/runners/by-sandbox/{sandbox}", Operator),
+            (Method::PATCH, "/api/runners/{id}/draining", Operator),
             (Method::GET, "/api/admin/audit", Operator),
             (
                 Method::GET,

@@ -2203,7 +2203,9 @@ async fn another_organizations_sandbox_is_a_404_on_every_route() {
     let (_, doc) = api.call("GET", "/api/openapi.json", None).await;
     let mut tried = 0;
     for (path, operations) in doc["paths"].as_object().unwrap() {
-        if !path.contains("{id}") {
+        // A runner is the server's, no organization's: every key but the
+        // operator's is refused there (403), whatever the id.
+        if !path.contains("{id}") || path.starts_with("/runners/") {
             continue;
         }
         let targets = if path.starts_with("/snapshots/") {

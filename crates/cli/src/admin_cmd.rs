@@ -28,6 +28,25 @@ pub(crate) enum AdminCommand {
         #[command(flatten)]
         connection: Connection,
     },
+    /// List the runners sandboxes run on, with what is allocated on each
+    /// and how its host is loaded.
+    Runners {
+        /// Print the runners as the API answers, one JSON array.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        connection: Connection,
+    },
+    /// Drain a runner before taking it down: no new sandbox goes to it,
+    /// those it holds stay. `--undo` lets new sandboxes go to it again.
+    Drain {
+        /// The runner's id (`cove admin runners` lists them).
+        runner: String,
+        #[arg(long)]
+        undo: bool,
+        #[command(flatten)]
+        connection: Connection,
+    },
 }
 
 pub(crate) async fn run(command: AdminCommand) -> anyhow::Result<()> {
@@ -65,8 +84,73 @@ pub(crate) async fn run(command: AdminCommand) -> anyhow::Result<()> {
                 print!("{}", bill_table(&org, &bill));
             }
         }
+        AdminCommand::Runners { json, connection } => {
+            let client = Client::from_connection(&connection)?;
+            let runners = client.api(Method::GET, "/runners", None).await?;
+            if json {
+                println!("{runners}");
+            } else {
+                print!("{}", runners_table(&runners));
+            }
+        }
+        AdminCommand::Drain {
+            runner,
+            undo,
+            connection,
+        } => {
+            let client = Client::from_connection(&connection)?;
+            let path = format!("/runners/{}/draining", encode(&runner));
+            let body = serde_json::json!({ "draining": !undo });
+            let done = client.api(Method::PATCH, &path, Some(body)).await?;
+            let what = if done["draining"].as_bool() == Some(true) {
+                "draining: no new sandbox goes to it"
+            } else {
+                "not draining: new sandboxes may go to it"
+            };
+            println!(
+                "runner {} ({}) {what}; it holds {} sandboxes",
+                done["name"].as_str().unwrap_or("?"),
+                done["id"].as_str().unwrap_or("?"),
+                done["sandboxes"].as_i64().unwrap_or(0)
+            );
+        }
     }
     Ok(())
+}
+
+/// Runners as a table: a row each, what is allocated of what its host has.
+fn runners_table(runners: &Value) -> String {
+    let text = |v: &Value| v.as_str().unwrap_or("").to_owned();
+    let int = |v: &Value| v.as_i64().unwrap_or(0);
+    let mut out = format!(
+        "{:<36} {:<16} {:<12} {:<11} {:>7} {:>9} {:>9} {:>8} {:>6}\n",
+        "ID", "NAME", "STATE", "SCHEDULING", "CPU", "MEM GiB", "DISK GiB", "STARTED", "LOAD%"
+    );
+    for runner in runners.as_array().into_iter().flatten() {
+        let scheduling = if runner["draining"].as_bool() == Some(true) {
+            "draining"
+        } else if runner["unschedulable"].as_bool() == Some(true) {
+            "off"
+        } else {
+            "on"
+        };
+        let of = |allocated: &str, total: &str| {
+            format!("{}/{}", int(&runner[allocated]), int(&runner[total]))
+        };
+        out.push_str(&format!(
+            "{:<36} {:<16} {:<12} {:<11} {:>7} {:>9} {:>9} {:>8} {:>6.1}\n",
+            text(&runner["id"]),
+            text(&runner["name"]),
+            text(&runner["state"]),
+            scheduling,
+            of("currentAllocatedCpu", "cpu"),
+            of("currentAllocatedMemoryGiB", "memory"),
+            of("currentAllocatedDiskGiB", "disk"),
+            int(&runner["currentStartedSandboxes"]),
+            runner["currentCpuUsagePercentage"].as_f64().unwrap_or(0.0),
+        ));
+    }
+    out
 }
 
 fn encode(part: &str) -> String {
@@ -117,6 +201,31 @@ fn bill_table(org: &str, bill: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn runners_print_a_row_each_with_allocated_of_total() {
+        let runners = serde_json::json!([
+            {"id": "r-1", "name": "node-a", "state": "ready", "draining": true,
+             "unschedulable": false, "cpu": 8, "memory": 32, "disk": 200,
+             "currentAllocatedCpu": 3, "currentAllocatedMemoryGiB": 6,
+             "currentAllocatedDiskGiB": 9, "currentStartedSandboxes": 3,
+             "currentCpuUsagePercentage": 12.5},
+            {"id": "r-2", "name": "node-b", "state": "unresponsive", "draining": false,
+             "unschedulable": true}
+        ]);
+        let table = runners_table(&runners);
+        let rows: Vec<Vec<&str>> = table
+            .lines()
+            .map(|l| l.split_whitespace().collect())
+            .collect();
+        assert_eq!(rows.len(), 3, "{table}");
+        assert_eq!(rows[0][0], "ID");
+        assert_eq!(
+            rows[1],
+            ["r-1", "node-a", "ready", "draining", "3/8", "6/32", "9/200", "3", "12.5"]
+        );
+        assert_eq!(rows[2][..4], ["r-2", "node-b", "unresponsive", "off"]);
+    }
 
     #[test]
     fn a_bill_prints_a_row_per_line_then_credits_and_total() {

@@ -283,7 +283,6 @@ impl Drop for UnmountOnError {
     }
 }
 
-/// Takes the data directory's lock, or says that another server has it.
 /// The import directory, made owner-only if missing and canonical, so a
 /// client's absolute path can be compared with it.
 fn import_dir(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<PathBuf> {
@@ -303,6 +302,42 @@ fn import_dir(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<PathBuf> {
         .with_context(|| format!("the import directory {}", dir.display()))
 }
 
+/// Who this server's runner is: an id kept in the data directory (made at
+/// its first start), so a restart is the same runner, and the host's name.
+fn runner_identity(data_dir: &Path) -> anyhow::Result<cove_engine::RunnerIdentity> {
+    use std::io::Write as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let path = data_dir.join("runner-id");
+    let id = match std::fs::read_to_string(&path) {
+        Ok(text) => text.trim().to_owned(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            let id = uuid::Uuid::new_v4().to_string();
+            let mut file = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .with_context(|| format!("create {}", path.display()))?;
+            writeln!(file, "{id}")
+                .and_then(|()| file.sync_all())
+                .with_context(|| format!("write {}", path.display()))?;
+            id
+        }
+        Err(e) => return Err(e).with_context(|| format!("read {}", path.display())),
+    };
+    if uuid::Uuid::try_parse(&id).is_err() {
+        anyhow::bail!(
+            "{} holds {id:?}, not a runner id (a UUID); remove it and a new one is made",
+            path.display()
+        );
+    }
+    Ok(cove_engine::RunnerIdentity {
+        id,
+        name: cove_engine::host_name(),
+    })
+}
+
+/// Takes the data directory's lock, or says that another server has it.
 fn lock_data_dir(data_dir: &Path) -> anyhow::Result<DataDirLock> {
     let path = data_dir.join("serve.lock");
     let file = std::fs::OpenOptions::new()
@@ -460,6 +495,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         import_dir: Some(import_dir(&args, &data_dir)?),
         data_dir: Some(data_dir.clone()),
         prices,
+        runner: runner_identity(&data_dir)?,
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);
@@ -567,6 +603,8 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     container.fill_pool();
     let timers = engine.sandboxes().clone();
     tokio::spawn(async move { timers.run_timers().await });
+    let runners = engine.runners().clone();
+    tokio::spawn(async move { runners.run_check_ins().await });
     let serve = tokio::spawn(cove_api::listener::serve(
         listener,
         None,

@@ -54,6 +54,8 @@ pub struct EngineConfig {
     /// What the bill charges: per vCPU-hour, GB-hour of memory and of disk,
     /// GB-month of snapshots past a free allowance, less monthly credits.
     pub prices: cove_billing::Prices,
+    /// The server's own runner: every sandbox goes to it.
+    pub runner: crate::RunnerIdentity,
 }
 
 /// Bounds on build-context uploads: a client with push credentials must
@@ -99,6 +101,7 @@ impl Default for EngineConfig {
             import_dir: None,
             data_dir: None,
             prices: cove_billing::Prices::default(),
+            runner: crate::RunnerIdentity::default(),
         }
     }
 }

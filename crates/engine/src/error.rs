@@ -101,6 +101,11 @@ pub enum EngineError {
     NotStarted { id: String, state: SandboxState },
     #[error("{class} sandboxes are not available on this server")]
     ClassUnavailable { class: &'static str },
+    #[error("runner {id} not found")]
+    RunnerNotFound { id: String },
+    /// Placement found no runner that may take the sandbox now.
+    #[error("no runner can take this sandbox now: {reason}")]
+    NoRunner { reason: String },
     #[error("{what} is not implemented by cove yet")]
     NotImplemented { what: String },
     /// The sandbox's runtime failed; its error says how (the message shows
@@ -274,6 +279,7 @@ impl EngineError {
             | Self::RegistryNotFound { .. }
             | Self::ApiKeyNotFound { .. }
             | Self::OrganizationNotFound { .. }
+            | Self::RunnerNotFound { .. }
             | Self::SignedPreviewNotFound { .. } => ErrorKind::NotFound,
             Self::Forbidden { .. } | Self::QuotaExceeded { .. } => ErrorKind::Forbidden,
             Self::Invalid { .. }
@@ -302,6 +308,7 @@ impl EngineError {
             | Self::HasForks { .. }
             | Self::Transition { .. }
             | Self::NotStarted { .. } => ErrorKind::Conflict,
+            Self::NoRunner { .. } => ErrorKind::ServiceUnavailable,
             Self::ClassUnavailable { .. } | Self::NotImplemented { .. } => {
                 ErrorKind::NotImplemented
             }

@@ -6,12 +6,14 @@
 //! through the API, timers) goes through [`Engine`]; none of them touches the store
 //! or a runtime directly. It knows nothing of HTTP or JSON.
 //!
-//! [`Engine`] is a façade over five parts, each with its own state over what
+//! [`Engine`] is a façade over six parts, each with its own state over what
 //! they all share ([`shared`]): [`Sandboxes`] (their lifecycle, forks,
 //! captures, timers and recovery after a restart), [`Snapshots`] (images:
-//! pulls, builds, build contexts, registries), [`Volumes`], and [`Access`]
-//! (API keys, previews, SSH access) and [`Billing`] (the meter's
-//! intervals priced). A part reaches another only downwards:
+//! pulls, builds, build contexts, registries), [`Volumes`], [`Access`]
+//! (API keys, previews, SSH access), [`Billing`] (the meter's intervals
+//! priced) and [`Runners`] (the machines sandboxes run on, the operator's
+//! switches of each, and the placement that `shared` does for a create
+//! with what they report). A part reaches another only downwards:
 //! sandboxes use snapshots and volumes; nothing uses sandboxes.
 // EngineError keeps each cause whole as its source, so a caller can downcast
 // it (to a RuntimeError, a NetError); errors are the cold path, so their size
@@ -31,6 +33,7 @@ mod metrics;
 mod network;
 mod organizations;
 mod quota;
+mod runners;
 mod sandboxes;
 mod shared;
 mod snapshots;
@@ -54,14 +57,16 @@ pub use cove_billing::{month_containing, month_period, Bill, Line as BillLine, P
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
     AuditQuery, AuditRecord, DockerRegistryRecord, NetworkSettings, OrganizationQuotaRecord,
-    OrganizationRecord, RateLimit, RegionQuotaRecord, SandboxOrder, SandboxRecord,
-    SandboxSortField, SignedPreview, SnapshotRecord, SortDirection, VolumeMount, VolumeRecord,
+    OrganizationRecord, RateLimit, RegionQuotaRecord, RunnerRecord, RunnerSwitches, RunnerUsage,
+    SandboxOrder, SandboxRecord, SandboxSortField, SignedPreview, SnapshotRecord, SortDirection,
+    VolumeMount, VolumeRecord,
 };
 pub use error::{describe, EngineError, ErrorKind};
 pub use events::{SandboxEvent, FEED_CAPACITY};
 pub use network::{policy as network_policy, NetworkHandle};
 pub use organizations::{Organizations, DEFAULT_ORGANIZATION};
 pub use quota::{QuotaChange, Usage, REGION_ID};
+pub use runners::{host_name, RunnerIdentity, RunnerState, RunnerView, Runners, CHECK_IN_EVERY};
 pub use sandboxes::{CreateSandbox, Sandboxes, SettingChange, MAX_FORK_CHILDREN};
 pub use snapshots::{
     parse_dockerfile, registry_host, BuildLog, ContextObject, DeclaredSha256, DockerfilePlan,
@@ -87,6 +92,7 @@ pub struct Engine {
     access: Access,
     billing: Billing,
     organizations: Organizations,
+    runners: Runners,
 }
 
 /// The parts of the engine as one organization sees them: lookups find only
@@ -127,6 +133,7 @@ impl Engine {
             organizations: Organizations::new(shared.clone(), access.clone()),
             access,
             billing: Billing::new(shared.clone()),
+            runners: Runners::new(shared.clone()),
             shared,
             snapshots,
             volumes,
@@ -190,6 +197,11 @@ impl Engine {
         &self.billing
     }
 
+    /// The runners sandboxes run on: the server's own, for now.
+    pub fn runners(&self) -> &Runners {
+        &self.runners
+    }
+
     /// Adds the engine's metrics to `registry`: its operation counters and
     /// timings, and a census taken now (sandboxes by state and class, what
     /// the runtimes and pools hold, storage use). Label values come only from
@@ -211,6 +223,7 @@ impl Engine {
     /// before serving requests: builds the last server ran are ended, then
     /// every sandbox is brought to the state its user asked for.
     pub async fn recover_after_restart(&self) -> Result<(), EngineError> {
+        self.runners.register_local().await?;
         // Whatever was metered as open ran on until now, the recovery's
         // time; from here each sandbox's own recovery splits it again.
         let reopened = self.shared.store.reopen_meters(now_ms()).await?;

@@ -40,16 +40,22 @@ impl Usage {
     ) -> Usage {
         let mut usage = Usage::default();
         for record in records.into_iter().filter(|r| r.id != except) {
-            if occupies(record) {
-                usage.running += 1;
-                usage.cpu += record.cpu;
-                usage.memory_gib += memory_gib(record);
-            }
-            if record.state != SandboxState::Archived {
-                usage.disk_gib += record.disk_gib;
-            }
+            usage.add(record);
         }
         usage
+    }
+
+    /// Counts `record` in: its CPU and memory while it runs (or is on its
+    /// way to), its disk unless it is archived.
+    pub(crate) fn add(&mut self, record: &SandboxRecord) {
+        if occupies(record) {
+            self.running += 1;
+            self.cpu += record.cpu;
+            self.memory_gib += memory_gib(record);
+        }
+        if record.state != SandboxState::Archived {
+            self.disk_gib += record.disk_gib;
+        }
     }
 }
 

@@ -53,6 +53,9 @@ pub(crate) struct Shared {
     /// Each organization's rate limits and counts, read from the store once:
     /// every API request consults them.
     organization_quotas: tokio::sync::RwLock<HashMap<String, cove_store::OrganizationQuotaRecord>>,
+    /// The runners new sandboxes may go to and what each holds, kept here
+    /// so a create places its sandbox without a store read.
+    pub(crate) placement: std::sync::RwLock<crate::runners::Placement>,
 }
 
 impl Shared {
@@ -61,7 +64,9 @@ impl Shared {
         store: Store,
         runtimes: HashMap<SandboxClass, Arc<dyn Runtime>>,
     ) -> Shared {
+        let placement = crate::runners::Placement::of_local(&config.runner, &runtimes);
         Shared {
+            placement: std::sync::RwLock::new(placement),
             config,
             store,
             runtimes,

@@ -21,6 +21,7 @@ mod previews;
 mod quotas;
 mod records;
 mod registries;
+mod runners;
 mod sandboxes;
 mod snapshots;
 mod ssh_access;
@@ -41,6 +42,7 @@ pub use records::{
     BuildStepRecord, DockerRegistryRecord, ImageSettings, NetworkSettings, SandboxRecord,
     SnapshotRecord, SnapshotState, VolumeMount, VolumeRecord,
 };
+pub use runners::{RunnerRecord, RunnerSwitches, RunnerUsage};
 pub use sandboxes::{SandboxOrder, SandboxSortField, SortDirection};
 pub use ssh_access::SshAccessRecord;
 

@@ -43,6 +43,9 @@ pub struct SandboxRecord {
     pub network: NetworkSettings,
     /// The volumes it mounts.
     pub volumes: Vec<VolumeMount>,
+    /// The runner that holds its storage and runs it; `None` only in a row
+    /// from before runners, until the server's runner claims it.
+    pub runner_id: Option<String>,
 }
 
 impl SandboxRecord {
@@ -86,6 +89,7 @@ impl SandboxRecord {
             linked_sandbox_id: None,
             network: NetworkSettings::default(),
             volumes: Vec::new(),
+            runner_id: None,
         }
     }
 }

@@ -11,7 +11,7 @@ const COLUMNS: &str =
     "id, organization_id, name, snapshot, class, state, desired_state, error_reason, os_user, \
     cpu, gpu, memory_mib, disk_gib, env, labels, public, auto_stop, auto_pause, auto_archive, \
     auto_delete, ttl_minutes, ttl_deadline_ms, created_at_ms, updated_at_ms, state_since_ms, \
-    last_activity_ms, persistent, spot, parent_id, network, volumes, linked_sandbox_id";
+    last_activity_ms, persistent, spot, parent_id, network, volumes, linked_sandbox_id, runner_id";
 
 fn corrupt(id: &str, reason: impl ToString) -> StoreError {
     StoreError::Corrupt {
@@ -64,6 +64,7 @@ fn from_row(row: &AnyRow) -> Result<SandboxRecord, StoreError> {
         spot: row.try_get::<i64, _>("spot")? != 0,
         parent_id: row.try_get("parent_id")?,
         linked_sandbox_id: row.try_get("linked_sandbox_id")?,
+        runner_id: row.try_get("runner_id")?,
         network: serde_json::from_str(&text("network")?).map_err(undecodable("network"))?,
         volumes: serde_json::from_str(&text("volumes")?).map_err(undecodable("volumes"))?,
         id,
@@ -189,6 +190,7 @@ impl Store {
             .bind(serde_json::to_string(&s.network).expect("settings serialize"))
             .bind(serde_json::to_string(&s.volumes).expect("mounts serialize"))
             .bind(&s.linked_sandbox_id)
+            .bind(&s.runner_id)
             .execute(&mut *transaction)
             .await?;
         let measure = Some(Measure::of_sandbox(s));

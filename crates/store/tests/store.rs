@@ -53,6 +53,7 @@ fn sandbox(id: &str, name: &str) -> SandboxRecord {
             mount_path: "/data".into(),
             subpath: Some("a".into()),
         }],
+        runner_id: Some("runner-1".into()),
     }
 }
 
@@ -766,6 +767,117 @@ async fn organizations_own_their_rows_and_names_are_unique_in_one_only(db: &Db) 
     assert_eq!(keys[0].organization_id, "cove");
 }
 
+fn runner(id: &str, at_ms: i64) -> cove_store::RunnerRecord {
+    cove_store::RunnerRecord {
+        id: id.into(),
+        name: format!("host-{id}"),
+        region: "us".into(),
+        classes: vec!["container".into(), "linux-vm".into()],
+        accelerator: Some("tcg".into()),
+        cpu: 2,
+        memory_gib: 24,
+        disk_gib: 100,
+        app_version: "0.1.0".into(),
+        unschedulable: false,
+        draining: false,
+        usage: cove_store::RunnerUsage::default(),
+        created_at_ms: at_ms,
+        updated_at_ms: at_ms,
+        last_checked_ms: Some(at_ms),
+    }
+}
+
+async fn runners_register_report_and_keep_the_operators_switches(db: &Db) {
+    use cove_store::{RunnerSwitches, RunnerUsage};
+    let store = db.open().await;
+    let first = store.register_runner(&runner("r1", 10)).await.unwrap();
+    assert_eq!(first, runner("r1", 10));
+    store.register_runner(&runner("r2", 20)).await.unwrap();
+    let ids = |runners: Vec<cove_store::RunnerRecord>| -> Vec<String> {
+        runners.into_iter().map(|r| r.id).collect()
+    };
+    assert_eq!(ids(store.list_runners().await.unwrap()), ["r1", "r2"]);
+
+    let drained = store
+        .switch_runner(
+            "r1",
+            RunnerSwitches {
+                draining: Some(true),
+                ..RunnerSwitches::default()
+            },
+            30,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(drained.draining && !drained.unschedulable);
+    let both = store
+        .switch_runner(
+            "r1",
+            RunnerSwitches {
+                unschedulable: Some(true),
+                ..RunnerSwitches::default()
+            },
+            31,
+        )
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(both.draining && both.unschedulable, "{both:?}");
+    assert_eq!(both.updated_at_ms, 31);
+    assert_eq!(
+        store
+            .switch_runner("nobody", RunnerSwitches::default(), 32)
+            .await
+            .unwrap(),
+        None
+    );
+
+    let usage = RunnerUsage {
+        cpu: 12.5,
+        memory: 40.0,
+        disk: 3.25,
+    };
+    assert!(store.runner_checked_in("r1", usage, 40).await.unwrap());
+    assert!(!store.runner_checked_in("nobody", usage, 40).await.unwrap());
+    drop(store);
+
+    // It starts again, offering more: the switches and its creation stay.
+    let store = db.open().await;
+    let again = store
+        .register_runner(&cove_store::RunnerRecord {
+            cpu: 4,
+            ..runner("r1", 50)
+        })
+        .await
+        .unwrap();
+    assert_eq!(again.cpu, 4);
+    assert_eq!(again.created_at_ms, 10);
+    assert_eq!(again.last_checked_ms, Some(50));
+    assert!(again.draining && again.unschedulable, "{again:?}");
+    let found = store.find_runner("r2").await.unwrap().unwrap();
+    assert_eq!(found, runner("r2", 20));
+
+    // Rows from before runners go to the runner that claims them.
+    let mut old = sandbox("id-old", "old");
+    old.runner_id = None;
+    store.insert_sandbox(&old).await.unwrap();
+    store
+        .insert_sandbox(&sandbox("id-new", "new"))
+        .await
+        .unwrap();
+    assert_eq!(store.claim_unplaced_sandboxes("r2").await.unwrap(), 1);
+    let runner_of = |found: Option<SandboxRecord>| found.unwrap().runner_id;
+    assert_eq!(
+        runner_of(store.find_sandbox(None, "id-old").await.unwrap()),
+        Some("r2".into())
+    );
+    assert_eq!(
+        runner_of(store.find_sandbox(None, "id-new").await.unwrap()),
+        Some("runner-1".into())
+    );
+}
+
 fn key_named(name: &str, hash: &str) -> cove_store::ApiKeyRecord {
     key(name, hash)
 }
@@ -826,4 +938,5 @@ on_both_dialects!(
     an_organizations_rate_limits_are_kept_and_replaced,
     concurrent_writes_of_many_sandboxes_all_land_with_their_meter,
     organizations_own_their_rows_and_names_are_unique_in_one_only,
+    runners_register_report_and_keep_the_operators_switches,
 );

@@ -13,6 +13,7 @@ use cove_runtime::timeline::Timeline;
 
 use crate::checks::{check_name, sized};
 use crate::metrics::Measured;
+use crate::runners::Need;
 use crate::shared::sandbox_id;
 use crate::{now_ms, EngineError};
 
@@ -60,10 +61,11 @@ impl Sandboxes {
     pub async fn create(&self, request: CreateSandbox) -> Result<SandboxRecord, EngineError> {
         let mut timeline = Timeline::start("create");
         let snapshot = self.snapshot_for(&request).await?;
-        let record = self.new_record(request, &snapshot).await?;
-        // Checked before the row exists: no half-made sandbox for a class this
+        // Checked before the row exists (and before placement, which would
+        // find no runner for it): no half-made sandbox for a class this
         // server cannot run.
-        let runtime = self.shared.runtime(record.class)?.clone();
+        let runtime = self.shared.runtime(snapshot.class)?.clone();
+        let record = self.new_record(request, &snapshot).await?;
         let spec = self.spec(&record, &snapshot)?;
         timeline.step("check");
         let lock = self.shared.lock_for(&record.id);
@@ -157,7 +159,7 @@ impl Sandboxes {
         let Transition::Run { during, .. } = Transition::create() else {
             unreachable!("create always runs")
         };
-        Ok(SandboxRecord {
+        let mut record = SandboxRecord {
             id,
             organization_id: self.scope.owner().to_owned(),
             name,
@@ -187,7 +189,12 @@ impl Sandboxes {
             linked_sandbox_id,
             network,
             volumes,
-        })
+            runner_id: None,
+        };
+        // Last, once the request is known to be good: a refusal here says
+        // only that no runner can take it now.
+        record.runner_id = Some(self.shared.place(Need::of(&record), None)?);
+        Ok(record)
     }
 
     /// Refuses what no sandbox here can have: a bad network policy (or one

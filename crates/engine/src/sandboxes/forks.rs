@@ -14,6 +14,7 @@ use super::saga::Saga;
 use super::Sandboxes;
 use crate::checks::check_name;
 use crate::metrics::Measured;
+use crate::runners::Need;
 use crate::shared::sandbox_id;
 use crate::{now_ms, EngineError};
 
@@ -80,6 +81,13 @@ impl Sandboxes {
                 Ok(child_of(&parent, child_id, child_name))
             })
             .collect::<Result<_, EngineError>>()?;
+        // A child is a copy made on its parent's runner: that one must be
+        // able to take it.
+        let runner =
+            (parent.runner_id.clone()).unwrap_or_else(|| self.shared.config.runner.id.clone());
+        for child in &children {
+            self.shared.place(Need::of(child), Some(&runner))?;
+        }
         let snapshot = self
             .own_snapshot(&parent)
             .await

@@ -1,0 +1,704 @@
+//! Runners: the machines sandboxes run on, and where a new sandbox goes.
+//!
+//! A one-machine server is a control plane and one runner in one process:
+//! its runner is registered at start (`register_local`), reports its host
+//! every few seconds (`run_check_ins`), and is where every sandbox goes
+//! unless the operator drained it or took it out of scheduling. Placement
+//! ([`choose`]) is written for many runners: it passes over those that
+//! cannot take the sandbox, saying why, and picks the one with the most
+//! room among the rest.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use cove_lifecycle::SandboxClass;
+use cove_store::{RunnerRecord, RunnerSwitches, RunnerUsage};
+
+use crate::quota::Usage;
+use crate::shared::Shared;
+use crate::{now_ms, EngineError};
+
+/// How often the server's own runner reports its host.
+pub const CHECK_IN_EVERY: Duration = Duration::from_secs(5);
+
+/// A runner silent for this long is unresponsive: shown so, and given no
+/// new sandbox.
+const UNRESPONSIVE_AFTER_MS: i64 = 30_000;
+
+/// Who the server's own runner is.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RunnerIdentity {
+    /// Stable across restarts of the same data directory.
+    pub id: String,
+    /// The host's name, for people.
+    pub name: String,
+}
+
+impl Default for RunnerIdentity {
+    fn default() -> Self {
+        RunnerIdentity {
+            id: "local".into(),
+            name: host_name(),
+        }
+    }
+}
+
+/// The host's name (the kernel's); `localhost` when it has none.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_owned())
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".into())
+}
+
+/// Whether a runner takes work, as Daytona names its states.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RunnerState {
+    /// Registered, not reported yet.
+    Initializing,
+    Ready,
+    /// Silent for longer than it should be.
+    Unresponsive,
+}
+
+impl RunnerState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Initializing => "initializing",
+            Self::Ready => "ready",
+            Self::Unresponsive => "unresponsive",
+        }
+    }
+}
+
+/// A runner with what is allocated on it now.
+#[derive(Clone, Debug)]
+pub struct RunnerView {
+    pub record: RunnerRecord,
+    pub state: RunnerState,
+    /// Its sandboxes: running ones' CPU and memory, every one's disk but
+    /// an archived one's (as quotas count them).
+    pub allocated: Usage,
+    /// Sandboxes whose storage it holds, in any state.
+    pub sandboxes: i64,
+    /// Snapshots it can start sandboxes from.
+    pub snapshots: i64,
+}
+
+impl RunnerView {
+    /// The share of its CPU and memory still unallocated (the smaller of
+    /// the two), 0 to 100: Daytona's `availabilityScore`, and what
+    /// placement prefers more of.
+    pub fn availability(&self) -> f64 {
+        (room(&self.record, self.allocated, 0, 0) * 100.0).clamp(0.0, 100.0)
+    }
+}
+
+/// What would be left of `runner`'s CPU and memory, as a share (the smaller
+/// of the two; below 0 when overcommitted), with `allocated` and `cpu`
+/// vCPUs and `memory_gib` more taken.
+fn room(runner: &RunnerRecord, allocated: Usage, cpu: i64, memory_gib: i64) -> f64 {
+    let left = |capacity: i64, used: i64, wanted: i64| {
+        1.0 - (used + wanted) as f64 / capacity.max(1) as f64
+    };
+    left(runner.cpu, allocated.cpu, cpu).min(left(
+        runner.memory_gib,
+        allocated.memory_gib,
+        memory_gib,
+    ))
+}
+
+/// What a new sandbox needs of a runner.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Need<'a> {
+    pub(crate) class: SandboxClass,
+    pub(crate) region: &'a str,
+    pub(crate) cpu: i64,
+    pub(crate) memory_gib: i64,
+}
+
+impl Need<'static> {
+    /// What `sandbox` needs, in the server's one region.
+    pub(crate) fn of(sandbox: &cove_store::SandboxRecord) -> Need<'static> {
+        Need {
+            class: sandbox.class,
+            region: crate::quota::REGION_ID,
+            cpu: sandbox.cpu,
+            memory_gib: (sandbox.memory_mib + 1023) / 1024,
+        }
+    }
+}
+
+/// What placement reads: the runners as last recorded, and what each holds
+/// (counted from the rows at every check-in, and counted up at every
+/// placement in between, so a burst of creates spreads).
+pub(crate) struct Placement {
+    runners: Vec<RunnerRecord>,
+    load: HashMap<String, Usage>,
+}
+
+impl Placement {
+    /// The server's own runner alone, until it is registered.
+    pub(crate) fn of_local(
+        identity: &RunnerIdentity,
+        runtimes: &HashMap<SandboxClass, Arc<dyn cove_runtime::Runtime>>,
+    ) -> Placement {
+        let mut record = RunnerRecord {
+            id: identity.id.clone(),
+            name: identity.name.clone(),
+            region: crate::quota::REGION_ID.into(),
+            classes: runtimes.keys().map(|c| c.as_str().to_owned()).collect(),
+            accelerator: None,
+            cpu: 1,
+            memory_gib: 1,
+            disk_gib: 1,
+            app_version: env!("CARGO_PKG_VERSION").into(),
+            unschedulable: false,
+            draining: false,
+            usage: RunnerUsage::default(),
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            last_checked_ms: None,
+        };
+        record.classes.sort_unstable();
+        Placement {
+            runners: vec![record],
+            load: HashMap::new(),
+        }
+    }
+}
+
+impl Shared {
+    /// Keeps `record` as placement's view of its runner.
+    fn set_runner(&self, record: RunnerRecord) {
+        let mut placement = self.placement.write().unwrap();
+        match placement.runners.iter_mut().find(|r| r.id == record.id) {
+            Some(known) => *known = record,
+            None => placement.runners.push(record),
+        }
+    }
+
+    /// The runner a new sandbox needing `need` goes to (see [`choose`]);
+    /// `only` limits the choice to one runner (a fork's, which is its
+    /// parent's). What it takes is counted on the runner at once.
+    pub(crate) fn place(&self, need: Need<'_>, only: Option<&str>) -> Result<String, EngineError> {
+        let mut placement = self.placement.write().unwrap();
+        let Placement { runners, load } = &mut *placement;
+        let candidates = runners
+            .iter()
+            .filter(|r| only.is_none_or(|only| r.id == only))
+            .map(|r| (r, load.get(&r.id).copied().unwrap_or_default()));
+        let chosen = choose(candidates, need, &self.config.runner.id, now_ms())?
+            .id
+            .clone();
+        let usage = load.entry(chosen.clone()).or_default();
+        usage.running += 1;
+        usage.cpu += need.cpu;
+        usage.memory_gib += need.memory_gib;
+        Ok(chosen)
+    }
+}
+
+/// Runners as the engine sees them: the operator's view and switches, and
+/// the check-ins of the server's own runner.
+#[derive(Clone)]
+pub struct Runners {
+    shared: Arc<Shared>,
+}
+
+impl Runners {
+    pub(crate) fn new(shared: Arc<Shared>) -> Runners {
+        Runners { shared }
+    }
+
+    /// The server's own runner's id.
+    pub fn local_id(&self) -> &str {
+        &self.shared.config.runner.id
+    }
+
+    /// Records the server's own runner as it starts (keeping the switches
+    /// the operator set before a restart) and gives it the sandboxes from
+    /// before runners. Called once at start-up, before any create.
+    pub(crate) async fn register_local(&self) -> Result<(), EngineError> {
+        let now = now_ms();
+        let identity = &self.shared.config.runner;
+        let mut classes: Vec<&str> = self.shared.runtimes().map(|(c, _)| c.as_str()).collect();
+        classes.sort_unstable();
+        let host = self.measure();
+        let record = self
+            .shared
+            .store
+            .register_runner(&RunnerRecord {
+                id: identity.id.clone(),
+                name: identity.name.clone(),
+                region: crate::quota::REGION_ID.into(),
+                classes: classes.into_iter().map(str::to_owned).collect(),
+                accelerator: self
+                    .shared
+                    .runtime(SandboxClass::LinuxVm)
+                    .ok()
+                    .and_then(|vm| vm.accelerator())
+                    .map(|(accelerator, _)| accelerator.to_owned()),
+                cpu: host.cpu,
+                memory_gib: host.memory_gib,
+                disk_gib: host.disk_gib,
+                app_version: env!("CARGO_PKG_VERSION").into(),
+                unschedulable: false,
+                draining: false,
+                usage: host.usage,
+                created_at_ms: now,
+                updated_at_ms: now,
+                last_checked_ms: Some(now),
+            })
+            .await?;
+        let claimed = self
+            .shared
+            .store
+            .claim_unplaced_sandboxes(&record.id)
+            .await?;
+        if claimed > 0 {
+            tracing::info!(claimed, runner = %record.id, "sandboxes from before runners placed on this runner");
+        }
+        tracing::info!(runner = %record.id, name = %record.name, draining = record.draining,
+            unschedulable = record.unschedulable, "runner registered");
+        self.shared.set_runner(record);
+        Ok(())
+    }
+
+    /// Reports the server's own runner's host every [`CHECK_IN_EVERY`],
+    /// until the process ends.
+    pub async fn run_check_ins(&self) {
+        let mut tick = tokio::time::interval(CHECK_IN_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            if let Err(error) = self.check_in().await {
+                tracing::warn!(error = %crate::describe(&error), "runner check-in");
+            }
+        }
+    }
+
+    /// One report of the server's own runner's host.
+    pub async fn check_in(&self) -> Result<(), EngineError> {
+        let usage = self.measure().usage;
+        let now = now_ms();
+        let id = self.local_id();
+        if self.shared.store.runner_checked_in(id, usage, now).await? {
+            if let Some(record) = self.shared.store.find_runner(id).await? {
+                self.shared.set_runner(record);
+            }
+        }
+        let sandboxes = self.shared.store.list_sandboxes().await?;
+        let load = allocations(&sandboxes, id)
+            .into_iter()
+            .map(|(runner, (usage, _))| (runner, usage))
+            .collect();
+        self.shared.placement.write().unwrap().load = load;
+        Ok(())
+    }
+
+    /// Every runner, oldest first, in the region `region` if one is named.
+    pub async fn list(&self, region: Option<&str>) -> Result<Vec<RunnerView>, EngineError> {
+        let records = self.shared.store.list_runners().await?;
+        let views = self.views(records).await?;
+        Ok(views
+            .into_iter()
+            .filter(|view| region.is_none_or(|region| view.record.region == region))
+            .collect())
+    }
+
+    pub async fn get(&self, id: &str) -> Result<RunnerView, EngineError> {
+        let record = self
+            .shared
+            .store
+            .find_runner(id)
+            .await?
+            .ok_or_else(|| EngineError::RunnerNotFound { id: id.to_owned() })?;
+        let mut views = self.views(vec![record]).await?;
+        Ok(views.remove(0))
+    }
+
+    /// The runner holding sandbox `sandbox` (by id or name, of any
+    /// organization: the operator asks).
+    pub async fn of_sandbox(&self, sandbox: &str) -> Result<RunnerView, EngineError> {
+        let record = self
+            .shared
+            .store
+            .find_sandbox(None, sandbox)
+            .await?
+            .ok_or_else(|| EngineError::SandboxNotFound {
+                id: sandbox.to_owned(),
+            })?;
+        let id = record
+            .runner_id
+            .unwrap_or_else(|| self.local_id().to_owned());
+        self.get(&id).await
+    }
+
+    /// Sets the operator's switches of runner `id`: while it is draining or
+    /// unschedulable, no new sandbox goes to it.
+    pub async fn switch(
+        &self,
+        id: &str,
+        switches: RunnerSwitches,
+    ) -> Result<RunnerView, EngineError> {
+        let record = self
+            .shared
+            .store
+            .switch_runner(id, switches, now_ms())
+            .await?
+            .ok_or_else(|| EngineError::RunnerNotFound { id: id.to_owned() })?;
+        tracing::info!(runner = %record.id, draining = record.draining,
+            unschedulable = record.unschedulable, "runner switched");
+        self.shared.set_runner(record.clone());
+        let mut views = self.views(vec![record]).await?;
+        Ok(views.remove(0))
+    }
+
+    /// `records` with what each holds, counted from the sandboxes' rows.
+    async fn views(&self, records: Vec<RunnerRecord>) -> Result<Vec<RunnerView>, EngineError> {
+        let sandboxes = self.shared.store.list_sandboxes().await?;
+        let snapshots = self.shared.store.list_snapshots().await?.len() as i64;
+        let local = self.local_id();
+        let mut held = allocations(&sandboxes, local);
+        let now = now_ms();
+        Ok(records
+            .into_iter()
+            .map(|record| {
+                let (allocated, sandboxes) = held.remove(&record.id).unwrap_or_default();
+                RunnerView {
+                    state: state_of(&record, record.id == local, now),
+                    allocated,
+                    sandboxes,
+                    snapshots,
+                    record,
+                }
+            })
+            .collect())
+    }
+
+    /// The host's size and use, measured now (a few small reads of /proc
+    /// and one statvfs).
+    fn measure(&self) -> Host {
+        let cpu = std::thread::available_parallelism().map_or(1, |n| n.get() as i64);
+        let (memory_total, memory_available) = memory_kib().unwrap_or((0, 0));
+        let load = std::fs::read_to_string("/proc/loadavg")
+            .ok()
+            .and_then(|text| text.split_whitespace().next()?.parse::<f64>().ok())
+            .unwrap_or(0.0);
+        let config = &self.shared.config;
+        let disk_path = (config.volume_quota.as_ref())
+            .map(|quota| quota.storage.root().to_owned())
+            .or_else(|| config.data_dir.clone())
+            .unwrap_or_else(|| "/".into());
+        let disk = cove_runtime::storage::filesystem_usage(&disk_path).ok();
+        let disk_total = disk.map_or(0, |d| d.used + d.available);
+        Host {
+            cpu,
+            memory_gib: (memory_total >> 20) as i64,
+            disk_gib: (disk_total >> 30) as i64,
+            usage: RunnerUsage {
+                cpu: percent(load, cpu as f64),
+                memory: percent(
+                    memory_total.saturating_sub(memory_available) as f64,
+                    memory_total as f64,
+                ),
+                disk: percent(disk.map_or(0, |d| d.used) as f64, disk_total as f64),
+            },
+        }
+    }
+}
+
+/// What a runner's host has, and how much of it is in use.
+struct Host {
+    cpu: i64,
+    memory_gib: i64,
+    disk_gib: i64,
+    usage: RunnerUsage,
+}
+
+/// `part` of `whole` in percent, to two decimals; 0 of nothing.
+fn percent(part: f64, whole: f64) -> f64 {
+    if whole <= 0.0 {
+        return 0.0;
+    }
+    (part / whole * 10_000.0).round() / 100.0
+}
+
+/// `MemTotal` and `MemAvailable` of /proc/meminfo, in KiB.
+fn memory_kib() -> Option<(u64, u64)> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let field = |name: &str| -> Option<u64> {
+        let line = text.lines().find(|line| line.starts_with(name))?;
+        line[name.len()..]
+            .trim()
+            .trim_end_matches("kB")
+            .trim()
+            .parse()
+            .ok()
+    };
+    Some((field("MemTotal:")?, field("MemAvailable:")?))
+}
+
+/// A runner's state now. The server's own runner is ready while the server
+/// runs: it is this process.
+fn state_of(record: &RunnerRecord, local: bool, now_ms: i64) -> RunnerState {
+    match record.last_checked_ms {
+        _ if local => RunnerState::Ready,
+        None => RunnerState::Initializing,
+        Some(at) if now_ms - at > UNRESPONSIVE_AFTER_MS => RunnerState::Unresponsive,
+        Some(_) => RunnerState::Ready,
+    }
+}
+
+/// The runner a new sandbox goes to: of those that can take it (in its
+/// region, running its class, ready, neither draining nor unschedulable),
+/// the one with the most room for CPU and memory after it, then the one
+/// holding fewer sandboxes, then by id. Runners are not refused for being
+/// full: like Daytona's, they are overcommitted, and organizations' quotas
+/// bound what each may use. A refusal names why each runner was passed
+/// over.
+pub(crate) fn choose<'a>(
+    runners: impl IntoIterator<Item = (&'a RunnerRecord, Usage)>,
+    need: Need<'_>,
+    local: &str,
+    now_ms: i64,
+) -> Result<&'a RunnerRecord, EngineError> {
+    let mut passed_over = Vec::new();
+    let mut best: Option<(&RunnerRecord, f64, i64)> = None;
+    for (runner, allocated) in runners {
+        let why_not = if runner.region != need.region {
+            Some(format!("is in region {:?}", runner.region))
+        } else if !runner.classes.iter().any(|c| c == need.class.as_str()) {
+            Some(format!("does not run {} sandboxes", need.class.as_str()))
+        } else if runner.draining {
+            Some(format!(
+                "is draining (`cove admin drain {} --undo` ends that)",
+                runner.id
+            ))
+        } else if runner.unschedulable {
+            Some(format!(
+                "is unschedulable (PATCH /api/runners/{}/scheduling with \
+                 {{\"unschedulable\": false}} ends that)",
+                runner.id
+            ))
+        } else {
+            match state_of(runner, runner.id == local, now_ms) {
+                RunnerState::Ready => None,
+                state => Some(format!("is {}", state.as_str())),
+            }
+        };
+        if let Some(why) = why_not {
+            passed_over.push(format!("runner {} ({}) {why}", runner.name, runner.id));
+            continue;
+        }
+        let score = room(runner, allocated, need.cpu, need.memory_gib);
+        let better = match best {
+            None => true,
+            Some((held, best_score, best_running)) => {
+                (score, -allocated.running, std::cmp::Reverse(&runner.id))
+                    > (best_score, -best_running, std::cmp::Reverse(&held.id))
+            }
+        };
+        if better {
+            best = Some((runner, score, allocated.running));
+        }
+    }
+    match best {
+        Some((runner, _, _)) => Ok(runner),
+        None if passed_over.is_empty() => Err(EngineError::NoRunner {
+            reason: "no runner is registered".into(),
+        }),
+        None => Err(EngineError::NoRunner {
+            reason: passed_over.join("; "),
+        }),
+    }
+}
+
+/// What `sandboxes` hold on each runner, as quotas count it ([`Usage`]),
+/// and how many each holds; a row without a runner is `local`'s.
+pub(crate) fn allocations<'a>(
+    sandboxes: impl IntoIterator<Item = &'a cove_store::SandboxRecord>,
+    local: &str,
+) -> HashMap<String, (Usage, i64)> {
+    let mut by_runner: HashMap<String, (Usage, i64)> = HashMap::new();
+    for sandbox in sandboxes {
+        let runner = sandbox.runner_id.as_deref().unwrap_or(local);
+        let (usage, held) = by_runner.entry(runner.to_owned()).or_default();
+        usage.add(sandbox);
+        *held += 1;
+    }
+    by_runner
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runner(id: &str) -> RunnerRecord {
+        RunnerRecord {
+            id: id.into(),
+            name: format!("host-{id}"),
+            region: "us".into(),
+            classes: vec!["container".into(), "linux-vm".into()],
+            accelerator: None,
+            cpu: 8,
+            memory_gib: 32,
+            disk_gib: 100,
+            app_version: "0".into(),
+            unschedulable: false,
+            draining: false,
+            usage: RunnerUsage::default(),
+            created_at_ms: 0,
+            updated_at_ms: 0,
+            last_checked_ms: Some(1_000),
+        }
+    }
+
+    fn need(class: SandboxClass) -> Need<'static> {
+        Need {
+            class,
+            region: "us",
+            cpu: 1,
+            memory_gib: 1,
+        }
+    }
+
+    fn used(cpu: i64, memory_gib: i64, running: i64) -> Usage {
+        Usage {
+            running,
+            cpu,
+            memory_gib,
+            disk_gib: 0,
+        }
+    }
+
+    #[test]
+    fn the_runner_with_the_most_room_is_chosen() {
+        let (a, b, c) = (runner("a"), runner("b"), runner("c"));
+        let chosen = choose(
+            [
+                (&a, used(6, 4, 6)),
+                (&b, used(2, 20, 2)),
+                (&c, used(2, 4, 2)),
+            ],
+            need(SandboxClass::Container),
+            "none",
+            2_000,
+        )
+        .unwrap();
+        assert_eq!(chosen.id, "c");
+        // Even: the one running fewer, then the first id.
+        let chosen = choose(
+            [
+                (&a, used(2, 4, 3)),
+                (&b, used(2, 4, 2)),
+                (&c, used(2, 4, 2)),
+            ],
+            need(SandboxClass::Container),
+            "none",
+            2_000,
+        )
+        .unwrap();
+        assert_eq!(chosen.id, "b");
+    }
+
+    #[test]
+    fn runners_that_cannot_take_it_are_passed_over_and_named() {
+        let mut draining = runner("d");
+        draining.draining = true;
+        let mut unschedulable = runner("u");
+        unschedulable.unschedulable = true;
+        let mut containers_only = runner("k");
+        containers_only.classes = vec!["container".into()];
+        let mut elsewhere = runner("e");
+        elsewhere.region = "eu".into();
+        let mut silent = runner("s");
+        silent.last_checked_ms = Some(0);
+        let mut new = runner("n");
+        new.last_checked_ms = None;
+        let all = [
+            &draining,
+            &unschedulable,
+            &containers_only,
+            &elsewhere,
+            &silent,
+            &new,
+        ];
+        let err = choose(
+            all.iter().map(|r| (*r, Usage::default())),
+            need(SandboxClass::LinuxVm),
+            "none",
+            UNRESPONSIVE_AFTER_MS + 1_000,
+        )
+        .unwrap_err();
+        let message = err.to_string();
+        for expected in [
+            "runner host-d (d) is draining",
+            "runner host-u (u) is unschedulable",
+            "runner host-k (k) does not run linux-vm sandboxes",
+            "runner host-e (e) is in region \"eu\"",
+            "runner host-s (s) is unresponsive",
+            "runner host-n (n) is initializing",
+        ] {
+            assert!(message.contains(expected), "{expected:?} in {message}");
+        }
+        assert_eq!(err.kind(), crate::ErrorKind::ServiceUnavailable);
+        // The containers-only runner takes a container.
+        let chosen = choose(
+            all.iter().map(|r| (*r, Usage::default())),
+            need(SandboxClass::Container),
+            "none",
+            UNRESPONSIVE_AFTER_MS + 1_000,
+        )
+        .unwrap();
+        assert_eq!(chosen.id, "k");
+        // The server's own runner is never unresponsive: it is this process.
+        let chosen = choose(
+            [(&silent, Usage::default())],
+            need(SandboxClass::Container),
+            "s",
+            UNRESPONSIVE_AFTER_MS * 10,
+        )
+        .unwrap();
+        assert_eq!(chosen.id, "s");
+        let none = choose([], need(SandboxClass::Container), "s", 0).unwrap_err();
+        assert!(
+            none.to_string().contains("no runner is registered"),
+            "{none}"
+        );
+    }
+
+    #[test]
+    fn allocations_count_running_compute_and_unarchived_disk_per_runner() {
+        use cove_lifecycle::{DesiredState, SandboxState};
+        let mut on_a = cove_store::SandboxRecord::sample("1", "one");
+        on_a.runner_id = Some("a".into());
+        on_a.memory_mib = 1536;
+        let mut stopped = cove_store::SandboxRecord::sample("2", "two");
+        stopped.runner_id = Some("a".into());
+        stopped.state = SandboxState::Stopped;
+        stopped.desired_state = DesiredState::Stopped;
+        let mut archived = stopped.clone();
+        archived.id = "3".into();
+        archived.state = SandboxState::Archived;
+        let old = cove_store::SandboxRecord::sample("4", "four");
+        let found = allocations([&on_a, &stopped, &archived, &old], "local");
+        assert_eq!(found["a"], (used(1, 2, 1).with_disk(6), 3));
+        assert_eq!(found["local"], (used(1, 1, 1).with_disk(3), 1));
+    }
+
+    impl Usage {
+        fn with_disk(self, disk_gib: i64) -> Usage {
+            Usage { disk_gib, ..self }
+        }
+    }
+
+    #[test]
+    fn percent_is_rounded_and_zero_of_nothing() {
+        assert_eq!(percent(1.0, 3.0), 33.33);
+        assert_eq!(percent(5.0, 0.0), 0.0);
+    }
+}

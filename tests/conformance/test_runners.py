@@ -1,0 +1,213 @@
+"""Runners: the machines sandboxes run on, in Daytona's `Runner` shape.
+
+A one-machine server is a control plane and one runner: it is listed with
+its host and what its sandboxes hold, every sandbox names it, and the
+operator can drain it or take it out of scheduling, which keeps new
+sandboxes off it (refused with 503 while no other runner can take them)
+and leaves the ones it holds running.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+
+import pytest
+from daytona import CreateSandboxFromSnapshotParams, DaytonaError, ListSandboxesQuery
+
+from conftest import CoveServer, cove_binary, unique, wait_until
+
+# What Daytona's `Runner` requires.
+REQUIRED = {
+    "apiVersion", "cpu", "createdAt", "disk", "id", "memory", "name", "region",
+    "runnerClass", "state", "tags", "unschedulable", "updatedAt", "version",
+}
+
+
+def runners(cove: CoveServer) -> list[dict]:
+    r = cove.request("GET", "/runners")
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def the_runner(cove: CoveServer) -> dict:
+    found = runners(cove)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def unschedulable(cove: CoveServer, runner_id: str, value: bool) -> dict:
+    r = cove.request("PATCH", f"/runners/{runner_id}/scheduling", json={"unschedulable": value})
+    assert r.status_code == 200, r.text
+    assert r.json()["unschedulable"] is value
+    return r.json()
+
+
+def admin(cove: CoveServer, *args: str) -> str:
+    done = subprocess.run(
+        [str(cove_binary()), "admin", *args, "--url", cove.api_url, "--api-key", cove.api_key],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def memory_gib() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) >> 20
+    raise AssertionError("no MemTotal")
+
+
+def test_the_servers_runner_is_listed_with_its_host_and_what_it_holds(cove, sandboxes):
+    runner = the_runner(cove)
+    assert REQUIRED <= runner.keys(), REQUIRED - runner.keys()
+    # Its id is kept in the data directory, so a restart is the same runner.
+    assert runner["id"] == (cove.data_dir / "runner-id").read_text().strip()
+    uuid.UUID(runner["id"])
+    assert runner["state"] == "ready"
+    assert runner["region"] == "us"
+    assert (runner["draining"], runner["unschedulable"]) == (False, False)
+    assert runner["cpu"] == os.cpu_count()
+    assert runner["memory"] == memory_gib()
+    assert runner["disk"] > 0
+    assert runner["sandboxClasses"] == ["container", "linux-vm"]
+    assert runner["sandboxClass"] == "container"
+    assert 0 <= runner["currentMemoryUsagePercentage"] <= 100
+
+    sandbox = sandboxes(CreateSandboxFromSnapshotParams(name=unique("placed")))
+    assert sandbox.runner_id == runner["id"]
+    held = cove.request("GET", f"/runners/by-sandbox/{sandbox.id}")
+    assert held.status_code == 200, held.text
+    assert held.json()["id"] == runner["id"]
+    after = the_runner(cove)
+    # Counted from the sandboxes' rows when asked: one more, with its size.
+    grew = {
+        field: after[field] - runner[field]
+        for field in ("currentAllocatedCpu", "currentAllocatedMemoryGiB",
+                      "currentAllocatedDiskGiB", "currentStartedSandboxes", "sandboxes")
+    }
+    assert grew == {
+        "currentAllocatedCpu": sandbox.cpu,
+        "currentAllocatedMemoryGiB": sandbox.memory,
+        "currentAllocatedDiskGiB": sandbox.disk,
+        "currentStartedSandboxes": 1,
+        "sandboxes": 1,
+    }, grew
+    # It reports its host every few seconds.
+    assert wait_until(lambda: the_runner(cove)["lastChecked"] != after["lastChecked"], 20), after
+
+    table = admin(cove, "runners")
+    rows = [line.split() for line in table.splitlines()]
+    assert rows[0][0] == "ID"
+    assert rows[1][:4] == [runner["id"], runner["name"], "ready", "on"], table
+
+
+def test_runners_are_the_operators(cove):
+    r = cove.request("POST", "/api-keys", json={
+        "name": unique("member"),
+        "permissions": ["write:sandboxes", "delete:sandboxes", "write:snapshots"],
+    })
+    assert r.status_code == 201, r.text
+    member = {"Authorization": f"Bearer {r.json()['value']}"}
+    runner_id = the_runner(cove)["id"]
+    for method, path, body in [
+        ("GET", "/runners", None),
+        ("GET", f"/runners/{runner_id}", None),
+        ("GET", "/runners/by-sandbox/anything", None),
+        ("PATCH", f"/runners/{runner_id}/draining", {"draining": True}),
+    ]:
+        refused = cove.request(method, path, headers=dict(member), json=body)
+        assert refused.status_code == 403, (path, refused.text)
+        assert "operator" in refused.json()["message"]
+        assert cove.request(method, path, auth=False, json=body).status_code == 401
+    assert the_runner(cove)["draining"] is False
+
+
+def test_unknown_runners_bad_switches_and_what_is_not_served(cove):
+    missing = unique("no-such-runner")
+    for method, path in [("GET", f"/runners/{missing}"), ("PATCH", f"/runners/{missing}/draining")]:
+        r = cove.request(method, path, json={"draining": True})
+        assert r.status_code == 404, r.text
+        assert missing in r.json()["message"]
+    gone = unique("no-such-sandbox")
+    r = cove.request("GET", f"/runners/by-sandbox/{gone}")
+    assert r.status_code == 404 and gone in r.json()["message"], r.text
+
+    runner_id = the_runner(cove)["id"]
+    for which, body in [
+        ("draining", {"draining": "yes"}),
+        ("draining", {}),
+        ("scheduling", {"unschedulable": 1}),
+        ("scheduling", {"unschedulable": False, "extra": True}),
+    ]:
+        r = cove.request("PATCH", f"/runners/{runner_id}/{which}", json=body)
+        assert r.status_code == 400, (body, r.text)
+    runner = the_runner(cove)
+    assert (runner["draining"], runner["unschedulable"]) == (False, False)
+
+    # Registering runners of other machines is not served yet: named, 501.
+    for method, path in [
+        ("POST", "/runners"),
+        ("GET", "/runners/me"),
+        ("POST", "/runners/healthcheck"),
+        ("DELETE", f"/runners/{runner_id}"),
+        ("GET", f"/runners/{runner_id}/full"),
+    ]:
+        r = cove.request(method, path, json={})
+        assert r.status_code == 501, (method, path, r.text)
+        assert "/runners" in r.json()["message"]
+
+
+def labelled(daytona, labels: dict[str, str]) -> list[str]:
+    return [sandbox.id for sandbox in daytona.list(ListSandboxesQuery(labels=labels))]
+
+
+def refused_create(daytona, labels: dict[str, str]) -> str:
+    with pytest.raises(DaytonaError) as info:
+        daytona.create(CreateSandboxFromSnapshotParams(labels=labels), timeout=60)
+    assert info.value.status_code == 503, info.value
+    return str(info.value)
+
+
+def test_a_drained_runner_takes_no_new_sandbox_keeps_its_own_and_stays_drained(own_server):
+    daytona = own_server.client()
+    kept = daytona.create(CreateSandboxFromSnapshotParams(name=unique("kept")), timeout=120)
+    runner_id = the_runner(own_server)["id"]
+
+    said = admin(own_server, "drain", runner_id)
+    assert "draining" in said and runner_id in said and "1 sandboxes" in said, said
+    refused = {"refused": unique("r")}
+    message = refused_create(daytona, refused)
+    assert "draining" in message and runner_id in message, message
+    assert f"cove admin drain {runner_id} --undo" in message, message
+    assert labelled(daytona, refused) == []
+    # What it holds goes on: commands, and a stop and a start on it.
+    assert kept.process.exec("echo still").result.strip() == "still"
+    kept.stop(timeout=60)
+    kept.start(timeout=60)
+    assert kept.process.exec("echo again").result.strip() == "again"
+
+    # A restart is the same runner, still drained: the switch is the
+    # operator's, kept in the records.
+    own_server.stop()
+    own_server.start()
+    daytona = own_server.client()  # on the port the server has now
+    runner = the_runner(own_server)
+    assert runner["id"] == runner_id and runner["draining"] is True, runner
+    assert admin(own_server, "runners").splitlines()[1].split()[3] == "draining"
+    refused_create(daytona, refused)
+
+    said = admin(own_server, "drain", runner_id, "--undo")
+    assert "not draining" in said, said
+    assert unschedulable(own_server, runner_id, True)["draining"] is False
+    message = refused_create(daytona, refused)
+    assert "unschedulable" in message and runner_id in message, message
+    assert labelled(daytona, refused) == []
+
+    unschedulable(own_server, runner_id, False)
+    placed = daytona.create(CreateSandboxFromSnapshotParams(labels=refused), timeout=120)
+    assert placed.runner_id == runner_id
+    assert labelled(daytona, refused) == [placed.id]
