@@ -165,14 +165,11 @@ pub(crate) async fn scheduling(
     Path(id): Path<String>,
     body: Result<Json<Scheduling>, JsonRejection>,
 ) -> Result<Json<Runner>, ApiError> {
-    let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let switches = RunnerSwitches {
+    switch(&state, &id, body, |body| RunnerSwitches {
         unschedulable: Some(body.unschedulable),
         ..RunnerSwitches::default()
-    };
-    Ok(Json(
-        state.engine.runners().switch(&id, switches).await?.into(),
-    ))
+    })
+    .await
 }
 
 #[derive(Debug, Deserialize)]
@@ -187,12 +184,22 @@ pub(crate) async fn draining(
     Path(id): Path<String>,
     body: Result<Json<Draining>, JsonRejection>,
 ) -> Result<Json<Runner>, ApiError> {
-    let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
-    let switches = RunnerSwitches {
+    switch(&state, &id, body, |body| RunnerSwitches {
         draining: Some(body.draining),
         ..RunnerSwitches::default()
-    };
-    Ok(Json(
-        state.engine.runners().switch(&id, switches).await?.into(),
-    ))
+    })
+    .await
+}
+
+/// Sets the switch a body names (a body that does not parse is a 400) and
+/// answers the runner as it is then.
+async fn switch<T>(
+    state: &AppState,
+    id: &str,
+    body: Result<Json<T>, JsonRejection>,
+    switches: impl FnOnce(T) -> RunnerSwitches,
+) -> Result<Json<Runner>, ApiError> {
+    let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let view = state.engine.runners().switch(id, switches(body)).await?;
+    Ok(Json(view.into()))
 }
