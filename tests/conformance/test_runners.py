@@ -74,6 +74,8 @@ def test_the_servers_runner_is_listed_with_its_host_and_what_it_holds(cove, sand
     assert runner["memory"] == memory_gib()
     assert runner["disk"] > 0
     assert runner["sandboxClasses"] == ["container", "linux-vm"]
+    # How its VMs execute: TCG on this machine, KVM where the host has it.
+    assert runner["accelerator"] in ("kvm", "tcg"), runner
     assert runner["sandboxClass"] == "container"
     assert 0 <= runner["currentMemoryUsagePercentage"] <= 100
 

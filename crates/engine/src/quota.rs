@@ -59,7 +59,8 @@ impl Usage {
     }
 }
 
-fn memory_gib(record: &SandboxRecord) -> i64 {
+/// A sandbox's memory in whole GiB, rounded up, as quotas count it.
+pub(crate) fn memory_gib(record: &SandboxRecord) -> i64 {
     (record.memory_mib + 1023) / 1024
 }
 

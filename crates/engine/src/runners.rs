@@ -126,7 +126,7 @@ impl Need<'static> {
             class: sandbox.class,
             region: crate::quota::REGION_ID,
             cpu: sandbox.cpu,
-            memory_gib: (sandbox.memory_mib + 1023) / 1024,
+            memory_gib: crate::quota::memory_gib(sandbox),
         }
     }
 }
@@ -145,28 +145,53 @@ impl Placement {
         identity: &RunnerIdentity,
         runtimes: &HashMap<SandboxClass, Arc<dyn cove_runtime::Runtime>>,
     ) -> Placement {
-        let mut record = RunnerRecord {
-            id: identity.id.clone(),
-            name: identity.name.clone(),
-            region: crate::quota::REGION_ID.into(),
-            classes: runtimes.keys().map(|c| c.as_str().to_owned()).collect(),
-            accelerator: None,
+        let unmeasured = Host {
             cpu: 1,
             memory_gib: 1,
             disk_gib: 1,
-            app_version: env!("CARGO_PKG_VERSION").into(),
-            unschedulable: false,
-            draining: false,
             usage: RunnerUsage::default(),
-            created_at_ms: 0,
-            updated_at_ms: 0,
-            last_checked_ms: None,
         };
-        record.classes.sort_unstable();
+        let runtimes = runtimes.iter().map(|(class, runtime)| (*class, runtime));
         Placement {
-            runners: vec![record],
+            runners: vec![local_record(identity, runtimes, &unmeasured, None)],
             load: HashMap::new(),
         }
+    }
+}
+
+/// The server's own runner: `identity` on `host`, running the classes of
+/// `runtimes` (sorted), reported at `at_ms` (`None`: not yet).
+fn local_record<'a>(
+    identity: &RunnerIdentity,
+    runtimes: impl Iterator<Item = (SandboxClass, &'a Arc<dyn cove_runtime::Runtime>)>,
+    host: &Host,
+    at_ms: Option<i64>,
+) -> RunnerRecord {
+    let mut classes = Vec::new();
+    let mut accelerator = None;
+    for (class, runtime) in runtimes {
+        classes.push(class.as_str().to_owned());
+        if class == SandboxClass::LinuxVm {
+            accelerator = runtime.accelerator().map(|(name, _)| name.to_owned());
+        }
+    }
+    classes.sort_unstable();
+    RunnerRecord {
+        id: identity.id.clone(),
+        name: identity.name.clone(),
+        region: crate::quota::REGION_ID.into(),
+        classes,
+        accelerator,
+        cpu: host.cpu,
+        memory_gib: host.memory_gib,
+        disk_gib: host.disk_gib,
+        app_version: env!("CARGO_PKG_VERSION").into(),
+        unschedulable: false,
+        draining: false,
+        usage: host.usage,
+        created_at_ms: at_ms.unwrap_or(0),
+        updated_at_ms: at_ms.unwrap_or(0),
+        last_checked_ms: at_ms,
     }
 }
 
@@ -222,37 +247,14 @@ impl Runners {
     /// the operator set before a restart) and gives it the sandboxes from
     /// before runners. Called once at start-up, before any create.
     pub(crate) async fn register_local(&self) -> Result<(), EngineError> {
-        let now = now_ms();
-        let identity = &self.shared.config.runner;
-        let mut classes: Vec<&str> = self.shared.runtimes().map(|(c, _)| c.as_str()).collect();
-        classes.sort_unstable();
         let host = self.measure();
-        let record = self
-            .shared
-            .store
-            .register_runner(&RunnerRecord {
-                id: identity.id.clone(),
-                name: identity.name.clone(),
-                region: crate::quota::REGION_ID.into(),
-                classes: classes.into_iter().map(str::to_owned).collect(),
-                accelerator: self
-                    .shared
-                    .runtime(SandboxClass::LinuxVm)
-                    .ok()
-                    .and_then(|vm| vm.accelerator())
-                    .map(|(accelerator, _)| accelerator.to_owned()),
-                cpu: host.cpu,
-                memory_gib: host.memory_gib,
-                disk_gib: host.disk_gib,
-                app_version: env!("CARGO_PKG_VERSION").into(),
-                unschedulable: false,
-                draining: false,
-                usage: host.usage,
-                created_at_ms: now,
-                updated_at_ms: now,
-                last_checked_ms: Some(now),
-            })
-            .await?;
+        let local = local_record(
+            &self.shared.config.runner,
+            self.shared.runtimes(),
+            &host,
+            Some(now_ms()),
+        );
+        let record = self.shared.store.register_runner(&local).await?;
         let claimed = self
             .shared
             .store
