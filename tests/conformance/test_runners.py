@@ -150,17 +150,93 @@ def test_unknown_runners_bad_switches_and_what_is_not_served(cove):
     runner = the_runner(cove)
     assert (runner["draining"], runner["unschedulable"]) == (False, False)
 
-    # Registering runners of other machines is not served yet: named, 501.
+    # The server's own runner cannot be deleted; what a runner asks of its
+    # control plane takes a runner's token, not the operator's key.
+    r = cove.request("DELETE", f"/runners/{runner_id}")
+    assert r.status_code == 409 and "this server's own" in r.json()["message"], r.text
+    for method, path in [("GET", "/runners/me"), ("POST", "/runners/healthcheck")]:
+        r = cove.request(method, path, json={"appVersion": "1"})
+        assert r.status_code == 401 and "runner token" in r.json()["message"], r.text
+    # Not served yet: named, 501.
     for method, path in [
-        ("POST", "/runners"),
-        ("GET", "/runners/me"),
-        ("POST", "/runners/healthcheck"),
-        ("DELETE", f"/runners/{runner_id}"),
         ("GET", f"/runners/{runner_id}/full"),
+        ("GET", "/runners/by-snapshot-ref?ref=x"),
     ]:
-        r = cove.request(method, path, json={})
+        r = cove.request(method, path)
         assert r.status_code == 501, (method, path, r.text)
         assert "/runners" in r.json()["message"]
+
+
+def test_a_runner_on_another_machine_checks_in_reports_and_ends_when_deleted(cove, sandboxes, tmp_path):
+    """`cove runner` with the token `cove admin add-runner` printed: it
+    checks in, reports its host every few seconds, is listed with it, and
+    ends when the operator deletes it. No sandbox is placed on it yet."""
+    name = unique("node")
+    said = admin(cove, "add-runner", name, "--tag", "rack-2")
+    runner_id = said.split("registered: ")[1].split()[0]
+    token = said.split("shown this once: ")[1].split()[0]
+    assert token.startswith("cove_runner_"), said
+    process = None
+    try:
+        registered = cove.request("GET", f"/runners/{runner_id}").json()
+        assert (registered["name"], registered["state"]) == (name, "initializing"), registered
+        assert registered["tags"] == ["rack-2"]
+
+        data_dir = tmp_path / "runner"
+        env = {k: v for k, v in os.environ.items() if k not in ("COVE_API_KEY", "DAYTONA_API_KEY")}
+        env["COVE_RUNNER_TOKEN"] = token
+        process = subprocess.Popen(
+            [str(cove_binary()), "runner", "--control", cove.api_url,
+             "--data-dir", str(data_dir), "--no-vm"],
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )
+
+        def reported() -> dict | None:
+            runner = cove.request("GET", f"/runners/{runner_id}").json()
+            return runner if runner["state"] == "ready" else None
+
+        assert wait_until(lambda: reported() is not None, 30), registered
+        runner = reported()
+        assert runner["cpu"] == os.cpu_count()
+        assert runner["memory"] == memory_gib()
+        assert runner["disk"] > 0
+        assert runner["sandboxClasses"] == ["container"] and runner["accelerator"] is None, runner
+        assert runner["sandboxes"] == 0 and runner["currentSnapshotCount"] == 0, runner
+        assert data_dir.stat().st_mode & 0o777 == 0o700
+        # The token is the runner's, for its own routes only.
+        as_runner = {"Authorization": f"Bearer {token}"}
+        me = cove.request("GET", "/runners/me", headers=dict(as_runner))
+        assert me.status_code == 200 and me.json()["id"] == runner_id, me.text
+        assert cove.request("GET", "/sandbox", headers=dict(as_runner)).status_code == 401
+        assert cove.request("GET", "/runners", headers=dict(as_runner)).status_code == 401
+        # It reports again.
+        assert wait_until(
+            lambda: cove.request("GET", f"/runners/{runner_id}").json()["lastChecked"]
+            != runner["lastChecked"], 20)
+        rows = [line.split() for line in admin(cove, "runners").splitlines()]
+        assert [runner_id, name, "ready", "on"] in [row[:4] for row in rows], rows
+
+        # New sandboxes stay on the server's own runner: this server does
+        # not drive runners elsewhere yet.
+        placed = sandboxes(CreateSandboxFromSnapshotParams(name=unique("here")))
+        assert placed.runner_id != runner_id
+
+        # A name is one runner's.
+        taken = cove.request("POST", "/runners", json={"name": name})
+        assert taken.status_code == 409 and name in taken.json()["message"], taken.text
+
+        said = admin(cove, "remove-runner", runner_id)
+        assert runner_id in said, said
+        assert process.wait(timeout=30) != 0
+        assert "no longer knows this runner" in process.stderr.read()
+        gone = cove.request("GET", f"/runners/{runner_id}")
+        assert gone.status_code == 404, gone.text
+        assert cove.request("GET", "/runners/me", headers=dict(as_runner)).status_code == 401
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        cove.request("DELETE", f"/runners/{runner_id}")
 
 
 def labelled(daytona, labels: dict[str, str]) -> list[str]:

@@ -199,21 +199,12 @@ pub fn app(state: AppState) -> Router {
                 .patch(docker_registry::update)
                 .delete(docker_registry::delete),
         )
-        // Runners: the server's own is listed and switched; registering
-        // others (and what only another runner asks) keeps its 501.
-        .route(
-            "/runners",
-            get(runners::list).post(not_implemented::fallback),
-        )
-        .route("/runners/me", get(not_implemented::fallback))
-        .route("/runners/me/snapshots", get(not_implemented::fallback))
+        // Runners: listed, registered, switched and deleted by the
+        // operator; what a runner itself calls is outside the key layer.
+        .route("/runners", get(runners::list).post(runners::create))
         .route("/runners/by-snapshot-ref", get(not_implemented::fallback))
-        .route("/runners/healthcheck", post(not_implemented::fallback))
         .route("/runners/by-sandbox/{sandbox}", get(runners::by_sandbox))
-        .route(
-            "/runners/{id}",
-            get(runners::get).delete(not_implemented::fallback),
-        )
+        .route("/runners/{id}", get(runners::get).delete(runners::delete))
         .route(
             "/runners/{id}/scheduling",
             axum::routing::patch(runners::scheduling),
@@ -296,6 +287,13 @@ pub fn app(state: AppState) -> Router {
             any(object_storage::object),
         )
         .route("/object-storage/{bucket}", any(object_storage::bucket))
+        // A runner on another machine sends its own token, not an API key.
+        .route("/api/runners/me", get(runners::me))
+        .route(
+            "/api/runners/me/snapshots",
+            get(not_implemented::outside_api),
+        )
+        .route("/api/runners/healthcheck", post(runners::healthcheck))
         .merge(with_key)
         // Tells the counting layer below which route template matched.
         .route_layer(axum::middleware::from_fn(metrics::name_route))

@@ -43,6 +43,14 @@ pub(crate) async fn fallback(method: Method, uri: Uri) -> ApiError {
     }
 }
 
+/// [`fallback`] for a Daytona path routed outside the `/api` router (whose
+/// request path still starts with `/api`).
+pub(crate) async fn outside_api(method: Method, uri: Uri) -> ApiError {
+    let path = uri.path().strip_prefix("/api").unwrap_or(uri.path());
+    let uri = path.parse().unwrap_or(uri);
+    fallback(method, uri).await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

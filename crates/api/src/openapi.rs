@@ -61,7 +61,31 @@ pub(crate) const OPERATIONS: &[Operation] = &[
         "runners",
         "List the runners sandboxes run on, with what each holds (operator)",
     ),
+    op(
+        "POST",
+        "/runners",
+        "runners",
+        "Register a runner on another machine; answers its token once (operator)",
+    ),
     op("GET", "/runners/{id}", "runners", "A runner (operator)"),
+    op(
+        "DELETE",
+        "/runners/{id}",
+        "runners",
+        "Delete a runner that holds no sandbox, and its token (operator)",
+    ),
+    op(
+        "GET",
+        "/runners/me",
+        "runners",
+        "The calling runner, by its runner token",
+    ),
+    op(
+        "POST",
+        "/runners/healthcheck",
+        "runners",
+        "A runner reports its host and the URLs it serves on, by its runner token",
+    ),
     op(
         "GET",
         "/runners/by-sandbox/{sandbox}",
@@ -578,7 +602,8 @@ mod tests {
 
     /// Every (METHOD, path) the `/api` router in `lib.rs` serves, read from
     /// its source: each `.route(` call, its path, and the method functions
-    /// it registers, except handlers that are the 501 fallback.
+    /// it registers, except the 501s of `not_implemented`; and the
+    /// `/api/...` routes served outside the key layer (a runner's).
     fn served() -> BTreeSet<(String, String)> {
         let source = include_str!("lib.rs");
         let start = source
@@ -588,8 +613,18 @@ mod tests {
             + source[start..]
                 .find("let with_key")
                 .expect("then the key layer");
+        let mut found = routes_in(&source[start..end]);
+        let outside = routes_in(&source[end..])
+            .into_iter()
+            .filter_map(|(method, path)| Some((method, path.strip_prefix("/api")?.to_owned())));
+        found.extend(outside);
+        found
+    }
+
+    /// The (METHOD, path) of each `.route(` call in `source`.
+    fn routes_in(source: &str) -> BTreeSet<(String, String)> {
         let mut found = BTreeSet::new();
-        for call in source[start..end].split(".route(").skip(1) {
+        for call in source.split(".route(").skip(1) {
             let mut depth = 1;
             let close = call
                 .char_indices()
@@ -612,7 +647,7 @@ mod tests {
                     .next()
                     .unwrap_or_default();
                 let handler = call[at + 1..].split(')').next().unwrap_or_default();
-                if METHODS.contains(&word) && handler.trim() != "not_implemented::fallback" {
+                if METHODS.contains(&word) && !handler.trim().starts_with("not_implemented::") {
                     found.insert((word.to_ascii_uppercase(), path.to_owned()));
                 }
             }

@@ -67,7 +67,9 @@ pub(crate) fn need(method: &Method, route: &str) -> Need {
     match rest {
         "/snapshots/import" => Operator,
         _ if rest.starts_with("/admin/") => Operator,
-        // The server's machines, not an organization's.
+        // The server's machines, not an organization's. (What a runner
+        // itself calls, `/runners/me` and `/runners/healthcheck`, is routed
+        // outside the key layer and takes its runner token instead.)
         _ if rest == "/runners" || rest.starts_with("/runners/") => Operator,
         "/audit/organizations/{organization}" => Need::Permission(P::ReadAuditLogs),
         "/organizations/{organization}/bill" => Need::Permission(P::ReadBilling),
@@ -191,6 +193,8 @@ mod tests {
             (Method::DELETE, "/api/api-keys/{name}", p(P::ManageApiKeys)),
             (Method::POST, "/api/admin/reclaim", Operator),
             (Method::GET, "/api/runners", Operator),
+            (Method::POST, "/api/runners", Operator),
+            (Method::DELETE, "/api/runners/{id}", Operator),
             (Method::GET, "/api/runners/by-sandbox/{sandbox}", Operator),
             (Method::PATCH, "/api/runners/{id}/draining", Operator),
             (Method::GET, "/api/admin/audit", Operator),

@@ -1,13 +1,17 @@
 //! `/api/runners`: the machines sandboxes run on, in Daytona's `Runner`
 //! shape, and the operator's switches that keep new sandboxes off one
 //! (`PATCH .../scheduling`, `PATCH .../draining`). Runners are the server's,
-//! not an organization's: every route here is the operator's
-//! (`permissions.rs`).
+//! not an organization's: these routes are the operator's
+//! (`permissions.rs`), but for the two a runner on another machine calls
+//! with its own token (`GET /runners/me`, `POST /runners/healthcheck`),
+//! which sit outside the API key layer and take nothing else.
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{Path, Query, State};
+use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::http::request::Parts;
+use axum::http::StatusCode;
 use axum::Json;
-use cove_engine::{RunnerSwitches, RunnerView};
+use cove_engine::{NewRunner, RunnerRecord, RunnerReport, RunnerSwitches, RunnerUsage, RunnerView};
 use serde::{Deserialize, Serialize};
 
 use crate::dto::rfc3339;
@@ -100,7 +104,7 @@ impl From<RunnerView> for Runner {
             state: state.as_str(),
             last_checked: record.last_checked_ms.map(rfc3339),
             unschedulable: record.unschedulable,
-            tags: Vec::new(),
+            tags: record.tags,
             created_at: rfc3339(record.created_at_ms),
             updated_at: rfc3339(record.updated_at_ms),
             version: "0",
@@ -202,4 +206,184 @@ async fn switch<T>(
     let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
     let view = state.engine.runners().switch(id, switches(body)).await?;
     Ok(Json(view.into()))
+}
+
+/// Daytona's `CreateRunner`.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub(crate) struct CreateRunner {
+    name: String,
+    /// The server's one region when left out.
+    region_id: Option<String>,
+    #[serde(default)]
+    tags: Vec<String>,
+}
+
+/// Daytona's `CreateRunnerResponse`: the token is shown here only.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct CreatedRunner {
+    id: String,
+    api_key: String,
+}
+
+/// `POST /runners`: registers a runner on another machine and answers the
+/// token it reports with (`cove runner --token`), once.
+pub(crate) async fn create(
+    State(state): State<AppState>,
+    body: Result<Json<CreateRunner>, JsonRejection>,
+) -> Result<(StatusCode, Json<CreatedRunner>), ApiError> {
+    let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let new = NewRunner {
+        name: body.name,
+        region: body
+            .region_id
+            .unwrap_or_else(|| cove_engine::REGION_ID.to_owned()),
+        tags: body.tags,
+    };
+    let (view, token) = state.engine.runners().create(new).await?;
+    Ok((
+        StatusCode::CREATED,
+        Json(CreatedRunner {
+            id: view.record.id,
+            api_key: token,
+        }),
+    ))
+}
+
+/// `DELETE /runners/{id}`: a runner holding no sandbox, with its token.
+pub(crate) async fn delete(
+    State(state): State<AppState>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    state.engine.runners().delete(&id).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A runner on another machine, known by the token it sends. No API key
+/// passes here, and its token passes nowhere else (the key layer does not
+/// know it).
+pub(crate) struct RunnerCaller {
+    record: RunnerRecord,
+    token: String,
+}
+
+impl FromRequestParts<AppState> for RunnerCaller {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(
+        parts: &mut Parts,
+        state: &AppState,
+    ) -> Result<RunnerCaller, ApiError> {
+        let Some(token) = crate::auth::bearer(&parts.headers) else {
+            return Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "missing runner token: send Authorization: Bearer <the token POST /api/runners answered>",
+            ));
+        };
+        match state.engine.runners().authenticate(token).await? {
+            Some(record) => Ok(RunnerCaller {
+                record,
+                token: token.to_owned(),
+            }),
+            None => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid runner token: this route takes the token POST /api/runners \
+                 answered for a runner that still exists, not an API key",
+            )),
+        }
+    }
+}
+
+/// Daytona's `RunnerFull`: a runner as it sees itself, with its token.
+#[derive(Debug, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct RunnerFull {
+    #[serde(flatten)]
+    runner: Runner,
+    api_key: String,
+    api_url: Option<String>,
+    proxy_url: Option<String>,
+    domain: Option<String>,
+    region_type: &'static str,
+}
+
+/// `GET /runners/me`: the calling runner.
+pub(crate) async fn me(
+    State(state): State<AppState>,
+    caller: RunnerCaller,
+) -> Result<Json<RunnerFull>, ApiError> {
+    let view = state.engine.runners().get(&caller.record.id).await?;
+    Ok(Json(RunnerFull {
+        api_url: view.record.api_url.clone(),
+        proxy_url: view.record.proxy_url.clone(),
+        domain: None,
+        region_type: "shared",
+        api_key: caller.token,
+        runner: view.into(),
+    }))
+}
+
+/// Daytona's `RunnerHealthcheck`, with cove's `sandboxClasses` and
+/// `accelerator` after. Left-out metrics keep what the runner last said.
+#[derive(Debug, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub(crate) struct Healthcheck {
+    app_version: String,
+    metrics: Option<HealthMetrics>,
+    api_url: Option<String>,
+    proxy_url: Option<String>,
+    sandbox_classes: Option<Vec<String>>,
+    accelerator: Option<String>,
+}
+
+/// Daytona's `RunnerHealthMetrics`, the fields cove keeps.
+#[derive(Debug, Deserialize)]
+pub(crate) struct HealthMetrics {
+    cpu: f64,
+    #[serde(rename = "memoryGiB")]
+    memory_gib: f64,
+    #[serde(rename = "diskGiB")]
+    disk_gib: f64,
+    #[serde(rename = "currentCpuUsagePercentage")]
+    cpu_percent: f64,
+    #[serde(rename = "currentMemoryUsagePercentage")]
+    memory_percent: f64,
+    #[serde(rename = "currentDiskUsagePercentage")]
+    disk_percent: f64,
+}
+
+/// `POST /runners/healthcheck`: the calling runner reports itself.
+pub(crate) async fn healthcheck(
+    State(state): State<AppState>,
+    caller: RunnerCaller,
+    body: Result<Json<Healthcheck>, JsonRejection>,
+) -> Result<StatusCode, ApiError> {
+    let Json(body) = body.map_err(|e| ApiError::bad_request(e.body_text()))?;
+    let known = caller.record;
+    // Whole units: a fraction of a vCPU or GiB is not offered.
+    let whole = |n: f64| if n.is_finite() { n.floor() as i64 } else { -1 };
+    let report = RunnerReport {
+        classes: body.sandbox_classes.unwrap_or(known.classes),
+        accelerator: body.accelerator,
+        cpu: body.metrics.as_ref().map_or(known.cpu, |m| whole(m.cpu)),
+        memory_gib: body
+            .metrics
+            .as_ref()
+            .map_or(known.memory_gib, |m| whole(m.memory_gib)),
+        disk_gib: body
+            .metrics
+            .as_ref()
+            .map_or(known.disk_gib, |m| whole(m.disk_gib)),
+        app_version: body.app_version,
+        usage: body.metrics.as_ref().map_or(known.usage, |m| RunnerUsage {
+            cpu: m.cpu_percent,
+            memory: m.memory_percent,
+            disk: m.disk_percent,
+        }),
+        api_url: body.api_url,
+        proxy_url: body.proxy_url,
+    };
+    state.engine.runners().report(&known.id, report).await?;
+    Ok(StatusCode::OK)
 }

@@ -2354,3 +2354,197 @@ async fn the_openapi_document_describes_the_control_api() {
         .unwrap()
         .contains("cove extension"));
 }
+
+#[tokio::test]
+async fn a_runner_elsewhere_is_registered_reports_with_its_own_token_and_is_deleted() {
+    let (api, engine) = api_in(tempfile::tempdir().unwrap(), None).await;
+    // As `serve` does: the server's own runner is registered first.
+    engine.recover_after_restart().await.unwrap();
+    let (status, made) = api
+        .call(
+            "POST",
+            "/api/runners",
+            Some(json!({"name": "node-2", "regionId": "us", "tags": ["rack-2"]})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::CREATED, "{made}");
+    let id = made["id"].as_str().unwrap().to_owned();
+    let token = made["apiKey"].as_str().unwrap().to_owned();
+    assert!(token.starts_with("cove_runner_"), "{token}");
+
+    // Refused: a name taken, an unknown region, a bad name, a bad body.
+    for (body, expected) in [
+        (
+            json!({"name": "node-2", "regionId": "us"}),
+            StatusCode::CONFLICT,
+        ),
+        (
+            json!({"name": "node-3", "regionId": "eu"}),
+            StatusCode::BAD_REQUEST,
+        ),
+        (json!({"name": "no spaces"}), StatusCode::BAD_REQUEST),
+        (json!({"regionId": "us"}), StatusCode::BAD_REQUEST),
+    ] {
+        let (status, answer) = api.call("POST", "/api/runners", Some(body.clone())).await;
+        assert_eq!(status, expected, "{body}: {answer}");
+        assert!(answer["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+
+    // Registered, not reported yet.
+    let (_, runner) = api.call("GET", &format!("/api/runners/{id}"), None).await;
+    assert_eq!(runner["state"], "initializing", "{runner}");
+    assert_eq!(runner["tags"], json!(["rack-2"]));
+
+    // The token opens the runner's own routes and nothing else; no API key
+    // opens those.
+    let (status, _) = api
+        .call_with_key("GET", "/api/sandbox", None, Some(&token))
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, _) = api
+        .call_with_key("GET", &format!("/api/runners/{id}"), None, Some(&token))
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, answer) = api.call("GET", "/api/runners/me", None).await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED, "{answer}");
+    let (status, _) = api
+        .call_with_key("GET", "/api/runners/me", None, None)
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+    let (status, me) = api
+        .call_with_key("GET", "/api/runners/me", None, Some(&token))
+        .await;
+    assert_eq!(status, StatusCode::OK, "{me}");
+    assert_eq!(me["id"], id.as_str());
+    assert_eq!(me["apiKey"], token.as_str());
+    let (status, answer) = api
+        .call_with_key("GET", "/api/runners/me/snapshots", None, Some(&token))
+        .await;
+    assert_eq!(status, StatusCode::NOT_IMPLEMENTED, "{answer}");
+
+    // It reports; a report that cannot be true is refused and changes nothing.
+    let report = json!({
+        "appVersion": "0.1.0",
+        "apiUrl": "http://10.1.0.2:3001",
+        "metrics": {
+            "cpu": 16, "memoryGiB": 64, "diskGiB": 500,
+            "currentCpuLoadAverage": 1.0, "currentCpuUsagePercentage": 6.25,
+            "currentMemoryUsagePercentage": 20.5, "currentDiskUsagePercentage": 3.0,
+            "currentAllocatedCpu": 0, "currentAllocatedMemoryGiB": 0,
+            "currentAllocatedDiskGiB": 0, "currentSnapshotCount": 0,
+            "currentStartedSandboxes": 0
+        },
+        "sandboxClasses": ["container", "linux-vm"],
+        "accelerator": "kvm"
+    });
+    let (status, answer) = api
+        .call_with_key(
+            "POST",
+            "/api/runners/healthcheck",
+            Some(report.clone()),
+            Some(&token),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK, "{answer}");
+    let mut false_report = report.clone();
+    false_report["sandboxClasses"] = json!(["container", "gpu"]);
+    let (status, answer) = api
+        .call_with_key(
+            "POST",
+            "/api/runners/healthcheck",
+            Some(false_report),
+            Some(&token),
+        )
+        .await;
+    assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+    assert!(answer["message"]
+        .as_str()
+        .unwrap()
+        .contains("sandboxClasses"));
+    let (status, _) = api
+        .call("POST", "/api/runners/healthcheck", Some(report.clone()))
+        .await;
+    assert_eq!(
+        status,
+        StatusCode::UNAUTHORIZED,
+        "the operator is no runner"
+    );
+
+    let (_, runner) = api.call("GET", &format!("/api/runners/{id}"), None).await;
+    assert_eq!(runner["state"], "ready", "{runner}");
+    assert_eq!(
+        (runner["cpu"].as_i64(), runner["memory"].as_i64()),
+        (Some(16), Some(64))
+    );
+    assert_eq!(runner["sandboxClasses"], json!(["container", "linux-vm"]));
+    assert_eq!(runner["accelerator"], "kvm");
+    assert_eq!(runner["currentMemoryUsagePercentage"], 20.5);
+
+    // New sandboxes stay on the server's own runner, the one it drives,
+    // though the new one has more room.
+    let (status, sandbox) = api.call("POST", "/api/sandbox", Some(json!({}))).await;
+    assert_eq!(status, StatusCode::OK, "{sandbox}");
+    assert_ne!(sandbox["runnerId"], id.as_str());
+    let local = sandbox["runnerId"].as_str().unwrap().to_owned();
+    // With the server's own drained, the create is refused naming both.
+    let (status, _) = api
+        .call(
+            "PATCH",
+            &format!("/api/runners/{local}/draining"),
+            Some(json!({"draining": true})),
+        )
+        .await;
+    assert_eq!(status, StatusCode::OK);
+    let (status, refused) = api.call("POST", "/api/sandbox", Some(json!({}))).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{refused}");
+    let message = refused["message"].as_str().unwrap();
+    assert!(message.contains("is draining"), "{message}");
+    assert!(
+        message.contains("runner node-2") && message.contains("another machine"),
+        "{message}"
+    );
+    api.call(
+        "PATCH",
+        &format!("/api/runners/{local}/draining"),
+        Some(json!({"draining": false})),
+    )
+    .await;
+
+    // The server's own runner cannot go; the other one can, and its token
+    // stops working with it.
+    let (status, answer) = api
+        .call("DELETE", &format!("/api/runners/{local}"), None)
+        .await;
+    assert_eq!(status, StatusCode::CONFLICT, "{answer}");
+    let (status, _) = api
+        .call("DELETE", &format!("/api/runners/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NO_CONTENT);
+    let (status, _) = api
+        .call("DELETE", &format!("/api/runners/{id}"), None)
+        .await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+    let (status, _) = api
+        .call_with_key(
+            "POST",
+            "/api/runners/healthcheck",
+            Some(report),
+            Some(&token),
+        )
+        .await;
+    assert_eq!(status, StatusCode::UNAUTHORIZED);
+
+    // A key that is not the operator's registers no runner.
+    let member = api
+        .key_in("cove", "member", json!(["write:sandboxes"]))
+        .await;
+    let (status, _) = api
+        .call_with_key(
+            "POST",
+            "/api/runners",
+            Some(json!({"name": "sneaky"})),
+            Some(&member),
+        )
+        .await;
+    assert_eq!(status, StatusCode::FORBIDDEN);
+}

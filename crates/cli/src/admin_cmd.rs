@@ -37,6 +37,25 @@ pub(crate) enum AdminCommand {
         #[command(flatten)]
         connection: Connection,
     },
+    /// Register a runner on another machine. Prints its id and its token,
+    /// which is shown this once: start `cove runner` there with it.
+    AddRunner {
+        /// A name for people: letters, digits, '.', '_' or '-'.
+        name: String,
+        /// A word to find it by (repeat for more).
+        #[arg(long = "tag")]
+        tags: Vec<String>,
+        #[command(flatten)]
+        connection: Connection,
+    },
+    /// Delete a runner that holds no sandbox; its token stops working and
+    /// its `cove runner` ends at its next report.
+    RemoveRunner {
+        /// The runner's id (`cove admin runners` lists them).
+        runner: String,
+        #[command(flatten)]
+        connection: Connection,
+    },
     /// Drain a runner before taking it down: no new sandbox goes to it,
     /// those it holds stay. `--undo` lets new sandboxes go to it again.
     Drain {
@@ -92,6 +111,28 @@ pub(crate) async fn run(command: AdminCommand) -> anyhow::Result<()> {
             } else {
                 print!("{}", runners_table(&runners));
             }
+        }
+        AdminCommand::AddRunner {
+            name,
+            tags,
+            connection,
+        } => {
+            let client = Client::from_connection(&connection)?;
+            let body = serde_json::json!({ "name": name, "tags": tags });
+            let made = client.api(Method::POST, "/runners", Some(body)).await?;
+            let text = |v: &Value| v.as_str().unwrap_or_default().to_owned();
+            println!("runner {name} registered: {}", text(&made["id"]));
+            println!("its token, shown this once: {}", text(&made["apiKey"]));
+            println!(
+                "on its machine: COVE_RUNNER_TOKEN=<token> cove runner --control {} --data-dir DIR",
+                connection.url
+            );
+        }
+        AdminCommand::RemoveRunner { runner, connection } => {
+            let client = Client::from_connection(&connection)?;
+            let path = format!("/runners/{}", encode(&runner));
+            client.api(Method::DELETE, &path, None).await?;
+            println!("runner {runner} deleted");
         }
         AdminCommand::Drain {
             runner,

@@ -8,6 +8,7 @@ mod client;
 mod descriptors;
 mod image_cmd;
 mod pull_progress;
+mod runner_cmd;
 mod sandbox_cmd;
 mod serve;
 
@@ -28,6 +29,9 @@ struct Cli {
 enum Command {
     /// Run the server: API, toolbox proxy, timers.
     Serve(Box<serve::ServeArgs>),
+    /// Run this machine as a runner of a control plane on another: check in
+    /// with the runner's token and report this host every few seconds.
+    Runner(runner_cmd::RunnerArgs),
     /// Manage sandboxes on a running server.
     #[command(subcommand)]
     Sandbox(sandbox_cmd::SandboxCommand),
@@ -70,6 +74,7 @@ fn main() -> std::process::ExitCode {
             Command::Sandbox(command) => sandbox_cmd::run(command).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Admin(command) => admin_cmd::run(command).await,
+            Command::Runner(args) => runner_cmd::run(args).await,
             Command::Image(command) => image_cmd::run(command).await,
         }
     });

@@ -103,6 +103,12 @@ pub enum EngineError {
     ClassUnavailable { class: &'static str },
     #[error("runner {id} not found")]
     RunnerNotFound { id: String },
+    #[error("a runner named {name} already exists")]
+    RunnerTaken { name: String },
+    /// A runner that cannot be deleted: the server's own, or one holding
+    /// sandboxes.
+    #[error("{message}")]
+    RunnerInUse { message: String },
     /// Placement found no runner that may take the sandbox now.
     #[error("no runner can take this sandbox now: {reason}")]
     NoRunner { reason: String },
@@ -299,6 +305,8 @@ impl EngineError {
             | Self::ApiKeyTaken { .. }
             | Self::OrganizationTaken { .. }
             | Self::OrganizationInUse { .. }
+            | Self::RunnerTaken { .. }
+            | Self::RunnerInUse { .. }
             | Self::OperatorKey { .. }
             | Self::SnapshotTaken { .. }
             | Self::VolumeTaken { .. }

@@ -57,16 +57,19 @@ pub use cove_billing::{month_containing, month_period, Bill, Line as BillLine, P
 pub use cove_lifecycle::{DesiredState, SandboxState};
 pub use cove_store::{
     AuditQuery, AuditRecord, DockerRegistryRecord, NetworkSettings, OrganizationQuotaRecord,
-    OrganizationRecord, RateLimit, RegionQuotaRecord, RunnerRecord, RunnerSwitches, RunnerUsage,
-    SandboxOrder, SandboxRecord, SandboxSortField, SignedPreview, SnapshotRecord, SortDirection,
-    VolumeMount, VolumeRecord,
+    OrganizationRecord, RateLimit, RegionQuotaRecord, RunnerRecord, RunnerReport, RunnerSwitches,
+    RunnerUsage, SandboxOrder, SandboxRecord, SandboxSortField, SignedPreview, SnapshotRecord,
+    SortDirection, VolumeMount, VolumeRecord,
 };
 pub use error::{describe, EngineError, ErrorKind};
 pub use events::{SandboxEvent, FEED_CAPACITY};
 pub use network::{policy as network_policy, NetworkHandle};
 pub use organizations::{Organizations, DEFAULT_ORGANIZATION};
 pub use quota::{QuotaChange, Usage, REGION_ID};
-pub use runners::{host_name, RunnerIdentity, RunnerState, RunnerView, Runners, CHECK_IN_EVERY};
+pub use runners::{
+    host_name, measure_host, Host, NewRunner, RunnerIdentity, RunnerState, RunnerView, Runners,
+    CHECK_IN_EVERY, RUNNER_TOKEN_PREFIX,
+};
 pub use sandboxes::{CreateSandbox, Sandboxes, SettingChange, MAX_FORK_CHILDREN};
 pub use snapshots::{
     parse_dockerfile, registry_host, BuildLog, ContextObject, DeclaredSha256, DockerfilePlan,

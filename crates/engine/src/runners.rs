@@ -7,14 +7,21 @@
 //! ([`choose`]) is written for many runners: it passes over those that
 //! cannot take the sandbox, saying why, and picks the one with the most
 //! room among the rest.
+//!
+//! A runner on another machine is registered by the operator ([`Runners::create`],
+//! which answers its token once), and reports itself with that token
+//! ([`Runners::report`]). It is listed, switched and deleted like the
+//! server's own, and shown unresponsive when it falls silent; this server
+//! does not place sandboxes on it yet (placement names it and says so).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
 use cove_lifecycle::SandboxClass;
-use cove_store::{RunnerRecord, RunnerSwitches, RunnerUsage};
+use cove_store::{RunnerRecord, RunnerReport, RunnerSwitches, RunnerUsage};
 
+use crate::access::{hash_secret, random_token};
 use crate::quota::Usage;
 use crate::shared::Shared;
 use crate::{now_ms, EngineError};
@@ -25,6 +32,25 @@ pub const CHECK_IN_EVERY: Duration = Duration::from_secs(5);
 /// A runner silent for this long is unresponsive: shown so, and given no
 /// new sandbox.
 const UNRESPONSIVE_AFTER_MS: i64 = 30_000;
+
+/// What every runner token starts with: it tells a runner's token from an
+/// API key at a glance (in a log, in a leak report) and before any lookup.
+pub const RUNNER_TOKEN_PREFIX: &str = "cove_runner_";
+
+/// Random characters after the prefix: 40 of 36 symbols, about 206 bits.
+const RUNNER_TOKEN_LEN: usize = 40;
+
+/// The most tags a runner carries, and the longest a name or tag may be.
+const MAX_TAGS: usize = 16;
+const MAX_NAME_LEN: usize = 63;
+
+/// A runner on another machine, as the operator registers it.
+#[derive(Clone, Debug, Default)]
+pub struct NewRunner {
+    pub name: String,
+    pub region: String,
+    pub tags: Vec<String>,
+}
 
 /// Who the server's own runner is.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -192,6 +218,9 @@ fn local_record<'a>(
         created_at_ms: at_ms.unwrap_or(0),
         updated_at_ms: at_ms.unwrap_or(0),
         last_checked_ms: at_ms,
+        tags: Vec::new(),
+        api_url: None,
+        proxy_url: None,
     }
 }
 
@@ -205,6 +234,13 @@ impl Shared {
         }
     }
 
+    /// Forgets runner `id` (deleted).
+    fn forget_runner(&self, id: &str) {
+        let mut placement = self.placement.write().unwrap();
+        placement.runners.retain(|r| r.id != id);
+        placement.load.remove(id);
+    }
+
     /// The runner a new sandbox needing `need` goes to (see [`choose`]);
     /// `only` limits the choice to one runner (a fork's, which is its
     /// parent's). What it takes is counted on the runner at once.
@@ -215,7 +251,11 @@ impl Shared {
             .iter()
             .filter(|r| only.is_none_or(|only| r.id == only))
             .map(|r| (r, load.get(&r.id).copied().unwrap_or_default()));
-        let chosen = choose(candidates, need, &self.config.runner.id, now_ms())?
+        // Sandboxes run in this process only: the server does not drive a
+        // runner on another machine yet.
+        let local = &self.config.runner.id;
+        let drives = |runner: &RunnerRecord| runner.id == *local;
+        let chosen = choose(candidates, need, local, &drives, now_ms())?
             .id
             .clone();
         let usage = load.entry(chosen.clone()).or_default();
@@ -359,6 +399,138 @@ impl Runners {
         Ok(views.remove(0))
     }
 
+    /// Registers a runner on another machine: a record, `initializing` until
+    /// it first reports, and the token it reports with, answered here once
+    /// and kept only as its hash.
+    pub async fn create(&self, new: NewRunner) -> Result<(RunnerView, String), EngineError> {
+        check_word("name", &new.name)?;
+        if new.region != crate::quota::REGION_ID {
+            return Err(EngineError::Invalid {
+                field: "regionId",
+                reason: format!(
+                    "unknown region {:?}: this server's one region is {:?}",
+                    new.region,
+                    crate::quota::REGION_ID
+                ),
+            });
+        }
+        if new.tags.len() > MAX_TAGS {
+            return Err(EngineError::Invalid {
+                field: "tags",
+                reason: format!(
+                    "{} tags; a runner carries at most {MAX_TAGS}",
+                    new.tags.len()
+                ),
+            });
+        }
+        for tag in &new.tags {
+            check_word("tags", tag)?;
+        }
+        let store = &self.shared.store;
+        if store
+            .list_runners()
+            .await?
+            .iter()
+            .any(|r| r.name == new.name)
+        {
+            return Err(EngineError::RunnerTaken { name: new.name });
+        }
+        let token = format!("{RUNNER_TOKEN_PREFIX}{}", random_token(RUNNER_TOKEN_LEN));
+        let now = now_ms();
+        let record = RunnerRecord {
+            id: uuid::Uuid::new_v4().to_string(),
+            name: new.name,
+            region: new.region,
+            classes: Vec::new(),
+            accelerator: None,
+            cpu: 0,
+            memory_gib: 0,
+            disk_gib: 0,
+            app_version: String::new(),
+            unschedulable: false,
+            draining: false,
+            usage: RunnerUsage::default(),
+            created_at_ms: now,
+            updated_at_ms: now,
+            last_checked_ms: None,
+            tags: new.tags,
+            api_url: None,
+            proxy_url: None,
+        };
+        if !store.create_runner(&record, &hash_secret(&token)).await? {
+            return Err(EngineError::RunnerTaken { name: record.name });
+        }
+        tracing::info!(runner = %record.id, name = %record.name, "runner registered by the operator");
+        self.shared.set_runner(record.clone());
+        let mut views = self.views(vec![record]).await?;
+        Ok((views.remove(0), token))
+    }
+
+    /// The runner `token` belongs to; `None` when it is no runner's.
+    pub async fn authenticate(&self, token: &str) -> Result<Option<RunnerRecord>, EngineError> {
+        if !token.starts_with(RUNNER_TOKEN_PREFIX) {
+            return Ok(None);
+        }
+        Ok(self
+            .shared
+            .store
+            .runner_by_token(&hash_secret(token))
+            .await?)
+    }
+
+    /// Records what runner `id`, on another machine, reports of itself.
+    pub async fn report(&self, id: &str, report: RunnerReport) -> Result<RunnerView, EngineError> {
+        check_report(&report)?;
+        let record = self
+            .shared
+            .store
+            .runner_reported(id, &report, now_ms())
+            .await?
+            .ok_or_else(|| EngineError::RunnerNotFound { id: id.to_owned() })?;
+        self.shared.set_runner(record.clone());
+        let mut views = self.views(vec![record]).await?;
+        Ok(views.remove(0))
+    }
+
+    /// Deletes runner `id`, and with it its token. The server's own runner
+    /// cannot go, nor can one that still holds sandboxes.
+    pub async fn delete(&self, id: &str) -> Result<(), EngineError> {
+        if id == self.local_id() {
+            return Err(EngineError::RunnerInUse {
+                message: format!(
+                    "runner {id} is this server's own and cannot be deleted; \
+                     drain it to keep new sandboxes off it"
+                ),
+            });
+        }
+        let store = &self.shared.store;
+        let record = store
+            .find_runner(id)
+            .await?
+            .ok_or_else(|| EngineError::RunnerNotFound { id: id.to_owned() })?;
+        if !store.delete_empty_runner(id).await? {
+            let sandboxes = store.list_sandboxes().await?;
+            let held = sandboxes
+                .iter()
+                .filter(|s| s.runner_id.as_deref() == Some(id))
+                .count();
+            if held == 0 {
+                return Err(EngineError::RunnerNotFound { id: id.to_owned() });
+            }
+            return Err(EngineError::RunnerInUse {
+                message: format!(
+                    "runner {} ({id}) holds {held} sandbox{}; drain it \
+                     (PATCH /api/runners/{id}/draining) and delete or move them first",
+                    record.name,
+                    if held == 1 { "" } else { "es" }
+                ),
+            });
+        }
+        tracing::info!(runner = %id, name = %record.name, "runner deleted");
+        self.shared.forget_runner(id);
+        Ok(())
+    }
+
     /// `records` with what each holds, counted from the sandboxes' rows.
     async fn views(&self, records: Vec<RunnerRecord>) -> Result<Vec<RunnerView>, EngineError> {
         let sandboxes = self.shared.store.list_sandboxes().await?;
@@ -370,55 +542,156 @@ impl Runners {
             .into_iter()
             .map(|record| {
                 let (allocated, sandboxes) = held.remove(&record.id).unwrap_or_default();
+                let here = record.id == local;
                 RunnerView {
-                    state: state_of(&record, record.id == local, now),
+                    state: state_of(&record, here, now),
                     allocated,
                     sandboxes,
-                    snapshots,
+                    // Snapshots are kept by this server, for its own runner.
+                    snapshots: if here { snapshots } else { 0 },
                     record,
                 }
             })
             .collect())
     }
 
-    /// The host's size and use, measured now (a few small reads of /proc
-    /// and one statvfs).
+    /// The server's own host, measured now.
     fn measure(&self) -> Host {
-        let cpu = std::thread::available_parallelism().map_or(1, |n| n.get() as i64);
-        let (memory_total, memory_available) = memory_kib().unwrap_or((0, 0));
-        let load = std::fs::read_to_string("/proc/loadavg")
-            .ok()
-            .and_then(|text| text.split_whitespace().next()?.parse::<f64>().ok())
-            .unwrap_or(0.0);
         let config = &self.shared.config;
         let disk_path = (config.volume_quota.as_ref())
             .map(|quota| quota.storage.root().to_owned())
             .or_else(|| config.data_dir.clone())
             .unwrap_or_else(|| "/".into());
-        let disk = cove_runtime::storage::filesystem_usage(&disk_path).ok();
-        let disk_total = disk.map_or(0, |d| d.used + d.available);
-        Host {
-            cpu,
-            memory_gib: (memory_total >> 20) as i64,
-            disk_gib: (disk_total >> 30) as i64,
-            usage: RunnerUsage {
-                cpu: percent(load, cpu as f64),
-                memory: percent(
-                    memory_total.saturating_sub(memory_available) as f64,
-                    memory_total as f64,
-                ),
-                disk: percent(disk.map_or(0, |d| d.used) as f64, disk_total as f64),
-            },
-        }
+        measure_host(&disk_path)
+    }
+}
+
+/// This host's size and use, measured now (a few small reads of /proc and
+/// one statvfs of `disk_path`, the filesystem sandboxes' storage is on).
+pub fn measure_host(disk_path: &std::path::Path) -> Host {
+    let cpu = std::thread::available_parallelism().map_or(1, |n| n.get() as i64);
+    let (memory_total, memory_available) = memory_kib().unwrap_or((0, 0));
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|text| text.split_whitespace().next()?.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    let disk = cove_runtime::storage::filesystem_usage(disk_path).ok();
+    let disk_total = disk.map_or(0, |d| d.used + d.available);
+    Host {
+        cpu,
+        memory_gib: (memory_total >> 20) as i64,
+        disk_gib: (disk_total >> 30) as i64,
+        usage: RunnerUsage {
+            cpu: percent(load, cpu as f64),
+            memory: percent(
+                memory_total.saturating_sub(memory_available) as f64,
+                memory_total as f64,
+            ),
+            disk: percent(disk.map_or(0, |d| d.used) as f64, disk_total as f64),
+        },
     }
 }
 
 /// What a runner's host has, and how much of it is in use.
-struct Host {
-    cpu: i64,
-    memory_gib: i64,
-    disk_gib: i64,
-    usage: RunnerUsage,
+#[derive(Clone, Copy, Debug)]
+pub struct Host {
+    pub cpu: i64,
+    pub memory_gib: i64,
+    pub disk_gib: i64,
+    pub usage: RunnerUsage,
+}
+
+/// A runner's name or tag: 1 to 63 letters, digits, `.`, `_` or `-`, so
+/// it reads the same in a table, a URL and a log.
+fn check_word(field: &'static str, word: &str) -> Result<(), EngineError> {
+    let fits = !word.is_empty()
+        && word.len() <= MAX_NAME_LEN
+        && word
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
+    if fits {
+        Ok(())
+    } else {
+        Err(EngineError::Invalid {
+            field,
+            reason: format!("{word:?}: use 1 to {MAX_NAME_LEN} letters, digits, '.', '_' or '-'"),
+        })
+    }
+}
+
+/// Refuses a runner's report that cannot be true: an unknown or repeated
+/// class, an accelerator without VMs, a negative size or share (a share of
+/// CPU may pass 100: it is load over vCPUs), a version or URL that is not
+/// one.
+fn check_report(report: &RunnerReport) -> Result<(), EngineError> {
+    let invalid = |field: &'static str, reason: String| EngineError::Invalid { field, reason };
+    for (i, class) in report.classes.iter().enumerate() {
+        if class.parse::<SandboxClass>().is_err() {
+            return Err(invalid(
+                "sandboxClasses",
+                format!("unknown class {class:?}: cove runs container and linux-vm"),
+            ));
+        }
+        if report.classes[..i].contains(class) {
+            return Err(invalid(
+                "sandboxClasses",
+                format!("{class:?} is named twice"),
+            ));
+        }
+    }
+    if let Some(accelerator) = &report.accelerator {
+        if !matches!(accelerator.as_str(), "kvm" | "tcg") {
+            return Err(invalid(
+                "accelerator",
+                format!("{accelerator:?}: a VM runs under kvm or tcg"),
+            ));
+        }
+        if !report.classes.iter().any(|c| c == "linux-vm") {
+            return Err(invalid(
+                "accelerator",
+                "given for a runner that runs no linux-vm sandboxes".into(),
+            ));
+        }
+    }
+    for (field, size) in [
+        ("metrics.cpu", report.cpu),
+        ("metrics.memoryGiB", report.memory_gib),
+        ("metrics.diskGiB", report.disk_gib),
+    ] {
+        if size < 0 {
+            return Err(invalid(field, format!("{size} is below 0")));
+        }
+    }
+    let usage = report.usage;
+    for (field, share) in [
+        ("metrics.currentCpuUsagePercentage", usage.cpu),
+        ("metrics.currentMemoryUsagePercentage", usage.memory),
+        ("metrics.currentDiskUsagePercentage", usage.disk),
+    ] {
+        if !(share.is_finite() && share >= 0.0) {
+            return Err(invalid(field, format!("{share} is not a share in percent")));
+        }
+    }
+    let version = &report.app_version;
+    if version.is_empty() || version.len() > 64 || !version.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(invalid(
+            "appVersion",
+            format!("{version:?}: give 1 to 64 printable characters"),
+        ));
+    }
+    for (field, url) in [("apiUrl", &report.api_url), ("proxyUrl", &report.proxy_url)] {
+        let Some(url) = url else { continue };
+        let fits = url.len() <= 2048
+            && (url.starts_with("http://") || url.starts_with("https://"))
+            && url.bytes().all(|b| b.is_ascii_graphic());
+        if !fits {
+            return Err(invalid(
+                field,
+                format!("{url:?}: give an http:// or https:// URL"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// `part` of `whole` in percent, to two decimals; 0 of nothing.
@@ -456,7 +729,8 @@ fn state_of(record: &RunnerRecord, local: bool, now_ms: i64) -> RunnerState {
 }
 
 /// The runner a new sandbox goes to: of those that can take it (in its
-/// region, running its class, ready, neither draining nor unschedulable),
+/// region, running its class, ready, neither draining nor unschedulable,
+/// and one this server `drives`),
 /// the one with the most room for CPU and memory after it, then the one
 /// holding fewer sandboxes, then by id. Runners are not refused for being
 /// full: like Daytona's, they are overcommitted, and organizations' quotas
@@ -466,6 +740,7 @@ pub(crate) fn choose<'a>(
     runners: impl IntoIterator<Item = (&'a RunnerRecord, Usage)>,
     need: Need<'_>,
     local: &str,
+    drives: &dyn Fn(&RunnerRecord) -> bool,
     now_ms: i64,
 ) -> Result<&'a RunnerRecord, EngineError> {
     let mut passed_over = Vec::new();
@@ -488,7 +763,12 @@ pub(crate) fn choose<'a>(
             ))
         } else {
             match state_of(runner, runner.id == local, now_ms) {
-                RunnerState::Ready => None,
+                RunnerState::Ready if drives(runner) => None,
+                RunnerState::Ready => Some(
+                    "runs on another machine, and this server does not place \
+                     sandboxes on other machines yet"
+                        .into(),
+                ),
                 state => Some(format!("is {}", state.as_str())),
             }
         };
@@ -556,6 +836,9 @@ mod tests {
             created_at_ms: 0,
             updated_at_ms: 0,
             last_checked_ms: Some(1_000),
+            tags: Vec::new(),
+            api_url: None,
+            proxy_url: None,
         }
     }
 
@@ -588,6 +871,7 @@ mod tests {
             ],
             need(SandboxClass::Container),
             "none",
+            &|_| true,
             2_000,
         )
         .unwrap();
@@ -601,6 +885,7 @@ mod tests {
             ],
             need(SandboxClass::Container),
             "none",
+            &|_| true,
             2_000,
         )
         .unwrap();
@@ -633,6 +918,7 @@ mod tests {
             all.iter().map(|r| (*r, Usage::default())),
             need(SandboxClass::LinuxVm),
             "none",
+            &|_| true,
             UNRESPONSIVE_AFTER_MS + 1_000,
         )
         .unwrap_err();
@@ -653,6 +939,7 @@ mod tests {
             all.iter().map(|r| (*r, Usage::default())),
             need(SandboxClass::Container),
             "none",
+            &|_| true,
             UNRESPONSIVE_AFTER_MS + 1_000,
         )
         .unwrap();
@@ -662,15 +949,105 @@ mod tests {
             [(&silent, Usage::default())],
             need(SandboxClass::Container),
             "s",
+            &|_| true,
             UNRESPONSIVE_AFTER_MS * 10,
         )
         .unwrap();
         assert_eq!(chosen.id, "s");
-        let none = choose([], need(SandboxClass::Container), "s", 0).unwrap_err();
+        let none = choose([], need(SandboxClass::Container), "s", &|_| true, 0).unwrap_err();
         assert!(
             none.to_string().contains("no runner is registered"),
             "{none}"
         );
+    }
+
+    #[test]
+    fn a_runner_this_server_does_not_drive_is_passed_over_and_named() {
+        let (here, there) = (runner("here"), runner("there"));
+        let drives = |r: &RunnerRecord| r.id == "here";
+        // "there" has more room, but only "here" is driven.
+        let chosen = choose(
+            [(&here, used(6, 20, 6)), (&there, Usage::default())],
+            need(SandboxClass::Container),
+            "here",
+            &drives,
+            2_000,
+        )
+        .unwrap();
+        assert_eq!(chosen.id, "here");
+        let mut drained = here.clone();
+        drained.draining = true;
+        let err = choose(
+            [(&drained, Usage::default()), (&there, Usage::default())],
+            need(SandboxClass::Container),
+            "here",
+            &drives,
+            2_000,
+        )
+        .unwrap_err();
+        assert!(
+            err.to_string().contains(
+                "runner host-there (there) runs on another machine, and this server \
+                 does not place sandboxes on other machines yet"
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn a_report_that_cannot_be_true_is_refused_naming_its_field() {
+        let good = RunnerReport {
+            classes: vec!["container".into(), "linux-vm".into()],
+            accelerator: Some("kvm".into()),
+            cpu: 8,
+            memory_gib: 32,
+            disk_gib: 100,
+            app_version: "0.1.0".into(),
+            usage: RunnerUsage::default(),
+            api_url: Some("http://10.1.0.2:3000".into()),
+            proxy_url: None,
+        };
+        check_report(&good).unwrap();
+        let field = |report: RunnerReport| match check_report(&report) {
+            Err(EngineError::Invalid { field, .. }) => field,
+            other => panic!("{other:?}"),
+        };
+        let with = |change: fn(&mut RunnerReport)| {
+            let mut report = good.clone();
+            change(&mut report);
+            report
+        };
+        assert_eq!(
+            field(with(|r| r.classes.push("gpu".into()))),
+            "sandboxClasses"
+        );
+        assert_eq!(
+            field(with(|r| r.classes.push("container".into()))),
+            "sandboxClasses"
+        );
+        assert_eq!(field(with(|r| r.classes.truncate(1))), "accelerator");
+        assert_eq!(
+            field(with(|r| r.accelerator = Some("hvf".into()))),
+            "accelerator"
+        );
+        assert_eq!(field(with(|r| r.cpu = -1)), "metrics.cpu");
+        assert_eq!(
+            field(with(|r| r.usage.memory = f64::NAN)),
+            "metrics.currentMemoryUsagePercentage"
+        );
+        assert_eq!(field(with(|r| r.app_version = String::new())), "appVersion");
+        assert_eq!(
+            field(with(|r| r.api_url = Some("file:///etc".into()))),
+            "apiUrl"
+        );
+        assert_eq!(
+            field(with(|r| r.proxy_url = Some("http://a b".into()))),
+            "proxyUrl"
+        );
+        assert!(check_word("name", "rack-2.node_1").is_ok());
+        for bad in ["", "a b", "ä", &"x".repeat(64)] {
+            assert!(check_word("name", bad).is_err(), "{bad:?}");
+        }
     }
 
     #[test]

@@ -42,7 +42,7 @@ pub use records::{
     BuildStepRecord, DockerRegistryRecord, ImageSettings, NetworkSettings, SandboxRecord,
     SnapshotRecord, SnapshotState, VolumeMount, VolumeRecord,
 };
-pub use runners::{RunnerRecord, RunnerSwitches, RunnerUsage};
+pub use runners::{RunnerRecord, RunnerReport, RunnerSwitches, RunnerUsage};
 pub use sandboxes::{SandboxOrder, SandboxSortField, SortDirection};
 pub use ssh_access::SshAccessRecord;
 

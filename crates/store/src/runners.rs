@@ -7,7 +7,8 @@ use sqlx::Row;
 use crate::{Store, StoreError};
 
 const COLUMNS: &str = "id, name, region, classes, accelerator, cpu, memory_gib, disk_gib, \
-    app_version, unschedulable, draining, usage, created_at_ms, updated_at_ms, last_checked_ms";
+    app_version, unschedulable, draining, usage, created_at_ms, updated_at_ms, last_checked_ms, \
+    tags, api_url, proxy_url";
 
 /// One runner.
 #[derive(Clone, Debug, PartialEq)]
@@ -37,6 +38,26 @@ pub struct RunnerRecord {
     pub updated_at_ms: i64,
     /// When it last reported; `None` before its first report.
     pub last_checked_ms: Option<i64>,
+    /// The operator's words for it (Daytona's runner tags).
+    pub tags: Vec<String>,
+    /// Where a runner on another machine serves its API and its proxy, as it
+    /// last reported them; `None` for the server's own.
+    pub api_url: Option<String>,
+    pub proxy_url: Option<String>,
+}
+
+/// What a runner on another machine reports of itself at each check-in.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RunnerReport {
+    pub classes: Vec<String>,
+    pub accelerator: Option<String>,
+    pub cpu: i64,
+    pub memory_gib: i64,
+    pub disk_gib: i64,
+    pub app_version: String,
+    pub usage: RunnerUsage,
+    pub api_url: Option<String>,
+    pub proxy_url: Option<String>,
 }
 
 /// A runner's host as it last reported it, in percent.
@@ -72,6 +93,9 @@ fn from_row(row: &AnyRow) -> Result<RunnerRecord, StoreError> {
         created_at_ms: row.try_get("created_at_ms")?,
         updated_at_ms: row.try_get("updated_at_ms")?,
         last_checked_ms: row.try_get("last_checked_ms")?,
+        tags: serde_json::from_str(&json("tags")?).map_err(undecodable("tags"))?,
+        api_url: row.try_get("api_url")?,
+        proxy_url: row.try_get("proxy_url")?,
         id,
     })
 }
@@ -91,7 +115,7 @@ impl Store {
     pub async fn register_runner(&self, r: &RunnerRecord) -> Result<RunnerRecord, StoreError> {
         let sql = format!(
             "INSERT INTO runners ({COLUMNS}) VALUES \
-             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15) \
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18) \
              ON CONFLICT(id) DO UPDATE SET name = excluded.name, region = excluded.region, \
              classes = excluded.classes, accelerator = excluded.accelerator, \
              cpu = excluded.cpu, memory_gib = excluded.memory_gib, disk_gib = excluded.disk_gib, \
@@ -114,6 +138,9 @@ impl Store {
             .bind(r.created_at_ms)
             .bind(r.updated_at_ms)
             .bind(r.last_checked_ms)
+            .bind(serde_json::to_string(&r.tags).expect("strings serialize"))
+            .bind(&r.api_url)
+            .bind(&r.proxy_url)
             .execute(&self.pool)
             .await?;
         self.find_runner(&r.id)
@@ -178,6 +205,99 @@ impl Store {
         let sql = format!("SELECT {COLUMNS} FROM runners ORDER BY created_at_ms, id");
         let rows = sqlx::query(&sql).fetch_all(&self.pool).await?;
         rows.iter().map(from_row).collect()
+    }
+
+    /// Records a runner on another machine, registered by the operator, with
+    /// the hash of the token it reports with. False when the id is taken.
+    pub async fn create_runner(
+        &self,
+        r: &RunnerRecord,
+        token_hash: &str,
+    ) -> Result<bool, StoreError> {
+        let sql = format!(
+            "INSERT INTO runners ({COLUMNS}, token_hash) VALUES \
+             ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) \
+             ON CONFLICT(id) DO NOTHING"
+        );
+        let done = sqlx::query(&sql)
+            .bind(&r.id)
+            .bind(&r.name)
+            .bind(&r.region)
+            .bind(serde_json::to_string(&r.classes).expect("strings serialize"))
+            .bind(&r.accelerator)
+            .bind(r.cpu)
+            .bind(r.memory_gib)
+            .bind(r.disk_gib)
+            .bind(&r.app_version)
+            .bind(i64::from(r.unschedulable))
+            .bind(i64::from(r.draining))
+            .bind(serde_json::to_string(&r.usage).expect("numbers serialize"))
+            .bind(r.created_at_ms)
+            .bind(r.updated_at_ms)
+            .bind(r.last_checked_ms)
+            .bind(serde_json::to_string(&r.tags).expect("strings serialize"))
+            .bind(&r.api_url)
+            .bind(&r.proxy_url)
+            .bind(token_hash)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
+    /// The runner whose token hashes to `token_hash`.
+    pub async fn runner_by_token(
+        &self,
+        token_hash: &str,
+    ) -> Result<Option<RunnerRecord>, StoreError> {
+        let sql = format!("SELECT {COLUMNS} FROM runners WHERE token_hash = $1");
+        let row = sqlx::query(&sql)
+            .bind(token_hash)
+            .fetch_optional(&self.pool)
+            .await?;
+        row.as_ref().map(from_row).transpose()
+    }
+
+    /// Records what runner `id` reported of itself at `at_ms`; `None` when
+    /// there is no such runner.
+    pub async fn runner_reported(
+        &self,
+        id: &str,
+        report: &RunnerReport,
+        at_ms: i64,
+    ) -> Result<Option<RunnerRecord>, StoreError> {
+        sqlx::query(
+            "UPDATE runners SET classes = $2, accelerator = $3, cpu = $4, memory_gib = $5, \
+             disk_gib = $6, app_version = $7, usage = $8, api_url = $9, proxy_url = $10, \
+             last_checked_ms = $11 WHERE id = $1",
+        )
+        .bind(id)
+        .bind(serde_json::to_string(&report.classes).expect("strings serialize"))
+        .bind(&report.accelerator)
+        .bind(report.cpu)
+        .bind(report.memory_gib)
+        .bind(report.disk_gib)
+        .bind(&report.app_version)
+        .bind(serde_json::to_string(&report.usage).expect("numbers serialize"))
+        .bind(&report.api_url)
+        .bind(&report.proxy_url)
+        .bind(at_ms)
+        .execute(&self.pool)
+        .await?;
+        self.find_runner(id).await
+    }
+
+    /// Deletes runner `id` if no sandbox names it (in one statement, so a
+    /// sandbox placed meanwhile keeps it). False when it holds sandboxes or
+    /// does not exist.
+    pub async fn delete_empty_runner(&self, id: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query(
+            "DELETE FROM runners WHERE id = $1 \
+             AND NOT EXISTS (SELECT 1 FROM sandboxes WHERE runner_id = $1)",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
+        Ok(done.rows_affected() > 0)
     }
 
     /// Gives every sandbox that has no runner (rows from before runners) to

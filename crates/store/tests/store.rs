@@ -784,6 +784,9 @@ fn runner(id: &str, at_ms: i64) -> cove_store::RunnerRecord {
         created_at_ms: at_ms,
         updated_at_ms: at_ms,
         last_checked_ms: Some(at_ms),
+        tags: Vec::new(),
+        api_url: None,
+        proxy_url: None,
     }
 }
 
@@ -878,6 +881,86 @@ async fn runners_register_report_and_keep_the_operators_switches(db: &Db) {
     );
 }
 
+async fn a_runner_elsewhere_is_found_by_its_token_reports_and_goes_only_when_empty(db: &Db) {
+    use cove_store::{RunnerReport, RunnerUsage};
+    let store = db.open().await;
+    let registered = cove_store::RunnerRecord {
+        classes: Vec::new(),
+        accelerator: None,
+        cpu: 0,
+        memory_gib: 0,
+        disk_gib: 0,
+        app_version: String::new(),
+        last_checked_ms: None,
+        tags: vec!["gpu".into(), "rack-2".into()],
+        ..runner("far", 10)
+    };
+    assert!(store.create_runner(&registered, "hash-far").await.unwrap());
+    assert!(
+        !store
+            .create_runner(&registered, "hash-other")
+            .await
+            .unwrap(),
+        "the id is taken"
+    );
+    assert_eq!(
+        store.runner_by_token("hash-far").await.unwrap(),
+        Some(registered.clone())
+    );
+    assert_eq!(store.runner_by_token("hash-other").await.unwrap(), None);
+    // The server's own runner re-registering does not touch the token.
+    store.register_runner(&runner("near", 5)).await.unwrap();
+    assert_eq!(
+        store.runner_by_token("hash-far").await.unwrap().unwrap().id,
+        "far"
+    );
+
+    let report = RunnerReport {
+        classes: vec!["container".into()],
+        accelerator: None,
+        cpu: 16,
+        memory_gib: 64,
+        disk_gib: 500,
+        app_version: "0.2.0".into(),
+        usage: RunnerUsage {
+            cpu: 5.0,
+            memory: 10.0,
+            disk: 1.5,
+        },
+        api_url: Some("http://10.0.0.2:3001".into()),
+        proxy_url: None,
+    };
+    let reported = store
+        .runner_reported("far", &report, 40)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (reported.cpu, reported.memory_gib, reported.disk_gib),
+        (16, 64, 500)
+    );
+    assert_eq!(reported.classes, ["container"]);
+    assert_eq!(reported.usage, report.usage);
+    assert_eq!(reported.api_url.as_deref(), Some("http://10.0.0.2:3001"));
+    assert_eq!(reported.last_checked_ms, Some(40));
+    assert_eq!(reported.tags, ["gpu", "rack-2"]);
+    assert_eq!(reported.created_at_ms, 10);
+    assert_eq!(
+        store.runner_reported("nobody", &report, 40).await.unwrap(),
+        None
+    );
+
+    // A runner holding a sandbox stays; an empty one goes, token and all.
+    let mut held = sandbox("id-held", "held");
+    held.runner_id = Some("far".into());
+    store.insert_sandbox(&held).await.unwrap();
+    assert!(!store.delete_empty_runner("far").await.unwrap());
+    store.delete_sandbox("id-held", 50).await.unwrap();
+    assert!(store.delete_empty_runner("far").await.unwrap());
+    assert_eq!(store.runner_by_token("hash-far").await.unwrap(), None);
+    assert!(!store.delete_empty_runner("far").await.unwrap());
+}
+
 fn key_named(name: &str, hash: &str) -> cove_store::ApiKeyRecord {
     key(name, hash)
 }
@@ -939,4 +1022,5 @@ on_both_dialects!(
     concurrent_writes_of_many_sandboxes_all_land_with_their_meter,
     organizations_own_their_rows_and_names_are_unique_in_one_only,
     runners_register_report_and_keep_the_operators_switches,
+    a_runner_elsewhere_is_found_by_its_token_reports_and_goes_only_when_empty,
 );

@@ -15,9 +15,11 @@ use cove_store::ApiKeyRecord;
 
 use crate::shared::Shared;
 
+pub(crate) use keys::hash_secret;
 pub use keys::{
     constant_time_eq, hash_api_key, ApiKeyInfo, Caller, KeyCheck, NewApiKey, Permission,
 };
+pub(crate) use preview::random_token;
 pub use ssh::{IssuedSshAccess, SshAccessRecord, MAX_SSH_ACCESS_MINUTES};
 
 /// Keys and tokens. Cheap to clone; clones share everything.

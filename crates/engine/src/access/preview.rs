@@ -12,7 +12,7 @@ use crate::{now_ms, EngineError, SandboxRecord};
 
 /// Random lower-case letters and digits: tokens end up in host names, which
 /// browsers lower-case, and in URL paths.
-fn random_token(len: usize) -> String {
+pub(crate) fn random_token(len: usize) -> String {
     use rand::Rng;
     const ALPHABET: &[u8] = b"abcdefghijklmnopqrstuvwxyz0123456789";
     let mut rng = rand::thread_rng();

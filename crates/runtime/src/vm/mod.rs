@@ -124,9 +124,9 @@ impl VmConfig {
             storage,
             assets_dir,
             agent_binary,
-            qemu: "/usr/bin/qemu-system-x86_64".into(),
-            qemu_img: "/usr/bin/qemu-img".into(),
-            firmware: "/usr/share/qemu/qboot.rom".into(),
+            qemu: QEMU.into(),
+            qemu_img: QEMU_IMG.into(),
+            firmware: FIRMWARE.into(),
             accelerator: None,
             templates: true,
             boot_timeout: Duration::from_secs(180),
@@ -140,11 +140,51 @@ impl VmConfig {
     }
 
     pub fn kernel(&self) -> PathBuf {
-        self.assets_dir.join("vmlinux")
+        self.assets_dir.join(KERNEL)
     }
 
     pub fn initramfs(&self) -> PathBuf {
-        self.assets_dir.join("initramfs.cpio")
+        self.assets_dir.join(INITRAMFS)
+    }
+}
+
+/// Where Debian puts what VMs need from the host.
+const QEMU: &str = "/usr/bin/qemu-system-x86_64";
+const QEMU_IMG: &str = "/usr/bin/qemu-img";
+const FIRMWARE: &str = "/usr/share/qemu/qboot.rom";
+/// The guest's files in the assets directory (made by `scripts/vm-assets`).
+const KERNEL: &str = "vmlinux";
+const INITRAMFS: &str = "initramfs.cpio";
+
+/// The first of `files` (what it is, where) that cannot be found.
+fn first_missing<const N: usize>(
+    files: [(&'static str, PathBuf); N],
+) -> Option<(&'static str, PathBuf, std::io::Error)> {
+    files
+        .into_iter()
+        .find_map(|(what, path)| fs::metadata(&path).err().map(|error| (what, path, error)))
+}
+
+/// Whether this host could run VM sandboxes with the guest files in
+/// `assets_dir` and Debian's QEMU: the accelerator they would use, or what
+/// is missing. For a runner reporting what it offers; it starts nothing.
+pub fn probe(assets_dir: &Path) -> Result<Accelerator, String> {
+    let files = [
+        ("qemu", PathBuf::from(QEMU)),
+        ("qemu-img", PathBuf::from(QEMU_IMG)),
+        ("firmware", PathBuf::from(FIRMWARE)),
+        (
+            "guest kernel (run scripts/vm-assets)",
+            assets_dir.join(KERNEL),
+        ),
+        (
+            "initramfs (run scripts/vm-assets)",
+            assets_dir.join(INITRAMFS),
+        ),
+    ];
+    match first_missing(files) {
+        Some((what, path, error)) => Err(format!("no {what} at {}: {error}", path.display())),
+        None => Ok(choose_accelerator(&HostFacts::read()).0),
     }
 }
 
@@ -193,16 +233,18 @@ impl VmRuntime {
     /// Checks the config against the host and picks the accelerator.
     pub fn new(config: VmConfig) -> Result<VmRuntime, RuntimeError> {
         let id = "-";
-        for (what, path) in [
+        let files = [
             ("agent binary", config.agent_binary.clone()),
             ("qemu", config.qemu.clone()),
             ("qemu-img", config.qemu_img.clone()),
             ("firmware", config.firmware.clone()),
             ("guest kernel (run scripts/vm-assets)", config.kernel()),
             ("initramfs (run scripts/vm-assets)", config.initramfs()),
-        ] {
-            fs::metadata(&path)
-                .map_err(io_error(id, format!("find the {what} {}", path.display())))?;
+        ];
+        if let Some((what, path, error)) = first_missing(files) {
+            return Err(io_error(id, format!("find the {what} {}", path.display()))(
+                error,
+            ));
         }
         let facts = HostFacts::read();
         let (accelerator, accelerator_reason) = match config.accelerator {
