@@ -16,7 +16,7 @@ import uuid
 import pytest
 from daytona import CreateSandboxFromSnapshotParams, DaytonaError, ListSandboxesQuery
 
-from conftest import CoveServer, cove_binary, unique, wait_until
+from conftest import CoveServer, cove_binary, new_data_dir, remove_data_dir, unique, wait_until
 
 # What Daytona's `Runner` requires.
 REQUIRED = {
@@ -167,15 +167,39 @@ def test_unknown_runners_bad_switches_and_what_is_not_served(cove):
         assert "/runners" in r.json()["message"]
 
 
+def add_runner(cove: CoveServer, name: str, *tags: str) -> tuple[str, str]:
+    """Registers a runner with `cove admin add-runner`: its id and token."""
+    said = admin(cove, "add-runner", name, *(arg for tag in tags for arg in ("--tag", tag)))
+    runner_id = said.split("registered: ")[1].split()[0]
+    token = said.split("shown this once: ")[1].split()[0]
+    assert token.startswith("cove_runner_"), said
+    return runner_id, token
+
+
+def start_runner(cove: CoveServer, token: str, data_dir) -> subprocess.Popen:
+    """`cove runner` with `token` in its environment (not its arguments),
+    without the operator's key."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COVE_API_KEY", "DAYTONA_API_KEY")}
+    env["COVE_RUNNER_TOKEN"] = token
+    return subprocess.Popen(
+        [str(cove_binary()), "runner", "--control", cove.api_url,
+         "--data-dir", str(data_dir), "--no-vm"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
+def state(cove: CoveServer, runner_id: str) -> str:
+    r = cove.request("GET", f"/runners/{runner_id}")
+    assert r.status_code == 200, r.text
+    return r.json()["state"]
+
+
 def test_a_runner_on_another_machine_checks_in_reports_and_ends_when_deleted(cove, sandboxes, tmp_path):
     """`cove runner` with the token `cove admin add-runner` printed: it
     checks in, reports its host every few seconds, is listed with it, and
     ends when the operator deletes it. No sandbox is placed on it yet."""
     name = unique("node")
-    said = admin(cove, "add-runner", name, "--tag", "rack-2")
-    runner_id = said.split("registered: ")[1].split()[0]
-    token = said.split("shown this once: ")[1].split()[0]
-    assert token.startswith("cove_runner_"), said
+    runner_id, token = add_runner(cove, name, "rack-2")
     process = None
     try:
         registered = cove.request("GET", f"/runners/{runner_id}").json()
@@ -183,20 +207,9 @@ def test_a_runner_on_another_machine_checks_in_reports_and_ends_when_deleted(cov
         assert registered["tags"] == ["rack-2"]
 
         data_dir = tmp_path / "runner"
-        env = {k: v for k, v in os.environ.items() if k not in ("COVE_API_KEY", "DAYTONA_API_KEY")}
-        env["COVE_RUNNER_TOKEN"] = token
-        process = subprocess.Popen(
-            [str(cove_binary()), "runner", "--control", cove.api_url,
-             "--data-dir", str(data_dir), "--no-vm"],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )
-
-        def reported() -> dict | None:
-            runner = cove.request("GET", f"/runners/{runner_id}").json()
-            return runner if runner["state"] == "ready" else None
-
-        assert wait_until(lambda: reported() is not None, 30), registered
-        runner = reported()
+        process = start_runner(cove, token, data_dir)
+        assert wait_until(lambda: state(cove, runner_id) == "ready", 30), registered
+        runner = cove.request("GET", f"/runners/{runner_id}").json()
         assert runner["cpu"] == os.cpu_count()
         assert runner["memory"] == memory_gib()
         assert runner["disk"] > 0
@@ -237,6 +250,44 @@ def test_a_runner_on_another_machine_checks_in_reports_and_ends_when_deleted(cov
             process.kill()
             process.wait()
         cove.request("DELETE", f"/runners/{runner_id}")
+
+
+def test_a_runner_killed_is_shown_unresponsive_and_comes_back_as_itself(tmp_path):
+    """kill -9 of a runner: its record stays, it is shown unresponsive once
+    silent past --runner-silence, and started again with its token it is the
+    same runner, ready, with no second record."""
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
+                        extra_args=("--no-network", "--runner-silence", "10"))
+    server.start()
+    process = None
+    try:
+        runner_id, token = add_runner(server, unique("node"), "rack-3")
+        process = start_runner(server, token, tmp_path / "runner")
+        assert wait_until(lambda: state(server, runner_id) == "ready", 30)
+        before = server.request("GET", f"/runners/{runner_id}").json()
+
+        process.kill()
+        process.wait()
+        assert wait_until(lambda: state(server, runner_id) == "unresponsive", 30)
+        silent = server.request("GET", f"/runners/{runner_id}").json()
+        for field in ("name", "tags", "cpu", "memory", "disk", "sandboxClasses", "createdAt"):
+            assert silent[field] == before[field], (field, silent, before)
+        rows = [line.split() for line in admin(server, "runners").splitlines()]
+        assert [runner_id, before["name"], "unresponsive"] in [row[:3] for row in rows], rows
+
+        process = start_runner(server, token, tmp_path / "runner")
+        assert wait_until(lambda: state(server, runner_id) == "ready", 30)
+        assert [r["id"] for r in runners(server)].count(runner_id) == 1
+        assert len(runners(server)) == 2, runners(server)
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        try:
+            server.stop()
+        finally:
+            remove_data_dir(data_dir)
 
 
 def labelled(daytona, labels: dict[str, str]) -> list[str]:

@@ -119,6 +119,12 @@ pub(crate) struct ServeArgs {
     /// --bridge and --network-range).
     #[arg(long, default_value_t = 7700)]
     pub route_table: u32,
+    /// Seconds a runner on another machine may be silent before it is shown
+    /// unresponsive and given no new sandbox; at least two of its reports
+    /// (every 5 s).
+    #[arg(long, env = "COVE_RUNNER_SILENCE", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(10..=86_400))]
+    pub runner_silence: u64,
     /// The guest kernel and initramfs of VM sandboxes (made by `scripts/vm-assets`).
     /// Without them, or with `--no-vm`, VM snapshots answer 501.
     #[arg(long, env = "COVE_VM_ASSETS", default_value = "/var/tmp/cove/vm")]
@@ -496,6 +502,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         data_dir: Some(data_dir.clone()),
         prices,
         runner: runner_identity(&data_dir)?,
+        runner_silence: std::time::Duration::from_secs(args.runner_silence),
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);

@@ -56,6 +56,9 @@ pub struct EngineConfig {
     pub prices: cove_billing::Prices,
     /// The server's own runner: every sandbox goes to it.
     pub runner: crate::RunnerIdentity,
+    /// How long a runner on another machine may be silent before it is
+    /// unresponsive.
+    pub runner_silence: std::time::Duration,
 }
 
 /// Bounds on build-context uploads: a client with push credentials must
@@ -102,6 +105,7 @@ impl Default for EngineConfig {
             data_dir: None,
             prices: cove_billing::Prices::default(),
             runner: crate::RunnerIdentity::default(),
+            runner_silence: crate::runners::RUNNER_SILENCE,
         }
     }
 }

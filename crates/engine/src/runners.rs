@@ -29,9 +29,9 @@ use crate::{now_ms, EngineError};
 /// How often the server's own runner reports its host.
 pub const CHECK_IN_EVERY: Duration = Duration::from_secs(5);
 
-/// A runner silent for this long is unresponsive: shown so, and given no
-/// new sandbox.
-const UNRESPONSIVE_AFTER_MS: i64 = 30_000;
+/// How long a runner may be silent by default before it is unresponsive:
+/// shown so, and given no new sandbox (`EngineConfig::runner_silence`).
+pub const RUNNER_SILENCE: Duration = Duration::from_secs(30);
 
 /// What every runner token starts with: it tells a runner's token from an
 /// API key at a glance (in a log, in a leak report) and before any lookup.
@@ -234,6 +234,15 @@ impl Shared {
         }
     }
 
+    /// How runners' states are judged now.
+    fn judge(&self) -> Judge<'_> {
+        Judge {
+            local: &self.config.runner.id,
+            now_ms: now_ms(),
+            silence_ms: self.config.runner_silence.as_millis() as i64,
+        }
+    }
+
     /// Forgets runner `id` (deleted).
     fn forget_runner(&self, id: &str) {
         let mut placement = self.placement.write().unwrap();
@@ -253,11 +262,9 @@ impl Shared {
             .map(|r| (r, load.get(&r.id).copied().unwrap_or_default()));
         // Sandboxes run in this process only: the server does not drive a
         // runner on another machine yet.
-        let local = &self.config.runner.id;
-        let drives = |runner: &RunnerRecord| runner.id == *local;
-        let chosen = choose(candidates, need, local, &drives, now_ms())?
-            .id
-            .clone();
+        let judge = self.judge();
+        let drives = |runner: &RunnerRecord| runner.id == judge.local;
+        let chosen = choose(candidates, need, judge, &drives)?.id.clone();
         let usage = load.entry(chosen.clone()).or_default();
         usage.running += 1;
         usage.cpu += need.cpu;
@@ -535,16 +542,15 @@ impl Runners {
     async fn views(&self, records: Vec<RunnerRecord>) -> Result<Vec<RunnerView>, EngineError> {
         let sandboxes = self.shared.store.list_sandboxes().await?;
         let snapshots = self.shared.store.list_snapshots().await?.len() as i64;
-        let local = self.local_id();
-        let mut held = allocations(&sandboxes, local);
-        let now = now_ms();
+        let judge = self.shared.judge();
+        let mut held = allocations(&sandboxes, judge.local);
         Ok(records
             .into_iter()
             .map(|record| {
                 let (allocated, sandboxes) = held.remove(&record.id).unwrap_or_default();
-                let here = record.id == local;
+                let here = record.id == judge.local;
                 RunnerView {
-                    state: state_of(&record, here, now),
+                    state: judge.state(&record),
                     allocated,
                     sandboxes,
                     // Snapshots are kept by this server, for its own runner.
@@ -717,14 +723,26 @@ fn memory_kib() -> Option<(u64, u64)> {
     Some((field("MemTotal:")?, field("MemAvailable:")?))
 }
 
-/// A runner's state now. The server's own runner is ready while the server
-/// runs: it is this process.
-fn state_of(record: &RunnerRecord, local: bool, now_ms: i64) -> RunnerState {
-    match record.last_checked_ms {
-        _ if local => RunnerState::Ready,
-        None => RunnerState::Initializing,
-        Some(at) if now_ms - at > UNRESPONSIVE_AFTER_MS => RunnerState::Unresponsive,
-        Some(_) => RunnerState::Ready,
+/// What a runner's state is judged by.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Judge<'a> {
+    /// The server's own runner, ready while the server runs: it is this
+    /// process.
+    pub(crate) local: &'a str,
+    pub(crate) now_ms: i64,
+    /// How long another runner may be silent and still be ready.
+    pub(crate) silence_ms: i64,
+}
+
+impl Judge<'_> {
+    /// `record`'s state now.
+    fn state(&self, record: &RunnerRecord) -> RunnerState {
+        match record.last_checked_ms {
+            _ if record.id == self.local => RunnerState::Ready,
+            None => RunnerState::Initializing,
+            Some(at) if self.now_ms - at > self.silence_ms => RunnerState::Unresponsive,
+            Some(_) => RunnerState::Ready,
+        }
     }
 }
 
@@ -739,9 +757,8 @@ fn state_of(record: &RunnerRecord, local: bool, now_ms: i64) -> RunnerState {
 pub(crate) fn choose<'a>(
     runners: impl IntoIterator<Item = (&'a RunnerRecord, Usage)>,
     need: Need<'_>,
-    local: &str,
+    judge: Judge<'_>,
     drives: &dyn Fn(&RunnerRecord) -> bool,
-    now_ms: i64,
 ) -> Result<&'a RunnerRecord, EngineError> {
     let mut passed_over = Vec::new();
     let mut best: Option<(&RunnerRecord, f64, i64)> = None;
@@ -762,7 +779,7 @@ pub(crate) fn choose<'a>(
                 runner.id
             ))
         } else {
-            match state_of(runner, runner.id == local, now_ms) {
+            match judge.state(runner) {
                 RunnerState::Ready if drives(runner) => None,
                 RunnerState::Ready => Some(
                     "runs on another machine, and this server does not place \
@@ -842,6 +859,16 @@ mod tests {
         }
     }
 
+    const SILENCE_MS: i64 = 30_000;
+
+    fn judge(local: &str, now_ms: i64) -> Judge<'_> {
+        Judge {
+            local,
+            now_ms,
+            silence_ms: SILENCE_MS,
+        }
+    }
+
     fn need(class: SandboxClass) -> Need<'static> {
         Need {
             class,
@@ -870,9 +897,8 @@ mod tests {
                 (&c, used(2, 4, 2)),
             ],
             need(SandboxClass::Container),
-            "none",
+            judge("none", 2_000),
             &|_| true,
-            2_000,
         )
         .unwrap();
         assert_eq!(chosen.id, "c");
@@ -884,9 +910,8 @@ mod tests {
                 (&c, used(2, 4, 2)),
             ],
             need(SandboxClass::Container),
-            "none",
+            judge("none", 2_000),
             &|_| true,
-            2_000,
         )
         .unwrap();
         assert_eq!(chosen.id, "b");
@@ -917,9 +942,8 @@ mod tests {
         let err = choose(
             all.iter().map(|r| (*r, Usage::default())),
             need(SandboxClass::LinuxVm),
-            "none",
+            judge("none", SILENCE_MS + 1_000),
             &|_| true,
-            UNRESPONSIVE_AFTER_MS + 1_000,
         )
         .unwrap_err();
         let message = err.to_string();
@@ -938,9 +962,8 @@ mod tests {
         let chosen = choose(
             all.iter().map(|r| (*r, Usage::default())),
             need(SandboxClass::Container),
-            "none",
+            judge("none", SILENCE_MS + 1_000),
             &|_| true,
-            UNRESPONSIVE_AFTER_MS + 1_000,
         )
         .unwrap();
         assert_eq!(chosen.id, "k");
@@ -948,13 +971,12 @@ mod tests {
         let chosen = choose(
             [(&silent, Usage::default())],
             need(SandboxClass::Container),
-            "s",
+            judge("s", SILENCE_MS * 10),
             &|_| true,
-            UNRESPONSIVE_AFTER_MS * 10,
         )
         .unwrap();
         assert_eq!(chosen.id, "s");
-        let none = choose([], need(SandboxClass::Container), "s", &|_| true, 0).unwrap_err();
+        let none = choose([], need(SandboxClass::Container), judge("s", 0), &|_| true).unwrap_err();
         assert!(
             none.to_string().contains("no runner is registered"),
             "{none}"
@@ -969,9 +991,8 @@ mod tests {
         let chosen = choose(
             [(&here, used(6, 20, 6)), (&there, Usage::default())],
             need(SandboxClass::Container),
-            "here",
+            judge("here", 2_000),
             &drives,
-            2_000,
         )
         .unwrap();
         assert_eq!(chosen.id, "here");
@@ -980,9 +1001,8 @@ mod tests {
         let err = choose(
             [(&drained, Usage::default()), (&there, Usage::default())],
             need(SandboxClass::Container),
-            "here",
+            judge("here", 2_000),
             &drives,
-            2_000,
         )
         .unwrap_err();
         assert!(
