@@ -107,6 +107,29 @@ pub struct RunnerSwitches {
     pub draining: Option<bool>,
 }
 
+/// `query` with `r`'s values bound to `$1` to `$18`, in [`COLUMNS`]' order.
+fn bind_columns<'q>(query: crate::Query<'q>, r: &'q RunnerRecord) -> crate::Query<'q> {
+    query
+        .bind(&r.id)
+        .bind(&r.name)
+        .bind(&r.region)
+        .bind(serde_json::to_string(&r.classes).expect("strings serialize"))
+        .bind(&r.accelerator)
+        .bind(r.cpu)
+        .bind(r.memory_gib)
+        .bind(r.disk_gib)
+        .bind(&r.app_version)
+        .bind(i64::from(r.unschedulable))
+        .bind(i64::from(r.draining))
+        .bind(serde_json::to_string(&r.usage).expect("numbers serialize"))
+        .bind(r.created_at_ms)
+        .bind(r.updated_at_ms)
+        .bind(r.last_checked_ms)
+        .bind(serde_json::to_string(&r.tags).expect("strings serialize"))
+        .bind(&r.api_url)
+        .bind(&r.proxy_url)
+}
+
 impl Store {
     /// Records a runner as it starts: a new one is inserted; a known one
     /// (the same id) has what it offers replaced and keeps its creation
@@ -122,25 +145,7 @@ impl Store {
              app_version = excluded.app_version, usage = excluded.usage, \
              updated_at_ms = excluded.updated_at_ms, last_checked_ms = excluded.last_checked_ms"
         );
-        sqlx::query(&sql)
-            .bind(&r.id)
-            .bind(&r.name)
-            .bind(&r.region)
-            .bind(serde_json::to_string(&r.classes).expect("strings serialize"))
-            .bind(&r.accelerator)
-            .bind(r.cpu)
-            .bind(r.memory_gib)
-            .bind(r.disk_gib)
-            .bind(&r.app_version)
-            .bind(i64::from(r.unschedulable))
-            .bind(i64::from(r.draining))
-            .bind(serde_json::to_string(&r.usage).expect("numbers serialize"))
-            .bind(r.created_at_ms)
-            .bind(r.updated_at_ms)
-            .bind(r.last_checked_ms)
-            .bind(serde_json::to_string(&r.tags).expect("strings serialize"))
-            .bind(&r.api_url)
-            .bind(&r.proxy_url)
+        bind_columns(sqlx::query(&sql), r)
             .execute(&self.pool)
             .await?;
         self.find_runner(&r.id)
@@ -219,25 +224,7 @@ impl Store {
              ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) \
              ON CONFLICT(id) DO NOTHING"
         );
-        let done = sqlx::query(&sql)
-            .bind(&r.id)
-            .bind(&r.name)
-            .bind(&r.region)
-            .bind(serde_json::to_string(&r.classes).expect("strings serialize"))
-            .bind(&r.accelerator)
-            .bind(r.cpu)
-            .bind(r.memory_gib)
-            .bind(r.disk_gib)
-            .bind(&r.app_version)
-            .bind(i64::from(r.unschedulable))
-            .bind(i64::from(r.draining))
-            .bind(serde_json::to_string(&r.usage).expect("numbers serialize"))
-            .bind(r.created_at_ms)
-            .bind(r.updated_at_ms)
-            .bind(r.last_checked_ms)
-            .bind(serde_json::to_string(&r.tags).expect("strings serialize"))
-            .bind(&r.api_url)
-            .bind(&r.proxy_url)
+        let done = bind_columns(sqlx::query(&sql), r)
             .bind(token_hash)
             .execute(&self.pool)
             .await?;
