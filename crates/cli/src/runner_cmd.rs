@@ -167,7 +167,7 @@ fn report(data_dir: &Path, vm_assets: Option<&Path>) -> Value {
     })
 }
 
-/// Makes `dir` (and its parents) and leaves it readable by root only.
+/// Makes `dir` (and its parents) and leaves it to its owner alone (0700).
 fn make_private_dir(dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
