@@ -241,11 +241,11 @@ pub(crate) async fn create(
             .unwrap_or_else(|| cove_engine::REGION_ID.to_owned()),
         tags: body.tags,
     };
-    let (view, token) = state.engine.runners().create(new).await?;
+    let (record, token) = state.engine.runners().create(new).await?;
     Ok((
         StatusCode::CREATED,
         Json(CreatedRunner {
-            id: view.record.id,
+            id: record.id,
             api_key: token,
         }),
     ))

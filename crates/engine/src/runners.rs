@@ -409,7 +409,7 @@ impl Runners {
     /// Registers a runner on another machine: a record, `initializing` until
     /// it first reports, and the token it reports with, answered here once
     /// and kept only as its hash.
-    pub async fn create(&self, new: NewRunner) -> Result<(RunnerView, String), EngineError> {
+    pub async fn create(&self, new: NewRunner) -> Result<(RunnerRecord, String), EngineError> {
         check_word("name", &new.name)?;
         if new.region != crate::quota::REGION_ID {
             return Err(EngineError::Invalid {
@@ -469,8 +469,7 @@ impl Runners {
         }
         tracing::info!(runner = %record.id, name = %record.name, "runner registered by the operator");
         self.shared.set_runner(record.clone());
-        let mut views = self.views(vec![record]).await?;
-        Ok((views.remove(0), token))
+        Ok((record, token))
     }
 
     /// The runner `token` belongs to; `None` when it is no runner's.
@@ -485,8 +484,9 @@ impl Runners {
             .await?)
     }
 
-    /// Records what runner `id`, on another machine, reports of itself.
-    pub async fn report(&self, id: &str, report: RunnerReport) -> Result<RunnerView, EngineError> {
+    /// Records what runner `id`, on another machine, reports of itself
+    /// (every few seconds: nothing is counted here).
+    pub async fn report(&self, id: &str, report: RunnerReport) -> Result<(), EngineError> {
         check_report(&report)?;
         let record = self
             .shared
@@ -494,9 +494,8 @@ impl Runners {
             .runner_reported(id, &report, now_ms())
             .await?
             .ok_or_else(|| EngineError::RunnerNotFound { id: id.to_owned() })?;
-        self.shared.set_runner(record.clone());
-        let mut views = self.views(vec![record]).await?;
-        Ok(views.remove(0))
+        self.shared.set_runner(record);
+        Ok(())
     }
 
     /// Deletes runner `id`, and with it its token. The server's own runner
