@@ -5,17 +5,23 @@ use crate::{Ceilings, EngineError};
 
 /// Names are used in URLs and as host names: keep them plain.
 pub(crate) fn check_name(name: &str) -> Result<(), EngineError> {
-    let valid = !name.is_empty()
-        && name.len() <= 63
-        && name
+    check_word("name", name)
+}
+
+/// A name or tag in `field`: 1 to 63 letters, digits, `-`, `_` or `.`, so
+/// it reads the same in a URL, a host name, a table and a log.
+pub(crate) fn check_word(field: &'static str, word: &str) -> Result<(), EngineError> {
+    let valid = !word.is_empty()
+        && word.len() <= 63
+        && word
             .chars()
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.'));
     if valid {
         Ok(())
     } else {
         Err(EngineError::Invalid {
-            field: "name",
-            reason: format!("{name:?} must be 1 to 63 letters, digits, '-', '_' or '.'"),
+            field,
+            reason: format!("{word:?} must be 1 to 63 letters, digits, '-', '_' or '.'"),
         })
     }
 }

@@ -22,6 +22,7 @@ use cove_lifecycle::SandboxClass;
 use cove_store::{RunnerRecord, RunnerReport, RunnerSwitches, RunnerUsage};
 
 use crate::access::{hash_secret, random_token};
+use crate::checks::check_word;
 use crate::quota::Usage;
 use crate::shared::Shared;
 use crate::{now_ms, EngineError};
@@ -40,9 +41,8 @@ pub const RUNNER_TOKEN_PREFIX: &str = "cove_runner_";
 /// Random characters after the prefix: 40 of 36 symbols, about 206 bits.
 const RUNNER_TOKEN_LEN: usize = 40;
 
-/// The most tags a runner carries, and the longest a name or tag may be.
+/// The most tags a runner carries.
 const MAX_TAGS: usize = 16;
-const MAX_NAME_LEN: usize = 63;
 
 /// A runner on another machine, as the operator registers it.
 #[derive(Clone, Debug, Default)]
@@ -604,24 +604,6 @@ pub struct Host {
     pub memory_gib: i64,
     pub disk_gib: i64,
     pub usage: RunnerUsage,
-}
-
-/// A runner's name or tag: 1 to 63 letters, digits, `.`, `_` or `-`, so
-/// it reads the same in a table, a URL and a log.
-fn check_word(field: &'static str, word: &str) -> Result<(), EngineError> {
-    let fits = !word.is_empty()
-        && word.len() <= MAX_NAME_LEN
-        && word
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if fits {
-        Ok(())
-    } else {
-        Err(EngineError::Invalid {
-            field,
-            reason: format!("{word:?}: use 1 to {MAX_NAME_LEN} letters, digits, '.', '_' or '-'"),
-        })
-    }
 }
 
 /// Refuses a runner's report that cannot be true: an unknown or repeated
