@@ -16,7 +16,14 @@ import uuid
 import pytest
 from daytona import CreateSandboxFromSnapshotParams, DaytonaError, ListSandboxesQuery
 
-from conftest import CoveServer, cove_binary, new_data_dir, remove_data_dir, unique, wait_until
+import glob
+import signal
+
+import requests
+
+from conftest import (
+    CoveServer, cove_binary, images_dir, new_data_dir, remove_data_dir, unique, wait_until,
+)
 
 # What Daytona's `Runner` requires.
 REQUIRED = {
@@ -188,6 +195,20 @@ def start_runner(cove: CoveServer, token: str, data_dir) -> subprocess.Popen:
     )
 
 
+def serving_runner(cove: CoveServer, token: str, data_dir) -> subprocess.Popen:
+    """`cove runner --listen`: it serves containers on a loopback port, its
+    sandboxes' user namespaces and cgroups apart from the server's."""
+    env = {k: v for k, v in os.environ.items() if k not in ("COVE_API_KEY", "DAYTONA_API_KEY")}
+    env["COVE_RUNNER_TOKEN"] = token
+    env.setdefault("RUST_LOG", "info")
+    return subprocess.Popen(
+        [str(cove_binary()), "runner", "--control", cove.api_url, "--data-dir", str(data_dir),
+         "--no-vm", "--listen", "127.0.0.1:0", "--images-dir", str(images_dir()),
+         "--storage-size-gib", "8", "--userns-pool", "2147483648:64"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+
+
 def state(cove: CoveServer, runner_id: str) -> str:
     r = cove.request("GET", f"/runners/{runner_id}")
     assert r.status_code == 200, r.text
@@ -229,8 +250,8 @@ def test_a_runner_on_another_machine_checks_in_reports_and_ends_when_deleted(cov
         rows = [line.split() for line in admin(cove, "runners").splitlines()]
         assert [runner_id, name, "ready", "on"] in [row[:4] for row in rows], rows
 
-        # New sandboxes stay on the server's own runner: this server does
-        # not drive runners elsewhere yet.
+        # New sandboxes stay on the server's own runner: this runner does
+        # not serve (no --listen).
         placed = sandboxes(CreateSandboxFromSnapshotParams(name=unique("here")))
         assert placed.runner_id != runner_id
 
@@ -340,3 +361,68 @@ def test_a_drained_runner_takes_no_new_sandbox_keeps_its_own_and_stays_drained(o
     placed = daytona.create(CreateSandboxFromSnapshotParams(labels=refused), timeout=120)
     assert placed.runner_id == runner_id
     assert labelled(daytona, refused) == [placed.id]
+
+
+def cgroups_of(sandbox_id: str) -> list[str]:
+    """The host cgroups of a container on a runner, in any hierarchy."""
+    return glob.glob(f"/sys/fs/cgroup/**/cove-runner/{sandbox_id}", recursive=True)
+
+
+def test_a_runner_elsewhere_runs_the_containers_placed_on_it():
+    """With the server's own runner drained, a create goes to a runner that
+    serves (`cove runner --listen`): the runner runs the container, commands
+    and files reach it through the runner, and it stops, starts with its
+    files and is deleted there, leaving nothing on the runner."""
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=("--no-network",))
+    server.start()
+    process = None
+    runner_dir = new_data_dir()
+    try:
+        runner_id, token = add_runner(server, unique("node"))
+        process = serving_runner(server, token, runner_dir)
+        assert wait_until(lambda: state(server, runner_id) == "ready", 60)
+        me = server.request("GET", "/runners/me", headers={"Authorization": f"Bearer {token}"}).json()
+        service = me["apiUrl"]
+        assert service.startswith("http://127.0.0.1:"), me
+        # The runner's service takes its own key only: not the runner's
+        # token, not the operator's key.
+        for key in (None, token, server.api_key):
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            assert requests.get(f"{service}/sandboxes/x", headers=headers, timeout=10).status_code == 401
+
+        local = next(r["id"] for r in runners(server) if r["id"] != runner_id)
+        admin(server, "drain", local)
+        daytona = server.client()
+        sandbox = daytona.create(CreateSandboxFromSnapshotParams(name=unique("there")), timeout=120)
+        assert sandbox.runner_id == runner_id
+        assert cgroups_of(sandbox.id), "the runner's cgroup of the sandbox"
+        assert sandbox.process.exec("echo from elsewhere").result.strip() == "from elsewhere"
+        sandbox.fs.upload_file(b"kept on the runner", "kept.txt")
+        assert sandbox.fs.download_file("kept.txt") == b"kept on the runner"
+        assert server.request("GET", f"/runners/by-sandbox/{sandbox.id}").json()["id"] == runner_id
+
+        sandbox.stop(timeout=60)
+        assert sandbox.state == "stopped"
+        assert not cgroups_of(sandbox.id)
+        sandbox.start(timeout=60)
+        assert sandbox.fs.download_file("kept.txt") == b"kept on the runner"
+        assert sandbox.process.exec("echo again").result.strip() == "again"
+
+        sandbox.delete()
+        assert not cgroups_of(sandbox.id)
+        assert os.listdir(runner_dir / "storage" / "sandboxes") == []
+
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, process.stderr.read()
+        with open("/proc/self/mounts") as mounts:
+            assert str(runner_dir / "storage") not in mounts.read()
+    finally:
+        if process is not None and process.poll() is None:
+            process.kill()
+            process.wait()
+        try:
+            server.stop()
+        finally:
+            remove_data_dir(data_dir)
+            remove_data_dir(runner_dir)

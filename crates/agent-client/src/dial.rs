@@ -6,10 +6,11 @@ use std::io;
 use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 
 use cove_protocol::SandboxId;
-use tokio::io::{AsyncRead, AsyncWrite};
-use tokio::net::UnixStream;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpStream, UnixStream};
 
 pub type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
@@ -40,30 +41,197 @@ impl Dial for UnixSocket {
 /// Where each listens is set before each request (a restarted sandbox's
 /// agent has a new socket).
 #[derive(Clone, Debug, Default)]
-pub struct Sockets(Arc<Mutex<HashMap<String, PathBuf>>>);
+pub struct Sockets(Arc<Mutex<HashMap<String, Endpoint>>>);
 
 impl Sockets {
-    pub fn set(&self, id: &SandboxId, socket: PathBuf) {
-        self.0.lock().unwrap().insert(id.to_string(), socket);
+    pub fn set(&self, id: &SandboxId, endpoint: Endpoint) {
+        self.0.lock().unwrap().insert(id.to_string(), endpoint);
     }
 
-    pub fn get(&self, id: &str) -> Option<PathBuf> {
+    pub fn get(&self, id: &str) -> Option<Endpoint> {
         self.0.lock().unwrap().get(id).cloned()
     }
 }
 
 impl Dial for Sockets {
-    type Io = UnixStream;
+    type Io = AgentStream;
     type Error = io::Error;
 
-    fn dial(&self, id: &str) -> BoxFuture<io::Result<UnixStream>> {
-        let socket = self.get(id);
+    fn dial(&self, id: &str) -> BoxFuture<io::Result<AgentStream>> {
+        let endpoint = self.get(id);
         let id = id.to_owned();
         Box::pin(async move {
-            let socket = socket.ok_or_else(|| {
+            let endpoint = endpoint.ok_or_else(|| {
                 io::Error::new(io::ErrorKind::NotFound, format!("no agent known for {id}"))
             })?;
-            UnixStream::connect(socket).await
+            endpoint.connect().await
         })
+    }
+}
+
+/// Where the agent of one sandbox is reached from this host.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Endpoint {
+    /// A Unix socket on this host; the agent serves HTTP on it.
+    Unix(PathBuf),
+    /// A sandbox on a runner on another machine: each connection is a TCP
+    /// connection to the runner's service, switched by an authenticated
+    /// upgrade into a byte stream to the agent (see [`RunnerTunnel`]).
+    Runner(RunnerTunnel),
+}
+
+/// The way to a sandbox's agent through the runner that runs it:
+/// `GET /sandboxes/{sandbox}/agent` with `Upgrade: cove-agent` and the
+/// runner's service key, answered `101` by a runner that runs the sandbox.
+#[derive(Clone, PartialEq, Eq)]
+pub struct RunnerTunnel {
+    /// `host:port` of the runner's service.
+    pub address: String,
+    pub sandbox: String,
+    /// The key the runner's service takes (it reported it to the control
+    /// plane, which keeps it only in memory).
+    pub key: String,
+}
+
+impl std::fmt::Debug for RunnerTunnel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunnerTunnel")
+            .field("address", &self.address)
+            .field("sandbox", &self.sandbox)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The protocol a runner's service upgrades a connection to: raw bytes
+/// to and from the agent of one sandbox.
+pub const RUNNER_TUNNEL_PROTOCOL: &str = "cove-agent";
+
+/// The most of a runner's answer to a tunnel request that is read.
+const TUNNEL_HEAD_LIMIT: usize = 8 << 10;
+
+/// A byte stream to an agent: a Unix socket's, or a TCP connection through
+/// a runner.
+#[derive(Debug)]
+pub enum AgentStream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Endpoint {
+    /// A new connection to the agent.
+    pub async fn connect(&self) -> io::Result<AgentStream> {
+        match self {
+            Endpoint::Unix(socket) => UnixStream::connect(socket).await.map(AgentStream::Unix),
+            Endpoint::Runner(tunnel) => tunnel.open().await.map(AgentStream::Tcp),
+        }
+    }
+}
+
+impl Dial for Endpoint {
+    type Io = AgentStream;
+    type Error = io::Error;
+
+    fn dial(&self, _: &str) -> BoxFuture<io::Result<AgentStream>> {
+        let endpoint = self.clone();
+        Box::pin(async move { endpoint.connect().await })
+    }
+}
+
+impl RunnerTunnel {
+    /// Connects to the runner and asks it for the agent; the stream is the
+    /// agent's once the runner switched protocols. The answer's head is
+    /// read a byte at a time, so nothing of the agent's is read with it.
+    pub async fn open(&self) -> io::Result<TcpStream> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut stream = TcpStream::connect(&self.address).await?;
+        stream.set_nodelay(true)?;
+        let request = format!(
+            "GET /sandboxes/{}/agent HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {}\r\n\
+             Connection: Upgrade\r\nUpgrade: {RUNNER_TUNNEL_PROTOCOL}\r\n\r\n",
+            self.sandbox, self.address, self.key
+        );
+        stream.write_all(request.as_bytes()).await?;
+        let mut head = Vec::with_capacity(256);
+        let mut byte = [0u8; 1];
+        while !head.ends_with(b"\r\n\r\n") {
+            if head.len() >= TUNNEL_HEAD_LIMIT || stream.read(&mut byte).await? == 0 {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidData,
+                    format!(
+                        "the runner at {} ended its answer for the agent of {} early",
+                        self.address, self.sandbox
+                    ),
+                ));
+            }
+            head.push(byte[0]);
+        }
+        let status_line = String::from_utf8_lossy(&head);
+        let status_line = status_line.lines().next().unwrap_or_default();
+        if status_line.split(' ').nth(1) != Some("101") {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionRefused,
+                format!(
+                    "the runner at {} did not open the agent of {}: {}",
+                    self.address,
+                    self.sandbox,
+                    status_line.trim()
+                ),
+            ));
+        }
+        Ok(stream)
+    }
+}
+
+impl AsyncRead for AgentStream {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            AgentStream::Unix(stream) => Pin::new(stream).poll_read(cx, buf),
+            AgentStream::Tcp(stream) => Pin::new(stream).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for AgentStream {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            AgentStream::Unix(stream) => Pin::new(stream).poll_write(cx, buf),
+            AgentStream::Tcp(stream) => Pin::new(stream).poll_write(cx, buf),
+        }
+    }
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        match self.get_mut() {
+            AgentStream::Unix(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+            AgentStream::Tcp(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+        }
+    }
+    fn is_write_vectored(&self) -> bool {
+        match self {
+            AgentStream::Unix(stream) => stream.is_write_vectored(),
+            AgentStream::Tcp(stream) => stream.is_write_vectored(),
+        }
+    }
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            AgentStream::Unix(stream) => Pin::new(stream).poll_flush(cx),
+            AgentStream::Tcp(stream) => Pin::new(stream).poll_flush(cx),
+        }
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match self.get_mut() {
+            AgentStream::Unix(stream) => Pin::new(stream).poll_shutdown(cx),
+            AgentStream::Tcp(stream) => Pin::new(stream).poll_shutdown(cx),
+        }
     }
 }

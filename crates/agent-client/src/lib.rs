@@ -20,7 +20,10 @@ mod pool;
 pub mod testing;
 
 pub use client::{empty, full, read_bounded, AgentClient, Body};
-pub use dial::{BoxFuture, Dial, Sockets, UnixSocket};
+pub use dial::{
+    AgentStream, BoxFuture, Dial, Endpoint, RunnerTunnel, Sockets, UnixSocket,
+    RUNNER_TUNNEL_PROTOCOL,
+};
 pub use error::{report, AgentError};
 pub use pool::{BoxError, Connector, Pool, PooledStream};
 

@@ -335,6 +335,9 @@ pub(crate) struct Healthcheck {
     proxy_url: Option<String>,
     sandbox_classes: Option<Vec<String>>,
     accelerator: Option<String>,
+    /// cove's: the key the runner's service at `apiUrl` takes. With it the
+    /// control plane places sandboxes on the runner and drives them there.
+    service_key: Option<String>,
 }
 
 /// Daytona's `RunnerHealthMetrics`, the fields cove keeps.
@@ -384,6 +387,10 @@ pub(crate) async fn healthcheck(
         api_url: body.api_url,
         proxy_url: body.proxy_url,
     };
-    state.engine.runners().report(&known.id, report).await?;
+    state
+        .engine
+        .runners()
+        .report(&known.id, report, body.service_key.as_deref())
+        .await?;
     Ok(StatusCode::OK)
 }

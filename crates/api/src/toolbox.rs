@@ -10,7 +10,7 @@ use axum::http::{header, HeaderValue, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use cove_agent_client::{Pool, Sockets};
 use cove_protocol::SandboxId;
-use cove_runtime::AgentEndpoint;
+
 use futures_util::{future, FutureExt};
 use hyper_util::rt::TokioIo;
 use std::time::Duration;
@@ -68,9 +68,8 @@ async fn forward(
     request: Request,
 ) -> Result<Response, ApiError> {
     let (id, endpoint) = tenant.sandboxes().toolbox(&id).await?;
-    let AgentEndpoint::Unix(socket) = endpoint;
     let id = SandboxId::parse(&id).map_err(|e| ApiError::bad_request(e.to_string()))?;
-    state.toolbox.sockets.set(&id, socket);
+    state.toolbox.sockets.set(&id, endpoint);
     relay(&state.toolbox.pool, &id, request).await
 }
 
@@ -264,7 +263,7 @@ mod tests {
     async fn proxy(socket: std::path::PathBuf) -> std::net::SocketAddr {
         let id = SandboxId::parse("sbx-1").unwrap();
         let sockets = Sockets::default();
-        sockets.set(&id, socket);
+        sockets.set(&id, cove_runtime::AgentEndpoint::Unix(socket));
         let pool = Pool::with_read_buffer(sockets, None);
         let app = Router::new().route(
             "/toolbox/{id}/{*path}",

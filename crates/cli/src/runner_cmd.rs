@@ -7,15 +7,22 @@
 //! (`POST /api/runners/healthcheck`, Daytona's shape): its size, its load,
 //! and the classes of sandbox it could run. The control plane lists it with
 //! its load, shows it unresponsive when the reports stop, and can delete it,
-//! which ends the process at its next report. The control plane does not
-//! place sandboxes on it yet; the runner opens no listener and starts
-//! nothing.
+//! which ends the process at its next report. Without `--listen` that is
+//! all: it opens no listener and starts nothing. With it, the runner serves
+//! its container runtime (`runner_service`), reports where and with which
+//! key, and the control plane places containers on it.
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
+use std::sync::Arc;
+
 use anyhow::{bail, Context};
 use cove_engine::RunnerUsage;
+use cove_runtime::container::ContainerRuntime;
+use cove_runtime::Runtime as _;
+
+use crate::runner_service::Service;
 use serde_json::{json, Value};
 
 #[derive(clap::Args, Debug)]
@@ -39,10 +46,132 @@ pub(crate) struct RunnerArgs {
     vm_assets: PathBuf,
     #[arg(long)]
     no_vm: bool,
+    /// Serve sandboxes: the control plane places containers here and
+    /// drives them through this address (`HOST:PORT`). Without it the
+    /// runner only reports.
+    #[arg(long, env = "COVE_RUNNER_LISTEN")]
+    listen: Option<std::net::SocketAddr>,
+    /// The URL the control plane reaches `--listen` at (default:
+    /// `http://` and the address it is bound to).
+    #[arg(long, env = "COVE_RUNNER_ADVERTISE")]
+    advertise: Option<String>,
+    /// Where root filesystems are, laid out as the control plane's (a
+    /// sandbox's image is named by its path under it).
+    #[arg(long, env = "COVE_IMAGES_DIR", default_value = "/var/tmp/cove/images")]
+    images_dir: PathBuf,
+    /// The static agent binary put into sandboxes (default: built by `cargo agent`).
+    #[arg(long, env = "COVE_AGENT_BIN")]
+    agent_bin: Option<PathBuf>,
+    /// Size of the sandbox storage filesystem (a sparse btrfs image in the data dir), GiB.
+    #[arg(long, default_value_t = 64)]
+    storage_size_gib: u64,
+    /// The host ids containers' user namespaces map to (`FIRST:RANGES` of
+    /// 65536); apart from every other runner's and server's on the host.
+    #[arg(long, env = "COVE_USERNS_POOL", default_value = "1879048192:4096", value_parser = cove_runtime::container::IdPool::parse)]
+    userns_pool: cove_runtime::container::IdPool,
 }
+
+/// The cgroup containers of a runner go under (`{controller}/cove-runner/{id}`),
+/// apart from a server's on the same host.
+const CGROUP_PARENT: &str = "cove-runner";
 
 pub(crate) async fn run(args: RunnerArgs) -> anyhow::Result<()> {
     make_private_dir(&args.data_dir)?;
+    let serving = match args.listen {
+        Some(listen) => Some(serve(&args, listen).await?),
+        None => None,
+    };
+    let reported = report_until_gone(&args, serving.as_ref()).await;
+    if let Some(serving) = serving {
+        serving.end().await;
+    }
+    reported
+}
+
+/// What `--listen` runs: the service, where it is reached, and its storage.
+struct Serving {
+    service: Arc<Service>,
+    url: String,
+    storage: Arc<cove_runtime::storage::Storage>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Serving {
+    /// Stops the sandboxes it started and the service; the storage is
+    /// unmounted when no sandbox keeps anything on it.
+    async fn end(self) {
+        self.task.abort();
+        self.service.stop_all().await;
+        match self.service.runtime.sandbox_ids().await {
+            Ok(ids) if ids.is_empty() => {
+                if let Err(error) = self.storage.unmount() {
+                    tracing::warn!(%error, "unmounting the storage, with no sandbox left");
+                }
+            }
+            Ok(_) => {}
+            Err(error) => {
+                tracing::warn!(error = %cove_engine::describe(&error), "listing sandboxes at exit")
+            }
+        }
+    }
+}
+
+/// Opens the container runtime on this runner's storage and serves it at
+/// `listen`. Whatever ran before (a runner killed) is stopped first: its
+/// storage stays, for the control plane to start again.
+async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Result<Serving> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    #[allow(unsafe_code)]
+    let euid = unsafe { libc::geteuid() };
+    if euid != 0 {
+        bail!("cove runner --listen must run as root: it creates namespaces, mounts and cgroups");
+    }
+    let listener = tokio::net::TcpListener::bind(listen)
+        .await
+        .with_context(|| format!("listen on {listen}"))?;
+    let url = match &args.advertise {
+        Some(url) => url.trim_end_matches('/').to_owned(),
+        None => format!("http://{}", listener.local_addr()?),
+    };
+    let agent_binary = crate::agent_binary::locate(args.agent_bin.clone())?;
+    let data_dir = args.data_dir.canonicalize()?;
+    let storage = crate::serve::open_storage(&data_dir, args.storage_size_gib).await?;
+    let mut config = crate::serve::container_config(&storage, agent_binary)?;
+    config.userns_pool = args.userns_pool;
+    config.cgroup_parent = CGROUP_PARENT.into();
+    let runtime = Arc::new(ContainerRuntime::new(config)?);
+    for id in runtime.sandbox_ids().await? {
+        let Ok(sandbox) = cove_runtime::SandboxId::parse(&id) else {
+            continue;
+        };
+        if let Err(error) = runtime.stop(&sandbox).await {
+            tracing::warn!(sandbox = %id, error = %cove_engine::describe(&error), "stopping what a runner before left");
+        }
+    }
+    let key = format!(
+        "{}{}",
+        uuid::Uuid::new_v4().simple(),
+        uuid::Uuid::new_v4().simple()
+    );
+    let service = Arc::new(Service::new(runtime, args.images_dir.clone(), key));
+    let app = crate::runner_service::router(service.clone());
+    let task = tokio::spawn(async move {
+        if let Err(error) = axum::serve(listener, app).await {
+            tracing::error!(%error, "the runner's service ended");
+        }
+    });
+    tracing::info!(%url, images = %args.images_dir.display(), "runner serving containers");
+    Ok(Serving {
+        service,
+        url,
+        storage,
+        task,
+    })
+}
+
+/// Checks in, then reports every few seconds until the process is told to
+/// end or the control plane no longer knows this runner.
+async fn report_until_gone(args: &RunnerArgs, serving: Option<&Serving>) -> anyhow::Result<()> {
     let control = args.control.trim_end_matches('/').to_owned();
     let http = reqwest::Client::builder()
         .no_proxy()
@@ -67,7 +196,11 @@ pub(crate) async fn run(args: RunnerArgs) -> anyhow::Result<()> {
             _ = tokio::signal::ctrl_c() => return Ok(()),
             _ = terminate.recv() => return Ok(()),
         }
-        let report = report(&args.data_dir, (!args.no_vm).then_some(&*args.vm_assets));
+        let report = report(
+            &args.data_dir,
+            (!args.no_vm).then_some(&*args.vm_assets),
+            serving,
+        );
         let sent = call(
             http.post(format!("{control}/runners/healthcheck"))
                 .json(&report),
@@ -128,10 +261,14 @@ async fn call(request: reqwest::RequestBuilder, token: &str) -> Result<Value, Re
 
 /// Daytona's `RunnerHealthcheck` for this host now, with cove's
 /// `sandboxClasses` and `accelerator`.
-fn report(data_dir: &Path, vm_assets: Option<&Path>) -> Value {
+fn report(data_dir: &Path, vm_assets: Option<&Path>, serving: Option<&Serving>) -> Value {
     let host = cove_engine::measure_host(data_dir);
     let RunnerUsage { cpu, memory, disk } = host.usage;
-    let vm = vm_assets.map(cove_runtime::vm::probe);
+    // The service runs containers only: a runner that serves offers no
+    // VMs, whatever the host could run.
+    let vm = vm_assets
+        .filter(|_| serving.is_none())
+        .map(cove_runtime::vm::probe);
     let mut classes = vec!["container"];
     let accelerator = match vm {
         Some(Ok(accelerator)) => {
@@ -164,6 +301,8 @@ fn report(data_dir: &Path, vm_assets: Option<&Path>) -> Value {
         "serviceHealth": [{"serviceName": "runner", "healthy": true}],
         "sandboxClasses": classes,
         "accelerator": accelerator,
+        "apiUrl": serving.map(|s| &s.url),
+        "serviceKey": serving.map(|s| &s.service.key),
     })
 }
 

@@ -273,6 +273,30 @@ struct VmServing {
     warming: tokio::task::JoinHandle<()>,
 }
 
+/// The sandbox storage of `data_dir` (a sparse btrfs image of `size_gib`
+/// GiB), mounted.
+pub(crate) async fn open_storage(data_dir: &Path, size_gib: u64) -> anyhow::Result<Arc<Storage>> {
+    let (image, dir) = (data_dir.join("storage.img"), data_dir.join("storage"));
+    let storage =
+        tokio::task::spawn_blocking(move || Storage::open(&image, &dir, size_gib << 30)).await??;
+    Ok(Arc::new(storage))
+}
+
+/// The container runtime's settings for sandboxes on `storage`, their agent
+/// `agent_binary`; pools and cgroups at their defaults.
+pub(crate) fn container_config(
+    storage: &Arc<Storage>,
+    agent_binary: PathBuf,
+) -> anyhow::Result<ContainerConfig> {
+    let mut config = ContainerConfig::new(
+        storage.root().join("sandboxes"),
+        agent_binary,
+        std::env::current_exe()?,
+    );
+    config.storage = Some(storage.clone());
+    Ok(config)
+}
+
 /// Held while the server runs: one server per data directory.
 type DataDirLock = nix::fcntl::Flock<std::fs::File>;
 
@@ -431,22 +455,10 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         eprintln!();
     }
 
-    let storage_size = args.storage_size_gib << 30;
-    let storage_dir = data_dir.join("storage");
-    let storage_image = data_dir.join("storage.img");
-    let storage = tokio::task::spawn_blocking(move || {
-        Storage::open(&storage_image, &storage_dir, storage_size)
-    })
-    .await??;
-    let storage = Arc::new(storage);
+    let storage = open_storage(&data_dir, args.storage_size_gib).await?;
     // Until sandboxes may use it, a failed start unmounts what it mounted.
     let mut unmount_on_error = UnmountOnError(Some(storage.clone()));
-    let mut container_config = ContainerConfig::new(
-        storage.root().join("sandboxes"),
-        agent_binary,
-        std::env::current_exe()?,
-    );
-    container_config.storage = Some(storage.clone());
+    let mut container_config = container_config(&storage, agent_binary)?;
     container_config.userns_pool = args.userns_pool;
     container_config.shim_pool = args.container_pool;
     let agent_for_vms = container_config.agent_binary.clone();

@@ -109,6 +109,13 @@ pub enum EngineError {
     /// sandboxes.
     #[error("{message}")]
     RunnerInUse { message: String },
+    /// A sandbox's runner is on another machine and has not reported its
+    /// service since this server started (or stopped serving).
+    #[error(
+        "runner {id}, on another machine, has not reported where it serves since this \
+         server started; its sandboxes are out of reach until it does"
+    )]
+    RunnerAway { id: String },
     /// Placement found no runner that may take the sandbox now.
     #[error("no runner can take this sandbox now: {reason}")]
     NoRunner { reason: String },
@@ -316,7 +323,7 @@ impl EngineError {
             | Self::HasForks { .. }
             | Self::Transition { .. }
             | Self::NotStarted { .. } => ErrorKind::Conflict,
-            Self::NoRunner { .. } => ErrorKind::ServiceUnavailable,
+            Self::NoRunner { .. } | Self::RunnerAway { .. } => ErrorKind::ServiceUnavailable,
             Self::ClassUnavailable { .. } | Self::NotImplemented { .. } => {
                 ErrorKind::NotImplemented
             }

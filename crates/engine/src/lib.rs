@@ -33,6 +33,7 @@ mod metrics;
 mod network;
 mod organizations;
 mod quota;
+pub mod remote;
 mod runners;
 mod sandboxes;
 mod shared;

@@ -15,6 +15,7 @@
 //! does not place sandboxes on it yet (placement names it and says so).
 
 use std::collections::HashMap;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -143,16 +144,29 @@ pub(crate) struct Need<'a> {
     pub(crate) region: &'a str,
     pub(crate) cpu: i64,
     pub(crate) memory_gib: i64,
+    /// What the sandbox has that only this server's own runner gives yet,
+    /// named; `None`: any runner will do.
+    pub(crate) here_only: Option<&'static str>,
 }
 
 impl Need<'static> {
     /// What `sandbox` needs, in the server's one region.
     pub(crate) fn of(sandbox: &cove_store::SandboxRecord) -> Need<'static> {
+        let here_only = if sandbox.network != cove_store::NetworkSettings::default() {
+            Some("a network policy")
+        } else if sandbox.linked_sandbox_id.is_some() {
+            Some("a link to another sandbox")
+        } else if !sandbox.volumes.is_empty() {
+            Some("volumes")
+        } else {
+            None
+        };
         Need {
             class: sandbox.class,
             region: crate::quota::REGION_ID,
             cpu: sandbox.cpu,
             memory_gib: crate::quota::memory_gib(sandbox),
+            here_only,
         }
     }
 }
@@ -243,8 +257,29 @@ impl Shared {
         }
     }
 
+    /// Drives runner `record` through `service` from now on (a new one
+    /// replaces the old: the runner restarted or moved), or, with `None`,
+    /// no longer.
+    fn serve_through(&self, record: &RunnerRecord, service: Option<crate::remote::Service>) {
+        let mut remotes = self.remotes.write().unwrap();
+        match (service, remotes.get(&record.id)) {
+            (None, _) => {
+                remotes.remove(&record.id);
+            }
+            (Some(service), Some(known)) => known.0.set_service(service),
+            (Some(service), None) => {
+                let images = (self.config.images.as_ref())
+                    .map_or_else(PathBuf::new, |images| images.dir().to_owned());
+                let runtime = crate::remote::RemoteRuntime::new(&record.name, service, images);
+                tracing::info!(runner = %record.id, name = %record.name, "driving the runner at its service");
+                remotes.insert(record.id.clone(), crate::remote::Remote(Arc::new(runtime)));
+            }
+        }
+    }
+
     /// Forgets runner `id` (deleted).
     fn forget_runner(&self, id: &str) {
+        self.remotes.write().unwrap().remove(id);
         let mut placement = self.placement.write().unwrap();
         placement.runners.retain(|r| r.id != id);
         placement.load.remove(id);
@@ -260,10 +295,25 @@ impl Shared {
             .iter()
             .filter(|r| only.is_none_or(|only| r.id == only))
             .map(|r| (r, load.get(&r.id).copied().unwrap_or_default()));
-        // Sandboxes run in this process only: the server does not drive a
-        // runner on another machine yet.
+        // This process's runtimes, and those of runners elsewhere that
+        // said where they serve.
         let judge = self.judge();
-        let drives = |runner: &RunnerRecord| runner.id == judge.local;
+        let remotes = self.remotes.read().unwrap();
+        let drives = |runner: &RunnerRecord| {
+            if runner.id == judge.local {
+                Ok(())
+            } else if !remotes.contains_key(&runner.id) {
+                Err("runs on another machine and has not said where it serves \
+                     (cove runner --listen) since this server started"
+                    .to_owned())
+            } else if let Some(what) = need.here_only {
+                Err(format!(
+                    "runs on another machine, where sandboxes cannot have {what} yet"
+                ))
+            } else {
+                Ok(())
+            }
+        };
         let chosen = choose(candidates, need, judge, &drives)?.id.clone();
         let usage = load.entry(chosen.clone()).or_default();
         usage.running += 1;
@@ -485,15 +535,28 @@ impl Runners {
     }
 
     /// Records what runner `id`, on another machine, reports of itself
-    /// (every few seconds: nothing is counted here).
-    pub async fn report(&self, id: &str, report: RunnerReport) -> Result<(), EngineError> {
+    /// (every few seconds: nothing is counted here). With `service_key`,
+    /// the runner serves sandboxes at its `apiUrl` to whoever presents that
+    /// key: from now on this server drives it there. The key is kept in
+    /// memory only; a runner that reports none is not driven.
+    pub async fn report(
+        &self,
+        id: &str,
+        report: RunnerReport,
+        service_key: Option<&str>,
+    ) -> Result<(), EngineError> {
         check_report(&report)?;
+        let service = match service_key {
+            Some(key) => Some(service_of(&report, key)?),
+            None => None,
+        };
         let record = self
             .shared
             .store
             .runner_reported(id, &report, now_ms())
             .await?
             .ok_or_else(|| EngineError::RunnerNotFound { id: id.to_owned() })?;
+        self.shared.serve_through(&record, service);
         self.shared.set_runner(record);
         Ok(())
     }
@@ -681,6 +744,36 @@ fn check_report(report: &RunnerReport) -> Result<(), EngineError> {
     Ok(())
 }
 
+/// The service a runner serves sandboxes at: its report's `apiUrl`, an
+/// `http://` URL with a host, and `key`, which it made (1 to 128 letters,
+/// digits, `-` or `_`: it goes into a header as it is).
+fn service_of(report: &RunnerReport, key: &str) -> Result<crate::remote::Service, EngineError> {
+    let invalid = |field: &'static str, reason: String| EngineError::Invalid { field, reason };
+    if key.is_empty()
+        || key.len() > 128
+        || !key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(invalid(
+            "serviceKey",
+            "give 1 to 128 letters, digits, '-' or '_'".into(),
+        ));
+    }
+    let Some(url) = &report.api_url else {
+        return Err(invalid(
+            "apiUrl",
+            "a runner that gives a serviceKey says where it serves: give its http:// URL".into(),
+        ));
+    };
+    crate::remote::Service::new(url, key).ok_or_else(|| {
+        invalid(
+            "apiUrl",
+            format!("{url:?}: a runner's service is reached at an http://HOST:PORT URL"),
+        )
+    })
+}
+
 /// `part` of `whole` in percent, to two decimals; 0 of nothing.
 fn percent(part: f64, whole: f64) -> f64 {
     if whole <= 0.0 {
@@ -729,7 +822,7 @@ impl Judge<'_> {
 
 /// The runner a new sandbox goes to: of those that can take it (in its
 /// region, running its class, ready, neither draining nor unschedulable,
-/// and one this server `drives`),
+/// and one this server `drives` for this sandbox, or the reason it does not),
 /// the one with the most room for CPU and memory after it, then the one
 /// holding fewer sandboxes, then by id. Runners are not refused for being
 /// full: like Daytona's, they are overcommitted, and organizations' quotas
@@ -739,7 +832,7 @@ pub(crate) fn choose<'a>(
     runners: impl IntoIterator<Item = (&'a RunnerRecord, Usage)>,
     need: Need<'_>,
     judge: Judge<'_>,
-    drives: &dyn Fn(&RunnerRecord) -> bool,
+    drives: &dyn Fn(&RunnerRecord) -> Result<(), String>,
 ) -> Result<&'a RunnerRecord, EngineError> {
     let mut passed_over = Vec::new();
     let mut best: Option<(&RunnerRecord, f64, i64)> = None;
@@ -761,12 +854,7 @@ pub(crate) fn choose<'a>(
             ))
         } else {
             match judge.state(runner) {
-                RunnerState::Ready if drives(runner) => None,
-                RunnerState::Ready => Some(
-                    "runs on another machine, and this server does not place \
-                     sandboxes on other machines yet"
-                        .into(),
-                ),
+                RunnerState::Ready => drives(runner).err(),
                 state => Some(format!("is {}", state.as_str())),
             }
         };
@@ -856,6 +944,7 @@ mod tests {
             region: "us",
             cpu: 1,
             memory_gib: 1,
+            here_only: None,
         }
     }
 
@@ -879,7 +968,7 @@ mod tests {
             ],
             need(SandboxClass::Container),
             judge("none", 2_000),
-            &|_| true,
+            &|_| Ok(()),
         )
         .unwrap();
         assert_eq!(chosen.id, "c");
@@ -892,7 +981,7 @@ mod tests {
             ],
             need(SandboxClass::Container),
             judge("none", 2_000),
-            &|_| true,
+            &|_| Ok(()),
         )
         .unwrap();
         assert_eq!(chosen.id, "b");
@@ -924,7 +1013,7 @@ mod tests {
             all.iter().map(|r| (*r, Usage::default())),
             need(SandboxClass::LinuxVm),
             judge("none", SILENCE_MS + 1_000),
-            &|_| true,
+            &|_| Ok(()),
         )
         .unwrap_err();
         let message = err.to_string();
@@ -944,7 +1033,7 @@ mod tests {
             all.iter().map(|r| (*r, Usage::default())),
             need(SandboxClass::Container),
             judge("none", SILENCE_MS + 1_000),
-            &|_| true,
+            &|_| Ok(()),
         )
         .unwrap();
         assert_eq!(chosen.id, "k");
@@ -953,11 +1042,17 @@ mod tests {
             [(&silent, Usage::default())],
             need(SandboxClass::Container),
             judge("s", SILENCE_MS * 10),
-            &|_| true,
+            &|_| Ok(()),
         )
         .unwrap();
         assert_eq!(chosen.id, "s");
-        let none = choose([], need(SandboxClass::Container), judge("s", 0), &|_| true).unwrap_err();
+        let none = choose(
+            [],
+            need(SandboxClass::Container),
+            judge("s", 0),
+            &|_| Ok(()),
+        )
+        .unwrap_err();
         assert!(
             none.to_string().contains("no runner is registered"),
             "{none}"
@@ -967,7 +1062,10 @@ mod tests {
     #[test]
     fn a_runner_this_server_does_not_drive_is_passed_over_and_named() {
         let (here, there) = (runner("here"), runner("there"));
-        let drives = |r: &RunnerRecord| r.id == "here";
+        let drives = |r: &RunnerRecord| match r.id.as_str() {
+            "here" => Ok(()),
+            _ => Err("has not said where it serves".to_owned()),
+        };
         // "there" has more room, but only "here" is driven.
         let chosen = choose(
             [(&here, used(6, 20, 6)), (&there, Usage::default())],
@@ -987,10 +1085,8 @@ mod tests {
         )
         .unwrap_err();
         assert!(
-            err.to_string().contains(
-                "runner host-there (there) runs on another machine, and this server \
-                 does not place sandboxes on other machines yet"
-            ),
+            err.to_string()
+                .contains("runner host-there (there) has not said where it serves"),
             "{err}"
         );
     }

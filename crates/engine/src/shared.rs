@@ -56,6 +56,9 @@ pub(crate) struct Shared {
     /// The runners new sandboxes may go to and what each holds, kept here
     /// so a create places its sandbox without a store read.
     pub(crate) placement: std::sync::RwLock<crate::runners::Placement>,
+    /// The runtimes of runners on other machines whose last report named
+    /// their service, by runner id; kept in memory only (the key with them).
+    pub(crate) remotes: std::sync::RwLock<HashMap<String, crate::remote::Remote>>,
 }
 
 impl Shared {
@@ -67,6 +70,7 @@ impl Shared {
         let placement = crate::runners::Placement::of_local(&config.runner, &runtimes);
         Shared {
             placement: std::sync::RwLock::new(placement),
+            remotes: std::sync::RwLock::default(),
             config,
             store,
             runtimes,
@@ -88,6 +92,36 @@ impl Shared {
             .ok_or(EngineError::ClassUnavailable {
                 class: class.as_str(),
             })
+    }
+
+    /// Whether `record` runs on this server's own runner (every sandbox
+    /// from before runners does).
+    pub(crate) fn is_local(&self, record: &SandboxRecord) -> bool {
+        record
+            .runner_id
+            .as_deref()
+            .is_none_or(|runner| runner == self.config.runner.id)
+    }
+
+    /// The runtime of `record`: this server's for its class, or the one of
+    /// the runner elsewhere that holds it.
+    pub(crate) fn runtime_of(
+        &self,
+        record: &SandboxRecord,
+    ) -> Result<Arc<dyn Runtime>, EngineError> {
+        let Some(runner) = record
+            .runner_id
+            .as_deref()
+            .filter(|_| !self.is_local(record))
+        else {
+            return self.runtime(record.class).cloned();
+        };
+        match self.remotes.read().unwrap().get(runner) {
+            Some(remote) => Ok(Arc::new(remote.clone())),
+            None => Err(EngineError::RunnerAway {
+                id: runner.to_owned(),
+            }),
+        }
     }
 
     /// Every class this server runs, with its runtime.

@@ -129,12 +129,10 @@ pub struct TapLink {
     pub gateway: std::net::Ipv4Addr,
 }
 
-/// How the server reaches the agent inside a running sandbox.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum AgentEndpoint {
-    /// A Unix socket on the host; the agent serves HTTP on it.
-    Unix(PathBuf),
-}
+/// How the server reaches the agent inside a running sandbox: a Unix socket
+/// on this host, or, for a sandbox on a runner elsewhere, a tunnel through
+/// that runner (cove-agent-client's `Endpoint`).
+pub use cove_agent_client::Endpoint as AgentEndpoint;
 
 /// A running sandbox, as `start` hands it back.
 #[derive(Debug)]

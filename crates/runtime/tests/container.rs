@@ -111,7 +111,9 @@ impl Harness {
         let began = Instant::now();
         let started = self.runtime.start(&spec).await.unwrap();
         let took = began.elapsed();
-        let AgentEndpoint::Unix(socket) = started.agent.clone();
+        let AgentEndpoint::Unix(socket) = started.agent.clone() else {
+            panic!("a container's agent is on a Unix socket")
+        };
         let version = get(&socket, "/version").await;
         eprintln!(
             "start() of {id} took {took:?}; start + GET /version {:?}",
@@ -609,7 +611,9 @@ async fn start_time_is_logged() {
         h.runtime.prepare(&spec).await.unwrap();
         let started = h.runtime.start(&spec).await.unwrap();
         starts.push(began.elapsed());
-        let AgentEndpoint::Unix(socket) = started.agent;
+        let AgentEndpoint::Unix(socket) = started.agent else {
+            panic!("a container's agent is on a Unix socket")
+        };
         assert_eq!(exec_ok(&socket, "echo ok").await, "ok");
         firsts.push(began.elapsed());
         h.runtime.destroy(&sid(&id)).await.unwrap();

@@ -274,7 +274,9 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     rt.prepare(&a).await.unwrap();
     let started = rt.start(&a).await.unwrap();
     eprintln!("first create (template made here): {}", ms(began.elapsed()));
-    let AgentEndpoint::Unix(socket) = started.agent.clone();
+    let AgentEndpoint::Unix(socket) = started.agent.clone() else {
+        panic!("a VM's agent is on a Unix socket")
+    };
     assert_eq!(socket, h.socket("vm-a"));
     assert!(matches!(started.accelerator, Some("kvm" | "tcg")));
     let (code, out) = exec(&socket, "echo hi").await;

@@ -1,20 +1,19 @@
 //! The agent's toolbox API as the gateway uses it, over the sandbox's agent
 //! socket: one-shot commands (`/process/execute`), PTY sessions (create and
 //! attach over a WebSocket, resize, kill) and TCP tunnels (`/cove/tunnel/{port}`).
-//! Works the same for containers and VMs: both expose the agent as a Unix socket.
+//! Works the same for containers and VMs, on this host (a Unix socket) or on
+//! a runner elsewhere (a tunnel through it).
 //! The calls go through `cove-agent-client` (the PTY's WebSocket on a
 //! connection of its own, which tungstenite's client upgrades).
 
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 
 use base64::Engine as _;
-use cove_agent_client::{AgentClient, UnixSocket};
+use cove_agent_client::{AgentClient, AgentStream, Endpoint};
 use cove_protocol::{ExecuteRequest, ExecuteResponse};
 use http::{header, Method, Request, StatusCode};
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
-use tokio::net::UnixStream;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest as _;
 use tokio_tungstenite::WebSocketStream;
 
@@ -53,8 +52,8 @@ pub enum AgentError {
 /// The agent of one sandbox.
 #[derive(Clone, Debug)]
 pub(crate) struct Agent {
-    client: AgentClient<UnixSocket>,
-    socket: PathBuf,
+    client: AgentClient<Endpoint>,
+    endpoint: Endpoint,
 }
 
 /// What `/process/execute` answers.
@@ -63,23 +62,26 @@ pub(crate) type Executed = ExecuteResponse;
 /// A PTY session on the agent: its id and the attached WebSocket.
 pub(crate) struct Pty {
     pub id: String,
-    pub socket: WebSocketStream<UnixStream>,
+    pub socket: WebSocketStream<AgentStream>,
 }
 
 impl Agent {
-    pub(crate) fn new(sandbox: String, socket: PathBuf) -> Agent {
+    pub(crate) fn new(sandbox: String, endpoint: Endpoint) -> Agent {
         Agent {
-            client: AgentClient::new(sandbox, UnixSocket(socket.clone()), ANSWER_LIMIT),
-            socket,
+            client: AgentClient::new(sandbox, endpoint.clone(), ANSWER_LIMIT),
+            endpoint,
         }
     }
 
-    async fn connect(&self) -> Result<UnixStream, AgentError> {
+    async fn connect(&self) -> Result<AgentStream, AgentError> {
         self.client
             .connect()
             .await
             .map_err(|source| AgentError::Connect {
-                socket: self.socket.display().to_string(),
+                socket: match &self.endpoint {
+                    Endpoint::Unix(socket) => socket.display().to_string(),
+                    Endpoint::Runner(tunnel) => format!("runner {}", tunnel.address),
+                },
                 source,
             })
     }
@@ -213,7 +215,7 @@ mod tests {
     /// then bytes that never stop.
     fn hostile_agent(head: &'static [u8]) -> (tempfile::TempDir, Agent) {
         let (dir, socket) = cove_agent_client::testing::hostile_agent(head);
-        (dir, Agent::new("sbx-1".into(), socket))
+        (dir, Agent::new("sbx-1".into(), Endpoint::Unix(socket)))
     }
 
     use cove_agent_client::AgentError as ClientError;

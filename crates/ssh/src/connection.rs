@@ -252,9 +252,7 @@ impl russh::server::Handler for Connection {
         // reading while the agent answers.
         tokio::spawn(async move {
             let agent = match target.engine.sandboxes().toolbox(&target.sandbox_id).await {
-                Ok((_, cove_runtime::AgentEndpoint::Unix(socket))) => {
-                    crate::agent::Agent::new(target.sandbox_id.clone(), socket)
-                }
+                Ok((_, endpoint)) => crate::agent::Agent::new(target.sandbox_id.clone(), endpoint),
                 Err(error) => return reply.reject(refuse(cove_engine::describe(&error))).await,
             };
             let mut tunnel = match agent.tunnel(port).await {

@@ -123,12 +123,12 @@ async fn finish(channel: &Channel<Msg>, status: u32) {
 
 /// The sandbox's agent, if the sandbox still runs (and counts as activity).
 async fn agent(target: &Target) -> Result<Agent, cove_engine::EngineError> {
-    let (id, cove_runtime::AgentEndpoint::Unix(socket)) = target
+    let (id, endpoint) = target
         .engine
         .sandboxes()
         .toolbox(&target.sandbox_id)
         .await?;
-    Ok(Agent::new(id, socket))
+    Ok(Agent::new(id, endpoint))
 }
 
 fn exit_status(code: i32) -> u32 {

@@ -26,7 +26,6 @@ use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode, Version
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use cove_engine::Caller;
-use cove_runtime::AgentEndpoint;
 use hyper_util::rt::TokioIo;
 
 use crate::{auth, ApiError, AppState};
@@ -332,8 +331,7 @@ async fn serve(
     let strip_authorization = caller.is_some();
     // Not `engine.toolbox`: a preview must not reset the idle clock.
     let (record, endpoint) = state.engine.sandboxes().agent(&id).await?;
-    let AgentEndpoint::Unix(socket) = endpoint;
-    state.previews.tunnels.set_socket(&record.id, socket);
+    state.previews.tunnels.set_endpoint(&record.id, endpoint);
     let port = target.port;
     let uri = TunnelClient::uri(&record.id, port, &target.rest)
         .ok_or_else(|| ApiError::bad_request(format!("invalid preview path {:?}", target.rest)))?;

@@ -4,12 +4,10 @@
 //! module), opened and pooled by `cove-agent-client`. The agent socket exists for every sandbox class, VMs included, so
 //! this one path reaches any of them.
 
-use std::path::PathBuf;
-
 use axum::body::Body;
 use axum::http::{StatusCode, Uri};
 use cove_agent_client::{
-    report, AgentClient, AgentError, BoxFuture, Dial, Pool, Sockets, UnixSocket,
+    report, AgentClient, AgentError, BoxFuture, Dial, Endpoint, Pool, Sockets,
 };
 use cove_protocol::SandboxId;
 use hyper::upgrade::Upgraded;
@@ -57,9 +55,9 @@ impl TunnelClient {
     /// Remembers where the agent of sandbox `id` listens (it changes when the
     /// sandbox restarts). An id that is none (it names no agent) is not
     /// kept, and its tunnels fail as those of an unknown sandbox.
-    pub(crate) fn set_socket(&self, id: &str, socket: PathBuf) {
+    pub(crate) fn set_endpoint(&self, id: &str, endpoint: Endpoint) {
         if let Ok(id) = SandboxId::parse(id) {
-            self.sockets.set(&id, socket);
+            self.sockets.set(&id, endpoint);
         }
     }
 
@@ -97,9 +95,9 @@ impl Dial for TunnelDialer {
     }
 }
 
-/// A tunnel to `port` of sandbox `id` through its agent at `socket`.
-async fn open(id: &str, port: u16, socket: PathBuf) -> Result<Upgraded, TunnelError> {
-    let agent = AgentClient::new(id, UnixSocket(socket), REFUSAL_LIMIT);
+/// A tunnel to `port` of sandbox `id` through its agent at `endpoint`.
+async fn open(id: &str, port: u16, endpoint: Endpoint) -> Result<Upgraded, TunnelError> {
+    let agent = AgentClient::new(id, endpoint, REFUSAL_LIMIT);
     agent.tunnel(port).await.map_err(|error| {
         TunnelError::bad_gateway(match error {
             // The agent says why (nothing listening, most often).
@@ -128,7 +126,10 @@ mod tests {
     #[tokio::test]
     async fn an_endless_refusal_is_cut_at_the_limit() {
         let (_dir, socket) = hostile_agent(b"HTTP/1.1 502 Bad Gateway\r\n\r\n");
-        let error = open("sbx-1", 3000, socket).await.err().unwrap();
+        let error = open("sbx-1", 3000, Endpoint::Unix(socket))
+            .await
+            .err()
+            .unwrap();
         assert_eq!(error.status, StatusCode::BAD_GATEWAY);
         assert!(error.message.contains("sandbox sbx-1"), "{}", error.message);
         assert!(error.message.contains("more than"), "{}", error.message);
@@ -137,7 +138,10 @@ mod tests {
     #[tokio::test]
     async fn an_endless_header_is_refused() {
         let (_dir, socket) = hostile_agent(b"HTTP/1.1 101 Switching Protocols\r\nX-Endless: ");
-        let error = open("sbx-2", 3000, socket).await.err().unwrap();
+        let error = open("sbx-2", 3000, Endpoint::Unix(socket))
+            .await
+            .err()
+            .unwrap();
         assert!(error.message.contains("sandbox sbx-2"), "{}", error.message);
     }
 }

@@ -122,7 +122,7 @@ impl Sandboxes {
         sandbox: &cove_runtime::SandboxId,
         request: CaptureRequest,
     ) -> Result<(), Failure> {
-        let runtime = self.shared.runtime(record.class)?.clone();
+        let runtime = self.shared.runtime_of(record)?;
         let base = self.own_snapshot(record).await?;
         let capture_id = uuid::Uuid::new_v4().to_string();
         let layer = if request.memory {

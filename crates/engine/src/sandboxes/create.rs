@@ -64,8 +64,9 @@ impl Sandboxes {
         // Checked before the row exists (and before placement, which would
         // find no runner for it): no half-made sandbox for a class this
         // server cannot run.
-        let runtime = self.shared.runtime(snapshot.class)?.clone();
+        self.shared.runtime(snapshot.class)?;
         let record = self.new_record(request, &snapshot).await?;
+        let runtime = self.shared.runtime_of(&record)?;
         let spec = self.spec(&record, &snapshot)?;
         timeline.step("check");
         let lock = self.shared.lock_for(&record.id);
@@ -193,7 +194,11 @@ impl Sandboxes {
         };
         // Last, once the request is known to be good: a refusal here says
         // only that no runner can take it now.
-        record.runner_id = Some(self.shared.place(Need::of(&record), None)?);
+        let mut need = Need::of(&record);
+        if !snapshot.layers.is_empty() {
+            need.here_only = need.here_only.or(Some("a snapshot taken from a sandbox"));
+        }
+        record.runner_id = Some(self.shared.place(need, None)?);
         Ok(record)
     }
 

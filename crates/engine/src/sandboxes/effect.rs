@@ -49,7 +49,7 @@ impl Sandboxes {
         effect: Effect,
         record: &SandboxRecord,
     ) -> Result<(), Failure> {
-        let runtime = self.shared.runtime(record.class)?.clone();
+        let runtime = self.shared.runtime_of(record)?;
         let runtime = runtime.as_ref();
         let id = &record.id;
         // Parsed once: the effects below name the machine by it.

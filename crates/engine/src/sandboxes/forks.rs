@@ -85,6 +85,11 @@ impl Sandboxes {
         // able to take it.
         let runner =
             (parent.runner_id.clone()).unwrap_or_else(|| self.shared.config.runner.id.clone());
+        if !self.shared.is_local(&parent) {
+            return Err(EngineError::NotImplemented {
+                what: format!("forking a sandbox on runner {runner}, on another machine,"),
+            });
+        }
         for child in &children {
             self.shared.place(Need::of(child), Some(&runner))?;
         }
@@ -93,7 +98,7 @@ impl Sandboxes {
             .await
             .map_err(|failure| failure.named(&parent.id, "fork"))?;
         // Checked before any child's row exists.
-        let runtime = self.shared.runtime(parent.class)?.clone();
+        let runtime = self.shared.runtime_of(&parent)?;
         let parent_sandbox = sandbox_id(&parent.id)?;
         let specs = children
             .iter()

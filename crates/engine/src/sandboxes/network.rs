@@ -20,7 +20,12 @@ impl Sandboxes {
         &self,
         record: &SandboxRecord,
     ) -> Result<Option<SandboxNetwork>, Failure> {
-        let Some(network) = self.shared.network() else {
+        // A runner elsewhere is not on this server's network.
+        let Some(network) = self
+            .shared
+            .network()
+            .filter(|_| self.shared.is_local(record))
+        else {
             return Ok(None);
         };
         let policy = policy(&record.network)?;
@@ -92,7 +97,11 @@ impl Sandboxes {
         record: &SandboxRecord,
         deletion: Deletion,
     ) -> Result<(), Failure> {
-        match self.shared.network() {
+        match self
+            .shared
+            .network()
+            .filter(|_| self.shared.is_local(record))
+        {
             Some(network) => network
                 .detach(&record.id, deletion)
                 .await
@@ -103,7 +112,11 @@ impl Sandboxes {
 
     /// Gives up a deleted sandbox's address.
     pub(crate) async fn release_network(&self, record: &SandboxRecord) -> Result<(), Failure> {
-        match self.shared.network() {
+        match self
+            .shared
+            .network()
+            .filter(|_| self.shared.is_local(record))
+        {
             Some(network) => network
                 .release(&record.id)
                 .await
@@ -134,6 +147,9 @@ impl Sandboxes {
                 ),
             });
         }
+        if !self.shared.is_local(&record) {
+            return Err(elsewhere_without_network(&record));
+        }
         if record.state == SandboxState::Started {
             if let Some(network) = self.shared.network() {
                 network
@@ -151,5 +167,16 @@ impl Sandboxes {
         record.updated_at_ms = crate::now_ms();
         self.shared.store.save_sandbox(&record).await?;
         Ok(record)
+    }
+}
+
+/// Why a sandbox on a runner elsewhere has no network to set.
+pub(crate) fn elsewhere_without_network(record: &SandboxRecord) -> EngineError {
+    EngineError::NotImplemented {
+        what: format!(
+            "a network for sandboxes on runner {}, on another machine (they have only \
+             loopback there),",
+            record.runner_id.as_deref().unwrap_or_default()
+        ),
     }
 }

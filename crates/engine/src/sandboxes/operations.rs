@@ -56,7 +56,7 @@ impl Sandboxes {
                 what: "archive without an archive location (serve --archive)".into(),
             });
         }
-        if !self.shared.runtime(record.class)?.can_archive() {
+        if !self.shared.runtime_of(record)?.can_archive() {
             return Err(EngineError::Invalid {
                 field: "sandbox",
                 reason: format!("{} sandboxes cannot be archived yet", record.class),

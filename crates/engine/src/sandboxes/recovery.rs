@@ -22,6 +22,14 @@ impl Sandboxes {
     /// part ended the builds of the last server).
     pub(crate) async fn recover_after_restart(&self) -> Result<(), EngineError> {
         for record in self.shared.store.list_sandboxes().await? {
+            // A runner elsewhere has not reported since this server
+            // started: its sandboxes are left as recorded. Taking them
+            // back when it reports again is not built yet.
+            if !self.shared.is_local(&record) {
+                tracing::info!(sandbox = %record.id, runner = ?record.runner_id,
+                    "on a runner elsewhere; left as recorded");
+                continue;
+            }
             let Ok(runtime) = self.shared.runtime(record.class).cloned() else {
                 tracing::warn!(sandbox = %record.id, class = %record.class, "no runtime for its class");
                 continue;

@@ -100,7 +100,7 @@ impl Saga<'_> {
     pub(super) async fn undo(self) -> Result<(), EngineError> {
         let id = &self.record.id;
         let sandboxes = self.sandboxes;
-        let destroyed = match sandboxes.shared.runtime(self.record.class) {
+        let destroyed = match sandboxes.shared.runtime_of(&self.record) {
             Ok(runtime) => runtime.destroy(&self.sandbox).await.map_err(Failure::from),
             Err(error) => Err(error.into()),
         };

@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
 
-use cove_agent_client::{report, AgentClient, AgentError, UnixSocket};
+use cove_agent_client::{report, AgentClient, AgentError, Endpoint};
 use cove_protocol::{ExecuteRequest, UnpackQuery};
 use futures_util::TryStreamExt as _;
 use http_body_util::BodyExt as _;
@@ -23,9 +23,9 @@ pub(crate) const ANSWER_LIMIT: usize = 8 << 20;
 /// What `/process/execute` answers.
 pub(crate) type Executed = cove_protocol::ExecuteResponse;
 
-/// The agent of build sandbox `sandbox`, listening on `socket`.
-fn agent(sandbox: &str, socket: &Path) -> AgentClient<UnixSocket> {
-    AgentClient::new(sandbox, UnixSocket(socket.to_owned()), ANSWER_LIMIT)
+/// The agent of build sandbox `sandbox`, reached at `endpoint`.
+fn agent(sandbox: &str, endpoint: &Endpoint) -> AgentClient<Endpoint> {
+    AgentClient::new(sandbox, endpoint.clone(), ANSWER_LIMIT)
 }
 
 /// What went wrong in a call to a build sandbox's agent, in the builder's
@@ -84,10 +84,10 @@ fn failure(sandbox: &str, error: AgentError) -> BuildAgentError {
 }
 
 /// Runs `argv` (quoted for the agent's shell) in `cwd` with `envs` added,
-/// in build sandbox `sandbox` whose agent listens on `socket`.
+/// in build sandbox `sandbox` whose agent is at `endpoint`.
 pub(crate) async fn execute(
     sandbox: &str,
-    socket: &Path,
+    endpoint: &Endpoint,
     argv: &[String],
     cwd: Option<&str>,
     envs: &BTreeMap<String, String>,
@@ -103,7 +103,7 @@ pub(crate) async fn execute(
         envs: Some(envs.clone()),
         timeout: Some(RUN_TIMEOUT.as_secs()),
     };
-    agent(sandbox, socket)
+    agent(sandbox, endpoint)
         .execute(&request)
         .await
         .map_err(|e| failure(sandbox, e))
@@ -113,7 +113,7 @@ pub(crate) async fn execute(
 /// that does not exist is not.
 pub(crate) async fn is_dir(
     sandbox: &str,
-    socket: &Path,
+    endpoint: &Endpoint,
     path: &str,
 ) -> Result<bool, BuildAgentError> {
     let query: String = url::form_urlencoded::Serializer::new(String::new())
@@ -122,7 +122,7 @@ pub(crate) async fn is_dir(
     let request = hyper::Request::get(format!("/files/info?{query}"))
         .body(cove_agent_client::empty())
         .map_err(BuildAgentError::Request)?;
-    let (status, body) = agent(sandbox, socket)
+    let (status, body) = agent(sandbox, endpoint)
         .call(request)
         .await
         .map_err(|e| failure(sandbox, e))?;
@@ -144,7 +144,7 @@ pub(crate) async fn is_dir(
 /// entry owned by `owner` (Docker's `--chown` form) when given.
 pub(crate) async fn unpack(
     sandbox: &str,
-    socket: &Path,
+    endpoint: &Endpoint,
     archive: &Path,
     owner: Option<&str>,
 ) -> Result<(), BuildAgentError> {
@@ -161,7 +161,7 @@ pub(crate) async fn unpack(
         owner: owner.map(str::to_owned),
     };
     let body = http_body_util::StreamBody::new(frames).boxed_unsync();
-    match agent(sandbox, socket).unpack(&query, body).await {
+    match agent(sandbox, endpoint).unpack(&query, body).await {
         Ok(_) => Ok(()),
         Err(AgentError::Refused { body, .. }) => {
             Err(BuildAgentError::Unpack(agent_message(body.as_bytes())))
@@ -198,7 +198,7 @@ mod tests {
             hostile_agent(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n");
         let error = execute(
             "build-1",
-            &socket,
+            &Endpoint::Unix(socket),
             &["true".to_owned()],
             None,
             &BTreeMap::new(),
@@ -213,7 +213,7 @@ mod tests {
     #[tokio::test]
     async fn an_endless_header_is_refused() {
         let (_dir, socket) = hostile_agent(b"HTTP/1.1 200 OK\r\nX-Endless: ");
-        let error = is_dir("build-2", &socket, "/")
+        let error = is_dir("build-2", &Endpoint::Unix(socket), "/")
             .await
             .unwrap_err()
             .to_string();

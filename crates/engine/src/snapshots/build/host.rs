@@ -38,10 +38,10 @@ pub(crate) enum BuildHostError {
     Agent(#[from] super::agent::BuildAgentError),
 }
 
-/// A started build sandbox: its id and its agent's socket.
+/// A started build sandbox: its id and its agent.
 pub(crate) struct BuildSandbox {
     id: cove_runtime::SandboxId,
-    socket: PathBuf,
+    agent: cove_runtime::AgentEndpoint,
 }
 
 /// Build steps on this engine's container runtime, network and store.
@@ -153,10 +153,9 @@ impl BuildHost for EngineBuildHost {
         }
         runtime.prepare(&spec).await?;
         let started = runtime.start(&spec).await?;
-        let cove_runtime::AgentEndpoint::Unix(socket) = started.agent;
         Ok(BuildSandbox {
             id: spec.id,
-            socket,
+            agent: started.agent,
         })
     }
 
@@ -167,7 +166,7 @@ impl BuildHost for EngineBuildHost {
         env: &BTreeMap<String, String>,
         workdir: Option<&str>,
     ) -> Result<Executed, BuildHostError> {
-        let executed = agent::execute(&sandbox.id, &sandbox.socket, argv, workdir, env)
+        let executed = agent::execute(&sandbox.id, &sandbox.agent, argv, workdir, env)
             .await
             .map_err(BuildHostError::Agent)?;
         Ok(Executed {
@@ -178,7 +177,7 @@ impl BuildHost for EngineBuildHost {
     }
 
     async fn is_dir(&self, sandbox: &BuildSandbox, path: &str) -> Result<bool, BuildHostError> {
-        agent::is_dir(&sandbox.id, &sandbox.socket, path)
+        agent::is_dir(&sandbox.id, &sandbox.agent, path)
             .await
             .map_err(BuildHostError::Agent)
     }
@@ -189,7 +188,7 @@ impl BuildHost for EngineBuildHost {
         archive: &Path,
         owner: Option<&str>,
     ) -> Result<(), BuildHostError> {
-        agent::unpack(&sandbox.id, &sandbox.socket, archive, owner)
+        agent::unpack(&sandbox.id, &sandbox.agent, archive, owner)
             .await
             .map_err(BuildHostError::Agent)
     }

@@ -1,0 +1,308 @@
+//! The service of a runner on another machine (`cove runner --listen`): the
+//! control plane drives this machine's container runtime through it, and
+//! reaches each sandbox's agent through it. Its wire is
+//! `cove_engine::remote`'s, which the control plane's client speaks.
+//!
+//! Every route takes the key this process made at start and reported in its
+//! healthcheck (`serviceKey`), compared in constant time; the runner's own
+//! token, which the control plane keeps only hashed, is not it. A sandbox's
+//! agent is a byte stream after `GET /sandboxes/{id}/agent` with
+//! `Upgrade: cove-agent`: the service splices it to the agent's Unix socket
+//! and reads nothing of it.
+//!
+//! | route | does |
+//! |---|---|
+//! | `POST /sandboxes/{id}/prepare` | makes its storage ([`RemoteSpec`]) |
+//! | `POST /sandboxes/{id}/start` | boots it |
+//! | `GET /sandboxes/{id}/exit` | answers once that start ended, with why |
+//! | `POST /sandboxes/{id}/stop` | ends its processes, keeps its storage |
+//! | `DELETE /sandboxes/{id}` | removes everything of it |
+//! | `GET /sandboxes/{id}` | whether it runs |
+//! | `GET /sandboxes/{id}/agent` | the agent's byte stream (upgrade) |
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use cove_engine::remote::{
+    FailureKind, RemoteExit, RemoteFailure, RemoteSpec, RemoteStarted, RemoteState,
+};
+use cove_runtime::container::ContainerRuntime;
+use cove_runtime::{AgentEndpoint, Runtime, RuntimeError, SandboxId};
+use tokio::sync::watch;
+
+/// What the service holds: the runtime, where images are, its key, and the
+/// sandboxes it started.
+pub(crate) struct Service {
+    pub(crate) runtime: Arc<ContainerRuntime>,
+    pub(crate) images: PathBuf,
+    pub(crate) key: String,
+    runs: Mutex<HashMap<String, Run>>,
+}
+
+/// One start of a sandbox: its agent, and why it ended once it has.
+#[derive(Clone)]
+struct Run {
+    agent: AgentEndpoint,
+    ended: watch::Receiver<Option<String>>,
+}
+
+impl Service {
+    pub(crate) fn new(runtime: Arc<ContainerRuntime>, images: PathBuf, key: String) -> Service {
+        Service {
+            runtime,
+            images,
+            key,
+            runs: Mutex::default(),
+        }
+    }
+
+    /// Stops every sandbox it started, for a clean exit.
+    pub(crate) async fn stop_all(&self) {
+        let ids: Vec<String> = self
+            .runs
+            .lock()
+            .unwrap()
+            .drain()
+            .map(|(id, _)| id)
+            .collect();
+        for id in ids {
+            let Ok(sandbox) = SandboxId::parse(&id) else {
+                continue;
+            };
+            if let Err(error) = self.runtime.stop(&sandbox).await {
+                tracing::warn!(sandbox = %id, error = %cove_engine::describe(&error), "stopping at exit");
+            }
+        }
+    }
+}
+
+pub(crate) fn router(service: Arc<Service>) -> Router {
+    Router::new()
+        .route("/sandboxes/{id}/prepare", post(prepare))
+        .route("/sandboxes/{id}/start", post(start))
+        .route("/sandboxes/{id}/exit", get(exit))
+        .route("/sandboxes/{id}/stop", post(stop))
+        .route("/sandboxes/{id}", get(running).delete(destroy))
+        .route("/sandboxes/{id}/agent", get(agent))
+        .layer(axum::middleware::from_fn_with_state(
+            service.clone(),
+            authorize,
+        ))
+        .with_state(service)
+}
+
+/// A refusal in the wire's shape.
+struct Refusal(u16, RemoteFailure);
+
+impl IntoResponse for Refusal {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.0).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, Json(self.1)).into_response()
+    }
+}
+
+impl From<RuntimeError> for Refusal {
+    fn from(error: RuntimeError) -> Refusal {
+        let (status, failure) = RemoteFailure::of(&error);
+        Refusal(status, failure)
+    }
+}
+
+fn refuse(status: u16, kind: FailureKind, message: impl Into<String>) -> Refusal {
+    Refusal(
+        status,
+        RemoteFailure {
+            kind,
+            message: message.into(),
+        },
+    )
+}
+
+async fn authorize(
+    State(service): State<Arc<Service>>,
+    request: Request,
+    next: axum::middleware::Next,
+) -> Response {
+    let given = bearer(request.headers()).unwrap_or_default();
+    if !cove_engine::constant_time_eq(given.as_bytes(), service.key.as_bytes()) {
+        return refuse(
+            401,
+            FailureKind::Other,
+            "this runner's service takes its own key",
+        )
+        .into_response();
+    }
+    next.run(request).await
+}
+
+fn bearer(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)?
+        .to_str()
+        .ok()?
+        .strip_prefix("Bearer ")
+}
+
+fn sandbox(id: &str) -> Result<SandboxId, Refusal> {
+    SandboxId::parse(id).map_err(|e| refuse(400, FailureKind::Other, e.to_string()))
+}
+
+fn spec_of(
+    service: &Service,
+    id: SandboxId,
+    spec: RemoteSpec,
+) -> Result<cove_runtime::SandboxSpec, Refusal> {
+    spec.into_spec(id, &service.images)
+        .map_err(|message| refuse(400, FailureKind::Other, message))
+}
+
+async fn prepare(
+    State(service): State<Arc<Service>>,
+    Path(id): Path<String>,
+    Json(spec): Json<RemoteSpec>,
+) -> Result<StatusCode, Refusal> {
+    let spec = spec_of(&service, sandbox(&id)?, spec)?;
+    service.runtime.prepare(&spec).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn start(
+    State(service): State<Arc<Service>>,
+    Path(id): Path<String>,
+    Json(spec): Json<RemoteSpec>,
+) -> Result<Json<RemoteStarted>, Refusal> {
+    let spec = spec_of(&service, sandbox(&id)?, spec)?;
+    let started = service.runtime.start(&spec).await?;
+    let (tell, ended) = watch::channel(None);
+    let exited = started.exited;
+    tokio::spawn(async move {
+        let why = exited
+            .await
+            .unwrap_or_else(|_| "the runner's runtime dropped it".into());
+        let _ = tell.send(Some(why));
+    });
+    let run = Run {
+        agent: started.agent,
+        ended,
+    };
+    service.runs.lock().unwrap().insert(id, run);
+    Ok(Json(RemoteStarted {
+        accelerator: started.accelerator.map(str::to_owned),
+    }))
+}
+
+/// Answers once the sandbox's current start has ended, with why; at once
+/// when it ended already, and 409 (not running) when it was never started
+/// by this process.
+async fn exit(
+    State(service): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> Result<Json<RemoteExit>, Refusal> {
+    let run = service.runs.lock().unwrap().get(&id).cloned();
+    let Some(mut run) = run else {
+        return Err(RuntimeError::NotRunning { id }.into());
+    };
+    let ended = run
+        .ended
+        .wait_for(Option::is_some)
+        .await
+        .map(|why| why.clone().unwrap_or_default())
+        .unwrap_or_else(|_| "the runner's runtime dropped it".into());
+    Ok(Json(RemoteExit { reason: ended }))
+}
+
+async fn stop(
+    State(service): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, Refusal> {
+    let sandbox = sandbox(&id)?;
+    service.runs.lock().unwrap().remove(&id);
+    service.runtime.stop(&sandbox).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn destroy(
+    State(service): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> Result<StatusCode, Refusal> {
+    let sandbox = sandbox(&id)?;
+    service.runs.lock().unwrap().remove(&id);
+    service.runtime.destroy(&sandbox).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+async fn running(
+    State(service): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> Result<Json<RemoteState>, Refusal> {
+    let sandbox = sandbox(&id)?;
+    Ok(Json(RemoteState {
+        running: service.runtime.is_running(&sandbox).await,
+    }))
+}
+
+/// Switches the connection to a byte stream to the sandbox's agent.
+async fn agent(
+    State(service): State<Arc<Service>>,
+    Path(id): Path<String>,
+    mut request: Request,
+) -> Result<Response, Refusal> {
+    let wants = request.headers().get(header::UPGRADE).is_some_and(|p| {
+        p.as_bytes()
+            .eq_ignore_ascii_case(cove_agent_client::RUNNER_TUNNEL_PROTOCOL.as_bytes())
+    });
+    if !wants {
+        return Err(refuse(
+            400,
+            FailureKind::Other,
+            format!(
+                "ask with Upgrade: {}",
+                cove_agent_client::RUNNER_TUNNEL_PROTOCOL
+            ),
+        ));
+    }
+    let run = service.runs.lock().unwrap().get(&id).cloned();
+    let Some(run) = run.filter(|run| run.ended.borrow().is_none()) else {
+        return Err(RuntimeError::NotRunning { id }.into());
+    };
+    let AgentEndpoint::Unix(socket) = run.agent else {
+        return Err(refuse(
+            500,
+            FailureKind::Other,
+            "the agent is not on this machine",
+        ));
+    };
+    let mut agent = tokio::net::UnixStream::connect(&socket)
+        .await
+        .map_err(|e| {
+            refuse(
+                502,
+                FailureKind::Other,
+                format!("the agent of {id} did not answer: {e}"),
+            )
+        })?;
+    let upgrade = hyper::upgrade::on(&mut request);
+    tokio::spawn(async move {
+        match upgrade.await {
+            Ok(upgraded) => {
+                let mut upgraded = hyper_util::rt::TokioIo::new(upgraded);
+                let _ = tokio::io::copy_bidirectional(&mut upgraded, &mut agent).await;
+            }
+            Err(error) => tracing::debug!(sandbox = %id, %error, "agent tunnel not upgraded"),
+        }
+    });
+    let mut response = StatusCode::SWITCHING_PROTOCOLS.into_response();
+    let headers = response.headers_mut();
+    headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    headers.insert(
+        header::UPGRADE,
+        HeaderValue::from_static(cove_agent_client::RUNNER_TUNNEL_PROTOCOL),
+    );
+    Ok(response)
+}

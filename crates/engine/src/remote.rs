@@ -1,0 +1,575 @@
+//! Sandboxes on a runner on another machine: [`RemoteRuntime`] is the
+//! [`Runtime`] the engine drives for them, a client of the runner's service
+//! (`cove runner`), and the wire both ends speak ([`RemoteSpec`],
+//! [`RemoteFailure`], ...), kept here so they cannot drift apart.
+//!
+//! The runner's service takes the key the runner reported in its last
+//! healthcheck, which the control plane keeps only in memory. Answers are
+//! read up to [`ANSWER_LIMIT`]: a runner is trusted to run its sandboxes,
+//! not to bound what it sends. A sandbox's agent is reached through the
+//! runner ([`AgentEndpoint::Runner`]).
+//!
+//! What this step does not do on a runner elsewhere, it refuses by name:
+//! images other than the ones both machines hold at the same path under
+//! their images directories, snapshot layers, volumes, networks,
+//! captures, archives, pauses and forks.
+
+use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, RwLock};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use cove_agent_client::RunnerTunnel;
+use cove_runtime::{
+    AgentEndpoint, Resources, Runtime, RuntimeError, SandboxId, SandboxSpec, Started,
+};
+use serde::{Deserialize, Serialize};
+
+/// The most of a runner's answer that is read.
+pub const ANSWER_LIMIT: usize = 64 << 10;
+/// How long one operation on a runner may take before it is given up.
+const OPERATION_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long to wait before asking again after a runner could not be reached
+/// while a sandbox of it runs.
+const RETRY_EVERY: Duration = Duration::from_secs(2);
+
+/// A sandbox as the control plane asks a runner elsewhere to make and start it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RemoteSpec {
+    pub hostname: String,
+    /// The image's root filesystem, relative to the images directory: the
+    /// same path under the runner's.
+    pub image: String,
+    pub cpu: u32,
+    pub memory_mib: u64,
+    pub disk_gib: u64,
+    pub env: Vec<(String, String)>,
+    pub workdir: Option<String>,
+    pub user: Option<String>,
+    pub command: Vec<String>,
+}
+
+impl RemoteSpec {
+    /// `spec` for a runner elsewhere, whose images directory has the layout
+    /// of `images` (the control plane's). What a runner cannot be given yet
+    /// is refused, named.
+    pub fn of(spec: &SandboxSpec, images: &Path, runner: &str) -> Result<RemoteSpec, RuntimeError> {
+        let refuse = |what: &str| RuntimeError::Unsupported {
+            id: spec.id.to_string(),
+            what: what.to_owned(),
+            why: format!("on runner {runner}, on another machine, yet"),
+        };
+        if !spec.layers.is_empty() {
+            return Err(refuse("a snapshot taken from a sandbox"));
+        }
+        if !spec.volumes.is_empty() {
+            return Err(refuse("volumes"));
+        }
+        if spec.network.is_some() {
+            return Err(refuse("a network"));
+        }
+        let image = spec
+            .rootfs
+            .strip_prefix(images)
+            .ok()
+            .and_then(Path::to_str)
+            .ok_or_else(|| refuse("an image outside the images directory"))?;
+        Ok(RemoteSpec {
+            hostname: spec.hostname.clone(),
+            image: image.to_owned(),
+            cpu: spec.resources.cpu,
+            memory_mib: spec.resources.memory_mib,
+            disk_gib: spec.resources.disk_gib,
+            env: spec.env.clone(),
+            workdir: spec.workdir.clone(),
+            user: spec.user.clone(),
+            command: spec.command.clone(),
+        })
+    }
+
+    /// The runner's side: the spec of sandbox `id`, its image found under
+    /// `images`. The image must be a plain relative path there (no `..`, no
+    /// root) and exist.
+    pub fn into_spec(self, id: SandboxId, images: &Path) -> Result<SandboxSpec, String> {
+        let relative = Path::new(&self.image);
+        if self.image.is_empty()
+            || !relative
+                .components()
+                .all(|c| matches!(c, Component::Normal(_)))
+        {
+            return Err(format!(
+                "image {:?} is not a plain path under the images directory",
+                self.image
+            ));
+        }
+        let rootfs = images.join(relative);
+        if !rootfs.is_dir() {
+            return Err(format!(
+                "this runner holds no image at {} (its images directory is {}); \
+                 the control plane does not send images to runners yet",
+                rootfs.display(),
+                images.display()
+            ));
+        }
+        let resources = Resources {
+            cpu: self.cpu,
+            memory_mib: self.memory_mib,
+            disk_gib: self.disk_gib,
+        };
+        let mut spec = SandboxSpec::bare(id, &self.hostname, rootfs, resources);
+        spec.env = self.env;
+        spec.workdir = self.workdir;
+        spec.user = self.user;
+        spec.command = self.command;
+        Ok(spec)
+    }
+}
+
+/// A runner's refusal: what kind of failure, for the control plane to act
+/// on as it would on its own runtime's, and the runner's words.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoteFailure {
+    pub kind: FailureKind,
+    pub message: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum FailureKind {
+    NotRunning,
+    AlreadyRunning,
+    Unsupported,
+    Busy,
+    Other,
+}
+
+impl RemoteFailure {
+    /// How a runner says `error`, with the HTTP status it answers.
+    pub fn of(error: &RuntimeError) -> (u16, RemoteFailure) {
+        let (status, kind) = match error {
+            RuntimeError::NotRunning { .. } => (409, FailureKind::NotRunning),
+            RuntimeError::AlreadyRunning { .. } => (409, FailureKind::AlreadyRunning),
+            RuntimeError::Unsupported { .. } => (501, FailureKind::Unsupported),
+            error if error.is_transient() => (503, FailureKind::Busy),
+            _ => (500, FailureKind::Other),
+        };
+        let message = crate::error::describe(error);
+        (status, RemoteFailure { kind, message })
+    }
+
+    /// The error the control plane's engine sees, for sandbox `id` on `runner`.
+    fn into_error(self, id: &str, runner: &str) -> RuntimeError {
+        let id = id.to_owned();
+        match self.kind {
+            FailureKind::NotRunning => RuntimeError::NotRunning { id },
+            FailureKind::AlreadyRunning => RuntimeError::AlreadyRunning { id },
+            FailureKind::Unsupported => RuntimeError::Unsupported {
+                id,
+                what: self.message,
+                why: format!("on runner {runner}"),
+            },
+            FailureKind::Busy => RuntimeError::Busy {
+                id,
+                reason: format!("runner {runner}: {}", self.message),
+            },
+            FailureKind::Other => RuntimeError::Other {
+                id,
+                reason: format!("runner {runner}: {}", self.message),
+            },
+        }
+    }
+}
+
+/// A runner's answer to a start.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct RemoteStarted {
+    pub accelerator: Option<String>,
+}
+
+/// A runner's answer to whether a sandbox runs.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RemoteState {
+    pub running: bool,
+}
+
+/// A runner's answer once a sandbox's start ended: why.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RemoteExit {
+    pub reason: String,
+}
+
+/// The ids of the sandboxes a runner holds storage for.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RemoteIds {
+    pub ids: Vec<String>,
+}
+
+/// Where a runner's service listens and the key it takes, as the runner's
+/// last healthcheck said.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct Service {
+    /// `http://host:port`, without a trailing slash.
+    base: String,
+    /// `host:port`.
+    address: String,
+    key: String,
+}
+
+impl Service {
+    /// The service at `api_url` (an `http://` URL, checked with the report)
+    /// taking `key`; `None` when the URL names no host and port.
+    pub(crate) fn new(api_url: &str, key: &str) -> Option<Service> {
+        let url = url::Url::parse(api_url).ok()?;
+        if url.scheme() != "http" {
+            return None;
+        }
+        let host = url.host_str()?;
+        let port = url.port_or_known_default()?;
+        // An IPv6 host comes bracketed already.
+        let address = format!("{host}:{port}");
+        Some(Service {
+            base: format!("http://{address}"),
+            address,
+            key: key.to_owned(),
+        })
+    }
+}
+
+/// The runtime of every sandbox of one runner on another machine.
+pub(crate) struct RemoteRuntime {
+    /// The runner's name, for messages.
+    runner: String,
+    service: RwLock<Service>,
+    /// The control plane's images directory: a sandbox's image is named to
+    /// the runner by its path under it.
+    images: PathBuf,
+    http: reqwest::Client,
+}
+
+impl RemoteRuntime {
+    pub(crate) fn new(runner: &str, service: Service, images: PathBuf) -> RemoteRuntime {
+        let http = reqwest::Client::builder()
+            .no_proxy()
+            .connect_timeout(Duration::from_secs(5))
+            .build()
+            .expect("a client without TLS or proxies builds");
+        RemoteRuntime {
+            runner: runner.to_owned(),
+            service: RwLock::new(service),
+            images,
+            http,
+        }
+    }
+
+    /// Takes the service a new report names (the runner restarted, or moved).
+    pub(crate) fn set_service(&self, service: Service) {
+        *self.service.write().unwrap() = service;
+    }
+
+    fn service(&self) -> Service {
+        self.service.read().unwrap().clone()
+    }
+
+    /// Calls `method path` on the runner for sandbox `id`; the answer's body
+    /// on success, the runner's refusal (or why it could not be reached) as
+    /// the error.
+    async fn call(
+        &self,
+        id: &str,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&RemoteSpec>,
+        timeout: Option<Duration>,
+    ) -> Result<Vec<u8>, RuntimeError> {
+        let service = self.service();
+        let mut request = self
+            .http
+            .request(method, format!("{}{path}", service.base))
+            .bearer_auth(&service.key);
+        if let Some(timeout) = timeout {
+            request = request.timeout(timeout);
+        }
+        if let Some(body) = body {
+            request = request.json(body);
+        }
+        let unreachable = |error: String| RuntimeError::Busy {
+            id: id.to_owned(),
+            reason: format!("runner {} could not be reached: {error}", self.runner),
+        };
+        let response = request
+            .send()
+            .await
+            .map_err(|e| unreachable(crate::error::describe(&e)))?;
+        let status = response.status();
+        let body = read_bounded(response)
+            .await
+            .map_err(|e| unreachable(e.to_string()))?;
+        if status.is_success() {
+            return Ok(body);
+        }
+        let failure = serde_json::from_slice::<RemoteFailure>(&body).unwrap_or(RemoteFailure {
+            kind: FailureKind::Other,
+            message: format!("answered {status}"),
+        });
+        Err(failure.into_error(id, &self.runner))
+    }
+
+    /// `call`, then the answer as `T`.
+    async fn call_json<T: for<'de> Deserialize<'de>>(
+        &self,
+        id: &str,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<&RemoteSpec>,
+    ) -> Result<T, RuntimeError> {
+        let body = self
+            .call(id, method, path, body, Some(OPERATION_TIMEOUT))
+            .await?;
+        serde_json::from_slice(&body).map_err(|error| RuntimeError::Other {
+            id: id.to_owned(),
+            reason: format!(
+                "runner {} answered what cove cannot read: {error}",
+                self.runner
+            ),
+        })
+    }
+
+    async fn operation(
+        &self,
+        id: &str,
+        method: reqwest::Method,
+        path: &str,
+    ) -> Result<(), RuntimeError> {
+        self.call(id, method, path, None, Some(OPERATION_TIMEOUT))
+            .await
+            .map(drop)
+    }
+
+    /// Waits for sandbox `id`'s start on the runner to end; why it ended.
+    /// A runner that cannot be reached is asked again; one that no longer
+    /// runs the sandbox (it restarted) ends it.
+    async fn exit_of(self: Arc<Self>, id: String) -> String {
+        loop {
+            let path = format!("/sandboxes/{id}/exit");
+            match self
+                .call(&id, reqwest::Method::GET, &path, None, None)
+                .await
+            {
+                Ok(body) => {
+                    return serde_json::from_slice::<RemoteExit>(&body).map_or_else(
+                        |_| format!("runner {} said it ended", self.runner),
+                        |exit| exit.reason,
+                    )
+                }
+                Err(RuntimeError::NotRunning { .. }) => {
+                    return format!("runner {} no longer runs it", self.runner)
+                }
+                Err(error) => {
+                    tracing::debug!(sandbox = %id, runner = %self.runner,
+                        error = %crate::error::describe(&error), "waiting on a sandbox elsewhere");
+                    tokio::time::sleep(RETRY_EVERY).await;
+                }
+            }
+        }
+    }
+}
+
+/// A response's body, up to [`ANSWER_LIMIT`].
+async fn read_bounded(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
+    let mut body = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(|e| e.to_string())? {
+        if body.len() + chunk.len() > ANSWER_LIMIT {
+            return Err(format!(
+                "its answer is longer than {} KiB",
+                ANSWER_LIMIT >> 10
+            ));
+        }
+        body.extend_from_slice(&chunk);
+    }
+    Ok(body)
+}
+
+/// A remote runtime as the engine keeps it: shared, so a start's exit
+/// watch outlives the call.
+#[derive(Clone)]
+pub(crate) struct Remote(pub(crate) Arc<RemoteRuntime>);
+
+#[async_trait]
+impl Runtime for Remote {
+    async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
+        let remote = RemoteSpec::of(spec, &self.0.images, &self.0.runner)?;
+        let path = format!("/sandboxes/{}/prepare", spec.id);
+        self.0
+            .call(
+                spec.id.as_str(),
+                reqwest::Method::POST,
+                &path,
+                Some(&remote),
+                Some(OPERATION_TIMEOUT),
+            )
+            .await
+            .map(drop)
+    }
+
+    async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
+        let remote = RemoteSpec::of(spec, &self.0.images, &self.0.runner)?;
+        let id = spec.id.as_str();
+        let path = format!("/sandboxes/{id}/start");
+        let started: RemoteStarted = self
+            .0
+            .call_json(id, reqwest::Method::POST, &path, Some(&remote))
+            .await?;
+        let service = self.0.service();
+        let (tell, exited) = tokio::sync::oneshot::channel();
+        let watch = self.0.clone().exit_of(id.to_owned());
+        tokio::spawn(async move {
+            let _ = tell.send(watch.await);
+        });
+        Ok(Started {
+            agent: AgentEndpoint::Runner(RunnerTunnel {
+                address: service.address,
+                sandbox: id.to_owned(),
+                key: service.key,
+            }),
+            exited,
+            accelerator: match started.accelerator.as_deref() {
+                Some("kvm") => Some("kvm"),
+                Some("tcg") => Some("tcg"),
+                _ => None,
+            },
+        })
+    }
+
+    async fn stop(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let path = format!("/sandboxes/{id}/stop");
+        self.0
+            .operation(id.as_str(), reqwest::Method::POST, &path)
+            .await
+    }
+
+    async fn destroy(&self, id: &SandboxId) -> Result<(), RuntimeError> {
+        let path = format!("/sandboxes/{id}");
+        self.0
+            .operation(id.as_str(), reqwest::Method::DELETE, &path)
+            .await
+    }
+
+    async fn is_running(&self, id: &SandboxId) -> bool {
+        let path = format!("/sandboxes/{id}");
+        self.0
+            .call_json::<RemoteState>(id.as_str(), reqwest::Method::GET, &path, None)
+            .await
+            .is_ok_and(|state| state.running)
+    }
+
+    async fn capture(&self, id: &SandboxId, _: &str) -> Result<PathBuf, RuntimeError> {
+        Err(self.0.unsupported(id, "snapshots"))
+    }
+
+    async fn discard_capture(&self, _: &str) -> Result<(), RuntimeError> {
+        // Nothing was captured on a runner elsewhere.
+        Ok(())
+    }
+
+    async fn revert(&self, spec: &SandboxSpec, _: &str) -> Result<(), RuntimeError> {
+        Err(self.0.unsupported(&spec.id, "revert"))
+    }
+}
+
+impl RemoteRuntime {
+    fn unsupported(&self, id: &SandboxId, what: &str) -> RuntimeError {
+        RuntimeError::Unsupported {
+            id: id.to_string(),
+            what: what.to_owned(),
+            why: format!("on runner {}, on another machine, yet", self.runner),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(rootfs: &str) -> SandboxSpec {
+        let resources = Resources {
+            cpu: 1,
+            memory_mib: 512,
+            disk_gib: 1,
+        };
+        SandboxSpec::bare(
+            SandboxId::parse("sbx-1").unwrap(),
+            "one",
+            rootfs.into(),
+            resources,
+        )
+    }
+
+    #[test]
+    fn an_image_is_named_by_its_path_under_the_images_directory_and_found_there() {
+        let images = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(images.path().join("debian/rootfs")).unwrap();
+        let on_control = spec("/var/images/debian/rootfs");
+        let remote = RemoteSpec::of(&on_control, Path::new("/var/images"), "r1").unwrap();
+        assert_eq!(remote.image, "debian/rootfs");
+        let on_runner = remote
+            .clone()
+            .into_spec(SandboxId::parse("sbx-1").unwrap(), images.path())
+            .unwrap();
+        assert_eq!(on_runner.rootfs, images.path().join("debian/rootfs"));
+        assert_eq!(on_runner.resources, on_control.resources);
+    }
+
+    /// Attack: a control plane (or whoever took its place) names an image
+    /// outside the runner's images directory. The runner refuses it.
+    #[test]
+    fn an_image_path_that_leaves_the_images_directory_is_refused() {
+        let images = tempfile::tempdir().unwrap();
+        for image in ["../../etc", "/etc", "", "debian/../../x"] {
+            let remote = RemoteSpec {
+                hostname: "one".into(),
+                image: image.into(),
+                cpu: 1,
+                memory_mib: 512,
+                disk_gib: 1,
+                env: Vec::new(),
+                workdir: None,
+                user: None,
+                command: Vec::new(),
+            };
+            let error = remote
+                .into_spec(SandboxId::parse("sbx-1").unwrap(), images.path())
+                .unwrap_err();
+            assert!(error.contains("not a plain path"), "{image}: {error}");
+        }
+    }
+
+    #[test]
+    fn what_a_runner_elsewhere_cannot_be_given_yet_is_refused_by_name() {
+        let mut layered = spec("/var/images/debian/rootfs");
+        layered.layers.push("/var/captures/one".into());
+        let error = RemoteSpec::of(&layered, Path::new("/var/images"), "r1").unwrap_err();
+        assert!(
+            error
+                .to_string()
+                .contains("a snapshot taken from a sandbox"),
+            "{error}"
+        );
+        let elsewhere = spec("/opt/rootfs");
+        let error = RemoteSpec::of(&elsewhere, Path::new("/var/images"), "r1").unwrap_err();
+        assert!(
+            error.to_string().contains("outside the images directory"),
+            "{error}"
+        );
+        assert!(error.to_string().contains("runner r1"), "{error}");
+    }
+
+    #[test]
+    fn a_service_is_reached_at_the_host_and_port_of_its_url() {
+        let service = Service::new("http://10.0.0.7:3100/", "k").unwrap();
+        assert_eq!(service.address, "10.0.0.7:3100");
+        assert_eq!(service.base, "http://10.0.0.7:3100");
+        assert!(Service::new("https://10.0.0.7", "k").is_none());
+        assert!(Service::new("http://", "k").is_none());
+    }
+}
