@@ -9,17 +9,19 @@ and leaves the ones it holds running.
 
 from __future__ import annotations
 
+import glob
 import os
+import shutil
+import signal
 import subprocess
+import time
 import uuid
 
 import pytest
-from daytona import CreateSandboxFromSnapshotParams, DaytonaError, ListSandboxesQuery
-
-import glob
-import signal
-
 import requests
+from daytona import (
+    CreateSandboxFromSnapshotParams, DaytonaError, ListSandboxesQuery, SessionExecuteRequest,
+)
 
 from conftest import (
     CoveServer, cove_binary, images_dir, new_data_dir, remove_data_dir, unique, wait_until,
@@ -195,7 +197,7 @@ def start_runner(cove: CoveServer, token: str, data_dir) -> subprocess.Popen:
     )
 
 
-def serving_runner(cove: CoveServer, token: str, data_dir) -> subprocess.Popen:
+def serving_runner(cove: CoveServer, token: str, data_dir, cgroup_parent: str) -> subprocess.Popen:
     """`cove runner --listen`: it serves containers on a loopback port, its
     sandboxes' user namespaces and cgroups apart from the server's."""
     env = {k: v for k, v in os.environ.items() if k not in ("COVE_API_KEY", "DAYTONA_API_KEY")}
@@ -204,7 +206,8 @@ def serving_runner(cove: CoveServer, token: str, data_dir) -> subprocess.Popen:
     return subprocess.Popen(
         [str(cove_binary()), "runner", "--control", cove.api_url, "--data-dir", str(data_dir),
          "--no-vm", "--listen", "127.0.0.1:0", "--images-dir", str(images_dir()),
-         "--storage-size-gib", "8", "--userns-pool", "2147483648:64"],
+         "--storage-size-gib", "8", "--userns-pool", "2147483648:64",
+         "--cgroup-parent", cgroup_parent],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
 
@@ -363,24 +366,68 @@ def test_a_drained_runner_takes_no_new_sandbox_keeps_its_own_and_stays_drained(o
     assert labelled(daytona, refused) == [placed.id]
 
 
-def cgroups_of(sandbox_id: str) -> list[str]:
+def cgroups_of(parent: str, sandbox_id: str) -> list[str]:
     """The host cgroups of a container on a runner, in any hierarchy."""
-    return glob.glob(f"/sys/fs/cgroup/**/cove-runner/{sandbox_id}", recursive=True)
+    return glob.glob(f"/sys/fs/cgroup/**/{parent}/{sandbox_id}", recursive=True)
+
+
+def read_until(handle, needle: str) -> str:
+    output = bytearray()
+    deadline = time.monotonic() + 20
+    while needle.encode() not in output and time.monotonic() < deadline:
+        handle.wait(on_data=output.extend, timeout=0.3)
+    assert needle.encode() in output, output
+    return output.decode(errors="replace")
+
+
+def reaches_it_through_the_runner(server: CoveServer, sandbox) -> None:
+    """A PTY, a preview and SSH: each reaches the agent through the runner."""
+    handle = sandbox.process.create_pty_session(unique("pty"))
+    try:
+        handle.send_input('echo "[$((6*7))]"\n')
+        read_until(handle, "[42]")
+    finally:
+        handle.disconnect()
+
+    assert sandbox.process.exec("mkdir -p /tmp/site").exit_code == 0
+    sandbox.fs.upload_file(b"served from a runner\n", "/tmp/site/page.txt")
+    sandbox.process.create_session("web")
+    sandbox.process.execute_session_command("web", SessionExecuteRequest(
+        command="cd /tmp/site && python3 -m http.server --bind 127.0.0.1 8123", run_async=True))
+    probe = "python3 -c \"import urllib.request; urllib.request.urlopen('http://127.0.0.1:8123/page.txt')\""
+    assert wait_until(lambda: sandbox.process.exec(probe).exit_code == 0, 30)
+    preview = sandbox.get_preview_link(8123)
+    r = requests.get(f"{preview.url}/page.txt", headers={"X-Daytona-Preview-Token": preview.token}, timeout=10)
+    assert (r.status_code, r.text) == (200, "served from a runner\n"), r.text
+
+    assert shutil.which("ssh"), "the system ssh client (scripts/setup installs openssh-client)"
+    token = sandbox.create_ssh_access(expires_in_minutes=5).token
+    done = subprocess.run(
+        ["ssh", "-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/null",
+         "-o", "BatchMode=yes", "-o", "LogLevel=ERROR", "-p", str(server.ssh_port),
+         f"{token}@127.0.0.1", "echo via-$((40+2))"],
+        stdin=subprocess.DEVNULL, capture_output=True, timeout=60,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, b"via-42"), done.stderr
 
 
 def test_a_runner_elsewhere_runs_the_containers_placed_on_it():
     """With the server's own runner drained, a create goes to a runner that
-    serves (`cove runner --listen`): the runner runs the container, commands
-    and files reach it through the runner, and it stops, starts with its
-    files and is deleted there, leaving nothing on the runner."""
+    serves (`cove runner --listen`): the runner runs the container;
+    commands, files, a PTY, a preview and SSH reach it through the runner;
+    it stops and starts with its files there. Killed with SIGKILL, the
+    runner loses nothing: its sandbox is shown in error naming it, and once
+    the runner is back it starts there with its files. Deleted, it leaves
+    nothing on the runner."""
     data_dir = new_data_dir()
     server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=("--no-network",))
     server.start()
     process = None
     runner_dir = new_data_dir()
+    parent = "cove-test-" + uuid.uuid4().hex[:8]
     try:
         runner_id, token = add_runner(server, unique("node"))
-        process = serving_runner(server, token, runner_dir)
+        process = serving_runner(server, token, runner_dir, parent)
         assert wait_until(lambda: state(server, runner_id) == "ready", 60)
         me = server.request("GET", "/runners/me", headers={"Authorization": f"Bearer {token}"}).json()
         service = me["apiUrl"]
@@ -396,21 +443,39 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it():
         daytona = server.client()
         sandbox = daytona.create(CreateSandboxFromSnapshotParams(name=unique("there")), timeout=120)
         assert sandbox.runner_id == runner_id
-        assert cgroups_of(sandbox.id), "the runner's cgroup of the sandbox"
+        assert cgroups_of(parent, sandbox.id), "the runner's cgroup of the sandbox"
         assert sandbox.process.exec("echo from elsewhere").result.strip() == "from elsewhere"
         sandbox.fs.upload_file(b"kept on the runner", "kept.txt")
         assert sandbox.fs.download_file("kept.txt") == b"kept on the runner"
         assert server.request("GET", f"/runners/by-sandbox/{sandbox.id}").json()["id"] == runner_id
+        reaches_it_through_the_runner(server, sandbox)
 
         sandbox.stop(timeout=60)
         assert sandbox.state == "stopped"
-        assert not cgroups_of(sandbox.id)
+        assert not cgroups_of(parent, sandbox.id)
         sandbox.start(timeout=60)
         assert sandbox.fs.download_file("kept.txt") == b"kept on the runner"
         assert sandbox.process.exec("echo again").result.strip() == "again"
 
+        # kill -9 of the runner: the sandbox's record stays; once the
+        # runner is back (with a new port and key), it says the sandbox no
+        # longer runs, and a recover brings it back there with its files.
+        process.kill()
+        process.wait()
+        process = serving_runner(server, token, runner_dir, parent)
+
+        def in_error() -> bool:
+            sandbox.refresh_data()
+            return sandbox.state == "error"
+
+        assert wait_until(in_error, 60), sandbox.state
+        assert "no longer runs it" in sandbox.error_reason, sandbox.error_reason
+        sandbox.recover(timeout=60)
+        assert sandbox.runner_id == runner_id
+        assert sandbox.fs.download_file("kept.txt") == b"kept on the runner"
+
         sandbox.delete()
-        assert not cgroups_of(sandbox.id)
+        assert not cgroups_of(parent, sandbox.id)
         assert os.listdir(runner_dir / "storage" / "sandboxes") == []
 
         process.send_signal(signal.SIGTERM)
@@ -426,3 +491,5 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it():
         finally:
             remove_data_dir(data_dir)
             remove_data_dir(runner_dir)
+            for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
+                subprocess.run(["rmdir", cgroup], capture_output=True)

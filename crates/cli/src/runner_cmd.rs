@@ -69,11 +69,24 @@ pub(crate) struct RunnerArgs {
     /// 65536); apart from every other runner's and server's on the host.
     #[arg(long, env = "COVE_USERNS_POOL", default_value = "1879048192:4096", value_parser = cove_runtime::container::IdPool::parse)]
     userns_pool: cove_runtime::container::IdPool,
+    /// The cgroup its containers go under (`{controller}/{parent}/{id}`):
+    /// apart from a server's (`cove`) and every other runner's on the host,
+    /// since a runtime starting sweeps what it finds there.
+    #[arg(long, default_value = "cove-runner", value_parser = plain_name)]
+    cgroup_parent: String,
 }
 
-/// The cgroup containers of a runner go under (`{controller}/cove-runner/{id}`),
-/// apart from a server's on the same host.
-const CGROUP_PARENT: &str = "cove-runner";
+fn plain_name(text: &str) -> Result<String, String> {
+    let plain = !text.is_empty()
+        && text.len() <= 64
+        && text
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_');
+    match plain {
+        true => Ok(text.to_owned()),
+        false => Err("give 1 to 64 letters, digits, '-' or '_'".into()),
+    }
+}
 
 pub(crate) async fn run(args: RunnerArgs) -> anyhow::Result<()> {
     make_private_dir(&args.data_dir)?;
@@ -138,7 +151,7 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
     let storage = crate::serve::open_storage(&data_dir, args.storage_size_gib).await?;
     let mut config = crate::serve::container_config(&storage, agent_binary)?;
     config.userns_pool = args.userns_pool;
-    config.cgroup_parent = CGROUP_PARENT.into();
+    config.cgroup_parent = args.cgroup_parent.clone();
     let runtime = Arc::new(ContainerRuntime::new(config)?);
     for id in runtime.sandbox_ids().await? {
         let Ok(sandbox) = cove_runtime::SandboxId::parse(&id) else {

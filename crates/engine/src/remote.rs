@@ -216,6 +216,15 @@ pub(crate) struct Service {
     key: String,
 }
 
+impl std::fmt::Debug for Service {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The key stays out of logs.
+        f.debug_struct("Service")
+            .field("base", &self.base)
+            .finish_non_exhaustive()
+    }
+}
+
 impl Service {
     /// The service at `api_url` (an `http://` URL, checked with the report)
     /// taking `key`; `None` when the URL names no host and port.

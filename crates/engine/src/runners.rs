@@ -1091,6 +1091,26 @@ mod tests {
         );
     }
 
+    /// Attack: a runner's key goes into a header of every call to it, as it
+    /// is; one with a line break would add headers of the runner's choosing.
+    #[test]
+    fn a_service_is_taken_only_with_a_plain_key_at_an_http_url() {
+        let mut report = RunnerReport {
+            api_url: Some("http://10.1.2.3:3100".into()),
+            ..RunnerReport::default()
+        };
+        assert!(service_of(&report, "a-Plain_key0").is_ok());
+        for key in ["", "two words", "line\r\nX-Evil: 1", &"k".repeat(129)] {
+            let err = service_of(&report, key).unwrap_err().to_string();
+            assert!(err.contains("serviceKey"), "{key:?}: {err}");
+        }
+        for url in [None, Some("https://10.1.2.3:3100"), Some("http://")] {
+            report.api_url = url.map(str::to_owned);
+            let err = service_of(&report, "key").unwrap_err().to_string();
+            assert!(err.contains("apiUrl"), "{url:?}: {err}");
+        }
+    }
+
     #[test]
     fn a_report_that_cannot_be_true_is_refused_naming_its_field() {
         let good = RunnerReport {

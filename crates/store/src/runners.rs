@@ -47,7 +47,7 @@ pub struct RunnerRecord {
 }
 
 /// What a runner on another machine reports of itself at each check-in.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct RunnerReport {
     pub classes: Vec<String>,
     pub accelerator: Option<String>,
