@@ -212,6 +212,19 @@ def serving_runner(cove: CoveServer, token: str, data_dir, cgroup_parent: str) -
     )
 
 
+def end(process: subprocess.Popen | None, server: CoveServer, *data_dirs) -> None:
+    """Kills a runner still running, stops the test's own server, and
+    removes the data directories (unmounting their storage)."""
+    if process is not None and process.poll() is None:
+        process.kill()
+        process.wait()
+    try:
+        server.stop()
+    finally:
+        for data_dir in data_dirs:
+            remove_data_dir(data_dir)
+
+
 def state(cove: CoveServer, runner_id: str) -> str:
     r = cove.request("GET", f"/runners/{runner_id}")
     assert r.status_code == 200, r.text
@@ -305,13 +318,7 @@ def test_a_runner_killed_is_shown_unresponsive_and_comes_back_as_itself(tmp_path
         assert [r["id"] for r in runners(server)].count(runner_id) == 1
         assert len(runners(server)) == 2, runners(server)
     finally:
-        if process is not None and process.poll() is None:
-            process.kill()
-            process.wait()
-        try:
-            server.stop()
-        finally:
-            remove_data_dir(data_dir)
+        end(process, server, data_dir)
 
 
 def labelled(daytona, labels: dict[str, str]) -> list[str]:
@@ -483,13 +490,6 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it():
         with open("/proc/self/mounts") as mounts:
             assert str(runner_dir / "storage") not in mounts.read()
     finally:
-        if process is not None and process.poll() is None:
-            process.kill()
-            process.wait()
-        try:
-            server.stop()
-        finally:
-            remove_data_dir(data_dir)
-            remove_data_dir(runner_dir)
-            for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
-                subprocess.run(["rmdir", cgroup], capture_output=True)
+        end(process, server, data_dir, runner_dir)
+        for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
+            subprocess.run(["rmdir", cgroup], capture_output=True)
