@@ -141,13 +141,16 @@ class CoveServer:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> None:
+    def start(self, keep_ports: bool = False) -> None:
+        """Starts the server, on new free ports unless `keep_ports` (a
+        restart that clients and runners must find where it was)."""
         binary = cove_binary()
         if not binary.is_file():
             pytest.exit(f"cove binary not found at {binary}; run `cargo build --release && cargo agent`", 2)
         images_dir().mkdir(parents=True, exist_ok=True)
-        self.port = free_port()
-        self.ssh_port = free_port()
+        if not (keep_ports and getattr(self, "port", None)):
+            self.port = free_port()
+            self.ssh_port = free_port()
         env = dict(os.environ)
         env["COVE_API_KEY"] = self.api_key
         env.update(self.extra_env)

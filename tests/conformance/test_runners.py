@@ -387,6 +387,11 @@ def read_until(handle, needle: str) -> str:
     return output.decode(errors="replace")
 
 
+def probe_command(port: int) -> str:
+    """A command that succeeds once a web server answers on `port` inside the sandbox."""
+    return f"python3 -c \"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/page.txt')\""
+
+
 def reaches_it_through_the_runner(server: CoveServer, sandbox) -> None:
     """A PTY, a preview and SSH: each reaches the agent through the runner."""
     handle = sandbox.process.create_pty_session(unique("pty"))
@@ -401,8 +406,7 @@ def reaches_it_through_the_runner(server: CoveServer, sandbox) -> None:
     sandbox.process.create_session("web")
     sandbox.process.execute_session_command("web", SessionExecuteRequest(
         command="cd /tmp/site && python3 -m http.server --bind 127.0.0.1 8123", run_async=True))
-    probe = "python3 -c \"import urllib.request; urllib.request.urlopen('http://127.0.0.1:8123/page.txt')\""
-    assert wait_until(lambda: sandbox.process.exec(probe).exit_code == 0, 30)
+    assert wait_until(lambda: sandbox.process.exec(probe_command(8123)).exit_code == 0, 30)
     preview = sandbox.get_preview_link(8123)
     r = requests.get(f"{preview.url}/page.txt", headers={"X-Daytona-Preview-Token": preview.token}, timeout=10)
     assert (r.status_code, r.text) == (200, "served from a runner\n"), r.text
@@ -422,7 +426,8 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it():
     """With the server's own runner drained, a create goes to a runner that
     serves (`cove runner --listen`): the runner runs the container;
     commands, files, a PTY, a preview and SSH reach it through the runner;
-    it stops and starts with its files there. Killed with SIGKILL, the
+    a restart of the control plane takes it back as it runs; it stops and
+    starts with its files there. Killed with SIGKILL, the
     runner loses nothing: its sandbox is shown in error naming it, and once
     the runner is back it starts there with its files. Deleted, it leaves
     nothing on the runner."""
@@ -456,6 +461,24 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it():
         assert sandbox.fs.download_file("kept.txt") == b"kept on the runner"
         assert server.request("GET", f"/runners/by-sandbox/{sandbox.id}").json()["id"] == runner_id
         reaches_it_through_the_runner(server, sandbox)
+
+        # The control plane restarts; the runner does not. Once the runner
+        # reports again, its sandbox is taken over as it runs: the web
+        # server started before is still serving.
+        server.stop()
+        server.start(keep_ports=True)
+        daytona = server.client()
+        sandbox = daytona.get(sandbox.id)
+
+        def taken_back() -> bool:
+            try:
+                return sandbox.process.exec("echo back").result.strip() == "back"
+            except DaytonaError:
+                return False
+
+        assert wait_until(taken_back, 60)
+        assert sandbox.state == "started"
+        assert sandbox.process.exec(probe_command(8123)).exit_code == 0
 
         sandbox.stop(timeout=60)
         assert sandbox.state == "stopped"

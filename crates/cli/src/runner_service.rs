@@ -237,13 +237,17 @@ async fn destroy(
     Ok(StatusCode::NO_CONTENT)
 }
 
+/// Whether the sandbox runs from a start of this process, whose agent it
+/// can reach (what a runner before it left is stopped at its start).
 async fn running(
     State(service): State<Arc<Service>>,
     Path(id): Path<String>,
 ) -> Result<Json<RemoteState>, Refusal> {
     let sandbox = sandbox(&id)?;
+    let started_here =
+        (service.runs.lock().unwrap().get(&id)).is_some_and(|run| run.ended.borrow().is_none());
     Ok(Json(RemoteState {
-        running: service.runtime.is_running(&sandbox).await,
+        running: started_here && service.runtime.is_running(&sandbox).await,
     }))
 }
 

@@ -624,6 +624,8 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     tokio::spawn(async move { timers.run_timers().await });
     let runners = engine.runners().clone();
     tokio::spawn(async move { runners.run_check_ins().await });
+    let sandboxes = engine.sandboxes().clone();
+    tokio::spawn(async move { sandboxes.run_runner_recoveries().await });
     let serve = tokio::spawn(cove_api::listener::serve(
         listener,
         None,

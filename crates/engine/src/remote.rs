@@ -384,6 +384,32 @@ impl RemoteRuntime {
     }
 }
 
+impl RemoteRuntime {
+    /// Sandbox `id` as it runs on the runner: its agent through the runner,
+    /// and its end watched there.
+    fn watch(self: Arc<Self>, id: &str, accelerator: Option<&str>) -> Started {
+        let service = self.service();
+        let (tell, exited) = tokio::sync::oneshot::channel();
+        let watch = self.exit_of(id.to_owned());
+        tokio::spawn(async move {
+            let _ = tell.send(watch.await);
+        });
+        Started {
+            agent: AgentEndpoint::Runner(RunnerTunnel {
+                address: service.address,
+                sandbox: id.to_owned(),
+                key: service.key,
+            }),
+            exited,
+            accelerator: match accelerator {
+                Some("kvm") => Some("kvm"),
+                Some("tcg") => Some("tcg"),
+                _ => None,
+            },
+        }
+    }
+}
+
 /// A response's body, up to [`ANSWER_LIMIT`].
 async fn read_bounded(mut response: reqwest::Response) -> Result<Vec<u8>, String> {
     let mut body = Vec::new();
@@ -429,25 +455,7 @@ impl Runtime for Remote {
             .0
             .call_json(id, reqwest::Method::POST, &path, Some(&remote))
             .await?;
-        let service = self.0.service();
-        let (tell, exited) = tokio::sync::oneshot::channel();
-        let watch = self.0.clone().exit_of(id.to_owned());
-        tokio::spawn(async move {
-            let _ = tell.send(watch.await);
-        });
-        Ok(Started {
-            agent: AgentEndpoint::Runner(RunnerTunnel {
-                address: service.address,
-                sandbox: id.to_owned(),
-                key: service.key,
-            }),
-            exited,
-            accelerator: match started.accelerator.as_deref() {
-                Some("kvm") => Some("kvm"),
-                Some("tcg") => Some("tcg"),
-                _ => None,
-            },
-        })
+        Ok(self.0.clone().watch(id, started.accelerator.as_deref()))
     }
 
     async fn stop(&self, id: &SandboxId) -> Result<(), RuntimeError> {
@@ -470,6 +478,21 @@ impl Runtime for Remote {
             .call_json::<RemoteState>(id.as_str(), reqwest::Method::GET, &path, None)
             .await
             .is_ok_and(|state| state.running)
+    }
+
+    /// Takes over a sandbox its runner still runs (this server restarted;
+    /// the runner did not).
+    async fn reattach(&self, spec: &SandboxSpec) -> Result<Option<Started>, RuntimeError> {
+        let id = spec.id.as_str();
+        let path = format!("/sandboxes/{id}");
+        let state: RemoteState = self
+            .0
+            .call_json(id, reqwest::Method::GET, &path, None)
+            .await?;
+        if !state.running {
+            return Ok(None);
+        }
+        Ok(Some(self.0.clone().watch(id, None)))
     }
 
     async fn capture(&self, id: &SandboxId, _: &str) -> Result<PathBuf, RuntimeError> {

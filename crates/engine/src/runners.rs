@@ -273,6 +273,8 @@ impl Shared {
                 let runtime = crate::remote::RemoteRuntime::new(&record.name, service, images);
                 tracing::info!(runner = %record.id, name = %record.name, "driving the runner at its service");
                 remotes.insert(record.id.clone(), crate::remote::Remote(Arc::new(runtime)));
+                // Nobody listens in an engine that runs no recoveries.
+                let _ = self.arrivals.send(record.id.clone());
             }
         }
     }

@@ -59,6 +59,10 @@ pub(crate) struct Shared {
     /// The runtimes of runners on other machines whose last report named
     /// their service, by runner id; kept in memory only (the key with them).
     pub(crate) remotes: std::sync::RwLock<HashMap<String, crate::remote::Remote>>,
+    /// Runners elsewhere as each first says where it serves, for the
+    /// sandboxes part to take their sandboxes back (`recover_runner`).
+    pub(crate) arrivals: tokio::sync::mpsc::UnboundedSender<String>,
+    pub(crate) arrived: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<String>>>,
 }
 
 impl Shared {
@@ -68,7 +72,10 @@ impl Shared {
         runtimes: HashMap<SandboxClass, Arc<dyn Runtime>>,
     ) -> Shared {
         let placement = crate::runners::Placement::of_local(&config.runner, &runtimes);
+        let (arrivals, arrived) = tokio::sync::mpsc::unbounded_channel();
         Shared {
+            arrivals,
+            arrived: Mutex::new(Some(arrived)),
             placement: std::sync::RwLock::new(placement),
             remotes: std::sync::RwLock::default(),
             config,

@@ -23,8 +23,8 @@ impl Sandboxes {
     pub(crate) async fn recover_after_restart(&self) -> Result<(), EngineError> {
         for record in self.shared.store.list_sandboxes().await? {
             // A runner elsewhere has not reported since this server
-            // started: its sandboxes are left as recorded. Taking them
-            // back when it reports again is not built yet.
+            // started: its sandboxes are taken back when it first does
+            // (`recover_runner`).
             if !self.shared.is_local(&record) {
                 tracing::info!(sandbox = %record.id, runner = ?record.runner_id,
                     "on a runner elsewhere; left as recorded");
@@ -40,18 +40,78 @@ impl Sandboxes {
                 tracing::warn!(sandbox = %record.id, "not a valid sandbox id; left as it is");
                 continue;
             };
-            self.recover_one(runtime.as_ref(), &sandbox, record).await?;
+            let id = record.id.clone();
+            if self.recover_one(runtime.as_ref(), &sandbox, record).await? {
+                self.start_again(&id).await;
+            }
         }
         Ok(())
     }
 
-    /// Brings one sandbox to the state its user asked for.
+    /// Takes back the sandboxes of runner `runner_id`, on another machine,
+    /// when it first reports to this server: one its runner still runs is
+    /// taken over as it runs, the others are brought to the state their
+    /// users asked for, as after a restart. Each under its lock, and only
+    /// while this server has not started it since.
+    async fn recover_runner(&self, runner_id: &str) -> Result<(), EngineError> {
+        let records = self.shared.store.list_sandboxes().await?;
+        let held = records
+            .into_iter()
+            .filter(|r| r.runner_id.as_deref() == Some(runner_id));
+        for record in held {
+            let id = record.id.clone();
+            let lock = self.shared.lock_for(&id);
+            let guard = lock.lock().await;
+            let Ok(record) = self.get(&id).await else {
+                continue;
+            };
+            if self.shared.running(&id).is_some() {
+                continue;
+            }
+            let (Ok(runtime), Ok(sandbox)) = (self.shared.runtime_of(&record), sandbox_id(&id))
+            else {
+                continue;
+            };
+            let start = self.recover_one(runtime.as_ref(), &sandbox, record).await?;
+            drop(guard);
+            if start {
+                self.start_again(&id).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Takes back the sandboxes of each runner elsewhere as it first says
+    /// where it serves, until the process ends. Spawned once by the server.
+    pub async fn run_runner_recoveries(&self) {
+        let Some(mut arrived) = self.shared.arrived.lock().unwrap().take() else {
+            return;
+        };
+        while let Some(runner) = arrived.recv().await {
+            if let Err(error) = self.recover_runner(&runner).await {
+                tracing::warn!(%runner, error = %crate::error::describe(&error), "taking back the runner's sandboxes");
+            }
+        }
+    }
+
+    /// Starts a sandbox recovery left to be started, logging how it went.
+    async fn start_again(&self, id: &str) {
+        match self.start(id).await {
+            Ok(_) => tracing::info!(sandbox = %id, "started again after a restart"),
+            Err(error) => {
+                tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "starting it again after a restart failed")
+            }
+        }
+    }
+
+    /// Brings one sandbox to the state its user asked for; whether it is
+    /// then to be started (by the caller, which holds no lock of it).
     async fn recover_one(
         &self,
         runtime: &dyn cove_runtime::Runtime,
         sandbox: &SandboxId,
         mut record: SandboxRecord,
-    ) -> Result<(), EngineError> {
+    ) -> Result<bool, EngineError> {
         let id = record.id.clone();
         match record.state {
             // Half-made or half-deleted: finish the job, it never existed for the user
@@ -64,7 +124,7 @@ impl Sandboxes {
                         crate::error::describe(&error)
                     ));
                     self.shared.save_state(&mut record).await?;
-                    return Ok(());
+                    return Ok(false);
                 }
                 self.shared.delete_sandbox(&record).await?;
                 tracing::info!(sandbox = %id, "removed a sandbox left half-made or half-deleted");
@@ -79,11 +139,7 @@ impl Sandboxes {
                 record.state = SandboxState::Archived;
                 self.shared.save_state(&mut record).await?;
                 tracing::info!(sandbox = %id, "back to archived after a server restart");
-                if record.desired_state == DesiredState::Started {
-                    if let Err(error) = self.start(&id).await {
-                        tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "unarchive failed");
-                    }
-                }
+                return Ok(record.desired_state == DesiredState::Started);
             }
             // A paused machine's memory is on disk and nothing runs: keep it.
             SandboxState::Paused if !runtime.is_running(sandbox).await => {}
@@ -92,19 +148,20 @@ impl Sandboxes {
             SandboxState::Started
                 if record.desired_state == DesiredState::Started
                     && self.reattach(runtime, &record).await => {}
-            _ => self.end_leftovers(runtime, sandbox, record).await?,
+            _ => return self.end_leftovers(runtime, sandbox, record).await,
         }
-        Ok(())
+        Ok(false)
     }
 
-    /// Ends what is left of a sandbox's machine, then starts it again if it
-    /// was (or was becoming) started, or marks an interrupted one stopped.
+    /// Ends what is left of a sandbox's machine, then marks it stopped, to
+    /// be started again if it was (or was becoming) started; an
+    /// interrupted one stays stopped.
     async fn end_leftovers(
         &self,
         runtime: &dyn cove_runtime::Runtime,
         sandbox: &SandboxId,
         mut record: SandboxRecord,
-    ) -> Result<(), EngineError> {
+    ) -> Result<bool, EngineError> {
         let id = record.id.clone();
         if let Err(error) = runtime.stop(sandbox).await {
             record.state = SandboxState::Error;
@@ -113,7 +170,7 @@ impl Sandboxes {
                 crate::error::describe(&error)
             ));
             self.shared.save_state(&mut record).await?;
-            return Ok(());
+            return Ok(false);
         }
         let was = record.state;
         if record.desired_state == DesiredState::Started
@@ -127,20 +184,14 @@ impl Sandboxes {
         {
             record.state = SandboxState::Stopped;
             self.shared.save_state(&mut record).await?;
-            match self.start(&id).await {
-                Ok(_) => {
-                    tracing::info!(sandbox = %id, "restarted after a server restart")
-                }
-                Err(error) => {
-                    tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "restart failed")
-                }
-            }
-        } else if was.is_transient() {
+            return Ok(true);
+        }
+        if was.is_transient() {
             record.state = SandboxState::Stopped;
             self.shared.save_state(&mut record).await?;
             tracing::info!(sandbox = %id, %was, "marked stopped after a server restart");
         }
-        Ok(())
+        Ok(false)
     }
 
     /// Whether the runtime took the sandbox over as it runs; if so it is
