@@ -197,9 +197,11 @@ def start_runner(cove: CoveServer, token: str, data_dir) -> subprocess.Popen:
     )
 
 
-def serving_runner(cove: CoveServer, token: str, data_dir, cgroup_parent: str) -> subprocess.Popen:
+def serving_runner(cove: CoveServer, token: str, data_dir, cgroup_parent: str,
+                   network: tuple[str, ...]) -> subprocess.Popen:
     """`cove runner --listen`: it serves containers on a loopback port, its
-    sandboxes' user namespaces and cgroups apart from the server's."""
+    sandboxes' user namespaces, cgroups and `network` (its flags) apart from
+    the server's."""
     env = {k: v for k, v in os.environ.items() if k not in ("COVE_API_KEY", "DAYTONA_API_KEY")}
     env["COVE_RUNNER_TOKEN"] = token
     env.setdefault("RUST_LOG", "info")
@@ -207,17 +209,22 @@ def serving_runner(cove: CoveServer, token: str, data_dir, cgroup_parent: str) -
         [str(cove_binary()), "runner", "--control", cove.api_url, "--data-dir", str(data_dir),
          "--no-vm", "--listen", "127.0.0.1:0", "--images-dir", str(images_dir()),
          "--storage-size-gib", "8", "--userns-pool", "2147483648:64",
-         "--cgroup-parent", cgroup_parent],
+         "--cgroup-parent", cgroup_parent, *network],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
 
 
 def end(process: subprocess.Popen | None, server: CoveServer, *data_dirs) -> None:
-    """Kills a runner still running, stops the test's own server, and
-    removes the data directories (unmounting their storage)."""
+    """Ends a runner still running (asked first, so it takes down what it
+    made: its sandboxes, network and storage), stops the test's own server,
+    and removes the data directories (unmounting their storage)."""
     if process is not None and process.poll() is None:
-        process.kill()
-        process.wait()
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
     try:
         server.stop()
     finally:
@@ -422,10 +429,11 @@ def reaches_it_through_the_runner(server: CoveServer, sandbox) -> None:
     assert (done.returncode, done.stdout.strip()) == (0, b"via-42"), done.stderr
 
 
-def test_a_runner_elsewhere_runs_the_containers_placed_on_it():
+def test_a_runner_elsewhere_runs_the_containers_placed_on_it(fake_internet):
     """With the server's own runner drained, a create goes to a runner that
     serves (`cove runner --listen`): the runner runs the container;
-    commands, files, a PTY, a preview and SSH reach it through the runner;
+    commands, files, a PTY, a preview and SSH reach it through the runner,
+    and it reaches the (fake) internet through the runner's own network;
     a restart of the control plane takes it back as it runs; it stops and
     starts with its files there. Killed with SIGKILL, the
     runner loses nothing: its sandbox is shown in error naming it, and once
@@ -437,9 +445,13 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it():
     process = None
     runner_dir = new_data_dir()
     parent = "cove-test-" + uuid.uuid4().hex[:8]
+    # The runner's own bridge, range and routes, out through the test's
+    # fake internet.
+    network = ("--bridge", "cvr" + uuid.uuid4().hex[:4], "--network-range", "10.76.0.0/16",
+               "--route-table", "7760", *fake_internet.server_args())
     try:
         runner_id, token = add_runner(server, unique("node"))
-        process = serving_runner(server, token, runner_dir, parent)
+        process = serving_runner(server, token, runner_dir, parent, network)
         assert wait_until(lambda: state(server, runner_id) == "ready", 60)
         me = server.request("GET", "/runners/me", headers={"Authorization": f"Bearer {token}"}).json()
         service = me["apiUrl"]
@@ -461,6 +473,13 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it():
         assert sandbox.fs.download_file("kept.txt") == b"kept on the runner"
         assert server.request("GET", f"/runners/by-sandbox/{sandbox.id}").json()["id"] == runner_id
         reaches_it_through_the_runner(server, sandbox)
+        # Its network is the runner's: an address of the runner's range, the
+        # (fake) internet by name, and the host's world closed as on a server.
+        assert "10.76." in sandbox.process.exec("hostname -I").result
+        web = sandbox.process.exec("curl -s --max-time 10 http://allowed.test/")
+        assert web.result.strip() == "allowed server", web.result
+        metadata = sandbox.process.exec(f"curl -s --max-time 3 http://{fake_internet.METADATA}/")
+        assert metadata.exit_code != 0, metadata.result
 
         # The control plane restarts; the runner does not. Once the runner
         # reports again, its sandbox is taken over as it runs: the web
@@ -492,7 +511,7 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it():
         # longer runs, and a recover brings it back there with its files.
         process.kill()
         process.wait()
-        process = serving_runner(server, token, runner_dir, parent)
+        process = serving_runner(server, token, runner_dir, parent, network)
 
         def in_error() -> bool:
             sandbox.refresh_data()

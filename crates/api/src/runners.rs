@@ -338,6 +338,8 @@ pub(crate) struct Healthcheck {
     /// cove's: the key the runner's service at `apiUrl` takes. With it the
     /// control plane places sandboxes on the runner and drives them there.
     service_key: Option<String>,
+    /// cove's: whether the runner gives its sandboxes a network of its own.
+    sandbox_network: Option<bool>,
 }
 
 /// Daytona's `RunnerHealthMetrics`, the fields cove keeps.
@@ -390,7 +392,12 @@ pub(crate) async fn healthcheck(
     state
         .engine
         .runners()
-        .report(&known.id, report, body.service_key.as_deref())
+        .report(
+            &known.id,
+            report,
+            body.service_key.as_deref(),
+            body.sandbox_network.unwrap_or(false),
+        )
         .await?;
     Ok(StatusCode::OK)
 }

@@ -74,6 +74,10 @@ pub(crate) struct RunnerArgs {
     /// since a runtime starting sweeps what it finds there.
     #[arg(long, default_value = "cove-runner", value_parser = plain_name)]
     cgroup_parent: String,
+    /// The network its sandboxes get: its own bridge, range and routes
+    /// (`--no-network`: loopback only).
+    #[command(flatten)]
+    network: crate::serve::NetworkArgs,
 }
 
 fn plain_name(text: &str) -> Result<String, String> {
@@ -115,6 +119,13 @@ impl Serving {
     async fn end(self) {
         self.task.abort();
         self.service.stop_all().await;
+        self.service.runtime.end_pool().await;
+        if let Some(network) = &self.service.network {
+            // The bridge, firewall tables and routes go; addresses stay on disk.
+            if let Err(error) = network.shutdown().await {
+                tracing::error!(%error, "removing the sandbox network");
+            }
+        }
         match self.service.runtime.sandbox_ids().await {
             Ok(ids) if ids.is_empty() => {
                 if let Err(error) = self.storage.unmount() {
@@ -153,6 +164,12 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
     config.userns_pool = args.userns_pool;
     config.cgroup_parent = args.cgroup_parent.clone();
     let runtime = Arc::new(ContainerRuntime::new(config)?);
+    let network = match args.network.no_network {
+        true => None,
+        false => Some(Arc::new(
+            crate::serve::open_network(&args.network, &data_dir).await?,
+        )),
+    };
     for id in runtime.sandbox_ids().await? {
         let Ok(sandbox) = cove_runtime::SandboxId::parse(&id) else {
             continue;
@@ -166,7 +183,8 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
         uuid::Uuid::new_v4().simple(),
         uuid::Uuid::new_v4().simple()
     );
-    let service = Arc::new(Service::new(runtime, args.images_dir.clone(), key));
+    runtime.fill_pool();
+    let service = Arc::new(Service::new(runtime, network, args.images_dir.clone(), key));
     let app = crate::runner_service::router(service.clone());
     let task = tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, app).await {
@@ -316,6 +334,7 @@ fn report(data_dir: &Path, vm_assets: Option<&Path>, serving: Option<&Serving>) 
         "accelerator": accelerator,
         "apiUrl": serving.map(|s| &s.url),
         "serviceKey": serving.map(|s| &s.service.key),
+        "sandboxNetwork": serving.is_some_and(|s| s.service.network.is_some()),
     })
 }
 

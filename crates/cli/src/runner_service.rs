@@ -16,6 +16,7 @@
 //! | `POST /sandboxes/{id}/start` | boots it |
 //! | `GET /sandboxes/{id}/exit` | answers once that start ended, with why |
 //! | `POST /sandboxes/{id}/stop` | ends its processes, keeps its storage |
+//! | `PUT /sandboxes/{id}/network` | its egress policy, applied at once if it runs |
 //! | `DELETE /sandboxes/{id}` | removes everything of it |
 //! | `GET /sandboxes/{id}` | whether it runs |
 //! | `GET /sandboxes/{id}/agent` | the agent's byte stream (upgrade) |
@@ -32,17 +33,24 @@ use axum::{Json, Router};
 use cove_engine::remote::{
     FailureKind, RemoteExit, RemoteFailure, RemoteSpec, RemoteStarted, RemoteState,
 };
+use cove_engine::NetworkSettings;
+use cove_net::{Deletion, Link, LinkKind};
 use cove_runtime::container::ContainerRuntime;
-use cove_runtime::{AgentEndpoint, Runtime, RuntimeError, SandboxId};
+use cove_runtime::{AgentEndpoint, NetworkLink, Runtime, RuntimeError, SandboxId, SandboxNetwork};
 use tokio::sync::watch;
 
 /// What the service holds: the runtime, where images are, its key, and the
 /// sandboxes it started.
 pub(crate) struct Service {
     pub(crate) runtime: Arc<ContainerRuntime>,
+    /// This runner's own sandbox network; `None`: loopback only.
+    pub(crate) network: Option<Arc<cove_net::Network>>,
     pub(crate) images: PathBuf,
     pub(crate) key: String,
     runs: Mutex<HashMap<String, Run>>,
+    /// Each sandbox's egress policy as the control plane last gave it
+    /// (before every start); the default for one it never gave.
+    policies: Mutex<HashMap<String, NetworkSettings>>,
 }
 
 /// One start of a sandbox: its agent, and why it ended once it has.
@@ -53,12 +61,57 @@ struct Run {
 }
 
 impl Service {
-    pub(crate) fn new(runtime: Arc<ContainerRuntime>, images: PathBuf, key: String) -> Service {
+    pub(crate) fn new(
+        runtime: Arc<ContainerRuntime>,
+        network: Option<Arc<cove_net::Network>>,
+        images: PathBuf,
+        key: String,
+    ) -> Service {
         Service {
             runtime,
+            network,
             images,
             key,
             runs: Mutex::default(),
+            policies: Mutex::default(),
+        }
+    }
+
+    /// Attaches sandbox `id` to this runner's network with its policy, as
+    /// it is about to start (a port left by an earlier run goes first).
+    async fn attach(&self, id: &str) -> Result<Option<SandboxNetwork>, Refusal> {
+        let Some(network) = &self.network else {
+            return Ok(None);
+        };
+        let settings = self.policies.lock().unwrap().get(id).cloned();
+        let policy = cove_engine::network_policy(&settings.unwrap_or_default())
+            .map_err(|error| refuse(400, FailureKind::Other, cove_engine::describe(&error)))?;
+        let _ = network.detach(id, Deletion::Now).await;
+        let attachment = network
+            .attach_as(id, &policy, LinkKind::Namespace)
+            .await
+            .map_err(|error| network_failure(id, "attach it to the network", &error))?;
+        let Link::Namespace(netns) = attachment.link else {
+            return Err(refuse(
+                500,
+                FailureKind::Other,
+                "the network made no namespace",
+            ));
+        };
+        Ok(Some(SandboxNetwork {
+            link: NetworkLink::Namespace(netns),
+            resolv_conf: attachment.resolv_conf,
+        }))
+    }
+
+    /// Takes sandbox `id` off the network.
+    async fn detach(&self, id: &str) -> Result<(), Refusal> {
+        match &self.network {
+            Some(network) => match network.detach(id, Deletion::Now).await {
+                Ok(()) | Err(cove_net::NetError::NotAttached { .. }) => Ok(()),
+                Err(error) => Err(network_failure(id, "detach it from the network", &error)),
+            },
+            None => Ok(()),
         }
     }
 
@@ -88,6 +141,7 @@ pub(crate) fn router(service: Arc<Service>) -> Router {
         .route("/sandboxes/{id}/start", post(start))
         .route("/sandboxes/{id}/exit", get(exit))
         .route("/sandboxes/{id}/stop", post(stop))
+        .route("/sandboxes/{id}/network", axum::routing::put(set_network))
         .route("/sandboxes/{id}", get(running).delete(destroy))
         .route("/sandboxes/{id}/agent", get(agent))
         .layer(axum::middleware::from_fn_with_state(
@@ -149,6 +203,11 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         .strip_prefix("Bearer ")
 }
 
+fn network_failure(id: &str, step: &str, error: &cove_net::NetError) -> Refusal {
+    let message = format!("sandbox {id}: {step}: {}", cove_engine::describe(error));
+    refuse(500, FailureKind::Other, message)
+}
+
 fn sandbox(id: &str) -> Result<SandboxId, Refusal> {
     SandboxId::parse(id).map_err(|e| refuse(400, FailureKind::Other, e.to_string()))
 }
@@ -177,8 +236,15 @@ async fn start(
     Path(id): Path<String>,
     Json(spec): Json<RemoteSpec>,
 ) -> Result<Json<RemoteStarted>, Refusal> {
-    let spec = spec_of(&service, sandbox(&id)?, spec)?;
-    let started = service.runtime.start(&spec).await?;
+    let mut spec = spec_of(&service, sandbox(&id)?, spec)?;
+    spec.network = service.attach(&id).await?;
+    let started = match service.runtime.start(&spec).await {
+        Ok(started) => started,
+        Err(error) => {
+            let _ = service.detach(&id).await;
+            return Err(error.into());
+        }
+    };
     let (tell, ended) = watch::channel(None);
     let exited = started.exited;
     tokio::spawn(async move {
@@ -224,6 +290,7 @@ async fn stop(
     let sandbox = sandbox(&id)?;
     service.runs.lock().unwrap().remove(&id);
     service.runtime.stop(&sandbox).await?;
+    service.detach(&id).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -234,6 +301,44 @@ async fn destroy(
     let sandbox = sandbox(&id)?;
     service.runs.lock().unwrap().remove(&id);
     service.runtime.destroy(&sandbox).await?;
+    service.policies.lock().unwrap().remove(&id);
+    if let Some(network) = &service.network {
+        network
+            .release(&id)
+            .await
+            .map_err(|error| network_failure(&id, "release its network address", &error))?;
+    }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Takes the sandbox's egress policy: from its next start, and at once if
+/// it runs. A runner without a network takes only the default.
+async fn set_network(
+    State(service): State<Arc<Service>>,
+    Path(id): Path<String>,
+    Json(settings): Json<NetworkSettings>,
+) -> Result<StatusCode, Refusal> {
+    sandbox(&id)?;
+    let policy = cove_engine::network_policy(&settings)
+        .map_err(|error| refuse(400, FailureKind::Other, cove_engine::describe(&error)))?;
+    let Some(network) = &service.network else {
+        if settings == NetworkSettings::default() {
+            return Ok(StatusCode::NO_CONTENT);
+        }
+        return Err(refuse(
+            501,
+            FailureKind::Unsupported,
+            "a network policy on a runner without a sandbox network (--no-network)",
+        ));
+    };
+    let runs = service.runs.lock().unwrap().get(&id).cloned();
+    if runs.is_some_and(|run| run.ended.borrow().is_none()) {
+        network
+            .set_policy(&id, &policy)
+            .await
+            .map_err(|error| network_failure(&id, "apply the policy", &error))?;
+    }
+    service.policies.lock().unwrap().insert(id, settings);
     Ok(StatusCode::NO_CONTENT)
 }
 

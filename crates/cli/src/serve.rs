@@ -87,38 +87,8 @@ pub(crate) struct ServeArgs {
     /// Default: `<data-dir>/archive`.
     #[arg(long, env = "COVE_ARCHIVE")]
     pub archive: Option<String>,
-    /// Give sandboxes no network at all (only loopback), instead of cove's bridge.
-    #[arg(long)]
-    pub no_network: bool,
-    /// The host interface sandbox traffic leaves by (default: the default route's).
-    #[arg(long, requires = "uplink_gateway")]
-    pub uplink_interface: Option<String>,
-    /// The next hop on the uplink interface (default: the default route's).
-    #[arg(long, requires = "uplink_interface")]
-    pub uplink_gateway: Option<std::net::Ipv4Addr>,
-    /// DNS servers cove's resolver forwards sandbox queries to, comma-separated
-    /// (default: the host's /etc/resolv.conf nameservers).
-    #[arg(long, value_delimiter = ',')]
-    pub dns: Vec<std::net::Ipv4Addr>,
-    /// The private range sandbox addresses come from.
-    #[arg(long, default_value = "10.77.0.0/16")]
-    pub network_range: cove_net::Ipv4Net,
-    /// Private, link-local or uplink-LAN ranges to open to sandboxes,
-    /// comma-separated CIDRs (by default the host's world is closed: no
-    /// sandbox reaches 169.254/16, 10/8, 172.16/12, 192.168/16, 100.64/10,
-    /// loopback, multicast, reserved, or the uplink's subnet). Each sandbox's
-    /// own policy still applies to an opened range.
-    #[arg(long, env = "COVE_ALLOW_PRIVATE_EGRESS", value_delimiter = ',', value_parser = parse_cidr)]
-    pub allow_private_egress: Vec<cove_net::Ipv4Net>,
-    /// The bridge sandboxes are attached to (at most 8 characters).
-    #[arg(long, default_value = "cove0")]
-    pub bridge: String,
-    /// The routing table sandbox traffic is routed by; also the priority of
-    /// the rules that select it and the firewall mark of the resolver's own
-    /// queries. Two servers on one host need their own (and their own
-    /// --bridge and --network-range).
-    #[arg(long, default_value_t = 7700)]
-    pub route_table: u32,
+    #[command(flatten)]
+    pub network: NetworkArgs,
     /// Seconds a runner on another machine may be silent before it is shown
     /// unresponsive and given no new sandbox; at least two of its reports
     /// (every 5 s).
@@ -241,6 +211,43 @@ impl PriceArgs {
         }
         Ok(prices)
     }
+}
+
+/// How sandboxes meet the network: the flags of `serve` and of `cove runner`.
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct NetworkArgs {
+    /// Give sandboxes no network at all (only loopback), instead of cove's bridge.
+    #[arg(long)]
+    pub no_network: bool,
+    /// The host interface sandbox traffic leaves by (default: the default route's).
+    #[arg(long, requires = "uplink_gateway")]
+    pub uplink_interface: Option<String>,
+    /// The next hop on the uplink interface (default: the default route's).
+    #[arg(long, requires = "uplink_interface")]
+    pub uplink_gateway: Option<std::net::Ipv4Addr>,
+    /// DNS servers cove's resolver forwards sandbox queries to, comma-separated
+    /// (default: the host's /etc/resolv.conf nameservers).
+    #[arg(long, value_delimiter = ',')]
+    pub dns: Vec<std::net::Ipv4Addr>,
+    /// The private range sandbox addresses come from.
+    #[arg(long, default_value = "10.77.0.0/16")]
+    pub network_range: cove_net::Ipv4Net,
+    /// Private, link-local or uplink-LAN ranges to open to sandboxes,
+    /// comma-separated CIDRs (by default the host's world is closed: no
+    /// sandbox reaches 169.254/16, 10/8, 172.16/12, 192.168/16, 100.64/10,
+    /// loopback, multicast, reserved, or the uplink's subnet). Each sandbox's
+    /// own policy still applies to an opened range.
+    #[arg(long, env = "COVE_ALLOW_PRIVATE_EGRESS", value_delimiter = ',', value_parser = parse_cidr)]
+    pub allow_private_egress: Vec<cove_net::Ipv4Net>,
+    /// The bridge sandboxes are attached to (at most 8 characters).
+    #[arg(long, default_value = "cove0")]
+    pub bridge: String,
+    /// The routing table sandbox traffic is routed by; also the priority of
+    /// the rules that select it and the firewall mark of the resolver's own
+    /// queries. Two servers on one host need their own (and their own
+    /// --bridge and --network-range).
+    #[arg(long, default_value_t = 7700)]
+    pub route_table: u32,
 }
 
 pub(crate) fn progress_printer() -> impl FnMut(&DefaultImageProgress) {
@@ -476,10 +483,10 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         vm.keep_deepening();
         runtimes.insert(SandboxClass::LinuxVm, vm.clone() as Arc<dyn Runtime>);
     }
-    let network = if args.no_network {
+    let network = if args.network.no_network {
         None
     } else {
-        Some(Arc::new(open_network(&args, &data_dir).await?))
+        Some(Arc::new(open_network(&args.network, &data_dir).await?))
     };
     let config = EngineConfig {
         ceilings: Ceilings {
@@ -792,7 +799,10 @@ fn parse_cidr(text: &str) -> Result<cove_net::Ipv4Net, cove_net::PolicyError> {
 }
 
 /// cove's sandbox network over the configured (or the host's default) uplink.
-async fn open_network(args: &ServeArgs, data_dir: &Path) -> anyhow::Result<cove_net::Network> {
+pub(crate) async fn open_network(
+    args: &NetworkArgs,
+    data_dir: &Path,
+) -> anyhow::Result<cove_net::Network> {
     let uplink = match (&args.uplink_interface, args.uplink_gateway) {
         (Some(interface), Some(gateway)) => cove_net::Uplink {
             interface: interface.clone(),

@@ -15,6 +15,7 @@
 //! captures, archives, pauses and forks.
 
 use std::path::{Component, Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
@@ -250,6 +251,9 @@ pub(crate) struct RemoteRuntime {
     /// The runner's name, for messages.
     runner: String,
     service: RwLock<Service>,
+    /// Whether the runner gives its sandboxes a network (its own bridge),
+    /// as its last report said.
+    networked: AtomicBool,
     /// The control plane's images directory: a sandbox's image is named to
     /// the runner by its path under it.
     images: PathBuf,
@@ -266,6 +270,7 @@ impl RemoteRuntime {
         RemoteRuntime {
             runner: runner.to_owned(),
             service: RwLock::new(service),
+            networked: AtomicBool::new(false),
             images,
             http,
         }
@@ -278,6 +283,33 @@ impl RemoteRuntime {
 
     fn service(&self) -> Service {
         self.service.read().unwrap().clone()
+    }
+
+    /// Records whether the runner gives its sandboxes a network.
+    pub(crate) fn set_networked(&self, networked: bool) {
+        self.networked.store(networked, Ordering::Relaxed);
+    }
+
+    pub(crate) fn networked(&self) -> bool {
+        self.networked.load(Ordering::Relaxed)
+    }
+
+    /// Gives sandbox `id` the egress policy `settings` on its runner: from
+    /// its next start, and at once if it runs.
+    pub(crate) async fn set_network(
+        &self,
+        id: &str,
+        settings: &cove_store::NetworkSettings,
+    ) -> Result<(), RuntimeError> {
+        let path = format!("/sandboxes/{id}/network");
+        let service = self.service();
+        let sent = self
+            .http
+            .put(format!("{}{path}", service.base))
+            .bearer_auth(&service.key)
+            .timeout(OPERATION_TIMEOUT)
+            .json(settings);
+        self.answer(id, sent).await.map(drop)
     }
 
     /// Calls `method path` on the runner for sandbox `id`; the answer's body
@@ -302,6 +334,16 @@ impl RemoteRuntime {
         if let Some(body) = body {
             request = request.json(body);
         }
+        self.answer(id, request).await
+    }
+
+    /// Sends `request` about sandbox `id`; the answer's body on success,
+    /// the runner's refusal (or why it could not be reached) as the error.
+    async fn answer(
+        &self,
+        id: &str,
+        request: reqwest::RequestBuilder,
+    ) -> Result<Vec<u8>, RuntimeError> {
         let unreachable = |error: String| RuntimeError::Busy {
             id: id.to_owned(),
             reason: format!("runner {} could not be reached: {error}", self.runner),

@@ -144,17 +144,16 @@ pub(crate) struct Need<'a> {
     pub(crate) region: &'a str,
     pub(crate) cpu: i64,
     pub(crate) memory_gib: i64,
-    /// What the sandbox has that only this server's own runner gives yet,
-    /// named; `None`: any runner will do.
+    /// What the sandbox has that only this server's own runner gives yet
+    /// (a link, volumes, a captured snapshot), named; `None`: any runner
+    /// will do.
     pub(crate) here_only: Option<&'static str>,
 }
 
 impl Need<'static> {
     /// What `sandbox` needs, in the server's one region.
     pub(crate) fn of(sandbox: &cove_store::SandboxRecord) -> Need<'static> {
-        let here_only = if sandbox.network != cove_store::NetworkSettings::default() {
-            Some("a network policy")
-        } else if sandbox.linked_sandbox_id.is_some() {
+        let here_only = if sandbox.linked_sandbox_id.is_some() {
             Some("a link to another sandbox")
         } else if !sandbox.volumes.is_empty() {
             Some("volumes")
@@ -260,17 +259,26 @@ impl Shared {
     /// Drives runner `record` through `service` from now on (a new one
     /// replaces the old: the runner restarted or moved), or, with `None`,
     /// no longer.
-    fn serve_through(&self, record: &RunnerRecord, service: Option<crate::remote::Service>) {
+    fn serve_through(
+        &self,
+        record: &RunnerRecord,
+        service: Option<crate::remote::Service>,
+        networked: bool,
+    ) {
         let mut remotes = self.remotes.write().unwrap();
         match (service, remotes.get(&record.id)) {
             (None, _) => {
                 remotes.remove(&record.id);
             }
-            (Some(service), Some(known)) => known.0.set_service(service),
+            (Some(service), Some(known)) => {
+                known.0.set_service(service);
+                known.0.set_networked(networked);
+            }
             (Some(service), None) => {
                 let images = (self.config.images.as_ref())
                     .map_or_else(PathBuf::new, |images| images.dir().to_owned());
                 let runtime = crate::remote::RemoteRuntime::new(&record.name, service, images);
+                runtime.set_networked(networked);
                 tracing::info!(runner = %record.id, name = %record.name, "driving the runner at its service");
                 remotes.insert(record.id.clone(), crate::remote::Remote(Arc::new(runtime)));
                 // Nobody listens in an engine that runs no recoveries.
@@ -301,13 +309,22 @@ impl Shared {
         // said where they serve.
         let judge = self.judge();
         let remotes = self.remotes.read().unwrap();
+        let networked_here = self.network().is_some();
         let drives = |runner: &RunnerRecord| {
             if runner.id == judge.local {
-                Ok(())
-            } else if !remotes.contains_key(&runner.id) {
-                Err("runs on another machine and has not said where it serves \
+                return Ok(());
+            }
+            let Some(remote) = remotes.get(&runner.id) else {
+                return Err("runs on another machine and has not said where it serves \
                      (cove runner --listen) since this server started"
-                    .to_owned())
+                    .to_owned());
+            };
+            if networked_here && !remote.0.networked() {
+                Err(
+                    "runs on another machine without a sandbox network (cove runner \
+                     --no-network), and this server's sandboxes have one"
+                        .to_owned(),
+                )
             } else if let Some(what) = need.here_only {
                 Err(format!(
                     "runs on another machine, where sandboxes cannot have {what} yet"
@@ -546,6 +563,7 @@ impl Runners {
         id: &str,
         report: RunnerReport,
         service_key: Option<&str>,
+        networked: bool,
     ) -> Result<(), EngineError> {
         check_report(&report)?;
         let service = match service_key {
@@ -558,7 +576,7 @@ impl Runners {
             .runner_reported(id, &report, now_ms())
             .await?
             .ok_or_else(|| EngineError::RunnerNotFound { id: id.to_owned() })?;
-        self.shared.serve_through(&record, service);
+        self.shared.serve_through(&record, service, networked);
         self.shared.set_runner(record);
         Ok(())
     }

@@ -131,6 +131,17 @@ impl Shared {
         }
     }
 
+    /// The runner elsewhere that holds `record`, as this server drives it;
+    /// `None` for a sandbox of this server's runner, or of one that has not
+    /// said where it serves.
+    pub(crate) fn remote_of(&self, record: &SandboxRecord) -> Option<crate::remote::Remote> {
+        let runner = record
+            .runner_id
+            .as_deref()
+            .filter(|_| !self.is_local(record))?;
+        self.remotes.read().unwrap().get(runner).cloned()
+    }
+
     /// Every class this server runs, with its runtime.
     pub(crate) fn runtimes(&self) -> impl Iterator<Item = (SandboxClass, &Arc<dyn Runtime>)> {
         self.runtimes

@@ -20,7 +20,14 @@ impl Sandboxes {
         &self,
         record: &SandboxRecord,
     ) -> Result<Option<SandboxNetwork>, Failure> {
-        // A runner elsewhere is not on this server's network.
+        // A runner elsewhere attaches its sandboxes to its own network as
+        // it starts them: it is told the policy first.
+        if let Some(remote) = self.shared.remote_of(record) {
+            if remote.0.networked() {
+                remote.0.set_network(&record.id, &record.network).await?;
+            }
+            return Ok(None);
+        }
         let Some(network) = self
             .shared
             .network()
@@ -139,18 +146,25 @@ impl Sandboxes {
         let mut record = self.get(&id).await?;
         let settings = crate::network::normalised(change(record.network.clone()))?;
         let checked = policy(&settings)?;
-        if self.shared.network().is_none() && settings != NetworkSettings::default() {
+        if !self.shared.is_local(&record) {
+            // Its runner keeps it: told now, applied there (at once if it runs).
+            match self.shared.remote_of(&record) {
+                Some(remote) if remote.0.networked() => {
+                    remote.0.set_network(&record.id, &settings).await.map_err(
+                        EngineError::runtime(&record.id, "change its network policy"),
+                    )?
+                }
+                _ if settings == NetworkSettings::default() => {}
+                _ => return Err(elsewhere_without_network(&record)),
+            }
+        } else if self.shared.network().is_none() && settings != NetworkSettings::default() {
             return Err(EngineError::NotImplemented {
                 what: format!(
                     "network policies for {} sandboxes on this server (no sandbox networking)",
                     record.class
                 ),
             });
-        }
-        if !self.shared.is_local(&record) {
-            return Err(elsewhere_without_network(&record));
-        }
-        if record.state == SandboxState::Started {
+        } else if record.state == SandboxState::Started {
             if let Some(network) = self.shared.network() {
                 network
                     .set_policy(&record.id, &checked)
@@ -171,11 +185,11 @@ impl Sandboxes {
 }
 
 /// Why a sandbox on a runner elsewhere has no network to set.
-pub(crate) fn elsewhere_without_network(record: &SandboxRecord) -> EngineError {
+fn elsewhere_without_network(record: &SandboxRecord) -> EngineError {
     EngineError::NotImplemented {
         what: format!(
-            "a network for sandboxes on runner {}, on another machine (they have only \
-             loopback there),",
+            "a network policy for sandboxes on runner {}, which gives them no network \
+             (it runs with --no-network, or has not reported since this server started),",
             record.runner_id.as_deref().unwrap_or_default()
         ),
     }
