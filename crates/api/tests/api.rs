@@ -2461,6 +2461,29 @@ async fn a_runner_elsewhere_is_registered_reports_with_its_own_token_and_is_dele
         .as_str()
         .unwrap()
         .contains("sandboxClasses"));
+    // A service is taken only with a plain key and an http:// URL with a
+    // host: the key goes into a header of every call to the runner.
+    for (key, url, field) in [
+        ("line\r\nX-Evil: 1", "http://10.1.0.2:3001", "serviceKey"),
+        ("k", "https://10.1.0.2:3001", "apiUrl"),
+    ] {
+        let mut serving = report.clone();
+        serving["serviceKey"] = json!(key);
+        serving["apiUrl"] = json!(url);
+        let (status, answer) = api
+            .call_with_key(
+                "POST",
+                "/api/runners/healthcheck",
+                Some(serving),
+                Some(&token),
+            )
+            .await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{answer}");
+        assert!(
+            answer["message"].as_str().unwrap().contains(field),
+            "{answer}"
+        );
+    }
     let (status, _) = api
         .call("POST", "/api/runners/healthcheck", Some(report.clone()))
         .await;
