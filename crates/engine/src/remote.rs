@@ -89,6 +89,10 @@ impl RemoteSpec {
         })
     }
 
+    fn to_json(&self) -> serde_json::Value {
+        serde_json::to_value(self).expect("a spec of strings and numbers is JSON")
+    }
+
     /// The runner's side: the spec of sandbox `id`, its image found under
     /// `images`. The image must be a plain relative path there (no `..`, no
     /// root) and exist.
@@ -302,14 +306,16 @@ impl RemoteRuntime {
         settings: &cove_store::NetworkSettings,
     ) -> Result<(), RuntimeError> {
         let path = format!("/sandboxes/{id}/network");
-        let service = self.service();
-        let sent = self
-            .http
-            .put(format!("{}{path}", service.base))
-            .bearer_auth(&service.key)
-            .timeout(OPERATION_TIMEOUT)
-            .json(settings);
-        self.answer(id, sent).await.map(drop)
+        let body = Some(serde_json::to_value(settings).expect("settings of strings are JSON"));
+        self.call(
+            id,
+            reqwest::Method::PUT,
+            &path,
+            body,
+            Some(OPERATION_TIMEOUT),
+        )
+        .await
+        .map(drop)
     }
 
     /// Calls `method path` on the runner for sandbox `id`; the answer's body
@@ -320,7 +326,7 @@ impl RemoteRuntime {
         id: &str,
         method: reqwest::Method,
         path: &str,
-        body: Option<&RemoteSpec>,
+        body: Option<serde_json::Value>,
         timeout: Option<Duration>,
     ) -> Result<Vec<u8>, RuntimeError> {
         let service = self.service();
@@ -332,18 +338,8 @@ impl RemoteRuntime {
             request = request.timeout(timeout);
         }
         if let Some(body) = body {
-            request = request.json(body);
+            request = request.json(&body);
         }
-        self.answer(id, request).await
-    }
-
-    /// Sends `request` about sandbox `id`; the answer's body on success,
-    /// the runner's refusal (or why it could not be reached) as the error.
-    async fn answer(
-        &self,
-        id: &str,
-        request: reqwest::RequestBuilder,
-    ) -> Result<Vec<u8>, RuntimeError> {
         let unreachable = |error: String| RuntimeError::Busy {
             id: id.to_owned(),
             reason: format!("runner {} could not be reached: {error}", self.runner),
@@ -372,7 +368,7 @@ impl RemoteRuntime {
         id: &str,
         method: reqwest::Method,
         path: &str,
-        body: Option<&RemoteSpec>,
+        body: Option<serde_json::Value>,
     ) -> Result<T, RuntimeError> {
         let body = self
             .call(id, method, path, body, Some(OPERATION_TIMEOUT))
@@ -475,14 +471,14 @@ pub(crate) struct Remote(pub(crate) Arc<RemoteRuntime>);
 #[async_trait]
 impl Runtime for Remote {
     async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
-        let remote = RemoteSpec::of(spec, &self.0.images, &self.0.runner)?;
+        let remote = RemoteSpec::of(spec, &self.0.images, &self.0.runner)?.to_json();
         let path = format!("/sandboxes/{}/prepare", spec.id);
         self.0
             .call(
                 spec.id.as_str(),
                 reqwest::Method::POST,
                 &path,
-                Some(&remote),
+                Some(remote),
                 Some(OPERATION_TIMEOUT),
             )
             .await
@@ -490,12 +486,12 @@ impl Runtime for Remote {
     }
 
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
-        let remote = RemoteSpec::of(spec, &self.0.images, &self.0.runner)?;
+        let remote = RemoteSpec::of(spec, &self.0.images, &self.0.runner)?.to_json();
         let id = spec.id.as_str();
         let path = format!("/sandboxes/{id}/start");
         let started: RemoteStarted = self
             .0
-            .call_json(id, reqwest::Method::POST, &path, Some(&remote))
+            .call_json(id, reqwest::Method::POST, &path, Some(remote))
             .await?;
         Ok(self.0.clone().watch(id, started.accelerator.as_deref()))
     }
