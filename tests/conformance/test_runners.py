@@ -399,6 +399,11 @@ def probe_command(port: int) -> str:
     return f"python3 -c \"import urllib.request; urllib.request.urlopen('http://127.0.0.1:{port}/page.txt')\""
 
 
+def reaches_the_internet(sandbox) -> bool:
+    web = sandbox.process.exec("curl -s --max-time 3 http://allowed.test/")
+    return web.result.strip() == "allowed server"
+
+
 def reaches_it_through_the_runner(server: CoveServer, sandbox) -> None:
     """A PTY, a preview and SSH: each reaches the agent through the runner."""
     handle = sandbox.process.create_pty_session(unique("pty"))
@@ -480,6 +485,9 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it(fake_internet):
         assert web.result.strip() == "allowed server", web.result
         metadata = sandbox.process.exec(f"curl -s --max-time 3 http://{fake_internet.METADATA}/")
         assert metadata.exit_code != 0, metadata.result
+        # Its policy is the runner's to apply: at once, and at every start.
+        sandbox.update_network_settings(network_block_all=True)
+        assert wait_until(lambda: not reaches_the_internet(sandbox), 20)
 
         # The control plane restarts; the runner does not. Once the runner
         # reports again, its sandbox is taken over as it runs: the web
@@ -505,6 +513,9 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it(fake_internet):
         sandbox.start(timeout=60)
         assert sandbox.fs.download_file("kept.txt") == b"kept on the runner"
         assert sandbox.process.exec("echo again").result.strip() == "again"
+        assert not reaches_the_internet(sandbox), "blocked still, after a start"
+        sandbox.update_network_settings(network_block_all=False)
+        assert wait_until(lambda: reaches_the_internet(sandbox), 20)
 
         # kill -9 of the runner: the sandbox's record stays; once the
         # runner is back (with a new port and key), it says the sandbox no

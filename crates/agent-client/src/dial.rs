@@ -108,6 +108,8 @@ pub const RUNNER_TUNNEL_PROTOCOL: &str = "cove-agent";
 
 /// The most of a runner's answer to a tunnel request that is read.
 const TUNNEL_HEAD_LIMIT: usize = 8 << 10;
+/// How long connecting to a runner and reading its answer may take.
+const TUNNEL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A byte stream to an agent: a Unix socket's, or a TCP connection through
 /// a runner.
@@ -142,6 +144,23 @@ impl RunnerTunnel {
     /// agent's once the runner switched protocols. The answer's head is
     /// read a byte at a time, so nothing of the agent's is read with it.
     pub async fn open(&self) -> io::Result<TcpStream> {
+        let timed_out = || {
+            io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!(
+                    "the runner at {} did not open the agent of {} within {} s",
+                    self.address,
+                    self.sandbox,
+                    TUNNEL_TIMEOUT.as_secs()
+                ),
+            )
+        };
+        tokio::time::timeout(TUNNEL_TIMEOUT, self.handshake())
+            .await
+            .map_err(|_| timed_out())?
+    }
+
+    async fn handshake(&self) -> io::Result<TcpStream> {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let mut stream = TcpStream::connect(&self.address).await?;
         stream.set_nodelay(true)?;

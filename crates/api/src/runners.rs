@@ -326,7 +326,8 @@ pub(crate) async fn me(
 
 /// Daytona's `RunnerHealthcheck`, with cove's `sandboxClasses` and
 /// `accelerator` after. Left-out metrics keep what the runner last said.
-#[derive(Debug, Deserialize)]
+// No Debug: `serviceKey` is a secret.
+#[derive(Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub(crate) struct Healthcheck {
     app_version: String,

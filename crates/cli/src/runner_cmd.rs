@@ -155,6 +155,9 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
         .with_context(|| format!("listen on {listen}"))?;
     let url = match &args.advertise {
         Some(url) => url.trim_end_matches('/').to_owned(),
+        None if listen.ip().is_unspecified() => {
+            bail!("--listen {listen} names no address the control plane can dial: give --advertise http://THIS-HOST:PORT")
+        }
         None => format!("http://{}", listener.local_addr()?),
     };
     let agent_binary = crate::agent_binary::locate(args.agent_bin.clone())?;

@@ -16,7 +16,7 @@
 //! | `POST /sandboxes/{id}/start` | boots it |
 //! | `GET /sandboxes/{id}/exit` | answers once that start ended, with why |
 //! | `POST /sandboxes/{id}/stop` | ends its processes, keeps its storage |
-//! | `PUT /sandboxes/{id}/network` | its egress policy, applied at once if it runs |
+//! | `PUT /sandboxes/{id}/network` | a new egress policy, applied at once if it runs |
 //! | `DELETE /sandboxes/{id}` | removes everything of it |
 //! | `GET /sandboxes/{id}` | whether it runs |
 //! | `GET /sandboxes/{id}/agent` | the agent's byte stream (upgrade) |
@@ -48,9 +48,6 @@ pub(crate) struct Service {
     pub(crate) images: PathBuf,
     pub(crate) key: String,
     runs: Mutex<HashMap<String, Run>>,
-    /// Each sandbox's egress policy as the control plane last gave it
-    /// (before every start); the default for one it never gave.
-    policies: Mutex<HashMap<String, NetworkSettings>>,
 }
 
 /// One start of a sandbox: its agent, and why it ended once it has.
@@ -73,18 +70,32 @@ impl Service {
             images,
             key,
             runs: Mutex::default(),
-            policies: Mutex::default(),
         }
     }
 
-    /// Attaches sandbox `id` to this runner's network with its policy, as
-    /// it is about to start (a port left by an earlier run goes first).
-    async fn attach(&self, id: &str) -> Result<Option<SandboxNetwork>, Refusal> {
+    /// Attaches sandbox `id` to this runner's network with the policy its
+    /// start carries, as it is about to start (a port left by an earlier
+    /// run goes first). A start without a policy is refused rather than
+    /// given the open default; without a network, only the default is taken.
+    async fn attach(
+        &self,
+        id: &str,
+        settings: Option<NetworkSettings>,
+    ) -> Result<Option<SandboxNetwork>, Refusal> {
         let Some(network) = &self.network else {
+            if settings.is_some_and(|s| s != NetworkSettings::default()) {
+                return Err(no_network());
+            }
             return Ok(None);
         };
-        let settings = self.policies.lock().unwrap().get(id).cloned();
-        let policy = cove_engine::network_policy(&settings.unwrap_or_default())
+        let Some(settings) = settings else {
+            return Err(refuse(
+                400,
+                FailureKind::Other,
+                format!("the start of {id} carries no egress policy; this runner has a network"),
+            ));
+        };
+        let policy = cove_engine::network_policy(&settings)
             .map_err(|error| refuse(400, FailureKind::Other, cove_engine::describe(&error)))?;
         let _ = network.detach(id, Deletion::Now).await;
         let attachment = network
@@ -203,6 +214,14 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         .strip_prefix("Bearer ")
 }
 
+fn no_network() -> Refusal {
+    refuse(
+        501,
+        FailureKind::Unsupported,
+        "a network policy on a runner without a sandbox network (--no-network)",
+    )
+}
+
 fn network_failure(id: &str, step: &str, error: &cove_net::NetError) -> Refusal {
     let message = format!("sandbox {id}: {step}: {}", cove_engine::describe(error));
     refuse(500, FailureKind::Other, message)
@@ -236,8 +255,14 @@ async fn start(
     Path(id): Path<String>,
     Json(spec): Json<RemoteSpec>,
 ) -> Result<Json<RemoteStarted>, Refusal> {
-    let mut spec = spec_of(&service, sandbox(&id)?, spec)?;
-    spec.network = service.attach(&id).await?;
+    let sandbox = sandbox(&id)?;
+    let settings = spec.network.clone();
+    let mut spec = spec_of(&service, sandbox.clone(), spec)?;
+    // A retried start must not take a running sandbox off its network.
+    if service.runtime.is_running(&sandbox).await {
+        return Err(RuntimeError::AlreadyRunning { id }.into());
+    }
+    spec.network = service.attach(&id, settings).await?;
     let started = match service.runtime.start(&spec).await {
         Ok(started) => started,
         Err(error) => {
@@ -301,7 +326,6 @@ async fn destroy(
     let sandbox = sandbox(&id)?;
     service.runs.lock().unwrap().remove(&id);
     service.runtime.destroy(&sandbox).await?;
-    service.policies.lock().unwrap().remove(&id);
     if let Some(network) = &service.network {
         network
             .release(&id)
@@ -311,8 +335,9 @@ async fn destroy(
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Takes the sandbox's egress policy: from its next start, and at once if
-/// it runs. A runner without a network takes only the default.
+/// Applies the sandbox's new egress policy at once if it runs (its next
+/// start carries it anyway). A runner without a network takes only the
+/// default.
 async fn set_network(
     State(service): State<Arc<Service>>,
     Path(id): Path<String>,
@@ -325,11 +350,7 @@ async fn set_network(
         if settings == NetworkSettings::default() {
             return Ok(StatusCode::NO_CONTENT);
         }
-        return Err(refuse(
-            501,
-            FailureKind::Unsupported,
-            "a network policy on a runner without a sandbox network (--no-network)",
-        ));
+        return Err(no_network());
     };
     let runs = service.runs.lock().unwrap().get(&id).cloned();
     if runs.is_some_and(|run| run.ended.borrow().is_none()) {
@@ -338,7 +359,6 @@ async fn set_network(
             .await
             .map_err(|error| network_failure(&id, "apply the policy", &error))?;
     }
-    service.policies.lock().unwrap().insert(id, settings);
     Ok(StatusCode::NO_CONTENT)
 }
 

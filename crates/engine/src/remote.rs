@@ -9,10 +9,11 @@
 //! not to bound what it sends. A sandbox's agent is reached through the
 //! runner ([`AgentEndpoint::Runner`]).
 //!
-//! What this step does not do on a runner elsewhere, it refuses by name:
-//! images other than the ones both machines hold at the same path under
-//! their images directories, snapshot layers, volumes, networks,
-//! captures, archives, pauses and forks.
+//! A sandbox's network there is the runner's own: its egress policy goes
+//! with its start ([`RemoteSpec::network`]). What a runner elsewhere does
+//! not do yet is refused by name: images other than the ones both machines
+//! hold at the same path under their images directories, snapshot layers,
+//! volumes, captures, archives, pauses and forks.
 
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -49,6 +50,10 @@ pub struct RemoteSpec {
     pub workdir: Option<String>,
     pub user: Option<String>,
     pub command: Vec<String>,
+    /// Its egress policy, on a runner with a network (which refuses a
+    /// start without one rather than open the default).
+    #[serde(default)]
+    pub network: Option<cove_store::NetworkSettings>,
 }
 
 impl RemoteSpec {
@@ -86,6 +91,7 @@ impl RemoteSpec {
             workdir: spec.workdir.clone(),
             user: spec.user.clone(),
             command: spec.command.clone(),
+            network: None,
         })
     }
 
@@ -258,6 +264,11 @@ pub(crate) struct RemoteRuntime {
     /// Whether the runner gives its sandboxes a network (its own bridge),
     /// as its last report said.
     networked: AtomicBool,
+    /// Set once the runner reported it no longer serves: what still
+    /// waits on its sandboxes ends.
+    retired: AtomicBool,
+    /// The egress policy of each sandbox about to start, sent with its start.
+    policies: std::sync::Mutex<std::collections::HashMap<String, cove_store::NetworkSettings>>,
     /// The control plane's images directory: a sandbox's image is named to
     /// the runner by its path under it.
     images: PathBuf,
@@ -268,6 +279,9 @@ impl RemoteRuntime {
     pub(crate) fn new(runner: &str, service: Service, images: PathBuf) -> RemoteRuntime {
         let http = reqwest::Client::builder()
             .no_proxy()
+            // A runner names its own address; where its answers point
+            // is not followed.
+            .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(5))
             .build()
             .expect("a client without TLS or proxies builds");
@@ -275,6 +289,8 @@ impl RemoteRuntime {
             runner: runner.to_owned(),
             service: RwLock::new(service),
             networked: AtomicBool::new(false),
+            retired: AtomicBool::new(false),
+            policies: std::sync::Mutex::default(),
             images,
             http,
         }
@@ -296,6 +312,19 @@ impl RemoteRuntime {
 
     pub(crate) fn networked(&self) -> bool {
         self.networked.load(Ordering::Relaxed)
+    }
+
+    /// The runner no longer serves (it reported no service): the watches
+    /// of its sandboxes end, saying so.
+    pub(crate) fn retire(&self) {
+        self.retired.store(true, Ordering::Relaxed);
+    }
+
+    /// Sandbox `id`'s egress policy for its next start, which carries it
+    /// (a runner with a network refuses a start without one).
+    pub(crate) fn policy_for_start(&self, id: &str, settings: &cove_store::NetworkSettings) {
+        let mut policies = self.policies.lock().unwrap();
+        policies.insert(id.to_owned(), settings.clone());
     }
 
     /// Gives sandbox `id` the egress policy `settings` on its runner: from
@@ -398,6 +427,9 @@ impl RemoteRuntime {
     /// runs the sandbox (it restarted) ends it.
     async fn exit_of(self: Arc<Self>, id: String) -> String {
         loop {
+            if self.retired.load(Ordering::Relaxed) {
+                return format!("runner {} stopped serving", self.runner);
+            }
             let path = format!("/sandboxes/{id}/exit");
             match self
                 .call(&id, reqwest::Method::GET, &path, None, None)
@@ -486,8 +518,10 @@ impl Runtime for Remote {
     }
 
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {
-        let remote = RemoteSpec::of(spec, &self.0.images, &self.0.runner)?.to_json();
+        let mut remote = RemoteSpec::of(spec, &self.0.images, &self.0.runner)?;
         let id = spec.id.as_str();
+        remote.network = self.0.policies.lock().unwrap().remove(id);
+        let remote = remote.to_json();
         let path = format!("/sandboxes/{id}/start");
         let started: RemoteStarted = self
             .0
@@ -606,6 +640,7 @@ mod tests {
                 workdir: None,
                 user: None,
                 command: Vec::new(),
+                network: None,
             };
             let error = remote
                 .into_spec(SandboxId::parse("sbx-1").unwrap(), images.path())

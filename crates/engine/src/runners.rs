@@ -268,7 +268,9 @@ impl Shared {
         let mut remotes = self.remotes.write().unwrap();
         match (service, remotes.get(&record.id)) {
             (None, _) => {
-                remotes.remove(&record.id);
+                if let Some(gone) = remotes.remove(&record.id) {
+                    gone.0.retire();
+                }
             }
             (Some(service), Some(known)) => {
                 known.0.set_service(service);

@@ -23,9 +23,7 @@ impl Sandboxes {
         // A runner elsewhere attaches its sandboxes to its own network as
         // it starts them: it is told the policy first.
         if let Some(remote) = self.shared.remote_of(record) {
-            if remote.0.networked() {
-                remote.0.set_network(&record.id, &record.network).await?;
-            }
+            remote.0.policy_for_start(&record.id, &record.network);
             return Ok(None);
         }
         let Some(network) = self

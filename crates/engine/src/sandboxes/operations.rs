@@ -56,6 +56,14 @@ impl Sandboxes {
                 what: "archive without an archive location (serve --archive)".into(),
             });
         }
+        if !self.shared.is_local(record) {
+            return Err(EngineError::NotImplemented {
+                what: format!(
+                    "archiving sandboxes on runner {}, on another machine,",
+                    record.runner_id.as_deref().unwrap_or_default()
+                ),
+            });
+        }
         if !self.shared.runtime_of(record)?.can_archive() {
             return Err(EngineError::Invalid {
                 field: "sandbox",

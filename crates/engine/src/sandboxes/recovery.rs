@@ -72,10 +72,15 @@ impl Sandboxes {
             else {
                 continue;
             };
-            let start = self.recover_one(runtime.as_ref(), &sandbox, record).await?;
+            let start = self.recover_one(runtime.as_ref(), &sandbox, record).await;
             drop(guard);
-            if start {
-                self.start_again(&id).await;
+            match start {
+                Ok(true) => self.start_again(&id).await,
+                Ok(false) => {}
+                // One sandbox that cannot be brought back keeps no other.
+                Err(error) => {
+                    tracing::warn!(sandbox = %id, error = %crate::error::describe(&error), "taking it back")
+                }
             }
         }
         Ok(())
