@@ -74,6 +74,10 @@ pub(crate) struct RunnerArgs {
     /// since a runtime starting sweeps what it finds there.
     #[arg(long, default_value = "cove-runner", value_parser = plain_name)]
     cgroup_parent: String,
+    /// Container shims kept ready for the next creates, as `serve`'s
+    /// (cgroup v1; cgroup v2 keeps none).
+    #[arg(long, env = "COVE_CONTAINER_POOL", default_value_t = 2)]
+    container_pool: usize,
     /// The network its sandboxes get: its own bridge, range and routes
     /// (`--no-network`: loopback only).
     #[command(flatten)]
@@ -166,6 +170,7 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
     let mut config = crate::serve::container_config(&storage, agent_binary)?;
     config.userns_pool = args.userns_pool;
     config.cgroup_parent = args.cgroup_parent.clone();
+    config.shim_pool = args.container_pool;
     let runtime = Arc::new(ContainerRuntime::new(config)?);
     let network = match args.network.no_network {
         true => None,
