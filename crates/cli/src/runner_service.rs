@@ -95,8 +95,7 @@ impl Service {
                 format!("the start of {id} carries no egress policy; this runner has a network"),
             ));
         };
-        let policy = cove_engine::network_policy(&settings)
-            .map_err(|error| refuse(400, FailureKind::Other, cove_engine::describe(&error)))?;
+        let policy = policy_of(&settings)?;
         let _ = network.detach(id, Deletion::Now).await;
         let attachment = network
             .attach_as(id, &policy, LinkKind::Namespace)
@@ -124,6 +123,14 @@ impl Service {
             },
             None => Ok(()),
         }
+    }
+
+    /// Sandbox `id`'s start by this process, while it has not ended.
+    fn live_run(&self, id: &str) -> Option<Run> {
+        let runs = self.runs.lock().unwrap();
+        runs.get(id)
+            .filter(|run| run.ended.borrow().is_none())
+            .cloned()
     }
 
     /// Stops every sandbox it started, for a clean exit.
@@ -212,6 +219,13 @@ fn bearer(headers: &HeaderMap) -> Option<&str> {
         .to_str()
         .ok()?
         .strip_prefix("Bearer ")
+}
+
+/// The checked egress policy of `settings`; a bad one is the control
+/// plane's request to fix (400).
+fn policy_of(settings: &NetworkSettings) -> Result<cove_net::Policy, Refusal> {
+    cove_engine::network_policy(settings)
+        .map_err(|error| refuse(400, FailureKind::Other, cove_engine::describe(&error)))
 }
 
 fn no_network() -> Refusal {
@@ -344,16 +358,14 @@ async fn set_network(
     Json(settings): Json<NetworkSettings>,
 ) -> Result<StatusCode, Refusal> {
     sandbox(&id)?;
-    let policy = cove_engine::network_policy(&settings)
-        .map_err(|error| refuse(400, FailureKind::Other, cove_engine::describe(&error)))?;
+    let policy = policy_of(&settings)?;
     let Some(network) = &service.network else {
         if settings == NetworkSettings::default() {
             return Ok(StatusCode::NO_CONTENT);
         }
         return Err(no_network());
     };
-    let runs = service.runs.lock().unwrap().get(&id).cloned();
-    if runs.is_some_and(|run| run.ended.borrow().is_none()) {
+    if service.live_run(&id).is_some() {
         network
             .set_policy(&id, &policy)
             .await
@@ -369,8 +381,7 @@ async fn running(
     Path(id): Path<String>,
 ) -> Result<Json<RemoteState>, Refusal> {
     let sandbox = sandbox(&id)?;
-    let started_here =
-        (service.runs.lock().unwrap().get(&id)).is_some_and(|run| run.ended.borrow().is_none());
+    let started_here = service.live_run(&id).is_some();
     Ok(Json(RemoteState {
         running: started_here && service.runtime.is_running(&sandbox).await,
     }))
@@ -396,8 +407,7 @@ async fn agent(
             ),
         ));
     }
-    let run = service.runs.lock().unwrap().get(&id).cloned();
-    let Some(run) = run.filter(|run| run.ended.borrow().is_none()) else {
+    let Some(run) = service.live_run(&id) else {
         return Err(RuntimeError::NotRunning { id }.into());
     };
     let AgentEndpoint::Unix(socket) = run.agent else {
