@@ -429,6 +429,50 @@ def fake_internet() -> Iterator[FakeInternet]:
         internet.stop()
 
 
+def s3_env(endpoint: str) -> dict[str, str]:
+    """The AWS_* variables a server or runner reaches the test's S3 service with."""
+    return {
+        "AWS_ENDPOINT": endpoint,
+        "AWS_ALLOW_HTTP": "true",
+        "AWS_ACCESS_KEY_ID": "test",
+        "AWS_SECRET_ACCESS_KEY": "test",
+        "AWS_REGION": "us-east-1",
+    }
+
+
+@pytest.fixture()
+def s3() -> Iterator[tuple[str, str]]:
+    """An S3-compatible service on loopback (moto in server mode) with one
+    bucket: its endpoint and the bucket's name."""
+    found = shutil.which("moto_server", path=os.path.dirname(sys.executable))
+    if found is None:
+        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
+    port = free_port()
+    proc = subprocess.Popen(
+        [found, "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                requests.get(endpoint, timeout=1)
+                break
+            except requests.RequestException:
+                if time.monotonic() > deadline or proc.poll() is not None:
+                    raise RuntimeError("moto_server did not start")
+                time.sleep(0.2)
+        bucket = "cove-archive"
+        # moto accepts unsigned requests: make the bucket with a plain PUT.
+        assert requests.put(f"{endpoint}/{bucket}", timeout=10).status_code == 200
+        yield endpoint, bucket
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
 @pytest.fixture(scope="session")
 def tls_files() -> Iterator[TlsFiles]:
     files = TlsFiles()

@@ -2,27 +2,18 @@
 storage and `start` brings it back; the local copy is gone meanwhile.
 
 The session server archives to a local directory (its default); a second server
-archives to an S3-compatible service (moto in server mode, started here on
-loopback), so the S3 path is exercised for real without leaving the machine.
+archives to an S3-compatible service (moto in server mode on loopback, the
+`s3` fixture of conftest), so the S3 path is exercised for real without
+leaving the machine.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-import socket
-import subprocess
-import sys
-import time
 import uuid
-from pathlib import Path
 
-import pytest
 import requests
 
-from daytona import SandboxState
-
-from conftest import CoveServer, free_port, new_data_dir, remove_data_dir
+from conftest import CoveServer, new_data_dir, remove_data_dir, s3_env
 
 
 def archive_round_trip(cove: CoveServer, daytona, tag: str) -> None:
@@ -60,42 +51,6 @@ def test_archive_needs_a_stopped_sandbox(cove, sandbox):
     assert cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "started"
 
 
-def moto_server() -> Path | None:
-    found = shutil.which("moto_server", path=os.path.dirname(sys.executable))
-    return Path(found) if found else None
-
-
-@pytest.fixture()
-def s3():
-    binary = moto_server()
-    if binary is None:
-        pytest.skip("moto_server is not installed (pip install 'moto[server]')")
-    port = free_port()
-    proc = subprocess.Popen(
-        [str(binary), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                requests.get(endpoint, timeout=1)
-                break
-            except requests.RequestException:
-                if time.monotonic() > deadline or proc.poll() is not None:
-                    raise RuntimeError("moto_server did not start")
-                time.sleep(0.2)
-        bucket = "cove-archive"
-        # moto accepts unsigned requests: make the bucket with a plain PUT.
-        assert requests.put(f"{endpoint}/{bucket}", timeout=10).status_code == 200
-        yield endpoint, bucket
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
-
-
 def test_archive_to_s3_compatible_storage(s3):
     endpoint, bucket = s3
     data_dir = new_data_dir()
@@ -103,13 +58,7 @@ def test_archive_to_s3_compatible_storage(s3):
         data_dir,
         api_key="cv-" + uuid.uuid4().hex,
         extra_args=("--archive", f"s3://{bucket}/cove", "--no-network"),
-        extra_env={
-            "AWS_ENDPOINT": endpoint,
-            "AWS_ALLOW_HTTP": "true",
-            "AWS_ACCESS_KEY_ID": "test",
-            "AWS_SECRET_ACCESS_KEY": "test",
-            "AWS_REGION": "us-east-1",
-        },
+        extra_env=s3_env(endpoint),
     )
     server.start()
     try:

@@ -24,7 +24,8 @@ from daytona import (
 )
 
 from conftest import (
-    CoveServer, cove_binary, images_dir, new_data_dir, remove_data_dir, unique, wait_until,
+    CoveServer, cove_binary, images_dir, new_data_dir, remove_data_dir, s3_env, unique,
+    wait_until,
 )
 
 # What Daytona's `Runner` requires.
@@ -198,17 +199,19 @@ def start_runner(cove: CoveServer, token: str, data_dir) -> subprocess.Popen:
 
 
 def serving_runner(cove: CoveServer, token: str, data_dir, cgroup_parent: str,
-                   network: tuple[str, ...]) -> subprocess.Popen:
+                   network: tuple[str, ...], userns_pool: str = "2147483648:64",
+                   extra_env: dict[str, str] | None = None) -> subprocess.Popen:
     """`cove runner --listen`: it serves containers on a loopback port, its
-    sandboxes' user namespaces, cgroups and `network` (its flags) apart from
-    the server's."""
+    sandboxes' user namespaces (`userns_pool`), cgroups and `network` (its
+    flags, and any other) apart from the server's."""
     env = {k: v for k, v in os.environ.items() if k not in ("COVE_API_KEY", "DAYTONA_API_KEY")}
+    env.update(extra_env or {})
     env["COVE_RUNNER_TOKEN"] = token
     env.setdefault("RUST_LOG", "info")
     return subprocess.Popen(
         [str(cove_binary()), "runner", "--control", cove.api_url, "--data-dir", str(data_dir),
          "--no-vm", "--listen", "127.0.0.1:0", "--images-dir", str(images_dir()),
-         "--storage-size-gib", "8", "--userns-pool", "2147483648:64",
+         "--storage-size-gib", "8", "--userns-pool", userns_pool,
          "--cgroup-parent", cgroup_parent, *network],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
     )
@@ -546,3 +549,109 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it(fake_internet):
         end(process, server, data_dir, runner_dir)
         for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
             subprocess.run(["rmdir", cgroup], capture_output=True)
+
+
+def runner_of(server: CoveServer, sandbox_id: str) -> str:
+    r = server.request("GET", f"/sandbox/{sandbox_id}")
+    assert r.status_code == 200, r.text
+    return r.json()["runnerId"]
+
+
+def in_bucket(endpoint: str, bucket: str, sandbox_id: str) -> bool:
+    listing = requests.get(f"{endpoint}/{bucket}?list-type=2&prefix=cove/", timeout=10).text
+    return f"cove/sandboxes/{sandbox_id}/storage" in listing
+
+
+def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
+    """Two runners elsewhere and the server share one S3 archive. A sandbox
+    stopped on runner A, once A is drained, starts on runner B with its
+    files: A sends its storage to the archive and B fetches it, so its
+    bytes never pass through the control plane. Archived on B, it starts
+    on the server's own runner. With no runner able to take it, it stays
+    archived and the start says why. Deleted, nothing is left anywhere."""
+    endpoint, bucket = s3
+    archive = ("--archive", f"s3://{bucket}/cove")
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
+                        extra_args=("--no-network", *archive), extra_env=s3_env(endpoint))
+    server.start()
+    dirs = [new_data_dir(), new_data_dir()]
+    parents = ["cove-test-" + uuid.uuid4().hex[:8] for _ in dirs]
+    # Apart from each other's user namespaces too.
+    pools = ["2147483648:64", "2151677952:64"]
+    processes: list[subprocess.Popen] = []
+    try:
+        ids = []
+        for n, (runner_dir, parent, pool) in enumerate(zip(dirs, parents, pools)):
+            runner_id, token = add_runner(server, unique(f"node{n}"))
+            ids.append(runner_id)
+            processes.append(serving_runner(server, token, runner_dir, parent,
+                                            ("--no-network", *archive), pool, s3_env(endpoint)))
+        a, b = ids
+        assert wait_until(lambda: all(state(server, r) == "ready" for r in ids), 60)
+        local = next(r["id"] for r in runners(server) if r["id"] not in ids)
+        admin(server, "drain", local)
+        admin(server, "drain", b)
+
+        daytona = server.client()
+        sandbox = daytona.create(CreateSandboxFromSnapshotParams(name=unique("mover")), timeout=120)
+        assert sandbox.runner_id == a
+        sandbox.fs.upload_file(b"made on A", "kept.txt")
+        # A deletion in the writable layer moves too.
+        assert sandbox.process.exec("sudo rm /etc/motd").exit_code == 0
+        sandbox.stop(timeout=60)
+
+        # A drained: the start moves it to B, through the archive.
+        admin(server, "drain", a)
+        admin(server, "drain", b, "--undo")
+        sandbox.start(timeout=120)
+        # (The SDK reads runnerId once, at creation.)
+        assert (sandbox.state, runner_of(server, sandbox.id)) == ("started", b)
+        assert sandbox.fs.download_file("kept.txt") == b"made on A"
+        assert sandbox.process.exec("test ! -e /etc/motd").exit_code == 0
+        assert cgroups_of(parents[1], sandbox.id) and not cgroups_of(parents[0], sandbox.id)
+        assert os.listdir(dirs[0] / "storage" / "sandboxes") == []
+        assert not in_bucket(endpoint, bucket, sandbox.id), "removed once it is back"
+
+        # Archived on B, it is in the bucket and on no runner's disk; it
+        # starts on the runner that can take it: the server's own.
+        sandbox.fs.upload_file(b"changed on B", "kept.txt")
+        sandbox.stop(timeout=60)
+        sandbox.archive()
+        assert server.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "archived"
+        assert in_bucket(endpoint, bucket, sandbox.id)
+        assert os.listdir(dirs[1] / "storage" / "sandboxes") == []
+        admin(server, "drain", b)
+        admin(server, "drain", local, "--undo")
+        sandbox.start(timeout=120)
+        assert (sandbox.state, runner_of(server, sandbox.id)) == ("started", local)
+        assert sandbox.fs.download_file("kept.txt") == b"changed on B"
+        assert not in_bucket(endpoint, bucket, sandbox.id)
+
+        # No runner can take it from the archive: the start is refused
+        # naming why, and it stays archived, its copy kept.
+        sandbox.stop(timeout=60)
+        sandbox.archive()
+        admin(server, "drain", local)
+        r = server.request("POST", f"/sandbox/{sandbox.id}/start")
+        assert r.status_code == 503, r.text
+        assert "is draining" in r.json()["message"], r.text
+        assert server.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "archived"
+        assert in_bucket(endpoint, bucket, sandbox.id)
+
+        # Deleted from the archive: nothing is left in the bucket or on a runner.
+        sandbox.delete()
+        assert not in_bucket(endpoint, bucket, sandbox.id)
+        for runner_dir in dirs:
+            assert os.listdir(runner_dir / "storage" / "sandboxes") == []
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 0, process.stderr.read()
+    finally:
+        for process in processes:
+            end(process, server)
+        for runner_dir in [data_dir, *dirs]:
+            remove_data_dir(runner_dir)
+        for parent in parents:
+            for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
+                subprocess.run(["rmdir", cgroup], capture_output=True)

@@ -11,7 +11,9 @@ use axum::extract::{FromRequestParts, Path, Query, State};
 use axum::http::request::Parts;
 use axum::http::StatusCode;
 use axum::Json;
-use cove_engine::{NewRunner, RunnerRecord, RunnerReport, RunnerSwitches, RunnerUsage, RunnerView};
+use cove_engine::{
+    NewRunner, RunnerRecord, RunnerReport, RunnerSwitches, RunnerUsage, RunnerView, ServiceReport,
+};
 use serde::{Deserialize, Serialize};
 
 use crate::dto::rfc3339;
@@ -341,6 +343,10 @@ pub(crate) struct Healthcheck {
     service_key: Option<String>,
     /// cove's: whether the runner gives its sandboxes a network of its own.
     sandbox_network: Option<bool>,
+    /// cove's: the archive the runner moves stopped sandboxes to and from
+    /// (an S3 location the control plane names the same way, to move
+    /// sandboxes between runners).
+    archive: Option<String>,
 }
 
 /// Daytona's `RunnerHealthMetrics`, the fields cove keeps.
@@ -396,8 +402,11 @@ pub(crate) async fn healthcheck(
         .report(
             &known.id,
             report,
-            body.service_key.as_deref(),
-            body.sandbox_network.unwrap_or(false),
+            ServiceReport {
+                key: body.service_key.as_deref(),
+                networked: body.sandbox_network.unwrap_or(false),
+                archive: body.archive.as_deref(),
+            },
         )
         .await?;
     Ok(StatusCode::OK)

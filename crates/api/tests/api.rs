@@ -2463,13 +2463,17 @@ async fn a_runner_elsewhere_is_registered_reports_with_its_own_token_and_is_dele
         .contains("sandboxClasses"));
     // A service is taken only with a plain key and an http:// URL with a
     // host: the key goes into a header of every call to the runner.
-    for (key, url, field) in [
-        ("line\r\nX-Evil: 1", "http://10.1.0.2:3001", "serviceKey"),
-        ("k", "https://10.1.0.2:3001", "apiUrl"),
+    // Its archive location is shown in messages: printable, and short.
+    for (key, url, archive, field) in [
+        ("line\r\nX-Evil: 1", "http://10.1.0.2:3001", "s3://a/b", "serviceKey"),
+        ("k", "https://10.1.0.2:3001", "s3://a/b", "apiUrl"),
+        ("k", "http://10.1.0.2:3001", "s3://a/b\n", "archive"),
+        ("k", "http://10.1.0.2:3001", "", "archive"),
     ] {
         let mut serving = report.clone();
         serving["serviceKey"] = json!(key);
         serving["apiUrl"] = json!(url);
+        serving["archive"] = json!(archive);
         let (status, answer) = api
             .call_with_key(
                 "POST",

@@ -78,6 +78,13 @@ pub(crate) struct RunnerArgs {
     /// (cgroup v1; cgroup v2 keeps none).
     #[arg(long, env = "COVE_CONTAINER_POOL", default_value_t = 2)]
     container_pool: usize,
+    /// The archive stopped sandboxes move through (`s3://bucket/prefix`,
+    /// with the usual AWS_* variables): the control plane's, named the
+    /// same, so a sandbox archived here starts on any runner that shares
+    /// it, and one from another starts here. Without it, sandboxes here
+    /// cannot be archived or moved.
+    #[arg(long, env = "COVE_ARCHIVE")]
+    archive: Option<String>,
     /// The network its sandboxes get: its own bridge, range and routes
     /// (`--no-network`: loopback only).
     #[command(flatten)]
@@ -172,6 +179,13 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
     config.cgroup_parent = args.cgroup_parent.clone();
     config.shim_pool = args.container_pool;
     let runtime = Arc::new(ContainerRuntime::new(config)?);
+    let archive = match &args.archive {
+        Some(location) => Some(
+            cove_engine::Archive::open(location, storage.root().join("archive-scratch"))
+                .with_context(|| format!("opening the archive {location}"))?,
+        ),
+        None => None,
+    };
     let network = match args.network.no_network {
         true => None,
         false => Some(Arc::new(
@@ -192,7 +206,13 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
         uuid::Uuid::new_v4().simple()
     );
     runtime.fill_pool();
-    let service = Arc::new(Service::new(runtime, network, args.images_dir.clone(), key));
+    let service = Arc::new(Service::new(
+        runtime,
+        network,
+        archive,
+        args.images_dir.clone(),
+        key,
+    ));
     let app = crate::runner_service::router(service.clone());
     let task = tokio::spawn(async move {
         if let Err(error) = axum::serve(listener, app).await {
@@ -343,6 +363,7 @@ fn report(data_dir: &Path, vm_assets: Option<&Path>, serving: Option<&Serving>) 
         "apiUrl": serving.map(|s| &s.url),
         "serviceKey": serving.map(|s| &s.service.key),
         "sandboxNetwork": serving.is_some_and(|s| s.service.network.is_some()),
+        "archive": serving.and_then(|s| s.service.archive.as_ref()).map(|a| a.location()),
     })
 }
 

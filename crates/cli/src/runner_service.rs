@@ -17,6 +17,8 @@
 //! | `GET /sandboxes/{id}/exit` | answers once that start ended, with why |
 //! | `POST /sandboxes/{id}/stop` | ends its processes, keeps its storage |
 //! | `PUT /sandboxes/{id}/network` | a new egress policy, applied at once if it runs |
+//! | `POST /sandboxes/{id}/archive` | sends its storage to the archive (it stays here until deleted) |
+//! | `POST /sandboxes/{id}/unarchive` | fetches its storage from the archive ([`RemoteSpec`]) |
 //! | `DELETE /sandboxes/{id}` | removes everything of it |
 //! | `GET /sandboxes/{id}` | whether it runs |
 //! | `GET /sandboxes/{id}/agent` | the agent's byte stream (upgrade) |
@@ -31,7 +33,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use cove_engine::remote::{
-    FailureKind, RemoteExit, RemoteFailure, RemoteSpec, RemoteStarted, RemoteState,
+    FailureKind, RemoteArchived, RemoteExit, RemoteFailure, RemoteSpec, RemoteStarted, RemoteState,
 };
 use cove_engine::NetworkSettings;
 use cove_net::{Deletion, Link, LinkKind};
@@ -45,6 +47,8 @@ pub(crate) struct Service {
     pub(crate) runtime: Arc<ContainerRuntime>,
     /// This runner's own sandbox network; `None`: loopback only.
     pub(crate) network: Option<Arc<cove_net::Network>>,
+    /// Where stopped sandboxes move to and from (`--archive`).
+    pub(crate) archive: Option<cove_engine::Archive>,
     pub(crate) images: PathBuf,
     pub(crate) key: String,
     runs: Mutex<HashMap<String, Run>>,
@@ -61,12 +65,14 @@ impl Service {
     pub(crate) fn new(
         runtime: Arc<ContainerRuntime>,
         network: Option<Arc<cove_net::Network>>,
+        archive: Option<cove_engine::Archive>,
         images: PathBuf,
         key: String,
     ) -> Service {
         Service {
             runtime,
             network,
+            archive,
             images,
             key,
             runs: Mutex::default(),
@@ -160,6 +166,8 @@ pub(crate) fn router(service: Arc<Service>) -> Router {
         .route("/sandboxes/{id}/exit", get(exit))
         .route("/sandboxes/{id}/stop", post(stop))
         .route("/sandboxes/{id}/network", axum::routing::put(set_network))
+        .route("/sandboxes/{id}/archive", post(archive))
+        .route("/sandboxes/{id}/unarchive", post(unarchive))
         .route("/sandboxes/{id}", get(running).delete(destroy))
         .route("/sandboxes/{id}/agent", get(agent))
         .layer(axum::middleware::from_fn_with_state(
@@ -346,6 +354,64 @@ async fn destroy(
             .await
             .map_err(|error| network_failure(&id, "release its network address", &error))?;
     }
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// This runner's archive, or the refusal of a runner that keeps none.
+fn archive_of(service: &Service) -> Result<&cove_engine::Archive, Refusal> {
+    service.archive.as_ref().ok_or_else(|| {
+        refuse(
+            501,
+            FailureKind::Unsupported,
+            "archiving on a runner without an archive (cove runner --archive)",
+        )
+    })
+}
+
+fn archive_failure(id: &str, step: &str, error: &cove_engine::ArchiveError) -> Refusal {
+    let message = format!("sandbox {id}: {step}: {}", cove_engine::describe(error));
+    refuse(503, FailureKind::Busy, message)
+}
+
+/// Sends a stopped sandbox's storage to the archive. Its copy here stays
+/// until the control plane deletes it, once the archive holds it.
+async fn archive(
+    State(service): State<Arc<Service>>,
+    Path(id): Path<String>,
+) -> Result<Json<RemoteArchived>, Refusal> {
+    let sandbox = sandbox(&id)?;
+    let archive = archive_of(&service)?;
+    let file = archive.scratch_file(&id);
+    let sent = async {
+        service.runtime.export_storage(&sandbox, &file).await?;
+        (archive.upload(&id, &file).await).map_err(|e| archive_failure(&id, "upload", &e))
+    }
+    .await;
+    let _ = tokio::fs::remove_file(&file).await;
+    let bytes = sent?;
+    tracing::info!(sandbox = %id, bytes, to = archive.location(), "archived");
+    Ok(Json(RemoteArchived { bytes }))
+}
+
+/// Fetches a sandbox's storage from the archive, ready to start here. The
+/// archive's copy stays: the control plane removes it once it is back.
+async fn unarchive(
+    State(service): State<Arc<Service>>,
+    Path(id): Path<String>,
+    Json(spec): Json<RemoteSpec>,
+) -> Result<StatusCode, Refusal> {
+    let spec = spec_of(&service, sandbox(&id)?, spec)?;
+    let archive = archive_of(&service)?;
+    let file = archive.scratch_file(&id);
+    let fetched = async {
+        (archive.download(&id, &file).await).map_err(|e| archive_failure(&id, "download", &e))?;
+        service.runtime.import_storage(&spec, &file).await?;
+        Ok::<(), Refusal>(())
+    }
+    .await;
+    let _ = tokio::fs::remove_file(&file).await;
+    fetched?;
+    tracing::info!(sandbox = %id, from = archive.location(), "unarchived");
     Ok(StatusCode::NO_CONTENT)
 }
 

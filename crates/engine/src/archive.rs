@@ -115,8 +115,15 @@ impl Archive {
         &self.location
     }
 
+    /// Whether other machines can reach this archive: an S3 location is,
+    /// a directory is this machine's own. Sandboxes move between runners
+    /// only through a shared one.
+    pub fn is_shared(&self) -> bool {
+        self.location.starts_with("s3://")
+    }
+
     /// A scratch file for sandbox `id`.
-    pub(crate) fn scratch_file(&self, id: &str) -> PathBuf {
+    pub fn scratch_file(&self, id: &str) -> PathBuf {
         self.scratch.join(format!("{id}.storage"))
     }
 
@@ -125,7 +132,7 @@ impl Archive {
     }
 
     /// Uploads `file` as the archive of sandbox `id`, streamed in parts.
-    pub(crate) async fn upload(&self, id: &str, path: &Path) -> Result<u64, ArchiveError> {
+    pub async fn upload(&self, id: &str, path: &Path) -> Result<u64, ArchiveError> {
         let key = Self::key(id);
         let upload = self
             .store
@@ -163,7 +170,7 @@ impl Archive {
     }
 
     /// Downloads the archive of sandbox `id` into `file`.
-    pub(crate) async fn download(&self, id: &str, path: &Path) -> Result<(), ArchiveError> {
+    pub async fn download(&self, id: &str, path: &Path) -> Result<(), ArchiveError> {
         let key = Self::key(id);
         let got = self.store.get(&key).await.map_err(store(format!(
             "get the archive of {id} in {}",

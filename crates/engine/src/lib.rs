@@ -69,7 +69,7 @@ pub use organizations::{Organizations, DEFAULT_ORGANIZATION};
 pub use quota::{QuotaChange, Usage, REGION_ID};
 pub use runners::{
     host_name, measure_host, Host, NewRunner, RunnerIdentity, RunnerState, RunnerView, Runners,
-    CHECK_IN_EVERY, RUNNER_SILENCE, RUNNER_TOKEN_PREFIX,
+    ServiceReport, CHECK_IN_EVERY, RUNNER_SILENCE, RUNNER_TOKEN_PREFIX,
 };
 pub use sandboxes::{CreateSandbox, Sandboxes, SettingChange, MAX_FORK_CHILDREN};
 pub use snapshots::{

@@ -10,10 +10,13 @@
 //! runner ([`AgentEndpoint::Runner`]).
 //!
 //! A sandbox's network there is the runner's own: its egress policy goes
-//! with its start ([`RemoteSpec::network`]). What a runner elsewhere does
-//! not do yet is refused by name: images other than the ones both machines
-//! hold at the same path under their images directories, snapshot layers,
-//! volumes, captures, archives, pauses and forks.
+//! with its start ([`RemoteSpec::network`]). A stopped sandbox's storage
+//! moves between the runner and the archive the control plane uses (an S3
+//! location both name the same): the runner sends and fetches it itself,
+//! so a sandbox's bytes never pass through the control plane. What a runner
+//! elsewhere does not do yet is refused by name: images other than the ones
+//! both machines hold at the same path under their images directories,
+//! snapshot layers, volumes, captures, pauses and forks.
 
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -31,6 +34,8 @@ use serde::{Deserialize, Serialize};
 pub const ANSWER_LIMIT: usize = 64 << 10;
 /// How long one operation on a runner may take before it is given up.
 const OPERATION_TIMEOUT: Duration = Duration::from_secs(120);
+/// How long moving a sandbox's storage to or from the archive may take.
+const MOVE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// How long to wait before asking again after a runner could not be reached
 /// while a sandbox of it runs.
 const RETRY_EVERY: Duration = Duration::from_secs(2);
@@ -210,6 +215,12 @@ pub struct RemoteExit {
     pub reason: String,
 }
 
+/// A runner's answer once it moved a sandbox's storage to the archive.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RemoteArchived {
+    pub bytes: u64,
+}
+
 /// The ids of the sandboxes a runner holds storage for.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RemoteIds {
@@ -267,6 +278,9 @@ pub(crate) struct RemoteRuntime {
     /// Set once the runner reported it no longer serves: what still
     /// waits on its sandboxes ends.
     retired: AtomicBool,
+    /// The archive the runner moves stopped sandboxes to and from, as its
+    /// last report named it; `None`: it keeps none.
+    archive: RwLock<Option<String>>,
     /// The egress policy of each sandbox about to start, sent with its start.
     policies: std::sync::Mutex<std::collections::HashMap<String, cove_store::NetworkSettings>>,
     /// The control plane's images directory: a sandbox's image is named to
@@ -290,6 +304,7 @@ impl RemoteRuntime {
             service: RwLock::new(service),
             networked: AtomicBool::new(false),
             retired: AtomicBool::new(false),
+            archive: RwLock::default(),
             policies: std::sync::Mutex::default(),
             images,
             http,
@@ -312,6 +327,51 @@ impl RemoteRuntime {
 
     pub(crate) fn networked(&self) -> bool {
         self.networked.load(Ordering::Relaxed)
+    }
+
+    /// Records the archive the runner named (`None`: it keeps none).
+    pub(crate) fn set_archive(&self, location: Option<&str>) {
+        *self.archive.write().unwrap() = location.map(str::to_owned);
+    }
+
+    /// Whether the runner moves sandboxes to and from the archive at
+    /// `location` (a shared one: an S3 location both name).
+    pub(crate) fn shares_archive(&self, location: &str) -> bool {
+        self.archive.read().unwrap().as_deref() == Some(location)
+    }
+
+    /// Has the runner move stopped sandbox `id`'s storage to its archive;
+    /// how many bytes went. Its copy there stays until it is destroyed.
+    pub(crate) async fn archive(&self, id: &SandboxId) -> Result<u64, RuntimeError> {
+        let path = format!("/sandboxes/{id}/archive");
+        let body = self
+            .call(
+                id.as_str(),
+                reqwest::Method::POST,
+                &path,
+                None,
+                Some(MOVE_TIMEOUT),
+            )
+            .await?;
+        let archived: RemoteArchived = self.read(id.as_str(), &body)?;
+        Ok(archived.bytes)
+    }
+
+    /// Has the runner bring sandbox `spec`'s storage back from its archive,
+    /// ready to start there. The archive's copy stays, for the control
+    /// plane to remove once the sandbox is back.
+    pub(crate) async fn unarchive(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
+        let remote = RemoteSpec::of(spec, &self.images, &self.runner)?.to_json();
+        let path = format!("/sandboxes/{}/unarchive", spec.id);
+        self.call(
+            spec.id.as_str(),
+            reqwest::Method::POST,
+            &path,
+            Some(remote),
+            Some(MOVE_TIMEOUT),
+        )
+        .await
+        .map(drop)
     }
 
     /// The runner no longer serves (it reported no service): the watches
@@ -402,7 +462,12 @@ impl RemoteRuntime {
         let body = self
             .call(id, method, path, body, Some(OPERATION_TIMEOUT))
             .await?;
-        serde_json::from_slice(&body).map_err(|error| RuntimeError::Other {
+        self.read(id, &body)
+    }
+
+    /// A runner's answer about sandbox `id` as `T`.
+    fn read<T: for<'de> Deserialize<'de>>(&self, id: &str, body: &[u8]) -> Result<T, RuntimeError> {
+        serde_json::from_slice(body).map_err(|error| RuntimeError::Other {
             id: id.to_owned(),
             reason: format!(
                 "runner {} answered what cove cannot read: {error}",
@@ -502,6 +567,13 @@ pub(crate) struct Remote(pub(crate) Arc<RemoteRuntime>);
 
 #[async_trait]
 impl Runtime for Remote {
+    /// The runner moves storage to and from its archive itself
+    /// ([`RemoteRuntime::archive`]); whether that archive is this server's
+    /// is checked before.
+    fn can_archive(&self) -> bool {
+        self.0.archive.read().unwrap().is_some()
+    }
+
     async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
         let remote = RemoteSpec::of(spec, &self.0.images, &self.0.runner)?.to_json();
         let path = format!("/sandboxes/{}/prepare", spec.id);

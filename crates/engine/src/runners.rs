@@ -137,6 +137,18 @@ fn room(runner: &RunnerRecord, allocated: Usage, cpu: i64, memory_gib: i64) -> f
     ))
 }
 
+/// What a runner elsewhere says of its service in a report: cove's fields
+/// of the healthcheck. No `Debug`: the key is a secret.
+#[derive(Clone, Copy, Default)]
+pub struct ServiceReport<'a> {
+    /// The key its service takes (`serviceKey`); `None`: it serves nothing.
+    pub key: Option<&'a str>,
+    /// Whether it gives its sandboxes a network of its own.
+    pub networked: bool,
+    /// The archive it moves stopped sandboxes to and from (`--archive`).
+    pub archive: Option<&'a str>,
+}
+
 /// What a new sandbox needs of a runner.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Need<'a> {
@@ -148,6 +160,9 @@ pub(crate) struct Need<'a> {
     /// (a link, volumes, a captured snapshot), named; `None`: any runner
     /// will do.
     pub(crate) here_only: Option<&'static str>,
+    /// Its storage is in this server's archive: a runner elsewhere must
+    /// share that archive to take it.
+    pub(crate) archived: bool,
 }
 
 impl Need<'static> {
@@ -166,6 +181,17 @@ impl Need<'static> {
             cpu: sandbox.cpu,
             memory_gib: crate::quota::memory_gib(sandbox),
             here_only,
+            archived: false,
+        }
+    }
+}
+
+impl Need<'static> {
+    /// What `sandbox` needs to come back from the archive.
+    pub(crate) fn archived(sandbox: &cove_store::SandboxRecord) -> Need<'static> {
+        Need {
+            archived: true,
+            ..Need::of(sandbox)
         }
     }
 }
@@ -263,7 +289,7 @@ impl Shared {
         &self,
         record: &RunnerRecord,
         service: Option<crate::remote::Service>,
-        networked: bool,
+        serves: &ServiceReport<'_>,
     ) {
         let mut remotes = self.remotes.write().unwrap();
         match (service, remotes.get(&record.id)) {
@@ -274,13 +300,15 @@ impl Shared {
             }
             (Some(service), Some(known)) => {
                 known.0.set_service(service);
-                known.0.set_networked(networked);
+                known.0.set_networked(serves.networked);
+                known.0.set_archive(serves.archive);
             }
             (Some(service), None) => {
                 let images = (self.config.images.as_ref())
                     .map_or_else(PathBuf::new, |images| images.dir().to_owned());
                 let runtime = crate::remote::RemoteRuntime::new(&record.name, service, images);
-                runtime.set_networked(networked);
+                runtime.set_networked(serves.networked);
+                runtime.set_archive(serves.archive);
                 tracing::info!(runner = %record.id, name = %record.name, "driving the runner at its service");
                 remotes.insert(record.id.clone(), crate::remote::Remote(Arc::new(runtime)));
                 // Nobody listens in an engine that runs no recoveries.
@@ -301,46 +329,103 @@ impl Shared {
     /// `only` limits the choice to one runner (a fork's, which is its
     /// parent's). What it takes is counted on the runner at once.
     pub(crate) fn place(&self, need: Need<'_>, only: Option<&str>) -> Result<String, EngineError> {
+        self.pick(need, &|r| only.is_none_or(|only| r.id == only), true)
+    }
+
+    /// Whether runner `id` is draining, as placement last saw it.
+    pub(crate) fn is_draining(&self, id: &str) -> bool {
+        let placement = self.placement.read().unwrap();
+        placement.runners.iter().any(|r| r.id == id && r.draining)
+    }
+
+    /// Whether a runner other than `except` could take a sandbox needing
+    /// `need` now; nothing is counted.
+    pub(crate) fn could_place_elsewhere(&self, need: Need<'_>, except: &str) -> bool {
+        self.pick(need, &|r| r.id != except, false).is_ok()
+    }
+
+    /// The runner, of those `admits`, a sandbox needing `need` goes to;
+    /// with `count`, what it takes is counted on it at once.
+    fn pick(
+        &self,
+        need: Need<'_>,
+        admits: &dyn Fn(&RunnerRecord) -> bool,
+        count: bool,
+    ) -> Result<String, EngineError> {
         let mut placement = self.placement.write().unwrap();
         let Placement { runners, load } = &mut *placement;
         let candidates = runners
             .iter()
-            .filter(|r| only.is_none_or(|only| r.id == only))
+            .filter(|r| admits(r))
             .map(|r| (r, load.get(&r.id).copied().unwrap_or_default()));
         // This process's runtimes, and those of runners elsewhere that
         // said where they serve.
         let judge = self.judge();
         let remotes = self.remotes.read().unwrap();
         let networked_here = self.network().is_some();
-        let drives = |runner: &RunnerRecord| {
-            if runner.id == judge.local {
-                return Ok(());
-            }
-            let Some(remote) = remotes.get(&runner.id) else {
-                return Err("runs on another machine and has not said where it serves \
-                     (cove runner --listen) since this server started"
-                    .to_owned());
-            };
-            if networked_here && !remote.0.networked() {
-                Err(
-                    "runs on another machine without a sandbox network (cove runner \
-                     --no-network), and this server's sandboxes have one"
-                        .to_owned(),
-                )
-            } else if let Some(what) = need.here_only {
-                Err(format!(
-                    "runs on another machine, where sandboxes cannot have {what} yet"
-                ))
-            } else {
-                Ok(())
-            }
+        // Sandboxes move between machines only through a shared archive.
+        let shared_archive = (self.config.archive.as_ref())
+            .filter(|archive| archive.is_shared())
+            .map(crate::Archive::location);
+        let drives = |runner: &RunnerRecord| match runner.id == judge.local {
+            true => Ok(()),
+            false => drives_elsewhere(
+                remotes.get(&runner.id).map(|remote| &*remote.0),
+                &need,
+                networked_here,
+                shared_archive,
+            ),
         };
         let chosen = choose(candidates, need, judge, &drives)?.id.clone();
+        if !count {
+            return Ok(chosen);
+        }
         let usage = load.entry(chosen.clone()).or_default();
         usage.running += 1;
         usage.cpu += need.cpu;
         usage.memory_gib += need.memory_gib;
         Ok(chosen)
+    }
+}
+
+/// Whether this server places a sandbox needing `need` on a runner
+/// elsewhere, driven through `remote` (`None`: it has not said where it
+/// serves), or why not. `networked_here`: this server's sandboxes have a
+/// network; `shared_archive`: this server's archive, when other machines
+/// reach it.
+fn drives_elsewhere(
+    remote: Option<&crate::remote::RemoteRuntime>,
+    need: &Need<'_>,
+    networked_here: bool,
+    shared_archive: Option<&str>,
+) -> Result<(), String> {
+    let Some(remote) = remote else {
+        return Err("runs on another machine and has not said where it serves \
+             (cove runner --listen) since this server started"
+            .to_owned());
+    };
+    if networked_here && !remote.networked() {
+        Err(
+            "runs on another machine without a sandbox network (cove runner \
+             --no-network), and this server's sandboxes have one"
+                .to_owned(),
+        )
+    } else if let Some(what) = need.here_only {
+        Err(format!(
+            "runs on another machine, where sandboxes cannot have {what} yet"
+        ))
+    } else if need.archived && !shared_archive.is_some_and(|at| remote.shares_archive(at)) {
+        Err(match shared_archive {
+            Some(at) => format!(
+                "runs on another machine and does not keep its archive at {at} \
+                 (cove runner --archive), where this sandbox is"
+            ),
+            None => "runs on another machine, and this server's archive is a \
+                     directory of its own (serve --archive s3://... is shared)"
+                .to_owned(),
+        })
+    } else {
+        Ok(())
     }
 }
 
@@ -564,21 +649,23 @@ impl Runners {
         &self,
         id: &str,
         report: RunnerReport,
-        service_key: Option<&str>,
-        networked: bool,
+        serves: ServiceReport<'_>,
     ) -> Result<(), EngineError> {
         check_report(&report)?;
-        let service = match service_key {
+        let service = match serves.key {
             Some(key) => Some(service_of(&report, key)?),
             None => None,
         };
+        if let Some(archive) = serves.archive {
+            check_archive(archive)?;
+        }
         let record = self
             .shared
             .store
             .runner_reported(id, &report, now_ms())
             .await?
             .ok_or_else(|| EngineError::RunnerNotFound { id: id.to_owned() })?;
-        self.shared.serve_through(&record, service, networked);
+        self.shared.serve_through(&record, service, &serves);
         self.shared.set_runner(record);
         Ok(())
     }
@@ -762,6 +849,20 @@ fn check_report(report: &RunnerReport) -> Result<(), EngineError> {
                 format!("{url:?}: give an http:// or https:// URL"),
             ));
         }
+    }
+    Ok(())
+}
+
+/// A runner's archive location: only compared with this server's, never
+/// opened, but kept and shown in messages, so short and printable.
+fn check_archive(location: &str) -> Result<(), EngineError> {
+    if location.is_empty() || location.len() > 1024 || location.chars().any(char::is_control) {
+        return Err(EngineError::Invalid {
+            field: "archive",
+            reason:
+                "give the runner's archive location (--archive), up to 1024 printable characters"
+                    .into(),
+        });
     }
     Ok(())
 }
@@ -967,6 +1068,7 @@ mod tests {
             cpu: 1,
             memory_gib: 1,
             here_only: None,
+            archived: false,
         }
     }
 
@@ -1078,6 +1180,43 @@ mod tests {
         assert!(
             none.to_string().contains("no runner is registered"),
             "{none}"
+        );
+    }
+
+    #[test]
+    fn a_sandbox_from_the_archive_goes_elsewhere_only_to_a_runner_sharing_it() {
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let service = crate::remote::Service::new("http://127.0.0.1:9", "k").unwrap();
+        let remote = crate::remote::RemoteRuntime::new("r", service, PathBuf::new());
+        let at = "s3://bucket/cove";
+        let mut archived = need(SandboxClass::Container);
+        archived.archived = true;
+        // A runner with no archive, or another one, cannot fetch it.
+        let refused = drives_elsewhere(Some(&remote), &archived, false, Some(at)).unwrap_err();
+        assert!(
+            refused.contains("does not keep its archive at s3://bucket/cove"),
+            "{refused}"
+        );
+        remote.set_archive(Some("s3://bucket/other"));
+        assert!(drives_elsewhere(Some(&remote), &archived, false, Some(at)).is_err());
+        // The same location: it can, and a new sandbox needs no archive.
+        remote.set_archive(Some(at));
+        assert_eq!(
+            drives_elsewhere(Some(&remote), &archived, false, Some(at)),
+            Ok(())
+        );
+        let fresh = need(SandboxClass::Container);
+        assert_eq!(drives_elsewhere(Some(&remote), &fresh, false, None), Ok(()));
+        // A directory of this server's own is shared with no machine.
+        let refused = drives_elsewhere(Some(&remote), &archived, false, None).unwrap_err();
+        assert!(refused.contains("directory of its own"), "{refused}");
+        // What passed over it before still does.
+        let refused = drives_elsewhere(Some(&remote), &archived, true, Some(at)).unwrap_err();
+        assert!(refused.contains("without a sandbox network"), "{refused}");
+        let refused = drives_elsewhere(None, &fresh, false, None).unwrap_err();
+        assert!(
+            refused.contains("has not said where it serves"),
+            "{refused}"
         );
     }
 

@@ -86,7 +86,7 @@ impl Sandboxes {
         let snapshot = self.own_snapshot(record).await?;
         let spec = self.spec(record, &snapshot)?;
         if matches!(effect, Effect::Unarchive) {
-            self.unarchive(runtime, &spec).await?;
+            self.unarchive(runtime, record, &spec).await?;
         }
         // A leftover of an earlier run (a crash, a failed stop) must not
         // linger. A paused machine is not running, and stopping it would
@@ -130,16 +130,22 @@ impl Sandboxes {
         sandbox: &SandboxId,
     ) -> Result<(), Failure> {
         let archive = self.archive_store()?;
-        let file = archive.scratch_file(&record.id);
-        let moved = async {
-            runtime.export_storage(sandbox, &file).await?;
-            let bytes = archive.upload(&record.id, &file).await?;
-            tracing::info!(sandbox = %record.id, bytes, to = archive.location(), "archived");
-            Ok::<(), Failure>(())
+        if let Some(remote) = self.shared.remote_of(record) {
+            // Its runner sends it to the same archive itself.
+            let bytes = remote.0.archive(sandbox).await?;
+            tracing::info!(sandbox = %record.id, bytes, to = archive.location(), runner = ?record.runner_id, "archived");
+        } else {
+            let file = archive.scratch_file(&record.id);
+            let moved = async {
+                runtime.export_storage(sandbox, &file).await?;
+                let bytes = archive.upload(&record.id, &file).await?;
+                tracing::info!(sandbox = %record.id, bytes, to = archive.location(), "archived");
+                Ok::<(), Failure>(())
+            }
+            .await;
+            let _ = tokio::fs::remove_file(&file).await;
+            moved?;
         }
-        .await;
-        let _ = tokio::fs::remove_file(&file).await;
-        moved?;
         // Only once the archive holds it does the local copy go. From here
         // the sandbox is archived whatever the cleanup says: its data is
         // safe in the archive, and a start unarchives it from there.
@@ -182,24 +188,34 @@ impl Sandboxes {
             .ok_or(ArchiveError::NotConfigured)
     }
 
-    /// Brings an archived sandbox's storage back from the archive.
+    /// Brings an archived sandbox's storage back from the archive, onto
+    /// the runner it was placed on (which fetches it itself when it is
+    /// elsewhere).
     async fn unarchive(
         &self,
         runtime: &dyn Runtime,
+        record: &SandboxRecord,
         spec: &cove_runtime::SandboxSpec,
     ) -> Result<(), Failure> {
         let archive = self.archive_store()?;
-        let file = archive.scratch_file(&spec.id);
-        let brought = async {
-            archive.download(&spec.id, &file).await?;
-            runtime.import_storage(spec, &file).await?;
-            Ok::<(), Failure>(())
+        if let Some(remote) = self.shared.remote_of(record) {
+            remote.0.unarchive(spec).await?;
+        } else {
+            let file = archive.scratch_file(&spec.id);
+            let brought = async {
+                archive.download(&spec.id, &file).await?;
+                runtime.import_storage(spec, &file).await?;
+                Ok::<(), Failure>(())
+            }
+            .await;
+            let _ = tokio::fs::remove_file(&file).await;
+            brought?;
         }
-        .await;
-        let _ = tokio::fs::remove_file(&file).await;
-        brought?;
-        archive.remove(&spec.id).await?;
-        tracing::info!(sandbox = %spec.id, "unarchived");
+        // The sandbox is back; a copy left behind is removed with it.
+        if let Err(error) = archive.remove(&spec.id).await {
+            tracing::warn!(sandbox = %spec.id, error = %crate::error::describe(&error), "left its archive copy after unarchiving");
+        }
+        tracing::info!(sandbox = %spec.id, runner = ?record.runner_id, "unarchived");
         Ok(())
     }
 }

@@ -12,11 +12,34 @@ use super::effect::Effect;
 use super::Sandboxes;
 use crate::failure::Failure;
 use crate::metrics::Measured;
+use crate::runners::Need;
 use crate::EngineError;
 
 impl Sandboxes {
+    /// Starts a stopped, paused or archived sandbox. One stopped on a
+    /// draining runner moves first, through the archive, when another
+    /// runner can take it; otherwise it starts where it is.
     pub async fn start(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
-        self.run(id_or_name, Operation::Start).await
+        let record = self.get(id_or_name).await?;
+        if self.moves_on_start(&record) {
+            tracing::info!(sandbox = %record.id, runner = ?record.runner_id,
+                "moving off its draining runner through the archive");
+            self.archive(&record.id).await?;
+        }
+        self.run(&record.id, Operation::Start).await
+    }
+
+    /// Whether a start of `record` moves it to another runner first: it is
+    /// stopped on a draining runner, it can go to the archive, and another
+    /// runner could take it from there.
+    fn moves_on_start(&self, record: &SandboxRecord) -> bool {
+        let runner = (record.runner_id.as_deref()).unwrap_or(&self.shared.config.runner.id);
+        record.state == SandboxState::Stopped
+            && self.shared.is_draining(runner)
+            && self.check_can_archive(record).is_ok()
+            && self
+                .shared
+                .could_place_elsewhere(Need::archived(record), runner)
     }
 
     pub async fn stop(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
@@ -56,13 +79,20 @@ impl Sandboxes {
                 what: "archive without an archive location (serve --archive)".into(),
             });
         }
-        if !self.shared.is_local(record) {
-            return Err(EngineError::NotImplemented {
-                what: format!(
-                    "archiving sandboxes on runner {}, on another machine,",
-                    record.runner_id.as_deref().unwrap_or_default()
-                ),
-            });
+        // A runner elsewhere moves the storage itself, to the archive this
+        // server would fetch it from.
+        if let Some(remote) = self.shared.remote_of(record) {
+            let shared = (self.shared.config.archive.as_ref()).filter(|a| a.is_shared());
+            if !shared.is_some_and(|archive| remote.0.shares_archive(archive.location())) {
+                return Err(EngineError::NotImplemented {
+                    what: format!(
+                        "archiving sandboxes on runner {}, on another machine, without an S3 \
+                         archive that this server (serve --archive s3://...) and the runner \
+                         (cove runner --archive) both name",
+                        record.runner_id.as_deref().unwrap_or_default()
+                    ),
+                });
+            }
         }
         if !self.shared.runtime_of(record)?.can_archive() {
             return Err(EngineError::Invalid {
@@ -182,6 +212,18 @@ impl Sandboxes {
             true => Some(self.shared.admit(&record, false).await?),
             false => None,
         };
+        // From the archive a sandbox goes to whichever runner has room for
+        // it (and reaches that archive); in it, it is on none.
+        if matches!(effect, Effect::Unarchive) {
+            record.runner_id = Some(self.shared.place(Need::archived(&record), None)?);
+        }
+        // Where the sandbox is after its effect: in the archive, it is on no
+        // runner.
+        let in_archive_after = match effect {
+            Effect::Archive => Some(true),
+            Effect::Unarchive => Some(false),
+            _ => None,
+        };
         record.state = during;
         record.desired_state = desired;
         record.error_reason = None;
@@ -202,6 +244,9 @@ impl Sandboxes {
             applied.is_ok(),
             began.elapsed(),
         );
+        if in_archive_after.is_some_and(|archived| archived == applied.is_ok()) {
+            record.runner_id = None;
+        }
         self.land(
             record,
             operation,
