@@ -655,3 +655,53 @@ def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
         for parent in parents:
             for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
                 subprocess.run(["rmdir", cgroup], capture_output=True)
+
+
+def test_a_runner_that_falls_silent_leaves_its_sandboxes_in_error_until_it_is_back():
+    """A runner killed with SIGKILL and not started again: once it is
+    silent past the server's limit, its sandbox shows `error`, saying so,
+    instead of `started`; its record stays whole. Started again, the runner
+    is the same one, and a recover brings the sandbox back there with its
+    files."""
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
+                        extra_args=("--no-network", "--runner-silence", "10"))
+    server.start()
+    runner_dir = new_data_dir()
+    parent = "cove-test-" + uuid.uuid4().hex[:8]
+    process = None
+    try:
+        runner_id, token = add_runner(server, unique("node"))
+        process = serving_runner(server, token, runner_dir, parent, ("--no-network",))
+        assert wait_until(lambda: state(server, runner_id) == "ready", 60)
+        local = next(r["id"] for r in runners(server) if r["id"] != runner_id)
+        admin(server, "drain", local)
+        daytona = server.client()
+        sandbox = daytona.create(CreateSandboxFromSnapshotParams(name=unique("held")), timeout=120)
+        assert sandbox.runner_id == runner_id
+        sandbox.fs.upload_file(b"kept through the silence", "kept.txt")
+
+        process.kill()
+        process.wait()
+
+        def in_error() -> bool:
+            sandbox.refresh_data()
+            return sandbox.state == "error"
+
+        assert wait_until(in_error, 60), sandbox.state
+        assert "stopped reporting" in sandbox.error_reason, sandbox.error_reason
+        assert state(server, runner_id) == "unresponsive"
+        assert runner_of(server, sandbox.id) == runner_id
+
+        process = serving_runner(server, token, runner_dir, parent, ("--no-network",))
+        assert wait_until(lambda: state(server, runner_id) == "ready", 60)
+        sandbox.recover(timeout=60)
+        assert runner_of(server, sandbox.id) == runner_id
+        assert sandbox.fs.download_file("kept.txt") == b"kept through the silence"
+        sandbox.delete()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, process.stderr.read()
+    finally:
+        end(process, server, data_dir, runner_dir)
+        for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
+            subprocess.run(["rmdir", cgroup], capture_output=True)

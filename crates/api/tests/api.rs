@@ -2465,7 +2465,12 @@ async fn a_runner_elsewhere_is_registered_reports_with_its_own_token_and_is_dele
     // host: the key goes into a header of every call to the runner.
     // Its archive location is shown in messages: printable, and short.
     for (key, url, archive, field) in [
-        ("line\r\nX-Evil: 1", "http://10.1.0.2:3001", "s3://a/b", "serviceKey"),
+        (
+            "line\r\nX-Evil: 1",
+            "http://10.1.0.2:3001",
+            "s3://a/b",
+            "serviceKey",
+        ),
         ("k", "https://10.1.0.2:3001", "s3://a/b", "apiUrl"),
         ("k", "http://10.1.0.2:3001", "s3://a/b\n", "archive"),
         ("k", "http://10.1.0.2:3001", "", "archive"),

@@ -278,6 +278,9 @@ pub(crate) struct RemoteRuntime {
     /// Set once the runner reported it no longer serves: what still
     /// waits on its sandboxes ends.
     retired: AtomicBool,
+    /// Set while the runner is silent past the server's limit: a watch
+    /// that cannot reach it ends.
+    silent: AtomicBool,
     /// The archive the runner moves stopped sandboxes to and from, as its
     /// last report named it; `None`: it keeps none.
     archive: RwLock<Option<String>>,
@@ -297,6 +300,11 @@ impl RemoteRuntime {
             // is not followed.
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(5))
+            // A watch's long poll on a machine that vanished (no reset)
+            // ends within about 25 s, and is asked again.
+            .tcp_keepalive(Duration::from_secs(10))
+            .tcp_keepalive_interval(Duration::from_secs(5))
+            .tcp_keepalive_retries(3)
             .build()
             .expect("a client without TLS or proxies builds");
         RemoteRuntime {
@@ -304,6 +312,7 @@ impl RemoteRuntime {
             service: RwLock::new(service),
             networked: AtomicBool::new(false),
             retired: AtomicBool::new(false),
+            silent: AtomicBool::new(false),
             archive: RwLock::default(),
             policies: std::sync::Mutex::default(),
             images,
@@ -327,6 +336,12 @@ impl RemoteRuntime {
 
     pub(crate) fn networked(&self) -> bool {
         self.networked.load(Ordering::Relaxed)
+    }
+
+    /// Records whether the runner is silent past the server's limit
+    /// (unresponsive).
+    pub(crate) fn set_silent(&self, silent: bool) {
+        self.silent.store(silent, Ordering::Relaxed);
     }
 
     /// Records the archive the runner named (`None`: it keeps none).
@@ -508,6 +523,14 @@ impl RemoteRuntime {
                 }
                 Err(RuntimeError::NotRunning { .. }) => {
                     return format!("runner {} no longer runs it", self.runner)
+                }
+                // Silent and out of reach: its sandboxes are not known to
+                // run. Back, it says which still do (a recover starts them).
+                Err(_) if self.silent.load(Ordering::Relaxed) => {
+                    return format!(
+                        "runner {} stopped reporting and cannot be reached",
+                        self.runner
+                    )
                 }
                 Err(error) => {
                     tracing::debug!(sandbox = %id, runner = %self.runner,

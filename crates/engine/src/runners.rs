@@ -317,6 +317,19 @@ impl Shared {
         }
     }
 
+    /// Tells each runner elsewhere that this server drives whether it has
+    /// fallen silent: the watches of a silent one's sandboxes end when it
+    /// cannot be reached, so they show `error` rather than `started`.
+    fn judge_silence(&self) {
+        let judge = self.judge();
+        let placement = self.placement.read().unwrap();
+        for (id, remote) in self.remotes.read().unwrap().iter() {
+            let silent = (placement.runners.iter().find(|r| &r.id == id))
+                .is_some_and(|r| judge.state(r) == RunnerState::Unresponsive);
+            remote.0.set_silent(silent);
+        }
+    }
+
     /// Forgets runner `id` (deleted).
     fn forget_runner(&self, id: &str) {
         self.remotes.write().unwrap().remove(id);
@@ -501,6 +514,7 @@ impl Runners {
             .map(|(runner, (usage, _))| (runner, usage))
             .collect();
         self.shared.placement.write().unwrap().load = load;
+        self.shared.judge_silence();
         Ok(())
     }
 
