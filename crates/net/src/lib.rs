@@ -289,8 +289,44 @@ impl Network {
             "sandboxes reach no private, link-local or uplink address except those opened"
         );
         let bridge_index = links::create_bridge(&host, &config).await?;
+        // From here a failure takes down what this start made on the host
+        // (a resolver address taken, say), so nothing is left behind.
+        let undo = config.clone();
+        match Self::finish(config, closed, &host, uplink_index, bridge_index).await {
+            Ok((shared, resolver)) => Ok(Self {
+                _bridge_lock: bridge_lock,
+                pool: netns::Pool::new(
+                    shared.config.netns_pool,
+                    host.clone(),
+                    shared.config.clone(),
+                    bridge_index,
+                ),
+                shared,
+                host,
+                bridge_index,
+                resolver: Mutex::new(Some(resolver)),
+                retiring: Mutex::new(tokio::task::JoinSet::new()),
+            }),
+            Err(error) => {
+                let _ = nft::run_nft(&nft::teardown(&undo)).await;
+                let _ = links::remove_routing(&host, &undo, Some(uplink_index)).await;
+                let _ = links::delete_link(&host, &undo.bridge).await;
+                Err(error)
+            }
+        }
+    }
+
+    /// The rest of `new` once the bridge is made: forwarding, routes, the
+    /// firewall, the address book and the resolver.
+    async fn finish(
+        config: NetworkConfig,
+        closed: ClosedRanges,
+        host: &rtnetlink::Handle,
+        uplink_index: u32,
+        bridge_index: u32,
+    ) -> Result<(Arc<Shared>, Resolver), NetError> {
         links::enable_forwarding(&config)?;
-        links::install_routing(&host, &config, uplink_index, bridge_index).await?;
+        links::install_routing(host, &config, uplink_index, bridge_index).await?;
         nft::run_nft(&nft::ruleset(&config, &closed)).await?;
 
         let shared = Arc::new(Shared {
@@ -318,20 +354,7 @@ impl Network {
             Arc::clone(&shared) as Arc<dyn resolver::Policies>,
         )
         .await?;
-        Ok(Self {
-            _bridge_lock: bridge_lock,
-            pool: netns::Pool::new(
-                shared.config.netns_pool,
-                host.clone(),
-                shared.config.clone(),
-                bridge_index,
-            ),
-            shared,
-            host,
-            bridge_index,
-            resolver: Mutex::new(Some(resolver)),
-            retiring: Mutex::new(tokio::task::JoinSet::new()),
-        })
+        Ok((shared, resolver))
     }
 
     pub fn config(&self) -> &NetworkConfig {
