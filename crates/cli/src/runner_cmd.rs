@@ -105,11 +105,14 @@ fn plain_name(text: &str) -> Result<String, String> {
 
 pub(crate) async fn run(args: RunnerArgs) -> anyhow::Result<()> {
     make_private_dir(&args.data_dir)?;
+    // Taken from here on, so a SIGTERM while the runner makes its storage
+    // and network ends it once they are made, taking them down again.
+    let terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let serving = match args.listen {
         Some(listen) => Some(serve(&args, listen).await?),
         None => None,
     };
-    let reported = report_until_gone(&args, serving.as_ref()).await;
+    let reported = report_until_gone(&args, serving.as_ref(), terminate).await;
     if let Some(serving) = serving {
         serving.end().await;
     }
@@ -180,10 +183,15 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
     config.shim_pool = args.container_pool;
     let runtime = Arc::new(ContainerRuntime::new(config)?);
     let archive = match &args.archive {
-        Some(location) => Some(
-            cove_engine::Archive::open(location, storage.root().join("archive-scratch"))
-                .with_context(|| format!("opening the archive {location}"))?,
-        ),
+        Some(location) => {
+            // What a move cut short left there (a runner killed mid-way).
+            let scratch = storage.root().join("archive-scratch");
+            let _ = std::fs::remove_dir_all(&scratch);
+            Some(
+                cove_engine::Archive::open(location, scratch)
+                    .with_context(|| format!("opening the archive {location}"))?,
+            )
+        }
         None => None,
     };
     let network = match args.network.no_network {
@@ -230,23 +238,28 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
 
 /// Checks in, then reports every few seconds until the process is told to
 /// end or the control plane no longer knows this runner.
-async fn report_until_gone(args: &RunnerArgs, serving: Option<&Serving>) -> anyhow::Result<()> {
+async fn report_until_gone(
+    args: &RunnerArgs,
+    serving: Option<&Serving>,
+    mut terminate: tokio::signal::unix::Signal,
+) -> anyhow::Result<()> {
     let control = args.control.trim_end_matches('/').to_owned();
     let http = reqwest::Client::builder()
         .no_proxy()
         .timeout(std::time::Duration::from_secs(10))
         .build()
         .context("building the HTTP client")?;
-    let me = call(http.get(format!("{control}/runners/me")), &args.token)
-        .await
-        .with_context(|| format!("checking in with the control plane at {control}"))?;
+    let me = tokio::select! {
+        me = call(http.get(format!("{control}/runners/me")), &args.token) => me,
+        _ = terminate.recv() => return Ok(()),
+    };
+    let me = me.with_context(|| format!("checking in with the control plane at {control}"))?;
     tracing::info!(
         runner = me["id"].as_str().unwrap_or_default(),
         name = me["name"].as_str().unwrap_or_default(),
         %control,
         "runner checked in"
     );
-    let mut terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut tick = tokio::time::interval(cove_engine::CHECK_IN_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {

@@ -25,6 +25,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use axum::extract::{Path, Request, State};
@@ -52,11 +53,17 @@ pub(crate) struct Service {
     pub(crate) images: PathBuf,
     pub(crate) key: String,
     runs: Mutex<HashMap<String, Run>>,
+    /// Each start's number, so the end of one is not taken for another's.
+    starts: AtomicU64,
+    /// Per sandbox: held while its start, stop or delete changes its
+    /// network, and while the end of a start gives its port back.
+    gates: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
 /// One start of a sandbox: its agent, and why it ended once it has.
 #[derive(Clone)]
 struct Run {
+    number: u64,
     agent: AgentEndpoint,
     ended: watch::Receiver<Option<String>>,
 }
@@ -76,6 +83,28 @@ impl Service {
             images,
             key,
             runs: Mutex::default(),
+            starts: AtomicU64::new(0),
+            gates: Mutex::default(),
+        }
+    }
+
+    /// Sandbox `id`'s gate (see `gates`).
+    fn gate(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut gates = self.gates.lock().unwrap();
+        gates.entry(id.to_owned()).or_default().clone()
+    }
+
+    /// Once start `number` of sandbox `id` ended by itself (no stop or
+    /// delete took it first, and no later start is on), its network port
+    /// goes back, as a server's own sandbox's does.
+    async fn ended_by_itself(&self, id: &str, number: u64) {
+        let gate = self.gate(id);
+        let _held = gate.lock().await;
+        let current = (self.runs.lock().unwrap().get(id)).is_some_and(|run| run.number == number);
+        if current {
+            if let Err(Refusal(_, failure)) = self.detach(id).await {
+                tracing::warn!(sandbox = %id, error = %failure.message, "after it ended by itself");
+            }
         }
     }
 
@@ -280,6 +309,8 @@ async fn start(
     let sandbox = sandbox(&id)?;
     let settings = spec.network.clone();
     let mut spec = spec_of(&service, sandbox.clone(), spec)?;
+    let gate = service.gate(&id);
+    let _held = gate.lock().await;
     // A retried start must not take a running sandbox off its network.
     if service.runtime.is_running(&sandbox).await {
         return Err(RuntimeError::AlreadyRunning { id }.into());
@@ -294,13 +325,17 @@ async fn start(
     };
     let (tell, ended) = watch::channel(None);
     let exited = started.exited;
+    let number = service.starts.fetch_add(1, Ordering::Relaxed);
+    let (watcher, ending) = (service.clone(), id.clone());
     tokio::spawn(async move {
         let why = exited
             .await
             .unwrap_or_else(|_| "the runner's runtime dropped it".into());
         let _ = tell.send(Some(why));
+        watcher.ended_by_itself(&ending, number).await;
     });
     let run = Run {
+        number,
         agent: started.agent,
         ended,
     };
@@ -335,6 +370,8 @@ async fn stop(
     Path(id): Path<String>,
 ) -> Result<StatusCode, Refusal> {
     let sandbox = sandbox(&id)?;
+    let gate = service.gate(&id);
+    let _held = gate.lock().await;
     service.runs.lock().unwrap().remove(&id);
     service.runtime.stop(&sandbox).await?;
     service.detach(&id).await?;
@@ -346,6 +383,8 @@ async fn destroy(
     Path(id): Path<String>,
 ) -> Result<StatusCode, Refusal> {
     let sandbox = sandbox(&id)?;
+    let gate = service.gate(&id);
+    let _held = gate.lock().await;
     service.runs.lock().unwrap().remove(&id);
     service.runtime.destroy(&sandbox).await?;
     if let Some(network) = &service.network {
@@ -354,6 +393,7 @@ async fn destroy(
             .await
             .map_err(|error| network_failure(&id, "release its network address", &error))?;
     }
+    service.gates.lock().unwrap().remove(&id);
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -370,7 +410,11 @@ fn archive_of(service: &Service) -> Result<&cove_engine::Archive, Refusal> {
 
 fn archive_failure(id: &str, step: &str, error: &cove_engine::ArchiveError) -> Refusal {
     let message = format!("sandbox {id}: {step}: {}", cove_engine::describe(error));
-    refuse(503, FailureKind::Busy, message)
+    // An object that is not there will not be there on a retry.
+    match error.is_missing() {
+        true => refuse(500, FailureKind::Other, message),
+        false => refuse(503, FailureKind::Busy, message),
+    }
 }
 
 /// Sends a stopped sandbox's storage to the archive. Its copy here stays
@@ -381,6 +425,8 @@ async fn archive(
 ) -> Result<Json<RemoteArchived>, Refusal> {
     let sandbox = sandbox(&id)?;
     let archive = archive_of(&service)?;
+    let gate = service.gate(&id);
+    let _held = gate.lock().await;
     let file = archive.scratch_file(&id);
     let sent = async {
         service.runtime.export_storage(&sandbox, &file).await?;
@@ -402,6 +448,8 @@ async fn unarchive(
 ) -> Result<StatusCode, Refusal> {
     let spec = spec_of(&service, sandbox(&id)?, spec)?;
     let archive = archive_of(&service)?;
+    let gate = service.gate(&id);
+    let _held = gate.lock().await;
     let file = archive.scratch_file(&id);
     let fetched = async {
         (archive.download(&id, &file).await).map_err(|e| archive_failure(&id, "download", &e))?;
