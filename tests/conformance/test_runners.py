@@ -388,6 +388,21 @@ def cgroups_of(parent: str, sandbox_id: str) -> list[str]:
     return glob.glob(f"/sys/fs/cgroup/**/{parent}/{sandbox_id}", recursive=True)
 
 
+def kill_all_of(parent: str, sandbox_id: str) -> None:
+    """SIGKILL to every process of a container on a runner, from the host."""
+    pids = set()
+    for cgroup in cgroups_of(parent, sandbox_id):
+        for procs in glob.glob(f"{cgroup}/**/cgroup.procs", recursive=True):
+            with open(procs) as f:
+                pids.update(int(line) for line in f if line.strip())
+    assert pids, "the container's processes"
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
 def read_until(handle, needle: str) -> str:
     output = bytearray()
     deadline = time.monotonic() + 20
@@ -520,17 +535,28 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it(fake_internet):
         sandbox.update_network_settings(network_block_all=False)
         assert wait_until(lambda: reaches_the_internet(sandbox), 20)
 
+        def in_error() -> bool:
+            sandbox.refresh_data()
+            return sandbox.state == "error"
+
+        # Ended by itself (each of its processes killed from the host), it
+        # shows error, and its port on the runner's network goes back at
+        # once; recovered, it has one again.
+        pinned = runner_dir / "net" / "netns" / sandbox.id
+        assert pinned.exists()
+        kill_all_of(parent, sandbox.id)
+        assert wait_until(in_error, 30), sandbox.state
+        assert wait_until(lambda: not pinned.exists(), 20)
+        sandbox.recover(timeout=60)
+        assert pinned.exists()
+        assert wait_until(lambda: reaches_the_internet(sandbox), 20)
+
         # kill -9 of the runner: the sandbox's record stays; once the
         # runner is back (with a new port and key), it says the sandbox no
         # longer runs, and a recover brings it back there with its files.
         process.kill()
         process.wait()
         process = serving_runner(server, token, runner_dir, parent, network)
-
-        def in_error() -> bool:
-            sandbox.refresh_data()
-            return sandbox.state == "error"
-
         assert wait_until(in_error, 60), sandbox.state
         assert "no longer runs it" in sandbox.error_reason, sandbox.error_reason
         sandbox.recover(timeout=60)
@@ -554,7 +580,7 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it(fake_internet):
 def runner_of(server: CoveServer, sandbox_id: str) -> str:
     r = server.request("GET", f"/sandbox/{sandbox_id}")
     assert r.status_code == 200, r.text
-    return r.json()["runnerId"]
+    return r.json().get("runnerId")
 
 
 def in_bucket(endpoint: str, bucket: str, sandbox_id: str) -> bool:
@@ -567,8 +593,8 @@ def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
     stopped on runner A, once A is drained, starts on runner B with its
     files: A sends its storage to the archive and B fetches it, so its
     bytes never pass through the control plane. Archived on B, it starts
-    on the server's own runner. With no runner able to take it, it stays
-    archived and the start says why. Deleted, nothing is left anywhere."""
+    on the server's own runner, and there again with every runner drained.
+    Deleted, nothing is left anywhere."""
     endpoint, bucket = s3
     archive = ("--archive", f"s3://{bucket}/cove")
     data_dir = new_data_dir()
@@ -628,15 +654,17 @@ def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
         assert sandbox.fs.download_file("kept.txt") == b"changed on B"
         assert not in_bucket(endpoint, bucket, sandbox.id)
 
-        # No runner can take it from the archive: the start is refused
-        # naming why, and it stays archived, its copy kept.
+        # With every runner drained, a start from the archive brings it back
+        # on the server's own runner, as a stopped sandbox starts where it is.
         sandbox.stop(timeout=60)
         sandbox.archive()
+        assert runner_of(server, sandbox.id) is None, "in the archive, on no runner"
         admin(server, "drain", local)
-        r = server.request("POST", f"/sandbox/{sandbox.id}/start")
-        assert r.status_code == 503, r.text
-        assert "is draining" in r.json()["message"], r.text
-        assert server.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "archived"
+        sandbox.start(timeout=120)
+        assert (sandbox.state, runner_of(server, sandbox.id)) == ("started", local)
+        assert sandbox.fs.download_file("kept.txt") == b"changed on B"
+        sandbox.stop(timeout=60)
+        sandbox.archive()
         assert in_bucket(endpoint, bucket, sandbox.id)
 
         # Deleted from the archive: nothing is left in the bucket or on a runner.
@@ -705,3 +733,111 @@ def test_a_runner_that_falls_silent_leaves_its_sandboxes_in_error_until_it_is_ba
         end(process, server, data_dir, runner_dir)
         for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
             subprocess.run(["rmdir", cgroup], capture_output=True)
+
+
+def test_sixty_creates_spread_over_three_runners_and_one_killed_comes_back_as_it_was(fake_internet):
+    """Three runners elsewhere, each with its own bridge, range, routing
+    table, cgroup parent and user namespaces, and the server's own runner
+    drained: 60 creates through the SDK (four at a time) spread over them.
+    Each sandbox answers a command and a file on its runner, a preview and
+    SSH reach one on each runner, and each reaches the (fake) internet
+    through its runner's network. One runner killed with SIGKILL: its
+    sandboxes show error once it is silent past the limit while the others
+    go on; started again, it is the same runner, and its sandboxes recover
+    there with their files, none duplicated or lost."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
+                        extra_args=("--no-network", "--runner-silence", "10"))
+    server.start()
+    dirs = [new_data_dir() for _ in range(3)]
+    parents = ["cove-test-" + uuid.uuid4().hex[:8] for _ in dirs]
+    # Apart from every other server's on the host (10.77/16 is serve's default).
+    networks = [("--bridge", "cvr" + uuid.uuid4().hex[:4], "--network-range", f"10.{81 + n}.0.0/16",
+                 "--route-table", str(7810 + 10 * n), *fake_internet.server_args())
+                for n in range(3)]
+    pools = [f"{2147483648 + n * 64 * 65536}:64" for n in range(3)]
+    processes: list[subprocess.Popen] = []
+    tokens: list[str] = []
+    made = []
+    daytona = server.client()
+    try:
+        ids = []
+        for n in range(3):
+            runner_id, token = add_runner(server, unique(f"node{n}"))
+            ids.append(runner_id)
+            tokens.append(token)
+            processes.append(serving_runner(server, token, dirs[n], parents[n], networks[n], pools[n]))
+        # Three at once make their storage and networks: slower than one.
+        ready = wait_until(lambda: all(state(server, r) == "ready" for r in ids), 120)
+        assert ready, [p.stderr.read()[-3000:] for p in processes if p.poll() is not None]
+        local = next(r["id"] for r in runners(server) if r["id"] not in ids)
+        admin(server, "drain", local)
+
+        def create(n: int):
+            return daytona.create(CreateSandboxFromSnapshotParams(name=unique(f"s{n}")), timeout=120)
+
+        with ThreadPoolExecutor(4) as pool:
+            made = list(pool.map(create, range(60)))
+        on = {runner_id: [s for s in made if s.runner_id == runner_id] for runner_id in ids}
+        assert sum(len(held) for held in on.values()) == 60, {r: len(h) for r, h in on.items()}
+        assert min(len(held) for held in on.values()) >= 15, {r: len(h) for r, h in on.items()}
+        for n, runner_id in enumerate(ids):
+            for sandbox in on[runner_id]:
+                assert cgroups_of(parents[n], sandbox.id), sandbox.id
+                assert sandbox.process.exec(f"echo {sandbox.name}").result.strip() == sandbox.name
+                sandbox.fs.upload_file(sandbox.id.encode(), "mine.txt")
+                assert sandbox.fs.download_file("mine.txt") == sandbox.id.encode()
+            first = on[runner_id][0]
+            assert f"10.{81 + n}." in first.process.exec("hostname -I").result
+            assert wait_until(lambda: reaches_the_internet(first), 30)
+            reaches_it_through_the_runner(server, first)
+
+        # One runner killed: its sandboxes show error once it is silent past
+        # the limit; the others' answer all along.
+        killed, killed_dir = ids[2], dirs[2]
+        processes[2].kill()
+        processes[2].wait()
+
+        def shown_in_error() -> bool:
+            return all(daytona.get(s.id).state == "error" for s in on[killed])
+
+        assert wait_until(shown_in_error, 60)
+        for runner_id in ids[:2]:
+            for sandbox in on[runner_id][:3]:
+                assert sandbox.process.exec("echo on").result.strip() == "on"
+
+        # Started again, it is the same runner; its sandboxes recover there
+        # with their files, and no sandbox is duplicated or lost.
+        processes[2] = serving_runner(server, tokens[2], killed_dir, parents[2], networks[2], pools[2])
+        assert wait_until(lambda: state(server, killed) == "ready", 60)
+        for sandbox in on[killed]:
+            sandbox.recover(timeout=60)
+            assert runner_of(server, sandbox.id) == killed
+            assert sandbox.fs.download_file("mine.txt") == sandbox.id.encode()
+        listed = [s.id for s in daytona.list()]
+        assert sorted(listed) == sorted(s.id for s in made)
+        assert len(runners(server)) == 4
+
+        with ThreadPoolExecutor(4) as pool:
+            list(pool.map(daytona.delete, made))
+        made = []
+        for n, runner_dir in enumerate(dirs):
+            assert os.listdir(runner_dir / "storage" / "sandboxes") == []
+        for process in processes:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 0, process.stderr.read()
+    finally:
+        for sandbox in made:
+            try:
+                daytona.delete(sandbox)
+            except Exception:
+                pass
+        for process in processes:
+            end(process, server)
+        for runner_dir in [data_dir, *dirs]:
+            remove_data_dir(runner_dir)
+        for parent in parents:
+            for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
+                subprocess.run(["rmdir", cgroup], capture_output=True)

@@ -32,6 +32,10 @@ pub enum ArchiveError {
     },
     #[error("no archive location is configured (serve --archive)")]
     NotConfigured,
+    /// A runner said it archived a sandbox, and the archive holds nothing
+    /// of it (the runner names another store under the same location?).
+    #[error("the archive {location} holds no copy of {id} after its runner sent it")]
+    NotThere { id: String, location: String },
     #[error("cannot {action} {}", path.display())]
     File {
         action: &'static str,
@@ -46,6 +50,19 @@ pub enum ArchiveError {
         #[source]
         source: object_store::Error,
     },
+}
+
+impl ArchiveError {
+    /// Whether the store said the object is not there.
+    pub fn is_missing(&self) -> bool {
+        matches!(
+            self,
+            ArchiveError::Store {
+                source: object_store::Error::NotFound { .. },
+                ..
+            }
+        )
+    }
 }
 
 fn file(action: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> ArchiveError {
@@ -190,7 +207,7 @@ impl Archive {
 
     /// Whether the archive holds a complete copy of sandbox `id` (an upload
     /// becomes visible only once it finished).
-    pub(crate) async fn holds(&self, id: &str) -> Result<bool, ArchiveError> {
+    pub async fn holds(&self, id: &str) -> Result<bool, ArchiveError> {
         match self.store.head(&Self::key(id)).await {
             Ok(_) => Ok(true),
             Err(object_store::Error::NotFound { .. }) => Ok(false),

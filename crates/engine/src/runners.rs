@@ -300,6 +300,8 @@ impl Shared {
             }
             (Some(service), Some(known)) => {
                 known.0.set_service(service);
+                // It reports: it is not silent, whatever the last check-in judged.
+                known.0.set_silent(false);
                 known.0.set_networked(serves.networked);
                 known.0.set_archive(serves.archive);
             }

@@ -288,12 +288,15 @@ impl Store {
     }
 
     /// Gives every sandbox that has no runner (rows from before runners) to
-    /// runner `id`; returns how many it took.
+    /// runner `id`, except archived ones, which are on no runner until a
+    /// start places them; returns how many it took.
     pub async fn claim_unplaced_sandboxes(&self, id: &str) -> Result<u64, StoreError> {
-        let done = sqlx::query("UPDATE sandboxes SET runner_id = $1 WHERE runner_id IS NULL")
-            .bind(id)
-            .execute(&self.pool)
-            .await?;
+        let done = sqlx::query(
+            "UPDATE sandboxes SET runner_id = $1 WHERE runner_id IS NULL AND state <> 'archived'",
+        )
+        .bind(id)
+        .execute(&self.pool)
+        .await?;
         Ok(done.rows_affected())
     }
 }

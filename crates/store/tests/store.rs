@@ -869,7 +869,14 @@ async fn runners_register_report_and_keep_the_operators_switches(db: &Db) {
         .insert_sandbox(&sandbox("id-new", "new"))
         .await
         .unwrap();
+    // An archived one is on no runner until a start places it.
+    let mut archived = sandbox("id-archived", "archived");
+    archived.runner_id = None;
+    archived.state = SandboxState::Archived;
+    store.insert_sandbox(&archived).await.unwrap();
     assert_eq!(store.claim_unplaced_sandboxes("r2").await.unwrap(), 1);
+    let found = store.find_sandbox(None, "id-archived").await.unwrap();
+    assert_eq!(found.unwrap().runner_id, None);
     let runner_of = |found: Option<SandboxRecord>| found.unwrap().runner_id;
     assert_eq!(
         runner_of(store.find_sandbox(None, "id-old").await.unwrap()),

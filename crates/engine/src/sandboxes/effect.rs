@@ -85,9 +85,47 @@ impl Sandboxes {
     ) -> Result<(), Failure> {
         let snapshot = self.own_snapshot(record).await?;
         let spec = self.spec(record, &snapshot)?;
-        if matches!(effect, Effect::Unarchive) {
-            self.unarchive(runtime, record, &spec).await?;
+        if !matches!(effect, Effect::Unarchive) {
+            return self.boot(runtime, record, spec, effect).await;
         }
+        let archive = self.archive_store()?;
+        let id = spec.id.clone();
+        let started = async {
+            self.unarchive(runtime, record, &archive, &spec).await?;
+            self.boot(runtime, record, spec, effect).await
+        }
+        .await;
+        match &started {
+            // Back and running: the archive's copy is no longer its data.
+            Ok(()) => {
+                if let Err(error) = archive.remove(&record.id).await {
+                    tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "left its archive copy after unarchiving");
+                }
+            }
+            // The archive's copy is still whole, and the sandbox stays
+            // archived: what the runner it was placed on holds of it goes.
+            Err(_) => {
+                self.forget_running(&record.id);
+                if let Err(error) = runtime.destroy(&id).await {
+                    tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "removing what a failed unarchive left");
+                }
+                if let Err(error) = self.release_network(record).await {
+                    tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error), "after a failed unarchive");
+                }
+            }
+        }
+        started
+    }
+
+    /// Boots the machine on its storage (dropping its memory for a cold
+    /// start).
+    async fn boot(
+        &self,
+        runtime: &dyn Runtime,
+        record: &SandboxRecord,
+        spec: cove_runtime::SandboxSpec,
+        effect: &Effect,
+    ) -> Result<(), Failure> {
         // A leftover of an earlier run (a crash, a failed stop) must not
         // linger. A paused machine is not running, and stopping it would
         // drop the memory it is about to continue from.
@@ -130,9 +168,20 @@ impl Sandboxes {
         sandbox: &SandboxId,
     ) -> Result<(), Failure> {
         let archive = self.archive_store()?;
+        // An older copy (one left behind) must not pass for this one, were
+        // this archive to be cut short.
+        archive.remove(&record.id).await?;
         if let Some(remote) = self.shared.remote_of(record) {
-            // Its runner sends it to the same archive itself.
+            // Its runner sends it to the same archive itself; the runner's
+            // copy goes only once this server sees it there.
             let bytes = remote.0.archive(sandbox).await?;
+            if !archive.holds(&record.id).await? {
+                return Err(ArchiveError::NotThere {
+                    id: record.id.clone(),
+                    location: archive.location().to_owned(),
+                }
+                .into());
+            }
             tracing::info!(sandbox = %record.id, bytes, to = archive.location(), runner = ?record.runner_id, "archived");
         } else {
             let file = archive.scratch_file(&record.id);
@@ -195,9 +244,9 @@ impl Sandboxes {
         &self,
         runtime: &dyn Runtime,
         record: &SandboxRecord,
+        archive: &crate::Archive,
         spec: &cove_runtime::SandboxSpec,
     ) -> Result<(), Failure> {
-        let archive = self.archive_store()?;
         if let Some(remote) = self.shared.remote_of(record) {
             remote.0.unarchive(spec).await?;
         } else {
@@ -210,10 +259,6 @@ impl Sandboxes {
             .await;
             let _ = tokio::fs::remove_file(&file).await;
             brought?;
-        }
-        // The sandbox is back; a copy left behind is removed with it.
-        if let Err(error) = archive.remove(&spec.id).await {
-            tracing::warn!(sandbox = %spec.id, error = %crate::error::describe(&error), "left its archive copy after unarchiving");
         }
         tracing::info!(sandbox = %spec.id, runner = ?record.runner_id, "unarchived");
         Ok(())

@@ -21,10 +21,15 @@ impl Sandboxes {
     /// runner can take it; otherwise it starts where it is.
     pub async fn start(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
         let record = self.get(id_or_name).await?;
-        if self.moves_on_start(&record) {
+        if self.moves_on_start(&record).await {
             tracing::info!(sandbox = %record.id, runner = ?record.runner_id,
                 "moving off its draining runner through the archive");
-            self.archive(&record.id).await?;
+            // A move that fails leaves it stopped where it is (or another
+            // start moved it meanwhile): the start goes on from there.
+            if let Err(error) = self.archive(&record.id).await {
+                tracing::warn!(sandbox = %record.id, error = %crate::error::describe(&error),
+                    "could not move it; starting it where it is");
+            }
         }
         self.run(&record.id, Operation::Start).await
     }
@@ -32,14 +37,32 @@ impl Sandboxes {
     /// Whether a start of `record` moves it to another runner first: it is
     /// stopped on a draining runner, it can go to the archive, and another
     /// runner could take it from there.
-    fn moves_on_start(&self, record: &SandboxRecord) -> bool {
+    async fn moves_on_start(&self, record: &SandboxRecord) -> bool {
         let runner = (record.runner_id.as_deref()).unwrap_or(&self.shared.config.runner.id);
-        record.state == SandboxState::Stopped
-            && self.shared.is_draining(runner)
-            && self.check_can_archive(record).is_ok()
-            && self
-                .shared
-                .could_place_elsewhere(Need::archived(record), runner)
+        if record.state != SandboxState::Stopped
+            || !self.shared.is_draining(runner)
+            || self.check_can_archive(record).is_err()
+        {
+            return false;
+        }
+        match self.need_from_archive(record).await {
+            Ok(need) => self.shared.could_place_elsewhere(need, runner),
+            Err(_) => false,
+        }
+    }
+
+    /// What `record` needs of a runner to come back from the archive.
+    async fn need_from_archive(
+        &self,
+        record: &SandboxRecord,
+    ) -> Result<Need<'static>, EngineError> {
+        let snapshot =
+            (self.own_snapshot(record).await).map_err(|f| f.named(&record.id, "start"))?;
+        let mut need = Need::archived(record);
+        if !snapshot.layers.is_empty() {
+            need.here_only = need.here_only.or(Some("a snapshot taken from a sandbox"));
+        }
+        Ok(need)
     }
 
     pub async fn stop(&self, id_or_name: &str) -> Result<SandboxRecord, EngineError> {
@@ -212,10 +235,22 @@ impl Sandboxes {
             true => Some(self.shared.admit(&record, false).await?),
             false => None,
         };
-        // From the archive a sandbox goes to whichever runner has room for
-        // it (and reaches that archive); in it, it is on none.
+        // From the archive a sandbox is placed anew (on a runner that
+        // reaches that archive); in it, it is on none.
         if matches!(effect, Effect::Unarchive) {
-            record.runner_id = Some(self.shared.place(Need::archived(&record), None)?);
+            let need = self.need_from_archive(&record).await?;
+            record.runner_id = Some(match self.shared.place(need, None) {
+                Ok(runner) => runner,
+                // When no runner takes it (its home drained, say), it comes
+                // back on the server's own, as a stopped one starts where
+                // it is.
+                Err(refused) if self.shared.runtime(record.class).is_ok() => {
+                    tracing::info!(sandbox = %record.id, why = %refused,
+                        "back from the archive on this server's own runner");
+                    self.shared.config.runner.id.clone()
+                }
+                Err(refused) => return Err(refused),
+            });
         }
         // Where the sandbox is after its effect: in the archive, it is on no
         // runner.
@@ -231,9 +266,11 @@ impl Sandboxes {
         drop(admitted);
 
         // An unarchive that failed leaves the sandbox where its data is: in
-        // the archive, to be started again.
+        // the archive, to be started again; an archive that failed, stopped
+        // with its storage where it was.
         let failed_state = match effect {
             Effect::Unarchive => SandboxState::Archived,
+            Effect::Archive => SandboxState::Stopped,
             _ => SandboxState::Error,
         };
         let began = Instant::now();

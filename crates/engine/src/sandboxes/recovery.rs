@@ -140,7 +140,14 @@ impl Sandboxes {
             SandboxState::Archiving | SandboxState::Unarchiving
                 if self.archive_holds(&id).await =>
             {
-                let _ = runtime.stop(sandbox).await;
+                // A runner elsewhere drops its copy: the archive's is whole,
+                // and the next start may place the sandbox on another.
+                if self.shared.is_local(&record) {
+                    let _ = runtime.stop(sandbox).await;
+                } else {
+                    let _ = runtime.destroy(sandbox).await;
+                }
+                record.runner_id = None;
                 record.state = SandboxState::Archived;
                 self.shared.save_state(&mut record).await?;
                 tracing::info!(sandbox = %id, "back to archived after a server restart");
