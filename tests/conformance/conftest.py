@@ -391,6 +391,28 @@ def sdk_with_test_ca(tls: TlsFiles, script: str, env: dict[str, str], timeout: f
     )
 
 
+def kill_sandbox_processes(sandbox_id: str, parent: str = "cove") -> int:
+    """SIGKILL, from the host, to every process of a container whose cgroup
+    is `{parent}/{sandbox_id}` (cgroup v1's pids hierarchy, or v2); how
+    many there were."""
+    pids: list[int] = []
+    for path in (
+        f"/sys/fs/cgroup/pids/{parent}/{sandbox_id}/cgroup.procs",
+        f"/sys/fs/cgroup/{parent}/{sandbox_id}/cgroup.procs",
+    ):
+        try:
+            pids = [int(p) for p in Path(path).read_text().split()]
+            break
+        except OSError:
+            continue
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return len(pids)
+
+
 def new_data_dir() -> Path:
     # Short: the agent's Unix socket lives under it and sun_path holds 107 bytes.
     return Path(tempfile.mkdtemp(prefix="cv", dir="/tmp"))

@@ -3,11 +3,8 @@ and leave nothing behind."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 import uuid
-from pathlib import Path
 
 import pytest
 from daytona import (
@@ -20,7 +17,7 @@ from daytona import (
     SandboxState,
 )
 
-from conftest import CoveServer, mounts_under, new_data_dir, pool_cgroups_of, remove_data_dir, unique, wait_until
+from conftest import CoveServer, kill_sandbox_processes, mounts_under, new_data_dir, pool_cgroups_of, remove_data_dir, unique, wait_until
 
 
 def test_unknown_snapshot_is_404_naming_it(cove, daytona):
@@ -198,28 +195,10 @@ def test_bad_list_query_is_400(cove):
     assert "labels" in r.json()["message"]
 
 
-def sandbox_pids(sandbox_id: str) -> list[int]:
-    for path in (
-        f"/sys/fs/cgroup/pids/cove/{sandbox_id}/cgroup.procs",
-        f"/sys/fs/cgroup/cove/{sandbox_id}/cgroup.procs",
-    ):
-        try:
-            return [int(p) for p in Path(path).read_text().split()]
-        except OSError:
-            continue
-    return []
-
-
 def test_start_from_error_is_409_naming_both_then_recover(cove, daytona, sandbox):
     """Kill the sandbox from outside: it lands in `error`; start is refused (409,
     naming the operation and the state); recover brings it back."""
-    pids = sandbox_pids(sandbox.id)
-    assert pids, "no processes found in the sandbox's cgroup"
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    assert kill_sandbox_processes(sandbox.id), "no processes found in the sandbox's cgroup"
     assert wait_until(lambda: daytona.get(sandbox.id).state == SandboxState.ERROR, timeout=15), (
         f"state after its processes were killed: {daytona.get(sandbox.id).state}"
     )

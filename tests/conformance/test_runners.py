@@ -24,8 +24,8 @@ from daytona import (
 )
 
 from conftest import (
-    CoveServer, cove_binary, images_dir, new_data_dir, remove_data_dir, s3_env, unique,
-    wait_until,
+    CoveServer, cove_binary, images_dir, kill_sandbox_processes, new_data_dir, remove_data_dir,
+    s3_env, unique, wait_until,
 )
 
 # What Daytona's `Runner` requires.
@@ -235,6 +235,17 @@ def end(process: subprocess.Popen | None, server: CoveServer, *data_dirs) -> Non
             remove_data_dir(data_dir)
 
 
+def end_all(processes: list[subprocess.Popen], server: CoveServer, data_dirs, parents) -> None:
+    """`end` for several runners, then their cgroup parents."""
+    for process in processes:
+        end(process, server)
+    for data_dir in data_dirs:
+        remove_data_dir(data_dir)
+    for parent in parents:
+        for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
+            subprocess.run(["rmdir", cgroup], capture_output=True)
+
+
 def state(cove: CoveServer, runner_id: str) -> str:
     r = cove.request("GET", f"/runners/{runner_id}")
     assert r.status_code == 200, r.text
@@ -388,21 +399,6 @@ def cgroups_of(parent: str, sandbox_id: str) -> list[str]:
     return glob.glob(f"/sys/fs/cgroup/**/{parent}/{sandbox_id}", recursive=True)
 
 
-def kill_all_of(parent: str, sandbox_id: str) -> None:
-    """SIGKILL to every process of a container on a runner, from the host."""
-    pids = set()
-    for cgroup in cgroups_of(parent, sandbox_id):
-        for procs in glob.glob(f"{cgroup}/**/cgroup.procs", recursive=True):
-            with open(procs) as f:
-                pids.update(int(line) for line in f if line.strip())
-    assert pids, "the container's processes"
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def read_until(handle, needle: str) -> str:
     output = bytearray()
     deadline = time.monotonic() + 20
@@ -544,7 +540,7 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it(fake_internet):
         # once; recovered, it has one again.
         pinned = runner_dir / "net" / "netns" / sandbox.id
         assert pinned.exists()
-        kill_all_of(parent, sandbox.id)
+        assert kill_sandbox_processes(sandbox.id, parent), "the container's processes"
         assert wait_until(in_error, 30), sandbox.state
         assert wait_until(lambda: not pinned.exists(), 20)
         sandbox.recover(timeout=60)
@@ -676,13 +672,7 @@ def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
             process.send_signal(signal.SIGTERM)
             assert process.wait(timeout=60) == 0, process.stderr.read()
     finally:
-        for process in processes:
-            end(process, server)
-        for runner_dir in [data_dir, *dirs]:
-            remove_data_dir(runner_dir)
-        for parent in parents:
-            for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
-                subprocess.run(["rmdir", cgroup], capture_output=True)
+        end_all(processes, server, [data_dir, *dirs], parents)
 
 
 def test_a_runner_that_falls_silent_leaves_its_sandboxes_in_error_until_it_is_back():
@@ -834,10 +824,4 @@ def test_sixty_creates_spread_over_three_runners_and_one_killed_comes_back_as_it
                 daytona.delete(sandbox)
             except Exception:
                 pass
-        for process in processes:
-            end(process, server)
-        for runner_dir in [data_dir, *dirs]:
-            remove_data_dir(runner_dir)
-        for parent in parents:
-            for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
-                subprocess.run(["rmdir", cgroup], capture_output=True)
+        end_all(processes, server, [data_dir, *dirs], parents)
