@@ -88,18 +88,21 @@ impl Service {
         }
     }
 
-    /// Sandbox `id`'s gate (see `gates`).
-    fn gate(&self, id: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut gates = self.gates.lock().unwrap();
-        gates.entry(id.to_owned()).or_default().clone()
+    /// Waits for sandbox `id`'s gate (see `gates`) and holds it while the
+    /// answer lives.
+    async fn enter(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let gate = {
+            let mut gates = self.gates.lock().unwrap();
+            gates.entry(id.to_owned()).or_default().clone()
+        };
+        gate.lock_owned().await
     }
 
     /// Once start `number` of sandbox `id` ended by itself (no stop or
     /// delete took it first, and no later start is on), its network port
     /// goes back, as a server's own sandbox's does.
     async fn ended_by_itself(&self, id: &str, number: u64) {
-        let gate = self.gate(id);
-        let _held = gate.lock().await;
+        let _held = self.enter(id).await;
         let current = (self.runs.lock().unwrap().get(id)).is_some_and(|run| run.number == number);
         if current {
             if let Err(Refusal(_, failure)) = self.detach(id).await {
@@ -309,8 +312,7 @@ async fn start(
     let sandbox = sandbox(&id)?;
     let settings = spec.network.clone();
     let mut spec = spec_of(&service, sandbox.clone(), spec)?;
-    let gate = service.gate(&id);
-    let _held = gate.lock().await;
+    let _held = service.enter(&id).await;
     // A retried start must not take a running sandbox off its network.
     if service.runtime.is_running(&sandbox).await {
         return Err(RuntimeError::AlreadyRunning { id }.into());
@@ -370,8 +372,7 @@ async fn stop(
     Path(id): Path<String>,
 ) -> Result<StatusCode, Refusal> {
     let sandbox = sandbox(&id)?;
-    let gate = service.gate(&id);
-    let _held = gate.lock().await;
+    let _held = service.enter(&id).await;
     service.runs.lock().unwrap().remove(&id);
     service.runtime.stop(&sandbox).await?;
     service.detach(&id).await?;
@@ -383,8 +384,7 @@ async fn destroy(
     Path(id): Path<String>,
 ) -> Result<StatusCode, Refusal> {
     let sandbox = sandbox(&id)?;
-    let gate = service.gate(&id);
-    let _held = gate.lock().await;
+    let _held = service.enter(&id).await;
     service.runs.lock().unwrap().remove(&id);
     service.runtime.destroy(&sandbox).await?;
     if let Some(network) = &service.network {
@@ -408,8 +408,13 @@ fn archive_of(service: &Service) -> Result<&cove_engine::Archive, Refusal> {
     })
 }
 
-fn archive_failure(id: &str, step: &str, error: &cove_engine::ArchiveError) -> Refusal {
-    let message = format!("sandbox {id}: {step}: {}", cove_engine::describe(error));
+/// A move to or from the archive that failed, said as the wire says it.
+fn move_failure(id: &str, error: cove_engine::MoveError) -> Refusal {
+    let error = match error {
+        cove_engine::MoveError::Runtime(error) => return error.into(),
+        cove_engine::MoveError::Archive(error) => error,
+    };
+    let message = format!("sandbox {id}: {}", cove_engine::describe(&error));
     // An object that is not there will not be there on a retry.
     match error.is_missing() {
         true => refuse(500, FailureKind::Other, message),
@@ -425,16 +430,9 @@ async fn archive(
 ) -> Result<Json<RemoteArchived>, Refusal> {
     let sandbox = sandbox(&id)?;
     let archive = archive_of(&service)?;
-    let gate = service.gate(&id);
-    let _held = gate.lock().await;
-    let file = archive.scratch_file(&id);
-    let sent = async {
-        service.runtime.export_storage(&sandbox, &file).await?;
-        (archive.upload(&id, &file).await).map_err(|e| archive_failure(&id, "upload", &e))
-    }
-    .await;
-    let _ = tokio::fs::remove_file(&file).await;
-    let bytes = sent?;
+    let _held = service.enter(&id).await;
+    let bytes = (archive.send(service.runtime.as_ref(), &sandbox).await)
+        .map_err(|error| move_failure(&id, error))?;
     tracing::info!(sandbox = %id, bytes, to = archive.location(), "archived");
     Ok(Json(RemoteArchived { bytes }))
 }
@@ -448,17 +446,9 @@ async fn unarchive(
 ) -> Result<StatusCode, Refusal> {
     let spec = spec_of(&service, sandbox(&id)?, spec)?;
     let archive = archive_of(&service)?;
-    let gate = service.gate(&id);
-    let _held = gate.lock().await;
-    let file = archive.scratch_file(&id);
-    let fetched = async {
-        (archive.download(&id, &file).await).map_err(|e| archive_failure(&id, "download", &e))?;
-        service.runtime.import_storage(&spec, &file).await?;
-        Ok::<(), Refusal>(())
-    }
-    .await;
-    let _ = tokio::fs::remove_file(&file).await;
-    fetched?;
+    let _held = service.enter(&id).await;
+    (archive.fetch(service.runtime.as_ref(), &spec).await)
+        .map_err(|error| move_failure(&id, error))?;
     tracing::info!(sandbox = %id, from = archive.location(), "unarchived");
     Ok(StatusCode::NO_CONTENT)
 }

@@ -9,6 +9,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+use cove_runtime::{Runtime, RuntimeError, SandboxId, SandboxSpec};
 use futures_util::StreamExt as _;
 use object_store::aws::AmazonS3Builder;
 use object_store::local::LocalFileSystem;
@@ -50,6 +51,16 @@ pub enum ArchiveError {
         #[source]
         source: object_store::Error,
     },
+}
+
+/// Why a sandbox's storage did not move to or from the archive: the
+/// runtime's side (writing or rebuilding it) or the store's.
+#[derive(Debug, thiserror::Error)]
+pub enum MoveError {
+    #[error(transparent)]
+    Runtime(#[from] RuntimeError),
+    #[error(transparent)]
+    Archive(#[from] ArchiveError),
 }
 
 impl ArchiveError {
@@ -140,7 +151,7 @@ impl Archive {
     }
 
     /// A scratch file for sandbox `id`.
-    pub fn scratch_file(&self, id: &str) -> PathBuf {
+    fn scratch_file(&self, id: &str) -> PathBuf {
         self.scratch.join(format!("{id}.storage"))
     }
 
@@ -148,8 +159,34 @@ impl Archive {
         ObjectPath::from(format!("sandboxes/{id}/storage"))
     }
 
+    /// Sends stopped sandbox `id`'s storage from `runtime` to the archive,
+    /// through a scratch file removed after; how many bytes went.
+    pub async fn send(&self, runtime: &dyn Runtime, id: &SandboxId) -> Result<u64, MoveError> {
+        let file = self.scratch_file(id.as_str());
+        let sent = async {
+            runtime.export_storage(id, &file).await?;
+            Ok(self.upload(id.as_str(), &file).await?)
+        }
+        .await;
+        let _ = tokio::fs::remove_file(&file).await;
+        sent
+    }
+
+    /// Rebuilds sandbox `spec`'s storage in `runtime` from the archive,
+    /// through a scratch file removed after. The archive's copy stays.
+    pub async fn fetch(&self, runtime: &dyn Runtime, spec: &SandboxSpec) -> Result<(), MoveError> {
+        let file = self.scratch_file(spec.id.as_str());
+        let fetched = async {
+            self.download(spec.id.as_str(), &file).await?;
+            Ok(runtime.import_storage(spec, &file).await?)
+        }
+        .await;
+        let _ = tokio::fs::remove_file(&file).await;
+        fetched
+    }
+
     /// Uploads `file` as the archive of sandbox `id`, streamed in parts.
-    pub async fn upload(&self, id: &str, path: &Path) -> Result<u64, ArchiveError> {
+    async fn upload(&self, id: &str, path: &Path) -> Result<u64, ArchiveError> {
         let key = Self::key(id);
         let upload = self
             .store
@@ -187,7 +224,7 @@ impl Archive {
     }
 
     /// Downloads the archive of sandbox `id` into `file`.
-    pub async fn download(&self, id: &str, path: &Path) -> Result<(), ArchiveError> {
+    async fn download(&self, id: &str, path: &Path) -> Result<(), ArchiveError> {
         let key = Self::key(id);
         let got = self.store.get(&key).await.map_err(store(format!(
             "get the archive of {id} in {}",

@@ -34,6 +34,15 @@ pub(crate) enum Failure {
     Engine(#[from] EngineError),
 }
 
+impl From<crate::archive::MoveError> for Failure {
+    fn from(error: crate::archive::MoveError) -> Failure {
+        match error {
+            crate::archive::MoveError::Runtime(error) => Failure::Runtime(error),
+            crate::archive::MoveError::Archive(error) => Failure::Archive(error),
+        }
+    }
+}
+
 impl Failure {
     /// The network's error at `step`.
     pub(crate) fn network(step: &'static str) -> impl FnOnce(NetError) -> Failure {

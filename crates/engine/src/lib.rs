@@ -51,7 +51,7 @@ pub use access::{
     constant_time_eq, hash_api_key, Access, ApiKeyInfo, Caller, IssuedSshAccess, KeyCheck,
     NewApiKey, Permission, SshAccessRecord, MAX_SSH_ACCESS_MINUTES,
 };
-pub use archive::{Archive, ArchiveError};
+pub use archive::{Archive, ArchiveError, MoveError};
 pub use billing::Billing;
 pub use config::{Ceilings, ContextLimits, EngineConfig, VolumeQuota};
 pub use cove_billing::{month_containing, month_period, Bill, Line as BillLine, Prices};

@@ -376,17 +376,30 @@ impl RemoteRuntime {
     /// ready to start there. The archive's copy stays, for the control
     /// plane to remove once the sandbox is back.
     pub(crate) async fn unarchive(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
+        self.post_spec(spec, "unarchive", MOVE_TIMEOUT).await
+    }
+
+    /// Posts sandbox `spec`, as the runner is given it, to its `action`
+    /// route, taking at most `timeout`.
+    async fn post_spec(
+        &self,
+        spec: &SandboxSpec,
+        action: &str,
+        timeout: Duration,
+    ) -> Result<(), RuntimeError> {
         let remote = RemoteSpec::of(spec, &self.images, &self.runner)?.to_json();
-        let path = format!("/sandboxes/{}/unarchive", spec.id);
-        self.call(
-            spec.id.as_str(),
-            reqwest::Method::POST,
-            &path,
-            Some(remote),
-            Some(MOVE_TIMEOUT),
-        )
-        .await
-        .map(drop)
+        let path = format!("/sandboxes/{}/{action}", spec.id);
+        let id = spec.id.as_str();
+        (self
+            .call(
+                id,
+                reqwest::Method::POST,
+                &path,
+                Some(remote),
+                Some(timeout),
+            )
+            .await)
+            .map(drop)
     }
 
     /// The runner no longer serves (it reported no service): the watches
@@ -598,18 +611,7 @@ impl Runtime for Remote {
     }
 
     async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
-        let remote = RemoteSpec::of(spec, &self.0.images, &self.0.runner)?.to_json();
-        let path = format!("/sandboxes/{}/prepare", spec.id);
-        self.0
-            .call(
-                spec.id.as_str(),
-                reqwest::Method::POST,
-                &path,
-                Some(remote),
-                Some(OPERATION_TIMEOUT),
-            )
-            .await
-            .map(drop)
+        self.0.post_spec(spec, "prepare", OPERATION_TIMEOUT).await
     }
 
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {

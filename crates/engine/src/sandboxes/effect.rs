@@ -184,16 +184,8 @@ impl Sandboxes {
             }
             tracing::info!(sandbox = %record.id, bytes, to = archive.location(), runner = ?record.runner_id, "archived");
         } else {
-            let file = archive.scratch_file(&record.id);
-            let moved = async {
-                runtime.export_storage(sandbox, &file).await?;
-                let bytes = archive.upload(&record.id, &file).await?;
-                tracing::info!(sandbox = %record.id, bytes, to = archive.location(), "archived");
-                Ok::<(), Failure>(())
-            }
-            .await;
-            let _ = tokio::fs::remove_file(&file).await;
-            moved?;
+            let bytes = archive.send(runtime, sandbox).await?;
+            tracing::info!(sandbox = %record.id, bytes, to = archive.location(), "archived");
         }
         // Only once the archive holds it does the local copy go. From here
         // the sandbox is archived whatever the cleanup says: its data is
@@ -250,15 +242,7 @@ impl Sandboxes {
         if let Some(remote) = self.shared.remote_of(record) {
             remote.0.unarchive(spec).await?;
         } else {
-            let file = archive.scratch_file(&spec.id);
-            let brought = async {
-                archive.download(&spec.id, &file).await?;
-                runtime.import_storage(spec, &file).await?;
-                Ok::<(), Failure>(())
-            }
-            .await;
-            let _ = tokio::fs::remove_file(&file).await;
-            brought?;
+            archive.fetch(runtime, spec).await?;
         }
         tracing::info!(sandbox = %spec.id, runner = ?record.runner_id, "unarchived");
         Ok(())
