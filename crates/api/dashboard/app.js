@@ -704,9 +704,12 @@
     const show = (name) => {
       closeTerminal();
       for (const button of tabs.children) button.classList.toggle('active', button.dataset.tab === name);
-      panel.replaceChildren();
+      // Each showing gets a view of its own: a tab still loading when
+      // another is chosen fills its own, detached view, not the new tab's.
+      const view = h('div', { class: 'tab-view', dataset: { tab: name } });
+      panel.replaceChildren(view);
       const current = session.sandboxes.get(sandbox.id) || sandbox;
-      TAB_VIEWS[name](current, panel);
+      TAB_VIEWS[name](current, view);
     };
     tabs.append(...TABS.map((name) => h('button', { type: 'button', role: 'tab', dataset: { tab: name }, onclick: () => show(name) },
       name[0].toUpperCase() + name.slice(1))));
@@ -806,10 +809,14 @@
       h('thead', {}, h('tr', {}, ['Name', 'Size', 'Modified', ''].map((t) => h('th', {}, t)))), h('tbody', {}));
     const chooser = h('input', { id: 'upload-file', type: 'file' });
     const join = (dir, name) => `${dir.replace(/\/+$/, '')}/${name}`;
+    // Only the newest listing is shown: one asked for before an upload can
+    // answer after the upload's own, and must not put back the older view.
+    let asked = 0;
     const list = async () => {
       const dir = path.value.trim() || '/';
+      const ask = ++asked;
       const entries = await act(() => toolbox(sandbox.id, `/files?path=${enc(dir)}`));
-      if (!entries) return;
+      if (!entries || ask !== asked) return;
       entries.sort((a, b) => (b.isDir - a.isDir) || a.name.localeCompare(b.name));
       table.tBodies[0].replaceChildren(...entries.map((entry) => h('tr', { dataset: { name: entry.name } },
         h('td', {}, entry.isDir
