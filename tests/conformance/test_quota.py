@@ -74,3 +74,32 @@ def test_volumes_past_the_volume_quota_are_refused(own_server: CoveServer):
     assert usage(own_server)["maxRunningSandboxes"] is None
     overview = own_server.request("GET", "/organizations/cove/usage").json()
     assert overview["totalVolumeQuota"] == 1 and overview["currentVolumeUsage"] == 1
+
+
+def test_a_sandbox_from_the_archive_counts_its_disk_again(own_server: CoveServer):
+    daytona = own_server.client()
+    first = daytona.create(CreateSandboxFromSnapshotParams(name=unique("kept")), timeout=120)
+    first.process.exec("echo still-here > kept.txt")
+    r = own_server.request("PATCH", QUOTA, json={"totalDiskQuota": first.disk})
+    assert r.status_code == 204, r.text
+    first.stop(timeout=120)
+    first.archive()
+    first.refresh_data()
+    assert first.state == SandboxState.ARCHIVED
+    assert usage(own_server)["currentDiskUsage"] == 0
+
+    # Archived, its disk is not kept, so another one fits the quota...
+    second = daytona.create(CreateSandboxFromSnapshotParams(name=unique("room")), timeout=120)
+    assert usage(own_server)["currentDiskUsage"] == second.disk
+    # ...and the first cannot come back beside it: nothing moves, nothing is lost.
+    with pytest.raises(DaytonaError) as refused:
+        first.start(timeout=120)
+    assert refused.value.status_code == 403
+    assert "totalDiskQuota" in str(refused.value)
+    first.refresh_data()
+    assert first.state == SandboxState.ARCHIVED
+
+    daytona.delete(second, timeout=120)
+    first.start(timeout=300)
+    assert first.process.exec("cat kept.txt").result.strip() == "still-here"
+    assert usage(own_server)["currentDiskUsage"] == first.disk

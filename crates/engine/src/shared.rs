@@ -159,8 +159,9 @@ impl Shared {
     }
 
     /// Admits `record` to run under its organization's quota (and, when
-    /// `new`, to exist): the guard returned is to be held until its row says
-    /// it holds its slot. Without a quota, nothing is read.
+    /// `new`, to keep its disk: a new sandbox, or one from the archive): the
+    /// guard returned is to be held until its row says it holds its slot.
+    /// Without a quota, nothing is read.
     pub(crate) async fn admit(
         &self,
         record: &SandboxRecord,

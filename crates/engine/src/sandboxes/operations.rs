@@ -230,9 +230,13 @@ impl Sandboxes {
             other => other,
         };
         // A sandbox on its way to running takes a slot of its organization's
-        // quota, checked and recorded under the admission lock.
+        // quota, checked and recorded under the admission lock. One coming
+        // back from the archive keeps its disk again, so that counts too.
         let admitted = match success.is_running() && !crate::quota::occupies(&record) {
-            true => Some(self.shared.admit(&record, false).await?),
+            true => {
+                let keeps_disk_again = record.state == SandboxState::Archived;
+                Some(self.shared.admit(&record, keeps_disk_again).await?)
+            }
             false => None,
         };
         // From the archive a sandbox is placed anew (on a runner that
