@@ -26,8 +26,10 @@ def archive_round_trip(cove: CoveServer, daytona, tag: str) -> None:
         sandbox.stop()
         sandbox.archive()
         assert cove.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "archived"
-        # Nothing of its filesystem stays on the host.
+        # Nothing of its filesystem stays on the host, and no runner holds it.
         assert not (cove.data_dir / "storage" / "sandboxes" / sandbox.id).exists()
+        held = cove.request("GET", f"/runners/by-sandbox/{sandbox.id}")
+        assert held.status_code == 404 and "archived" in held.json()["message"], held.text
 
         sandbox.start(timeout=120)
         assert sandbox.fs.download_file("kept.txt") == f"kept {tag}".encode()

@@ -103,6 +103,9 @@ pub enum EngineError {
     ClassUnavailable { class: &'static str },
     #[error("runner {id} not found")]
     RunnerNotFound { id: String },
+    /// An archived sandbox is kept in the archive, on no runner.
+    #[error("sandbox {id} is archived, so it is on no runner; a start places it on one")]
+    OnNoRunner { id: String },
     #[error("a runner named {name} already exists")]
     RunnerTaken { name: String },
     /// A runner that cannot be deleted: the server's own, or one holding
@@ -293,6 +296,7 @@ impl EngineError {
             | Self::ApiKeyNotFound { .. }
             | Self::OrganizationNotFound { .. }
             | Self::RunnerNotFound { .. }
+            | Self::OnNoRunner { .. }
             | Self::SignedPreviewNotFound { .. } => ErrorKind::NotFound,
             Self::Forbidden { .. } | Self::QuotaExceeded { .. } => ErrorKind::Forbidden,
             Self::Invalid { .. }

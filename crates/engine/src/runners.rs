@@ -19,7 +19,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cove_lifecycle::SandboxClass;
+use cove_lifecycle::{SandboxClass, SandboxState};
 use cove_store::{RunnerRecord, RunnerReport, RunnerSwitches, RunnerUsage};
 
 use crate::access::{hash_secret, random_token};
@@ -552,6 +552,9 @@ impl Runners {
             .ok_or_else(|| EngineError::SandboxNotFound {
                 id: sandbox.to_owned(),
             })?;
+        if record.state == SandboxState::Archived {
+            return Err(EngineError::OnNoRunner { id: record.id });
+        }
         let id = record
             .runner_id
             .unwrap_or_else(|| self.local_id().to_owned());
