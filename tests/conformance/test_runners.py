@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 import uuid
+from pathlib import Path
 
 import pytest
 import requests
@@ -242,8 +243,21 @@ def end_all(processes: list[subprocess.Popen], server: CoveServer, data_dirs, pa
     for data_dir in data_dirs:
         remove_data_dir(data_dir)
     for parent in parents:
-        for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
-            subprocess.run(["rmdir", cgroup], capture_output=True)
+        remove_cgroup_parent(parent)
+
+
+def remove_cgroup_parent(parent: str) -> None:
+    """Removes a runner's cgroup parent in every hierarchy, with whatever a
+    test that failed midway left in it: its sandboxes' processes are
+    killed and their cgroups removed first."""
+    for sandbox in {Path(c).name for c in glob.glob(f"/sys/fs/cgroup/*/{parent}/*/")}:
+        kill_sandbox_processes(sandbox, parent)
+    for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}/*/") + glob.glob(f"/sys/fs/cgroup/*/{parent}"):
+        for _ in range(50):
+            if subprocess.run(["rmdir", cgroup], capture_output=True).returncode == 0 \
+                    or not os.path.exists(cgroup):
+                break
+            time.sleep(0.1)
 
 
 def state(cove: CoveServer, runner_id: str) -> str:
@@ -569,8 +583,7 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it(fake_internet):
             assert str(runner_dir / "storage") not in mounts.read()
     finally:
         end(process, server, data_dir, runner_dir)
-        for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
-            subprocess.run(["rmdir", cgroup], capture_output=True)
+        remove_cgroup_parent(parent)
 
 
 def runner_of(server: CoveServer, sandbox_id: str) -> str:
@@ -721,8 +734,73 @@ def test_a_runner_that_falls_silent_leaves_its_sandboxes_in_error_until_it_is_ba
         assert process.wait(timeout=60) == 0, process.stderr.read()
     finally:
         end(process, server, data_dir, runner_dir)
-        for cgroup in glob.glob(f"/sys/fs/cgroup/*/{parent}"):
-            subprocess.run(["rmdir", cgroup], capture_output=True)
+        remove_cgroup_parent(parent)
+
+
+def test_a_runner_gone_for_good_is_deleted_as_lost_and_its_sandboxes_say_so():
+    """A runner killed with SIGKILL that is not coming back: the operator
+    deletes it with `--lost` (refused while it still reports, and without
+    the flag while it holds sandboxes). Each sandbox it held, running or
+    stopped, shows `error` saying its files went with it; a recover is
+    refused (never a new one from nothing) and a delete forgets it. The
+    runner started again anyway is turned away: its token is gone, and
+    nothing it held comes back."""
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
+                        extra_args=("--no-network", "--runner-silence", "10"))
+    server.start()
+    runner_dir = new_data_dir()
+    parent = "cove-test-" + uuid.uuid4().hex[:8]
+    process = None
+    try:
+        runner_id, token = add_runner(server, unique("node"))
+        process = serving_runner(server, token, runner_dir, parent, ("--no-network",))
+        assert wait_until(lambda: state(server, runner_id) == "ready", 60)
+        local = next(r["id"] for r in runners(server) if r["id"] != runner_id)
+        admin(server, "drain", local)
+        daytona = server.client()
+        running = daytona.create(CreateSandboxFromSnapshotParams(name=unique("run")), timeout=120)
+        stopped = daytona.create(CreateSandboxFromSnapshotParams(name=unique("rest")), timeout=120)
+        stopped.stop(timeout=120)
+        assert {runner_of(server, running.id), runner_of(server, stopped.id)} == {runner_id}
+
+        r = server.request("DELETE", f"/runners/{runner_id}?lost=maybe")
+        assert r.status_code == 400 and "lost must be true or false" in r.json()["message"], r.text
+        r = server.request("DELETE", f"/runners/{runner_id}?lost=true")
+        assert r.status_code == 409 and "still reports" in r.json()["message"], r.text
+
+        process.kill()
+        process.wait()
+        assert wait_until(lambda: state(server, runner_id) == "unresponsive", 60)
+        r = server.request("DELETE", f"/runners/{runner_id}")
+        assert r.status_code == 409 and "holds 2 sandboxes" in r.json()["message"], r.text
+        said = admin(server, "remove-runner", runner_id, "--lost")
+        assert "deleted as lost" in said, said
+        assert server.request("GET", f"/runners/{runner_id}").status_code == 404
+
+        for sandbox in (running, stopped):
+            sandbox.refresh_data()
+            assert sandbox.state == "error", sandbox.state
+            assert "deleted as lost" in sandbox.error_reason, sandbox.error_reason
+            r = server.request("POST", f"/sandbox/{sandbox.id}/recover")
+            assert r.status_code == 409 and "deleted as lost" in r.json()["message"], r.text
+            sandbox.refresh_data()
+            assert sandbox.state == "error" and "deleted as lost" in sandbox.error_reason
+        running.delete()
+        assert server.request("GET", f"/sandbox/{running.id}").status_code == 404
+
+        # Back after all, it is turned away, and stops what it held.
+        process = serving_runner(server, token, runner_dir, parent, ("--no-network",))
+        assert process.wait(timeout=120) != 0
+        assert "checking in with the control plane" in process.stderr.read()
+        assert [r["id"] for r in runners(server)] == [local]
+        stopped.refresh_data()
+        assert stopped.state == "error"
+        stopped.delete()
+        assert server.request("GET", f"/sandbox/{stopped.id}").status_code == 404
+    finally:
+        end(process, server, data_dir, runner_dir)
+        remove_cgroup_parent(parent)
 
 
 def test_sixty_creates_spread_over_three_runners_and_one_killed_comes_back_as_it_was(fake_internet):

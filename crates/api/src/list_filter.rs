@@ -116,7 +116,7 @@ fn number(key: &str, value: &str) -> Result<f64, ApiError> {
         .ok_or_else(|| ApiError::bad_request(format!("{key} must be a number, not {value:?}")))
 }
 
-fn boolean(key: &str, value: &str) -> Result<bool, ApiError> {
+pub(crate) fn boolean(key: &str, value: &str) -> Result<bool, ApiError> {
     match value {
         "true" => Ok(true),
         "false" => Ok(false),

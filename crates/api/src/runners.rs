@@ -7,7 +7,7 @@
 //! which sit outside the API key layer and take nothing else.
 
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{FromRequestParts, Path, Query, State};
+use axum::extract::{FromRequestParts, Path, Query, RawQuery, State};
 use axum::http::request::Parts;
 use axum::http::StatusCode;
 use axum::Json;
@@ -254,11 +254,25 @@ pub(crate) async fn create(
 }
 
 /// `DELETE /runners/{id}`: a runner holding no sandbox, with its token.
+/// `?lost=true` (cove's): one whose machine is gone for good, whatever it
+/// held; its sandboxes show `error` saying their files went with it.
 pub(crate) async fn delete(
     State(state): State<AppState>,
     Path(id): Path<String>,
+    RawQuery(query): RawQuery,
 ) -> Result<StatusCode, ApiError> {
-    state.engine.runners().delete(&id).await?;
+    let mut lost = false;
+    for (key, value) in form_urlencoded::parse(query.unwrap_or_default().as_bytes()) {
+        match key.as_ref() {
+            "lost" => lost = crate::list_filter::boolean(&key, &value)?,
+            other => {
+                return Err(ApiError::bad_request(format!(
+                    "unknown parameter {other:?}; a runner's delete takes only lost=true"
+                )))
+            }
+        }
+    }
+    state.engine.runners().delete(&id, lost).await?;
     Ok(StatusCode::NO_CONTENT)
 }
 

@@ -53,6 +53,11 @@ pub(crate) enum AdminCommand {
     RemoveRunner {
         /// The runner's id (`cove admin runners` lists them).
         runner: String,
+        /// Its machine is gone for good: delete it although it holds
+        /// sandboxes (it must have stopped reporting). They show `error`,
+        /// saying their files went with it, until they are deleted.
+        #[arg(long)]
+        lost: bool,
         #[command(flatten)]
         connection: Connection,
     },
@@ -128,11 +133,23 @@ pub(crate) async fn run(command: AdminCommand) -> anyhow::Result<()> {
                 connection.url
             );
         }
-        AdminCommand::RemoveRunner { runner, connection } => {
+        AdminCommand::RemoveRunner {
+            runner,
+            lost,
+            connection,
+        } => {
             let client = Client::from_connection(&connection)?;
-            let path = format!("/runners/{}", encode(&runner));
+            let mut path = format!("/runners/{}", encode(&runner));
+            if lost {
+                path.push_str("?lost=true");
+            }
             client.api(Method::DELETE, &path, None).await?;
-            println!("runner {runner} deleted");
+            match lost {
+                true => println!(
+                    "runner {runner} deleted as lost; its sandboxes show error until deleted"
+                ),
+                false => println!("runner {runner} deleted"),
+            }
         }
         AdminCommand::Drain {
             runner,

@@ -103,6 +103,12 @@ pub enum EngineError {
     ClassUnavailable { class: &'static str },
     #[error("runner {id} not found")]
     RunnerNotFound { id: String },
+    /// The sandbox's runner was deleted as lost, and its storage with it.
+    #[error(
+        "sandbox {id} was on runner {runner}, which was deleted as lost, and its files with \
+         it; delete the sandbox, or create another from a snapshot of it"
+    )]
+    RunnerLost { id: String, runner: String },
     /// An archived sandbox is kept in the archive, on no runner.
     #[error("sandbox {id} is archived, so it is on no runner; a start places it on one")]
     OnNoRunner { id: String },
@@ -326,6 +332,7 @@ impl EngineError {
             | Self::NotPersistent { .. }
             | Self::HasForks { .. }
             | Self::Transition { .. }
+            | Self::RunnerLost { .. }
             | Self::NotStarted { .. } => ErrorKind::Conflict,
             Self::NoRunner { .. } | Self::RunnerAway { .. } => ErrorKind::ServiceUnavailable,
             Self::ClassUnavailable { .. } | Self::NotImplemented { .. } => {

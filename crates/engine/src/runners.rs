@@ -690,8 +690,11 @@ impl Runners {
     }
 
     /// Deletes runner `id`, and with it its token. The server's own runner
-    /// cannot go, nor can one that still holds sandboxes.
-    pub async fn delete(&self, id: &str) -> Result<(), EngineError> {
+    /// cannot go, nor can one that still holds sandboxes, unless `lost`:
+    /// the operator says its machine is gone for good (it must have stopped
+    /// reporting), and each sandbox it held shows `error` saying its files
+    /// went with it, to be deleted (never started again from nothing).
+    pub async fn delete(&self, id: &str, lost: bool) -> Result<(), EngineError> {
         if id == self.local_id() {
             return Err(EngineError::RunnerInUse {
                 message: format!(
@@ -705,6 +708,9 @@ impl Runners {
             .find_runner(id)
             .await?
             .ok_or_else(|| EngineError::RunnerNotFound { id: id.to_owned() })?;
+        if lost {
+            return self.delete_lost(record).await;
+        }
         if !store.delete_empty_runner(id).await? {
             let sandboxes = store.list_sandboxes().await?;
             let held = sandboxes
@@ -725,6 +731,56 @@ impl Runners {
         }
         tracing::info!(runner = %id, name = %record.name, "runner deleted");
         self.shared.forget_runner(id);
+        Ok(())
+    }
+
+    /// Deletes runner `record`, silent, with what it held.
+    async fn delete_lost(&self, record: RunnerRecord) -> Result<(), EngineError> {
+        let id = &record.id;
+        if self.shared.judge().state(&record) == RunnerState::Ready {
+            return Err(EngineError::RunnerInUse {
+                message: format!(
+                    "runner {} ({id}) still reports, so it is not lost; drain it \
+                     (PATCH /api/runners/{id}/draining) and delete or move its sandboxes, \
+                     or stop it first",
+                    record.name
+                ),
+            });
+        }
+        let store = &self.shared.store;
+        if !store.delete_runner(id).await? {
+            return Err(EngineError::RunnerNotFound { id: id.clone() });
+        }
+        self.shared.forget_runner(id);
+        // Each sandbox it held says so; one placed on it meanwhile finds it
+        // lost at its next operation (`Sandboxes::apply`).
+        let held = store.list_sandboxes().await?;
+        let held: Vec<_> = held
+            .into_iter()
+            .filter(|s| s.runner_id.as_deref() == Some(id.as_str()))
+            .collect();
+        for sandbox in &held {
+            let lock = self.shared.lock_for(&sandbox.id);
+            let _guard = lock.lock().await;
+            self.shared.forget_running(&sandbox.id, None);
+            let Some(mut now) = store.find_sandbox(None, &sandbox.id).await? else {
+                continue;
+            };
+            if now.runner_id.as_deref() != Some(id.as_str()) {
+                continue;
+            }
+            now.state = SandboxState::Error;
+            now.error_reason = Some(
+                EngineError::RunnerLost {
+                    id: now.id.clone(),
+                    runner: format!("{} ({id})", record.name),
+                }
+                .to_string(),
+            );
+            self.shared.save_state(&mut now).await?;
+        }
+        tracing::warn!(runner = %id, name = %record.name, sandboxes = held.len(),
+            "runner deleted as lost, with the sandboxes it held");
         Ok(())
     }
 

@@ -287,6 +287,16 @@ impl Store {
         Ok(done.rows_affected() > 0)
     }
 
+    /// Deletes runner `id` whatever it holds (one the operator says is lost
+    /// for good); false when it does not exist.
+    pub async fn delete_runner(&self, id: &str) -> Result<bool, StoreError> {
+        let done = sqlx::query("DELETE FROM runners WHERE id = $1")
+            .bind(id)
+            .execute(&self.pool)
+            .await?;
+        Ok(done.rows_affected() > 0)
+    }
+
     /// Gives every sandbox that has no runner (rows from before runners) to
     /// runner `id`, except archived ones, which are on no runner until a
     /// start places them; returns how many it took.

@@ -888,7 +888,9 @@ async fn runners_register_report_and_keep_the_operators_switches(db: &Db) {
     );
 }
 
-async fn a_runner_elsewhere_is_found_by_its_token_reports_and_goes_only_when_empty(db: &Db) {
+async fn a_runner_elsewhere_is_found_by_its_token_reports_and_goes_only_when_empty_or_lost(
+    db: &Db,
+) {
     use cove_store::{RunnerReport, RunnerUsage};
     let store = db.open().await;
     let registered = cove_store::RunnerRecord {
@@ -966,6 +968,18 @@ async fn a_runner_elsewhere_is_found_by_its_token_reports_and_goes_only_when_emp
     assert!(store.delete_empty_runner("far").await.unwrap());
     assert_eq!(store.runner_by_token("hash-far").await.unwrap(), None);
     assert!(!store.delete_empty_runner("far").await.unwrap());
+
+    // One deleted as lost goes whatever it holds; its sandboxes still
+    // name it, for the engine to say what happened to them.
+    assert!(store.create_runner(&registered, "hash-far").await.unwrap());
+    let mut lost = sandbox("id-lost", "lost");
+    lost.runner_id = Some("far".into());
+    store.insert_sandbox(&lost).await.unwrap();
+    assert!(store.delete_runner("far").await.unwrap());
+    assert_eq!(store.runner_by_token("hash-far").await.unwrap(), None);
+    let kept = store.find_sandbox(None, "id-lost").await.unwrap().unwrap();
+    assert_eq!(kept.runner_id.as_deref(), Some("far"));
+    assert!(!store.delete_runner("far").await.unwrap());
 }
 
 fn key_named(name: &str, hash: &str) -> cove_store::ApiKeyRecord {
@@ -1029,5 +1043,5 @@ on_both_dialects!(
     concurrent_writes_of_many_sandboxes_all_land_with_their_meter,
     organizations_own_their_rows_and_names_are_unique_in_one_only,
     runners_register_report_and_keep_the_operators_switches,
-    a_runner_elsewhere_is_found_by_its_token_reports_and_goes_only_when_empty,
+    a_runner_elsewhere_is_found_by_its_token_reports_and_goes_only_when_empty_or_lost,
 );

@@ -8,6 +8,7 @@ use cove_store::SandboxRecord;
 
 use super::Sandboxes;
 use crate::archive::ArchiveError;
+use crate::error::EngineError;
 use crate::failure::Failure;
 use crate::shared::sandbox_id;
 
@@ -49,7 +50,23 @@ impl Sandboxes {
         effect: Effect,
         record: &SandboxRecord,
     ) -> Result<(), Failure> {
-        let runtime = self.shared.runtime_of(record)?;
+        let runtime = match self.shared.runtime_of(record) {
+            Err(EngineError::RunnerAway { id: runner }) if self.is_lost(&runner).await? => {
+                // What it held went with it: a delete forgets the record,
+                // anything else is refused.
+                if matches!(effect, Effect::Delete) {
+                    tracing::info!(sandbox = %record.id, %runner, "deleted; its runner was lost");
+                    self.forget_running(&record.id);
+                    return Ok(());
+                }
+                return Err(EngineError::RunnerLost {
+                    id: record.id.clone(),
+                    runner,
+                }
+                .into());
+            }
+            other => other?,
+        };
         let runtime = runtime.as_ref();
         let id = &record.id;
         // Parsed once: the effects below name the machine by it.
@@ -73,6 +90,11 @@ impl Sandboxes {
             Effect::Capture(request) => self.capture(record, &sandbox, request).await,
             Effect::Revert { capture_id } => self.revert_effect(runtime, record, &capture_id).await,
         }
+    }
+
+    /// Whether `runner` is no longer registered: deleted as lost.
+    async fn is_lost(&self, runner: &str) -> Result<bool, EngineError> {
+        Ok(self.shared.store.find_runner(runner).await?.is_none())
     }
 
     /// Starts the machine, after bringing its storage back for an unarchive
