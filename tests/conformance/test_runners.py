@@ -737,6 +737,98 @@ def test_a_runner_that_falls_silent_leaves_its_sandboxes_in_error_until_it_is_ba
         remove_cgroup_parent(parent)
 
 
+def certificates(directory: Path, name: str, ip: str) -> tuple[Path, Path, Path]:
+    """A throw-away CA, and a certificate it signs for `ip`: the CA's PEM,
+    the certificate's and its key's."""
+    ca_key, ca, key, request, cert = (directory / f"{name}.{part}" for part in
+                                      ("ca.key", "ca.pem", "key", "csr", "pem"))
+    extensions = directory / f"{name}.ext"
+    extensions.write_text(f"subjectAltName=IP:{ip}\nbasicConstraints=CA:FALSE\n"
+                          "keyUsage=digitalSignature\nextendedKeyUsage=serverAuth\n")
+    for command in (
+        ["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+         "-keyout", ca_key, "-out", ca, "-days", "1", "-subj", f"/CN={name} test CA"],
+        ["req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+         "-keyout", key, "-out", request, "-subj", f"/CN={name}"],
+        ["x509", "-req", "-in", request, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
+         "-out", cert, "-days", "1", "-extfile", extensions],
+    ):
+        done = subprocess.run(["openssl", *map(str, command)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+    return ca, cert, key
+
+
+def test_a_runner_over_tls_is_reached_only_through_it(tmp_path):
+    """A control plane given `--runner-ca` and a runner serving with a
+    certificate of that CA (`--tls-cert`, `--tls-key`): the runner
+    advertises `https://`, and every way into its sandbox (the REST calls,
+    commands and files, a PTY, a preview, SSH) goes over TLS, since its
+    port speaks nothing else. The same runner with a certificate of another
+    CA is not trusted: a create placed on it fails (503, naming the
+    certificate) and leaves nothing."""
+    ca, cert, key = certificates(tmp_path, "runner", "127.0.0.1")
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
+                        extra_args=("--no-network", "--runner-ca", str(ca)))
+    server.start()
+    runner_dir = new_data_dir()
+    parent = "cove-test-" + uuid.uuid4().hex[:8]
+    process = None
+    try:
+        runner_id, token = add_runner(server, unique("node"))
+        tls = ("--no-network", "--tls-cert", str(cert), "--tls-key", str(key))
+        process = serving_runner(server, token, runner_dir, parent, tls)
+        assert wait_until(lambda: state(server, runner_id) == "ready", 60)
+        me = server.request("GET", "/runners/me", headers={"Authorization": f"Bearer {token}"}).json()
+        service = me["apiUrl"]
+        assert service.startswith("https://127.0.0.1:"), me
+        # Its port speaks TLS only, with the certificate the CA vouches for.
+        with pytest.raises(requests.exceptions.ConnectionError):
+            requests.get(service.replace("https://", "http://") + "/sandboxes/x", timeout=10)
+        answer = requests.get(f"{service}/sandboxes/x", verify=str(ca), timeout=10)
+        assert answer.status_code == 401, answer.text
+
+        local = next(r["id"] for r in runners(server) if r["id"] != runner_id)
+        admin(server, "drain", local)
+        daytona = server.client()
+        sandbox = daytona.create(CreateSandboxFromSnapshotParams(name=unique("sealed")), timeout=120)
+        assert runner_of(server, sandbox.id) == runner_id
+        assert sandbox.process.exec("echo over-$((6*7))").result.strip() == "over-42"
+        sandbox.fs.upload_file(b"sent over TLS", "kept.txt")
+        assert sandbox.fs.download_file("kept.txt") == b"sent over TLS"
+        reaches_it_through_the_runner(server, sandbox)
+        sandbox.stop(timeout=120)
+        sandbox.start(timeout=120)
+        assert sandbox.fs.download_file("kept.txt") == b"sent over TLS"
+        sandbox.delete()
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, process.stderr.read()
+
+        # The same runner, with a certificate of a CA the server was not given.
+        _, stranger, stranger_key = certificates(tmp_path, "stranger", "127.0.0.1")
+        tls = ("--no-network", "--tls-cert", str(stranger), "--tls-key", str(stranger_key))
+        process = serving_runner(server, token, runner_dir, parent, tls)
+
+        def serves_anew() -> bool:
+            me = server.request("GET", "/runners/me", headers={"Authorization": f"Bearer {token}"})
+            return me.json()["apiUrl"] not in (None, service)
+
+        assert wait_until(serves_anew, 60)
+        name = unique("refused")
+        with pytest.raises(DaytonaError) as refused:
+            daytona.create(CreateSandboxFromSnapshotParams(name=name), timeout=120)
+        assert refused.value.status_code == 503, refused.value
+        assert "invalid peer certificate" in str(refused.value), refused.value
+        # Nothing half-made is left of it.
+        assert server.request("GET", f"/sandbox/{name}").status_code == 404
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0, process.stderr.read()
+        process = None
+    finally:
+        end(process, server, data_dir, runner_dir)
+        remove_cgroup_parent(parent)
+
+
 def test_a_runner_gone_for_good_is_deleted_as_lost_and_its_sandboxes_say_so():
     """A runner killed with SIGKILL that is not coming back: the operator
     deletes it with `--lost` (refused while it still reports, and without

@@ -91,6 +91,32 @@ pub struct RunnerTunnel {
     /// The key the runner's service takes (it reported it to the control
     /// plane, which keeps it only in memory).
     pub key: String,
+    /// Over TLS, when the runner serves `https://`.
+    pub tls: Option<RunnerTls>,
+}
+
+/// How a runner serving `https://` is reached: the client configuration
+/// (the roots its certificate must chain to) and the name it must carry.
+#[derive(Clone)]
+pub struct RunnerTls {
+    pub config: Arc<rustls::ClientConfig>,
+    pub server_name: rustls::pki_types::ServerName<'static>,
+}
+
+impl PartialEq for RunnerTls {
+    fn eq(&self, other: &RunnerTls) -> bool {
+        Arc::ptr_eq(&self.config, &other.config) && self.server_name == other.server_name
+    }
+}
+
+impl Eq for RunnerTls {}
+
+impl std::fmt::Debug for RunnerTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RunnerTls")
+            .field("server_name", &self.server_name)
+            .finish_non_exhaustive()
+    }
 }
 
 impl std::fmt::Debug for RunnerTunnel {
@@ -98,6 +124,7 @@ impl std::fmt::Debug for RunnerTunnel {
         f.debug_struct("RunnerTunnel")
             .field("address", &self.address)
             .field("sandbox", &self.sandbox)
+            .field("tls", &self.tls.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -112,11 +139,12 @@ const TUNNEL_HEAD_LIMIT: usize = 8 << 10;
 const TUNNEL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// A byte stream to an agent: a Unix socket's, or a TCP connection through
-/// a runner.
+/// a runner, over TLS when the runner serves it.
 #[derive(Debug)]
 pub enum AgentStream {
     Unix(UnixStream),
     Tcp(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
 }
 
 impl Endpoint {
@@ -124,7 +152,7 @@ impl Endpoint {
     pub async fn connect(&self) -> io::Result<AgentStream> {
         match self {
             Endpoint::Unix(socket) => UnixStream::connect(socket).await.map(AgentStream::Unix),
-            Endpoint::Runner(tunnel) => tunnel.open().await.map(AgentStream::Tcp),
+            Endpoint::Runner(tunnel) => tunnel.open().await,
         }
     }
 }
@@ -143,7 +171,7 @@ impl RunnerTunnel {
     /// Connects to the runner and asks it for the agent; the stream is the
     /// agent's once the runner switched protocols. The answer's head is
     /// read a byte at a time, so nothing of the agent's is read with it.
-    pub async fn open(&self) -> io::Result<TcpStream> {
+    pub async fn open(&self) -> io::Result<AgentStream> {
         let timed_out = || {
             io::Error::new(
                 io::ErrorKind::TimedOut,
@@ -160,10 +188,31 @@ impl RunnerTunnel {
             .map_err(|_| timed_out())?
     }
 
-    async fn handshake(&self) -> io::Result<TcpStream> {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let mut stream = TcpStream::connect(&self.address).await?;
+    async fn handshake(&self) -> io::Result<AgentStream> {
+        let stream = TcpStream::connect(&self.address).await?;
         stream.set_nodelay(true)?;
+        match &self.tls {
+            None => self.upgrade(stream).await.map(AgentStream::Tcp),
+            Some(tls) => {
+                let connector = tokio_rustls::TlsConnector::from(tls.config.clone());
+                let stream = connector
+                    .connect(tls.server_name.clone(), stream)
+                    .await
+                    .map_err(|error| {
+                        io::Error::new(
+                            error.kind(),
+                            format!("TLS with the runner at {}: {error}", self.address),
+                        )
+                    })?;
+                let stream = self.upgrade(stream).await?;
+                Ok(AgentStream::Tls(Box::new(stream)))
+            }
+        }
+    }
+
+    /// Asks the runner, on `stream`, to switch it to the agent.
+    async fn upgrade<S: AsyncRead + AsyncWrite + Unpin>(&self, mut stream: S) -> io::Result<S> {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let request = format!(
             "GET /sandboxes/{}/agent HTTP/1.1\r\nHost: {}\r\nAuthorization: Bearer {}\r\n\
              Connection: Upgrade\r\nUpgrade: {RUNNER_TUNNEL_PROTOCOL}\r\n\r\n",
@@ -210,6 +259,7 @@ impl AsyncRead for AgentStream {
         match self.get_mut() {
             AgentStream::Unix(stream) => Pin::new(stream).poll_read(cx, buf),
             AgentStream::Tcp(stream) => Pin::new(stream).poll_read(cx, buf),
+            AgentStream::Tls(stream) => Pin::new(stream).poll_read(cx, buf),
         }
     }
 }
@@ -223,6 +273,7 @@ impl AsyncWrite for AgentStream {
         match self.get_mut() {
             AgentStream::Unix(stream) => Pin::new(stream).poll_write(cx, buf),
             AgentStream::Tcp(stream) => Pin::new(stream).poll_write(cx, buf),
+            AgentStream::Tls(stream) => Pin::new(stream).poll_write(cx, buf),
         }
     }
     fn poll_write_vectored(
@@ -233,24 +284,28 @@ impl AsyncWrite for AgentStream {
         match self.get_mut() {
             AgentStream::Unix(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
             AgentStream::Tcp(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
+            AgentStream::Tls(stream) => Pin::new(stream).poll_write_vectored(cx, bufs),
         }
     }
     fn is_write_vectored(&self) -> bool {
         match self {
             AgentStream::Unix(stream) => stream.is_write_vectored(),
             AgentStream::Tcp(stream) => stream.is_write_vectored(),
+            AgentStream::Tls(stream) => stream.is_write_vectored(),
         }
     }
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             AgentStream::Unix(stream) => Pin::new(stream).poll_flush(cx),
             AgentStream::Tcp(stream) => Pin::new(stream).poll_flush(cx),
+            AgentStream::Tls(stream) => Pin::new(stream).poll_flush(cx),
         }
     }
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         match self.get_mut() {
             AgentStream::Unix(stream) => Pin::new(stream).poll_shutdown(cx),
             AgentStream::Tcp(stream) => Pin::new(stream).poll_shutdown(cx),
+            AgentStream::Tls(stream) => Pin::new(stream).poll_shutdown(cx),
         }
     }
 }

@@ -21,7 +21,7 @@ pub mod testing;
 
 pub use client::{empty, full, read_bounded, AgentClient, Body};
 pub use dial::{
-    AgentStream, BoxFuture, Dial, Endpoint, RunnerTunnel, Sockets, UnixSocket,
+    AgentStream, BoxFuture, Dial, Endpoint, RunnerTls, RunnerTunnel, Sockets, UnixSocket,
     RUNNER_TUNNEL_PROTOCOL,
 };
 pub use error::{report, AgentError};

@@ -32,7 +32,7 @@ enum Command {
     Serve(Box<serve::ServeArgs>),
     /// Run this machine as a runner of a control plane on another: check in
     /// with the runner's token and report this host every few seconds.
-    Runner(runner_cmd::RunnerArgs),
+    Runner(Box<runner_cmd::RunnerArgs>),
     /// Manage sandboxes on a running server.
     #[command(subcommand)]
     Sandbox(sandbox_cmd::SandboxCommand),
@@ -75,7 +75,7 @@ fn main() -> std::process::ExitCode {
             Command::Sandbox(command) => sandbox_cmd::run(command).await,
             Command::Bench(args) => bench::run(args).await,
             Command::Admin(command) => admin_cmd::run(command).await,
-            Command::Runner(args) => runner_cmd::run(args).await,
+            Command::Runner(args) => runner_cmd::run(*args).await,
             Command::Image(command) => image_cmd::run(command).await,
         }
     });

@@ -52,9 +52,18 @@ pub(crate) struct RunnerArgs {
     #[arg(long, env = "COVE_RUNNER_LISTEN")]
     listen: Option<std::net::SocketAddr>,
     /// The URL the control plane reaches `--listen` at (default:
-    /// `http://` and the address it is bound to).
+    /// `http://`, or `https://` with `--tls-cert`, and the address it is
+    /// bound to).
     #[arg(long, env = "COVE_RUNNER_ADVERTISE")]
     advertise: Option<String>,
+    /// Serve `--listen` over TLS with this certificate chain (PEM), which
+    /// must chain to the control plane's `--runner-ca` and name the host
+    /// of the advertised URL.
+    #[arg(long, env = "COVE_RUNNER_TLS_CERT", requires_all = ["listen", "tls_key"])]
+    tls_cert: Option<PathBuf>,
+    /// The private key of `--tls-cert` (PEM).
+    #[arg(long, env = "COVE_RUNNER_TLS_KEY", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
     /// Where root filesystems are, laid out as the control plane's (a
     /// sandbox's image is named by its path under it).
     #[arg(long, env = "COVE_IMAGES_DIR", default_value = "/var/tmp/cove/images")]
@@ -164,16 +173,27 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
     if euid != 0 {
         bail!("cove runner --listen must run as root: it creates namespaces, mounts and cgroups");
     }
+    let tls = match &args.tls_cert {
+        Some(_) => Some(crate::serve::tls_config(
+            args.tls_cert.as_deref(),
+            args.tls_key.as_deref(),
+        )?),
+        None => None,
+    };
+    let scheme = if tls.is_some() { "https" } else { "http" };
     let listener = tokio::net::TcpListener::bind(listen)
         .await
         .with_context(|| format!("listen on {listen}"))?;
     let url = match &args.advertise {
         Some(url) => url.trim_end_matches('/').to_owned(),
         None if listen.ip().is_unspecified() => {
-            bail!("--listen {listen} names no address the control plane can dial: give --advertise http://THIS-HOST:PORT")
+            bail!("--listen {listen} names no address the control plane can dial: give --advertise {scheme}://THIS-HOST:PORT")
         }
-        None => format!("http://{}", listener.local_addr()?),
+        None => format!("{scheme}://{}", listener.local_addr()?),
     };
+    if !url.starts_with(&format!("{scheme}://")) {
+        bail!("--advertise {url} must be a {scheme}:// URL: the service is served over {scheme}");
+    }
     let agent_binary = crate::agent_binary::locate(args.agent_bin.clone())?;
     let data_dir = args.data_dir.canonicalize()?;
     let storage = crate::serve::open_storage(&data_dir, args.storage_size_gib).await?;
@@ -222,11 +242,11 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
         key,
     ));
     let app = crate::runner_service::router(service.clone());
-    let task = tokio::spawn(async move {
-        if let Err(error) = axum::serve(listener, app).await {
-            tracing::error!(%error, "the runner's service ended");
-        }
-    });
+    // The listener of `serve`'s API: its header and handshake timeouts and
+    // its cap on connections hold here too.
+    let tls = tls.map(cove_api::listener::TlsAcceptor::from);
+    let limits = cove_api::listener::ListenerLimits::default();
+    let task = tokio::spawn(cove_api::listener::serve(listener, tls, app, limits));
     tracing::info!(%url, images = %args.images_dir.display(), "runner serving containers");
     Ok(Serving {
         service,

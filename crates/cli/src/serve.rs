@@ -95,6 +95,12 @@ pub(crate) struct ServeArgs {
     #[arg(long, env = "COVE_RUNNER_SILENCE", default_value_t = 30,
           value_parser = clap::value_parser!(u64).range(10..=86_400))]
     pub runner_silence: u64,
+    /// The certificates (PEM) that runners' TLS certificates must chain
+    /// to: with it, runners on other machines are reached over `https://`
+    /// only (each started with `--tls-cert` and `--tls-key`), and one that
+    /// reports a plain `http://` service is refused.
+    #[arg(long, env = "COVE_RUNNER_CA")]
+    pub runner_ca: Option<PathBuf>,
     /// The guest kernel and initramfs of VM sandboxes (made by `scripts/vm-assets`).
     /// Without them, or with `--no-vm`, VM snapshots answer 501.
     #[arg(long, env = "COVE_VM_ASSETS", default_value = "/var/tmp/cove/vm")]
@@ -522,6 +528,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         prices,
         runner: runner_identity(&data_dir)?,
         runner_silence: std::time::Duration::from_secs(args.runner_silence),
+        runner_tls: args.runner_ca.as_deref().map(runner_tls).transpose()?,
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);
@@ -687,21 +694,48 @@ fn keep_holding(mut holder: cove_store::Holder) -> tokio::task::JoinHandle<()> {
 
 /// The HTTPS listener's TLS settings from PEM files: HTTP/1.1 only, so the
 /// `Host` header S3 signatures cover is always there.
-fn tls_config(
+/// The client side of TLS to runners: only the roots in `ca` (PEM).
+fn runner_tls(ca: &Path) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+    let mut roots = rustls::RootCertStore::empty();
+    for cert in pem_certificates(ca)? {
+        roots
+            .add(cert)
+            .with_context(|| format!("a certificate of {} (--runner-ca)", ca.display()))?;
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    Ok(Arc::new(config))
+}
+
+/// Every certificate of the PEM file `path`; at least one.
+fn pem_certificates(
+    path: &Path,
+) -> anyhow::Result<Vec<rustls::pki_types::CertificateDer<'static>>> {
+    use rustls::pki_types::pem::PemObject as _;
+    let certs = rustls::pki_types::CertificateDer::pem_file_iter(path)
+        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
+        .with_context(|| format!("reading certificates from {}", path.display()))?;
+    if certs.is_empty() {
+        bail!("{} holds no PEM certificate", path.display());
+    }
+    Ok(certs)
+}
+
+/// The server side of TLS: `cert`'s chain and `key` (PEM), offering
+/// HTTP/1.1. For `serve --tls-listen` and `cove runner --tls-cert`.
+pub(crate) fn tls_config(
     cert: Option<&Path>,
     key: Option<&Path>,
 ) -> anyhow::Result<Arc<rustls::ServerConfig>> {
     use rustls::pki_types::pem::PemObject as _;
-    use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+    use rustls::pki_types::PrivateKeyDer;
     let (Some(cert), Some(key)) = (cert, key) else {
-        bail!("--tls-listen needs --tls-cert and --tls-key");
+        bail!("TLS needs both --tls-cert and --tls-key");
     };
-    let chain = CertificateDer::pem_file_iter(cert)
-        .and_then(|certs| certs.collect::<Result<Vec<_>, _>>())
-        .with_context(|| format!("reading certificates from {}", cert.display()))?;
-    if chain.is_empty() {
-        bail!("{} holds no PEM certificate", cert.display());
-    }
+    let chain = pem_certificates(cert)?;
     let key = PrivateKeyDer::from_pem_file(key)
         .with_context(|| format!("reading a private key from {}", key.display()))?;
     let provider = Arc::new(rustls::crypto::ring::default_provider());

@@ -59,6 +59,10 @@ pub struct EngineConfig {
     /// How long a runner on another machine may be silent before it is
     /// unresponsive.
     pub runner_silence: std::time::Duration,
+    /// The client side of TLS to runners elsewhere (the roots their
+    /// certificates chain to): with it, runners are reached over
+    /// `https://` only; without it, over `http://`.
+    pub runner_tls: Option<std::sync::Arc<rustls::ClientConfig>>,
 }
 
 /// Bounds on build-context uploads: a client with push credentials must
@@ -106,6 +110,7 @@ impl Default for EngineConfig {
             prices: cove_billing::Prices::default(),
             runner: crate::RunnerIdentity::default(),
             runner_silence: crate::runners::RUNNER_SILENCE,
+            runner_tls: None,
         }
     }
 }

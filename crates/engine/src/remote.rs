@@ -24,7 +24,7 @@ use std::sync::{Arc, RwLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
-use cove_agent_client::RunnerTunnel;
+use cove_agent_client::{RunnerTls, RunnerTunnel};
 use cove_runtime::{
     AgentEndpoint, Resources, Runtime, RuntimeError, SandboxId, SandboxSpec, Started,
 };
@@ -231,11 +231,13 @@ pub struct RemoteIds {
 /// last healthcheck said.
 #[derive(Clone, PartialEq, Eq)]
 pub(crate) struct Service {
-    /// `http://host:port`, without a trailing slash.
+    /// `http(s)://host:port`, without a trailing slash.
     base: String,
     /// `host:port`.
     address: String,
     key: String,
+    /// Set for an `https://` service.
+    tls: Option<RunnerTls>,
 }
 
 impl std::fmt::Debug for Service {
@@ -248,22 +250,49 @@ impl std::fmt::Debug for Service {
 }
 
 impl Service {
-    /// The service at `api_url` (an `http://` URL, checked with the report)
-    /// taking `key`; `None` when the URL names no host and port.
-    pub(crate) fn new(api_url: &str, key: &str) -> Option<Service> {
+    /// The service at `api_url` taking `key`: an `https://` URL when this
+    /// server was given the roots runners' certificates chain to (`tls`),
+    /// an `http://` one when it was not. `None` for any other URL, or one
+    /// that names no host and port.
+    pub(crate) fn new(
+        api_url: &str,
+        key: &str,
+        tls: Option<&Arc<rustls::ClientConfig>>,
+    ) -> Option<Service> {
         let url = url::Url::parse(api_url).ok()?;
-        if url.scheme() != "http" {
-            return None;
-        }
         let host = url.host_str()?;
         let port = url.port_or_known_default()?;
+        let tls = match (url.scheme(), tls) {
+            ("http", None) => None,
+            ("https", Some(config)) => {
+                // The certificate names the host as the URL does (an IPv6
+                // address without its brackets).
+                let name = host.trim_start_matches('[').trim_end_matches(']');
+                Some(RunnerTls {
+                    config: config.clone(),
+                    server_name: rustls::pki_types::ServerName::try_from(name.to_owned()).ok()?,
+                })
+            }
+            _ => return None,
+        };
         // An IPv6 host comes bracketed already.
         let address = format!("{host}:{port}");
         Some(Service {
-            base: format!("http://{address}"),
+            base: format!("{}://{address}", url.scheme()),
             address,
             key: key.to_owned(),
+            tls,
         })
+    }
+
+    /// The URL form this server takes, for messages.
+    pub(crate) fn expected(tls: bool) -> &'static str {
+        match tls {
+            true => {
+                "an https://HOST:PORT URL (this server takes runners over TLS only: --runner-ca)"
+            }
+            false => "an http://HOST:PORT URL (https:// needs --runner-ca on this server)",
+        }
     }
 }
 
@@ -294,7 +323,13 @@ pub(crate) struct RemoteRuntime {
 
 impl RemoteRuntime {
     pub(crate) fn new(runner: &str, service: Service, images: PathBuf) -> RemoteRuntime {
-        let http = reqwest::Client::builder()
+        let mut http = reqwest::Client::builder();
+        // Every runner's service is reached as this server was told to
+        // (`--runner-ca`), so the first one's TLS holds for all.
+        if let Some(tls) = &service.tls {
+            http = http.tls_backend_preconfigured((*tls.config).clone());
+        }
+        let http = http
             .no_proxy()
             // A runner names its own address; where its answers point
             // is not followed.
@@ -306,7 +341,7 @@ impl RemoteRuntime {
             .tcp_keepalive_interval(Duration::from_secs(5))
             .tcp_keepalive_retries(3)
             .build()
-            .expect("a client without TLS or proxies builds");
+            .expect("a client without proxies, and with rustls configured by cove, builds");
         RemoteRuntime {
             runner: runner.to_owned(),
             service: RwLock::new(service),
@@ -570,6 +605,7 @@ impl RemoteRuntime {
                 address: service.address,
                 sandbox: id.to_owned(),
                 key: service.key,
+                tls: service.tls,
             }),
             exited,
             accelerator: match accelerator {
@@ -768,10 +804,37 @@ mod tests {
 
     #[test]
     fn a_service_is_reached_at_the_host_and_port_of_its_url() {
-        let service = Service::new("http://10.0.0.7:3100/", "k").unwrap();
+        let service = Service::new("http://10.0.0.7:3100/", "k", None).unwrap();
         assert_eq!(service.address, "10.0.0.7:3100");
         assert_eq!(service.base, "http://10.0.0.7:3100");
-        assert!(Service::new("https://10.0.0.7", "k").is_none());
-        assert!(Service::new("http://", "k").is_none());
+        assert!(service.tls.is_none());
+        assert!(Service::new("https://10.0.0.7", "k", None).is_none());
+        assert!(Service::new("http://", "k", None).is_none());
+        assert!(Service::new("ftp://10.0.0.7:21", "k", None).is_none());
+    }
+
+    /// Attack: a runner (or whoever took its address) reports a plain
+    /// `http://` service to a server told to reach runners over TLS only.
+    /// It is not taken, so nothing is sent to it in the clear.
+    #[test]
+    fn a_server_given_runner_roots_takes_only_https_services() {
+        let roots = rustls::RootCertStore::empty();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let config = Arc::new(
+            rustls::ClientConfig::builder_with_provider(provider)
+                .with_safe_default_protocol_versions()
+                .unwrap()
+                .with_root_certificates(roots)
+                .with_no_client_auth(),
+        );
+        assert!(Service::new("http://10.0.0.7:3100", "k", Some(&config)).is_none());
+        let service = Service::new("https://runner-2.internal:3100", "k", Some(&config)).unwrap();
+        assert_eq!(service.base, "https://runner-2.internal:3100");
+        let tls = service.tls.clone().unwrap();
+        assert_eq!(tls.server_name.to_str(), "runner-2.internal");
+        let v6 = Service::new("https://[fd00::7]:3100", "k", Some(&config)).unwrap();
+        assert_eq!(v6.address, "[fd00::7]:3100");
+        // Its client takes the configuration as it is.
+        let _ = RemoteRuntime::new("r1", service, PathBuf::new());
     }
 }

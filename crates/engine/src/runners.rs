@@ -672,7 +672,11 @@ impl Runners {
     ) -> Result<(), EngineError> {
         check_report(&report)?;
         let service = match serves.key {
-            Some(key) => Some(service_of(&report, key)?),
+            Some(key) => Some(service_of(
+                &report,
+                key,
+                self.shared.config.runner_tls.as_ref(),
+            )?),
             None => None,
         };
         if let Some(archive) = serves.archive {
@@ -945,7 +949,11 @@ fn check_archive(location: &str) -> Result<(), EngineError> {
 /// The service a runner serves sandboxes at: its report's `apiUrl`, an
 /// `http://` URL with a host, and `key`, which it made (1 to 128 letters,
 /// digits, `-` or `_`: it goes into a header as it is).
-fn service_of(report: &RunnerReport, key: &str) -> Result<crate::remote::Service, EngineError> {
+fn service_of(
+    report: &RunnerReport,
+    key: &str,
+    tls: Option<&Arc<rustls::ClientConfig>>,
+) -> Result<crate::remote::Service, EngineError> {
     let invalid = |field: &'static str, reason: String| EngineError::Invalid { field, reason };
     if key.is_empty()
         || key.len() > 128
@@ -964,10 +972,13 @@ fn service_of(report: &RunnerReport, key: &str) -> Result<crate::remote::Service
             "a runner that gives a serviceKey says where it serves: give its http:// URL".into(),
         ));
     };
-    crate::remote::Service::new(url, key).ok_or_else(|| {
+    crate::remote::Service::new(url, key, tls).ok_or_else(|| {
         invalid(
             "apiUrl",
-            format!("{url:?}: a runner's service is reached at an http://HOST:PORT URL"),
+            format!(
+                "{url:?}: a runner's service is reached at {}",
+                crate::remote::Service::expected(tls.is_some())
+            ),
         )
     })
 }
@@ -1261,7 +1272,7 @@ mod tests {
     #[test]
     fn a_sandbox_from_the_archive_goes_elsewhere_only_to_a_runner_sharing_it() {
         let _ = rustls::crypto::ring::default_provider().install_default();
-        let service = crate::remote::Service::new("http://127.0.0.1:9", "k").unwrap();
+        let service = crate::remote::Service::new("http://127.0.0.1:9", "k", None).unwrap();
         let remote = crate::remote::RemoteRuntime::new("r", service, PathBuf::new());
         let at = "s3://bucket/cove";
         let mut archived = need(SandboxClass::Container);
@@ -1335,14 +1346,14 @@ mod tests {
             api_url: Some("http://10.1.2.3:3100".into()),
             ..RunnerReport::default()
         };
-        assert!(service_of(&report, "a-Plain_key0").is_ok());
+        assert!(service_of(&report, "a-Plain_key0", None).is_ok());
         for key in ["", "two words", "line\r\nX-Evil: 1", &"k".repeat(129)] {
-            let err = service_of(&report, key).unwrap_err().to_string();
+            let err = service_of(&report, key, None).unwrap_err().to_string();
             assert!(err.contains("serviceKey"), "{key:?}: {err}");
         }
         for url in [None, Some("https://10.1.2.3:3100"), Some("http://")] {
             report.api_url = url.map(str::to_owned);
-            let err = service_of(&report, "key").unwrap_err().to_string();
+            let err = service_of(&report, "key", None).unwrap_err().to_string();
             assert!(err.contains("apiUrl"), "{url:?}: {err}");
         }
     }
