@@ -245,7 +245,13 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
     // The listener of `serve`'s API: its header and handshake timeouts and
     // its cap on connections hold here too.
     let tls = tls.map(cove_api::listener::TlsAcceptor::from);
-    let limits = cove_api::listener::ListenerLimits::default();
+    // A long poll per running sandbox holds a connection: the cap is the
+    // descriptor budget's, as `serve`'s API gets, not the default 1024.
+    let descriptors = crate::descriptors::raise_limit();
+    let limits = cove_api::listener::ListenerLimits {
+        max_connections: crate::descriptors::ConnectionCaps::for_limit(descriptors).http,
+        ..Default::default()
+    };
     let task = tokio::spawn(cove_api::listener::serve(listener, tls, app, limits));
     tracing::info!(%url, images = %args.images_dir.display(), "runner serving containers");
     Ok(Serving {

@@ -335,6 +335,9 @@ impl RemoteRuntime {
             // is not followed.
             .redirect(reqwest::redirect::Policy::none())
             .connect_timeout(Duration::from_secs(5))
+            // Under the runner listener's idle limit (20 s), so a pooled
+            // connection is dropped here before the runner closes it.
+            .pool_idle_timeout(Duration::from_secs(10))
             // A watch's long poll on a machine that vanished (no reset)
             // ends within about 25 s, and is asked again.
             .tcp_keepalive(Duration::from_secs(10))
