@@ -8,7 +8,8 @@
 //! on the upgrade is taken too), and `organizationId` in the query when the
 //! client names one. Events, each to the sockets of the sandbox's
 //! organization:
-//! - `sandbox.created`: the sandbox DTO;
+//! - `sandbox.created`: the sandbox DTO, once its create has ended (as the
+//!   create answered it: never `creating`);
 //! - `sandbox.state.updated`: `{"sandbox": DTO, "oldState", "newState"}`;
 //! - `sandbox.desired-state.updated`:
 //!   `{"sandbox": DTO, "oldDesiredState", "newDesiredState"}`.

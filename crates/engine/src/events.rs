@@ -18,7 +18,11 @@ pub const FEED_CAPACITY: usize = 1024;
 /// One change of a sandbox, with the sandbox as recorded after it.
 #[derive(Clone, Debug)]
 pub enum SandboxEvent {
-    /// A sandbox's row was stored (in `creating`).
+    /// A new sandbox, announced once its create has ended (`started`, or
+    /// `error`), not while it is `creating`: a create answers the sandbox
+    /// as it ends, and a client that hears of it late (the SDKs take the
+    /// state of a `sandbox.created` as it is) must not hear it older than
+    /// that answer.
     Created { sandbox: SandboxRecord },
     /// Its state changed; a deleted sandbox's last one is `destroyed`.
     StateUpdated {
@@ -87,8 +91,19 @@ impl Events {
     }
 
     /// Publishes what changed from `before` to `sandbox`: its state, its
-    /// desired state, both (state first) or nothing.
+    /// desired state, both (state first) or nothing. A sandbox leaving
+    /// `creating` is announced as created (one that never got there, its
+    /// create undone, was never announced and is not now).
     pub(crate) fn changed(&self, before: Recorded, sandbox: &SandboxRecord) {
+        if before.state == SandboxState::Creating {
+            if !matches!(
+                sandbox.state,
+                SandboxState::Creating | SandboxState::Destroyed
+            ) {
+                self.created(sandbox);
+            }
+            return;
+        }
         if before.state != sandbox.state {
             self.publish(SandboxEvent::StateUpdated {
                 sandbox: sandbox.clone(),
@@ -162,6 +177,23 @@ mod tests {
                 "state stopping -> stopped",
             ]
         );
+    }
+
+    #[test]
+    fn a_new_sandbox_is_announced_once_as_its_create_ends_and_an_undone_one_never() {
+        let events = Events::new();
+        let mut feed = events.subscribe();
+        let creating = record(SandboxState::Creating, DesiredState::Started);
+        let started = record(SandboxState::Started, DesiredState::Started);
+        let failed = record(SandboxState::Error, DesiredState::Started);
+        let undone = record(SandboxState::Destroyed, DesiredState::Destroyed);
+
+        events.changed(Recorded::of(&creating), &creating);
+        events.changed(Recorded::of(&creating), &started);
+        events.changed(Recorded::of(&creating), &failed);
+        events.changed(Recorded::of(&creating), &undone);
+
+        assert_eq!(names(&mut feed), ["created started", "created error"]);
     }
 
     #[test]

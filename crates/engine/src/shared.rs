@@ -332,11 +332,10 @@ impl Shared {
         Ok(())
     }
 
-    /// Stores a new sandbox's row (in `creating`) and announces it.
+    /// Stores a new sandbox's row (in `creating`); it is announced when it
+    /// leaves that state (`Events::changed`).
     pub(crate) async fn insert_sandbox(&self, record: &SandboxRecord) -> Result<(), StoreError> {
-        self.store.insert_sandbox(record).await?;
-        self.events.created(record);
-        Ok(())
+        self.store.insert_sandbox(record).await
     }
 
     /// Deletes a sandbox's row: from now on it is `destroyed`, which the
