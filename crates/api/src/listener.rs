@@ -87,6 +87,12 @@ pub async fn serve(
                 continue;
             }
         };
+        // Small writes go at once: an upgraded stream (a terminal, an agent
+        // tunnel) and a TLS handshake's flights would otherwise wait on the
+        // peer's delayed ACK, some 40 ms each.
+        if let Err(error) = stream.set_nodelay(true) {
+            tracing::debug!(%peer, %error, "TCP_NODELAY not set");
+        }
         let app = app.clone();
         let tls = tls.clone();
         tokio::spawn(async move {
