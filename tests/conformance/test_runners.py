@@ -9,6 +9,7 @@ and leaves the ones it holds running.
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import shutil
@@ -17,6 +18,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import requests
@@ -688,32 +690,68 @@ def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
         end_all(processes, server, [data_dir, *dirs], parents)
 
 
+class BesideOne:
+    """A server of the test's own (no network) and one runner serving
+    beside it, the server's own runner drained: the runner's process is
+    `process`, replaced by `restart`."""
+
+    def __init__(self, server: CoveServer, runner_dir, parent: str, runner_args: tuple[str, ...]):
+        self.server = server
+        self.runner_dir = runner_dir
+        self.parent = parent
+        self.runner_id, self.token = add_runner(server, unique("node"))
+        self.process: subprocess.Popen | None = None
+        self.restart(runner_args)
+        assert wait_until(lambda: state(server, self.runner_id) == "ready", 60)
+        self.local = next(r["id"] for r in runners(server) if r["id"] != self.runner_id)
+        admin(server, "drain", self.local)
+
+    def restart(self, runner_args: tuple[str, ...] = ("--no-network",)) -> subprocess.Popen:
+        """Starts the runner (again) with its token and `runner_args`."""
+        self.process = serving_runner(self.server, self.token, self.runner_dir, self.parent, runner_args)
+        return self.process
+
+    def me(self) -> dict:
+        """The runner as it sees itself (`GET /runners/me` with its token)."""
+        r = self.server.request("GET", "/runners/me", headers={"Authorization": f"Bearer {self.token}"})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+
+@contextlib.contextmanager
+def beside_one_runner(server_args: tuple[str, ...] = (),
+                      runner_args: tuple[str, ...] = ("--no-network",)) -> Iterator[BesideOne]:
+    """`BesideOne`, taken down afterwards: the runner asked to end, the
+    server stopped, their directories and the runner's cgroups removed."""
+    data_dir, runner_dir = new_data_dir(), new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
+                        extra_args=("--no-network", *server_args))
+    server.start()
+    parent = "cove-test-" + uuid.uuid4().hex[:8]
+    setup = None
+    try:
+        setup = BesideOne(server, runner_dir, parent, runner_args)
+        yield setup
+    finally:
+        end(setup.process if setup else None, server, data_dir, runner_dir)
+        remove_cgroup_parent(parent)
+
+
 def test_a_runner_that_falls_silent_leaves_its_sandboxes_in_error_until_it_is_back():
     """A runner killed with SIGKILL and not started again: once it is
     silent past the server's limit, its sandbox shows `error`, saying so,
     instead of `started`; its record stays whole. Started again, the runner
     is the same one, and a recover brings the sandbox back there with its
     files."""
-    data_dir = new_data_dir()
-    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
-                        extra_args=("--no-network", "--runner-silence", "10"))
-    server.start()
-    runner_dir = new_data_dir()
-    parent = "cove-test-" + uuid.uuid4().hex[:8]
-    process = None
-    try:
-        runner_id, token = add_runner(server, unique("node"))
-        process = serving_runner(server, token, runner_dir, parent, ("--no-network",))
-        assert wait_until(lambda: state(server, runner_id) == "ready", 60)
-        local = next(r["id"] for r in runners(server) if r["id"] != runner_id)
-        admin(server, "drain", local)
+    with beside_one_runner(("--runner-silence", "10")) as one:
+        server, runner_id = one.server, one.runner_id
         daytona = server.client()
         sandbox = daytona.create(CreateSandboxFromSnapshotParams(name=unique("held")), timeout=120)
         assert sandbox.runner_id == runner_id
         sandbox.fs.upload_file(b"kept through the silence", "kept.txt")
 
-        process.kill()
-        process.wait()
+        one.process.kill()
+        one.process.wait()
 
         def in_error() -> bool:
             sandbox.refresh_data()
@@ -724,7 +762,7 @@ def test_a_runner_that_falls_silent_leaves_its_sandboxes_in_error_until_it_is_ba
         assert state(server, runner_id) == "unresponsive"
         assert runner_of(server, sandbox.id) == runner_id
 
-        process = serving_runner(server, token, runner_dir, parent, ("--no-network",))
+        process = one.restart()
         assert wait_until(lambda: state(server, runner_id) == "ready", 60)
         sandbox.recover(timeout=60)
         assert runner_of(server, sandbox.id) == runner_id
@@ -732,9 +770,6 @@ def test_a_runner_that_falls_silent_leaves_its_sandboxes_in_error_until_it_is_ba
         sandbox.delete()
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, process.stderr.read()
-    finally:
-        end(process, server, data_dir, runner_dir)
-        remove_cgroup_parent(parent)
 
 
 def certificates(directory: Path, name: str, ip: str) -> tuple[Path, Path, Path]:
@@ -767,29 +802,17 @@ def test_a_runner_over_tls_is_reached_only_through_it(tmp_path):
     CA is not trusted: a create placed on it fails (503, naming the
     certificate) and leaves nothing."""
     ca, cert, key = certificates(tmp_path, "runner", "127.0.0.1")
-    data_dir = new_data_dir()
-    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
-                        extra_args=("--no-network", "--runner-ca", str(ca)))
-    server.start()
-    runner_dir = new_data_dir()
-    parent = "cove-test-" + uuid.uuid4().hex[:8]
-    process = None
-    try:
-        runner_id, token = add_runner(server, unique("node"))
-        tls = ("--no-network", "--tls-cert", str(cert), "--tls-key", str(key))
-        process = serving_runner(server, token, runner_dir, parent, tls)
-        assert wait_until(lambda: state(server, runner_id) == "ready", 60)
-        me = server.request("GET", "/runners/me", headers={"Authorization": f"Bearer {token}"}).json()
-        service = me["apiUrl"]
-        assert service.startswith("https://127.0.0.1:"), me
+    tls = ("--no-network", "--tls-cert", str(cert), "--tls-key", str(key))
+    with beside_one_runner(("--runner-ca", str(ca)), tls) as one:
+        server, runner_id = one.server, one.runner_id
+        service = one.me()["apiUrl"]
+        assert service.startswith("https://127.0.0.1:"), service
         # Its port speaks TLS only, with the certificate the CA vouches for.
         with pytest.raises(requests.exceptions.ConnectionError):
             requests.get(service.replace("https://", "http://") + "/sandboxes/x", timeout=10)
         answer = requests.get(f"{service}/sandboxes/x", verify=str(ca), timeout=10)
         assert answer.status_code == 401, answer.text
 
-        local = next(r["id"] for r in runners(server) if r["id"] != runner_id)
-        admin(server, "drain", local)
         daytona = server.client()
         sandbox = daytona.create(CreateSandboxFromSnapshotParams(name=unique("sealed")), timeout=120)
         assert runner_of(server, sandbox.id) == runner_id
@@ -801,19 +824,13 @@ def test_a_runner_over_tls_is_reached_only_through_it(tmp_path):
         sandbox.start(timeout=120)
         assert sandbox.fs.download_file("kept.txt") == b"sent over TLS"
         sandbox.delete()
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0, process.stderr.read()
+        one.process.send_signal(signal.SIGTERM)
+        assert one.process.wait(timeout=60) == 0, one.process.stderr.read()
 
         # The same runner, with a certificate of a CA the server was not given.
         _, stranger, stranger_key = certificates(tmp_path, "stranger", "127.0.0.1")
-        tls = ("--no-network", "--tls-cert", str(stranger), "--tls-key", str(stranger_key))
-        process = serving_runner(server, token, runner_dir, parent, tls)
-
-        def serves_anew() -> bool:
-            me = server.request("GET", "/runners/me", headers={"Authorization": f"Bearer {token}"})
-            return me.json()["apiUrl"] not in (None, service)
-
-        assert wait_until(serves_anew, 60)
+        process = one.restart(("--no-network", "--tls-cert", str(stranger), "--tls-key", str(stranger_key)))
+        assert wait_until(lambda: one.me()["apiUrl"] not in (None, service), 60)
         name = unique("refused")
         with pytest.raises(DaytonaError) as refused:
             daytona.create(CreateSandboxFromSnapshotParams(name=name), timeout=120)
@@ -823,10 +840,6 @@ def test_a_runner_over_tls_is_reached_only_through_it(tmp_path):
         assert server.request("GET", f"/sandbox/{name}").status_code == 404
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, process.stderr.read()
-        process = None
-    finally:
-        end(process, server, data_dir, runner_dir)
-        remove_cgroup_parent(parent)
 
 
 def test_a_runner_gone_for_good_is_deleted_as_lost_and_its_sandboxes_say_so():
@@ -837,19 +850,8 @@ def test_a_runner_gone_for_good_is_deleted_as_lost_and_its_sandboxes_say_so():
     refused (never a new one from nothing) and a delete forgets it. The
     runner started again anyway is turned away: its token is gone, and
     nothing it held comes back."""
-    data_dir = new_data_dir()
-    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
-                        extra_args=("--no-network", "--runner-silence", "10"))
-    server.start()
-    runner_dir = new_data_dir()
-    parent = "cove-test-" + uuid.uuid4().hex[:8]
-    process = None
-    try:
-        runner_id, token = add_runner(server, unique("node"))
-        process = serving_runner(server, token, runner_dir, parent, ("--no-network",))
-        assert wait_until(lambda: state(server, runner_id) == "ready", 60)
-        local = next(r["id"] for r in runners(server) if r["id"] != runner_id)
-        admin(server, "drain", local)
+    with beside_one_runner(("--runner-silence", "10")) as one:
+        server, runner_id, local = one.server, one.runner_id, one.local
         daytona = server.client()
         running = daytona.create(CreateSandboxFromSnapshotParams(name=unique("run")), timeout=120)
         stopped = daytona.create(CreateSandboxFromSnapshotParams(name=unique("rest")), timeout=120)
@@ -861,8 +863,8 @@ def test_a_runner_gone_for_good_is_deleted_as_lost_and_its_sandboxes_say_so():
         r = server.request("DELETE", f"/runners/{runner_id}?lost=true")
         assert r.status_code == 409 and "still reports" in r.json()["message"], r.text
 
-        process.kill()
-        process.wait()
+        one.process.kill()
+        one.process.wait()
         assert wait_until(lambda: state(server, runner_id) == "unresponsive", 60)
         r = server.request("DELETE", f"/runners/{runner_id}")
         assert r.status_code == 409 and "holds 2 sandboxes" in r.json()["message"], r.text
@@ -882,7 +884,7 @@ def test_a_runner_gone_for_good_is_deleted_as_lost_and_its_sandboxes_say_so():
         assert server.request("GET", f"/sandbox/{running.id}").status_code == 404
 
         # Back after all, it is turned away, and stops what it held.
-        process = serving_runner(server, token, runner_dir, parent, ("--no-network",))
+        process = one.restart()
         assert process.wait(timeout=120) != 0
         assert "checking in with the control plane" in process.stderr.read()
         assert [r["id"] for r in runners(server)] == [local]
@@ -890,9 +892,6 @@ def test_a_runner_gone_for_good_is_deleted_as_lost_and_its_sandboxes_say_so():
         assert stopped.state == "error"
         stopped.delete()
         assert server.request("GET", f"/sandbox/{stopped.id}").status_code == 404
-    finally:
-        end(process, server, data_dir, runner_dir)
-        remove_cgroup_parent(parent)
 
 
 def test_sixty_creates_spread_over_three_runners_and_one_killed_comes_back_as_it_was(fake_internet):
