@@ -18,7 +18,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import pytest
 import requests
@@ -27,8 +27,8 @@ from daytona import (
 )
 
 from conftest import (
-    CoveServer, cove_binary, images_dir, kill_sandbox_processes, new_data_dir, remove_data_dir,
-    s3_env, unique, wait_until,
+    CoveServer, cove_binary, free_port, images_dir, kill_sandbox_processes, new_data_dir,
+    remove_data_dir, s3_env, unique, wait_until,
 )
 
 # What Daytona's `Runner` requires.
@@ -203,16 +203,18 @@ def start_runner(cove: CoveServer, token: str, data_dir) -> subprocess.Popen:
 
 def serving_runner(cove: CoveServer, token: str, data_dir, cgroup_parent: str,
                    network: tuple[str, ...], userns_pool: str = "2147483648:64",
-                   extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+                   extra_env: dict[str, str] | None = None,
+                   control: str | None = None) -> subprocess.Popen:
     """`cove runner --listen`: it serves containers on a loopback port, its
     sandboxes' user namespaces (`userns_pool`), cgroups and `network` (its
-    flags, and any other) apart from the server's."""
+    flags, and any other) apart from the server's. It reports to `control`
+    (default: the server's plain API URL)."""
     env = {k: v for k, v in os.environ.items() if k not in ("COVE_API_KEY", "DAYTONA_API_KEY")}
     env.update(extra_env or {})
     env["COVE_RUNNER_TOKEN"] = token
     env.setdefault("RUST_LOG", "info")
     return subprocess.Popen(
-        [str(cove_binary()), "runner", "--control", cove.api_url, "--data-dir", str(data_dir),
+        [str(cove_binary()), "runner", "--control", control or cove.api_url, "--data-dir", str(data_dir),
          "--no-vm", "--listen", "127.0.0.1:0", "--images-dir", str(images_dir()),
          "--storage-size-gib", "8", "--userns-pool", userns_pool,
          "--cgroup-parent", cgroup_parent, *network],
@@ -695,10 +697,12 @@ class BesideOne:
     beside it, the server's own runner drained: the runner's process is
     `process`, replaced by `restart`."""
 
-    def __init__(self, server: CoveServer, runner_dir, parent: str, runner_args: tuple[str, ...]):
+    def __init__(self, server: CoveServer, runner_dir, parent: str, runner_args: tuple[str, ...],
+                 control: str | None = None):
         self.server = server
         self.runner_dir = runner_dir
         self.parent = parent
+        self.control = control
         self.runner_id, self.token = add_runner(server, unique("node"))
         self.process: subprocess.Popen | None = None
         self.restart(runner_args)
@@ -708,7 +712,8 @@ class BesideOne:
 
     def restart(self, runner_args: tuple[str, ...] = ("--no-network",)) -> subprocess.Popen:
         """Starts the runner (again) with its token and `runner_args`."""
-        self.process = serving_runner(self.server, self.token, self.runner_dir, self.parent, runner_args)
+        self.process = serving_runner(self.server, self.token, self.runner_dir, self.parent,
+                                      runner_args, control=self.control)
         return self.process
 
     def me(self) -> dict:
@@ -720,9 +725,11 @@ class BesideOne:
 
 @contextlib.contextmanager
 def beside_one_runner(server_args: tuple[str, ...] = (),
-                      runner_args: tuple[str, ...] = ("--no-network",)) -> Iterator[BesideOne]:
+                      runner_args: tuple[str, ...] = ("--no-network",),
+                      control: Callable[[CoveServer], str] | None = None) -> Iterator[BesideOne]:
     """`BesideOne`, taken down afterwards: the runner asked to end, the
-    server stopped, their directories and the runner's cgroups removed."""
+    server stopped, their directories and the runner's cgroups removed. The
+    runner reports to `control(server)`, or the server's plain API URL."""
     data_dir, runner_dir = new_data_dir(), new_data_dir()
     server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
                         extra_args=("--no-network", *server_args))
@@ -730,7 +737,7 @@ def beside_one_runner(server_args: tuple[str, ...] = (),
     parent = "cove-test-" + uuid.uuid4().hex[:8]
     setup = None
     try:
-        setup = BesideOne(server, runner_dir, parent, runner_args)
+        setup = BesideOne(server, runner_dir, parent, runner_args, control and control(server))
         yield setup
     finally:
         end(setup.process if setup else None, server, data_dir, runner_dir)
@@ -798,12 +805,21 @@ def test_a_runner_over_tls_is_reached_only_through_it(tmp_path):
     certificate of that CA (`--tls-cert`, `--tls-key`): the runner
     advertises `https://`, and every way into its sandbox (the REST calls,
     commands and files, a PTY, a preview, SSH) goes over TLS, since its
-    port speaks nothing else. The same runner with a certificate of another
-    CA is not trusted: a create placed on it fails (503, naming the
-    certificate) and leaves nothing."""
+    port speaks nothing else. Its reports (which carry the key it is reached
+    with) go to the control plane's HTTPS listener, trusting only that
+    listener's CA (`--control-ca`). The same runner with a certificate of
+    another CA is not trusted: a create placed on it fails (503, naming the
+    certificate) and leaves nothing; told to trust another CA for the
+    control plane, it does not check in."""
     ca, cert, key = certificates(tmp_path, "runner", "127.0.0.1")
-    tls = ("--no-network", "--tls-cert", str(cert), "--tls-key", str(key))
-    with beside_one_runner(("--runner-ca", str(ca)), tls) as one:
+    control_ca, control_cert, control_key = certificates(tmp_path, "control", "127.0.0.1")
+    port = free_port()
+    https = ("--tls-listen", f"127.0.0.1:{port}", "--tls-cert", str(control_cert),
+             "--tls-key", str(control_key))
+    tls = ("--no-network", "--tls-cert", str(cert), "--tls-key", str(key),
+           "--control-ca", str(control_ca))
+    with beside_one_runner(("--runner-ca", str(ca), *https), tls,
+                           control=lambda _: f"https://127.0.0.1:{port}/api") as one:
         server, runner_id = one.server, one.runner_id
         service = one.me()["apiUrl"]
         assert service.startswith("https://127.0.0.1:"), service
@@ -828,8 +844,9 @@ def test_a_runner_over_tls_is_reached_only_through_it(tmp_path):
         assert one.process.wait(timeout=60) == 0, one.process.stderr.read()
 
         # The same runner, with a certificate of a CA the server was not given.
-        _, stranger, stranger_key = certificates(tmp_path, "stranger", "127.0.0.1")
-        process = one.restart(("--no-network", "--tls-cert", str(stranger), "--tls-key", str(stranger_key)))
+        stranger_ca, stranger, stranger_key = certificates(tmp_path, "stranger", "127.0.0.1")
+        process = one.restart(("--no-network", "--tls-cert", str(stranger), "--tls-key", str(stranger_key),
+                               "--control-ca", str(control_ca)))
         assert wait_until(lambda: one.me()["apiUrl"] not in (None, service), 60)
         name = unique("refused")
         with pytest.raises(DaytonaError) as refused:
@@ -840,6 +857,19 @@ def test_a_runner_over_tls_is_reached_only_through_it(tmp_path):
         assert server.request("GET", f"/sandbox/{name}").status_code == 404
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0, process.stderr.read()
+
+        # Told to trust another CA for the control plane, it never checks in
+        # (so its key is never sent); nor over plain HTTP with that flag.
+        process = one.restart(("--no-network", "--tls-cert", str(cert), "--tls-key", str(key),
+                               "--control-ca", str(stranger_ca)))
+        assert process.wait(timeout=60) != 0
+        said = process.stderr.read()
+        assert "checking in with the control plane" in said and "certificate" in said, said
+        one.control = server.api_url
+        process = one.restart(("--no-network", "--control-ca", str(control_ca)))
+        assert process.wait(timeout=60) != 0
+        said = process.stderr.read()
+        assert "--control-ca is for an https:// control plane" in said, said
 
 
 def test_a_runner_gone_for_good_is_deleted_as_lost_and_its_sandboxes_say_so():

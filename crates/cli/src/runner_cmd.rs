@@ -28,9 +28,14 @@ use serde_json::{json, Value};
 #[derive(clap::Args, Debug)]
 pub(crate) struct RunnerArgs {
     /// The control plane's API URL, as clients use it
-    /// (`http://HOST:PORT/api`).
+    /// (`https://HOST:PORT/api`, or `http://` on a network you trust: the
+    /// reports carry the key the control plane reaches this runner with).
     #[arg(long, env = "COVE_CONTROL_URL")]
     control: String,
+    /// Trust only these roots (PEM) for an `https://` `--control`, instead
+    /// of the system's: the CA of the control plane's `--tls-cert`.
+    #[arg(long, env = "COVE_CONTROL_CA")]
+    control_ca: Option<PathBuf>,
     /// This runner's token, as `POST /api/runners` answered it. Prefer the
     /// environment variable: the process's arguments are visible to every
     /// user of the machine.
@@ -117,11 +122,12 @@ pub(crate) async fn run(args: RunnerArgs) -> anyhow::Result<()> {
     // Taken from here on, so a SIGTERM while the runner makes its storage
     // and network ends it once they are made, taking them down again.
     let terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let control = control_client(&args)?;
     let serving = match args.listen {
         Some(listen) => Some(serve(&args, listen).await?),
         None => None,
     };
-    let reported = report_until_gone(&args, serving.as_ref(), terminate).await;
+    let reported = report_until_gone(&args, control, serving.as_ref(), terminate).await;
     if let Some(serving) = serving {
         serving.end().await;
     }
@@ -262,19 +268,41 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
     })
 }
 
-/// Checks in, then reports every few seconds until the process is told to
-/// end or the control plane no longer knows this runner.
-async fn report_until_gone(
-    args: &RunnerArgs,
-    serving: Option<&Serving>,
-    mut terminate: tokio::signal::unix::Signal,
-) -> anyhow::Result<()> {
+/// The control plane's URL and a client for it, trusting `--control-ca`
+/// alone when given.
+fn control_client(args: &RunnerArgs) -> anyhow::Result<(String, reqwest::Client)> {
     let control = args.control.trim_end_matches('/').to_owned();
-    let http = reqwest::Client::builder()
+    let mut http = reqwest::Client::builder();
+    match &args.control_ca {
+        Some(ca) => {
+            if !control.starts_with("https://") {
+                bail!("--control-ca is for an https:// control plane, not {control}");
+            }
+            let tls = crate::serve::client_tls(ca, "--control-ca")?;
+            http = http.tls_backend_preconfigured((*tls).clone());
+        }
+        None if control.starts_with("http://") && !on_loopback(&control) => tracing::warn!(
+            %control,
+            "reports to the control plane, and the service key in them, travel unencrypted: give an https:// --control on a network you do not trust"
+        ),
+        None => {}
+    }
+    let http = http
         .no_proxy()
         .timeout(std::time::Duration::from_secs(10))
         .build()
         .context("building the HTTP client")?;
+    Ok((control, http))
+}
+
+/// Checks in, then reports every few seconds until the process is told to
+/// end or the control plane no longer knows this runner.
+async fn report_until_gone(
+    args: &RunnerArgs,
+    (control, http): (String, reqwest::Client),
+    serving: Option<&Serving>,
+    mut terminate: tokio::signal::unix::Signal,
+) -> anyhow::Result<()> {
     let me = tokio::select! {
         me = call(http.get(format!("{control}/runners/me")), &args.token) => me,
         _ = terminate.recv() => return Ok(()),
@@ -315,6 +343,22 @@ async fn report_until_gone(
     }
 }
 
+/// Whether `url` names this machine's loopback, where nothing on the way can
+/// read a plain connection.
+fn on_loopback(url: &str) -> bool {
+    let Some(host) = reqwest::Url::parse(url)
+        .ok()
+        .and_then(|url| url.host_str().map(str::to_owned))
+    else {
+        return false;
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 /// Why a call to the control plane failed, said as its answer said it.
 #[derive(Debug)]
 enum Refused {
@@ -339,7 +383,7 @@ async fn call(request: reqwest::RequestBuilder, token: &str) -> Result<Value, Re
         .bearer_auth(token)
         .send()
         .await
-        .map_err(|error| Refused::Other(format!("{error:#}")))?;
+        .map_err(|error| Refused::Other(cove_engine::describe(&error)))?;
     let status = response.status();
     let text = response.text().await.unwrap_or_default();
     let value: Value = serde_json::from_str(&text).unwrap_or(Value::Null);
@@ -411,4 +455,30 @@ fn make_private_dir(dir: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
         .with_context(|| format!("making {} private", dir.display()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::on_loopback;
+
+    #[test]
+    fn only_a_loopback_control_plane_is_spared_the_plain_http_warning() {
+        for url in [
+            "http://127.0.0.1:3000/api",
+            "http://127.8.0.1/api",
+            "http://localhost:3000/api",
+            "http://[::1]:3000/api",
+        ] {
+            assert!(on_loopback(url), "{url}");
+        }
+        for url in [
+            "http://10.0.0.5:3000/api",
+            "http://control.example:3000/api",
+            "http://localhost.example/api",
+            "http://[::2]/api",
+            "not a url",
+        ] {
+            assert!(!on_loopback(url), "{url}");
+        }
+    }
 }

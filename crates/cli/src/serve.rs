@@ -528,7 +528,11 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
         prices,
         runner: runner_identity(&data_dir)?,
         runner_silence: std::time::Duration::from_secs(args.runner_silence),
-        runner_tls: args.runner_ca.as_deref().map(runner_tls).transpose()?,
+        runner_tls: args
+            .runner_ca
+            .as_deref()
+            .map(|ca| client_tls(ca, "--runner-ca"))
+            .transpose()?,
         ..EngineConfig::default()
     };
     let engine = Engine::new(config.clone(), store, runtimes);
@@ -692,15 +696,15 @@ fn keep_holding(mut holder: cove_store::Holder) -> tokio::task::JoinHandle<()> {
     })
 }
 
-/// The HTTPS listener's TLS settings from PEM files: HTTP/1.1 only, so the
-/// `Host` header S3 signatures cover is always there.
-/// The client side of TLS to runners: only the roots in `ca` (PEM).
-fn runner_tls(ca: &Path) -> anyhow::Result<Arc<rustls::ClientConfig>> {
+/// The client side of TLS trusting only the roots in `ca` (PEM), given as
+/// `flag`: to runners (`serve --runner-ca`) and to the control plane
+/// (`runner --control-ca`).
+pub(crate) fn client_tls(ca: &Path, flag: &str) -> anyhow::Result<Arc<rustls::ClientConfig>> {
     let mut roots = rustls::RootCertStore::empty();
     for cert in pem_certificates(ca)? {
         roots
             .add(cert)
-            .with_context(|| format!("a certificate of {} (--runner-ca)", ca.display()))?;
+            .with_context(|| format!("a certificate of {} ({flag})", ca.display()))?;
     }
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let config = rustls::ClientConfig::builder_with_provider(provider)
