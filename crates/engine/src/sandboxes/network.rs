@@ -16,6 +16,8 @@ use crate::EngineError;
 
 impl Sandboxes {
     /// Attaches a sandbox that is about to start; `None` without networking.
+    /// Its links to other sandboxes are made by [`Self::relink`], which
+    /// may run while its machine starts.
     pub(crate) async fn attach_network(
         &self,
         record: &SandboxRecord,
@@ -42,7 +44,6 @@ impl Sandboxes {
             .attach_as(&record.id, &policy, kind)
             .await
             .map_err(Failure::network("attach it to the network"))?;
-        self.relink(network, record).await;
         let link = match &attachment.link {
             Link::Namespace(path) => NetworkLink::Namespace(path.clone()),
             Link::Tap(device) => NetworkLink::Tap(TapLink {
@@ -64,7 +65,15 @@ impl Sandboxes {
     /// is kept while the server runs; a restart makes it again as each end
     /// starts), so the end that is not running links when it starts. A link
     /// that cannot be made is logged, not fatal: the sandbox runs, unlinked.
-    async fn relink(&self, network: &cove_net::Network, record: &SandboxRecord) {
+    /// Nothing for a sandbox on no network of this server's.
+    pub(crate) async fn relink(&self, record: &SandboxRecord) {
+        let Some(network) = self
+            .shared
+            .network()
+            .filter(|_| self.shared.is_local(record))
+        else {
+            return;
+        };
         let store = &self.shared.store;
         let owner = match &record.linked_sandbox_id {
             Some(owner) => store

@@ -11,8 +11,9 @@ use super::Sandboxes;
 use crate::failure::Failure;
 
 impl Sandboxes {
-    /// Starts a sandbox's machine on the network: attached right before, and
-    /// detached again if the start fails.
+    /// Starts a sandbox's machine on the network: attached right before
+    /// (linked to its peers as it starts), and detached again if the start
+    /// fails.
     pub(crate) async fn start_machine(
         &self,
         runtime: &dyn cove_runtime::Runtime,
@@ -34,7 +35,15 @@ impl Sandboxes {
     ) -> Result<Started, Failure> {
         spec.network = self.attach_network(record).await?;
         timeline.step("attach_network");
-        match runtime.start(&spec).await {
+        // Its links need only its address: the store is asked for its
+        // peers while the machine starts.
+        let relink = async {
+            if spec.network.is_some() {
+                self.relink(record).await;
+            }
+        };
+        let (started, ()) = tokio::join!(runtime.start(&spec), relink);
+        match started {
             Ok(started) => Ok(started),
             Err(error) => {
                 if let Err(detach) = self.detach_network(record, Deletion::Now).await {
