@@ -28,11 +28,7 @@ impl Sandboxes {
             remote.0.policy_for_start(&record.id, &record.network);
             return Ok(None);
         }
-        let Some(network) = self
-            .shared
-            .network()
-            .filter(|_| self.shared.is_local(record))
-        else {
+        let Some(network) = self.local_network(record) else {
             return Ok(None);
         };
         let policy = policy(&record.network)?;
@@ -60,6 +56,15 @@ impl Sandboxes {
         }))
     }
 
+    /// The network of this server's a sandbox is on: `None` without
+    /// networking, or for a sandbox on a runner elsewhere (whose own network
+    /// it is on).
+    fn local_network(&self, record: &SandboxRecord) -> Option<&std::sync::Arc<cove_net::Network>> {
+        self.shared
+            .network()
+            .filter(|_| self.shared.is_local(record))
+    }
+
     /// Links a sandbox that was just attached with the sandbox it is linked
     /// to and those linked to it, wherever the other end runs too (a link
     /// is kept while the server runs; a restart makes it again as each end
@@ -67,11 +72,7 @@ impl Sandboxes {
     /// that cannot be made is logged, not fatal: the sandbox runs, unlinked.
     /// Nothing for a sandbox on no network of this server's.
     pub(crate) async fn relink(&self, record: &SandboxRecord) {
-        let Some(network) = self
-            .shared
-            .network()
-            .filter(|_| self.shared.is_local(record))
-        else {
+        let Some(network) = self.local_network(record) else {
             return;
         };
         let store = &self.shared.store;
@@ -111,11 +112,7 @@ impl Sandboxes {
         record: &SandboxRecord,
         deletion: Deletion,
     ) -> Result<(), Failure> {
-        match self
-            .shared
-            .network()
-            .filter(|_| self.shared.is_local(record))
-        {
+        match self.local_network(record) {
             Some(network) => network
                 .detach(&record.id, deletion)
                 .await
@@ -126,11 +123,7 @@ impl Sandboxes {
 
     /// Gives up a deleted sandbox's address.
     pub(crate) async fn release_network(&self, record: &SandboxRecord) -> Result<(), Failure> {
-        match self
-            .shared
-            .network()
-            .filter(|_| self.shared.is_local(record))
-        {
+        match self.local_network(record) {
             Some(network) => network
                 .release(&record.id)
                 .await

@@ -37,12 +37,7 @@ impl Sandboxes {
         timeline.step("attach_network");
         // Its links need only its address: the store is asked for its
         // peers while the machine starts.
-        let relink = async {
-            if spec.network.is_some() {
-                self.relink(record).await;
-            }
-        };
-        let (started, ()) = tokio::join!(runtime.start(&spec), relink);
+        let (started, ()) = tokio::join!(runtime.start(&spec), self.relink(record));
         match started {
             Ok(started) => Ok(started),
             Err(error) => {
