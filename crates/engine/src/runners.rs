@@ -716,11 +716,7 @@ impl Runners {
             return self.delete_lost(record).await;
         }
         if !store.delete_empty_runner(id).await? {
-            let sandboxes = store.list_sandboxes().await?;
-            let held = sandboxes
-                .iter()
-                .filter(|s| s.runner_id.as_deref() == Some(id))
-                .count();
+            let held = store.sandboxes_on_runner(id).await?.len();
             if held == 0 {
                 return Err(EngineError::RunnerNotFound { id: id.to_owned() });
             }
@@ -758,11 +754,7 @@ impl Runners {
         self.shared.forget_runner(id);
         // Each sandbox it held says so; one placed on it meanwhile finds it
         // lost at its next operation (`Sandboxes::apply`).
-        let held = store.list_sandboxes().await?;
-        let held: Vec<_> = held
-            .into_iter()
-            .filter(|s| s.runner_id.as_deref() == Some(id.as_str()))
-            .collect();
+        let held = store.sandboxes_on_runner(id).await?;
         for sandbox in &held {
             let lock = self.shared.lock_for(&sandbox.id);
             let _guard = lock.lock().await;

@@ -235,6 +235,23 @@ impl Store {
         rows.iter().map(from_row).collect()
     }
 
+    /// Every sandbox placed on runner `runner_id`, oldest first (as
+    /// [`Self::list_sandboxes`] orders them).
+    pub async fn sandboxes_on_runner(
+        &self,
+        runner_id: &str,
+    ) -> Result<Vec<SandboxRecord>, StoreError> {
+        let sql = format!(
+            "SELECT {COLUMNS} FROM sandboxes WHERE runner_id = $1 \
+             ORDER BY created_at_ms, rowid"
+        );
+        let rows = sqlx::query(&sql)
+            .bind(runner_id)
+            .fetch_all(&self.pool)
+            .await?;
+        rows.iter().map(from_row).collect()
+    }
+
     /// The sandboxes linked to `id` (whose `linked_sandbox_id` it is).
     pub async fn sandboxes_linked_to(&self, id: &str) -> Result<Vec<SandboxRecord>, StoreError> {
         let sql = format!("SELECT {COLUMNS} FROM sandboxes WHERE linked_sandbox_id = $1");

@@ -964,6 +964,21 @@ async fn a_runner_elsewhere_is_found_by_its_token_reports_and_goes_only_when_emp
     held.runner_id = Some("far".into());
     store.insert_sandbox(&held).await.unwrap();
     assert!(!store.delete_empty_runner("far").await.unwrap());
+    // What it holds is found by its id, and only that.
+    store
+        .insert_sandbox(&sandbox("id-here", "here"))
+        .await
+        .unwrap();
+    let on_far = store.sandboxes_on_runner("far").await.unwrap();
+    assert_eq!(
+        on_far.iter().map(|s| s.id.as_str()).collect::<Vec<_>>(),
+        ["id-held"]
+    );
+    assert!(store
+        .sandboxes_on_runner("nobody")
+        .await
+        .unwrap()
+        .is_empty());
     store.delete_sandbox("id-held", 50).await.unwrap();
     assert!(store.delete_empty_runner("far").await.unwrap());
     assert_eq!(store.runner_by_token("hash-far").await.unwrap(), None);

@@ -54,11 +54,7 @@ impl Sandboxes {
     /// users asked for, as after a restart. Each under its lock, and only
     /// while this server has not started it since.
     async fn recover_runner(&self, runner_id: &str) -> Result<(), EngineError> {
-        let records = self.shared.store.list_sandboxes().await?;
-        let held = records
-            .into_iter()
-            .filter(|r| r.runner_id.as_deref() == Some(runner_id));
-        for record in held {
+        for record in self.shared.store.sandboxes_on_runner(runner_id).await? {
             let id = record.id.clone();
             let lock = self.shared.lock_for(&id);
             let guard = lock.lock().await;
