@@ -3,6 +3,7 @@
 # its log when it failed.
 mkdir -p target/steps
 declare -A background_pids=()
+declare -A background_began=()
 # A step still running when the script ends early (a failed build) ends too.
 trap 'for pid in "${background_pids[@]}"; do kill "$pid" 2>/dev/null || true; done' EXIT
 
@@ -13,6 +14,24 @@ background() {
     echo "$name: started in the background (target/steps/$name.log)"
     "$@" >"target/steps/$name.log" 2>&1 &
     background_pids[$name]=$!
+    background_began[$name]=$SECONDS
+}
+
+# background_idle NAME COMMAND...: starts COMMAND at idle priority
+# (SCHED_IDLE, inherited by what it runs): it takes only CPU time that
+# nothing else wants, so a step beside it runs as fast as alone.
+background_idle() {
+    local name="$1"
+    shift
+    background "$name" chrt --idle 0 "$@"
+}
+
+# timed NAME COMMAND...: runs COMMAND and says how long it took.
+timed() {
+    local name="$1" began=$SECONDS
+    shift
+    "$@"
+    echo "$name: took $((SECONDS - began)) s"
 }
 
 # wait_for NAME: waits for it; on failure prints its log and exits.
@@ -23,5 +42,5 @@ wait_for() {
         cat "target/steps/$name.log" >&2
         exit 1
     fi
-    echo "$name: done"
+    echo "$name: done, $((SECONDS - background_began[$name])) s after it started"
 }
