@@ -117,8 +117,11 @@ class CoveServer:
         extra_args: tuple[str, ...] = (),
         extra_env: dict[str, str] | None = None,
         vms: bool = False,
+        images: Path | None = None,
     ):
         self.data_dir = data_dir
+        # Where its images are (`--images-dir`): the shared one unless given.
+        self.images = images or images_dir()
         # A server boots a VM template at start when it serves VMs; the ones
         # that test something else leave that CPU to the others.
         self.vms = vms
@@ -147,7 +150,7 @@ class CoveServer:
         binary = cove_binary()
         if not binary.is_file():
             pytest.exit(f"cove binary not found at {binary}; run `cargo build --release && cargo agent`", 2)
-        images_dir().mkdir(parents=True, exist_ok=True)
+        self.images.mkdir(parents=True, exist_ok=True)
         if not (keep_ports and getattr(self, "port", None)):
             self.port = free_port()
             self.ssh_port = free_port()
@@ -169,7 +172,7 @@ class CoveServer:
                 "--data-dir",
                 str(self.data_dir),
                 "--images-dir",
-                str(images_dir()),
+                str(self.images),
                 *vm_args(self.vms),
                 "--ssh-listen",
                 f"127.0.0.1:{self.ssh_port}",

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import io
 import os
 import shutil
 import signal
 import subprocess
+import tarfile
 import time
 import uuid
 from pathlib import Path
@@ -204,18 +206,20 @@ def start_runner(cove: CoveServer, token: str, data_dir) -> subprocess.Popen:
 def serving_runner(cove: CoveServer, token: str, data_dir, cgroup_parent: str,
                    network: tuple[str, ...], userns_pool: str = "2147483648:64",
                    extra_env: dict[str, str] | None = None,
-                   control: str | None = None) -> subprocess.Popen:
+                   control: str | None = None,
+                   images: Path | None = None) -> subprocess.Popen:
     """`cove runner --listen`: it serves containers on a loopback port, its
     sandboxes' user namespaces (`userns_pool`), cgroups and `network` (its
     flags, and any other) apart from the server's. It reports to `control`
-    (default: the server's plain API URL)."""
+    (default: the server's plain API URL) and keeps images in `images`
+    (default: the shared images directory, which holds the server's)."""
     env = {k: v for k, v in os.environ.items() if k not in ("COVE_API_KEY", "DAYTONA_API_KEY")}
     env.update(extra_env or {})
     env["COVE_RUNNER_TOKEN"] = token
     env.setdefault("RUST_LOG", "info")
     return subprocess.Popen(
         [str(cove_binary()), "runner", "--control", control or cove.api_url, "--data-dir", str(data_dir),
-         "--no-vm", "--listen", "127.0.0.1:0", "--images-dir", str(images_dir()),
+         "--no-vm", "--listen", "127.0.0.1:0", "--images-dir", str(images or images_dir()),
          "--storage-size-gib", "8", "--userns-pool", userns_pool,
          "--cgroup-parent", cgroup_parent, *network],
         env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
@@ -698,11 +702,12 @@ class BesideOne:
     `process`, replaced by `restart`."""
 
     def __init__(self, server: CoveServer, runner_dir, parent: str, runner_args: tuple[str, ...],
-                 control: str | None = None):
+                 control: str | None = None, images: Path | None = None):
         self.server = server
         self.runner_dir = runner_dir
         self.parent = parent
         self.control = control
+        self.images = images
         self.runner_id, self.token = add_runner(server, unique("node"))
         self.process: subprocess.Popen | None = None
         self.restart(runner_args)
@@ -713,7 +718,7 @@ class BesideOne:
     def restart(self, runner_args: tuple[str, ...] = ("--no-network",)) -> subprocess.Popen:
         """Starts the runner (again) with its token and `runner_args`."""
         self.process = serving_runner(self.server, self.token, self.runner_dir, self.parent,
-                                      runner_args, control=self.control)
+                                      runner_args, control=self.control, images=self.images)
         return self.process
 
     def me(self) -> dict:
@@ -726,18 +731,23 @@ class BesideOne:
 @contextlib.contextmanager
 def beside_one_runner(server_args: tuple[str, ...] = (),
                       runner_args: tuple[str, ...] = ("--no-network",),
-                      control: Callable[[CoveServer], str] | None = None) -> Iterator[BesideOne]:
+                      control: Callable[[CoveServer], str] | None = None,
+                      server_images: Path | None = None,
+                      runner_images: Path | None = None) -> Iterator[BesideOne]:
     """`BesideOne`, taken down afterwards: the runner asked to end, the
     server stopped, their directories and the runner's cgroups removed. The
-    runner reports to `control(server)`, or the server's plain API URL."""
+    runner reports to `control(server)`, or the server's plain API URL; the
+    server and the runner keep images where given, or both in the shared
+    images directory."""
     data_dir, runner_dir = new_data_dir(), new_data_dir()
     server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
-                        extra_args=("--no-network", *server_args))
+                        extra_args=("--no-network", *server_args), images=server_images)
     server.start()
     parent = "cove-test-" + uuid.uuid4().hex[:8]
     setup = None
     try:
-        setup = BesideOne(server, runner_dir, parent, runner_args, control and control(server))
+        setup = BesideOne(server, runner_dir, parent, runner_args, control and control(server),
+                          runner_images)
         yield setup
     finally:
         end(setup.process if setup else None, server, data_dir, runner_dir)
@@ -870,6 +880,96 @@ def test_a_runner_over_tls_is_reached_only_through_it(tmp_path):
         assert process.wait(timeout=60) != 0
         said = process.stderr.read()
         assert "--control-ca is for an https:// control plane" in said, said
+
+
+BUSYBOX = Path("/bin/busybox")
+
+
+def tiny_default_image(images: Path) -> Path:
+    """A default image of a few files under `images`, marked built with the
+    shared default image's own marker so a server takes it as it is:
+    Debian's static busybox as its shell and tools, the default user, and
+    one of each kind of entry an image holds (a symbolic link, a hard link,
+    an owner, a mode, an extended attribute). Answers its root."""
+    rootfs = images / "debian-bookworm" / "rootfs"
+    for directory in ("bin", "etc", "tmp", "root", "home/daytona", "proc", "sys", "dev", "run"):
+        (rootfs / directory).mkdir(parents=True, exist_ok=True)
+    os.chmod(rootfs / "tmp", 0o1777)
+    shutil.copy(BUSYBOX, rootfs / "bin" / "busybox")
+    for tool in ("sh", "cat", "ls", "true", "echo", "id", "sleep", "env"):
+        os.symlink("busybox", rootfs / "bin" / tool)
+    (rootfs / "etc" / "passwd").write_text(
+        "root:x:0:0:root:/root:/bin/sh\ndaytona:x:1000:1000::/home/daytona:/bin/sh\n")
+    (rootfs / "etc" / "group").write_text("root:x:0:\ndaytona:x:1000:\n")
+    os.chown(rootfs / "home" / "daytona", 1000, 1000)
+    tiny = rootfs / "etc" / "cove-tiny"
+    tiny.write_text("tiny\n")
+    os.chown(tiny, 0, 1000)
+    os.chmod(tiny, 0o640)
+    os.link(tiny, rootfs / "etc" / "cove-tiny.again")
+    os.setxattr(tiny, "user.cove", b"kept")
+    marker = images_dir() / "debian-bookworm" / "rootfs" / ".complete"
+    (rootfs / ".complete").write_bytes(marker.read_bytes())
+    return rootfs
+
+
+def test_a_runner_without_the_image_fetches_it_from_the_control_plane(tmp_path):
+    """A runner whose images directory is empty gets a sandbox placed on it:
+    it fetches the sandbox's image from the control plane
+    (`GET /runners/me/images/...` with its own token) and runs it. The copy
+    is the image as the control plane holds it (owners, modes, links,
+    extended attributes), and the next sandbox of it takes that copy. The
+    route serves a runner only the images of sandboxes placed on it: before
+    the first, and for any other path, its token gets a 404; an API key
+    gets a 401, and a path that leaves the images directory a 400."""
+    server_images, runner_images = tmp_path / "control", tmp_path / "runner"
+    tiny_default_image(server_images)
+    with beside_one_runner(server_images=server_images, runner_images=runner_images) as one:
+        server = one.server
+        as_runner = {"Authorization": f"Bearer {one.token}"}
+        image = "/runners/me/images/debian-bookworm/rootfs"
+
+        r = server.request("GET", image, auth=False, headers=as_runner)
+        assert r.status_code == 404, r.text
+        assert "no sandbox placed on this runner uses" in r.json()["message"], r.text
+        r = server.request("GET", image)
+        assert r.status_code == 401, r.text
+        r = server.request("GET", "/runners/me/images/debian-bookworm/..%2F..%2F..%2Fetc",
+                           auth=False, headers=as_runner)
+        assert r.status_code == 400, r.text
+        assert not runner_images.exists()
+
+        daytona = server.client()
+        sandbox = daytona.create(CreateSandboxFromSnapshotParams(name=unique("fetched")), timeout=120)
+        assert sandbox.runner_id == one.runner_id
+        assert sandbox.process.exec("cat /etc/cove-tiny").result == "tiny\n"
+        fetched = runner_images / "debian-bookworm" / "rootfs"
+        tiny = os.stat(fetched / "etc" / "cove-tiny")
+        assert (tiny.st_uid, tiny.st_gid, tiny.st_mode & 0o7777) == (0, 1000, 0o640)
+        assert os.stat(fetched / "etc" / "cove-tiny.again").st_ino == tiny.st_ino
+        assert os.getxattr(fetched / "etc" / "cove-tiny", "user.cove") == b"kept"
+        assert os.readlink(fetched / "bin" / "sh") == "busybox"
+        assert (fetched / "bin" / "busybox").read_bytes() == BUSYBOX.read_bytes()
+        assert os.stat(fetched / "home" / "daytona").st_uid == 1000
+        assert list((runner_images / ".incoming").iterdir()) == []
+
+        # Now its token gets that image, as a tar, and still no other.
+        r = server.request("GET", image, auth=False, headers=as_runner)
+        assert r.status_code == 200, r.text
+        assert r.headers["content-type"] == "application/x-tar"
+        names = tarfile.open(fileobj=io.BytesIO(r.content)).getnames()
+        assert "etc/cove-tiny" in names and "bin/busybox" in names, names
+        r = server.request("GET", "/runners/me/images/debian-bookworm", auth=False, headers=as_runner)
+        assert r.status_code == 404, r.text
+
+        # The next sandbox of the image takes the runner's copy.
+        copy = os.stat(fetched).st_ino
+        second = daytona.create(CreateSandboxFromSnapshotParams(name=unique("second")), timeout=120)
+        assert second.runner_id == one.runner_id
+        assert second.process.exec("cat /etc/cove-tiny").result == "tiny\n"
+        assert os.stat(fetched).st_ino == copy
+        daytona.delete(second)
+        daytona.delete(sandbox)
 
 
 def test_a_runner_gone_for_good_is_deleted_as_lost_and_its_sandboxes_say_so():

@@ -294,6 +294,7 @@ pub fn app(state: AppState) -> Router {
             get(not_implemented::outside_api),
         )
         .route("/api/runners/healthcheck", post(runners::healthcheck))
+        .route("/api/runners/me/images/{*image}", get(runners::image))
         .merge(with_key)
         // Tells the counting layer below which route template matched.
         .route_layer(axum::middleware::from_fn(metrics::name_route))

@@ -81,6 +81,12 @@ pub(crate) const OPERATIONS: &[Operation] = &[
         "The calling runner, by its runner token",
     ),
     op(
+        "GET",
+        "/runners/me/images/{image}",
+        "runners",
+        "The root filesystem of an image a sandbox placed on the calling runner uses, as a tar, by its runner token",
+    ),
+    op(
         "POST",
         "/runners/healthcheck",
         "runners",
@@ -639,7 +645,14 @@ mod tests {
                 .map(|(i, _)| i)
                 .expect("a route call closes");
             let call = &call[..close];
-            let path = call.split('"').nth(1).expect("a route has a path");
+            // A wildcard (`{*image}`, the rest of the path) is described as
+            // the parameter it is (`{image}`).
+            let path = call
+                .split('"')
+                .nth(1)
+                .expect("a route has a path")
+                .replace("{*", "{");
+            let path = path.as_str();
             for (at, _) in call.match_indices('(') {
                 let before = &call[..at];
                 let word = before

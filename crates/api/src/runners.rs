@@ -3,8 +3,9 @@
 //! (`PATCH .../scheduling`, `PATCH .../draining`). Runners are the server's,
 //! not an organization's: these routes are the operator's
 //! (`permissions.rs`), but for the two a runner on another machine calls
-//! with its own token (`GET /runners/me`, `POST /runners/healthcheck`),
-//! which sit outside the API key layer and take nothing else.
+//! with its own token (`GET /runners/me`, `POST /runners/healthcheck`,
+//! `GET /runners/me/images/{*image}`), which sit outside the API key layer
+//! and take nothing else.
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequestParts, Path, Query, RawQuery, State};
@@ -309,6 +310,29 @@ impl FromRequestParts<AppState> for RunnerCaller {
             )),
         }
     }
+}
+
+/// `GET /runners/me/images/{*image}`: the root filesystem a sandbox placed
+/// on the calling runner starts from, named by its path under the images
+/// directory as the runner was given it, as a tar the runner unpacks into
+/// its own (cove's; a runner on another machine holds no image until it
+/// asks). Any other image is a 404, whether or not it exists.
+pub(crate) async fn image(
+    State(state): State<AppState>,
+    caller: RunnerCaller,
+    Path(image): Path<String>,
+) -> Result<axum::response::Response, ApiError> {
+    use axum::response::IntoResponse as _;
+    let tar = state
+        .engine
+        .runners()
+        .image_tar(&caller.record.id, &image)
+        .await?;
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/x-tar")],
+        axum::body::Body::from_stream(tar),
+    )
+        .into_response())
 }
 
 /// Daytona's `RunnerFull`: a runner as it sees itself, with its token.

@@ -70,7 +70,8 @@ pub(crate) struct RunnerArgs {
     #[arg(long, env = "COVE_RUNNER_TLS_KEY", requires = "tls_cert")]
     tls_key: Option<PathBuf>,
     /// Where root filesystems are, laid out as the control plane's (a
-    /// sandbox's image is named by its path under it).
+    /// sandbox's image is named by its path under it); one not here yet is
+    /// fetched from the control plane when a sandbox needs it.
     #[arg(long, env = "COVE_IMAGES_DIR", default_value = "/var/tmp/cove/images")]
     images_dir: PathBuf,
     /// The static agent binary put into sandboxes (default: built by `cargo agent`).
@@ -124,7 +125,7 @@ pub(crate) async fn run(args: RunnerArgs) -> anyhow::Result<()> {
     let terminate = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let control = control_client(&args)?;
     let serving = match args.listen {
-        Some(listen) => Some(serve(&args, listen).await?),
+        Some(listen) => Some(serve(&args, listen, &control).await?),
         None => None,
     };
     let reported = report_until_gone(&args, control, serving.as_ref(), terminate).await;
@@ -172,7 +173,11 @@ impl Serving {
 /// Opens the container runtime on this runner's storage and serves it at
 /// `listen`. Whatever ran before (a runner killed) is stopped first: its
 /// storage stays, for the control plane to start again.
-async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Result<Serving> {
+async fn serve(
+    args: &RunnerArgs,
+    listen: std::net::SocketAddr,
+    (control, http): &(String, reqwest::Client),
+) -> anyhow::Result<Serving> {
     // SAFETY: geteuid has no preconditions and cannot fail.
     #[allow(unsafe_code)]
     let euid = unsafe { libc::geteuid() };
@@ -245,6 +250,11 @@ async fn serve(args: &RunnerArgs, listen: std::net::SocketAddr) -> anyhow::Resul
         network,
         archive,
         args.images_dir.clone(),
+        crate::runner_service::Control {
+            url: control.clone(),
+            http: http.clone(),
+            token: args.token.clone(),
+        },
         key,
     ));
     let app = crate::runner_service::router(service.clone());

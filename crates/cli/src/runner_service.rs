@@ -51,6 +51,8 @@ pub(crate) struct Service {
     /// Where stopped sandboxes move to and from (`--archive`).
     pub(crate) archive: Option<cove_engine::Archive>,
     pub(crate) images: PathBuf,
+    /// Where images this runner lacks are fetched from.
+    control: Control,
     pub(crate) key: String,
     runs: Mutex<HashMap<String, Run>>,
     /// Each start's number, so the end of one is not taken for another's.
@@ -58,7 +60,24 @@ pub(crate) struct Service {
     /// Per sandbox: held while its start, stop or delete changes its
     /// network, and while the end of a start gives its port back.
     gates: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Per image: held while it is fetched, so it is fetched once.
+    fetches: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
 }
+
+/// The control plane this runner reports to, as an image is fetched from it.
+pub(crate) struct Control {
+    /// Its API URL (`…/api`).
+    pub(crate) url: String,
+    pub(crate) http: reqwest::Client,
+    /// This runner's token.
+    pub(crate) token: String,
+}
+
+/// How long fetching one image may take.
+const FETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30 * 60);
+
+/// Where image transfers unpack under the images directory until whole.
+const INCOMING: &str = ".incoming";
 
 /// One start of a sandbox: its agent, and why it ended once it has.
 #[derive(Clone)]
@@ -74,18 +93,85 @@ impl Service {
         network: Option<Arc<cove_net::Network>>,
         archive: Option<cove_engine::Archive>,
         images: PathBuf,
+        control: Control,
         key: String,
     ) -> Service {
+        let swept = cove_images::sweep_incoming(&images.join(INCOMING));
+        if swept > 0 {
+            tracing::info!(
+                swept,
+                "removed image transfers a runner before left unfinished"
+            );
+        }
         Service {
             runtime,
             network,
             archive,
             images,
+            control,
             key,
             runs: Mutex::default(),
             starts: AtomicU64::new(0),
             gates: Mutex::default(),
+            fetches: Mutex::default(),
         }
+    }
+
+    /// Fetches `image` (a plain path under the images directory) from the
+    /// control plane into `rootfs`, unless a fetch before this one, waited
+    /// for, already did.
+    async fn fetch_image(&self, image: &str, rootfs: &std::path::Path) -> Result<(), Refusal> {
+        let gate = {
+            let mut fetches = self.fetches.lock().unwrap();
+            fetches.entry(rootfs.to_owned()).or_default().clone()
+        };
+        let _held = gate.lock().await;
+        if rootfs.is_dir() {
+            return Ok(());
+        }
+        let failed = |why: String| {
+            refuse(
+                500,
+                FailureKind::Other,
+                format!("fetching image {image} from the control plane: {why}"),
+            )
+        };
+        let mut url = reqwest::Url::parse(&format!("{}/runners/me/images/", self.control.url))
+            .map_err(|e| failed(e.to_string()))?;
+        url.path_segments_mut()
+            .map_err(|()| failed("the control plane's URL cannot take a path".into()))?
+            .pop_if_empty()
+            .extend(image.split('/'));
+        let began = std::time::Instant::now();
+        let response = (self.control.http.get(url))
+            .bearer_auth(&self.control.token)
+            .timeout(FETCH_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| failed(cove_engine::describe(&e)))?;
+        let status = response.status();
+        if !status.is_success() {
+            let body = response.text().await.unwrap_or_default();
+            let message: String = body.chars().take(500).collect();
+            return Err(failed(format!("{status}: {message}")));
+        }
+        use futures_util::TryStreamExt as _;
+        let stream = response.bytes_stream().map_err(std::io::Error::other);
+        let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
+        let (into, incoming) = (rootfs.to_owned(), self.images.join(INCOMING));
+        let bytes = tokio::task::spawn_blocking(move || {
+            cove_images::receive_rootfs(reader, &into, &incoming)
+        })
+        .await
+        .map_err(|e| failed(e.to_string()))?
+        .map_err(|e| failed(cove_engine::describe(&e)))?;
+        tracing::info!(
+            image,
+            bytes,
+            took_ms = began.elapsed().as_millis() as u64,
+            "fetched an image from the control plane"
+        );
+        Ok(())
     }
 
     /// Waits for sandbox `id`'s gate (see `gates`) and holds it while the
@@ -285,13 +371,19 @@ fn sandbox(id: &str) -> Result<SandboxId, Refusal> {
     SandboxId::parse(id).map_err(|e| refuse(400, FailureKind::Other, e.to_string()))
 }
 
-fn spec_of(
+/// The runtime's spec of sandbox `id`, its image fetched from the control
+/// plane first if this runner does not hold it yet.
+async fn spec_of(
     service: &Service,
     id: SandboxId,
     spec: RemoteSpec,
 ) -> Result<cove_runtime::SandboxSpec, Refusal> {
-    spec.into_spec(id, &service.images)
-        .map_err(|message| refuse(400, FailureKind::Other, message))
+    let bad = |message| refuse(400, FailureKind::Other, message);
+    let rootfs = spec.image_path(&service.images).map_err(bad)?;
+    if !rootfs.is_dir() {
+        service.fetch_image(&spec.image, &rootfs).await?;
+    }
+    spec.into_spec(id, &service.images).map_err(bad)
 }
 
 async fn prepare(
@@ -299,7 +391,7 @@ async fn prepare(
     Path(id): Path<String>,
     Json(spec): Json<RemoteSpec>,
 ) -> Result<StatusCode, Refusal> {
-    let spec = spec_of(&service, sandbox(&id)?, spec)?;
+    let spec = spec_of(&service, sandbox(&id)?, spec).await?;
     service.runtime.prepare(&spec).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -311,7 +403,7 @@ async fn start(
 ) -> Result<Json<RemoteStarted>, Refusal> {
     let sandbox = sandbox(&id)?;
     let settings = spec.network.clone();
-    let mut spec = spec_of(&service, sandbox.clone(), spec)?;
+    let mut spec = spec_of(&service, sandbox.clone(), spec).await?;
     let _held = service.enter(&id).await;
     // A retried start must not take a running sandbox off its network.
     if service.runtime.is_running(&sandbox).await {
@@ -444,7 +536,7 @@ async fn unarchive(
     Path(id): Path<String>,
     Json(spec): Json<RemoteSpec>,
 ) -> Result<StatusCode, Refusal> {
-    let spec = spec_of(&service, sandbox(&id)?, spec)?;
+    let spec = spec_of(&service, sandbox(&id)?, spec).await?;
     let archive = archive_of(&service)?;
     let _held = service.enter(&id).await;
     (archive.fetch(service.runtime.as_ref(), &spec).await)

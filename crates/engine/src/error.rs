@@ -112,6 +112,12 @@ pub enum EngineError {
     /// An archived sandbox is kept in the archive, on no runner.
     #[error("sandbox {id} is archived, so it is on no runner; a start places it on one")]
     OnNoRunner { id: String },
+    /// A runner asked for an image no sandbox placed on it uses (or that
+    /// this server does not hold): the same answer either way.
+    #[error(
+        "no sandbox placed on this runner uses the image at {image} under the images directory"
+    )]
+    ImageNotServed { image: String },
     #[error("a runner named {name} already exists")]
     RunnerTaken { name: String },
     /// A runner that cannot be deleted: the server's own, or one holding
@@ -302,6 +308,7 @@ impl EngineError {
             | Self::ApiKeyNotFound { .. }
             | Self::OrganizationNotFound { .. }
             | Self::RunnerNotFound { .. }
+            | Self::ImageNotServed { .. }
             | Self::OnNoRunner { .. }
             | Self::SignedPreviewNotFound { .. } => ErrorKind::NotFound,
             Self::Forbidden { .. } | Self::QuotaExceeded { .. } => ErrorKind::Forbidden,

@@ -13,10 +13,12 @@
 //! with its start ([`RemoteSpec::network`]). A stopped sandbox's storage
 //! moves between the runner and the archive the control plane uses (an S3
 //! location both name the same): the runner sends and fetches it itself,
-//! so a sandbox's bytes never pass through the control plane. What a runner
-//! elsewhere does not do yet is refused by name: images other than the ones
-//! both machines hold at the same path under their images directories,
-//! snapshot layers, volumes, captures, pauses and forks.
+//! so a sandbox's bytes never pass through the control plane. An image is
+//! named by its path under the images directory; a runner that does not hold
+//! it fetches it from the control plane (`GET /api/runners/me/images/...`,
+//! which serves only the images of sandboxes placed on that runner). What a
+//! runner elsewhere does not do yet is refused by name: snapshot layers,
+//! volumes, captures, pauses and forks.
 
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -61,6 +63,18 @@ pub struct RemoteSpec {
     pub network: Option<cove_store::NetworkSettings>,
 }
 
+/// `image` as a path relative to an images directory, if it is a plain one:
+/// not empty, no root, no `.` or `..`. A runner is given its image by such a
+/// path and asks the control plane for it by the same.
+pub fn plain_image(image: &str) -> Option<&Path> {
+    let relative = Path::new(image);
+    let plain = !image.is_empty()
+        && relative
+            .components()
+            .all(|c| matches!(c, Component::Normal(_)));
+    plain.then_some(relative)
+}
+
 impl RemoteSpec {
     /// `spec` for a runner elsewhere, whose images directory has the layout
     /// of `images` (the control plane's). What a runner cannot be given yet
@@ -100,30 +114,30 @@ impl RemoteSpec {
         })
     }
 
+    /// Where the image is under `images`. The image must be a plain
+    /// relative path there ([`plain_image`]).
+    pub fn image_path(&self, images: &Path) -> Result<PathBuf, String> {
+        plain_image(&self.image)
+            .map(|relative| images.join(relative))
+            .ok_or_else(|| {
+                format!(
+                    "image {:?} is not a plain path under the images directory",
+                    self.image
+                )
+            })
+    }
+
     fn to_json(&self) -> serde_json::Value {
         serde_json::to_value(self).expect("a spec of strings and numbers is JSON")
     }
 
     /// The runner's side: the spec of sandbox `id`, its image found under
-    /// `images`. The image must be a plain relative path there (no `..`, no
-    /// root) and exist.
+    /// `images` (where the runner put it, [`RemoteSpec::image_path`]).
     pub fn into_spec(self, id: SandboxId, images: &Path) -> Result<SandboxSpec, String> {
-        let relative = Path::new(&self.image);
-        if self.image.is_empty()
-            || !relative
-                .components()
-                .all(|c| matches!(c, Component::Normal(_)))
-        {
-            return Err(format!(
-                "image {:?} is not a plain path under the images directory",
-                self.image
-            ));
-        }
-        let rootfs = images.join(relative);
+        let rootfs = self.image_path(images)?;
         if !rootfs.is_dir() {
             return Err(format!(
-                "this runner holds no image at {} (its images directory is {}); \
-                 the control plane does not send images to runners yet",
+                "this runner holds no image at {} (its images directory is {})",
                 rootfs.display(),
                 images.display()
             ));
@@ -650,7 +664,9 @@ impl Runtime for Remote {
     }
 
     async fn prepare(&self, spec: &SandboxSpec) -> Result<(), RuntimeError> {
-        self.0.post_spec(spec, "prepare", OPERATION_TIMEOUT).await
+        // The first sandbox of an image there waits for the runner to
+        // fetch the image from this server: as long as a move may take.
+        self.0.post_spec(spec, "prepare", MOVE_TIMEOUT).await
     }
 
     async fn start(&self, spec: &SandboxSpec) -> Result<Started, RuntimeError> {

@@ -15,7 +15,7 @@
 //! does not place sandboxes on it yet (placement names it and says so).
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -444,6 +444,11 @@ fn drives_elsewhere(
     }
 }
 
+/// An image's root filesystem as a tar, as it is written
+/// ([`Runners::image_tar`]).
+pub type ImageTar =
+    std::pin::Pin<Box<dyn futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send>>;
+
 /// Runners as the engine sees them: the operator's view and switches, and
 /// the check-ins of the server's own runner.
 #[derive(Clone)]
@@ -645,6 +650,63 @@ impl Runners {
         tracing::info!(runner = %record.id, name = %record.name, "runner registered by the operator");
         self.shared.set_runner(record.clone());
         Ok((record, token))
+    }
+
+    /// The root filesystem runner `id` asks for by `image`, a path under
+    /// this server's images directory as the runner was given it
+    /// ([`crate::remote::RemoteSpec`]). Only the image of a sandbox placed
+    /// on that runner is served, so a runner's token reaches no other
+    /// organization's snapshots; any other path is
+    /// [`EngineError::ImageNotServed`], whether or not it exists.
+    pub async fn image_for(&self, id: &str, image: &str) -> Result<PathBuf, EngineError> {
+        let not_served = || EngineError::ImageNotServed {
+            image: image.to_owned(),
+        };
+        let relative = crate::remote::plain_image(image).ok_or_else(|| EngineError::Invalid {
+            field: "image",
+            reason: format!("{image:?} is not a plain path under the images directory"),
+        })?;
+        let images = self.shared.config.images.as_ref().ok_or_else(not_served)?;
+        let wanted = images.dir().join(relative);
+        let store = &self.shared.store;
+        for sandbox in store.sandboxes_on_runner(id).await? {
+            let snapshot = store
+                .find_snapshot(Some(&sandbox.organization_id), &sandbox.snapshot)
+                .await?;
+            if snapshot.is_some_and(|s| Path::new(&s.rootfs) == wanted) && wanted.is_dir() {
+                return Ok(wanted);
+            }
+        }
+        Err(not_served())
+    }
+
+    /// [`Runners::image_for`], as the tar a runner unpacks
+    /// (`cove_images::send_rootfs`), written as it is read. A failure while
+    /// writing ends the stream with an error, so an HTTP answer of it is cut
+    /// off rather than ended cleanly: a runner never takes a partial image
+    /// for a whole one.
+    pub async fn image_tar(&self, id: &str, image: &str) -> Result<ImageTar, EngineError> {
+        use futures_util::StreamExt as _;
+        let rootfs = self.image_for(id, image).await?;
+        tracing::info!(runner = %id, image, "sending an image to a runner");
+        let (reader, writer) = tokio::io::duplex(256 << 10);
+        let writer = tokio_util::io::SyncIoBridge::new(writer);
+        let sending =
+            tokio::task::spawn_blocking(move || cove_images::send_rootfs(&rootfs, writer));
+        let (runner, image) = (id.to_owned(), image.to_owned());
+        let ended = futures_util::stream::once(async move {
+            let failure = match sending.await {
+                Ok(Ok(())) => return None,
+                Ok(Err(error)) => crate::error::describe(&error),
+                Err(error) => error.to_string(),
+            };
+            tracing::warn!(%runner, %image, error = %failure, "sending an image to a runner failed");
+            Some(Err(std::io::Error::other(failure)))
+        })
+        .filter_map(std::future::ready);
+        Ok(Box::pin(
+            tokio_util::io::ReaderStream::new(reader).chain(ended),
+        ))
     }
 
     /// The runner `token` belongs to; `None` when it is no runner's.

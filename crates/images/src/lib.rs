@@ -41,6 +41,7 @@ mod progress;
 mod registry;
 mod stack;
 mod store;
+mod transfer;
 mod users;
 
 pub use config::ImageConfig;
@@ -52,4 +53,5 @@ pub use flatten::flatten;
 pub use progress::Progress;
 pub use registry::{normalize_reference, registry_host, Credentials, MAX_CONFIG_BYTES};
 pub use store::{ImageStore, PulledImage};
+pub use transfer::{receive_rootfs, send_rootfs, sweep_incoming};
 pub use users::{image_users, PASSWD_LIMIT};
