@@ -125,7 +125,9 @@ impl Service {
             let mut fetches = self.fetches.lock().unwrap();
             fetches.entry(rootfs.to_owned()).or_default().clone()
         };
-        let _held = gate.lock().await;
+        // Held until the image is in place, even if this answer is given
+        // up (its caller gone): a retry then waits for it, not fetches twice.
+        let held = gate.lock_owned().await;
         if rootfs.is_dir() {
             return Ok(());
         }
@@ -151,8 +153,10 @@ impl Service {
             .map_err(|e| failed(cove_engine::describe(&e)))?;
         let status = response.status();
         if !status.is_success() {
-            let body = response.text().await.unwrap_or_default();
-            let message: String = body.chars().take(500).collect();
+            // The first chunk of its words is enough to say why.
+            let mut response = response;
+            let chunk = response.chunk().await.ok().flatten().unwrap_or_default();
+            let message: String = String::from_utf8_lossy(&chunk).chars().take(500).collect();
             return Err(failed(format!("{status}: {message}")));
         }
         use futures_util::TryStreamExt as _;
@@ -160,7 +164,9 @@ impl Service {
         let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
         let (into, incoming) = (rootfs.to_owned(), self.images.join(INCOMING));
         let bytes = tokio::task::spawn_blocking(move || {
-            cove_images::receive_rootfs(reader, &into, &incoming)
+            let received = cove_images::receive_rootfs(reader, &into, &incoming);
+            drop(held);
+            received
         })
         .await
         .map_err(|e| failed(e.to_string()))?
@@ -371,6 +377,17 @@ fn sandbox(id: &str) -> Result<SandboxId, Refusal> {
     SandboxId::parse(id).map_err(|e| refuse(400, FailureKind::Other, e.to_string()))
 }
 
+/// Whether the path `image` under `images` passes through a symbolic link
+/// there (an image's own link to `/`, say): such a path leads out of the
+/// images directory, and is refused.
+fn through_a_link(images: &std::path::Path, image: &str) -> bool {
+    let mut beneath = images.to_path_buf();
+    std::path::Path::new(image).components().any(|part| {
+        beneath.push(part);
+        beneath.is_symlink()
+    })
+}
+
 /// The runtime's spec of sandbox `id`, its image fetched from the control
 /// plane first if this runner does not hold it yet.
 async fn spec_of(
@@ -380,6 +397,12 @@ async fn spec_of(
 ) -> Result<cove_runtime::SandboxSpec, Refusal> {
     let bad = |message| refuse(400, FailureKind::Other, message);
     let rootfs = spec.image_path(&service.images).map_err(bad)?;
+    if through_a_link(&service.images, &spec.image) {
+        return Err(bad(format!(
+            "image {:?} goes through a symbolic link under the images directory",
+            spec.image
+        )));
+    }
     if !rootfs.is_dir() {
         service.fetch_image(&spec.image, &rootfs).await?;
     }
@@ -640,4 +663,24 @@ async fn agent(
         HeaderValue::from_static(cove_agent_client::RUNNER_TUNNEL_PROTOCOL),
     );
     Ok(response)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::through_a_link;
+
+    /// Attack: a control plane names an image through a link an image the
+    /// runner holds has (to `/`); the runner would look outside its images.
+    #[test]
+    fn an_image_path_through_a_link_is_caught() {
+        let images = tempfile::tempdir().unwrap();
+        let rootfs = images.path().join("debian/rootfs");
+        std::fs::create_dir_all(rootfs.join("etc")).unwrap();
+        std::os::unix::fs::symlink("/", rootfs.join("escape")).unwrap();
+        assert!(through_a_link(images.path(), "debian/rootfs/escape/etc"));
+        assert!(through_a_link(images.path(), "debian/rootfs/escape"));
+        assert!(!through_a_link(images.path(), "debian/rootfs"));
+        assert!(!through_a_link(images.path(), "debian/rootfs/etc"));
+        assert!(!through_a_link(images.path(), "other/rootfs"));
+    }
 }

@@ -444,6 +444,49 @@ fn drives_elsewhere(
     }
 }
 
+/// How many images are sent to one runner at once, and to all of them.
+const IMAGE_SENDS_PER_RUNNER: usize = 2;
+const IMAGE_SENDS: usize = 8;
+
+/// The images being sent to runners: a send waits for a place among
+/// [`IMAGE_SENDS_PER_RUNNER`] for its runner and [`IMAGE_SENDS`] in all,
+/// so no runner holds every thread that sends, however many it asks for.
+pub(crate) struct ImageSends {
+    all: Arc<tokio::sync::Semaphore>,
+    per_runner: std::sync::Mutex<HashMap<String, Arc<tokio::sync::Semaphore>>>,
+}
+
+impl Default for ImageSends {
+    fn default() -> ImageSends {
+        ImageSends {
+            all: Arc::new(tokio::sync::Semaphore::new(IMAGE_SENDS)),
+            per_runner: std::sync::Mutex::default(),
+        }
+    }
+}
+
+impl ImageSends {
+    /// Waits for a place for a send to runner `id`: its runner's first,
+    /// so a runner waiting on its own sends takes no place of the others.
+    async fn take(&self, id: &str) -> [tokio::sync::OwnedSemaphorePermit; 2] {
+        let own = {
+            let mut per_runner = self.per_runner.lock().unwrap();
+            per_runner
+                .entry(id.to_owned())
+                .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(IMAGE_SENDS_PER_RUNNER)))
+                .clone()
+        };
+        let own = own.acquire_owned().await.expect("never closed");
+        let all = self
+            .all
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("never closed");
+        [own, all]
+    }
+}
+
 /// An image's root filesystem as a tar, as it is written
 /// ([`Runners::image_tar`]).
 pub type ImageTar =
@@ -688,11 +731,17 @@ impl Runners {
     pub async fn image_tar(&self, id: &str, image: &str) -> Result<ImageTar, EngineError> {
         use futures_util::StreamExt as _;
         let rootfs = self.image_for(id, image).await?;
+        // Each send holds a blocking thread while its reader is slow: a
+        // runner gets two at a time, and all runners together a few.
+        let permits = self.shared.image_sends.take(id).await;
         tracing::info!(runner = %id, image, "sending an image to a runner");
         let (reader, writer) = tokio::io::duplex(256 << 10);
         let writer = tokio_util::io::SyncIoBridge::new(writer);
-        let sending =
-            tokio::task::spawn_blocking(move || cove_images::send_rootfs(&rootfs, writer));
+        let sending = tokio::task::spawn_blocking(move || {
+            let sent = cove_images::send_rootfs(&rootfs, writer);
+            drop(permits);
+            sent
+        });
         let (runner, image) = (id.to_owned(), image.to_owned());
         let ended = futures_util::stream::once(async move {
             let failure = match sending.await {

@@ -63,6 +63,8 @@ pub(crate) struct Shared {
     /// sandboxes part to take their sandboxes back (`recover_runner`).
     pub(crate) arrivals: tokio::sync::mpsc::UnboundedSender<String>,
     pub(crate) arrived: Mutex<Option<tokio::sync::mpsc::UnboundedReceiver<String>>>,
+    /// Images being sent to runners (`Runners::image_tar`), bounded.
+    pub(crate) image_sends: crate::runners::ImageSends,
 }
 
 impl Shared {
@@ -90,6 +92,7 @@ impl Shared {
             ssh_revocations: tokio::sync::watch::Sender::new(0),
             events: Events::new(),
             metrics: Metrics::default(),
+            image_sends: crate::runners::ImageSends::default(),
         }
     }
 

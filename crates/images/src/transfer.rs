@@ -30,10 +30,18 @@ use tar::{EntryType, Header, HeaderMode};
 
 use crate::error::{io_err, ImageError, Result};
 
+/// A tar's block: its end is two of zeros.
+const TAR_BLOCK: usize = 512;
+
 /// Writes the tree at `rootfs` to `out` as a tar: `./` first, then every
-/// entry below it, each directory's entries in name order.
+/// entry below it, each directory's entries in name order. On a failure
+/// nothing more is written, not even the tar's end: a reader sees a tar
+/// cut off, never a whole one that lacks entries.
 pub fn send_rootfs(rootfs: &Path, out: impl Write) -> Result<()> {
-    let mut builder = tar::Builder::new(out);
+    let mut builder = tar::Builder::new(Stoppable {
+        inner: out,
+        stopped: false,
+    });
     builder.mode(HeaderMode::Complete);
     builder.follow_symlinks(false);
     let mut sender = Sender {
@@ -41,12 +49,35 @@ pub fn send_rootfs(rootfs: &Path, out: impl Write) -> Result<()> {
         builder,
         first_paths: HashMap::new(),
     };
-    sender.entry(Path::new(""))?;
+    if let Err(error) = sender.entry(Path::new("")) {
+        // The builder ends the tar as it is dropped: not this one.
+        sender.builder.get_mut().stopped = true;
+        return Err(error);
+    }
     sender
         .builder
         .into_inner()
         .and_then(|mut out| out.flush())
         .map_err(io_err(rootfs, "finish the tar of"))
+}
+
+/// A writer that refuses every write once `stopped`.
+struct Stoppable<W> {
+    inner: W,
+    stopped: bool,
+}
+
+impl<W: Write> Write for Stoppable<W> {
+    fn write(&mut self, bytes: &[u8]) -> io::Result<usize> {
+        if self.stopped {
+            return Err(io::Error::other("the tar was given up"));
+        }
+        self.inner.write(bytes)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        self.inner.flush()
+    }
 }
 
 struct Sender<'a, W: Write> {
@@ -113,7 +144,12 @@ impl<W: Write> Sender<'_, W> {
     }
 
     fn file(&mut self, header: &mut Header, name: &Path, path: &Path) -> io::Result<()> {
-        let file = fs::File::open(path)?;
+        use std::os::unix::fs::OpenOptionsExt as _;
+        // Whatever took its place since it was read, no link is followed.
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+            .open(path)?;
         // The size the header says is what goes, even if the file changed.
         let size = header.size()?;
         self.builder.append_data(
@@ -198,7 +234,21 @@ pub fn receive_rootfs(reader: impl Read, into: &Path, incoming: &Path) -> Result
         uuid::Uuid::new_v4().simple()
     ));
     fs::create_dir(&partial).map_err(io_err(&partial, "create"))?;
-    let unpacked = crate::layer::unpack(reader, &partial, &label).and_then(|(meta, _)| {
+    let unpacked = crate::layer::unpack(reader, &partial, &label).and_then(|(meta, mut rest)| {
+        // The tar ends with two zero blocks, of which the unpacker read the
+        // first: the second must follow, and then the stream's own end. A
+        // stream that stops early (empty, or cut between two entries) or
+        // breaks (a sender that failed, a connection lost) is refused.
+        let mut end = Vec::new();
+        rest.read_to_end(&mut end).map_err(|e| {
+            ImageError::invalid(&label, format!("the stream broke after the tar: {e}"))
+        })?;
+        if end.len() < TAR_BLOCK || end.iter().any(|&b| b != 0) {
+            return Err(ImageError::invalid(
+                &label,
+                "the stream stopped before the tar's end",
+            ));
+        }
         if meta.external_links.is_empty() {
             Ok(meta.file_bytes)
         } else {
@@ -383,6 +433,74 @@ mod tests {
         }
         assert_eq!(sweep_incoming(scratch.path()), 2);
         assert!(live.is_dir() && !dead.exists() && !unnamed.exists());
+    }
+
+    /// A sender that fails midway (the tree gone under it) ends no tar:
+    /// the receiver takes nothing of it.
+    #[test]
+    fn a_sender_that_fails_ends_no_tar() {
+        let scratch = tempfile::tempdir().unwrap();
+        let mut written = Vec::new();
+        assert!(send_rootfs(&scratch.path().join("gone"), &mut written).is_err());
+        assert!(written.is_empty(), "{} bytes written", written.len());
+        let into = scratch.path().join("images/z/rootfs");
+        let incoming = scratch.path().join("images/.incoming");
+        assert!(receive_rootfs(written.as_slice(), &into, &incoming).is_err());
+        assert!(!into.exists());
+    }
+
+    /// A stream that stops between two entries, with no tar end, is not taken.
+    #[test]
+    fn a_tar_cut_between_entries_is_not_taken() {
+        let scratch = tempfile::tempdir().unwrap();
+        let sent = scratch.path().join("sent");
+        fs::create_dir_all(sent.join("etc")).unwrap();
+        fs::write(sent.join("etc/a"), b"a").unwrap();
+        let mut tar = Vec::new();
+        send_rootfs(&sent, &mut tar).unwrap();
+        // `./`, `etc/` and the file, each a header block (and the file a
+        // block of content), then the two blocks of the end.
+        assert_eq!(tar.len(), 6 * TAR_BLOCK);
+        let into = scratch.path().join("images/v/rootfs");
+        let incoming = scratch.path().join("images/.incoming");
+        for cut in [4, 2, 0] {
+            let error = receive_rootfs(&tar[..cut * TAR_BLOCK], &into, &incoming).unwrap_err();
+            assert!(error.to_string().contains("before the tar's end"), "{cut}: {error}");
+            assert!(!into.exists());
+        }
+        receive_rootfs(tar.as_slice(), &into, &incoming).unwrap();
+        assert_eq!(fs::read(into.join("etc/a")).unwrap(), b"a");
+    }
+
+    /// A whole tar whose stream then breaks (the sender's failure, after
+    /// the tar's end, or a connection lost) is not taken.
+    #[test]
+    fn a_tar_whose_stream_breaks_after_its_end_is_not_taken() {
+        struct ThenBroken<'a>(&'a [u8]);
+        impl Read for ThenBroken<'_> {
+            fn read(&mut self, into: &mut [u8]) -> io::Result<usize> {
+                if self.0.is_empty() {
+                    return Err(io::Error::other("connection reset"));
+                }
+                let n = self.0.read(into)?;
+                Ok(n)
+            }
+        }
+        let scratch = tempfile::tempdir().unwrap();
+        let sent = scratch.path().join("sent");
+        fs::create_dir_all(sent.join("etc")).unwrap();
+        fs::write(sent.join("etc/small"), b"x").unwrap();
+        let mut tar = Vec::new();
+        send_rootfs(&sent, &mut tar).unwrap();
+        let into = scratch.path().join("images/w/rootfs");
+        let incoming = scratch.path().join("images/.incoming");
+        let error = receive_rootfs(ThenBroken(&tar), &into, &incoming).unwrap_err();
+        assert!(error.to_string().contains("connection reset"), "{error}");
+        assert!(!into.exists());
+        assert_eq!(fs::read_dir(&incoming).unwrap().count(), 0);
+        // The same bytes, ended well, are taken.
+        receive_rootfs(tar.as_slice(), &into, &incoming).unwrap();
+        assert_eq!(fs::read(into.join("etc/small")).unwrap(), b"x");
     }
 
     #[test]
