@@ -465,7 +465,10 @@ mod tests {
         let incoming = scratch.path().join("images/.incoming");
         for cut in [4, 2, 0] {
             let error = receive_rootfs(&tar[..cut * TAR_BLOCK], &into, &incoming).unwrap_err();
-            assert!(error.to_string().contains("before the tar's end"), "{cut}: {error}");
+            assert!(
+                error.to_string().contains("before the tar's end"),
+                "{cut}: {error}"
+            );
             assert!(!into.exists());
         }
         receive_rootfs(tar.as_slice(), &into, &incoming).unwrap();
