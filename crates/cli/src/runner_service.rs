@@ -64,6 +64,16 @@ pub(crate) struct Service {
     fetches: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
 }
 
+/// Waits for the gate of `key` among `gates` (made at its first use) and
+/// holds it while the guard lives.
+async fn pass<K: std::hash::Hash + Eq>(
+    gates: &Mutex<HashMap<K, Arc<tokio::sync::Mutex<()>>>>,
+    key: K,
+) -> tokio::sync::OwnedMutexGuard<()> {
+    let gate = gates.lock().unwrap().entry(key).or_default().clone();
+    gate.lock_owned().await
+}
+
 /// The control plane this runner reports to, as an image is fetched from it.
 pub(crate) struct Control {
     /// Its API URL (`…/api`).
@@ -121,13 +131,9 @@ impl Service {
     /// control plane into `rootfs`, unless a fetch before this one, waited
     /// for, already did.
     async fn fetch_image(&self, image: &str, rootfs: &std::path::Path) -> Result<(), Refusal> {
-        let gate = {
-            let mut fetches = self.fetches.lock().unwrap();
-            fetches.entry(rootfs.to_owned()).or_default().clone()
-        };
         // Held until the image is in place, even if this answer is given
         // up (its caller gone): a retry then waits for it, not fetches twice.
-        let held = gate.lock_owned().await;
+        let held = pass(&self.fetches, rootfs.to_owned()).await;
         if rootfs.is_dir() {
             return Ok(());
         }
@@ -183,11 +189,7 @@ impl Service {
     /// Waits for sandbox `id`'s gate (see `gates`) and holds it while the
     /// answer lives.
     async fn enter(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
-        let gate = {
-            let mut gates = self.gates.lock().unwrap();
-            gates.entry(id.to_owned()).or_default().clone()
-        };
-        gate.lock_owned().await
+        pass(&self.gates, id.to_owned()).await
     }
 
     /// Once start `number` of sandbox `id` ended by itself (no stop or
