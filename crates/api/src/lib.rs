@@ -66,6 +66,9 @@ pub struct ApiConfig {
     /// The port of cove's own HTTPS listener (`serve --tls-listen`), where the
     /// SDK uploads build contexts; `None` without one.
     pub tls_port: Option<u16>,
+    /// Every request marks the host busy while it is answered, so the
+    /// runtimes' pools refill between requests rather than during them.
+    pub quiet: cove_quiet::Quiet,
 }
 
 #[derive(Clone)]
@@ -310,5 +313,21 @@ pub fn app(state: AppState) -> Router {
             state.clone(),
             metrics::count_requests,
         ))
+        .layer(axum::middleware::from_fn_with_state(
+            state.config.quiet.clone(),
+            hold_quiet,
+        ))
         .with_state(state)
+}
+
+/// Marks the host busy until the handler answers (a response's streamed
+/// body, or an upgraded connection, does not hold it): background refills
+/// wait for the gap after it (see `cove_quiet`).
+pub async fn hold_quiet(
+    axum::extract::State(quiet): axum::extract::State<cove_quiet::Quiet>,
+    request: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let _busy = quiet.busy();
+    next.run(request).await
 }

@@ -63,6 +63,7 @@ async fn api_in(dir: tempfile::TempDir, tls_port: Option<u16>) -> (Api, Engine) 
         preview_domain: Some("preview.localhost".into()),
         ssh_port: Some(2222),
         tls_port,
+        quiet: Default::default(),
     };
     let api = Api {
         router: app(AppState::new(engine.clone(), config)),

@@ -208,7 +208,10 @@ async fn serve(
     let agent_binary = crate::agent_binary::locate(args.agent_bin.clone())?;
     let data_dir = args.data_dir.canonicalize()?;
     let storage = crate::serve::open_storage(&data_dir, args.storage_size_gib).await?;
+    // The pools refill between the control plane's calls, not during them.
+    let quiet = cove_quiet::Quiet::default();
     let mut config = crate::serve::container_config(&storage, agent_binary)?;
+    config.quiet = quiet.clone();
     config.userns_pool = args.userns_pool;
     config.cgroup_parent = args.cgroup_parent.clone();
     config.shim_pool = args.container_pool;
@@ -228,7 +231,7 @@ async fn serve(
     let network = match args.network.no_network {
         true => None,
         false => Some(Arc::new(
-            crate::serve::open_network(&args.network, &data_dir).await?,
+            crate::serve::open_network(&args.network, &data_dir, &quiet).await?,
         )),
     };
     for id in runtime.sandbox_ids().await? {
@@ -257,7 +260,7 @@ async fn serve(
         },
         key,
     ));
-    let app = crate::runner_service::router(service.clone());
+    let app = crate::runner_service::router(service.clone(), quiet);
     // The listener of `serve`'s API: its header and handshake timeouts and
     // its cap on connections hold here too.
     let tls = tls.map(cove_api::listener::TlsAcceptor::from);

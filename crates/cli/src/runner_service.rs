@@ -285,7 +285,7 @@ impl Service {
     }
 }
 
-pub(crate) fn router(service: Arc<Service>) -> Router {
+pub(crate) fn router(service: Arc<Service>, quiet: cove_quiet::Quiet) -> Router {
     Router::new()
         .route("/sandboxes/{id}/prepare", post(prepare))
         .route("/sandboxes/{id}/start", post(start))
@@ -299,6 +299,10 @@ pub(crate) fn router(service: Arc<Service>) -> Router {
         .layer(axum::middleware::from_fn_with_state(
             service.clone(),
             authorize,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            quiet,
+            cove_api::hold_quiet,
         ))
         .with_state(service)
 }

@@ -471,7 +471,10 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     let storage = open_storage(&data_dir, args.storage_size_gib).await?;
     // Until sandboxes may use it, a failed start unmounts what it mounted.
     let mut unmount_on_error = UnmountOnError(Some(storage.clone()));
+    // The pools refill between requests, not during them.
+    let quiet = cove_quiet::Quiet::default();
     let mut container_config = container_config(&storage, agent_binary)?;
+    container_config.quiet = quiet.clone();
     container_config.userns_pool = args.userns_pool;
     container_config.shim_pool = args.container_pool;
     let agent_for_vms = container_config.agent_binary.clone();
@@ -492,7 +495,9 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
     let network = if args.network.no_network {
         None
     } else {
-        Some(Arc::new(open_network(&args.network, &data_dir).await?))
+        Some(Arc::new(
+            open_network(&args.network, &data_dir, &quiet).await?,
+        ))
     };
     let config = EngineConfig {
         ceilings: Ceilings {
@@ -619,6 +624,7 @@ async fn start(args: ServeArgs) -> anyhow::Result<Serving> {
             preview_domain: args.preview_domain.clone(),
             ssh_port: Some(ssh.local_addr().port()),
             tls_port,
+            quiet,
         },
     ));
     let limits = |max_connections| cove_api::listener::ListenerLimits {
@@ -840,6 +846,7 @@ fn parse_cidr(text: &str) -> Result<cove_net::Ipv4Net, cove_net::PolicyError> {
 pub(crate) async fn open_network(
     args: &NetworkArgs,
     data_dir: &Path,
+    quiet: &cove_quiet::Quiet,
 ) -> anyhow::Result<cove_net::Network> {
     let uplink = match (&args.uplink_interface, args.uplink_gateway) {
         (Some(interface), Some(gateway)) => cove_net::Uplink {
@@ -865,6 +872,7 @@ pub(crate) async fn open_network(
     config.route_table = args.route_table;
     config.rule_priority = args.route_table;
     config.allow_private_egress = args.allow_private_egress.clone();
+    config.quiet = quiet.clone();
     cove_net::Network::new(config)
         .await
         .context("setting up the sandbox network (needs nftables; or pass --no-network)")

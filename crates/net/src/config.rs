@@ -83,6 +83,9 @@ pub struct NetworkConfig {
     /// the operator opens to sandboxes; each sandbox's policy still applies
     /// to them. Empty: all of it is closed (see `closed`).
     pub allow_private_egress: Vec<Ipv4Net>,
+    /// The pool refills a namespace only once requests leave the host quiet
+    /// (or the pool is empty).
+    pub quiet: cove_quiet::Quiet,
 }
 
 impl NetworkConfig {
@@ -99,6 +102,7 @@ impl NetworkConfig {
             rule_priority: 7700,
             netns_pool: 4,
             allow_private_egress: Vec::new(),
+            quiet: cove_quiet::Quiet::default(),
         }
     }
 

@@ -142,6 +142,7 @@ struct PoolInner {
     config: NetworkConfig,
     bridge_index: u32,
     next_name: AtomicU32,
+    refill: cove_quiet::Refill,
     state: Mutex<PoolState>,
 }
 
@@ -169,6 +170,7 @@ impl Pool {
                 config,
                 bridge_index,
                 next_name: AtomicU32::new(0),
+                refill: cove_quiet::Refill::default(),
                 state: Mutex::default(),
             }),
         };
@@ -180,7 +182,14 @@ impl Pool {
     /// caller refills the pool when it is done: making a namespace holds the
     /// kernel's rtnl lock, which every step of an attach also needs.
     pub(crate) async fn take(&self) -> Result<Namespace, NetError> {
-        let ready = self.inner.lock().ready.pop();
+        let ready = {
+            let mut state = self.inner.lock();
+            let ready = state.ready.pop();
+            if ready.is_some() && state.ready.is_empty() {
+                self.inner.refill.emptied();
+            }
+            ready
+        };
         match ready {
             Some(namespace) => Ok(namespace),
             None => self.inner.make().await,
@@ -226,7 +235,11 @@ impl Pool {
         let inner = Arc::clone(&self.inner);
         tokio::spawn(async move {
             loop {
-                // One at a time: a refill should not compete with attaches.
+                // One at a time, and once requests leave the host quiet: a
+                // refill should not compete with attaches. An empty pool
+                // refills at once, since its next attach makes one anyway.
+                let is_empty = || inner.lock().ready.is_empty();
+                inner.refill.turn(&inner.config.quiet, is_empty).await;
                 let made = inner.make().await;
                 let unwanted = {
                     let mut state = inner.lock();

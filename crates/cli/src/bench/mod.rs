@@ -105,6 +105,12 @@ pub(crate) struct BenchArgs {
     /// of containers; host memory is then the PSS of their QEMU processes.
     #[arg(long)]
     pub vm: bool,
+    /// Idle time between the create scenario's runs, in milliseconds: with
+    /// 0 each create follows the last one's delete at once, and the
+    /// server's background work (its pools' refills, the last sandbox's
+    /// teardown) shares the cores with it.
+    #[arg(long, default_value_t = 0)]
+    pub gap_ms: u64,
 }
 
 /// What one scenario measured: times of each run in milliseconds, and extra
@@ -161,7 +167,10 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
         (None, None) => unreachable!("a server is started when no URL is given"),
     };
     let measured = match args.scenario {
-        Scenario::Create => scenarios::create_to_first_command(&client, args.n).await,
+        Scenario::Create => {
+            let gap = std::time::Duration::from_millis(args.gap_ms);
+            scenarios::create_to_first_command(&client, args.n, gap).await
+        }
         Scenario::Exec => scenarios::exec_round_trip(&client, args.n).await,
         Scenario::Files => {
             let size = args.size_mb << 20;
@@ -256,9 +265,10 @@ pub(crate) async fn run(args: BenchArgs) -> anyhow::Result<()> {
 /// Creates on this (networked) server, then on one of its own without
 /// networking; reports the networked samples and the difference of medians.
 async fn network_cost(client: &Client, args: &BenchArgs) -> anyhow::Result<Measurement> {
-    let mut with = scenarios::create_to_first_command(client, args.n).await?;
+    let gap = std::time::Duration::from_millis(args.gap_ms);
+    let mut with = scenarios::create_to_first_command(client, args.n, gap).await?;
     let bare = own_server::OwnServer::start(&args.images_dir, &["--no-network", "--no-vm"]).await?;
-    let without = scenarios::create_to_first_command(&bare.client(), args.n).await;
+    let without = scenarios::create_to_first_command(&bare.client(), args.n, gap).await;
     bare.stop().await?;
     let mut without = without?;
     let (with_median, ..) = summarize(&mut with.samples.clone());

@@ -66,6 +66,7 @@ fn ms_since(started: Instant) -> f64 {
 pub(super) async fn create_to_first_command(
     client: &Client,
     n: usize,
+    gap: std::time::Duration,
 ) -> anyhow::Result<Measurement> {
     // One unmeasured run warms caches (the image's pages, connections).
     let warm = create_sandbox(client).await?;
@@ -75,6 +76,7 @@ pub(super) async fn create_to_first_command(
     // The two halves, so a change shows on which side of the answer it acts.
     let (mut creates, mut first_commands) = (Vec::with_capacity(n), Vec::with_capacity(n));
     for _ in 0..n {
+        tokio::time::sleep(gap).await;
         let started = Instant::now();
         let sandbox = create_sandbox(client).await?;
         creates.push(ms_since(started));

@@ -104,6 +104,7 @@ impl World {
             rule_priority: 7000 + n,
             netns_pool: 2,
             allow_private_egress: Vec::new(),
+            quiet: Default::default(),
         };
         let mut world = Self {
             tag,

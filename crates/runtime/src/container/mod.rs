@@ -87,6 +87,9 @@ pub struct ContainerConfig {
     /// How many shims wait, in cgroups of their own, for the next starts (see
     /// `pool`); 0 makes each on the request path. Ignored on cgroup v2.
     pub shim_pool: usize,
+    /// The pool refills a shim only once requests leave the host quiet (or
+    /// the pool is empty).
+    pub quiet: cove_quiet::Quiet,
 }
 
 impl ContainerConfig {
@@ -101,6 +104,7 @@ impl ContainerConfig {
             storage: None,
             userns_pool: IdPool::default(),
             shim_pool: 0,
+            quiet: cove_quiet::Quiet::default(),
         }
     }
 }
@@ -175,7 +179,7 @@ impl ContainerRuntime {
         } else {
             0
         };
-        let pool = ShimPool::new(target, Arc::clone(&maker));
+        let pool = ShimPool::new(target, Arc::clone(&maker), config.quiet.clone());
         Ok(Self {
             ids: Arc::new(userns::IdRanges::new(config.userns_pool)),
             config,

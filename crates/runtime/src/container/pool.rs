@@ -317,6 +317,8 @@ pub(super) struct ShimPool {
 struct PoolInner {
     target: usize,
     maker: Arc<ShimMaker>,
+    quiet: cove_quiet::Quiet,
+    refill: cove_quiet::Refill,
     state: Mutex<PoolState>,
 }
 
@@ -328,11 +330,13 @@ struct PoolState {
 }
 
 impl ShimPool {
-    pub(super) fn new(target: usize, maker: Arc<ShimMaker>) -> Self {
+    pub(super) fn new(target: usize, maker: Arc<ShimMaker>, quiet: cove_quiet::Quiet) -> Self {
         Self {
             inner: Arc::new(PoolInner {
                 target,
                 maker,
+                quiet,
+                refill: cove_quiet::Refill::default(),
                 state: Mutex::default(),
             }),
         }
@@ -342,7 +346,12 @@ impl ShimPool {
     /// its start is done: placing a new shim in its cgroups holds the kernel's
     /// cgroup lock for a grace period, and the start should not wait on it.
     pub(super) fn take(&self) -> Option<WaitingShim> {
-        self.inner.lock().ready.pop()
+        let mut state = self.inner.lock();
+        let shim = state.ready.pop();
+        if shim.is_some() && state.ready.is_empty() {
+            self.inner.refill.emptied();
+        }
+        shim
     }
 
     /// How many shims wait ready.
@@ -377,6 +386,12 @@ impl ShimPool {
         // spawned it, and runtime workers live as long as the server.
         tokio::spawn(async move {
             loop {
+                // Once requests leave the host quiet: placing the shim in its
+                // cgroups holds the kernel's cgroup lock for a grace period,
+                // and its spawn takes a core. An empty pool refills at once,
+                // since its next start spawns a shim anyway.
+                let is_empty = || inner.lock().ready.is_empty();
+                inner.refill.turn(&inner.quiet, is_empty).await;
                 let made = inner.maker.make_for_pool().await;
                 let unwanted = {
                     let mut state = inner.lock();
