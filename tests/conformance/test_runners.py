@@ -1124,3 +1124,78 @@ def test_sixty_creates_spread_over_three_runners_and_one_killed_comes_back_as_it
             except Exception:
                 pass
         end_all(processes, server, [data_dir, *dirs], parents)
+
+
+def test_a_snapshot_taken_from_a_sandbox_runs_on_a_runner_that_fetches_its_layers(tmp_path):
+    """A snapshot taken of a sandbox on the control plane's own runner,
+    then taken again of a sandbox made from it, is two captured layers over
+    the image. A sandbox of the second, placed on a runner elsewhere that
+    holds neither, runs there: the runner fetches each layer from the
+    control plane (`GET /runners/me/layers/{capture}`, its own token) onto
+    its storage, so the sandbox has every file written in either sandbox,
+    and a file deleted in the first stays deleted. The route serves a runner
+    only the layers of sandboxes placed on it: before one, its token gets a
+    404, an API key a 401, and a name that is no capture id a 400."""
+    server_images, runner_images = tmp_path / "control", tmp_path / "runner"
+    home = tiny_default_image(server_images) / "home" / "daytona"
+    (home / "note").write_text("from the image\n")
+    (home / "kept").write_text("kept\n")
+    for name in ("note", "kept"):
+        os.chown(home / name, 1000, 1000)
+    with beside_one_runner(server_images=server_images, runner_images=runner_images) as one:
+        server = one.server
+        daytona = server.client()
+        as_runner = {"Authorization": f"Bearer {one.token}"}
+        admin(server, "drain", one.local, "--undo")
+        admin(server, "drain", one.runner_id)
+
+        first = daytona.create(CreateSandboxFromSnapshotParams(name=unique("first")), timeout=120)
+        assert first.runner_id == one.local
+        made = first.process.exec("echo one > ~/one && rm ~/note && mkdir -p ~/made")
+        assert made.exit_code == 0, made.result
+        lower = unique("lower")
+        first.create_snapshot(lower)
+        second = daytona.create(CreateSandboxFromSnapshotParams(snapshot=lower, name=unique("second")),
+                                timeout=120)
+        assert second.runner_id == one.local
+        assert second.process.exec("cat ~/one").result == "one\n"
+        made = second.process.exec("echo two > ~/made/two")
+        assert made.exit_code == 0, made.result
+        upper = unique("upper")
+        second.create_snapshot(upper)
+        captures = [daytona.snapshot.get(name).id for name in (upper, lower)]
+
+        for capture in captures:
+            r = server.request("GET", f"/runners/me/layers/{capture}", auth=False, headers=as_runner)
+            assert r.status_code == 404, r.text
+            assert "no sandbox placed on this runner uses the captured layer" in r.json()["message"]
+            r = server.request("GET", f"/runners/me/layers/{capture}")
+            assert r.status_code == 401, r.text
+        r = server.request("GET", "/runners/me/layers/..%2F..%2Fetc", auth=False, headers=as_runner)
+        assert r.status_code == 400, r.text
+
+        admin(server, "drain", one.local)
+        admin(server, "drain", one.runner_id, "--undo")
+        moved = daytona.create(CreateSandboxFromSnapshotParams(snapshot=upper, name=unique("moved")),
+                               timeout=120)
+        assert moved.runner_id == one.runner_id
+        assert moved.process.exec("cat ~/one ~/made/two").result == "one\ntwo\n"
+        gone = moved.process.exec("test -e ~/note || echo gone")
+        assert gone.result.strip() == "gone", gone.result
+        assert moved.process.exec("cat ~/kept").result == "kept\n"
+        # Each layer is on the runner's storage, whole, and nothing is left mid-way.
+        storage = Path(one.runner_dir) / "storage"
+        for capture in captures:
+            assert (storage / "captures" / capture / "upper").is_dir(), capture
+        assert list((storage / "captures" / ".incoming").glob("*")) == []
+        # Its token now gets them, and still no other.
+        r = server.request("GET", f"/runners/me/layers/{captures[0]}", auth=False, headers=as_runner)
+        assert r.status_code == 200, r.text
+        assert len(r.content) > 0
+        r = server.request("GET", f"/runners/me/layers/{uuid.uuid4()}", auth=False, headers=as_runner)
+        assert r.status_code == 404, r.text
+
+        for sandbox in (moved, second, first):
+            daytona.delete(sandbox)
+        for name in (upper, lower):
+            daytona.snapshot.delete(daytona.snapshot.get(name))

@@ -298,6 +298,7 @@ pub fn app(state: AppState) -> Router {
         )
         .route("/api/runners/healthcheck", post(runners::healthcheck))
         .route("/api/runners/me/images/{*image}", get(runners::image))
+        .route("/api/runners/me/layers/{capture}", get(runners::layer))
         .merge(with_key)
         // Tells the counting layer below which route template matched.
         .route_layer(axum::middleware::from_fn(metrics::name_route))

@@ -87,6 +87,12 @@ pub(crate) const OPERATIONS: &[Operation] = &[
         "The root filesystem of an image a sandbox placed on the calling runner uses, as a tar, by its runner token",
     ),
     op(
+        "GET",
+        "/runners/me/layers/{capture}",
+        "runners",
+        "A captured layer of the snapshot a sandbox placed on the calling runner uses, as a btrfs send stream, by its runner token",
+    ),
+    op(
         "POST",
         "/runners/healthcheck",
         "runners",

@@ -68,7 +68,7 @@ pub(crate) fn need(method: &Method, route: &str) -> Need {
         "/snapshots/import" => Operator,
         _ if rest.starts_with("/admin/") => Operator,
         // The server's machines, not an organization's. (What a runner
-        // itself calls, `/runners/me`, `/runners/me/images/...` and
+        // itself calls, `/runners/me`, `/runners/me/images/...`, `.../layers/...` and
         // `/runners/healthcheck`, is routed
         // outside the key layer and takes its runner token instead.)
         _ if rest == "/runners" || rest.starts_with("/runners/") => Operator,

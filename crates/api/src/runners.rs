@@ -2,10 +2,10 @@
 //! shape, and the operator's switches that keep new sandboxes off one
 //! (`PATCH .../scheduling`, `PATCH .../draining`). Runners are the server's,
 //! not an organization's: these routes are the operator's
-//! (`permissions.rs`), but for the two a runner on another machine calls
+//! (`permissions.rs`), but for those a runner on another machine calls
 //! with its own token (`GET /runners/me`, `POST /runners/healthcheck`,
-//! `GET /runners/me/images/{*image}`), which sit outside the API key layer
-//! and take nothing else.
+//! `GET /runners/me/images/{*image}`, `GET /runners/me/layers/{capture}`),
+//! which sit outside the API key layer and take nothing else.
 
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{FromRequestParts, Path, Query, RawQuery, State};
@@ -331,6 +331,28 @@ pub(crate) async fn image(
     Ok((
         [(axum::http::header::CONTENT_TYPE, "application/x-tar")],
         axum::body::Body::from_stream(tar),
+    )
+        .into_response())
+}
+
+/// `GET /runners/me/layers/{capture}`: a captured layer of the snapshot a
+/// sandbox placed on the calling runner starts from, by its capture id, as
+/// the `btrfs send` stream the runner receives onto its own storage
+/// (cove's). Any other capture is a 404, whether or not it exists.
+pub(crate) async fn layer(
+    State(state): State<AppState>,
+    caller: RunnerCaller,
+    Path(capture): Path<String>,
+) -> Result<axum::response::Response, ApiError> {
+    use axum::response::IntoResponse as _;
+    let stream = state
+        .engine
+        .runners()
+        .layer_send(&caller.record.id, &capture)
+        .await?;
+    Ok((
+        [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
+        axum::body::Body::from_stream(stream),
     )
         .into_response())
 }

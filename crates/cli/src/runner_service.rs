@@ -186,6 +186,53 @@ impl Service {
         Ok(())
     }
 
+    /// Fetches captured layer `capture` from the control plane onto this
+    /// runner's storage, unless a fetch before this one, waited for,
+    /// already did.
+    async fn fetch_layer(&self, capture: &str) -> Result<(), Refusal> {
+        let layer = self.runtime.captured_layer(capture);
+        let held = pass(&self.fetches, layer.clone()).await;
+        if layer.is_dir() {
+            return Ok(());
+        }
+        let failed = |why: String| {
+            refuse(
+                500,
+                FailureKind::Other,
+                format!("fetching captured layer {capture} from the control plane: {why}"),
+            )
+        };
+        let url = format!("{}/runners/me/layers/{capture}", self.control.url);
+        let began = std::time::Instant::now();
+        let response = (self.control.http.get(url))
+            .bearer_auth(&self.control.token)
+            .timeout(FETCH_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| failed(cove_engine::describe(&e)))?;
+        let status = response.status();
+        if !status.is_success() {
+            let mut response = response;
+            let chunk = response.chunk().await.ok().flatten().unwrap_or_default();
+            let message: String = String::from_utf8_lossy(&chunk).chars().take(500).collect();
+            return Err(failed(format!("{status}: {message}")));
+        }
+        use futures_util::TryStreamExt as _;
+        let stream = response.bytes_stream().map_err(std::io::Error::other);
+        let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
+        // Whole or not at all: a stream cut short fails `btrfs receive`
+        // (its end command is missing), and nothing is moved into place.
+        let received = self.runtime.receive_capture(capture, reader).await;
+        drop(held);
+        received.map_err(|e| failed(cove_engine::describe(&e)))?;
+        tracing::info!(
+            capture,
+            took_ms = began.elapsed().as_millis() as u64,
+            "fetched a captured layer from the control plane"
+        );
+        Ok(())
+    }
+
     /// Waits for sandbox `id`'s gate (see `gates`) and holds it while the
     /// answer lives.
     async fn enter(&self, id: &str) -> tokio::sync::OwnedMutexGuard<()> {
@@ -412,7 +459,17 @@ async fn spec_of(
     if !rootfs.is_dir() {
         service.fetch_image(&spec.image, &rootfs).await?;
     }
-    spec.into_spec(id, &service.images).map_err(bad)
+    for capture in &spec.layers {
+        if !cove_engine::remote::plain_capture(capture) {
+            return Err(bad(format!("{capture:?} is not a capture id")));
+        }
+        service.fetch_layer(capture).await?;
+    }
+    let runtime = &service.runtime;
+    spec.into_spec(id, &service.images, |capture| {
+        runtime.captured_layer(capture)
+    })
+    .map_err(bad)
 }
 
 async fn prepare(

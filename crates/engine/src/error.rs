@@ -118,6 +118,13 @@ pub enum EngineError {
         "no sandbox placed on this runner uses the image at {image} under the images directory"
     )]
     ImageNotServed { image: String },
+    /// A runner asked for a captured layer no sandbox placed on it uses:
+    /// the same answer whether or not the capture exists.
+    #[error("no sandbox placed on this runner uses the captured layer {capture}")]
+    LayerNotServed { capture: String },
+    /// The captured layer a runner asked for could not be sent.
+    #[error("cannot send captured layer {capture}: {reason}")]
+    LayerSend { capture: String, reason: String },
     #[error("a runner named {name} already exists")]
     RunnerTaken { name: String },
     /// A runner that cannot be deleted: the server's own, or one holding
@@ -309,6 +316,7 @@ impl EngineError {
             | Self::OrganizationNotFound { .. }
             | Self::RunnerNotFound { .. }
             | Self::ImageNotServed { .. }
+            | Self::LayerNotServed { .. }
             | Self::OnNoRunner { .. }
             | Self::SignedPreviewNotFound { .. } => ErrorKind::NotFound,
             Self::Forbidden { .. } | Self::QuotaExceeded { .. } => ErrorKind::Forbidden,
@@ -362,7 +370,8 @@ impl EngineError {
             | Self::VolumeStorage { .. }
             | Self::Task { .. }
             | Self::Store(_)
-            | Self::Io { .. } => ErrorKind::Internal,
+            | Self::Io { .. }
+            | Self::LayerSend { .. } => ErrorKind::Internal,
         }
     }
 }

@@ -16,9 +16,11 @@
 //! so a sandbox's bytes never pass through the control plane. An image is
 //! named by its path under the images directory; a runner that does not hold
 //! it fetches it from the control plane (`GET /api/runners/me/images/...`,
-//! which serves only the images of sandboxes placed on that runner). What a
-//! runner elsewhere does not do yet is refused by name: snapshot layers,
-//! volumes, captures, pauses and forks.
+//! which serves only the images of sandboxes placed on that runner), and
+//! likewise the captured layers of a snapshot taken from a sandbox, named
+//! by their capture ids (`GET /api/runners/me/layers/{capture}`). What a
+//! runner elsewhere does not do yet is refused by name: volumes, captures,
+//! pauses and forks.
 
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -61,6 +63,26 @@ pub struct RemoteSpec {
     /// start without one rather than open the default).
     #[serde(default)]
     pub network: Option<cove_store::NetworkSettings>,
+    /// The captured layers over the image, topmost first, by capture id:
+    /// each is `captures/{id}/upper` on the runner's storage, as on the
+    /// control plane's.
+    #[serde(default)]
+    pub layers: Vec<String>,
+}
+
+/// The capture id of a captured layer, `.../captures/{id}/upper` (where a
+/// container runtime keeps it), if `layer` is one.
+pub fn capture_of_layer(layer: &Path) -> Option<&str> {
+    let capture = layer.parent()?;
+    let id = capture.file_name()?.to_str()?;
+    let captures = capture.parent()?.file_name()?;
+    (layer.file_name()? == "upper" && captures == "captures" && plain_capture(id)).then_some(id)
+}
+
+/// Whether `id` can name a capture: a runner puts it in a path, so only
+/// letters, digits and dashes (the control plane's are UUIDs).
+pub fn plain_capture(id: &str) -> bool {
+    !id.is_empty() && id.len() <= 64 && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-')
 }
 
 /// `image` as a path relative to an images directory, if it is a plain one:
@@ -85,9 +107,12 @@ impl RemoteSpec {
             what: what.to_owned(),
             why: format!("on runner {runner}, on another machine, yet"),
         };
-        if !spec.layers.is_empty() {
-            return Err(refuse("a snapshot taken from a sandbox"));
-        }
+        let layers = spec
+            .layers
+            .iter()
+            .map(|layer| capture_of_layer(layer).map(str::to_owned))
+            .collect::<Option<Vec<_>>>()
+            .ok_or_else(|| refuse("a layer that is not a container's capture"))?;
         if !spec.volumes.is_empty() {
             return Err(refuse("volumes"));
         }
@@ -111,6 +136,7 @@ impl RemoteSpec {
             user: spec.user.clone(),
             command: spec.command.clone(),
             network: None,
+            layers,
         })
     }
 
@@ -132,8 +158,14 @@ impl RemoteSpec {
     }
 
     /// The runner's side: the spec of sandbox `id`, its image found under
-    /// `images` (where the runner put it, [`RemoteSpec::image_path`]).
-    pub fn into_spec(self, id: SandboxId, images: &Path) -> Result<SandboxSpec, String> {
+    /// `images` (where the runner put it, [`RemoteSpec::image_path`]) and
+    /// each captured layer where `layer` says it is.
+    pub fn into_spec(
+        self,
+        id: SandboxId,
+        images: &Path,
+        layer: impl Fn(&str) -> PathBuf,
+    ) -> Result<SandboxSpec, String> {
         let rootfs = self.image_path(images)?;
         if !rootfs.is_dir() {
             return Err(format!(
@@ -152,6 +184,13 @@ impl RemoteSpec {
         spec.workdir = self.workdir;
         spec.user = self.user;
         spec.command = self.command;
+        for capture in &self.layers {
+            let path = layer(capture);
+            if !plain_capture(capture) || !path.is_dir() {
+                return Err(format!("this runner holds no captured layer {capture:?}"));
+            }
+            spec.layers.push(path);
+        }
         Ok(spec)
     }
 }
@@ -770,10 +809,75 @@ mod tests {
         assert_eq!(remote.image, "debian/rootfs");
         let on_runner = remote
             .clone()
-            .into_spec(SandboxId::parse("sbx-1").unwrap(), images.path())
+            .into_spec(SandboxId::parse("sbx-1").unwrap(), images.path(), no_layer)
             .unwrap();
         assert_eq!(on_runner.rootfs, images.path().join("debian/rootfs"));
         assert_eq!(on_runner.resources, on_control.resources);
+    }
+
+    fn no_layer(capture: &str) -> PathBuf {
+        panic!("asked for layer {capture} of a spec with none")
+    }
+
+    #[test]
+    fn captured_layers_go_by_capture_id_and_are_found_where_the_runner_keeps_them() {
+        let (images, captures) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        std::fs::create_dir_all(images.path().join("debian/rootfs")).unwrap();
+        let mut on_control = spec("/var/images/debian/rootfs");
+        on_control.layers = vec![
+            "/srv/storage/captures/2f1c-b/upper".into(),
+            "/srv/storage/captures/0a9e-a/upper".into(),
+        ];
+        let remote = RemoteSpec::of(&on_control, Path::new("/var/images"), "r1").unwrap();
+        assert_eq!(remote.layers, ["2f1c-b", "0a9e-a"]);
+        let layer = |capture: &str| captures.path().join(capture).join("upper");
+        let error = (remote.clone())
+            .into_spec(SandboxId::parse("sbx-1").unwrap(), images.path(), layer)
+            .unwrap_err();
+        assert!(
+            error.contains("holds no captured layer \"2f1c-b\""),
+            "{error}"
+        );
+        for capture in ["2f1c-b", "0a9e-a"] {
+            std::fs::create_dir_all(layer(capture)).unwrap();
+        }
+        let on_runner = remote
+            .into_spec(SandboxId::parse("sbx-1").unwrap(), images.path(), layer)
+            .unwrap();
+        assert_eq!(on_runner.layers, [layer("2f1c-b"), layer("0a9e-a")]);
+    }
+
+    /// Attack: a control plane (or whoever took its place) names a layer
+    /// that would leave where the runner keeps its captures.
+    #[test]
+    fn a_capture_id_that_is_not_plain_is_refused() {
+        let images = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(images.path().join("debian/rootfs")).unwrap();
+        for capture in ["..", "../../etc", "a/b", "", "x\0"] {
+            let mut remote = RemoteSpec::of(
+                &spec("/var/images/debian/rootfs"),
+                Path::new("/var/images"),
+                "r1",
+            )
+            .unwrap();
+            remote.layers = vec![capture.into()];
+            let error = remote
+                .into_spec(SandboxId::parse("sbx-1").unwrap(), images.path(), |c| {
+                    images.path().join(c)
+                })
+                .unwrap_err();
+            assert!(
+                error.contains("holds no captured layer"),
+                "{capture}: {error}"
+            );
+        }
+        for layer in [
+            "/srv/storage/captures/../upper",
+            "/srv/other/x/upper",
+            "/srv/captures/x/lower",
+        ] {
+            assert_eq!(capture_of_layer(Path::new(layer)), None, "{layer}");
+        }
     }
 
     /// Attack: a control plane (or whoever took its place) names an image
@@ -793,9 +897,10 @@ mod tests {
                 user: None,
                 command: Vec::new(),
                 network: None,
+                layers: Vec::new(),
             };
             let error = remote
-                .into_spec(SandboxId::parse("sbx-1").unwrap(), images.path())
+                .into_spec(SandboxId::parse("sbx-1").unwrap(), images.path(), no_layer)
                 .unwrap_err();
             assert!(error.contains("not a plain path"), "{image}: {error}");
         }
@@ -804,12 +909,12 @@ mod tests {
     #[test]
     fn what_a_runner_elsewhere_cannot_be_given_yet_is_refused_by_name() {
         let mut layered = spec("/var/images/debian/rootfs");
-        layered.layers.push("/var/captures/one".into());
+        layered.layers.push("/var/vm/one/disk.qcow2".into());
         let error = RemoteSpec::of(&layered, Path::new("/var/images"), "r1").unwrap_err();
         assert!(
             error
                 .to_string()
-                .contains("a snapshot taken from a sandbox"),
+                .contains("a layer that is not a container's capture"),
             "{error}"
         );
         let elsewhere = spec("/opt/rootfs");

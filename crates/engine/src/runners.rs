@@ -758,6 +758,81 @@ impl Runners {
         ))
     }
 
+    /// The subvolume of captured layer `capture` (a capture id), if a
+    /// sandbox placed on runner `id` is of a snapshot that has it; any
+    /// other is [`EngineError::LayerNotServed`], whether or not it exists.
+    pub async fn layer_for(&self, id: &str, capture: &str) -> Result<PathBuf, EngineError> {
+        if !crate::remote::plain_capture(capture) {
+            return Err(EngineError::Invalid {
+                field: "capture",
+                reason: format!("{capture:?} is not a capture id"),
+            });
+        }
+        let store = &self.shared.store;
+        for sandbox in store.sandboxes_on_runner(id).await? {
+            let Some(snapshot) = store
+                .find_snapshot(Some(&sandbox.organization_id), &sandbox.snapshot)
+                .await?
+            else {
+                continue;
+            };
+            let layer = (snapshot.layers.iter().map(Path::new))
+                .find(|layer| crate::remote::capture_of_layer(layer) == Some(capture));
+            if let Some(subvolume) = layer.and_then(Path::parent).filter(|s| s.is_dir()) {
+                return Ok(subvolume.to_owned());
+            }
+        }
+        Err(EngineError::LayerNotServed {
+            capture: capture.to_owned(),
+        })
+    }
+
+    /// [`Runners::layer_for`], as the `btrfs send` stream a runner receives
+    /// (owners, modes, extended attributes and overlayfs whiteouts kept),
+    /// written as it is read. A send that fails ends the stream with an
+    /// error, so its HTTP answer is cut off, never ended cleanly; a reader
+    /// that goes away ends the send.
+    pub async fn layer_send(&self, id: &str, capture: &str) -> Result<ImageTar, EngineError> {
+        use futures_util::StreamExt as _;
+        let subvolume = self.layer_for(id, capture).await?;
+        let permits = self.shared.image_sends.take(id).await;
+        let failed = |reason: String| EngineError::LayerSend {
+            capture: capture.to_owned(),
+            reason,
+        };
+        let command = cove_runtime::storage::Storage::send_command(&subvolume)
+            .map_err(|e| failed(e.to_string()))?;
+        let mut child = tokio::process::Command::from(command)
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| failed(e.to_string()))?;
+        let stdout = child.stdout.take().expect("stdout is piped");
+        tracing::info!(runner = %id, capture, "sending a captured layer to a runner");
+        let (runner, capture) = (id.to_owned(), capture.to_owned());
+        let ended = futures_util::stream::once(async move {
+            let output = child.wait_with_output().await;
+            drop(permits);
+            let failure = match output {
+                Ok(output) if output.status.success() => return None,
+                Ok(output) => format!(
+                    "btrfs send {}: {}",
+                    output.status,
+                    String::from_utf8_lossy(&output.stderr).trim()
+                ),
+                Err(error) => error.to_string(),
+            };
+            tracing::warn!(%runner, %capture, error = %failure, "sending a captured layer to a runner failed");
+            Some(Err(std::io::Error::other(failure)))
+        })
+        .filter_map(std::future::ready);
+        Ok(Box::pin(
+            tokio_util::io::ReaderStream::new(stdout).chain(ended),
+        ))
+    }
+
     /// The runner `token` belongs to; `None` when it is no runner's.
     pub async fn authenticate(&self, token: &str) -> Result<Option<RunnerRecord>, EngineError> {
         if !token.starts_with(RUNNER_TOKEN_PREFIX) {

@@ -365,6 +365,15 @@ impl Storage {
             .arg(source))
     }
 
+    /// The command that writes the read-only subvolume `source` to its
+    /// standard output as `send` writes it to a file, for a caller that
+    /// streams it (a captured layer going to a runner).
+    pub fn send_command(source: &Path) -> Result<Command, StorageError> {
+        let mut command = Command::new(tool(BTRFS)?);
+        command.args(["send", "-q"]).arg(source);
+        Ok(command)
+    }
+
     /// Rebuilds a subvolume from a stream `send` wrote, inside the directory
     /// `into` (on this storage), and returns it: read-only, named as the one sent.
     pub fn receive(&self, src: &Path, into: &Path) -> Result<PathBuf, StorageError> {
@@ -374,8 +383,10 @@ impl Storage {
             .map_err(io(into, "list"))?
             .filter_map(|e| e.ok().map(|e| e.file_name()))
             .collect();
+        // Confined to `into` (chroot): a stream names paths, and one read
+        // from an archive every runner can write must not reach outside.
         run(Command::new(btrfs)
-            .args(["receive", "-q", "-f"])
+            .args(["receive", "-q", "--chroot", "-f"])
             .arg(src)
             .arg(into))?;
         fs::read_dir(into)

@@ -195,8 +195,10 @@ impl Sandboxes {
         // Last, once the request is known to be good: a refusal here says
         // only that no runner can take it now.
         let mut need = Need::of(&record);
-        if !snapshot.layers.is_empty() {
-            need.here_only = need.here_only.or(Some("a snapshot taken from a sandbox"));
+        // A runner elsewhere fetches a captured layer from this server
+        // (`Runners::layer_send`), but not a capture's memory.
+        if snapshot.has_memory {
+            need.here_only = need.here_only.or(Some("a snapshot with memory"));
         }
         record.runner_id = Some(self.shared.place(need, None)?);
         Ok(record)

@@ -251,6 +251,63 @@ impl ContainerRuntime {
         storage_root.join("captures").join(capture_id)
     }
 
+    /// The layer of capture `capture_id`: what a sandbox of a snapshot
+    /// taken from a sandbox mounts under its own (`SandboxSpec::layers`).
+    pub fn captured_layer(&self, capture_id: &str) -> PathBuf {
+        self.capture_dir(capture_id).join("upper")
+    }
+
+    /// Makes capture `capture_id` here from the `btrfs send` stream of
+    /// another host's (a runner given a snapshot taken on the control
+    /// plane): received under `captures/.incoming`, put in place only
+    /// once whole, and deleted when anything fails. Answers its layer. A
+    /// capture already here is kept as it is.
+    pub async fn receive_capture(
+        &self,
+        capture_id: &str,
+        mut stream: impl std::io::Read + Send + 'static,
+    ) -> Result<PathBuf, RuntimeError> {
+        check_id(capture_id)?;
+        let storage = self.storage(capture_id)?.clone();
+        let dest = self.capture_dir(capture_id);
+        let incoming = dest.with_file_name(".incoming").join(format!(
+            "{}-{}",
+            std::process::id(),
+            uuid::Uuid::new_v4().simple()
+        ));
+        blocking(capture_id, move |id| {
+            let file = RuntimeError::file;
+            fs::create_dir_all(&incoming).map_err(file(id, "create", &incoming))?;
+            let sent = incoming.join("stream");
+            let received = (|| {
+                let mut out = fs::File::create(&sent).map_err(file(id, "create", &sent))?;
+                std::io::copy(&mut stream, &mut out).map_err(file(id, "write", &sent))?;
+                let made = storage
+                    .receive(&sent, &incoming.join("into"))
+                    .map_err(RuntimeError::storage(id, "receive the capture"))?;
+                if made.file_name().and_then(|n| n.to_str()) != Some(id) {
+                    let _ = storage.delete_subvolume(&made);
+                    return Err(RuntimeError::other(
+                        id,
+                        format!("the stream held {}, not capture {id}", made.display()),
+                    ));
+                }
+                // A read-only subvolume cannot be renamed (its `..` would
+                // change): a read-only snapshot of it, instant, takes its place.
+                let placed = match dest.exists() {
+                    true => Ok(()),
+                    false => (storage.snapshot(&made, &dest, true))
+                        .map_err(RuntimeError::storage(id, "put the capture in place")),
+                };
+                let _ = storage.delete_subvolume(&made);
+                placed
+            })();
+            let _ = fs::remove_dir_all(&incoming);
+            received.map(|()| dest.join("upper"))
+        })
+        .await
+    }
+
     fn make_dirs(&self, spec: &SandboxSpec) -> Result<SandboxLayout, RuntimeError> {
         let id = spec.id.as_str();
         let layout = self.layout(id);
