@@ -921,7 +921,9 @@ def test_a_runner_without_the_image_fetches_it_from_the_control_plane(tmp_path):
     extended attributes), and the next sandbox of it takes that copy. The
     route serves a runner only the images of sandboxes placed on it: before
     the first, and for any other path, its token gets a 404; an API key
-    gets a 401, and a path that leaves the images directory a 400."""
+    gets a 401, and a path that leaves the images directory a 400. When the
+    control plane's image is built again at the same path, the runner's
+    next sandbox of it gets the new build."""
     server_images, runner_images = tmp_path / "control", tmp_path / "runner"
     tiny_default_image(server_images)
     with beside_one_runner(server_images=server_images, runner_images=runner_images) as one:
@@ -968,8 +970,24 @@ def test_a_runner_without_the_image_fetches_it_from_the_control_plane(tmp_path):
         assert second.runner_id == one.runner_id
         assert second.process.exec("cat /etc/cove-tiny").result == "tiny\n"
         assert os.stat(fetched).st_ino == copy
-        daytona.delete(second)
-        daytona.delete(sandbox)
+
+        # The control plane's image is built again at the same path (its
+        # marker says another build): the next sandbox there gets the new
+        # build, fetched anew, and those running keep the copy they have.
+        rebuilt = server_images / "debian-bookworm" / "rootfs"
+        (rebuilt / "etc" / "cove-build").write_text("second build\n")
+        (rebuilt / ".complete").write_bytes((rebuilt / ".complete").read_bytes() + b"rebuilt\n")
+        third = daytona.create(CreateSandboxFromSnapshotParams(name=unique("third")), timeout=120)
+        assert third.runner_id == one.runner_id
+        assert third.process.exec("cat /etc/cove-build").result == "second build\n"
+        assert os.stat(fetched).st_ino != copy
+        assert (fetched / ".complete").read_bytes() == (rebuilt / ".complete").read_bytes()
+        stale = list((runner_images / ".incoming").glob("*-stale-*"))
+        assert len(stale) == 1, stale
+        assert second.process.exec("cat /etc/cove-tiny").result == "tiny\n"
+        assert second.process.exec("test -e /etc/cove-build || echo old").result == "old\n"
+        for made in (third, second, sandbox):
+            daytona.delete(made)
 
 
 def test_a_runner_gone_for_good_is_deleted_as_lost_and_its_sandboxes_say_so():

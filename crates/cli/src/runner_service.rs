@@ -113,6 +113,13 @@ impl Service {
                 "removed image transfers a runner before left unfinished"
             );
         }
+        let swept = runtime.sweep_capture_transfers();
+        if swept > 0 {
+            tracing::info!(
+                swept,
+                "removed captured-layer transfers a runner before left unfinished"
+            );
+        }
         Service {
             runtime,
             network,
@@ -130,12 +137,37 @@ impl Service {
     /// Fetches `image` (a plain path under the images directory) from the
     /// control plane into `rootfs`, unless a fetch before this one, waited
     /// for, already did.
-    async fn fetch_image(&self, image: &str, rootfs: &std::path::Path) -> Result<(), Refusal> {
+    async fn fetch_image(
+        &self,
+        image: &str,
+        rootfs: &std::path::Path,
+        marker: Option<&str>,
+    ) -> Result<(), Refusal> {
         // Held until the image is in place, even if this answer is given
         // up (its caller gone): a retry then waits for it, not fetches twice.
         let held = pass(&self.fetches, rootfs.to_owned()).await;
-        if rootfs.is_dir() {
+        if current(rootfs, marker) {
             return Ok(());
+        }
+        if rootfs.is_dir() {
+            // An older build at the same path: moved aside, not deleted, since
+            // sandboxes running here still have it under their root; the
+            // next runner of this directory sweeps it (`sweep_incoming`).
+            let aside = self.images.join(INCOMING).join(format!(
+                "{}-stale-{}",
+                std::process::id(),
+                uuid::Uuid::new_v4().simple()
+            ));
+            let moved = std::fs::create_dir_all(self.images.join(INCOMING))
+                .and_then(|()| std::fs::rename(rootfs, &aside));
+            if let Err(error) = moved {
+                return Err(refuse(
+                    500,
+                    FailureKind::Other,
+                    format!("moving aside the older copy of image {image}: {error}"),
+                ));
+            }
+            tracing::info!(image, aside = %aside.display(), "the control plane's image was rebuilt; fetching it anew");
         }
         let failed = |why: String| {
             refuse(
@@ -222,9 +254,11 @@ impl Service {
         let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
         // Whole or not at all: a stream cut short fails `btrfs receive`
         // (its end command is missing), and nothing is moved into place.
-        let received = self.runtime.receive_capture(capture, reader).await;
-        drop(held);
-        received.map_err(|e| failed(cove_engine::describe(&e)))?;
+        // The gate goes with the stream into the receive, so it stays held
+        // until the capture is in place even if this answer is given up.
+        let reader = Holding(reader, held);
+        (self.runtime.receive_capture(capture, reader).await)
+            .map_err(|e| failed(cove_engine::describe(&e)))?;
         tracing::info!(
             capture,
             took_ms = began.elapsed().as_millis() as u64,
@@ -441,6 +475,24 @@ fn through_a_link(images: &std::path::Path, image: &str) -> bool {
     })
 }
 
+/// A reader that holds `G` (a fetch's gate) as long as it lives.
+struct Holding<R, G>(R, G);
+
+impl<R: std::io::Read, G> std::io::Read for Holding<R, G> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        self.0.read(buf)
+    }
+}
+
+/// Whether this runner's copy of an image at `rootfs` is there and of the
+/// build the control plane's marker names (any copy, when it names none).
+fn current(rootfs: &std::path::Path, marker: Option<&str>) -> bool {
+    rootfs.is_dir()
+        && marker.is_none_or(|marker| {
+            cove_engine::remote::image_marker(rootfs).as_deref() == Some(marker)
+        })
+}
+
 /// The runtime's spec of sandbox `id`, its image fetched from the control
 /// plane first if this runner does not hold it yet.
 async fn spec_of(
@@ -456,8 +508,9 @@ async fn spec_of(
             spec.image
         )));
     }
-    if !rootfs.is_dir() {
-        service.fetch_image(&spec.image, &rootfs).await?;
+    let marker = spec.image_marker.as_deref();
+    if !current(&rootfs, marker) {
+        service.fetch_image(&spec.image, &rootfs, marker).await?;
     }
     for capture in &spec.layers {
         if !cove_engine::remote::plain_capture(capture) {

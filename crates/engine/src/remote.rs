@@ -45,8 +45,10 @@ const MOVE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 const RETRY_EVERY: Duration = Duration::from_secs(2);
 
 /// A sandbox as the control plane asks a runner elsewhere to make and start it.
+/// A runner refuses a field it does not know rather than run without it (a
+/// layer, say).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "camelCase")]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct RemoteSpec {
     pub hostname: String,
     /// The image's root filesystem, relative to the images directory: the
@@ -68,6 +70,23 @@ pub struct RemoteSpec {
     /// control plane's.
     #[serde(default)]
     pub layers: Vec<String>,
+    /// What the image's build marker (`.complete`) says on the control
+    /// plane, when it has one (the default image): a runner's copy that says
+    /// otherwise is of an older build at the same path, and is fetched anew.
+    #[serde(default)]
+    pub image_marker: Option<String>,
+}
+
+/// The most of an image's build marker that is read.
+const MARKER_LIMIT: u64 = 256;
+
+/// What the build marker of the image at `rootfs` says, if it has one.
+pub fn image_marker(rootfs: &Path) -> Option<String> {
+    use std::io::Read as _;
+    let file = std::fs::File::open(rootfs.join(cove_images::COMPLETE_MARKER)).ok()?;
+    let mut marker = String::new();
+    file.take(MARKER_LIMIT).read_to_string(&mut marker).ok()?;
+    Some(marker)
 }
 
 /// The capture id of a captured layer, `.../captures/{id}/upper` (where a
@@ -137,6 +156,7 @@ impl RemoteSpec {
             command: spec.command.clone(),
             network: None,
             layers,
+            image_marker: image_marker(&spec.rootfs),
         })
     }
 
@@ -898,6 +918,7 @@ mod tests {
                 command: Vec::new(),
                 network: None,
                 layers: Vec::new(),
+                image_marker: None,
             };
             let error = remote
                 .into_spec(SandboxId::parse("sbx-1").unwrap(), images.path(), no_layer)

@@ -240,6 +240,14 @@ impl Pool {
                 // refills at once, since its next attach makes one anyway.
                 let is_empty = || inner.lock().ready.is_empty();
                 inner.refill.turn(&inner.config.quiet, is_empty).await;
+                {
+                    // Closed while it waited: nothing to make.
+                    let mut state = inner.lock();
+                    if state.closed {
+                        state.refilling = false;
+                        return;
+                    }
+                }
                 let made = inner.make().await;
                 let unwanted = {
                     let mut state = inner.lock();
@@ -285,6 +293,8 @@ impl PoolInner {
     fn close(&self) -> Vec<Namespace> {
         let mut state = self.lock();
         state.closed = true;
+        // A refill waiting for quiet stops waiting, and ends.
+        self.refill.emptied();
         std::mem::take(&mut state.ready)
     }
 

@@ -180,7 +180,12 @@ mod tests {
         let quiet = Quiet::new(SETTLE, LONGEST);
         let began = tokio::time::Instant::now();
         quiet.settled().await;
-        assert!(began.elapsed() <= SETTLE, "took {:?}", began.elapsed());
+        assert_eq!(began.elapsed(), SETTLE);
+        // Quiet for longer than that already: at once.
+        tokio::time::sleep(SETTLE * 3).await;
+        let again = tokio::time::Instant::now();
+        quiet.settled().await;
+        assert_eq!(again.elapsed(), Duration::ZERO);
     }
 
     #[tokio::test(start_paused = true)]

@@ -257,6 +257,35 @@ impl ContainerRuntime {
         self.capture_dir(capture_id).join("upper")
     }
 
+    /// Removes what receives of captures left under `captures/.incoming`
+    /// when their process died mid-way (each is named by its pid): the
+    /// stream and any subvolume made of it. Answers how many went.
+    pub fn sweep_capture_transfers(&self) -> usize {
+        let incoming = self.capture_dir("x").with_file_name(".incoming");
+        let (Some(storage), Ok(entries)) = (&self.config.storage, fs::read_dir(&incoming)) else {
+            return 0;
+        };
+        let mut swept = 0;
+        for entry in entries.flatten() {
+            let pid = (entry.file_name().to_str())
+                .and_then(|name| name.split_once('-'))
+                .and_then(|(pid, _)| pid.parse::<i32>().ok());
+            if pid.is_some_and(crate::process_alive) {
+                continue;
+            }
+            let into = entry.path().join("into");
+            for made in fs::read_dir(&into).into_iter().flatten().flatten() {
+                if let Err(error) = storage.delete_subvolume(&made.path()) {
+                    tracing::warn!(path = %made.path().display(), %error, "cannot delete a capture a runner before left half-received");
+                }
+            }
+            if fs::remove_dir_all(entry.path()).is_ok() {
+                swept += 1;
+            }
+        }
+        swept
+    }
+
     /// Makes capture `capture_id` here from the `btrfs send` stream of
     /// another host's (a runner given a snapshot taken on the control
     /// plane): received under `captures/.incoming`, put in place only

@@ -392,6 +392,14 @@ impl ShimPool {
                 // since its next start spawns a shim anyway.
                 let is_empty = || inner.lock().ready.is_empty();
                 inner.refill.turn(&inner.quiet, is_empty).await;
+                {
+                    // Closed while it waited: nothing to make.
+                    let mut state = inner.lock();
+                    if state.closed {
+                        state.refilling = false;
+                        return;
+                    }
+                }
                 let made = inner.maker.make_for_pool().await;
                 let unwanted = {
                     let mut state = inner.lock();
@@ -429,6 +437,8 @@ impl ShimPool {
             state.closed = true;
             std::mem::take(&mut state.ready)
         };
+        // A refill waiting for quiet stops waiting, and ends.
+        self.inner.refill.emptied();
         for shim in ready {
             self.inner.maker.discard(shim).await;
         }
