@@ -83,6 +83,43 @@ pub(crate) struct Control {
     pub(crate) token: String,
 }
 
+/// What a runner reads a download from the control plane through, on a
+/// blocking thread.
+type Download = tokio_util::io::SyncIoBridge<
+    tokio_util::io::StreamReader<
+        std::pin::Pin<Box<dyn futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send>>,
+        bytes::Bytes,
+    >,
+>;
+
+impl Control {
+    /// `GET url` with this runner's token, as a reader of its body; a
+    /// refusal is an error with its status and the first of its words.
+    async fn download(&self, url: reqwest::Url) -> Result<Download, String> {
+        use futures_util::TryStreamExt as _;
+        let response = (self.http.get(url))
+            .bearer_auth(&self.token)
+            .timeout(FETCH_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| cove_engine::describe(&e))?;
+        let status = response.status();
+        if !status.is_success() {
+            // The first chunk of its words is enough to say why.
+            let mut response = response;
+            let chunk = response.chunk().await.ok().flatten().unwrap_or_default();
+            let message: String = String::from_utf8_lossy(&chunk).chars().take(500).collect();
+            return Err(format!("{status}: {message}"));
+        }
+        let stream = response.bytes_stream().map_err(std::io::Error::other);
+        let stream: std::pin::Pin<Box<dyn futures_util::Stream<Item = _> + Send>> =
+            Box::pin(stream);
+        Ok(tokio_util::io::SyncIoBridge::new(
+            tokio_util::io::StreamReader::new(stream),
+        ))
+    }
+}
+
 /// How long fetching one image may take.
 const FETCH_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30 * 60);
 
@@ -183,23 +220,7 @@ impl Service {
             .pop_if_empty()
             .extend(image.split('/'));
         let began = std::time::Instant::now();
-        let response = (self.control.http.get(url))
-            .bearer_auth(&self.control.token)
-            .timeout(FETCH_TIMEOUT)
-            .send()
-            .await
-            .map_err(|e| failed(cove_engine::describe(&e)))?;
-        let status = response.status();
-        if !status.is_success() {
-            // The first chunk of its words is enough to say why.
-            let mut response = response;
-            let chunk = response.chunk().await.ok().flatten().unwrap_or_default();
-            let message: String = String::from_utf8_lossy(&chunk).chars().take(500).collect();
-            return Err(failed(format!("{status}: {message}")));
-        }
-        use futures_util::TryStreamExt as _;
-        let stream = response.bytes_stream().map_err(std::io::Error::other);
-        let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
+        let reader = self.control.download(url).await.map_err(failed)?;
         let (into, incoming) = (rootfs.to_owned(), self.images.join(INCOMING));
         let bytes = tokio::task::spawn_blocking(move || {
             let received = cove_images::receive_rootfs(reader, &into, &incoming);
@@ -234,24 +255,10 @@ impl Service {
                 format!("fetching captured layer {capture} from the control plane: {why}"),
             )
         };
-        let url = format!("{}/runners/me/layers/{capture}", self.control.url);
+        let url = reqwest::Url::parse(&format!("{}/runners/me/layers/{capture}", self.control.url))
+            .map_err(|e| failed(e.to_string()))?;
         let began = std::time::Instant::now();
-        let response = (self.control.http.get(url))
-            .bearer_auth(&self.control.token)
-            .timeout(FETCH_TIMEOUT)
-            .send()
-            .await
-            .map_err(|e| failed(cove_engine::describe(&e)))?;
-        let status = response.status();
-        if !status.is_success() {
-            let mut response = response;
-            let chunk = response.chunk().await.ok().flatten().unwrap_or_default();
-            let message: String = String::from_utf8_lossy(&chunk).chars().take(500).collect();
-            return Err(failed(format!("{status}: {message}")));
-        }
-        use futures_util::TryStreamExt as _;
-        let stream = response.bytes_stream().map_err(std::io::Error::other);
-        let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
+        let reader = self.control.download(url).await.map_err(failed)?;
         // Whole or not at all: a stream cut short fails `btrfs receive`
         // (its end command is missing), and nothing is moved into place.
         // The gate goes with the stream into the receive, so it stays held
