@@ -363,8 +363,18 @@ async fn the_shim_of_a_running_sandbox_is_the_small_supervisor() {
     assert_eq!(exec_ok(&socket, "echo up").await, "up");
     let init = container_init_pid(&h, "s1");
     let parent = parent_of(init);
-    let cmdline = std::fs::read_to_string(format!("/proc/{parent}/cmdline")).unwrap();
-    assert_eq!(cmdline, format!("cove-agent\0supervise\0{init}\0"));
+    // The shim reports the init ready, then execs the supervisor: on a busy
+    // host that exec can still be under way (its command line empty).
+    let wanted = format!("cove-agent\0supervise\0{init}\0");
+    let mut cmdline = String::new();
+    for _ in 0..500 {
+        cmdline = std::fs::read_to_string(format!("/proc/{parent}/cmdline")).unwrap();
+        if cmdline == wanted {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(cmdline, wanted);
     let exe = std::fs::read_link(format!("/proc/{parent}/exe")).unwrap();
     assert_eq!(exe.file_name().unwrap(), "cove-agent", "{exe:?}");
     let procs: Vec<PathBuf> = h
