@@ -322,17 +322,23 @@ pub(crate) async fn image(
     caller: RunnerCaller,
     Path(image): Path<String>,
 ) -> Result<axum::response::Response, ApiError> {
-    use axum::response::IntoResponse as _;
     let tar = state
         .engine
         .runners()
         .image_tar(&caller.record.id, &image)
         .await?;
-    Ok((
-        [(axum::http::header::CONTENT_TYPE, "application/x-tar")],
-        axum::body::Body::from_stream(tar),
+    Ok(streamed("application/x-tar", tar))
+}
+
+/// A transfer to a runner as an answer of `content_type`, its body sent as
+/// it is made (cut off if its sender fails).
+fn streamed(content_type: &'static str, body: cove_engine::ImageTar) -> axum::response::Response {
+    use axum::response::IntoResponse as _;
+    (
+        [(axum::http::header::CONTENT_TYPE, content_type)],
+        axum::body::Body::from_stream(body),
     )
-        .into_response())
+        .into_response()
 }
 
 /// `GET /runners/me/layers/{capture}`: a captured layer of the snapshot a
@@ -344,17 +350,12 @@ pub(crate) async fn layer(
     caller: RunnerCaller,
     Path(capture): Path<String>,
 ) -> Result<axum::response::Response, ApiError> {
-    use axum::response::IntoResponse as _;
     let stream = state
         .engine
         .runners()
         .layer_send(&caller.record.id, &capture)
         .await?;
-    Ok((
-        [(axum::http::header::CONTENT_TYPE, "application/octet-stream")],
-        axum::body::Body::from_stream(stream),
-    )
-        .into_response())
+    Ok(streamed("application/octet-stream", stream))
 }
 
 /// Daytona's `RunnerFull`: a runner as it sees itself, with its token.

@@ -492,6 +492,24 @@ impl ImageSends {
 pub type ImageTar =
     std::pin::Pin<Box<dyn futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send>>;
 
+/// What `body` yields, then an error if `sent` (the sender's end) says it
+/// failed: an HTTP answer of it is then cut off rather than ended cleanly,
+/// so a runner never takes part of a transfer for the whole.
+fn then_failure(
+    body: impl tokio::io::AsyncRead + Send + 'static,
+    sent: impl std::future::Future<Output = Result<(), String>> + Send + 'static,
+    what: String,
+) -> ImageTar {
+    use futures_util::StreamExt as _;
+    let ended = futures_util::stream::once(async move {
+        let failure = sent.await.err()?;
+        tracing::warn!(error = %failure, "sending {what} failed");
+        Some(Err(std::io::Error::other(failure)))
+    })
+    .filter_map(std::future::ready);
+    Box::pin(tokio_util::io::ReaderStream::new(body).chain(ended))
+}
+
 /// Runners as the engine sees them: the operator's view and switches, and
 /// the check-ins of the server's own runner.
 #[derive(Clone)]
@@ -711,16 +729,28 @@ impl Runners {
         })?;
         let images = self.shared.config.images.as_ref().ok_or_else(not_served)?;
         let wanted = images.dir().join(relative);
+        let placed = self.snapshots_on_runner(id).await?;
+        if placed.iter().any(|s| Path::new(&s.rootfs) == wanted) && wanted.is_dir() {
+            return Ok(wanted);
+        }
+        Err(not_served())
+    }
+
+    /// The snapshots the sandboxes placed on runner `id` start from: what
+    /// its token may fetch of them, and nothing else.
+    async fn snapshots_on_runner(
+        &self,
+        id: &str,
+    ) -> Result<Vec<cove_store::SnapshotRecord>, EngineError> {
         let store = &self.shared.store;
+        let mut snapshots = Vec::new();
         for sandbox in store.sandboxes_on_runner(id).await? {
             let snapshot = store
                 .find_snapshot(Some(&sandbox.organization_id), &sandbox.snapshot)
                 .await?;
-            if snapshot.is_some_and(|s| Path::new(&s.rootfs) == wanted) && wanted.is_dir() {
-                return Ok(wanted);
-            }
+            snapshots.extend(snapshot);
         }
-        Err(not_served())
+        Ok(snapshots)
     }
 
     /// [`Runners::image_for`], as the tar a runner unpacks
@@ -729,7 +759,6 @@ impl Runners {
     /// off rather than ended cleanly: a runner never takes a partial image
     /// for a whole one.
     pub async fn image_tar(&self, id: &str, image: &str) -> Result<ImageTar, EngineError> {
-        use futures_util::StreamExt as _;
         let rootfs = self.image_for(id, image).await?;
         // Each send holds a blocking thread while its reader is slow: a
         // runner gets two at a time, and all runners together a few.
@@ -742,19 +771,17 @@ impl Runners {
             drop(permits);
             sent
         });
-        let (runner, image) = (id.to_owned(), image.to_owned());
-        let ended = futures_util::stream::once(async move {
-            let failure = match sending.await {
-                Ok(Ok(())) => return None,
-                Ok(Err(error)) => crate::error::describe(&error),
-                Err(error) => error.to_string(),
-            };
-            tracing::warn!(%runner, %image, error = %failure, "sending an image to a runner failed");
-            Some(Err(std::io::Error::other(failure)))
-        })
-        .filter_map(std::future::ready);
-        Ok(Box::pin(
-            tokio_util::io::ReaderStream::new(reader).chain(ended),
+        let sent = async move {
+            match sending.await {
+                Ok(Ok(())) => Ok(()),
+                Ok(Err(error)) => Err(crate::error::describe(&error)),
+                Err(error) => Err(error.to_string()),
+            }
+        };
+        Ok(then_failure(
+            reader,
+            sent,
+            format!("image {image} to runner {id}"),
         ))
     }
 
@@ -768,14 +795,7 @@ impl Runners {
                 reason: format!("{capture:?} is not a capture id"),
             });
         }
-        let store = &self.shared.store;
-        for sandbox in store.sandboxes_on_runner(id).await? {
-            let Some(snapshot) = store
-                .find_snapshot(Some(&sandbox.organization_id), &sandbox.snapshot)
-                .await?
-            else {
-                continue;
-            };
+        for snapshot in self.snapshots_on_runner(id).await? {
             let layer = (snapshot.layers.iter().map(Path::new))
                 .find(|layer| crate::remote::capture_of_layer(layer) == Some(capture));
             if let Some(subvolume) = layer.and_then(Path::parent).filter(|s| s.is_dir()) {
@@ -793,7 +813,6 @@ impl Runners {
     /// error, so its HTTP answer is cut off, never ended cleanly; a reader
     /// that goes away ends the send.
     pub async fn layer_send(&self, id: &str, capture: &str) -> Result<ImageTar, EngineError> {
-        use futures_util::StreamExt as _;
         let subvolume = self.layer_for(id, capture).await?;
         let permits = self.shared.image_sends.take(id).await;
         let failed = |reason: String| EngineError::LayerSend {
@@ -811,26 +830,21 @@ impl Runners {
             .map_err(|e| failed(e.to_string()))?;
         let stdout = child.stdout.take().expect("stdout is piped");
         tracing::info!(runner = %id, capture, "sending a captured layer to a runner");
-        let (runner, capture) = (id.to_owned(), capture.to_owned());
-        let ended = futures_util::stream::once(async move {
+        let sent = async move {
             let output = child.wait_with_output().await;
             drop(permits);
-            let failure = match output {
-                Ok(output) if output.status.success() => return None,
-                Ok(output) => format!(
+            match output {
+                Ok(output) if output.status.success() => Ok(()),
+                Ok(output) => Err(format!(
                     "btrfs send {}: {}",
                     output.status,
                     String::from_utf8_lossy(&output.stderr).trim()
-                ),
-                Err(error) => error.to_string(),
-            };
-            tracing::warn!(%runner, %capture, error = %failure, "sending a captured layer to a runner failed");
-            Some(Err(std::io::Error::other(failure)))
-        })
-        .filter_map(std::future::ready);
-        Ok(Box::pin(
-            tokio_util::io::ReaderStream::new(stdout).chain(ended),
-        ))
+                )),
+                Err(error) => Err(error.to_string()),
+            }
+        };
+        let what = format!("captured layer {capture} to runner {id}");
+        Ok(then_failure(stdout, sent, what))
     }
 
     /// The runner `token` belongs to; `None` when it is no runner's.
