@@ -80,10 +80,21 @@ pub struct RemoteSpec {
 /// The most of an image's build marker that is read.
 const MARKER_LIMIT: u64 = 256;
 
-/// What the build marker of the image at `rootfs` says, if it has one.
+/// What the build marker of the image at `rootfs` says, if it has one. An
+/// image's files are its maker's (a user's built or pulled image may hold
+/// a `/.complete` of its own): only a regular file there is read, never
+/// through a symbolic link, and never waiting on a FIFO.
 pub fn image_marker(rootfs: &Path) -> Option<String> {
     use std::io::Read as _;
-    let file = std::fs::File::open(rootfs.join(cove_images::COMPLETE_MARKER)).ok()?;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(rootfs.join(cove_images::COMPLETE_MARKER))
+        .ok()?;
+    if !file.metadata().ok()?.is_file() {
+        return None;
+    }
     let mut marker = String::new();
     file.take(MARKER_LIMIT).read_to_string(&mut marker).ok()?;
     Some(marker)
@@ -833,6 +844,27 @@ mod tests {
             .unwrap();
         assert_eq!(on_runner.rootfs, images.path().join("debian/rootfs"));
         assert_eq!(on_runner.resources, on_control.resources);
+    }
+
+    /// Attack: a user's image whose `/.complete` is a link to a host file,
+    /// or a FIFO that would hold the create forever. Neither is read.
+    #[test]
+    fn an_image_marker_is_read_only_from_a_regular_file() {
+        let root = tempfile::tempdir().unwrap();
+        let marker = root.path().join(cove_images::COMPLETE_MARKER);
+        assert_eq!(image_marker(root.path()), None);
+        std::fs::write(&marker, "cove-default 4\n").unwrap();
+        assert_eq!(
+            image_marker(root.path()).as_deref(),
+            Some("cove-default 4\n")
+        );
+        std::fs::remove_file(&marker).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", &marker).unwrap();
+        assert_eq!(image_marker(root.path()), None);
+        std::fs::remove_file(&marker).unwrap();
+        let made = std::process::Command::new("mkfifo").arg(&marker).status();
+        assert!(made.unwrap().success());
+        assert_eq!(image_marker(root.path()), None);
     }
 
     fn no_layer(capture: &str) -> PathBuf {
