@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from daytona import CreateSandboxFromSnapshotParams, SandboxState
 
 
@@ -14,6 +16,10 @@ def test_restart_keeps_sandboxes_and_files(own_server):
     stopped.stop()
 
     assert own_server.stop() == 0, own_server.log_tail()
+    # The running sandbox ended with the server, and its cgroups went too: a
+    # data directory never started again would have left them for good.
+    left = list(Path("/sys/fs/cgroup").glob(f"*/cove/{running.id}"))
+    assert not left, f"the stopped server left the cgroups of its sandbox: {left}"
     own_server.start()
     client = own_server.client()
 

@@ -908,6 +908,16 @@ pub(crate) async fn run(args: ServeArgs) -> anyhow::Result<()> {
         vm.runtime.end_pool().await;
         vm.runtime.deepen_all().await;
     }
+    // Containers end with the server; they go now, with their cgroups,
+    // once the engine no longer takes their ends for failures.
+    engine.forget_all_running();
+    let ended = container.end_sandboxes().await;
+    if ended > 0 {
+        tracing::info!(
+            containers = ended,
+            "containers ended; the next start brings them back"
+        );
+    }
     // The shims waiting for a create, and their cgroups, go too.
     container.end_pool().await;
     if let Some(network) = network {

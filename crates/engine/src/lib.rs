@@ -223,6 +223,13 @@ impl Engine {
         self.shared.events.subscribe()
     }
 
+    /// Forgets every running sandbox, as the server stops: their ends from
+    /// here on are the stop's doing, not failures to record. They stay
+    /// `started` in the store, and the next start brings them back.
+    pub fn forget_all_running(&self) {
+        self.shared.forget_all_running();
+    }
+
     /// Reconciles what is stored with what runs. Call once at start-up,
     /// before serving requests: builds the last server ran are ended, then
     /// every sandbox is brought to the state its user asked for.

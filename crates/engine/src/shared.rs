@@ -388,6 +388,10 @@ impl Shared {
         }
     }
 
+    pub(crate) fn forget_all_running(&self) {
+        self.running.lock().unwrap().clear();
+    }
+
     pub(crate) fn running(&self, id: &str) -> Option<Running> {
         self.running.lock().unwrap().get(id).cloned()
     }

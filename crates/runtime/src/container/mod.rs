@@ -202,6 +202,30 @@ impl ContainerRuntime {
     pub async fn end_pool(&self) {
         self.pool.close().await;
     }
+    /// Ends every container this runtime started and removes their cgroups,
+    /// as the server stops (its containers end with it anyway, when its
+    /// threads do, but their cgroups would stay behind, and for good if the
+    /// data directory is never started again). The next start brings the
+    /// sandboxes back. Returns how many it ended.
+    pub async fn end_sandboxes(&self) -> usize {
+        let ids: Vec<String> = self
+            .shims
+            .lock()
+            .expect("shim map lock")
+            .keys()
+            .cloned()
+            .collect();
+        let mut ended = 0;
+        for id in ids {
+            match self.kill_all(&id).await {
+                Ok(()) => ended += 1,
+                Err(error) => {
+                    tracing::warn!(sandbox = %id, %error, "ending a container as the server stops")
+                }
+            }
+        }
+        ended
+    }
 
     /// How many shims wait in the pool (for tests and diagnostics).
     pub fn pooled_shims(&self) -> usize {
