@@ -87,10 +87,14 @@ pub struct AppState {
 
 impl AppState {
     pub fn new(engine: Engine, config: ApiConfig) -> AppState {
+        let toolbox = toolbox::AgentClient::new();
+        let warming = toolbox.clone();
+        // The first state made of an engine warms the agents it proxies to.
+        engine.on_agent_started(move |id, agent| warming.warm(id, agent));
         AppState {
             engine,
             config: Arc::new(config),
-            toolbox: toolbox::AgentClient::new(),
+            toolbox,
             previews: preview::Previews::new(),
             http_metrics: metrics::HttpMetrics::default(),
             started_at_ms: cove_engine::now_ms(),

@@ -223,6 +223,16 @@ impl Engine {
         self.shared.events.subscribe()
     }
 
+    /// Has `hook` told of every sandbox's agent as the sandbox starts (a
+    /// create, start, resume, fork or recovery), before the start is
+    /// recorded; it must not block. Set once: false if one was set before.
+    pub fn on_agent_started(
+        &self,
+        hook: impl Fn(&str, &cove_runtime::AgentEndpoint) + Send + Sync + 'static,
+    ) -> bool {
+        self.shared.on_agent_started(Box::new(hook))
+    }
+
     /// Forgets every running sandbox, as the server stops: their ends from
     /// here on are the stop's doing, not failures to record. They stay
     /// `started` in the store, and the next start brings them back.

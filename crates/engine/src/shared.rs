@@ -31,6 +31,10 @@ pub(crate) struct Running {
     pub(crate) generation: u64,
 }
 
+/// What is told of an agent as its sandbox starts: the sandbox and where its
+/// agent listens.
+pub(crate) type AgentStarted = Box<dyn Fn(&str, &AgentEndpoint) + Send + Sync>;
+
 pub(crate) struct Shared {
     pub(crate) config: EngineConfig,
     pub(crate) store: Store,
@@ -38,6 +42,8 @@ pub(crate) struct Shared {
     /// One lock per sandbox: operations on a sandbox run one after the other.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     running: Mutex<HashMap<String, Running>>,
+    /// Told of each agent as its sandbox starts (`Engine::on_agent_started`).
+    agent_started: std::sync::OnceLock<AgentStarted>,
     generation: AtomicU64,
     pub(crate) activity: Activity,
     /// Bumped whenever SSH access tokens go away (revoked, or with their
@@ -85,6 +91,7 @@ impl Shared {
             runtimes,
             locks: Mutex::default(),
             running: Mutex::default(),
+            agent_started: std::sync::OnceLock::new(),
             generation: AtomicU64::default(),
             admission: tokio::sync::Mutex::default(),
             organization_quotas: tokio::sync::RwLock::default(),
@@ -365,6 +372,9 @@ impl Shared {
         accelerator: Option<&'static str>,
     ) -> u64 {
         let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
+        if let Some(hook) = self.agent_started.get() {
+            hook(&record.id, &agent);
+        }
         self.running.lock().unwrap().insert(
             record.id.clone(),
             Running {
@@ -386,6 +396,11 @@ impl Shared {
             (Some(_), _) => running.remove(id).is_some(),
             (None, _) => false,
         }
+    }
+
+    /// Sets what is told of each agent as its sandbox starts; once.
+    pub(crate) fn on_agent_started(&self, hook: AgentStarted) -> bool {
+        self.agent_started.set(hook).is_ok()
     }
 
     pub(crate) fn forget_all_running(&self) {
