@@ -119,6 +119,13 @@ impl AppState {
 
 /// The whole toolbox API; tests drive it without a socket.
 pub fn app(state: AppState) -> Router {
+    routes().with_state(state)
+}
+
+/// Every route of the toolbox API, waiting for the agent's state: the most
+/// of an agent's start (~100 routes), so `main` builds it on a thread of its
+/// own while the runtime and the state are made.
+pub fn routes() -> Router<AppState> {
     Router::new()
         .merge(system::routes())
         .merge(execute::routes())
@@ -135,5 +142,4 @@ pub fn app(state: AppState) -> Router {
         .merge(lsp::routes())
         .fallback(not_implemented::fallback)
         .layer(axum::middleware::from_fn(drain::unread_body))
-        .with_state(state)
 }
