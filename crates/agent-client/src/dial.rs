@@ -7,6 +7,7 @@ use std::path::PathBuf;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
 
 use cove_protocol::SandboxId;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
@@ -39,17 +40,49 @@ impl Dial for UnixSocket {
 
 /// The agents of many sandboxes, by id: the authority is the sandbox id.
 /// Where each listens is set before each request (a restarted sandbox's
-/// agent has a new socket).
+/// agent has a new socket), and dialed at once if at all. So an entry not
+/// set for [`KEEP`] serves no request: a later `set` drops it, and the map
+/// holds the sandboxes in use, not every one this server ever started.
 #[derive(Clone, Debug, Default)]
-pub struct Sockets(Arc<Mutex<HashMap<String, Endpoint>>>);
+pub struct Sockets(Arc<Mutex<Known>>);
+
+/// How long an entry is kept after it was last set.
+const KEEP: Duration = Duration::from_secs(120);
+/// The fewest entries a `set` sweeps the old ones from.
+const FIRST_SWEEP: usize = 256;
+
+#[derive(Debug, Default)]
+struct Known {
+    by_id: HashMap<String, (Endpoint, Instant)>,
+    /// The size at which the next `set` sweeps: twice what the last sweep
+    /// kept, so sweeping costs a constant share of the sets.
+    sweep_at: usize,
+}
 
 impl Sockets {
     pub fn set(&self, id: &SandboxId, endpoint: Endpoint) {
-        self.0.lock().unwrap().insert(id.to_string(), endpoint);
+        self.set_at(id.as_str(), endpoint, Instant::now());
+    }
+
+    fn set_at(&self, id: &str, endpoint: Endpoint, now: Instant) {
+        let mut known = self.0.lock().unwrap();
+        if known.by_id.len() >= known.sweep_at.max(FIRST_SWEEP) {
+            known
+                .by_id
+                .retain(|_, (_, set)| now.saturating_duration_since(*set) < KEEP);
+            known.sweep_at = known.by_id.len() * 2;
+        }
+        known.by_id.insert(id.to_owned(), (endpoint, now));
     }
 
     pub fn get(&self, id: &str) -> Option<Endpoint> {
-        self.0.lock().unwrap().get(id).cloned()
+        let known = self.0.lock().unwrap();
+        known.by_id.get(id).map(|(endpoint, _)| endpoint.clone())
+    }
+
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.0.lock().unwrap().by_id.len()
     }
 }
 
@@ -307,5 +340,48 @@ impl AsyncWrite for AgentStream {
             AgentStream::Tcp(stream) => Pin::new(stream).poll_shutdown(cx),
             AgentStream::Tls(stream) => Pin::new(stream).poll_shutdown(cx),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoint(n: usize) -> Endpoint {
+        Endpoint::Unix(PathBuf::from(format!("/run/agent-{n}.sock")))
+    }
+
+    #[test]
+    fn sockets_not_set_for_a_while_go_and_those_in_use_stay() {
+        let sockets = Sockets::default();
+        let start = Instant::now();
+        for n in 0..FIRST_SWEEP - 1 {
+            sockets.set_at(&format!("old-{n}"), endpoint(n), start);
+        }
+        // Still in use: set again since.
+        sockets.set_at("old-7", endpoint(7), start + Duration::from_secs(10));
+        sockets.set_at("last", endpoint(999), start);
+        assert_eq!(
+            sockets.len(),
+            FIRST_SWEEP,
+            "nothing swept below the first size"
+        );
+
+        let later = start + KEEP + Duration::from_secs(1);
+        sockets.set_at("new", endpoint(1000), later);
+        assert_eq!(
+            sockets.len(),
+            2,
+            "only the one set within KEEP, and the new one"
+        );
+        assert_eq!(sockets.get("old-7"), Some(endpoint(7)));
+        assert_eq!(sockets.get("new"), Some(endpoint(1000)));
+        assert_eq!(sockets.get("old-8"), None);
+
+        // The next sweep waits for twice what this one kept.
+        for n in 0..2 {
+            sockets.set_at(&format!("more-{n}"), endpoint(n), later + KEEP * 2);
+        }
+        assert_eq!(sockets.len(), 4, "no sweep before {FIRST_SWEEP} entries");
     }
 }
