@@ -43,7 +43,7 @@ impl AgentClient {
     /// request it answers from memory (`GET /version`), and leaves it in the
     /// pool. A sandbox's first toolbox request then finds the connection
     /// made and the agent's request path run once: both cost a new container
-    /// ~1.5 ms more than a second request, on the user's path. Runs beside
+    /// ~1 ms more than a second request, on the user's path. Runs beside
     /// the rest of the start (the engine calls this before it records the
     /// start) and never counts as use of the sandbox. The answer is read
     /// bounded, under a deadline, and dropped: the agent runs in the sandbox.
