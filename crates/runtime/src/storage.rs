@@ -72,6 +72,8 @@ pub fn filesystem_usage(path: &Path) -> Result<FilesystemUsage, StorageError> {
 #[derive(Debug)]
 pub struct Storage {
     root: PathBuf,
+    /// The image file it is mounted from (or would be).
+    image: PathBuf,
     /// Whether `open` mounted it (rather than finding it mounted).
     mounted_here: bool,
     /// `/sys/fs/btrfs/{fsid}` of the mounted filesystem, where the kernel shows
@@ -209,6 +211,7 @@ impl Storage {
         let sysfs = btrfs_sysfs_dir(&mount_point);
         Ok(Storage {
             root: mount_point,
+            image: image.to_owned(),
             mounted_here,
             sysfs,
         })
@@ -228,6 +231,12 @@ impl Storage {
         let id = subvolume_id(dir).ok()?;
         let qgroup = self.sysfs.as_ref()?.join("qgroups").join(format!("0_{id}"));
         qgroup.is_dir().then_some(qgroup)
+    }
+
+    /// The image file the storage is mounted from, on the host's filesystem
+    /// (in the data dir, for `cove serve`).
+    pub fn image(&self) -> &Path {
+        &self.image
     }
 
     /// Where sandboxes put their layers.

@@ -455,6 +455,22 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     assert!(qemus_under(&h.storage.root().join("vms").join("vm-d")).is_empty());
     assert!(!h.storage.root().join("vms").join("vm-d").exists());
     drop(again);
+    // The data dir links the one base its disks name, in the shared cache
+    // (kept as the restart matched links to disks).
+    let links: Vec<_> = std::fs::read_dir(h.dir.path().join("vm-bases"))
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .collect();
+    assert_eq!(links.len(), 1, "{links:?}");
+    let base = assets()
+        .unwrap()
+        .0
+        .join("bases")
+        .join(links[0].file_name().unwrap());
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&base).unwrap()),
+        std::os::unix::fs::MetadataExt::ino(&std::fs::metadata(&links[0]).unwrap()),
+    );
 
     // Destroy: no process, no files.
     for id in ["vm-a", "vm-b", "vm-c", "vm-d"] {

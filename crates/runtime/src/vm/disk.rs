@@ -5,10 +5,23 @@
 //! `mkfs.ext4 -d` (no mount needed) and the static agent written into it at
 //! [`AGENT_IN_GUEST`] with `debugfs`. It is cached in `{assets}/bases/` under
 //! a key of the root filesystem and the agent binary, built once under a file
-//! lock, and never changed or deleted: qcow2 files of sandboxes and captures
+//! lock, and never changed: qcow2 files of sandboxes, captures and templates
 //! name it as their backing file. Its filesystem is the root filesystem's size
 //! plus headroom; a larger disk is a larger qcow2 whose filesystem the agent
 //! grows online at boot.
+//!
+//! The cache is shared by every server of the host, and each new agent or
+//! image makes new bases (a gigabyte or two each), so a base that no data dir
+//! uses is deleted. A data dir holds a hard link to each base its disks name,
+//! in `{data dir}/vm-bases/` ([`REFERENCES`], beside the storage's image:
+//! the btrfs storage is another filesystem): a base whose link count is one
+//! is nobody's. Links are made when a server first uses a base and matched to
+//! the data dir's disks when it starts (a deleted sandbox's base is let go);
+//! a removed data dir takes its links with it. Linking, and deleting
+//! unlinked bases after a new one is built, both happen under the cache's
+//! lock, so a base is never deleted between being chosen and being linked.
+//! Where the data dir is on another filesystem than the cache (no hard link
+//! across them) the base is pinned instead, and kept for good.
 
 use std::fs::{self, File};
 use std::io::{self, Read};
@@ -30,6 +43,15 @@ const BASE_FORMAT: u32 = 1;
 const COMPLETE_MARKER: &str = ".complete";
 /// Free space a base filesystem gets beyond its files.
 const BASE_HEADROOM: u64 = 256 << 20;
+/// The directory of a data dir (beside its storage image) that holds its
+/// links to bases.
+pub(super) const REFERENCES: &str = "vm-bases";
+/// Beside a base whose user could not link it: keep it for good.
+const PINNED: &str = "pinned";
+/// The directories of a data dir's storage whose `*/disk.qcow2` name bases.
+const DISK_DIRS: [&str; 3] = ["vms", "captures", "vm-templates"];
+/// The longest backing file name qcow2 allows.
+const MAX_BACKING_NAME: u32 = 1023;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DiskError {
@@ -129,37 +151,195 @@ fn tree_bytes(dir: &Path) -> io::Result<(u64, u64)> {
     Ok((bytes, inodes))
 }
 
-/// Returns the base made from `rootfs` with `agent`, building it first if
-/// needed. Blocking (seconds the first time). Concurrent callers, in this
-/// process or another, wait for one build.
-pub(super) fn ensure_base(cache: &Path, rootfs: &Path, agent: &Path) -> Result<PathBuf, DiskError> {
-    let bases = cache.join("bases");
-    fs::create_dir_all(&bases).map_err(io_error(&bases, "create"))?;
-    let key = base_key(rootfs, agent)?;
-    let base = bases.join(format!("{key}.raw"));
-    if base.exists() {
-        return Ok(base);
-    }
+/// The cache's lock, held while a base is built, linked or deleted.
+fn lock_bases(bases: &Path) -> Result<Flock<File>, DiskError> {
+    fs::create_dir_all(bases).map_err(io_error(bases, "create"))?;
     let lock_path = bases.join(".lock");
     let lock_file = File::create(&lock_path).map_err(io_error(&lock_path, "open the lock"))?;
-    let _lock = Flock::lock(lock_file, FlockArg::LockExclusive)
-        .map_err(|(_, errno)| io_error(&lock_path, "lock")(io::Error::from(errno)))?;
-    if base.exists() {
-        return Ok(base);
-    }
-    let partial = bases.join(format!("{key}.raw.partial"));
-    let _ = fs::remove_file(&partial);
-    let built = build_base(rootfs, agent, &partial);
-    if let Err(error) = built {
+    Flock::lock(lock_file, FlockArg::LockExclusive)
+        .map_err(|(_, errno)| io_error(&lock_path, "lock")(io::Error::from(errno)))
+}
+
+/// Returns the base made from `rootfs` with `agent`, building it first if
+/// needed, and linked from `references` (the data dir's [`REFERENCES`]).
+/// Blocking (seconds the first time). Concurrent callers, in this process or
+/// another, wait for one build.
+pub(super) fn ensure_base(
+    cache: &Path,
+    rootfs: &Path,
+    agent: &Path,
+    references: &Path,
+) -> Result<PathBuf, DiskError> {
+    let bases = cache.join("bases");
+    let key = base_key(rootfs, agent)?;
+    let base = bases.join(format!("{key}.raw"));
+    let _lock = lock_bases(&bases)?;
+    if !base.exists() {
+        let partial = bases.join(format!("{key}.raw.partial"));
         let _ = fs::remove_file(&partial);
-        return Err(error);
+        let built = build_base(rootfs, agent, &partial);
+        if let Err(error) = built {
+            let _ = fs::remove_file(&partial);
+            return Err(error);
+        }
+        // QEMU, which reads it as the backing file of every disk, runs unprivileged.
+        fs::set_permissions(&partial, fs::Permissions::from_mode(0o644))
+            .map_err(io_error(&partial, "make readable"))?;
+        fs::rename(&partial, &base).map_err(io_error(&base, "move the finished base in place"))?;
+        tracing::info!(base = %base.display(), rootfs = %rootfs.display(), "built a VM base disk");
+        // A new base is when the cache grows: the ones nobody links go.
+        prune(&bases, Some(&base));
     }
-    // QEMU, which reads it as the backing file of every disk, runs unprivileged.
-    fs::set_permissions(&partial, fs::Permissions::from_mode(0o644))
-        .map_err(io_error(&partial, "make readable"))?;
-    fs::rename(&partial, &base).map_err(io_error(&base, "move the finished base in place"))?;
-    tracing::info!(base = %base.display(), rootfs = %rootfs.display(), "built a VM base disk");
+    reference(&base, references)?;
     Ok(base)
+}
+
+/// Links `base` from `references`, or pins it where a link cannot be made.
+/// Called under the cache's lock.
+fn reference(base: &Path, references: &Path) -> Result<(), DiskError> {
+    let name = base.file_name().expect("a base has a file name");
+    let link = references.join(name);
+    fs::create_dir_all(references).map_err(io_error(references, "create"))?;
+    let base_ino = fs::metadata(base).map_err(io_error(base, "read"))?.ino();
+    match fs::symlink_metadata(&link) {
+        Ok(meta) if meta.ino() == base_ino => return Ok(()),
+        // A link to a base of that name that is gone (deleted by hand).
+        Ok(_) => fs::remove_file(&link).map_err(io_error(&link, "remove a stale link"))?,
+        Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+        Err(error) => return Err(io_error(&link, "read")(error)),
+    }
+    match fs::hard_link(base, &link) {
+        Ok(()) => Ok(()),
+        Err(error) if error.raw_os_error() == Some(libc::EXDEV) => {
+            let pin = base.with_extension(PINNED);
+            tracing::info!(
+                base = %base.display(),
+                data = %references.display(),
+                "the data dir is on another filesystem than the VM cache: the base is kept for good"
+            );
+            File::create(&pin)
+                .map(drop)
+                .map_err(io_error(&pin, "create"))
+        }
+        Err(error) => Err(io_error(&link, "link the base")(error)),
+    }
+}
+
+/// Deletes every base no data dir links (but `keep`) and what failed builds
+/// left. Called under the cache's lock; a failure only leaves a file.
+fn prune(bases: &Path, keep: Option<&Path>) {
+    let Ok(entries) = fs::read_dir(bases) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let unused = if name.ends_with(".raw.partial") || name.ends_with(".debugfs") {
+            // Builds hold the lock: these are what an interrupted one left.
+            true
+        } else if name.ends_with(".raw") && Some(path.as_path()) != keep {
+            let pinned = path.with_extension(PINNED).exists();
+            !pinned
+                && entry
+                    .metadata()
+                    .is_ok_and(|meta| meta.is_file() && meta.nlink() == 1)
+        } else {
+            false
+        };
+        if unused {
+            match fs::remove_file(&path) {
+                Ok(()) => {
+                    tracing::info!(base = %path.display(), "deleted a VM base disk no data dir uses")
+                }
+                Err(error) => {
+                    tracing::warn!(base = %path.display(), %error, "could not delete an unused VM base disk")
+                }
+            }
+        }
+    }
+}
+
+/// Matches a data dir's links to the bases its disks name: links what a
+/// disk names (a data dir from before links were kept) and lets go of what
+/// none does, then deletes the bases nobody links. Run as a server starts,
+/// before it makes or starts any VM.
+pub(super) fn sync_references(
+    storage: &Path,
+    references: &Path,
+    cache: &Path,
+) -> Result<(), DiskError> {
+    let bases = cache.join("bases");
+    if !bases.exists() {
+        return Ok(());
+    }
+    let mut named = std::collections::HashSet::new();
+    for dir in DISK_DIRS {
+        let Ok(entries) = fs::read_dir(storage.join(dir)) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let disk = entry.path().join("disk.qcow2");
+            if let Some(backing) = backing_file(&disk) {
+                named.insert(backing);
+            }
+        }
+    }
+    let _lock = lock_bases(&bases)?;
+    for backing in &named {
+        if is_base_name(&bases, backing) && backing.exists() {
+            reference(backing, references)?;
+        }
+    }
+    if let Ok(links) = fs::read_dir(references) {
+        for link in links.flatten() {
+            if !named.contains(&bases.join(link.file_name())) {
+                let path = link.path();
+                fs::remove_file(&path).map_err(io_error(&path, "remove"))?;
+            }
+        }
+    }
+    prune(&bases, None);
+    Ok(())
+}
+
+/// Whether `path` is a base of the cache `bases` by its name alone
+/// (`{16 hex digits}.raw` directly in it).
+fn is_base_name(bases: &Path, path: &Path) -> bool {
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
+    path.parent() == Some(bases)
+        && name.len() == 20
+        && name.ends_with(".raw")
+        && name[..16].bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// The backing file a qcow2 names, from its header. QEMU writes the header
+/// (a guest that took QEMU over could write anything), so the read is
+/// bounded, follows no symlink, and the answer is only compared with the
+/// cache's own paths.
+fn backing_file(disk: &Path) -> Option<PathBuf> {
+    use std::io::{Seek, SeekFrom};
+    use std::os::unix::ffi::OsStringExt;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(disk)
+        .ok()?;
+    let mut header = [0u8; 20];
+    file.read_exact(&mut header).ok()?;
+    if &header[..4] != b"QFI\xfb" {
+        return None;
+    }
+    let offset = u64::from_be_bytes(header[8..16].try_into().expect("8 bytes"));
+    let size = u32::from_be_bytes(header[16..20].try_into().expect("4 bytes"));
+    if offset == 0 || size == 0 || size > MAX_BACKING_NAME {
+        return None;
+    }
+    file.seek(SeekFrom::Start(offset)).ok()?;
+    let mut name = vec![0u8; size as usize];
+    file.read_exact(&mut name).ok()?;
+    Some(PathBuf::from(std::ffi::OsString::from_vec(name)))
 }
 
 fn build_base(rootfs: &Path, agent: &Path, dest: &Path) -> Result<(), DiskError> {
@@ -317,6 +497,150 @@ mod tests {
         File::create(rootfs.join(COMPLETE_MARKER)).unwrap();
         assert_ne!(second, base_key(&rootfs, &agent).unwrap());
         assert_eq!(first.len(), 16);
+    }
+
+    /// A qcow2 header naming `backing` (all `backing_file` reads).
+    fn qcow2_over(path: &Path, backing: &Path) {
+        let name = backing.as_os_str().as_encoded_bytes();
+        let mut header = b"QFI\xfb".to_vec();
+        header.extend_from_slice(&3u32.to_be_bytes());
+        header.extend_from_slice(&104u64.to_be_bytes());
+        header.extend_from_slice(&(name.len() as u32).to_be_bytes());
+        header.resize(104, 0);
+        header.extend_from_slice(name);
+        fs::create_dir_all(path.parent().unwrap()).unwrap();
+        fs::write(path, header).unwrap();
+    }
+
+    fn nlink(path: &Path) -> u64 {
+        fs::metadata(path).unwrap().nlink()
+    }
+
+    #[test]
+    fn a_base_no_data_dir_links_goes_when_a_new_one_is_built() {
+        if !cove_testenv::program("mkfs.ext4", "e2fsprogs")
+            || !cove_testenv::program("debugfs", "e2fsprogs")
+        {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let (cache, rootfs, agent) = (
+            dir.path().join("cache"),
+            dir.path().join("rootfs"),
+            dir.path().join("agent"),
+        );
+        fs::create_dir_all(rootfs.join("etc")).unwrap();
+        fs::write(rootfs.join("etc/hostname"), "cove\n").unwrap();
+        let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+        let mut made = Vec::new();
+        for (content, references) in [("a", &one), ("b", &two), ("c", &two)] {
+            fs::write(&agent, content).unwrap();
+            let base = ensure_base(&cache, &rootfs, &agent, references).unwrap();
+            assert_eq!(nlink(&base), 2, "linked from its data dir");
+            made.push(base);
+            if content == "b" {
+                // The first data dir is removed; its base stays until the
+                // next one is built.
+                fs::remove_dir_all(&one).unwrap();
+                assert!(made[0].exists());
+            }
+        }
+        assert!(!made[0].exists(), "a base no data dir links was kept");
+        assert!(made[1].exists() && made[2].exists());
+        // Asking again for a base that is there links it and builds nothing.
+        fs::write(&agent, "b").unwrap();
+        assert_eq!(ensure_base(&cache, &rootfs, &agent, &one).unwrap(), made[1]);
+        assert_eq!(nlink(&made[1]), 3);
+    }
+
+    #[test]
+    fn a_starting_server_links_what_its_disks_name_and_lets_go_of_the_rest() {
+        let dir = tempfile::tempdir().unwrap();
+        let (storage, cache) = (dir.path().join("storage"), dir.path().join("assets"));
+        let bases = cache.join("bases");
+        fs::create_dir_all(&bases).unwrap();
+        let base = |key: &str| {
+            let path = bases.join(format!("{key}.raw"));
+            fs::write(&path, key).unwrap();
+            path
+        };
+        let (used, template, stale, pinned, other) = (
+            base("00000000000000aa"),
+            base("00000000000000bb"),
+            base("00000000000000cc"),
+            base("00000000000000dd"),
+            base("00000000000000ee"),
+        );
+        fs::write(pinned.with_extension(PINNED), "").unwrap();
+        qcow2_over(&storage.join("vms/sb1/disk.qcow2"), &used);
+        qcow2_over(&storage.join("vm-templates/t1/disk.qcow2"), &template);
+        // A header naming a file outside the cache is not followed.
+        let outside = dir.path().join("outside.raw");
+        fs::write(&outside, "x").unwrap();
+        qcow2_over(&storage.join("captures/c1/disk.qcow2"), &outside);
+        // Another data dir still links `other`; this one linked `stale`
+        // for a sandbox since deleted.
+        let elsewhere = dir.path().join("elsewhere");
+        fs::create_dir_all(&elsewhere).unwrap();
+        fs::hard_link(&other, elsewhere.join("00000000000000ee.raw")).unwrap();
+        let references = dir.path().join(REFERENCES);
+        fs::create_dir_all(&references).unwrap();
+        fs::hard_link(&stale, references.join("00000000000000cc.raw")).unwrap();
+        fs::write(bases.join("00000000000000ff.raw.partial"), "").unwrap();
+
+        sync_references(&storage, &references, &cache).unwrap();
+        assert_eq!((nlink(&used), nlink(&template)), (2, 2));
+        assert!(
+            !stale.exists(),
+            "a base only a deleted sandbox named was kept"
+        );
+        assert!(pinned.exists() && other.exists());
+        assert!(!bases.join("00000000000000ff.raw.partial").exists());
+        assert_eq!(nlink(&outside), 1);
+        let mut links: Vec<_> = fs::read_dir(&references)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        links.sort();
+        assert_eq!(links, ["00000000000000aa.raw", "00000000000000bb.raw"]);
+    }
+
+    #[test]
+    fn backing_names_are_read_bounded_and_only_from_qcow2() {
+        let dir = tempfile::tempdir().unwrap();
+        let disk = dir.path().join("disk.qcow2");
+        qcow2_over(
+            &disk,
+            Path::new("/var/tmp/cove/vm/bases/0123456789abcdef.raw"),
+        );
+        assert_eq!(
+            backing_file(&disk).unwrap(),
+            Path::new("/var/tmp/cove/vm/bases/0123456789abcdef.raw")
+        );
+        qcow2_over(&disk, &PathBuf::from("x".repeat(2000)));
+        assert_eq!(backing_file(&disk), None);
+        fs::write(&disk, [0u8; 200]).unwrap();
+        assert_eq!(backing_file(&disk), None);
+        let link = dir.path().join("link.qcow2");
+        std::os::unix::fs::symlink(&disk, &link).unwrap();
+        assert_eq!(backing_file(&link), None, "followed a symlink");
+        let bases = Path::new("/c/bases");
+        assert!(is_base_name(
+            bases,
+            Path::new("/c/bases/0123456789abcdef.raw")
+        ));
+        assert!(!is_base_name(
+            bases,
+            Path::new("/c/bases/../bases/0123456789abcdef.raw")
+        ));
+        assert!(!is_base_name(
+            bases,
+            Path::new("/c/bases/0123456789abcdeg.raw")
+        ));
+        assert!(!is_base_name(
+            bases,
+            Path::new("/c/other/0123456789abcdef.raw")
+        ));
     }
 
     #[test]

@@ -139,6 +139,13 @@ impl VmConfig {
         }
     }
 
+    /// Where this data dir links the base disks it uses (see `disk`):
+    /// beside the storage's image, on the host's filesystem like the cache,
+    /// since a hard link cannot cross into the btrfs storage.
+    pub fn base_links(&self) -> PathBuf {
+        self.storage.image().with_file_name(disk::REFERENCES)
+    }
+
     pub fn kernel(&self) -> PathBuf {
         self.assets_dir.join(KERNEL)
     }
@@ -262,6 +269,17 @@ impl VmRuntime {
             let path = config.storage.root().join(dir);
             fs::create_dir_all(&path).map_err(RuntimeError::file(id, "create", &path))?;
         }
+        // Before any VM is made: the bases this data dir's disks name are
+        // linked, and the shared cache keeps only bases some data dir links.
+        disk::sync_references(
+            config.storage.root(),
+            &config.base_links(),
+            &config.assets_dir,
+        )
+        .map_err(|source| RuntimeError::Disk {
+            id: id.to_owned(),
+            source,
+        })?;
         tracing::info!(
             accelerator = accelerator.name(),
             why = accelerator_reason,
@@ -383,15 +401,18 @@ impl VmRuntime {
                 return Ok(base.clone());
             }
         }
-        let (cache, owned_rootfs, agent) = (
+        let (cache, owned_rootfs, agent, references) = (
             self.config.assets_dir.clone(),
             rootfs.to_owned(),
             self.config.agent_binary.clone(),
+            self.config.base_links(),
         );
         let base = blocking(id, move |id| {
-            disk::ensure_base(&cache, &owned_rootfs, &agent).map_err(|source| RuntimeError::Disk {
-                id: id.to_owned(),
-                source,
+            disk::ensure_base(&cache, &owned_rootfs, &agent, &references).map_err(|source| {
+                RuntimeError::Disk {
+                    id: id.to_owned(),
+                    source,
+                }
             })
         })
         .await?;
