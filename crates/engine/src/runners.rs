@@ -510,6 +510,50 @@ fn then_failure(
     Box::pin(tokio_util::io::ReaderStream::new(body).chain(ended))
 }
 
+/// The most of a sending program's stderr kept for its error.
+const STDERR_KEPT: usize = 4096;
+
+/// The standard output of `child` (its stdout and stderr piped), and
+/// whether it then exited well: with an error naming `program` and the end
+/// of its stderr when not. Its stderr is read from now on, beside whoever
+/// reads its stdout: a program that says much there never blocks with its
+/// stdout unread (a pipe holds 64 KiB), and only the last
+/// [`STDERR_KEPT`] bytes are held.
+fn output_of(
+    mut child: tokio::process::Child,
+    program: &'static str,
+) -> (
+    tokio::process::ChildStdout,
+    impl std::future::Future<Output = Result<(), String>> + Send + 'static,
+) {
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let mut stderr = child.stderr.take().expect("stderr is piped");
+    let said = tokio::spawn(async move {
+        use tokio::io::AsyncReadExt as _;
+        let mut kept = std::collections::VecDeque::new();
+        let mut buffer = [0; 4096];
+        while let Ok(n @ 1..) = stderr.read(&mut buffer).await {
+            kept.extend(&buffer[..n]);
+            let excess = kept.len().saturating_sub(STDERR_KEPT);
+            kept.drain(..excess);
+        }
+        String::from_utf8_lossy(kept.make_contiguous())
+            .trim()
+            .to_owned()
+    });
+    // The child is killed if this is dropped unfinished (kill_on_drop),
+    // which ends the stderr reader too.
+    let exited = async move {
+        let status = child.wait().await.map_err(|e| e.to_string())?;
+        let said = said.await.unwrap_or_default();
+        match status.success() {
+            true => Ok(()),
+            false => Err(format!("{program} {status}: {said}")),
+        }
+    };
+    (stdout, exited)
+}
+
 /// Runners as the engine sees them: the operator's view and switches, and
 /// the check-ins of the server's own runner.
 #[derive(Clone)]
@@ -821,27 +865,19 @@ impl Runners {
         };
         let command = cove_runtime::storage::Storage::send_command(&subvolume)
             .map_err(|e| failed(e.to_string()))?;
-        let mut child = tokio::process::Command::from(command)
+        let child = tokio::process::Command::from(command)
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::piped())
             .stderr(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()
             .map_err(|e| failed(e.to_string()))?;
-        let stdout = child.stdout.take().expect("stdout is piped");
         tracing::info!(runner = %id, capture, "sending a captured layer to a runner");
+        let (stdout, sent) = output_of(child, "btrfs send");
         let sent = async move {
-            let output = child.wait_with_output().await;
+            let sent = sent.await;
             drop(permits);
-            match output {
-                Ok(output) if output.status.success() => Ok(()),
-                Ok(output) => Err(format!(
-                    "btrfs send {}: {}",
-                    output.status,
-                    String::from_utf8_lossy(&output.stderr).trim()
-                )),
-                Err(error) => Err(error.to_string()),
-            }
+            sent
         };
         let what = format!("captured layer {capture} to runner {id}");
         Ok(then_failure(stdout, sent, what))
@@ -1635,5 +1671,43 @@ mod tests {
     fn percent_is_rounded_and_zero_of_nothing() {
         assert_eq!(percent(1.0, 3.0), 33.33);
         assert_eq!(percent(5.0, 0.0), 0.0);
+    }
+
+    fn piped(script: &str) -> tokio::process::Child {
+        tokio::process::Command::new("sh")
+            .args(["-c", script])
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_sender_that_says_much_on_stderr_still_sends_and_ends() {
+        use tokio::io::AsyncReadExt as _;
+        // 256 KiB on stderr before a word on stdout: unread, it would fill
+        // the pipe and the stdout below would never come.
+        let child = piped("head -c 262144 /dev/zero >&2; echo sent");
+        let (mut stdout, exited) = output_of(child, "sender");
+        let mut out = String::new();
+        let read = stdout.read_to_string(&mut out);
+        tokio::time::timeout(Duration::from_secs(20), read)
+            .await
+            .expect("stdout ends")
+            .unwrap();
+        assert_eq!(out, "sent\n");
+        assert_eq!(exited.await, Ok(()));
+    }
+
+    #[tokio::test]
+    async fn a_failed_sender_is_named_with_the_end_of_its_stderr() {
+        let script = "head -c 10000 /dev/zero | tr '\\0' a >&2; echo ' the end' >&2; exit 3";
+        let (_, exited) = output_of(piped(script), "sender");
+        let error = exited.await.unwrap_err();
+        assert!(error.starts_with("sender exit status: 3: "), "{error}");
+        assert!(error.ends_with("a the end"), "{error}");
+        assert!(error.len() < STDERR_KEPT + 40, "{} bytes", error.len());
     }
 }
