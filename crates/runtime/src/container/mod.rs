@@ -334,7 +334,26 @@ impl ContainerRuntime {
             let sent = incoming.join("stream");
             let received = (|| {
                 let mut out = fs::File::create(&sent).map_err(file(id, "create", &sent))?;
-                std::io::copy(&mut stream, &mut out).map_err(file(id, "write", &sent))?;
+                // Spooled on the storage sandboxes write to, and written
+                // once more by the receive: a layer larger than this
+                // storage can take fails here, saying so, rather than
+                // fill the disk under the sandboxes running on it.
+                let usage = crate::storage::filesystem_usage(&incoming)
+                    .map_err(RuntimeError::storage(id, "measure the storage"))?;
+                let budget = spool_budget(usage);
+                let copied = io::copy(&mut io::Read::take(&mut stream, budget + 1), &mut out)
+                    .map_err(file(id, "write", &sent))?;
+                if copied > budget {
+                    return Err(RuntimeError::other(
+                        id,
+                        format!(
+                            "the captured layer is larger than this runner's storage can \
+                             take now ({} MiB free; a layer may take {} MiB of it)",
+                            usage.available >> 20,
+                            budget >> 20
+                        ),
+                    ));
+                }
                 let made = storage
                     .receive(&sent, &incoming.join("into"))
                     .map_err(RuntimeError::storage(id, "receive the capture"))?;
@@ -905,9 +924,27 @@ impl Runtime for ContainerRuntime {
     }
 }
 
+/// The most a captured layer's stream may take on a storage of `usage`: it
+/// is written twice (spooled, then received), and a twentieth of the
+/// storage stays free for the sandboxes on it.
+fn spool_budget(usage: crate::storage::FilesystemUsage) -> u64 {
+    let reserve = (usage.used + usage.available) / 20;
+    usage.available.saturating_sub(reserve) / 2
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_layer_may_take_half_of_what_is_free_above_a_twentieth() {
+        use crate::storage::FilesystemUsage;
+        let gib = 1 << 30;
+        let usage = |used, available| FilesystemUsage { used, available };
+        assert_eq!(spool_budget(usage(10 * gib, 10 * gib)), 9 * gib / 2);
+        assert_eq!(spool_budget(usage(19 * gib, gib)), 0);
+        assert_eq!(spool_budget(usage(0, 0)), 0);
+    }
 
     #[test]
     fn ids_are_single_path_components() {
