@@ -278,6 +278,12 @@ pub fn app(state: AppState) -> Router {
             state.clone(),
             audit::record,
         ))
+        // Inside the key layer: a request without a valid key, which
+        // anyone can send, never holds back the pools' refills.
+        .layer(axum::middleware::from_fn_with_state(
+            state.config.quiet.clone(),
+            hold_quiet,
+        ))
         .layer(axum::middleware::from_fn_with_state(
             state.clone(),
             auth::require_api_key,
@@ -318,16 +324,13 @@ pub fn app(state: AppState) -> Router {
             state.clone(),
             metrics::count_requests,
         ))
-        .layer(axum::middleware::from_fn_with_state(
-            state.config.quiet.clone(),
-            hold_quiet,
-        ))
         .with_state(state)
 }
 
 /// Marks the host busy until the handler answers (a response's streamed
 /// body, or an upgraded connection, does not hold it): background refills
-/// wait for the gap after it (see `cove_quiet`).
+/// wait for the gap after it (see `cove_quiet`). Placed inside the check of
+/// the request's credentials, so only requests that passed it count.
 pub async fn hold_quiet(
     axum::extract::State(quiet): axum::extract::State<cove_quiet::Quiet>,
     request: axum::extract::Request,

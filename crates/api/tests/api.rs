@@ -35,6 +35,15 @@ async fn api_with_tls(tls_port: Option<u16>) -> Api {
 /// An API over the store in `dir` (a server started again, when it holds
 /// one already), and its engine.
 async fn api_in(dir: tempfile::TempDir, tls_port: Option<u16>) -> (Api, Engine) {
+    api_quiet_in(dir, tls_port, Default::default()).await
+}
+
+/// [`api_in`], whose requests mark `quiet` busy.
+async fn api_quiet_in(
+    dir: tempfile::TempDir,
+    tls_port: Option<u16>,
+    quiet: cove_quiet::Quiet,
+) -> (Api, Engine) {
     let store = Store::open(&dir.path().join("cove.db")).await.unwrap();
     let fake = Arc::new(FakeRuntime::new());
     let runtimes: HashMap<SandboxClass, Arc<dyn Runtime>> = HashMap::from([
@@ -63,7 +72,7 @@ async fn api_in(dir: tempfile::TempDir, tls_port: Option<u16>) -> (Api, Engine) 
         preview_domain: Some("preview.localhost".into()),
         ssh_port: Some(2222),
         tls_port,
-        quiet: Default::default(),
+        quiet,
     };
     let api = Api {
         router: app(AppState::new(engine.clone(), config)),
@@ -179,6 +188,38 @@ async fn every_request_needs_a_key() {
         .call_with_key("POST", "/toolbox/x/process/execute", None, None)
         .await;
     assert_eq!(status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test]
+async fn only_a_request_with_a_valid_key_holds_back_the_refills() {
+    use std::time::Duration;
+    // Refills wait for 2 s without a request in flight; the server has
+    // been up for longer than that.
+    let quiet = cove_quiet::Quiet::new(Duration::from_secs(2), Duration::from_secs(60));
+    let dir = tempfile::tempdir().unwrap();
+    let api = api_quiet_in(dir, None, quiet.clone()).await.0;
+    tokio::time::sleep(Duration::from_millis(2100)).await;
+    let settled = || tokio::time::timeout(Duration::from_secs(1), quiet.settled());
+    // Anyone can send these: refused, they leave the server quiet.
+    for (path, key) in [
+        ("/api/sandbox", None),
+        ("/api/sandbox", Some("wrong")),
+        ("/toolbox/x/files", None),
+    ] {
+        let (status, _) = api.call_with_key("GET", path, None, key).await;
+        assert_eq!(status, StatusCode::UNAUTHORIZED, "{path}");
+    }
+    assert!(
+        settled().await.is_ok(),
+        "a refused request held the refills back"
+    );
+    // A request with the key counts: 2 s of quiet must follow it.
+    let (status, _) = api.call("GET", "/api/sandbox", None).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        settled().await.is_err(),
+        "a request with the key did not count"
+    );
 }
 
 #[tokio::test]

@@ -385,12 +385,12 @@ pub(crate) fn router(service: Arc<Service>, quiet: cove_quiet::Quiet) -> Router 
         .route("/sandboxes/{id}", get(running).delete(destroy))
         .route("/sandboxes/{id}/agent", get(agent))
         .layer(axum::middleware::from_fn_with_state(
-            service.clone(),
-            authorize,
-        ))
-        .layer(axum::middleware::from_fn_with_state(
             quiet,
             cove_api::hold_quiet,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            service.clone(),
+            authorize,
         ))
         .with_state(service)
 }
