@@ -438,6 +438,29 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
     assert!(why.contains("signal 9"), "{why}");
     assert!(!rt.is_running(&sid("vm-b")).await);
 
+    // The template the VMs continued from says what it was made of. An
+    // older make of the same machine (as an upgrade's new agent leaves
+    // behind) goes when the server starts again; the newest stays.
+    let templates = h.storage.root().join("vm-templates");
+    let made: Vec<_> = std::fs::read_dir(&templates)
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_none())
+        .collect();
+    assert_eq!(made.len(), 1, "{made:?}");
+    let made_of = std::fs::read_to_string(made[0].join("made-of")).unwrap();
+    assert!(
+        made_of.contains(&format!("rootfs={} ", h.rootfs.display())),
+        "{made_of}"
+    );
+    let older = templates.join("0123456789abcdef");
+    std::fs::create_dir(&older).unwrap();
+    std::fs::write(older.join("made-of"), &made_of).unwrap();
+    let marker = std::fs::File::create(older.join("complete")).unwrap();
+    marker
+        .set_modified(std::time::SystemTime::now() - Duration::from_secs(3600))
+        .unwrap();
+
     // After a server restart, a new runtime finds the VM still running and
     // can stop it.
     let again = VmRuntime::new(VmConfig::new(
@@ -446,6 +469,8 @@ async fn a_vm_keeps_its_memory_across_pause_snapshots_and_forks() {
         assets().unwrap().2,
     ))
     .unwrap();
+    assert!(!older.exists());
+    assert!(made[0].join("complete").exists());
     assert!(again.is_running(&sid("vm-a")).await);
     again.stop(&sid("vm-a")).await.unwrap();
     assert!(!again.is_running(&sid("vm-a")).await);

@@ -269,8 +269,12 @@ impl VmRuntime {
             let path = config.storage.root().join(dir);
             fs::create_dir_all(&path).map_err(RuntimeError::file(id, "create", &path))?;
         }
-        // Before any VM is made: the bases this data dir's disks name are
-        // linked, and the shared cache keeps only bases some data dir links.
+        // Before any VM is made: templates a newer make replaced go, the
+        // bases this data dir's disks name are linked, and the shared cache
+        // keeps only bases some data dir links.
+        let templates = config.storage.root().join("vm-templates");
+        template::sweep_superseded(&templates)
+            .map_err(RuntimeError::file(id, "sweep", &templates))?;
         disk::sync_references(
             config.storage.root(),
             &config.base_links(),
@@ -381,6 +385,7 @@ impl VmRuntime {
         template::ensure(
             self,
             id,
+            &spec.rootfs,
             &base,
             spec.resources.cpu.max(1),
             spec.resources.memory_mib,

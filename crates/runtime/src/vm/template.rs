@@ -11,7 +11,7 @@
 //! when they start.
 
 use std::fs::{self, File};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use nix::fcntl::{Flock, FlockArg};
 use sha2::{Digest, Sha256};
@@ -23,6 +23,13 @@ use super::saved::SavedMachine;
 use super::{blocking, disk, RuntimeError, VmRuntime};
 
 const COMPLETE: &str = "complete";
+
+/// What a template was made of that stays the same when it is remade: its
+/// image's root filesystem, vCPUs and RAM (its name also hashes the base
+/// disk, kernel and initramfs, which an upgrade changes). Two complete
+/// templates saying the same here are the same machine, an older and a
+/// newer make of it.
+const MADE_OF: &str = "made-of";
 
 /// Run in a template before its memory is saved: a program run directly
 /// and one through the shell.
@@ -53,6 +60,7 @@ fn template_name(runtime: &VmRuntime, base: &Path, cpus: u32, memory_mib: u64) -
 pub(super) async fn ensure(
     runtime: &VmRuntime,
     id: &str,
+    rootfs: &Path,
     base: &Path,
     cpus: u32,
     memory_mib: u64,
@@ -87,8 +95,9 @@ pub(super) async fn ensure(
         return Err(error);
     }
     let (from, to) = (partial.dir.clone(), layout.dir.clone());
+    let made_of = made_of(rootfs, cpus, memory_mib);
     blocking(id, move |id| {
-        finish(&from, &to).map_err(RuntimeError::file(id, "finish", &to))
+        finish(&from, &to, &made_of).map_err(RuntimeError::file(id, "finish", &to))
     })
     .await?;
     drop(lock);
@@ -214,14 +223,143 @@ pub(super) async fn warm_up(vm: &RunningVm) {
     }
 }
 
-/// Keeps only the files a copy needs and moves the template in place.
-fn finish(partial: &Path, dir: &Path) -> std::io::Result<()> {
+/// The [`MADE_OF`] line of a template.
+fn made_of(rootfs: &Path, cpus: u32, memory_mib: u64) -> String {
+    format!(
+        "rootfs={} cpus={cpus} memory={memory_mib}\n",
+        rootfs.display()
+    )
+}
+
+/// Keeps only the files a copy needs, says what the template was made of,
+/// and moves it in place.
+fn finish(partial: &Path, dir: &Path, made_of: &str) -> std::io::Result<()> {
     for name in ["qmp.sock", "serial.sock", "agent.sock", "qemu.pid"] {
         let _ = fs::remove_file(partial.join(name));
     }
+    fs::write(partial.join(MADE_OF), made_of)?;
     File::create(partial.join(COMPLETE))?;
     if dir.exists() {
         fs::remove_dir_all(dir)?;
     }
     fs::rename(partial, dir)
+}
+
+/// Deletes each complete template of `templates` that a newer one (by its
+/// `complete` marker) was made of the same as ([`MADE_OF`]): an upgrade's
+/// new agent, kernel or initramfs makes a template anew, and the old one,
+/// which no sandbox needs once copied, would otherwise keep its RAM file
+/// and its base disk (which it links) for good. Run as a server starts,
+/// before any template is used; the newest stays even when it is the old
+/// one, so a server keeps at most one superseded template of each machine
+/// until its next start. A template from before `made-of` is kept. Answers
+/// how many went.
+pub(super) fn sweep_superseded(templates: &Path) -> std::io::Result<usize> {
+    let mut newest: std::collections::HashMap<String, (std::time::SystemTime, PathBuf)> =
+        std::collections::HashMap::new();
+    let mut superseded = Vec::new();
+    for entry in fs::read_dir(templates)? {
+        let dir = entry?.path();
+        if !dir.is_dir() || dir.extension().is_some() {
+            continue;
+        }
+        let (Ok(made_of), Ok(complete)) = (
+            read_small(&dir.join(MADE_OF)),
+            fs::symlink_metadata(dir.join(COMPLETE)).and_then(|m| m.modified()),
+        ) else {
+            continue;
+        };
+        match newest.get_mut(&made_of) {
+            Some(kept) if kept.0 >= complete => superseded.push(dir),
+            Some(kept) => superseded.push(std::mem::replace(kept, (complete, dir)).1),
+            None => {
+                newest.insert(made_of, (complete, dir));
+            }
+        }
+    }
+    for dir in &superseded {
+        tracing::info!(template = %dir.display(), "deleting a VM template a newer one replaced");
+        fs::remove_dir_all(dir)?;
+        let _ = fs::remove_file(dir.with_extension("lock"));
+    }
+    Ok(superseded.len())
+}
+
+/// A template's `made-of`: a regular file, not followed through a link,
+/// of at most 4 KiB.
+fn read_small(path: &Path) -> std::io::Result<String> {
+    use std::io::Read as _;
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(std::io::Error::other("not a regular file"));
+    }
+    let mut text = String::new();
+    file.take(4096).read_to_string(&mut text)?;
+    Ok(text)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, SystemTime};
+
+    fn template(templates: &Path, name: &str, made_of: Option<&str>, age_s: u64) -> PathBuf {
+        let dir = templates.join(name);
+        fs::create_dir_all(&dir).unwrap();
+        fs::write(dir.join("ram"), b"memory").unwrap();
+        if let Some(made_of) = made_of {
+            fs::write(dir.join(MADE_OF), made_of).unwrap();
+        }
+        let complete = File::create(dir.join(COMPLETE)).unwrap();
+        complete
+            .set_modified(SystemTime::now() - Duration::from_secs(age_s))
+            .unwrap();
+        File::create(templates.join(format!("{name}.lock"))).unwrap();
+        dir
+    }
+
+    #[test]
+    fn only_the_newest_make_of_each_machine_is_kept() {
+        let templates = tempfile::tempdir().unwrap();
+        let root = templates.path();
+        let small = made_of(Path::new("/images/a/rootfs"), 1, 1024);
+        let large = made_of(Path::new("/images/a/rootfs"), 2, 4096);
+        let oldest = template(root, "aaaa", Some(&small), 300);
+        let newest = template(root, "bbbb", Some(&small), 10);
+        let older = template(root, "cccc", Some(&small), 200);
+        let other = template(root, "dddd", Some(&large), 500);
+        let before_made_of = template(root, "eeee", None, 900);
+        // Being made (no marker yet), and one half-made by a server that died.
+        fs::create_dir_all(root.join("ffff")).unwrap();
+        fs::write(root.join("ffff").join(MADE_OF), &small).unwrap();
+        fs::create_dir_all(root.join("bbbb.partial")).unwrap();
+
+        assert_eq!(sweep_superseded(root).unwrap(), 2);
+        assert!(!oldest.exists() && !older.exists());
+        assert!(!root.join("aaaa.lock").exists() && !root.join("cccc.lock").exists());
+        for kept in [&newest, &other, &before_made_of] {
+            assert!(kept.join("ram").exists(), "{}", kept.display());
+        }
+        assert!(root.join("bbbb.lock").exists());
+        assert!(root.join("ffff").exists() && root.join("bbbb.partial").exists());
+        // Nothing more goes the next time.
+        assert_eq!(sweep_superseded(root).unwrap(), 0);
+    }
+
+    #[test]
+    fn a_made_of_is_read_only_from_a_small_regular_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let target = dir.path().join("target");
+        fs::write(&target, "rootfs=/x cpus=1 memory=1\n").unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&target, &link).unwrap();
+        assert!(read_small(&link).is_err());
+        assert!(read_small(dir.path()).is_err());
+        fs::write(&target, "x".repeat(10_000)).unwrap();
+        assert_eq!(read_small(&target).unwrap().len(), 4096);
+    }
 }
