@@ -18,10 +18,15 @@
 //! is nobody's. Links are made when a server first uses a base and matched to
 //! the data dir's disks when it starts (a deleted sandbox's base is let go);
 //! a removed data dir takes its links with it. Linking, and deleting
-//! unlinked bases after a new one is built, both happen under the cache's
-//! lock, so a base is never deleted between being chosen and being linked.
-//! Where the data dir is on another filesystem than the cache (no hard link
-//! across them) the base is pinned instead, and kept for good.
+//! unlinked bases (after a new one is built, and as a server starts), both
+//! happen under the cache's lock, so a base is never deleted between being
+//! chosen and being linked. Only a base some data dir linked once is ever
+//! deleted ([`LINKED`]): a data dir from before links were kept may name
+//! one it never linked. A base gone from the cache (a clean-up of old
+//! files in /var/tmp) is put back from a data dir's link rather than built
+//! again, since a new build is not the same bytes. Where the data dir is on
+//! another filesystem than the cache (no hard link across them) the base is
+//! pinned instead, and kept for good.
 
 use std::fs::{self, File};
 use std::io::{self, Read};
@@ -48,6 +53,10 @@ const BASE_HEADROOM: u64 = 256 << 20;
 pub(super) const REFERENCES: &str = "vm-bases";
 /// Beside a base whose user could not link it: keep it for good.
 const PINNED: &str = "pinned";
+/// Beside a base some data dir has linked: only such a base is deleted
+/// when no link is left. One from before links were kept (which data dirs
+/// of that time may name without linking) stays until a data dir links it.
+const LINKED: &str = "linked";
 /// The directories of a data dir's storage whose `*/disk.qcow2` name bases.
 const DISK_DIRS: [&str; 3] = ["vms", "captures", "vm-templates"];
 /// The longest backing file name qcow2 allows.
@@ -174,7 +183,9 @@ pub(super) fn ensure_base(
     let key = base_key(rootfs, agent)?;
     let base = bases.join(format!("{key}.raw"));
     let _lock = lock_bases(&bases)?;
-    if !base.exists() {
+    if !base.exists() && restore(&base, references) {
+        tracing::info!(base = %base.display(), "put a VM base disk back in the cache from a data dir's link");
+    } else if !base.exists() {
         let partial = bases.join(format!("{key}.raw.partial"));
         let _ = fs::remove_file(&partial);
         let built = build_base(rootfs, agent, &partial);
@@ -194,6 +205,16 @@ pub(super) fn ensure_base(
     Ok(base)
 }
 
+/// Puts `base`, gone from the cache (deleted by hand, or by a clean-up of
+/// old files in /var/tmp), back from the data dir's link to it: the disks
+/// over it need those bytes, and a base built again would not be them.
+/// Called under the cache's lock; whether it did.
+fn restore(base: &Path, references: &Path) -> bool {
+    let link = references.join(base.file_name().expect("a base has a file name"));
+    fs::symlink_metadata(&link).is_ok_and(|meta| meta.is_file())
+        && fs::hard_link(&link, base).is_ok()
+}
+
 /// Links `base` from `references`, or pins it where a link cannot be made.
 /// Called under the cache's lock.
 fn reference(base: &Path, references: &Path) -> Result<(), DiskError> {
@@ -201,6 +222,10 @@ fn reference(base: &Path, references: &Path) -> Result<(), DiskError> {
     let link = references.join(name);
     fs::create_dir_all(references).map_err(io_error(references, "create"))?;
     let base_ino = fs::metadata(base).map_err(io_error(base, "read"))?.ino();
+    let marker = base.with_extension(LINKED);
+    if !marker.exists() {
+        File::create(&marker).map_err(io_error(&marker, "create"))?;
+    }
     match fs::symlink_metadata(&link) {
         Ok(meta) if meta.ino() == base_ino => return Ok(()),
         // A link to a base of that name that is gone (deleted by hand).
@@ -225,8 +250,9 @@ fn reference(base: &Path, references: &Path) -> Result<(), DiskError> {
     }
 }
 
-/// Deletes every base no data dir links (but `keep`) and what failed builds
-/// left. Called under the cache's lock; a failure only leaves a file.
+/// Deletes every base no data dir links any more (but `keep`, and those
+/// none ever linked: see [`LINKED`]) and what failed builds left. Called
+/// under the cache's lock; a failure only leaves a file.
 fn prune(bases: &Path, keep: Option<&Path>) {
     let Ok(entries) = fs::read_dir(bases) else {
         return;
@@ -240,7 +266,9 @@ fn prune(bases: &Path, keep: Option<&Path>) {
             true
         } else if name.ends_with(".raw") && Some(path.as_path()) != keep {
             let pinned = path.with_extension(PINNED).exists();
+            let managed = path.with_extension(LINKED).exists();
             !pinned
+                && managed
                 && entry
                     .metadata()
                     .is_ok_and(|meta| meta.is_file() && meta.nlink() == 1)
@@ -250,6 +278,7 @@ fn prune(bases: &Path, keep: Option<&Path>) {
         if unused {
             match fs::remove_file(&path) {
                 Ok(()) => {
+                    let _ = fs::remove_file(path.with_extension(LINKED));
                     tracing::info!(base = %path.display(), "deleted a VM base disk no data dir uses")
                 }
                 Err(error) => {
@@ -262,7 +291,9 @@ fn prune(bases: &Path, keep: Option<&Path>) {
 
 /// Matches a data dir's links to the bases its disks name: links what a
 /// disk names (a data dir from before links were kept) and lets go of what
-/// none does, then deletes the bases nobody links. Run as a server starts,
+/// none does, then deletes the bases nobody links. A base is known by its
+/// file name, whatever path to the cache a header spells; while any disk's
+/// header cannot be read, no link is let go. Run as a server starts,
 /// before it makes or starts any VM.
 pub(super) fn sync_references(
     storage: &Path,
@@ -274,26 +305,38 @@ pub(super) fn sync_references(
         return Ok(());
     }
     let mut named = std::collections::HashSet::new();
+    let mut unread = false;
     for dir in DISK_DIRS {
         let Ok(entries) = fs::read_dir(storage.join(dir)) else {
             continue;
         };
         for entry in entries.flatten() {
             let disk = entry.path().join("disk.qcow2");
-            if let Some(backing) = backing_file(&disk) {
-                named.insert(backing);
+            match backing_file(&disk) {
+                Ok(Some(backing)) => {
+                    if let Some(name) = base_name(&backing) {
+                        named.insert(std::ffi::OsString::from(name));
+                    }
+                }
+                Ok(None) => {}
+                Err(error) if error.kind() == io::ErrorKind::NotFound => {}
+                Err(error) => {
+                    tracing::warn!(disk = %disk.display(), %error, "cannot read which base a VM disk is over: this data dir keeps every base it links");
+                    unread = true;
+                }
             }
         }
     }
     let _lock = lock_bases(&bases)?;
-    for backing in &named {
-        if is_base_name(&bases, backing) && backing.exists() {
-            reference(backing, references)?;
+    for name in &named {
+        let base = bases.join(name);
+        if base.exists() || restore(&base, references) {
+            reference(&base, references)?;
         }
     }
-    if let Ok(links) = fs::read_dir(references) {
+    if let (false, Ok(links)) = (unread, fs::read_dir(references)) {
         for link in links.flatten() {
-            if !named.contains(&bases.join(link.file_name())) {
+            if !named.contains(&link.file_name()) {
                 let path = link.path();
                 fs::remove_file(&path).map_err(io_error(&path, "remove"))?;
             }
@@ -303,43 +346,49 @@ pub(super) fn sync_references(
     Ok(())
 }
 
-/// Whether `path` is a base of the cache `bases` by its name alone
-/// (`{16 hex digits}.raw` directly in it).
-fn is_base_name(bases: &Path, path: &Path) -> bool {
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-    path.parent() == Some(bases)
-        && name.len() == 20
+/// The name of the base `path` names, if its file name is one
+/// (`{16 hex digits}.raw`): only that name is ever looked up, in the cache.
+fn base_name(path: &Path) -> Option<&str> {
+    let name = path.file_name()?.to_str()?;
+    (name.len() == 20
         && name.ends_with(".raw")
-        && name[..16].bytes().all(|b| b.is_ascii_hexdigit())
+        && name[..16].bytes().all(|b| b.is_ascii_hexdigit()))
+    .then_some(name)
 }
 
-/// The backing file a qcow2 names, from its header. QEMU writes the header
-/// (a guest that took QEMU over could write anything), so the read is
-/// bounded, follows no symlink, and the answer is only compared with the
-/// cache's own paths.
-fn backing_file(disk: &Path) -> Option<PathBuf> {
+/// The backing file a qcow2 names, from its header (`None`: it has none).
+/// QEMU writes the header (a guest that took QEMU over could write
+/// anything), so the read is bounded, follows no symlink, and only the
+/// answer's file name is used, as a base's name in the cache.
+fn backing_file(disk: &Path) -> io::Result<Option<PathBuf>> {
     use std::io::{Seek, SeekFrom};
     use std::os::unix::ffi::OsStringExt;
     use std::os::unix::fs::OpenOptionsExt;
+    let invalid = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_owned());
     let mut file = fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc::O_NOFOLLOW)
-        .open(disk)
-        .ok()?;
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(disk)?;
+    if !file.metadata()?.is_file() {
+        return Err(invalid("not a regular file"));
+    }
     let mut header = [0u8; 20];
-    file.read_exact(&mut header).ok()?;
+    file.read_exact(&mut header)?;
     if &header[..4] != b"QFI\xfb" {
-        return None;
+        return Err(invalid("not a qcow2 image"));
     }
     let offset = u64::from_be_bytes(header[8..16].try_into().expect("8 bytes"));
     let size = u32::from_be_bytes(header[16..20].try_into().expect("4 bytes"));
-    if offset == 0 || size == 0 || size > MAX_BACKING_NAME {
-        return None;
+    if offset == 0 || size == 0 {
+        return Ok(None);
     }
-    file.seek(SeekFrom::Start(offset)).ok()?;
+    if size > MAX_BACKING_NAME {
+        return Err(invalid("a backing file name longer than qcow2 allows"));
+    }
+    file.seek(SeekFrom::Start(offset))?;
     let mut name = vec![0u8; size as usize];
-    file.read_exact(&mut name).ok()?;
-    Some(PathBuf::from(std::ffi::OsString::from_vec(name)))
+    file.read_exact(&mut name)?;
+    Ok(Some(PathBuf::from(std::ffi::OsString::from_vec(name))))
 }
 
 fn build_base(rootfs: &Path, agent: &Path, dest: &Path) -> Result<(), DiskError> {
@@ -551,6 +600,14 @@ mod tests {
         fs::write(&agent, "b").unwrap();
         assert_eq!(ensure_base(&cache, &rootfs, &agent, &one).unwrap(), made[1]);
         assert_eq!(nlink(&made[1]), 3);
+        // A base deleted from the cache by someone else comes back from a
+        // data dir's link, the same bytes, not built again.
+        let inode = |path: &Path| fs::metadata(path).unwrap().ino();
+        let before = inode(&made[2]);
+        fs::remove_file(&made[2]).unwrap();
+        fs::write(&agent, "c").unwrap();
+        assert_eq!(ensure_base(&cache, &rootfs, &agent, &two).unwrap(), made[2]);
+        assert_eq!(inode(&made[2]), before);
     }
 
     #[test]
@@ -564,16 +621,29 @@ mod tests {
             fs::write(&path, key).unwrap();
             path
         };
-        let (used, template, stale, pinned, other) = (
+        let (used, template, stale, pinned, other, old_format) = (
             base("00000000000000aa"),
             base("00000000000000bb"),
             base("00000000000000cc"),
             base("00000000000000dd"),
             base("00000000000000ee"),
+            base("0000000000000011"),
         );
         fs::write(pinned.with_extension(PINNED), "").unwrap();
+        // Every base but `old_format` was linked by some data dir once.
+        for linked in [&used, &template, &stale, &pinned, &other] {
+            fs::write(linked.with_extension(LINKED), "").unwrap();
+        }
         qcow2_over(&storage.join("vms/sb1/disk.qcow2"), &used);
-        qcow2_over(&storage.join("vm-templates/t1/disk.qcow2"), &template);
+        // The same cache, spelt another way (a symbolic link to it).
+        qcow2_over(
+            &storage.join("vm-templates/t1/disk.qcow2"),
+            &dir.path().join("cache-link/bases/00000000000000bb.raw"),
+        );
+        // A base gone from the cache (a clean-up of /var/tmp) that this
+        // data dir links: put back from the link, not lost.
+        let removed = bases.join("0000000000000022.raw");
+        qcow2_over(&storage.join("vms/sb2/disk.qcow2"), &removed);
         // A header naming a file outside the cache is not followed.
         let outside = dir.path().join("outside.raw");
         fs::write(&outside, "x").unwrap();
@@ -586,15 +656,23 @@ mod tests {
         let references = dir.path().join(REFERENCES);
         fs::create_dir_all(&references).unwrap();
         fs::hard_link(&stale, references.join("00000000000000cc.raw")).unwrap();
+        fs::write(references.join("0000000000000022.raw"), "22").unwrap();
         fs::write(bases.join("00000000000000ff.raw.partial"), "").unwrap();
 
         sync_references(&storage, &references, &cache).unwrap();
         assert_eq!((nlink(&used), nlink(&template)), (2, 2));
+        assert_eq!(fs::read_to_string(&removed).unwrap(), "22");
+        assert_eq!(nlink(&removed), 2);
         assert!(
             !stale.exists(),
             "a base only a deleted sandbox named was kept"
         );
+        assert!(!stale.with_extension(LINKED).exists());
         assert!(pinned.exists() && other.exists());
+        assert!(
+            old_format.exists(),
+            "a base no data dir ever linked was deleted"
+        );
         assert!(!bases.join("00000000000000ff.raw.partial").exists());
         assert_eq!(nlink(&outside), 1);
         let mut links: Vec<_> = fs::read_dir(&references)
@@ -602,7 +680,19 @@ mod tests {
             .map(|e| e.unwrap().file_name().into_string().unwrap())
             .collect();
         links.sort();
-        assert_eq!(links, ["00000000000000aa.raw", "00000000000000bb.raw"]);
+        assert_eq!(
+            links,
+            [
+                "0000000000000022.raw",
+                "00000000000000aa.raw",
+                "00000000000000bb.raw"
+            ]
+        );
+
+        // A header that cannot be read: no link is let go.
+        fs::write(storage.join("vms/sb1/disk.qcow2"), "not a qcow2").unwrap();
+        sync_references(&storage, &references, &cache).unwrap();
+        assert_eq!(nlink(&used), 2);
     }
 
     #[test]
@@ -614,33 +704,37 @@ mod tests {
             Path::new("/var/tmp/cove/vm/bases/0123456789abcdef.raw"),
         );
         assert_eq!(
-            backing_file(&disk).unwrap(),
+            backing_file(&disk).unwrap().unwrap(),
             Path::new("/var/tmp/cove/vm/bases/0123456789abcdef.raw")
         );
         qcow2_over(&disk, &PathBuf::from("x".repeat(2000)));
-        assert_eq!(backing_file(&disk), None);
+        assert!(backing_file(&disk).is_err());
         fs::write(&disk, [0u8; 200]).unwrap();
-        assert_eq!(backing_file(&disk), None);
+        assert!(backing_file(&disk).is_err());
         let link = dir.path().join("link.qcow2");
         std::os::unix::fs::symlink(&disk, &link).unwrap();
-        assert_eq!(backing_file(&link), None, "followed a symlink");
-        let bases = Path::new("/c/bases");
-        assert!(is_base_name(
-            bases,
-            Path::new("/c/bases/0123456789abcdef.raw")
-        ));
-        assert!(!is_base_name(
-            bases,
-            Path::new("/c/bases/../bases/0123456789abcdef.raw")
-        ));
-        assert!(!is_base_name(
-            bases,
-            Path::new("/c/bases/0123456789abcdeg.raw")
-        ));
-        assert!(!is_base_name(
-            bases,
-            Path::new("/c/other/0123456789abcdef.raw")
-        ));
+        assert!(backing_file(&link).is_err(), "followed a symlink");
+        let fifo = dir.path().join("fifo.qcow2");
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert!(backing_file(&fifo).is_err(), "read a FIFO");
+        // A disk over no base.
+        let mut header = b"QFI\xfb".to_vec();
+        header.extend_from_slice(&[0; 196]);
+        fs::write(&disk, &header).unwrap();
+        assert_eq!(backing_file(&disk).unwrap(), None);
+        // Only a base's file name counts, looked up in the cache alone.
+        let name = Some("0123456789abcdef.raw");
+        assert_eq!(base_name(Path::new("/c/bases/0123456789abcdef.raw")), name);
+        assert_eq!(
+            base_name(Path::new("/elsewhere/0123456789abcdef.raw")),
+            name
+        );
+        assert_eq!(base_name(Path::new("/c/bases/0123456789abcdeg.raw")), None);
+        assert_eq!(
+            base_name(Path::new("/c/bases/0123456789abcdef.raw/..")),
+            None
+        );
+        assert_eq!(base_name(Path::new("/c/bases/outside.raw")), None);
     }
 
     #[test]

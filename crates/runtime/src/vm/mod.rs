@@ -272,9 +272,7 @@ impl VmRuntime {
         // Before any VM is made: templates a newer make replaced go, the
         // bases this data dir's disks name are linked, and the shared cache
         // keeps only bases some data dir links.
-        let templates = config.storage.root().join("vm-templates");
-        template::sweep_superseded(&templates)
-            .map_err(RuntimeError::file(id, "sweep", &templates))?;
+        template::sweep_superseded(&config.storage.root().join("vm-templates"));
         disk::sync_references(
             config.storage.root(),
             &config.base_links(),

@@ -25,8 +25,8 @@ use super::{blocking, disk, RuntimeError, VmRuntime};
 const COMPLETE: &str = "complete";
 
 /// What a template was made of that stays the same when it is remade: its
-/// image's root filesystem, vCPUs and RAM (its name also hashes the base
-/// disk, kernel and initramfs, which an upgrade changes). Two complete
+/// image's root filesystem, vCPUs, RAM and accelerator (its name also
+/// hashes the base disk, kernel and initramfs, which an upgrade changes). Two complete
 /// templates saying the same here are the same machine, an older and a
 /// newer make of it.
 const MADE_OF: &str = "made-of";
@@ -95,7 +95,7 @@ pub(super) async fn ensure(
         return Err(error);
     }
     let (from, to) = (partial.dir.clone(), layout.dir.clone());
-    let made_of = made_of(rootfs, cpus, memory_mib);
+    let made_of = made_of(rootfs, cpus, memory_mib, runtime.accelerator.name());
     blocking(id, move |id| {
         finish(&from, &to, &made_of).map_err(RuntimeError::file(id, "finish", &to))
     })
@@ -224,9 +224,9 @@ pub(super) async fn warm_up(vm: &RunningVm) {
 }
 
 /// The [`MADE_OF`] line of a template.
-fn made_of(rootfs: &Path, cpus: u32, memory_mib: u64) -> String {
+fn made_of(rootfs: &Path, cpus: u32, memory_mib: u64, accelerator: &str) -> String {
     format!(
-        "rootfs={} cpus={cpus} memory={memory_mib}\n",
+        "rootfs={} cpus={cpus} memory={memory_mib} accel={accelerator}\n",
         rootfs.display()
     )
 }
@@ -252,14 +252,54 @@ fn finish(partial: &Path, dir: &Path, made_of: &str) -> std::io::Result<()> {
 /// and its base disk (which it links) for good. Run as a server starts,
 /// before any template is used; the newest stays even when it is the old
 /// one, so a server keeps at most one superseded template of each machine
-/// until its next start. A template from before `made-of` is kept. Answers
-/// how many went.
-pub(super) fn sweep_superseded(templates: &Path) -> std::io::Result<usize> {
+/// until its next start (one more for each change of the agent file while
+/// it runs). A template from before `made-of` is kept. Each goes by a
+/// rename out of the way first, so one half deleted never looks complete;
+/// a failure is logged and leaves the rest. Answers how many went.
+pub(super) fn sweep_superseded(templates: &Path) -> usize {
+    match superseded(templates) {
+        Ok(superseded) => superseded
+            .iter()
+            .filter(|dir| match delete_template(dir) {
+                Ok(()) => true,
+                Err(error) => {
+                    tracing::warn!(template = %dir.display(), %error, "cannot delete a VM template a newer one replaced");
+                    false
+                }
+            })
+            .count(),
+        Err(error) => {
+            tracing::warn!(dir = %templates.display(), %error, "cannot list the VM templates");
+            0
+        }
+    }
+}
+
+/// Renames `dir` out of the way, then deletes it and its lock file.
+fn delete_template(dir: &Path) -> std::io::Result<()> {
+    tracing::info!(template = %dir.display(), "deleting a VM template a newer one replaced");
+    let doomed = dir.with_extension(DELETING);
+    fs::rename(dir, &doomed)?;
+    let _ = fs::remove_file(dir.with_extension("lock"));
+    fs::remove_dir_all(&doomed)
+}
+
+/// The extension of a template being deleted.
+const DELETING: &str = "deleting";
+
+/// The complete templates of `templates` a newer one of the same
+/// [`MADE_OF`] replaced; what an earlier deletion left half done is
+/// deleted here.
+fn superseded(templates: &Path) -> std::io::Result<Vec<PathBuf>> {
     let mut newest: std::collections::HashMap<String, (std::time::SystemTime, PathBuf)> =
         std::collections::HashMap::new();
     let mut superseded = Vec::new();
     for entry in fs::read_dir(templates)? {
         let dir = entry?.path();
+        if dir.extension().is_some_and(|e| e == DELETING) {
+            let _ = fs::remove_dir_all(&dir);
+            continue;
+        }
         if !dir.is_dir() || dir.extension().is_some() {
             continue;
         }
@@ -277,12 +317,7 @@ pub(super) fn sweep_superseded(templates: &Path) -> std::io::Result<usize> {
             }
         }
     }
-    for dir in &superseded {
-        tracing::info!(template = %dir.display(), "deleting a VM template a newer one replaced");
-        fs::remove_dir_all(dir)?;
-        let _ = fs::remove_file(dir.with_extension("lock"));
-    }
-    Ok(superseded.len())
+    Ok(superseded)
 }
 
 /// A template's `made-of`: a regular file, not followed through a link,
@@ -326,28 +361,34 @@ mod tests {
     fn only_the_newest_make_of_each_machine_is_kept() {
         let templates = tempfile::tempdir().unwrap();
         let root = templates.path();
-        let small = made_of(Path::new("/images/a/rootfs"), 1, 1024);
-        let large = made_of(Path::new("/images/a/rootfs"), 2, 4096);
+        let small = made_of(Path::new("/images/a/rootfs"), 1, 1024, "tcg");
+        let large = made_of(Path::new("/images/a/rootfs"), 2, 4096, "tcg");
+        let on_kvm = made_of(Path::new("/images/a/rootfs"), 1, 1024, "kvm");
         let oldest = template(root, "aaaa", Some(&small), 300);
         let newest = template(root, "bbbb", Some(&small), 10);
         let older = template(root, "cccc", Some(&small), 200);
         let other = template(root, "dddd", Some(&large), 500);
         let before_made_of = template(root, "eeee", None, 900);
+        let other_accelerator = template(root, "gggg", Some(&on_kvm), 900);
+        // What a deletion cut short left.
+        fs::create_dir_all(root.join("hhhh.deleting/ram")).unwrap();
         // Being made (no marker yet), and one half-made by a server that died.
         fs::create_dir_all(root.join("ffff")).unwrap();
         fs::write(root.join("ffff").join(MADE_OF), &small).unwrap();
         fs::create_dir_all(root.join("bbbb.partial")).unwrap();
 
-        assert_eq!(sweep_superseded(root).unwrap(), 2);
+        assert_eq!(sweep_superseded(root), 2);
         assert!(!oldest.exists() && !older.exists());
         assert!(!root.join("aaaa.lock").exists() && !root.join("cccc.lock").exists());
-        for kept in [&newest, &other, &before_made_of] {
+        assert!(!root.join("hhhh.deleting").exists());
+        assert!(!root.join("aaaa.deleting").exists());
+        for kept in [&newest, &other, &before_made_of, &other_accelerator] {
             assert!(kept.join("ram").exists(), "{}", kept.display());
         }
         assert!(root.join("bbbb.lock").exists());
         assert!(root.join("ffff").exists() && root.join("bbbb.partial").exists());
         // Nothing more goes the next time.
-        assert_eq!(sweep_superseded(root).unwrap(), 0);
+        assert_eq!(sweep_superseded(root), 0);
     }
 
     #[test]
