@@ -85,19 +85,8 @@ const MARKER_LIMIT: u64 = 256;
 /// a `/.complete` of its own): only a regular file there is read, never
 /// through a symbolic link, and never waiting on a FIFO.
 pub fn image_marker(rootfs: &Path) -> Option<String> {
-    use std::io::Read as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(rootfs.join(cove_images::COMPLETE_MARKER))
-        .ok()?;
-    if !file.metadata().ok()?.is_file() {
-        return None;
-    }
-    let mut marker = String::new();
-    file.take(MARKER_LIMIT).read_to_string(&mut marker).ok()?;
-    Some(marker)
+    let marker = rootfs.join(cove_images::COMPLETE_MARKER);
+    cove_runtime::beneath::read_regular(&marker, MARKER_LIMIT).ok()
 }
 
 /// The capture id of a captured layer, `.../captures/{id}/upper` (where a

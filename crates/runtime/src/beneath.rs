@@ -76,6 +76,33 @@ pub enum BeneathError {
     },
 }
 
+/// Opens `path` to read it only if it is a regular file: not through a
+/// symlink as its last component, and never waiting on a FIFO. For a small
+/// file whose name someone else could have made anything (an image's
+/// marker, a disk header QEMU writes).
+pub fn open_regular(path: &Path) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)?;
+    if !file.metadata()?.is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            "not a regular file",
+        ));
+    }
+    Ok(file)
+}
+
+/// At most `limit` bytes of the text of [`open_regular`]'s `path`.
+pub fn read_regular(path: &Path, limit: u64) -> io::Result<String> {
+    use std::io::Read as _;
+    let mut text = String::new();
+    open_regular(path)?.take(limit).read_to_string(&mut text)?;
+    Ok(text)
+}
+
 /// Opens the trusted root itself (`O_PATH`, a directory, not a symlink).
 pub fn open_root(root: &Path) -> io::Result<OwnedFd> {
     let path = CString::new(root.as_os_str().as_bytes())

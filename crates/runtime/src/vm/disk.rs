@@ -183,9 +183,10 @@ pub(super) fn ensure_base(
     let key = base_key(rootfs, agent)?;
     let base = bases.join(format!("{key}.raw"));
     let _lock = lock_bases(&bases)?;
-    if !base.exists() && restore(&base, references) {
+    let missing = !base.exists();
+    if missing && restore(&base, references) {
         tracing::info!(base = %base.display(), "put a VM base disk back in the cache from a data dir's link");
-    } else if !base.exists() {
+    } else if missing {
         let partial = bases.join(format!("{key}.raw.partial"));
         let _ = fs::remove_file(&partial);
         let built = build_base(rootfs, agent, &partial);
@@ -363,15 +364,8 @@ fn base_name(path: &Path) -> Option<&str> {
 fn backing_file(disk: &Path) -> io::Result<Option<PathBuf>> {
     use std::io::{Seek, SeekFrom};
     use std::os::unix::ffi::OsStringExt;
-    use std::os::unix::fs::OpenOptionsExt;
     let invalid = |why: &str| io::Error::new(io::ErrorKind::InvalidData, why.to_owned());
-    let mut file = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(disk)?;
-    if !file.metadata()?.is_file() {
-        return Err(invalid("not a regular file"));
-    }
+    let mut file = crate::beneath::open_regular(disk)?;
     let mut header = [0u8; 20];
     file.read_exact(&mut header)?;
     if &header[..4] != b"QFI\xfb" {

@@ -323,18 +323,7 @@ fn superseded(templates: &Path) -> std::io::Result<Vec<PathBuf>> {
 /// A template's `made-of`: a regular file, not followed through a link,
 /// of at most 4 KiB.
 fn read_small(path: &Path) -> std::io::Result<String> {
-    use std::io::Read as _;
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let file = fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(path)?;
-    if !file.metadata()?.is_file() {
-        return Err(std::io::Error::other("not a regular file"));
-    }
-    let mut text = String::new();
-    file.take(4096).read_to_string(&mut text)?;
-    Ok(text)
+    crate::beneath::read_regular(path, 4096)
 }
 
 #[cfg(test)]
