@@ -1304,3 +1304,146 @@ async fn a_new_runtime_sweeps_the_pool_a_killed_one_left() {
 fn sid(id: &str) -> cove_runtime::SandboxId {
     cove_runtime::SandboxId::parse(id).expect("the test's ids are valid")
 }
+
+/// A runtime over a btrfs storage of its own (a small image in a temp dir),
+/// for the receives of captured layers; unmounted when dropped.
+struct Stored {
+    runtime: std::sync::Arc<ContainerRuntime>,
+    storage: std::sync::Arc<cove_runtime::storage::Storage>,
+    root: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Stored {
+    fn new(name: &str) -> Option<Self> {
+        if !cove_testenv::root("the container storage tests") {
+            return None;
+        }
+        let agent = cove_testenv::path("COVE_TEST_AGENT", "the static cove-agent binary")?;
+        let dir = tempfile::Builder::new()
+            .prefix("cove-cts-")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let root = dir.path().join("s");
+        let storage =
+            cove_runtime::storage::Storage::open(&dir.path().join("storage.img"), &root, 256 << 20)
+                .unwrap();
+        let storage = std::sync::Arc::new(storage);
+        let mut config = ContainerConfig::new(
+            root.join("sandboxes"),
+            agent,
+            std::env::current_exe().unwrap(),
+        );
+        config.cgroup_parent = format!("cove-test-{}-{name}", std::process::id());
+        config.storage = Some(storage.clone());
+        let runtime = std::sync::Arc::new(ContainerRuntime::new(config).unwrap());
+        Some(Stored {
+            runtime,
+            storage,
+            root: root.canonicalize().unwrap(),
+            _dir: dir,
+        })
+    }
+
+    /// What receives left under `captures/.incoming` (nothing, once each ended).
+    fn incoming(&self) -> Vec<PathBuf> {
+        let dir = self.root.join("captures").join(".incoming");
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .map(|entry| entry.unwrap().path())
+            .collect()
+    }
+}
+
+impl Drop for Stored {
+    fn drop(&mut self) {
+        let _ = self.storage.unmount();
+    }
+}
+
+#[tokio::test]
+async fn a_layer_larger_than_the_storage_can_take_is_refused_and_leaves_nothing() {
+    let Some(h) = Stored::new("spool") else {
+        return;
+    };
+    // A 256 MiB storage may spool about a hundred; this stream has a GiB.
+    let stream = std::io::Read::take(std::io::repeat(7), 1 << 30);
+    let error = h
+        .runtime
+        .receive_capture("cap-big", stream)
+        .await
+        .expect_err("a layer larger than the storage can take");
+    let message = error.to_string();
+    assert!(
+        message.contains("larger than this runner's storage can take"),
+        "{message}"
+    );
+    assert!(!h.runtime.captured_layer("cap-big").exists());
+    assert_eq!(h.incoming(), Vec::<PathBuf>::new());
+}
+
+/// A stream that reports its first read, then holds its reader until let go.
+struct Held {
+    first_read: Option<std::sync::mpsc::Sender<()>>,
+    go: Option<std::sync::mpsc::Receiver<()>>,
+}
+
+impl std::io::Read for Held {
+    fn read(&mut self, _buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Some(first) = self.first_read.take() {
+            let _ = first.send(());
+        }
+        if let Some(go) = self.go.take() {
+            let _ = go.recv();
+        }
+        Ok(0)
+    }
+}
+
+#[tokio::test]
+async fn captured_layers_are_received_one_at_a_time() {
+    let Some(h) = Stored::new("receive") else {
+        return;
+    };
+    let held = |go| {
+        let (first_tx, first_rx) = std::sync::mpsc::channel();
+        let stream = Held {
+            first_read: Some(first_tx),
+            go,
+        };
+        (stream, first_rx)
+    };
+    let (go_a, wait_a) = std::sync::mpsc::channel();
+    let (stream_a, read_a) = held(Some(wait_a));
+    let (stream_b, read_b) = held(None);
+    let runtime = h.runtime.clone();
+    let a = tokio::spawn(async move { runtime.receive_capture("cap-a", stream_a).await });
+    tokio::task::spawn_blocking(move || read_a.recv_timeout(Duration::from_secs(30)))
+        .await
+        .unwrap()
+        .expect("the first receive reads its stream");
+    let runtime = h.runtime.clone();
+    let b = tokio::spawn(async move { runtime.receive_capture("cap-b", stream_b).await });
+    // Its budget would be measured on the free space the first is filling.
+    let (read_b, early) = tokio::task::spawn_blocking(move || {
+        let early = read_b.recv_timeout(Duration::from_millis(500));
+        (read_b, early)
+    })
+    .await
+    .unwrap();
+    assert!(
+        early.is_err(),
+        "a second receive began while the first was on"
+    );
+    go_a.send(()).unwrap();
+    tokio::task::spawn_blocking(move || read_b.recv_timeout(Duration::from_secs(30)))
+        .await
+        .unwrap()
+        .expect("the second receive goes on once the first ended");
+    // Empty streams hold no capture: both fail, and leave nothing.
+    assert!(a.await.unwrap().is_err());
+    assert!(b.await.unwrap().is_err());
+    assert_eq!(h.incoming(), Vec::<PathBuf>::new());
+    assert!(!h.runtime.captured_layer("cap-a").exists());
+}

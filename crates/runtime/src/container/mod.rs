@@ -119,6 +119,10 @@ pub struct ContainerRuntime {
     ids: Arc<userns::IdRanges>,
     maker: Arc<ShimMaker>,
     pool: ShimPool,
+    /// Held by each receive of a captured layer from its measure of the
+    /// free space to its end: two at once would each take their budget
+    /// from the same free space (`receive_capture`).
+    receiving: Arc<Mutex<()>>,
 }
 
 impl std::fmt::Debug for ContainerRuntime {
@@ -187,6 +191,7 @@ impl ContainerRuntime {
             shims: Arc::default(),
             maker,
             pool,
+            receiving: Arc::default(),
         })
     }
 
@@ -314,7 +319,8 @@ impl ContainerRuntime {
     /// another host's (a runner given a snapshot taken on the control
     /// plane): received under `captures/.incoming`, put in place only
     /// once whole, and deleted when anything fails. Answers its layer. A
-    /// capture already here is kept as it is.
+    /// capture already here is kept as it is. Receives run one at a time,
+    /// each measuring the free space once the one before it is done.
     pub async fn receive_capture(
         &self,
         capture_id: &str,
@@ -328,7 +334,10 @@ impl ContainerRuntime {
             std::process::id(),
             uuid::Uuid::new_v4().simple()
         ));
+        let receiving = Arc::clone(&self.receiving);
         blocking(capture_id, move |id| {
+            // A receive that panicked left nothing this one relies on.
+            let _one_at_a_time = receiving.lock().unwrap_or_else(|e| e.into_inner());
             let file = RuntimeError::file;
             fs::create_dir_all(&incoming).map_err(file(id, "create", &incoming))?;
             let sent = incoming.join("stream");
