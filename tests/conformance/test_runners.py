@@ -1217,3 +1217,10 @@ def test_a_snapshot_taken_from_a_sandbox_runs_on_a_runner_that_fetches_its_layer
             daytona.delete(sandbox)
         for name in (upper, lower):
             daytona.snapshot.delete(daytona.snapshot.get(name))
+        # The runner's copies go with their snapshots (the control plane's
+        # `DELETE /layers/{capture}` on the runner's service, sent in the
+        # background), which takes the service's key only.
+        for capture in captures:
+            assert wait_until(lambda: not (storage / "captures" / capture).exists(), timeout=30), capture
+        r = requests.delete(f"{one.me()['apiUrl']}/layers/{captures[0]}", headers=as_runner, timeout=10)
+        assert r.status_code == 401, r.text

@@ -22,6 +22,7 @@
 //! | `DELETE /sandboxes/{id}` | removes everything of it |
 //! | `GET /sandboxes/{id}` | whether it runs |
 //! | `GET /sandboxes/{id}/agent` | the agent's byte stream (upgrade) |
+//! | `DELETE /layers/{capture}` | deletes its copy of a captured layer (the snapshot's deletion) |
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -384,6 +385,7 @@ pub(crate) fn router(service: Arc<Service>, quiet: cove_quiet::Quiet) -> Router 
         .route("/sandboxes/{id}/unarchive", post(unarchive))
         .route("/sandboxes/{id}", get(running).delete(destroy))
         .route("/sandboxes/{id}/agent", get(agent))
+        .route("/layers/{capture}", axum::routing::delete(discard_layer))
         .layer(axum::middleware::from_fn_with_state(
             quiet,
             cove_api::hold_quiet,
@@ -530,6 +532,30 @@ async fn spec_of(
         runtime.captured_layer(capture)
     })
     .map_err(bad)
+}
+
+/// Deletes this runner's copy of captured layer `capture`, fetched for a
+/// snapshot the control plane deleted (which it refuses while any sandbox
+/// uses it). A layer this runner does not hold is no error.
+async fn discard_layer(
+    State(service): State<Arc<Service>>,
+    Path(capture): Path<String>,
+) -> Result<StatusCode, Refusal> {
+    if !cove_engine::remote::plain_capture(&capture) {
+        let message = format!("{capture:?} is not a capture id");
+        return Err(refuse(400, FailureKind::Other, message));
+    }
+    let layer = service.runtime.captured_layer(&capture);
+    // After a fetch of it that is on, so what that fetch puts in place goes too.
+    let _held = pass(&service.fetches, layer.clone()).await;
+    if layer.parent().is_some_and(std::path::Path::exists) {
+        service.runtime.discard_capture(&capture).await?;
+        tracing::info!(
+            capture,
+            "deleted a captured layer whose snapshot was deleted"
+        );
+    }
+    Ok(StatusCode::NO_CONTENT)
 }
 
 async fn prepare(

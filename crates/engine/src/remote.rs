@@ -626,6 +626,14 @@ impl RemoteRuntime {
             .map(drop)
     }
 
+    /// Has the runner delete its copy of captured layer `capture` (its
+    /// snapshot is deleted); one it does not hold is no error.
+    pub(crate) async fn discard_layer(&self, capture: &str) -> Result<(), RuntimeError> {
+        let path = format!("/layers/{capture}");
+        self.operation(capture, reqwest::Method::DELETE, &path)
+            .await
+    }
+
     /// Waits for sandbox `id`'s start on the runner to end; why it ended.
     /// A runner that cannot be reached is asked again; one that no longer
     /// runs the sandbox (it restarted) ends it.

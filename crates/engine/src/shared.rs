@@ -152,6 +152,23 @@ impl Shared {
         self.remotes.read().unwrap().get(runner).cloned()
     }
 
+    /// Has every runner elsewhere delete its copy of captured layer
+    /// `capture`, whose snapshot is deleted, in the background: a runner
+    /// that cannot be reached keeps its copy (logged).
+    pub(crate) fn discard_layer_on_runners(&self, capture: &str) {
+        let remotes: Vec<crate::remote::Remote> =
+            self.remotes.read().unwrap().values().cloned().collect();
+        for remote in remotes {
+            let capture = capture.to_owned();
+            tokio::spawn(async move {
+                if let Err(error) = remote.0.discard_layer(&capture).await {
+                    let error = crate::error::describe(&error);
+                    tracing::warn!(capture, %error, "a runner keeps its copy of a deleted snapshot's layer");
+                }
+            });
+        }
+    }
+
     /// Every class this server runs, with its runtime.
     pub(crate) fn runtimes(&self) -> impl Iterator<Item = (SandboxClass, &Arc<dyn Runtime>)> {
         self.runtimes

@@ -180,6 +180,7 @@ impl Snapshots {
                 .discard_capture(capture)
                 .await
                 .map_err(EngineError::runtime(&snapshot.id, "delete its snapshot"))?;
+            self.shared.discard_layer_on_runners(capture);
         }
         self.shared
             .store
