@@ -1213,14 +1213,33 @@ def test_a_snapshot_taken_from_a_sandbox_runs_on_a_runner_that_fetches_its_layer
         r = server.request("GET", f"/runners/me/layers/{uuid.uuid4()}", auth=False, headers=as_runner)
         assert r.status_code == 404, r.text
 
+        # Its token also gets the list of the layers its sandboxes use.
+        r = server.request("GET", "/runners/me/layers", auth=False, headers=as_runner)
+        assert r.status_code == 200, r.text
+        assert sorted(r.json()["captures"]) == sorted(captures)
+
         for sandbox in (moved, second, first):
             daytona.delete(sandbox)
-        for name in (upper, lower):
-            daytona.snapshot.delete(daytona.snapshot.get(name))
-        # The runner's copies go with their snapshots (the control plane's
+        r = server.request("GET", "/runners/me/layers", auth=False, headers=as_runner)
+        assert r.json()["captures"] == [], r.text
+        # The runner's copy goes with its snapshot (the control plane's
         # `DELETE /layers/{capture}` on the runner's service, sent in the
         # background), which takes the service's key only.
-        for capture in captures:
-            assert wait_until(lambda: not (storage / "captures" / capture).exists(), timeout=30), capture
-        r = requests.delete(f"{one.me()['apiUrl']}/layers/{captures[0]}", headers=as_runner, timeout=10)
+        daytona.snapshot.delete(daytona.snapshot.get(upper))
+        assert wait_until(lambda: not (storage / "captures" / captures[0]).exists(), timeout=30)
+        assert (storage / "captures" / captures[1] / "upper").is_dir()
+        r = requests.delete(f"{one.me()['apiUrl']}/layers/{captures[1]}", headers=as_runner, timeout=10)
         assert r.status_code == 401, r.text
+        # A snapshot deleted while the runner is away: the runner deletes its
+        # copy as it starts again, asking which layers to keep.
+        service = one.me()["apiUrl"]
+        one.process.send_signal(signal.SIGTERM)
+        assert one.process.wait(timeout=60) == 0, one.process.stderr.read()
+        # (Its storage is unmounted while it is away; the control plane's
+        # call to delete its copy finds no one.)
+        daytona.snapshot.delete(daytona.snapshot.get(lower))
+        one.restart()
+        # Its first report names its new service: its storage is mounted again.
+        assert wait_until(lambda: one.me()["apiUrl"] not in (None, service), 60)
+        assert (storage / "captures").is_dir()
+        assert [path.name for path in (storage / "captures").iterdir()] == [".incoming"]

@@ -308,6 +308,7 @@ pub fn app(state: AppState) -> Router {
         )
         .route("/api/runners/healthcheck", post(runners::healthcheck))
         .route("/api/runners/me/images/{*image}", get(runners::image))
+        .route("/api/runners/me/layers", get(runners::layers))
         .route("/api/runners/me/layers/{capture}", get(runners::layer))
         .merge(with_key)
         // Tells the counting layer below which route template matched.

@@ -88,6 +88,12 @@ pub(crate) const OPERATIONS: &[Operation] = &[
     ),
     op(
         "GET",
+        "/runners/me/layers",
+        "runners",
+        "The capture ids of the captured layers the sandboxes placed on the calling runner use, by its runner token",
+    ),
+    op(
+        "GET",
         "/runners/me/layers/{capture}",
         "runners",
         "A captured layer of the snapshot a sandbox placed on the calling runner uses, as a btrfs send stream, by its runner token",

@@ -358,6 +358,18 @@ pub(crate) async fn layer(
     Ok(streamed("application/octet-stream", stream))
 }
 
+/// `GET /runners/me/layers`: the capture ids of the captured layers the
+/// sandboxes placed on the calling runner start from; a starting runner
+/// deletes its copies of any other (their snapshots were deleted while it
+/// could not be told).
+pub(crate) async fn layers(
+    State(state): State<AppState>,
+    caller: RunnerCaller,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let captures = state.engine.runners().layers_on(&caller.record.id).await?;
+    Ok(Json(serde_json::json!({ "captures": captures })))
+}
+
 /// Daytona's `RunnerFull`: a runner as it sees itself, with its token.
 #[derive(Debug, Serialize)]
 #[serde(rename_all = "camelCase")]

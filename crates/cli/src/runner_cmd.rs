@@ -260,6 +260,14 @@ async fn serve(
         },
         key,
     ));
+    // Before the control plane learns this start's key: nothing is on yet.
+    let swept = service.sweep_layers().await;
+    if swept > 0 {
+        tracing::info!(
+            swept,
+            "deleted captured layers whose snapshots were deleted while this runner was away"
+        );
+    }
     let app = crate::runner_service::router(service.clone(), quiet);
     // The listener of `serve`'s API: its header and handshake timeouts and
     // its cap on connections hold here too.

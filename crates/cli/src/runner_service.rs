@@ -240,6 +240,51 @@ impl Service {
         Ok(())
     }
 
+    /// Deletes the captured layers this runner fetched that no sandbox
+    /// placed on it starts from any more, as the control plane lists them
+    /// (`GET /runners/me/layers`): their snapshots were deleted while this
+    /// runner could not be told. Called before the control plane learns
+    /// this start's service, so no fetch or start is on. Without the
+    /// control plane's answer every copy stays. Answers how many went.
+    pub(crate) async fn sweep_layers(&self) -> usize {
+        #[derive(serde::Deserialize)]
+        struct Layers {
+            captures: std::collections::HashSet<String>,
+        }
+        let url = format!("{}/runners/me/layers", self.control.url);
+        let listed = async {
+            let response = (self.control.http.get(&url))
+                .bearer_auth(&self.control.token)
+                .send()
+                .await?
+                .error_for_status()?;
+            response.json::<Layers>().await
+        };
+        let keep = match listed.await {
+            Ok(layers) => layers.captures,
+            Err(error) => {
+                let error = cove_engine::describe(&error);
+                tracing::warn!(%error, "cannot ask the control plane which captured layers to keep; keeping all");
+                return 0;
+            }
+        };
+        let mut swept = 0;
+        for capture in self.runtime.capture_ids() {
+            // Only fetched layers (capture ids); never an archive's snapshot.
+            if uuid::Uuid::parse_str(&capture).is_err() || keep.contains(&capture) {
+                continue;
+            }
+            match self.runtime.discard_capture(&capture).await {
+                Ok(()) => swept += 1,
+                Err(error) => {
+                    let error = cove_engine::describe(&error);
+                    tracing::warn!(capture, %error, "cannot delete a captured layer no sandbox here uses");
+                }
+            }
+        }
+        swept
+    }
+
     /// Fetches captured layer `capture` from the control plane onto this
     /// runner's storage, unless a fetch before this one, waited for,
     /// already did.

@@ -851,6 +851,21 @@ impl Runners {
         })
     }
 
+    /// The capture ids of every captured layer a sandbox placed on runner
+    /// `id` starts from: what that runner keeps of the layers it fetched.
+    pub async fn layers_on(&self, id: &str) -> Result<Vec<String>, EngineError> {
+        let mut captures = std::collections::BTreeSet::new();
+        for snapshot in self.snapshots_on_runner(id).await? {
+            let layers = snapshot.layers.iter().map(Path::new);
+            captures.extend(
+                layers
+                    .filter_map(crate::remote::capture_of_layer)
+                    .map(str::to_owned),
+            );
+        }
+        Ok(captures.into_iter().collect())
+    }
+
     /// [`Runners::layer_for`], as the `btrfs send` stream a runner receives
     /// (owners, modes, extended attributes and overlayfs whiteouts kept),
     /// written as it is read. A send that fails ends the stream with an

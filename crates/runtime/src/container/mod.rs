@@ -286,6 +286,18 @@ impl ContainerRuntime {
         self.capture_dir(capture_id).join("upper")
     }
 
+    /// The names of the captures on this runtime's storage (`captures/`,
+    /// without the transfers under way there).
+    pub fn capture_ids(&self) -> Vec<String> {
+        let dir = self.capture_dir("x").with_file_name("");
+        let entries = fs::read_dir(dir).into_iter().flatten().flatten();
+        entries
+            .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()))
+            .filter_map(|entry| entry.file_name().into_string().ok())
+            .filter(|name| !name.starts_with('.'))
+            .collect()
+    }
+
     /// Removes what receives of captures left under `captures/.incoming`
     /// when their process died mid-way (each is named by its pid): the
     /// stream and any subvolume made of it. Answers how many went.
