@@ -182,6 +182,11 @@ pub(super) fn ensure_base(
     let bases = cache.join("bases");
     let key = base_key(rootfs, agent)?;
     let base = bases.join(format!("{key}.raw"));
+    if linked_from(&base, references) {
+        // A base with a link besides the cache's is never pruned: nothing
+        // to wait for behind another server's build.
+        return Ok(base);
+    }
     let _lock = lock_bases(&bases)?;
     let missing = !base.exists();
     if missing && restore(&base, references) {
@@ -204,6 +209,20 @@ pub(super) fn ensure_base(
     }
     reference(&base, references)?;
     Ok(base)
+}
+
+/// Whether `references` holds a link to `base` (the same file) and the
+/// base is marked linked: all [`reference`] would do is done.
+fn linked_from(base: &Path, references: &Path) -> bool {
+    let link = references.join(base.file_name().expect("a base has a file name"));
+    match (fs::metadata(base), fs::symlink_metadata(&link)) {
+        (Ok(base_meta), Ok(link_meta)) => {
+            link_meta.is_file()
+                && (base_meta.dev(), base_meta.ino()) == (link_meta.dev(), link_meta.ino())
+                && base.with_extension(LINKED).exists()
+        }
+        _ => false,
+    }
 }
 
 /// Puts `base`, gone from the cache (deleted by hand, or by a clean-up of
@@ -602,6 +621,17 @@ mod tests {
         fs::write(&agent, "c").unwrap();
         assert_eq!(ensure_base(&cache, &rootfs, &agent, &two).unwrap(), made[2]);
         assert_eq!(inode(&made[2]), before);
+        // A base this data dir links already is answered while another
+        // holds the cache's lock (a build of another server's).
+        let held = lock_bases(&cache.join("bases")).unwrap();
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        let asked = (cache.clone(), rootfs.clone(), agent.clone(), two.clone());
+        std::thread::spawn(move || {
+            let _ = done_tx.send(ensure_base(&asked.0, &asked.1, &asked.2, &asked.3));
+        });
+        let answer = done_rx.recv_timeout(std::time::Duration::from_secs(30));
+        assert_eq!(answer.expect("waited for the lock").unwrap(), made[2]);
+        drop(held);
     }
 
     #[test]
