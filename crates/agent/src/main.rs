@@ -86,9 +86,11 @@ fn main() -> anyhow::Result<()> {
             .map_err(|e| anyhow::anyhow!("becoming the sandbox user {}: {e}", user.name))?;
     }
 
-    init_logging(true);
     // Threads only from here on: the fork and the change of user are behind.
+    // The routes first, the longest step of the start: they build while the
+    // logging, the socket and the runtime are made.
     let routes = std::thread::spawn(cove_agent::routes);
+    init_logging(true);
     let listener = listen::open(&endpoint).context("opening the listening socket")?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
