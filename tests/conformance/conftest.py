@@ -507,6 +507,17 @@ def tls_files() -> Iterator[TlsFiles]:
         files.remove()
 
 
+def start_or_remove(server: CoveServer, data_dir: Path) -> None:
+    """Starts `server`; one that does not come up (its log is in the error)
+    leaves neither its data dir nor its log behind."""
+    try:
+        server.start()
+    except BaseException:
+        server.stop()
+        remove_data_dir(data_dir)
+        raise
+
+
 @pytest.fixture(scope="session")
 def cove(fake_internet: FakeInternet, tls_files: TlsFiles) -> Iterator[CoveServer]:
     data_dir = new_data_dir()
@@ -517,7 +528,7 @@ def cove(fake_internet: FakeInternet, tls_files: TlsFiles) -> Iterator[CoveServe
         extra_args=(*fake_internet.server_args(), *tls_files.server_args()),
         vms=True,
     )
-    server.start()
+    start_or_remove(server, data_dir)
     os.environ["DAYTONA_API_URL"] = server.api_url
     os.environ["DAYTONA_API_KEY"] = server.api_key
     try:
@@ -542,7 +553,7 @@ def own_server() -> Iterator[CoveServer]:
     test may stop and start it, and whatever it left is deleted."""
     data_dir = new_data_dir()
     server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=("--no-network",))
-    server.start()
+    start_or_remove(server, data_dir)
     try:
         yield server
     finally:

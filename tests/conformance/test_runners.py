@@ -339,9 +339,9 @@ def test_a_runner_killed_is_shown_unresponsive_and_comes_back_as_itself(tmp_path
     data_dir = new_data_dir()
     server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
                         extra_args=("--no-network", "--runner-silence", "10"))
-    server.start()
     process = None
     try:
+        server.start()
         runner_id, token = add_runner(server, unique("node"), "rack-3")
         process = start_runner(server, token, tmp_path / "runner")
         assert wait_until(lambda: state(server, runner_id) == "ready", 30)
@@ -482,7 +482,6 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it(fake_internet):
     nothing on the runner."""
     data_dir = new_data_dir()
     server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex, extra_args=("--no-network",))
-    server.start()
     process = None
     runner_dir = new_data_dir()
     parent = "cove-test-" + uuid.uuid4().hex[:8]
@@ -491,6 +490,7 @@ def test_a_runner_elsewhere_runs_the_containers_placed_on_it(fake_internet):
     network = ("--bridge", "cvr" + uuid.uuid4().hex[:4], "--network-range", "10.76.0.0/16",
                "--route-table", "7760", *fake_internet.server_args())
     try:
+        server.start()
         runner_id, token = add_runner(server, unique("node"))
         process = serving_runner(server, token, runner_dir, parent, network)
         assert wait_until(lambda: state(server, runner_id) == "ready", 60)
@@ -617,13 +617,13 @@ def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
     data_dir = new_data_dir()
     server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
                         extra_args=("--no-network", *archive), extra_env=s3_env(endpoint))
-    server.start()
     dirs = [new_data_dir(), new_data_dir()]
     parents = ["cove-test-" + uuid.uuid4().hex[:8] for _ in dirs]
     # Apart from each other's user namespaces too.
     pools = ["2147483648:64", "2151677952:64"]
     processes: list[subprocess.Popen] = []
     try:
+        server.start()
         ids = []
         for n, (runner_dir, parent, pool) in enumerate(zip(dirs, parents, pools)):
             runner_id, token = add_runner(server, unique(f"node{n}"))
@@ -742,10 +742,10 @@ def beside_one_runner(server_args: tuple[str, ...] = (),
     data_dir, runner_dir = new_data_dir(), new_data_dir()
     server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
                         extra_args=("--no-network", *server_args), images=server_images)
-    server.start()
     parent = "cove-test-" + uuid.uuid4().hex[:8]
     setup = None
     try:
+        server.start()
         setup = BesideOne(server, runner_dir, parent, runner_args, control and control(server),
                           runner_images)
         yield setup
@@ -1057,7 +1057,6 @@ def test_sixty_creates_spread_over_three_runners_and_one_killed_comes_back_as_it
     data_dir = new_data_dir()
     server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
                         extra_args=("--no-network", "--runner-silence", "10"))
-    server.start()
     dirs = [new_data_dir() for _ in range(3)]
     parents = ["cove-test-" + uuid.uuid4().hex[:8] for _ in dirs]
     # Apart from every other server's on the host (10.77/16 is serve's default).
@@ -1068,8 +1067,9 @@ def test_sixty_creates_spread_over_three_runners_and_one_killed_comes_back_as_it
     processes: list[subprocess.Popen] = []
     tokens: list[str] = []
     made = []
-    daytona = server.client()
     try:
+        server.start()
+        daytona = server.client()
         ids = []
         for n in range(3):
             runner_id, token = add_runner(server, unique(f"node{n}"))
