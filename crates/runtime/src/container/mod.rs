@@ -270,14 +270,23 @@ impl ContainerRuntime {
             })
     }
 
-    /// Where a capture lives: beside the sandboxes, on the same storage.
-    fn capture_dir(&self, capture_id: &str) -> PathBuf {
+    /// Where captures live: beside the sandboxes, on the same storage.
+    fn captures_dir(&self) -> PathBuf {
         let storage_root = self
             .config
             .state_dir
             .parent()
             .unwrap_or(&self.config.state_dir);
-        storage_root.join("captures").join(capture_id)
+        storage_root.join("captures")
+    }
+
+    fn capture_dir(&self, capture_id: &str) -> PathBuf {
+        self.captures_dir().join(capture_id)
+    }
+
+    /// Where receives of captures from another host write until whole.
+    fn capture_transfers_dir(&self) -> PathBuf {
+        self.captures_dir().join(".incoming")
     }
 
     /// The layer of capture `capture_id`: what a sandbox of a snapshot
@@ -289,8 +298,10 @@ impl ContainerRuntime {
     /// The names of the captures on this runtime's storage (`captures/`,
     /// without the transfers under way there).
     pub fn capture_ids(&self) -> Vec<String> {
-        let dir = self.capture_dir("x").with_file_name("");
-        let entries = fs::read_dir(dir).into_iter().flatten().flatten();
+        let entries = fs::read_dir(self.captures_dir())
+            .into_iter()
+            .flatten()
+            .flatten();
         entries
             .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()))
             .filter_map(|entry| entry.file_name().into_string().ok())
@@ -302,7 +313,7 @@ impl ContainerRuntime {
     /// when their process died mid-way (each is named by its pid): the
     /// stream and any subvolume made of it. Answers how many went.
     pub fn sweep_capture_transfers(&self) -> usize {
-        let incoming = self.capture_dir("x").with_file_name(".incoming");
+        let incoming = self.capture_transfers_dir();
         let (Some(storage), Ok(entries)) = (&self.config.storage, fs::read_dir(&incoming)) else {
             return 0;
         };
@@ -341,7 +352,7 @@ impl ContainerRuntime {
         check_id(capture_id)?;
         let storage = self.storage(capture_id)?.clone();
         let dest = self.capture_dir(capture_id);
-        let incoming = dest.with_file_name(".incoming").join(format!(
+        let incoming = self.capture_transfers_dir().join(format!(
             "{}-{}",
             std::process::id(),
             uuid::Uuid::new_v4().simple()

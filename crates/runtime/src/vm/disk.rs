@@ -211,10 +211,15 @@ pub(super) fn ensure_base(
     Ok(base)
 }
 
+/// Where `references` links `base`: under the base's own file name.
+fn link_of(base: &Path, references: &Path) -> PathBuf {
+    references.join(base.file_name().expect("a base has a file name"))
+}
+
 /// Whether `references` holds a link to `base` (the same file) and the
 /// base is marked linked: all [`reference`] would do is done.
 fn linked_from(base: &Path, references: &Path) -> bool {
-    let link = references.join(base.file_name().expect("a base has a file name"));
+    let link = link_of(base, references);
     match (fs::metadata(base), fs::symlink_metadata(&link)) {
         (Ok(base_meta), Ok(link_meta)) => {
             link_meta.is_file()
@@ -230,7 +235,7 @@ fn linked_from(base: &Path, references: &Path) -> bool {
 /// over it need those bytes, and a base built again would not be them.
 /// Called under the cache's lock; whether it did.
 fn restore(base: &Path, references: &Path) -> bool {
-    let link = references.join(base.file_name().expect("a base has a file name"));
+    let link = link_of(base, references);
     fs::symlink_metadata(&link).is_ok_and(|meta| meta.is_file())
         && fs::hard_link(&link, base).is_ok()
 }
@@ -238,8 +243,7 @@ fn restore(base: &Path, references: &Path) -> bool {
 /// Links `base` from `references`, or pins it where a link cannot be made.
 /// Called under the cache's lock.
 fn reference(base: &Path, references: &Path) -> Result<(), DiskError> {
-    let name = base.file_name().expect("a base has a file name");
-    let link = references.join(name);
+    let link = link_of(base, references);
     fs::create_dir_all(references).map_err(io_error(references, "create"))?;
     let base_ino = fs::metadata(base).map_err(io_error(base, "read"))?.ino();
     let marker = base.with_extension(LINKED);
