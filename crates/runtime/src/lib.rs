@@ -10,6 +10,7 @@ pub mod beneath;
 pub mod container;
 mod error;
 pub mod fake;
+pub mod send_stream;
 pub mod storage;
 pub mod timeline;
 pub mod vm;

@@ -376,10 +376,11 @@ impl Storage {
 
     /// The command that writes the read-only subvolume `source` to its
     /// standard output as `send` writes it to a file, for a caller that
-    /// streams it (a captured layer going to a runner).
+    /// streams it (a captured layer going to or from a runner), in the
+    /// protocol version its receiver takes (`send_stream`).
     pub fn send_command(source: &Path) -> Result<Command, StorageError> {
         let mut command = Command::new(tool(BTRFS)?);
-        command.args(["send", "-q"]).arg(source);
+        command.args(["send", "-q", "--proto", "1"]).arg(source);
         Ok(command)
     }
 

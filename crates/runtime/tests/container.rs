@@ -1447,3 +1447,94 @@ async fn captured_layers_are_received_one_at_a_time() {
     assert_eq!(h.incoming(), Vec::<PathBuf>::new());
     assert!(!h.runtime.captured_layer("cap-a").exists());
 }
+
+/// The `btrfs send` stream of a new read-only subvolume `name` under `dir`
+/// on `h`'s storage holding `upper/` with `files`, and a reflinked copy of
+/// the first (which the sender writes as a clone from the subvolume itself).
+fn sent_subvolume(h: &Stored, dir: &Path, name: &str, files: &[(&str, &str)]) -> Vec<u8> {
+    let draft = dir.join(format!("{name}-draft"));
+    h.storage.create_limited(&draft, 64 << 20).unwrap();
+    std::fs::create_dir(draft.join("upper")).unwrap();
+    for (file, text) in files {
+        std::fs::write(draft.join("upper").join(file), text).unwrap();
+    }
+    let copied = std::process::Command::new("cp")
+        .arg("--reflink=always")
+        .arg(draft.join("upper").join(files[0].0))
+        .arg(draft.join("upper").join("reflinked"))
+        .status()
+        .unwrap();
+    assert!(copied.success());
+    let sealed = dir.join(name);
+    h.storage.snapshot(&draft, &sealed, true).unwrap();
+    h.storage.delete_subvolume(&draft).unwrap();
+    let output = cove_runtime::storage::Storage::send_command(&sealed)
+        .unwrap()
+        .output()
+        .unwrap();
+    assert!(output.status.success(), "{output:?}");
+    h.storage.delete_subvolume(&sealed).unwrap();
+    output.stdout
+}
+
+#[tokio::test]
+async fn a_captured_layer_that_clones_from_another_subvolume_is_refused_and_leaves_nothing() {
+    let Some(h) = Stored::new("clone") else {
+        return;
+    };
+    let made = h.root.join("made");
+    std::fs::create_dir_all(&made).unwrap();
+    // A real capture's stream, a reflinked file in it, is taken whole.
+    // Large enough for an extent of its own (small files are inline, and
+    // sent as writes).
+    let text = "hello from a runner\n".repeat(16 << 10);
+    let bytes = sent_subvolume(&h, &made, "cap-real", &[("hello", &text)]);
+    let layer = h
+        .runtime
+        .receive_capture("cap-real", std::io::Cursor::new(bytes.clone()))
+        .await
+        .unwrap();
+    for file in ["hello", "reflinked"] {
+        assert_eq!(std::fs::read_to_string(layer.join(file)).unwrap(), text);
+    }
+    // The same stream with its clone pointed at another subvolume's UUID
+    // (one on the receiver's storage, found by UUID outside the chroot) is
+    // refused before `btrfs receive` runs.
+    let forged = forge_clone_source(&bytes, [0x5a; 16]);
+    let error = h
+        .runtime
+        .receive_capture("cap-forged", std::io::Cursor::new(forged))
+        .await
+        .expect_err("a clone from another subvolume");
+    assert!(
+        error.to_string().contains("clones from another subvolume"),
+        "{error}"
+    );
+    assert!(!h.runtime.captured_layer("cap-forged").exists());
+    assert_eq!(h.incoming(), Vec::<PathBuf>::new());
+}
+
+/// `stream` with the clone source UUID of each of its CLONE commands
+/// replaced by `uuid` (CRCs left as they were: the check comes first).
+fn forge_clone_source(stream: &[u8], uuid: [u8; 16]) -> Vec<u8> {
+    let mut out = stream.to_vec();
+    let mut at = 17;
+    let mut forged = 0;
+    while at + 10 <= out.len() {
+        let length = u32::from_le_bytes(out[at..at + 4].try_into().unwrap()) as usize;
+        let command = u16::from_le_bytes(out[at + 4..at + 6].try_into().unwrap());
+        let (mut attr, end) = (at + 10, at + 10 + length);
+        while command == 16 && attr + 4 <= end {
+            let kind = u16::from_le_bytes(out[attr..attr + 2].try_into().unwrap());
+            let size = u16::from_le_bytes(out[attr + 2..attr + 4].try_into().unwrap()) as usize;
+            if kind == 20 {
+                out[attr + 4..attr + 4 + size].copy_from_slice(&uuid);
+                forged += 1;
+            }
+            attr += 4 + size;
+        }
+        at = end;
+    }
+    assert!(forged > 0, "the sender wrote the reflinked file as a clone");
+    out
+}

@@ -340,8 +340,10 @@ impl ContainerRuntime {
 
     /// Makes capture `capture_id` here from the `btrfs send` stream of
     /// another host's (a runner given a snapshot taken on the control
-    /// plane): received under `captures/.incoming`, put in place only
-    /// once whole, and deleted when anything fails. Answers its layer. A
+    /// plane, or the control plane given a runner's): received under
+    /// `captures/.incoming`, checked (`send_stream`: one whole subvolume,
+    /// cloning from nothing else here), put in place only once whole, and
+    /// deleted when anything fails. Answers its layer. A
     /// capture already here is kept as it is. Receives run one at a time,
     /// each measuring the free space once the one before it is done.
     pub async fn receive_capture(
@@ -386,6 +388,10 @@ impl ContainerRuntime {
                         ),
                     ));
                 }
+                // Only a whole subvolume that takes nothing from another of
+                // this storage's: a runner's capture is made by another machine.
+                crate::send_stream::check_file(&sent)
+                    .map_err(|error| RuntimeError::other(id, error.to_string()))?;
                 let made = storage
                     .receive(&sent, &incoming.join("into"))
                     .map_err(RuntimeError::storage(id, "receive the capture"))?;
