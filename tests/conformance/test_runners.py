@@ -1243,3 +1243,71 @@ def test_a_snapshot_taken_from_a_sandbox_runs_on_a_runner_that_fetches_its_layer
         assert wait_until(lambda: one.me()["apiUrl"] not in (None, service), 60)
         assert (storage / "captures").is_dir()
         assert [path.name for path in (storage / "captures").iterdir()] == [".incoming"]
+
+
+def test_a_snapshot_of_a_sandbox_on_a_runner_elsewhere_comes_to_the_control_plane(tmp_path):
+    """A snapshot of a sandbox on a runner elsewhere: the runner captures
+    its layer (`POST /sandboxes/{id}/capture/{capture}` on its service) and
+    the control plane receives it (`GET /layers/{capture}`, a `btrfs send`
+    stream it checks before receiving) into its own storage, where every
+    snapshot's layers are. A sandbox of that snapshot then runs on the
+    control plane's own runner with the files written on the runner, and
+    the runner's sandbox reverts to it: from its own copy, and, once that
+    is gone, from the control plane's, fetched with its token. The
+    snapshot's deletion takes both copies."""
+    server_images, runner_images = tmp_path / "control", tmp_path / "runner"
+    home = tiny_default_image(server_images) / "home" / "daytona"
+    (home / "note").write_text("from the image\n")
+    os.chown(home / "note", 1000, 1000)
+    with beside_one_runner(server_images=server_images, runner_images=runner_images) as one:
+        server = one.server
+        daytona = server.client()
+        far = daytona.create(CreateSandboxFromSnapshotParams(name=unique("far")), timeout=120)
+        assert far.runner_id == one.runner_id
+        made = far.process.exec("echo one > ~/one && rm ~/note && mkdir -p ~/made && echo two > ~/made/two")
+        assert made.exit_code == 0, made.result
+        name = unique("far-snap")
+        far.create_snapshot(name)
+        capture = daytona.snapshot.get(name).id
+        # Both copies are whole, and neither side left a transfer mid-way.
+        here = Path(server.data_dir) / "storage" / "captures"
+        there = Path(one.runner_dir) / "storage" / "captures"
+        for captures in (here, there):
+            assert (captures / capture / "upper").is_dir(), captures
+            assert list((captures / ".incoming").glob("*")) == []
+        # The sandbox ran on while it was captured.
+        assert far.process.exec("cat ~/one").result == "one\n"
+
+        admin(server, "drain", one.local, "--undo")
+        admin(server, "drain", one.runner_id)
+        near = daytona.create(CreateSandboxFromSnapshotParams(snapshot=name, name=unique("near")),
+                              timeout=120)
+        assert near.runner_id == one.local
+        assert near.process.exec("cat ~/one ~/made/two").result == "one\ntwo\n"
+        gone = near.process.exec("test -e ~/note || echo gone")
+        assert gone.result.strip() == "gone", gone.result
+
+        # A revert on the runner, from its own copy.
+        assert far.process.exec("echo changed > ~/one").exit_code == 0
+        r = server.request("POST", f"/sandbox/{far.id}/revert", json={"snapshot": name})
+        assert r.status_code == 200, r.text
+        assert far.process.exec("cat ~/one").result == "one\n"
+        # Its copy gone, the runner fetches the control plane's: its token
+        # may have the layers of snapshots taken of its sandboxes.
+        assert far.process.exec("echo changed > ~/one").exit_code == 0
+        deleted = subprocess.run(["btrfs", "subvolume", "delete", str(there / capture)],
+                                 capture_output=True, text=True)
+        assert deleted.returncode == 0, deleted.stderr
+        r = server.request("POST", f"/sandbox/{far.id}/revert", json={"snapshot": name})
+        assert r.status_code == 200, r.text
+        assert far.process.exec("cat ~/one").result == "one\n"
+        assert (there / capture / "upper").is_dir()
+        r = server.request("GET", "/runners/me/layers", auth=False,
+                           headers={"Authorization": f"Bearer {one.token}"})
+        assert capture in r.json()["captures"], r.text
+
+        daytona.delete(near)
+        daytona.delete(far)
+        daytona.snapshot.delete(daytona.snapshot.get(name))
+        assert not (here / capture).exists()
+        assert wait_until(lambda: not (there / capture).exists(), timeout=30)

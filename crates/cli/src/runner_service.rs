@@ -22,6 +22,9 @@
 //! | `DELETE /sandboxes/{id}` | removes everything of it |
 //! | `GET /sandboxes/{id}` | whether it runs |
 //! | `GET /sandboxes/{id}/agent` | the agent's byte stream (upgrade) |
+//! | `POST /sandboxes/{id}/capture/{capture}` | captures its writable layer, read-only (a snapshot) |
+//! | `POST /sandboxes/{id}/revert/{capture}` | reverts it, stopped, to a capture of it ([`RemoteSpec`]; the capture fetched if gone) |
+//! | `GET /layers/{capture}` | a capture as a `btrfs send` stream, for the control plane to keep |
 //! | `DELETE /layers/{capture}` | deletes its copy of a captured layer (the snapshot's deletion) |
 
 use std::collections::HashMap;
@@ -430,7 +433,9 @@ pub(crate) fn router(service: Arc<Service>, quiet: cove_quiet::Quiet) -> Router 
         .route("/sandboxes/{id}/unarchive", post(unarchive))
         .route("/sandboxes/{id}", get(running).delete(destroy))
         .route("/sandboxes/{id}/agent", get(agent))
-        .route("/layers/{capture}", axum::routing::delete(discard_layer))
+        .route("/sandboxes/{id}/capture/{capture}", post(capture))
+        .route("/sandboxes/{id}/revert/{capture}", post(revert))
+        .route("/layers/{capture}", get(send_layer).delete(discard_layer))
         .layer(axum::middleware::from_fn_with_state(
             quiet,
             cove_api::hold_quiet,
@@ -579,6 +584,75 @@ async fn spec_of(
     .map_err(bad)
 }
 
+/// `capture` if it can name a capture ([`cove_engine::remote::plain_capture`]), else 400.
+fn capture_id(capture: &str) -> Result<&str, Refusal> {
+    match cove_engine::remote::plain_capture(capture) {
+        true => Ok(capture),
+        false => Err(refuse(
+            400,
+            FailureKind::Other,
+            format!("{capture:?} is not a capture id"),
+        )),
+    }
+}
+
+/// Captures sandbox `id`'s writable layer as capture `capture`, read-only,
+/// for the control plane to fetch (`GET /layers/{capture}`); a running
+/// sandbox is frozen only for the instant of the copy. This runner keeps
+/// it until the control plane deletes its snapshot.
+async fn capture(
+    State(service): State<Arc<Service>>,
+    Path((id, capture)): Path<(String, String)>,
+) -> Result<StatusCode, Refusal> {
+    let sandbox = sandbox(&id)?;
+    let capture = capture_id(&capture)?;
+    let _held = service.enter(&id).await;
+    service.runtime.capture(&sandbox, capture).await?;
+    tracing::info!(sandbox = %id, capture, "captured for a snapshot");
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Reverts stopped sandbox `id` to capture `capture`, taken of it: fetched
+/// from the control plane first if this runner no longer holds it (it was
+/// started here again after the capture moved, or this runner swept it).
+async fn revert(
+    State(service): State<Arc<Service>>,
+    Path((id, capture)): Path<(String, String)>,
+    Json(spec): Json<RemoteSpec>,
+) -> Result<StatusCode, Refusal> {
+    let capture = capture_id(&capture)?;
+    let spec = spec_of(&service, sandbox(&id)?, spec).await?;
+    service.fetch_layer(capture).await?;
+    let _held = service.enter(&id).await;
+    service.runtime.revert(&spec, capture).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Capture `capture` of this runner's as the `btrfs send` stream the
+/// control plane receives (and checks) into its own store of layers;
+/// cut off, not ended, if the send fails.
+async fn send_layer(
+    State(service): State<Arc<Service>>,
+    Path(capture): Path<String>,
+) -> Result<Response, Refusal> {
+    let capture = capture_id(&capture)?;
+    let layer = service.runtime.captured_layer(capture);
+    let subvolume = layer.parent().filter(|dir| dir.is_dir()).ok_or_else(|| {
+        let message = format!("this runner holds no capture {capture}");
+        refuse(404, FailureKind::Other, message)
+    })?;
+    let what = format!("capture {capture} to the control plane");
+    let stream = cove_engine::send_subvolume(subvolume, what, ()).map_err(|why| {
+        refuse(
+            500,
+            FailureKind::Other,
+            format!("sending capture {capture}: {why}"),
+        )
+    })?;
+    let headers = [(header::CONTENT_TYPE, "application/octet-stream")];
+    Ok((headers, axum::body::Body::from_stream(stream)).into_response())
+}
+
 /// Deletes this runner's copy of captured layer `capture`, fetched for a
 /// snapshot the control plane deleted (which it refuses while any sandbox
 /// uses it). A layer this runner does not hold is no error.
@@ -586,15 +660,12 @@ async fn discard_layer(
     State(service): State<Arc<Service>>,
     Path(capture): Path<String>,
 ) -> Result<StatusCode, Refusal> {
-    if !cove_engine::remote::plain_capture(&capture) {
-        let message = format!("{capture:?} is not a capture id");
-        return Err(refuse(400, FailureKind::Other, message));
-    }
-    let layer = service.runtime.captured_layer(&capture);
+    let capture = capture_id(&capture)?;
+    let layer = service.runtime.captured_layer(capture);
     // After a fetch of it that is on, so what that fetch puts in place goes too.
     let _held = pass(&service.fetches, layer.clone()).await;
     if layer.parent().is_some_and(std::path::Path::exists) {
-        service.runtime.discard_capture(&capture).await?;
+        service.runtime.discard_capture(capture).await?;
         tracing::info!(
             capture,
             "deleted a captured layer whose snapshot was deleted"

@@ -68,8 +68,9 @@ pub use network::{policy as network_policy, NetworkHandle};
 pub use organizations::{Organizations, DEFAULT_ORGANIZATION};
 pub use quota::{QuotaChange, Usage, REGION_ID};
 pub use runners::{
-    host_name, measure_host, Host, ImageTar, NewRunner, RunnerIdentity, RunnerState, RunnerView,
-    Runners, ServiceReport, CHECK_IN_EVERY, RUNNER_SILENCE, RUNNER_TOKEN_PREFIX,
+    host_name, measure_host, send_subvolume, Host, ImageTar, NewRunner, RunnerIdentity,
+    RunnerState, RunnerView, Runners, ServiceReport, CHECK_IN_EVERY, RUNNER_SILENCE,
+    RUNNER_TOKEN_PREFIX,
 };
 pub use sandboxes::{CreateSandbox, Sandboxes, SettingChange, MAX_FORK_CHILDREN};
 pub use snapshots::{

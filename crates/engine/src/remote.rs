@@ -391,11 +391,20 @@ pub(crate) struct RemoteRuntime {
     /// The control plane's images directory: a sandbox's image is named to
     /// the runner by its path under it.
     images: PathBuf,
+    /// The control plane's own container runtime, which keeps the captured
+    /// layers of every snapshot: one taken of a sandbox on this runner is
+    /// received into it. `None`: this server runs no containers.
+    layers: Option<Arc<dyn Runtime>>,
     http: reqwest::Client,
 }
 
 impl RemoteRuntime {
-    pub(crate) fn new(runner: &str, service: Service, images: PathBuf) -> RemoteRuntime {
+    pub(crate) fn new(
+        runner: &str,
+        service: Service,
+        images: PathBuf,
+        layers: Option<Arc<dyn Runtime>>,
+    ) -> RemoteRuntime {
         let mut http = reqwest::Client::builder();
         // Every runner's service is reached as this server was told to
         // (`--runner-ca`), so the first one's TLS holds for all.
@@ -427,6 +436,7 @@ impl RemoteRuntime {
             archive: RwLock::default(),
             policies: std::sync::Mutex::default(),
             images,
+            layers,
             http,
         }
     }
@@ -634,6 +644,54 @@ impl RemoteRuntime {
             .await
     }
 
+    /// Receives the runner's captured layer `capture` (taken of sandbox
+    /// `id`) into `layers`, the control plane's own store of them, as a
+    /// `btrfs send` stream (`GET /layers/{capture}`), which the receive
+    /// checks before running it. Answers the layer here.
+    async fn fetch_capture(
+        &self,
+        id: &str,
+        capture: &str,
+        layers: &Arc<dyn Runtime>,
+    ) -> Result<PathBuf, RuntimeError> {
+        use futures_util::TryStreamExt as _;
+        let service = self.service();
+        let unreachable = |error: String| RuntimeError::Busy {
+            id: id.to_owned(),
+            reason: format!("runner {} could not be reached: {error}", self.runner),
+        };
+        let response = (self.http.get(format!("{}/layers/{capture}", service.base)))
+            .bearer_auth(&service.key)
+            .timeout(MOVE_TIMEOUT)
+            .send()
+            .await
+            .map_err(|e| unreachable(crate::error::describe(&e)))?;
+        let status = response.status();
+        if !status.is_success() {
+            let body = read_bounded(response)
+                .await
+                .map_err(|e| unreachable(e.to_string()))?;
+            let failure = serde_json::from_slice::<RemoteFailure>(&body).unwrap_or(RemoteFailure {
+                kind: FailureKind::Other,
+                message: format!("answered {status}"),
+            });
+            return Err(failure.into_error(id, &self.runner));
+        }
+        let stream = response.bytes_stream().map_err(std::io::Error::other);
+        let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
+        layers
+            .receive_capture(capture, Box::new(reader))
+            .await
+            .map_err(|error| RuntimeError::Other {
+                id: id.to_owned(),
+                reason: format!(
+                    "receiving its capture from runner {}: {}",
+                    self.runner,
+                    crate::error::describe(&error)
+                ),
+            })
+    }
+
     /// Waits for sandbox `id`'s start on the runner to end; why it ended.
     /// A runner that cannot be reached is asked again; one that no longer
     /// runs the sandbox (it restarted) ends it.
@@ -786,17 +844,53 @@ impl Runtime for Remote {
         Ok(Some(self.0.clone().watch(id, None)))
     }
 
-    async fn capture(&self, id: &SandboxId, _: &str) -> Result<PathBuf, RuntimeError> {
-        Err(self.0.unsupported(id, "snapshots"))
+    /// The runner captures the sandbox's layer, and this server receives
+    /// it into its own store of layers, where every snapshot's are: a
+    /// sandbox of the snapshot may then go to any runner. The runner keeps
+    /// its copy (for a revert there) until the snapshot is deleted.
+    async fn capture(&self, id: &SandboxId, capture_id: &str) -> Result<PathBuf, RuntimeError> {
+        let Some(layers) = self.0.layers.clone() else {
+            return Err(self.0.unsupported(
+                id,
+                "snapshots (this server runs no containers to keep their layers)",
+            ));
+        };
+        let path = format!("/sandboxes/{id}/capture/{capture_id}");
+        self.0
+            .operation(id.as_str(), reqwest::Method::POST, &path)
+            .await?;
+        let received = self.0.fetch_capture(id.as_str(), capture_id, &layers).await;
+        if received.is_err() {
+            if let Err(error) = self.0.discard_layer(capture_id).await {
+                tracing::warn!(sandbox = %id, capture = capture_id, runner = %self.0.runner,
+                    error = %crate::error::describe(&error), "cannot delete a capture that did not come over");
+            }
+        }
+        received
     }
 
-    async fn discard_capture(&self, _: &str) -> Result<(), RuntimeError> {
-        // Nothing was captured on a runner elsewhere.
-        Ok(())
+    /// Deletes both copies of a capture `capture` made: the runner's and
+    /// this server's.
+    async fn discard_capture(&self, capture_id: &str) -> Result<(), RuntimeError> {
+        let runner = self.0.discard_layer(capture_id).await;
+        if let Some(layers) = &self.0.layers {
+            layers.discard_capture(capture_id).await?;
+        }
+        runner
     }
 
-    async fn revert(&self, spec: &SandboxSpec, _: &str) -> Result<(), RuntimeError> {
-        Err(self.0.unsupported(&spec.id, "revert"))
+    /// The runner reverts the stopped sandbox to its capture, fetching it
+    /// from this server first if it no longer holds it.
+    async fn revert(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError> {
+        if !plain_capture(capture_id) {
+            return Err(RuntimeError::Other {
+                id: spec.id.to_string(),
+                reason: format!("{capture_id:?} is not a capture id"),
+            });
+        }
+        self.0
+            .post_spec(spec, &format!("revert/{capture_id}"), MOVE_TIMEOUT)
+            .await
     }
 }
 
@@ -1009,6 +1103,6 @@ mod tests {
         let v6 = Service::new("https://[fd00::7]:3100", "k", Some(&config)).unwrap();
         assert_eq!(v6.address, "[fd00::7]:3100");
         // Its client takes the configuration as it is.
-        let _ = RemoteRuntime::new("r1", service, PathBuf::new());
+        let _ = RemoteRuntime::new("r1", service, PathBuf::new(), None);
     }
 }

@@ -308,7 +308,9 @@ impl Shared {
             (Some(service), None) => {
                 let images = (self.config.images.as_ref())
                     .map_or_else(PathBuf::new, |images| images.dir().to_owned());
-                let runtime = crate::remote::RemoteRuntime::new(&record.name, service, images);
+                let layers = self.runtime(SandboxClass::Container).ok().cloned();
+                let runtime =
+                    crate::remote::RemoteRuntime::new(&record.name, service, images, layers);
                 runtime.set_networked(serves.networked);
                 runtime.set_archive(serves.archive);
                 tracing::info!(runner = %record.id, name = %record.name, "driving the runner at its service");
@@ -508,6 +510,34 @@ fn then_failure(
     })
     .filter_map(std::future::ready);
     Box::pin(tokio_util::io::ReaderStream::new(body).chain(ended))
+}
+
+/// The read-only subvolume at `subvolume` as a `btrfs send` stream
+/// (`Storage::send_command`), written as it is read, holding `held` until
+/// the sender ends. A send that fails ends the stream with an error, so its
+/// HTTP answer is cut off, never ended cleanly; a reader that goes away ends
+/// the send. `what` names the transfer in its failure's log.
+pub fn send_subvolume(
+    subvolume: &Path,
+    what: String,
+    held: impl Send + 'static,
+) -> Result<ImageTar, String> {
+    let command =
+        cove_runtime::storage::Storage::send_command(subvolume).map_err(|e| e.to_string())?;
+    let child = tokio::process::Command::from(command)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .map_err(|e| e.to_string())?;
+    let (stdout, sent) = output_of(child, "btrfs send");
+    let sent = async move {
+        let sent = sent.await;
+        drop(held);
+        sent
+    };
+    Ok(then_failure(stdout, sent, what))
 }
 
 /// The most of a sending program's stderr kept for its error.
@@ -780,20 +810,35 @@ impl Runners {
         Err(not_served())
     }
 
-    /// The snapshots the sandboxes placed on runner `id` start from: what
-    /// its token may fetch of them, and nothing else.
+    /// The snapshots the sandboxes placed on runner `id` start from, and
+    /// those taken from them: what its token may fetch of them, and
+    /// nothing else.
     async fn snapshots_on_runner(
         &self,
         id: &str,
     ) -> Result<Vec<cove_store::SnapshotRecord>, EngineError> {
         let store = &self.shared.store;
         let mut snapshots = Vec::new();
-        for sandbox in store.sandboxes_on_runner(id).await? {
+        let sandboxes = store.sandboxes_on_runner(id).await?;
+        for sandbox in &sandboxes {
             let snapshot = store
                 .find_snapshot(Some(&sandbox.organization_id), &sandbox.snapshot)
                 .await?;
             snapshots.extend(snapshot);
         }
+        // And those taken from them, which a revert there needs.
+        let on_it: std::collections::HashSet<&str> = sandboxes
+            .iter()
+            .map(|sandbox| sandbox.id.as_str())
+            .collect();
+        let taken = store
+            .list_snapshots()
+            .await?
+            .into_iter()
+            .filter(|snapshot| {
+                (snapshot.source_sandbox.as_deref()).is_some_and(|source| on_it.contains(source))
+            });
+        snapshots.extend(taken);
         Ok(snapshots)
     }
 
@@ -830,7 +875,8 @@ impl Runners {
     }
 
     /// The subvolume of captured layer `capture` (a capture id), if a
-    /// sandbox placed on runner `id` is of a snapshot that has it; any
+    /// sandbox placed on runner `id` is of a snapshot that has it, or a
+    /// snapshot taken from such a sandbox has it (a revert there); any
     /// other is [`EngineError::LayerNotServed`], whether or not it exists.
     pub async fn layer_for(&self, id: &str, capture: &str) -> Result<PathBuf, EngineError> {
         if !crate::remote::plain_capture(capture) {
@@ -852,7 +898,8 @@ impl Runners {
     }
 
     /// The capture ids of every captured layer a sandbox placed on runner
-    /// `id` starts from: what that runner keeps of the layers it fetched.
+    /// `id` starts from or was captured as: what that runner keeps of the
+    /// layers it holds.
     pub async fn layers_on(&self, id: &str) -> Result<Vec<String>, EngineError> {
         let mut captures = std::collections::BTreeSet::new();
         for snapshot in self.snapshots_on_runner(id).await? {
@@ -874,28 +921,12 @@ impl Runners {
     pub async fn layer_send(&self, id: &str, capture: &str) -> Result<ImageTar, EngineError> {
         let subvolume = self.layer_for(id, capture).await?;
         let permits = self.shared.image_sends.take(id).await;
-        let failed = |reason: String| EngineError::LayerSend {
+        tracing::info!(runner = %id, capture, "sending a captured layer to a runner");
+        let what = format!("captured layer {capture} to runner {id}");
+        send_subvolume(&subvolume, what, permits).map_err(|reason| EngineError::LayerSend {
             capture: capture.to_owned(),
             reason,
-        };
-        let command = cove_runtime::storage::Storage::send_command(&subvolume)
-            .map_err(|e| failed(e.to_string()))?;
-        let child = tokio::process::Command::from(command)
-            .stdin(std::process::Stdio::null())
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| failed(e.to_string()))?;
-        tracing::info!(runner = %id, capture, "sending a captured layer to a runner");
-        let (stdout, sent) = output_of(child, "btrfs send");
-        let sent = async move {
-            let sent = sent.await;
-            drop(permits);
-            sent
-        };
-        let what = format!("captured layer {capture} to runner {id}");
-        Ok(then_failure(stdout, sent, what))
+        })
     }
 
     /// The runner `token` belongs to; `None` when it is no runner's.
@@ -1516,7 +1547,7 @@ mod tests {
     fn a_sandbox_from_the_archive_goes_elsewhere_only_to_a_runner_sharing_it() {
         let _ = rustls::crypto::ring::default_provider().install_default();
         let service = crate::remote::Service::new("http://127.0.0.1:9", "k", None).unwrap();
-        let remote = crate::remote::RemoteRuntime::new("r", service, PathBuf::new());
+        let remote = crate::remote::RemoteRuntime::new("r", service, PathBuf::new(), None);
         let at = "s3://bucket/cove";
         let mut archived = need(SandboxClass::Container);
         archived.archived = true;

@@ -206,6 +206,17 @@ pub trait Runtime: Send + Sync + 'static {
     /// saved memory, so its next `start` continues from it.
     async fn revert(&self, spec: &SandboxSpec, capture_id: &str) -> Result<(), RuntimeError>;
 
+    /// Makes capture `capture_id` here from the `btrfs send` stream of one
+    /// taken on another machine (a runner's sandbox, snapshotted for the
+    /// control plane to keep). Answers its layer, as `capture` would.
+    async fn receive_capture(
+        &self,
+        capture_id: &str,
+        _stream: Box<dyn std::io::Read + Send>,
+    ) -> Result<PathBuf, RuntimeError> {
+        Err(unsupported(capture_id, "receiving a captured layer"))
+    }
+
     /// Writes the sandbox's own storage (what it wrote; not its image or snapshot
     /// layers) to `dest` as one file, for archiving. The sandbox is stopped.
     async fn export_storage(&self, id: &SandboxId, _dest: &Path) -> Result<(), RuntimeError> {

@@ -802,6 +802,14 @@ impl Runtime for ContainerRuntime {
         .await
     }
 
+    async fn receive_capture(
+        &self,
+        capture_id: &str,
+        stream: Box<dyn std::io::Read + Send>,
+    ) -> Result<PathBuf, RuntimeError> {
+        ContainerRuntime::receive_capture(self, capture_id, stream).await
+    }
+
     async fn discard_capture(&self, capture_id: &str) -> Result<(), RuntimeError> {
         check_id(capture_id)?;
         let storage = self.storage(capture_id)?.clone();
