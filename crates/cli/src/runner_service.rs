@@ -97,10 +97,12 @@ type Download = tokio_util::io::SyncIoBridge<
 >;
 
 impl Control {
-    /// `GET url` with this runner's token, as a reader of its body; a
+    /// `GET url` with this runner's token, as a reader of its body, which
+    /// fails once it stops moving ([`cove_engine::remote::steady`]); a
     /// refusal is an error with its status and the first of its words.
     async fn download(&self, url: reqwest::Url) -> Result<Download, String> {
         use futures_util::TryStreamExt as _;
+        let path = url.path().to_owned();
         let response = (self.http.get(url))
             .bearer_auth(&self.token)
             .timeout(FETCH_TIMEOUT)
@@ -116,6 +118,9 @@ impl Control {
             return Err(format!("{status}: {message}"));
         }
         let stream = response.bytes_stream().map_err(std::io::Error::other);
+        // A control plane's answer that stalls would hold this runner's
+        // receives (one at a time) for the whole of FETCH_TIMEOUT.
+        let stream = cove_engine::remote::steady(stream, format!("the answer of {path}"));
         let stream: std::pin::Pin<Box<dyn futures_util::Stream<Item = _> + Send>> =
             Box::pin(stream);
         Ok(tokio_util::io::SyncIoBridge::new(

@@ -18,9 +18,12 @@
 //! it fetches it from the control plane (`GET /api/runners/me/images/...`,
 //! which serves only the images of sandboxes placed on that runner), and
 //! likewise the captured layers of a snapshot taken from a sandbox, named
-//! by their capture ids (`GET /api/runners/me/layers/{capture}`). What a
-//! runner elsewhere does not do yet is refused by name: volumes, captures,
-//! pauses and forks.
+//! by their capture ids (`GET /api/runners/me/layers/{capture}`). A
+//! snapshot of a sandbox there is captured by the runner and streamed to
+//! the control plane (`GET /layers/{capture}` on its service), which keeps
+//! every snapshot's layers. Every such transfer must keep moving
+//! ([`steady`]). What a runner elsewhere does not do yet is refused by
+//! name: volumes, memory snapshots, pauses and forks.
 
 use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -43,6 +46,93 @@ const MOVE_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 /// How long to wait before asking again after a runner could not be reached
 /// while a sandbox of it runs.
 const RETRY_EVERY: Duration = Duration::from_secs(2);
+
+/// The least a transfer between a control plane and a runner (an image, a
+/// captured layer) must move in each [`STEADY_WINDOW`]: one that stalls or
+/// trickles would hold what waits on it (a runner's receives go one at a
+/// time) until its whole timeout.
+pub const STEADY_FLOOR: u64 = 1 << 20;
+/// See [`STEADY_FLOOR`].
+pub const STEADY_WINDOW: Duration = Duration::from_secs(30);
+
+/// `stream`, ended with a `TimedOut` error naming `what` as soon as a
+/// window of [`STEADY_WINDOW`] passes in which it moved less than
+/// [`STEADY_FLOOR`] (and had not ended).
+pub fn steady<S>(
+    stream: S,
+    what: String,
+) -> impl futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send + 'static
+where
+    S: futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send + Unpin + 'static,
+{
+    steady_by(stream, what, STEADY_FLOOR, STEADY_WINDOW)
+}
+
+fn steady_by<S>(
+    stream: S,
+    what: String,
+    floor: u64,
+    window: Duration,
+) -> impl futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send + 'static
+where
+    S: futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send + Unpin + 'static,
+{
+    use futures_util::StreamExt as _;
+    struct Watched<S> {
+        stream: S,
+        window_ends: tokio::time::Instant,
+        moved: u64,
+        ended: bool,
+    }
+    let first = Watched {
+        stream,
+        window_ends: tokio::time::Instant::now() + window,
+        moved: 0,
+        ended: false,
+    };
+    let too_slow = move |moved: u64| {
+        std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "{what} moved {moved} bytes in {} s, less than the {} KiB a transfer must move in that time",
+                window.as_secs(),
+                floor >> 10
+            ),
+        )
+    };
+    futures_util::stream::unfold(first, move |mut at| {
+        let too_slow = too_slow.clone();
+        async move {
+            if at.ended {
+                return None;
+            }
+            loop {
+                let next = tokio::time::timeout_at(at.window_ends, at.stream.next()).await;
+                let now = tokio::time::Instant::now();
+                if let Ok(Some(Ok(chunk))) = &next {
+                    at.moved += chunk.len() as u64;
+                }
+                if now >= at.window_ends {
+                    if at.moved < floor && !matches!(next, Ok(None)) {
+                        at.ended = true;
+                        return Some((Err(too_slow(at.moved)), at));
+                    }
+                    at.moved = 0;
+                    at.window_ends = now + window;
+                }
+                match next {
+                    Ok(Some(Ok(chunk))) => return Some((Ok(chunk), at)),
+                    Ok(Some(Err(error))) => {
+                        at.ended = true;
+                        return Some((Err(error), at));
+                    }
+                    Ok(None) => return None,
+                    Err(_elapsed) => continue,
+                }
+            }
+        }
+    })
+}
 
 /// A sandbox as the control plane asks a runner elsewhere to make and start it.
 /// A runner refuses a field it does not know rather than run without it (a
@@ -678,6 +768,8 @@ impl RemoteRuntime {
             return Err(failure.into_error(id, &self.runner));
         }
         let stream = response.bytes_stream().map_err(std::io::Error::other);
+        let what = format!("capture {capture} from runner {}", self.runner);
+        let stream = Box::pin(steady(stream, what));
         let reader = tokio_util::io::SyncIoBridge::new(tokio_util::io::StreamReader::new(stream));
         layers
             .receive_capture(capture, Box::new(reader))
@@ -907,6 +999,75 @@ impl RemoteRuntime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A stream of `chunks` chunks of `size` bytes, one every `every`, then
+    /// (with `stall`) nothing ever again.
+    fn paced(
+        chunks: usize,
+        size: usize,
+        every: Duration,
+        stall: bool,
+    ) -> impl futures_util::Stream<Item = std::io::Result<bytes::Bytes>> + Send + Unpin + 'static
+    {
+        use futures_util::StreamExt as _;
+        let sent = futures_util::stream::iter(0..chunks).then(move |_| async move {
+            tokio::time::sleep(every).await;
+            Ok(bytes::Bytes::from(vec![7u8; size]))
+        });
+        let after = futures_util::stream::pending().take(usize::from(stall));
+        Box::pin(sent.chain(after))
+    }
+
+    async fn drain(
+        stream: impl futures_util::Stream<Item = std::io::Result<bytes::Bytes>>,
+    ) -> Result<usize, std::io::Error> {
+        use futures_util::StreamExt as _;
+        let mut stream = std::pin::pin!(stream);
+        let mut total = 0;
+        let guard = Duration::from_secs(20);
+        while let Some(chunk) = tokio::time::timeout(guard, stream.next())
+            .await
+            .expect("the watched stream ends or fails, never hangs")
+        {
+            total += chunk?.len();
+        }
+        Ok(total)
+    }
+
+    #[tokio::test]
+    async fn a_transfer_that_keeps_moving_passes_whole() {
+        let window = Duration::from_millis(300);
+        let stream = paced(30, 4096, Duration::from_millis(10), false);
+        let moved = drain(steady_by(stream, "a layer".into(), 1000, window)).await;
+        assert_eq!(moved.unwrap(), 30 * 4096);
+    }
+
+    #[tokio::test]
+    async fn a_transfer_that_stalls_or_trickles_is_ended_naming_it() {
+        let window = Duration::from_millis(300);
+        let stalled = paced(1, 10, Duration::ZERO, true);
+        let error = drain(steady_by(
+            stalled,
+            "capture c from runner r".into(),
+            1000,
+            window,
+        ))
+        .await
+        .unwrap_err();
+        assert_eq!(error.kind(), std::io::ErrorKind::TimedOut);
+        assert!(
+            error
+                .to_string()
+                .contains("capture c from runner r moved 10 bytes"),
+            "{error}"
+        );
+        // Ten bytes every 50 ms never stalls, and is still too slow.
+        let trickle = paced(1000, 10, Duration::from_millis(50), false);
+        let error = drain(steady_by(trickle, "an image".into(), 1000, window))
+            .await
+            .unwrap_err();
+        assert_eq!(error.kind(), std::io::ErrorKind::TimedOut);
+    }
 
     fn spec(rootfs: &str) -> SandboxSpec {
         let resources = Resources {
