@@ -923,7 +923,9 @@ def test_a_runner_without_the_image_fetches_it_from_the_control_plane(tmp_path):
     the first, and for any other path, its token gets a 404; an API key
     gets a 401, and a path that leaves the images directory a 400. When the
     control plane's image is built again at the same path, the runner's
-    next sandbox of it gets the new build."""
+    next sandbox of it gets the new build. Started again, the runner keeps
+    its copy while a sandbox placed on it uses the image, and deletes it
+    once none does (`GET /runners/me/images`, its token)."""
     server_images, runner_images = tmp_path / "control", tmp_path / "runner"
     tiny_default_image(server_images)
     with beside_one_runner(server_images=server_images, runner_images=runner_images) as one:
@@ -986,8 +988,34 @@ def test_a_runner_without_the_image_fetches_it_from_the_control_plane(tmp_path):
         assert len(stale) == 1, stale
         assert second.process.exec("cat /etc/cove-tiny").result == "tiny\n"
         assert second.process.exec("test -e /etc/cove-build || echo old").result == "old\n"
-        for made in (third, second, sandbox):
+
+        # Its token lists the images its sandboxes use, and a runner
+        # started again keeps the image a stopped sandbox there still uses.
+        r = server.request("GET", "/runners/me/images", auth=False, headers=as_runner)
+        assert r.status_code == 200, r.text
+        assert r.json() == {"images": ["debian-bookworm/rootfs"]}
+        for made in (third, second):
             daytona.delete(made)
+        sandbox.stop(timeout=120)
+        service = one.me()["apiUrl"]
+        one.process.send_signal(signal.SIGTERM)
+        assert one.process.wait(timeout=60) == 0, one.process.stderr.read()
+        one.restart()
+        assert wait_until(lambda: one.me()["apiUrl"] not in (None, service), 60)
+        assert (fetched / "etc" / "cove-tiny").is_file()
+        # Once no sandbox placed there uses it, the runner deletes its copy
+        # as it next starts (the control plane's own stays).
+        daytona.delete(sandbox)
+        r = server.request("GET", "/runners/me/images", auth=False, headers=as_runner)
+        assert r.json() == {"images": []}, r.text
+        service = one.me()["apiUrl"]
+        one.process.send_signal(signal.SIGTERM)
+        assert one.process.wait(timeout=60) == 0, one.process.stderr.read()
+        one.restart()
+        assert wait_until(lambda: one.me()["apiUrl"] not in (None, service), 60)
+        assert not fetched.exists()
+        assert list((runner_images / ".incoming").glob("*-unused-*")) == []
+        assert (rebuilt / "etc" / "cove-tiny").is_file()
 
 
 def test_a_runner_gone_for_good_is_deleted_as_lost_and_its_sandboxes_say_so():

@@ -307,6 +307,7 @@ pub fn app(state: AppState) -> Router {
             get(not_implemented::outside_api),
         )
         .route("/api/runners/healthcheck", post(runners::healthcheck))
+        .route("/api/runners/me/images", get(runners::images))
         .route("/api/runners/me/images/{*image}", get(runners::image))
         .route("/api/runners/me/layers", get(runners::layers))
         .route("/api/runners/me/layers/{capture}", get(runners::layer))

@@ -88,6 +88,12 @@ pub(crate) const OPERATIONS: &[Operation] = &[
     ),
     op(
         "GET",
+        "/runners/me/images",
+        "runners",
+        "The images (paths under the images directory) the sandboxes placed on the calling runner use, by its runner token",
+    ),
+    op(
+        "GET",
         "/runners/me/layers",
         "runners",
         "The capture ids of the captured layers the sandboxes placed on the calling runner use, by its runner token",

@@ -4,7 +4,7 @@
 //! not an organization's: these routes are the operator's
 //! (`permissions.rs`), but for those a runner on another machine calls
 //! with its own token (`GET /runners/me`, `POST /runners/healthcheck`,
-//! `GET /runners/me/images/{*image}`, `GET /runners/me/layers/{capture}`),
+//! `GET /runners/me/images[/{*image}]`, `GET /runners/me/layers[/{capture}]`),
 //! which sit outside the API key layer and take nothing else.
 
 use axum::extract::rejection::JsonRejection;
@@ -356,6 +356,18 @@ pub(crate) async fn layer(
         .layer_send(&caller.record.id, &capture)
         .await?;
     Ok(streamed("application/octet-stream", stream))
+}
+
+/// `GET /runners/me/images`: the images (paths under the images
+/// directory, as a spec names them) the sandboxes placed on the calling
+/// runner use; a starting runner deletes the images it fetched that no
+/// runner sharing its images directory uses any more.
+pub(crate) async fn images(
+    State(state): State<AppState>,
+    caller: RunnerCaller,
+) -> Result<Json<serde_json::Value>, ApiError> {
+    let images = state.engine.runners().images_on(&caller.record.id).await?;
+    Ok(Json(serde_json::json!({ "images": images })))
 }
 
 /// `GET /runners/me/layers`: the capture ids of the captured layers the

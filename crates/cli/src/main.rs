@@ -9,6 +9,7 @@ mod descriptors;
 mod image_cmd;
 mod pull_progress;
 mod runner_cmd;
+mod runner_images;
 mod runner_service;
 mod sandbox_cmd;
 mod serve;

@@ -268,6 +268,10 @@ async fn serve(
             "deleted captured layers whose snapshots were deleted while this runner was away"
         );
     }
+    let swept = service.sweep_images().await;
+    if swept > 0 {
+        tracing::info!(swept, "deleted fetched images no sandbox placed here uses");
+    }
     let app = crate::runner_service::router(service.clone(), quiet);
     // The listener of `serve`'s API: its header and handshake timeouts and
     // its cap on connections hold here too.

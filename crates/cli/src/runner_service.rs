@@ -66,6 +66,8 @@ pub(crate) struct Service {
     gates: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
     /// Per image: held while it is fetched, so it is fetched once.
     fetches: Mutex<HashMap<PathBuf, Arc<tokio::sync::Mutex<()>>>>,
+    /// Which images under `images` runners fetched and still use.
+    image_users: Arc<crate::runner_images::ImageUsers>,
 }
 
 /// Waits for the gate of `key` among `gates` (made at its first use) and
@@ -166,7 +168,12 @@ impl Service {
                 "removed captured-layer transfers a runner before left unfinished"
             );
         }
+        let image_users = Arc::new(crate::runner_images::ImageUsers::new(
+            &images,
+            &control.token,
+        ));
         Service {
+            image_users,
             runtime,
             network,
             archive,
@@ -239,6 +246,10 @@ impl Service {
         .await
         .map_err(|e| failed(e.to_string()))?
         .map_err(|e| failed(cove_engine::describe(&e)))?;
+        if let Err(error) = self.image_users.mark_fetched(image) {
+            // Only its deletion once unused is lost.
+            tracing::warn!(image, %error, "cannot record the fetch of an image");
+        }
         tracing::info!(
             image,
             bytes,
@@ -246,6 +257,54 @@ impl Service {
             "fetched an image from the control plane"
         );
         Ok(())
+    }
+
+    /// Deletes the images this runner (or another sharing its images
+    /// directory) fetched that no sandbox placed on it uses any more, as
+    /// the control plane lists them (`GET /runners/me/images`), unless
+    /// another runner marks it used ([`crate::runner_images`]). Called,
+    /// like [`Service::sweep_layers`], before this start serves. Without
+    /// the control plane's answer every image stays. Answers how many went.
+    pub(crate) async fn sweep_images(&self) -> usize {
+        #[derive(serde::Deserialize)]
+        struct Images {
+            images: std::collections::HashSet<String>,
+        }
+        let url = format!("{}/runners/me/images", self.control.url);
+        let listed = async {
+            let response = (self.control.http.get(&url))
+                .bearer_auth(&self.control.token)
+                .send()
+                .await?
+                .error_for_status()?;
+            response.json::<Images>().await
+        };
+        let keep = match listed.await {
+            Ok(listed) => listed.images,
+            Err(error) => {
+                let error = cove_engine::describe(&error);
+                tracing::warn!(%error, "cannot ask the control plane which images to keep; keeping all");
+                return 0;
+            }
+        };
+        let (users, aside) = (self.image_users.clone(), self.images.join(INCOMING));
+        let swept = tokio::task::spawn_blocking(move || users.sweep(&keep, &aside)).await;
+        match swept {
+            Ok(Ok(deleted)) => {
+                for image in &deleted {
+                    tracing::info!(image, "deleted an image no sandbox here uses any more");
+                }
+                deleted.len()
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "cannot delete the images no sandbox here uses");
+                0
+            }
+            Err(error) => {
+                tracing::warn!(%error, "the sweep of images ended early");
+                0
+            }
+        }
     }
 
     /// Deletes the captured layers this runner fetched that no sandbox
@@ -531,7 +590,7 @@ fn sandbox(id: &str) -> Result<SandboxId, Refusal> {
 /// Whether the path `image` under `images` passes through a symbolic link
 /// there (an image's own link to `/`, say): such a path leads out of the
 /// images directory, and is refused.
-fn through_a_link(images: &std::path::Path, image: &str) -> bool {
+pub(crate) fn through_a_link(images: &std::path::Path, image: &str) -> bool {
     let mut beneath = images.to_path_buf();
     std::path::Path::new(image).components().any(|part| {
         beneath.push(part);
@@ -572,6 +631,17 @@ async fn spec_of(
             spec.image
         )));
     }
+    // Marked before it is looked at: a sweep by a runner sharing this
+    // images directory then leaves it, or has moved it aside already.
+    let marked = service.image_users.clone();
+    let image = spec.image.clone();
+    (tokio::task::spawn_blocking(move || marked.mark_used(&image)).await)
+        .map_err(std::io::Error::other)
+        .and_then(|marked| marked)
+        .map_err(|error| {
+            let message = format!("marking image {} as used here: {error}", spec.image);
+            refuse(500, FailureKind::Other, message)
+        })?;
     let marker = spec.image_marker.as_deref();
     if !current(&rootfs, marker) {
         service.fetch_image(&spec.image, &rootfs, marker).await?;

@@ -810,6 +810,21 @@ impl Runners {
         Err(not_served())
     }
 
+    /// The images of the sandboxes placed on runner `id` (and of the
+    /// snapshots taken of them), as paths under this server's images
+    /// directory: what that runner keeps of the images it fetched.
+    pub async fn images_on(&self, id: &str) -> Result<Vec<String>, EngineError> {
+        let Some(images) = self.shared.config.images.as_ref() else {
+            return Ok(Vec::new());
+        };
+        let mut found = std::collections::BTreeSet::new();
+        for snapshot in self.snapshots_on_runner(id).await? {
+            let relative = Path::new(&snapshot.rootfs).strip_prefix(images.dir());
+            found.extend(relative.ok().and_then(Path::to_str).map(str::to_owned));
+        }
+        Ok(found.into_iter().collect())
+    }
+
     /// The snapshots the sandboxes placed on runner `id` start from, and
     /// those taken from them: what its token may fetch of them, and
     /// nothing else.
