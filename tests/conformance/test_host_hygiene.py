@@ -131,11 +131,17 @@ def test_the_shim_pool_waits_at_low_priority_and_goes_with_its_server():
     server.start()
     try:
         pid = server.proc.pid
-        assert wait_until(lambda: len(container_shims(pid)) == 3, timeout=30), container_shims(pid)
+        def pool_inits() -> dict[int, int]:
+            waiting = container_shims(pid)
+            return {p: n for p, (parent, n) in container_init_processes(pid).items() if parent in waiting}
+
+        # A shim shows before the container init it forks: both are waited for.
+        assert wait_until(lambda: len(container_shims(pid)) == 3 and len(pool_inits()) == 3,
+                          timeout=30), container_init_processes(pid)
         waiting = container_shims(pid)
         # Made ahead, at the lowest priority: they take no CPU a start wants.
         assert set(waiting.values()) == {19}, waiting
-        inits = {p: n for p, (parent, n) in container_init_processes(pid).items() if parent in waiting}
+        inits = pool_inits()
         assert len(inits) == 3, container_init_processes(pid)
         ours = pool_cgroups() - others
         assert ours, "the pool's shims wait in no cgroup of their own"
