@@ -605,6 +605,59 @@ def in_bucket(endpoint: str, bucket: str, sandbox_id: str) -> bool:
     return f"cove/sandboxes/{sandbox_id}/storage" in listing
 
 
+class SharingAnArchive:
+    """A server of the test's own and two runners elsewhere (`a`, `b`),
+    all naming one S3 archive; the server's own runner (`local`) and `b`
+    drained."""
+
+    def __init__(self, server: CoveServer, dirs: list[Path], parents: list[str],
+                 processes: list[subprocess.Popen], endpoint: str, bucket: str):
+        self.server, self.dirs, self.parents = server, dirs, parents
+        self.endpoint, self.bucket = endpoint, bucket
+        archive = ("--archive", f"s3://{bucket}/cove")
+        # Apart from each other's user namespaces too.
+        pools = ["2147483648:64", "2151677952:64"]
+        ids = []
+        for n, (runner_dir, parent, pool) in enumerate(zip(dirs, parents, pools)):
+            runner_id, token = add_runner(server, unique(f"node{n}"))
+            ids.append(runner_id)
+            processes.append(serving_runner(server, token, runner_dir, parent,
+                                            ("--no-network", *archive), pool, s3_env(endpoint)))
+        self.processes = processes
+        self.a, self.b = ids
+        assert wait_until(lambda: all(state(server, r) == "ready" for r in ids), 60)
+        self.local = next(r["id"] for r in runners(server) if r["id"] not in ids)
+        admin(server, "drain", self.local)
+        admin(server, "drain", self.b)
+
+    def in_bucket(self, sandbox_id: str) -> bool:
+        return in_bucket(self.endpoint, self.bucket, sandbox_id)
+
+    def end(self) -> None:
+        """Asks each runner to end, as a stop of the machine would."""
+        for process in self.processes:
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=60) == 0, process.stderr.read()
+
+
+@contextlib.contextmanager
+def sharing_an_archive(s3: tuple[str, str]) -> Iterator[SharingAnArchive]:
+    """`SharingAnArchive`, taken down afterwards with everything it made."""
+    endpoint, bucket = s3
+    data_dir = new_data_dir()
+    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
+                        extra_args=("--no-network", "--archive", f"s3://{bucket}/cove"),
+                        extra_env=s3_env(endpoint))
+    dirs = [new_data_dir(), new_data_dir()]
+    parents = ["cove-test-" + uuid.uuid4().hex[:8] for _ in dirs]
+    processes: list[subprocess.Popen] = []
+    try:
+        server.start()
+        yield SharingAnArchive(server, dirs, parents, processes, endpoint, bucket)
+    finally:
+        end_all(processes, server, [data_dir, *dirs], parents)
+
+
 def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
     """Two runners elsewhere and the server share one S3 archive. A sandbox
     stopped on runner A, once A is drained, starts on runner B with its
@@ -612,30 +665,8 @@ def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
     bytes never pass through the control plane. Archived on B, it starts
     on the server's own runner, and there again with every runner drained.
     Deleted, nothing is left anywhere."""
-    endpoint, bucket = s3
-    archive = ("--archive", f"s3://{bucket}/cove")
-    data_dir = new_data_dir()
-    server = CoveServer(data_dir, api_key="cv-" + uuid.uuid4().hex,
-                        extra_args=("--no-network", *archive), extra_env=s3_env(endpoint))
-    dirs = [new_data_dir(), new_data_dir()]
-    parents = ["cove-test-" + uuid.uuid4().hex[:8] for _ in dirs]
-    # Apart from each other's user namespaces too.
-    pools = ["2147483648:64", "2151677952:64"]
-    processes: list[subprocess.Popen] = []
-    try:
-        server.start()
-        ids = []
-        for n, (runner_dir, parent, pool) in enumerate(zip(dirs, parents, pools)):
-            runner_id, token = add_runner(server, unique(f"node{n}"))
-            ids.append(runner_id)
-            processes.append(serving_runner(server, token, runner_dir, parent,
-                                            ("--no-network", *archive), pool, s3_env(endpoint)))
-        a, b = ids
-        assert wait_until(lambda: all(state(server, r) == "ready" for r in ids), 60)
-        local = next(r["id"] for r in runners(server) if r["id"] not in ids)
-        admin(server, "drain", local)
-        admin(server, "drain", b)
-
+    with sharing_an_archive(s3) as two:
+        server, a, b, local, dirs, parents = two.server, two.a, two.b, two.local, two.dirs, two.parents
         daytona = server.client()
         sandbox = daytona.create(CreateSandboxFromSnapshotParams(name=unique("mover")), timeout=120)
         assert sandbox.runner_id == a
@@ -654,7 +685,7 @@ def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
         assert sandbox.process.exec("test ! -e /etc/motd").exit_code == 0
         assert cgroups_of(parents[1], sandbox.id) and not cgroups_of(parents[0], sandbox.id)
         assert os.listdir(dirs[0] / "storage" / "sandboxes") == []
-        assert not in_bucket(endpoint, bucket, sandbox.id), "removed once it is back"
+        assert not two.in_bucket(sandbox.id), "removed once it is back"
 
         # Archived on B, it is in the bucket and on no runner's disk; it
         # starts on the runner that can take it: the server's own.
@@ -662,14 +693,14 @@ def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
         sandbox.stop(timeout=60)
         sandbox.archive()
         assert server.request("GET", f"/sandbox/{sandbox.id}").json()["state"] == "archived"
-        assert in_bucket(endpoint, bucket, sandbox.id)
+        assert two.in_bucket(sandbox.id)
         assert os.listdir(dirs[1] / "storage" / "sandboxes") == []
         admin(server, "drain", b)
         admin(server, "drain", local, "--undo")
         sandbox.start(timeout=120)
         assert (sandbox.state, runner_of(server, sandbox.id)) == ("started", local)
         assert sandbox.fs.download_file("kept.txt") == b"changed on B"
-        assert not in_bucket(endpoint, bucket, sandbox.id)
+        assert not two.in_bucket(sandbox.id)
 
         # With every runner drained, a start from the archive brings it back
         # on the server's own runner, as a stopped sandbox starts where it is.
@@ -682,18 +713,60 @@ def test_a_stopped_sandbox_moves_between_runners_through_the_archive(s3):
         assert sandbox.fs.download_file("kept.txt") == b"changed on B"
         sandbox.stop(timeout=60)
         sandbox.archive()
-        assert in_bucket(endpoint, bucket, sandbox.id)
+        assert two.in_bucket(sandbox.id)
 
         # Deleted from the archive: nothing is left in the bucket or on a runner.
         sandbox.delete()
-        assert not in_bucket(endpoint, bucket, sandbox.id)
+        assert not two.in_bucket(sandbox.id)
         for runner_dir in dirs:
             assert os.listdir(runner_dir / "storage" / "sandboxes") == []
-        for process in processes:
-            process.send_signal(signal.SIGTERM)
-            assert process.wait(timeout=60) == 0, process.stderr.read()
-    finally:
-        end_all(processes, server, [data_dir, *dirs], parents)
+        two.end()
+
+
+def test_a_sandbox_of_a_snapshot_moves_between_runners_through_the_archive(s3):
+    """A snapshot taken of a sandbox on runner A, and a sandbox of it there
+    that writes more: stopped, with A drained, it starts on runner B through
+    the archive, which holds only what it wrote itself; B fetches the
+    snapshot's captured layer from the control plane (which received it
+    from A when the snapshot was taken), so the sandbox has both. Archived
+    again, it comes back on the server's own runner, whose own copy of the
+    layer it uses."""
+    with sharing_an_archive(s3) as two:
+        server, a, b, local, dirs = two.server, two.a, two.b, two.local, two.dirs
+        daytona = server.client()
+        base = daytona.create(CreateSandboxFromSnapshotParams(name=unique("base")), timeout=120)
+        assert base.runner_id == a
+        assert base.process.exec("echo layer > ~/layer && sudo rm /etc/motd").exit_code == 0
+        name = unique("layered")
+        base.create_snapshot(name)
+        capture = daytona.snapshot.get(name).id
+        mover = daytona.create(CreateSandboxFromSnapshotParams(snapshot=name, name=unique("mover")),
+                               timeout=120)
+        assert mover.runner_id == a
+        assert mover.process.exec("echo own > ~/own").exit_code == 0
+        mover.stop(timeout=60)
+
+        admin(server, "drain", a)
+        admin(server, "drain", b, "--undo")
+        mover.start(timeout=120)
+        assert (mover.state, runner_of(server, mover.id)) == ("started", b)
+        assert mover.process.exec("cat ~/layer ~/own").result == "layer\nown\n"
+        assert mover.process.exec("test ! -e /etc/motd").exit_code == 0
+        assert (dirs[1] / "storage" / "captures" / capture / "upper").is_dir()
+        assert not two.in_bucket(mover.id)
+
+        mover.stop(timeout=60)
+        mover.archive()
+        admin(server, "drain", b)
+        admin(server, "drain", local, "--undo")
+        mover.start(timeout=120)
+        assert (mover.state, runner_of(server, mover.id)) == ("started", local)
+        assert mover.process.exec("cat ~/layer ~/own").result == "layer\nown\n"
+
+        for sandbox in (mover, base):
+            sandbox.delete()
+        daytona.snapshot.delete(daytona.snapshot.get(name))
+        two.end()
 
 
 class BesideOne:

@@ -59,11 +59,10 @@ impl Sandboxes {
         let snapshot =
             (self.own_snapshot(record).await).map_err(|f| f.named(&record.id, "start"))?;
         let mut need = Need::archived(record);
-        // Stricter than a create's (which sends captured layers to a runner
-        // elsewhere): a layered sandbox's way through the archive to another
-        // runner is not tested yet, so it comes back here.
-        if !snapshot.layers.is_empty() {
-            need.here_only = need.here_only.or(Some("a snapshot taken from a sandbox"));
+        // As a create's: a runner elsewhere fetches captured layers from
+        // this server (`Runners::layer_send`), but not a capture's memory.
+        if snapshot.has_memory {
+            need.here_only = need.here_only.or(Some("a snapshot with memory"));
         }
         Ok(need)
     }
