@@ -89,6 +89,36 @@ pub(crate) struct Control {
     pub(crate) token: String,
 }
 
+impl Control {
+    /// What the control plane says this runner keeps of `what` (`GET
+    /// /runners/me/{what}`, the list under `field`); `None`, said in the
+    /// log, when it cannot be asked: the caller then keeps everything.
+    async fn kept(&self, what: &str, field: &str) -> Option<std::collections::HashSet<String>> {
+        let url = format!("{}/runners/me/{what}", self.url);
+        let listed = async {
+            let response = (self.http.get(&url))
+                .bearer_auth(&self.token)
+                .send()
+                .await?
+                .error_for_status()?;
+            response.json::<serde_json::Value>().await
+        };
+        let listed = match listed.await {
+            Ok(listed) => listed,
+            Err(error) => {
+                let error = cove_engine::describe(&error);
+                tracing::warn!(%error, what, "cannot ask the control plane what to keep; keeping all");
+                return None;
+            }
+        };
+        let kept = serde_json::from_value(listed[field].clone());
+        kept.inspect_err(|error| {
+            tracing::warn!(%error, what, "the control plane's list of what to keep is unreadable; keeping all");
+        })
+        .ok()
+    }
+}
+
 /// What a runner reads a download from the control plane through, on a
 /// blocking thread.
 type Download = tokio_util::io::SyncIoBridge<
@@ -266,26 +296,8 @@ impl Service {
     /// like [`Service::sweep_layers`], before this start serves. Without
     /// the control plane's answer every image stays. Answers how many went.
     pub(crate) async fn sweep_images(&self) -> usize {
-        #[derive(serde::Deserialize)]
-        struct Images {
-            images: std::collections::HashSet<String>,
-        }
-        let url = format!("{}/runners/me/images", self.control.url);
-        let listed = async {
-            let response = (self.control.http.get(&url))
-                .bearer_auth(&self.control.token)
-                .send()
-                .await?
-                .error_for_status()?;
-            response.json::<Images>().await
-        };
-        let keep = match listed.await {
-            Ok(listed) => listed.images,
-            Err(error) => {
-                let error = cove_engine::describe(&error);
-                tracing::warn!(%error, "cannot ask the control plane which images to keep; keeping all");
-                return 0;
-            }
+        let Some(keep) = self.control.kept("images", "images").await else {
+            return 0;
         };
         let (users, aside) = (self.image_users.clone(), self.images.join(INCOMING));
         let swept = tokio::task::spawn_blocking(move || users.sweep(&keep, &aside)).await;
@@ -314,26 +326,8 @@ impl Service {
     /// this start's service, so no fetch or start is on. Without the
     /// control plane's answer every copy stays. Answers how many went.
     pub(crate) async fn sweep_layers(&self) -> usize {
-        #[derive(serde::Deserialize)]
-        struct Layers {
-            captures: std::collections::HashSet<String>,
-        }
-        let url = format!("{}/runners/me/layers", self.control.url);
-        let listed = async {
-            let response = (self.control.http.get(&url))
-                .bearer_auth(&self.control.token)
-                .send()
-                .await?
-                .error_for_status()?;
-            response.json::<Layers>().await
-        };
-        let keep = match listed.await {
-            Ok(layers) => layers.captures,
-            Err(error) => {
-                let error = cove_engine::describe(&error);
-                tracing::warn!(%error, "cannot ask the control plane which captured layers to keep; keeping all");
-                return 0;
-            }
+        let Some(keep) = self.control.kept("layers", "captures").await else {
+            return 0;
         };
         let mut swept = 0;
         for capture in self.runtime.capture_ids() {
