@@ -657,6 +657,23 @@ impl RemoteRuntime {
         body: Option<serde_json::Value>,
         timeout: Option<Duration>,
     ) -> Result<Vec<u8>, RuntimeError> {
+        let response = self.answer(id, method, path, body, timeout).await?;
+        read_bounded(response)
+            .await
+            .map_err(|e| self.unreachable(id, e.to_string()))
+    }
+
+    /// Sends `method path` to the runner for sandbox `id`: its answer if it
+    /// succeeded, its body still to read, else the runner's refusal (or why
+    /// it could not be reached) as the error.
+    async fn answer(
+        &self,
+        id: &str,
+        method: reqwest::Method,
+        path: &str,
+        body: Option<serde_json::Value>,
+        timeout: Option<Duration>,
+    ) -> Result<reqwest::Response, RuntimeError> {
         let service = self.service();
         let mut request = self
             .http
@@ -668,26 +685,30 @@ impl RemoteRuntime {
         if let Some(body) = body {
             request = request.json(&body);
         }
-        let unreachable = |error: String| RuntimeError::Busy {
-            id: id.to_owned(),
-            reason: format!("runner {} could not be reached: {error}", self.runner),
-        };
         let response = request
             .send()
             .await
-            .map_err(|e| unreachable(crate::error::describe(&e)))?;
+            .map_err(|e| self.unreachable(id, crate::error::describe(&e)))?;
         let status = response.status();
+        if status.is_success() {
+            return Ok(response);
+        }
         let body = read_bounded(response)
             .await
-            .map_err(|e| unreachable(e.to_string()))?;
-        if status.is_success() {
-            return Ok(body);
-        }
+            .map_err(|e| self.unreachable(id, e.to_string()))?;
         let failure = serde_json::from_slice::<RemoteFailure>(&body).unwrap_or(RemoteFailure {
             kind: FailureKind::Other,
             message: format!("answered {status}"),
         });
         Err(failure.into_error(id, &self.runner))
+    }
+
+    /// Sandbox `id`'s runner could not be reached, for `why`.
+    fn unreachable(&self, id: &str, why: String) -> RuntimeError {
+        RuntimeError::Busy {
+            id: id.to_owned(),
+            reason: format!("runner {} could not be reached: {why}", self.runner),
+        }
     }
 
     /// `call`, then the answer as `T`.
@@ -745,28 +766,9 @@ impl RemoteRuntime {
         layers: &Arc<dyn Runtime>,
     ) -> Result<PathBuf, RuntimeError> {
         use futures_util::TryStreamExt as _;
-        let service = self.service();
-        let unreachable = |error: String| RuntimeError::Busy {
-            id: id.to_owned(),
-            reason: format!("runner {} could not be reached: {error}", self.runner),
-        };
-        let response = (self.http.get(format!("{}/layers/{capture}", service.base)))
-            .bearer_auth(&service.key)
-            .timeout(MOVE_TIMEOUT)
-            .send()
-            .await
-            .map_err(|e| unreachable(crate::error::describe(&e)))?;
-        let status = response.status();
-        if !status.is_success() {
-            let body = read_bounded(response)
-                .await
-                .map_err(|e| unreachable(e.to_string()))?;
-            let failure = serde_json::from_slice::<RemoteFailure>(&body).unwrap_or(RemoteFailure {
-                kind: FailureKind::Other,
-                message: format!("answered {status}"),
-            });
-            return Err(failure.into_error(id, &self.runner));
-        }
+        let path = format!("/layers/{capture}");
+        let response =
+            (self.answer(id, reqwest::Method::GET, &path, None, Some(MOVE_TIMEOUT))).await?;
         let stream = response.bytes_stream().map_err(std::io::Error::other);
         let what = format!("capture {capture} from runner {}", self.runner);
         let stream = Box::pin(steady(stream, what));
